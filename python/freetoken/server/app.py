@@ -1,0 +1,258 @@
+"""The HTTP server: app assembly, health, models, API keys, and error shaping.
+
+Routes:
+    GET  /health                    always open (no API key); 200 once the engine has started.
+    GET  /v1/models                 OpenAI list with the one served model.
+    GET  /v1/models/{model}         that model, or 404 (code model_not_found).
+    POST /v1/chat/completions       OpenAI (see `openai.py`).
+    POST /v1/messages               Anthropic (see `anthropic.py`).
+    POST /v1/messages/count_tokens  Anthropic token count.
+
+Model names: this is a single-model server. The ``model`` field is required in both APIs, but any
+name is accepted (harnesses send their own model names) and every response echoes the served model
+name.
+
+Error shape: requests under ``/v1/messages`` or carrying an ``anthropic-version`` header get
+Anthropic error bodies; all others get OpenAI ones. This covers 400s, 401 (API key), 404 (unknown
+route), 405, and 500: an unexpected exception is logged with its traceback and answered as an
+API-shaped 500; the server keeps serving.
+
+API key: with ``api_key`` set, every route but /health needs ``Authorization: Bearer KEY`` or
+``x-api-key: KEY``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hmac
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from freetoken.server import anthropic, openai
+from freetoken.server.errors import ApiError, ApiFlavor, ErrorCode, error_body
+from freetoken.server.generation import ClientDisconnected
+
+logger = logging.getLogger("freetoken.server")
+
+_OPEN_PATHS = frozenset({"/health"})
+
+
+def flavor_of(scope: Scope) -> ApiFlavor:
+    """Which API's error shape a request gets: Anthropic for /v1/messages* or an anthropic-version header."""
+    if scope.get("path", "").startswith("/v1/messages"):
+        return ApiFlavor.ANTHROPIC
+    for name, _ in scope.get("headers", []):
+        if name == b"anthropic-version":
+            return ApiFlavor.ANTHROPIC
+    return ApiFlavor.OPENAI
+
+
+def error_response(err: ApiError, flavor: ApiFlavor) -> JSONResponse:
+    """The HTTP response for `err` in `flavor`'s shape."""
+    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    return JSONResponse(error_body(err, flavor), status_code=err.status, headers=headers)
+
+
+def _presented_key(scope: Scope) -> str | None:
+    headers = {name: value for name, value in scope.get("headers", [])}
+    x_api_key = headers.get(b"x-api-key")
+    if x_api_key:
+        return x_api_key.decode("latin-1").strip()
+    authorization = headers.get(b"authorization", b"").decode("latin-1").strip()
+    scheme, _, token = authorization.partition(" ")
+    if scheme.lower() == "bearer" and token.strip():
+        return token.strip()
+    return None
+
+
+class ApiMiddleware:
+    """Checks the API key and turns any exception into an API-shaped error response.
+
+    ApiError -> its status; ClientDisconnected -> nothing (no one to answer); anything else is logged
+    with its traceback and becomes a 500. When the response has already started (a stream), the
+    exception is logged and the connection is closed.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str | None = None) -> None:
+        self.app = app
+        self.api_key = api_key
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Run one request through the key check and the error net."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        flavor = flavor_of(scope)
+        if self.api_key is not None and scope["path"] not in _OPEN_PATHS:
+            presented = _presented_key(scope)
+            if presented is None or not hmac.compare_digest(presented.encode(), self.api_key.encode()):
+                message = (
+                    "no API key given; send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+                    if presented is None
+                    else "invalid API key"
+                )
+                err = ApiError(401, ErrorCode.INVALID_API_KEY, message)
+                await error_response(err, flavor)(scope, receive, send)
+                return
+
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except ClientDisconnected:
+            return
+        except ApiError as err:
+            if started:
+                logger.warning("%s %s failed after the response started: %s", scope["method"], scope["path"], err)
+                return
+            await error_response(err, flavor)(scope, receive, send)
+        except Exception:
+            logger.exception("unexpected error in %s %s", scope["method"], scope["path"])
+            if started:
+                return
+            err = ApiError(500, ErrorCode.INTERNAL_ERROR, "internal server error; see the server log")
+            await error_response(err, flavor)(scope, receive, send)
+
+
+async def _http_exception(request: Request, exc: Exception) -> Response:
+    """Router errors (unknown route, wrong method) in API shape."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        err = ApiError(404, ErrorCode.UNKNOWN_URL, f"unknown URL: {request.method} {request.url.path}")
+    elif exc.status_code == 405:
+        err = ApiError(405, ErrorCode.METHOD_NOT_ALLOWED, f"method {request.method} is not allowed on {request.url.path}")
+    else:
+        err = ApiError(exc.status_code, ErrorCode.INVALID_VALUE, str(exc.detail))
+    response = error_response(err, flavor_of(request.scope))
+    if exc.headers:
+        response.headers.update(exc.headers)
+    return response
+
+
+async def health(request: Request) -> Response:
+    """``GET /health``: liveness, the served model, and the engine's stats snapshot."""
+    state = request.app.state
+    stats: Any = None
+    with contextlib.suppress(Exception):
+        stats = state.engine.stats()
+    return JSONResponse({"status": "ok", "model": state.served_model_name, "engine": stats})
+
+
+def _model_card(state: Any) -> dict[str, Any]:
+    return {
+        "id": state.served_model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "freetoken",
+        "max_model_len": state.engine.max_model_len,
+    }
+
+
+async def list_models(request: Request) -> Response:
+    """``GET /v1/models``: the OpenAI list shape with the one served model."""
+    return JSONResponse({"object": "list", "data": [_model_card(request.app.state)]})
+
+
+async def get_model(request: Request) -> Response:
+    """``GET /v1/models/{model}``: the served model, or 404."""
+    state = request.app.state
+    name = request.path_params["model"]
+    if name != state.served_model_name:
+        raise ApiError(404, ErrorCode.MODEL_NOT_FOUND, f"model {name!r} is not served here; "
+                       f"this server serves {state.served_model_name!r}", "model")
+    return JSONResponse(_model_card(state))
+
+
+def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None) -> Starlette:
+    """Build the ASGI app serving `engine`; the app's lifespan starts and shuts down the engine.
+
+    Args:
+        engine: a `freetoken.engine.AsyncEngine` (not started yet).
+        served_model_name: the name /v1/models lists and every response echoes.
+        api_key: when set, every route but /health needs this key.
+    """
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await engine.start()
+        logger.info("serving %s (context %d tokens)", served_model_name, engine.max_model_len)
+        try:
+            yield
+        finally:
+            await engine.shutdown()
+
+    routes = [
+        Route("/health", health, methods=["GET"]),
+        Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/models/{model:path}", get_model, methods=["GET"]),
+        Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
+        Route("/v1/messages", anthropic.messages, methods=["POST"]),
+        Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+    ]
+    app = Starlette(
+        routes=routes,
+        middleware=[Middleware(ApiMiddleware, api_key=api_key)],
+        exception_handlers={HTTPException: _http_exception},
+        lifespan=lifespan,
+    )
+    app.state.engine = engine
+    app.state.served_model_name = served_model_name
+    app.state.created = int(time.time())
+    return app
+
+
+def _log_config() -> dict[str, Any]:
+    """uvicorn's logging config with every handler on stderr, plus the freetoken loggers."""
+    config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
+    for handler in config["handlers"].values():
+        handler["stream"] = "ext://sys.stderr"
+    if os.environ.get("NO_COLOR") is not None:
+        for formatter in config["formatters"].values():
+            formatter["use_colors"] = False
+    config["loggers"]["freetoken"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
+    return config
+
+
+def run_server(
+    engine: Any,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 1919,
+    served_model_name: str,
+    api_key: str | None = None,
+    graceful_shutdown_s: float = 5.0,
+) -> None:
+    """Serve `engine` with uvicorn until SIGINT/SIGTERM; logs go to stderr.
+
+    On a signal the server stops accepting connections, gives open requests `graceful_shutdown_s`
+    to finish (then cancels them, which aborts them in the engine), and shuts the engine down.
+    """
+    app = build_app(engine, served_model_name=served_model_name, api_key=api_key)
+    config = uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_config=_log_config(),
+        timeout_graceful_shutdown=int(graceful_shutdown_s),
+        lifespan="on",
+    )
+    uvicorn.Server(config).run()

@@ -1,0 +1,214 @@
+"""From validated chat messages to engine output, shared by both APIs.
+
+- `render_prompt`: chat template (with tool definitions) -> prompt token ids, off the event loop.
+- `fit_context`: checks the prompt and the completion budget against the engine's context length.
+- `collect`: runs one request to completion for a non-streaming response, and aborts it when the
+  client disconnects first.
+- `closing_chunks`: runs the engine's generator so that it is always closed (the engine aborts the
+  request and frees its KV blocks) however the consumer stops.
+
+API shapes live in `openai.py` / `anthropic.py`; this module knows neither.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+
+from freetoken.engine.types import GenerationChunk, SamplingParams
+from freetoken.server.errors import ApiError, ErrorCode, invalid_request
+
+logger = logging.getLogger("freetoken.server")
+
+# Arguments of apply_chat_template that a client's template kwargs must not override.
+_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "add_generation_prompt", "tokenize"})
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready; nothing can be sent back."""
+
+
+@dataclass
+class Completion:
+    """The whole output of one finished request.
+
+    Attributes:
+        text: all generated text.
+        finish_reason: "stop" or "length".
+        stop_reason: the stop string or stop token id that ended it, if any.
+        num_prompt_tokens: tokens in the prompt.
+        num_output_tokens: tokens generated.
+    """
+
+    text: str
+    finish_reason: str
+    stop_reason: str | int | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+async def render_prompt(
+    engine: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+    template_kwargs: dict[str, Any],
+) -> list[int]:
+    """Render `messages` (Hugging Face chat format) with the model's chat template and tokenize.
+
+    Template errors (for example a conversation the template rejects) become a 400 naming `messages`.
+    """
+    tokenizer = engine.tokenizer
+    template_kwargs = {k: v for k, v in template_kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
+
+    def render() -> list[int]:
+        text = tokenizer.apply_chat_template(
+            messages, tools=tools or None, add_generation_prompt=True, **template_kwargs
+        )
+        return tokenizer.encode(text)
+
+    try:
+        return await run_in_threadpool(render)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise invalid_request(
+            ErrorCode.TEMPLATE_ERROR, f"the chat template cannot render these messages: {exc}", "messages"
+        ) from None
+    except Exception as exc:
+        if type(exc).__module__.startswith("jinja2"):
+            raise invalid_request(
+                ErrorCode.TEMPLATE_ERROR, f"the chat template cannot render these messages: {exc}", "messages"
+            ) from None
+        raise
+
+
+def fit_context(
+    num_prompt_tokens: int,
+    max_tokens: int | None,
+    max_model_len: int,
+    *,
+    max_tokens_param: str,
+    messages_param: str = "messages",
+) -> int:
+    """Check the request fits the context; return the completion budget.
+
+    Args:
+        num_prompt_tokens: tokens in the rendered prompt.
+        max_tokens: the client's completion budget, or None for "whatever the context leaves".
+        max_model_len: the engine's context length in tokens.
+        max_tokens_param: the field the budget came from, for the error.
+        messages_param: the field holding the prompt, for the error.
+    """
+    if num_prompt_tokens >= max_model_len:
+        raise invalid_request(
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"the prompt is {num_prompt_tokens} tokens, and this model's context is {max_model_len} "
+            f"tokens, which must also hold at least one output token; shorten {messages_param}",
+            messages_param,
+        )
+    if max_tokens is None:
+        return max_model_len - num_prompt_tokens
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise invalid_request(
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"this model's context is {max_model_len} tokens, but the request asks for "
+            f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt, {max_tokens} in "
+            f"{max_tokens_param}); lower {max_tokens_param} to at most "
+            f"{max_model_len - num_prompt_tokens} or shorten {messages_param}",
+            max_tokens_param,
+        )
+    return max_tokens
+
+
+def check_params(params: SamplingParams) -> None:
+    """Run the engine's own range checks; a failure is a 400 naming the field."""
+    try:
+        params.validate()
+    except ValueError as exc:
+        message = str(exc)
+        field = message.split(" ", 1)[0]
+        raise invalid_request(ErrorCode.INVALID_VALUE, message, field) from None
+
+
+async def aclose_shielded(chunks: AsyncIterator[Any]) -> None:
+    """Close an async generator, shielded from a pending cancellation so its cleanup runs to the end."""
+    aclose = getattr(chunks, "aclose", None)
+    if aclose is not None:
+        with anyio.CancelScope(shield=True):
+            await aclose()
+
+
+async def closing_chunks(
+    engine: Any, prompt_ids: list[int], params: SamplingParams, request_id: str
+) -> AsyncIterator[GenerationChunk]:
+    """Yield the engine's chunks for one request; the engine generator is closed on any exit.
+
+    Closing happens even when this generator is cancelled or closed early (client disconnect), and is
+    shielded from the cancellation so that the engine's abort path runs to the end. A chunk with
+    finish_reason "abort" becomes a 500 `ApiError` (code request_aborted).
+    """
+    chunks = engine.generate(prompt_ids, params, request_id=request_id)
+    try:
+        async for chunk in chunks:
+            if chunk.finish_reason == "abort":
+                raise ApiError(500, ErrorCode.REQUEST_ABORTED, "the engine aborted this request")
+            yield chunk
+    finally:
+        await aclose_shielded(chunks)
+
+
+async def _drain(chunks: AsyncIterator[GenerationChunk], num_prompt_tokens: int) -> Completion:
+    parts: list[str] = []
+    last: GenerationChunk | None = None
+    async for chunk in chunks:
+        parts.append(chunk.text)
+        last = chunk
+    if last is None or last.finish_reason is None:
+        raise ApiError(500, ErrorCode.INTERNAL_ERROR, "the engine ended the request without a finish reason")
+    return Completion(
+        text="".join(parts),
+        finish_reason=last.finish_reason,
+        stop_reason=last.stop_reason,
+        num_prompt_tokens=last.num_prompt_tokens or num_prompt_tokens,
+        num_output_tokens=last.num_output_tokens,
+    )
+
+
+async def collect(
+    request: Request, engine: Any, prompt_ids: list[int], params: SamplingParams, request_id: str
+) -> Completion:
+    """Run one request to the end; abort it and raise `ClientDisconnected` if the client leaves first."""
+    result: list[Completion] = []
+    error: list[BaseException] = []
+    disconnected = False
+
+    async def watch_disconnect(scope: anyio.CancelScope) -> None:
+        nonlocal disconnected
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                disconnected = True
+                scope.cancel()
+                return
+
+    chunks = closing_chunks(engine, prompt_ids, params, request_id)
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(watch_disconnect, tg.cancel_scope)
+            try:
+                result.append(await _drain(chunks, len(prompt_ids)))
+            except Exception as exc:  # re-raised below, unwrapped from the task group
+                error.append(exc)
+            tg.cancel_scope.cancel()
+    finally:
+        await aclose_shielded(chunks)
+    if error:
+        raise error[0]
+    if disconnected or not result:
+        logger.info("request %s: client disconnected; aborted", request_id)
+        raise ClientDisconnected(request_id)
+    return result[0]

@@ -1,0 +1,328 @@
+"""OpenAI chat completions: ``POST /v1/chat/completions``, streaming (SSE) and not.
+
+Accepted: roles system, developer (rendered as system), user, assistant (with ``tool_calls``), tool;
+content as a string or an array of text parts; max_tokens / max_completion_tokens (the latter wins),
+temperature, top_p, seed, stop (string or array), stream, stream_options.include_usage, tools
+(passed to the chat template); non-standard ``top_k`` and ``chat_template_kwargs`` (as in vLLM).
+Accepted and ignored for now: tool_choice, parallel_tool_calls, frequency/presence_penalty, user,
+metadata, store. Rejected with 400 (code unsupported): n > 1, logprobs, non-text content parts,
+response_format other than text.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from freetoken.engine.types import SamplingParams
+from freetoken.server.errors import ApiError, ErrorCode, invalid_request, openai_error_body
+from freetoken.server.generation import (
+    Completion,
+    aclose_shielded,
+    check_params,
+    closing_chunks,
+    collect,
+    fit_context,
+    render_prompt,
+)
+from freetoken.server.schema import (
+    get_field,
+    get_int,
+    get_number,
+    get_object_list,
+    get_string_list,
+    join_path,
+    parse_json_object,
+    wrong_type,
+)
+from freetoken.server.sse import OPENAI_DONE, EventStreamResponse, sse_data
+
+logger = logging.getLogger("freetoken.server")
+
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+@dataclass
+class ChatRequest:
+    """A validated chat completions request.
+
+    Attributes:
+        messages: the conversation in the Hugging Face chat format (content always a string).
+        tools: tool definitions for the chat template, or None.
+        template_kwargs: extra chat template variables (``chat_template_kwargs``).
+        params: sampling parameters; ``max_tokens`` is set from the context once the prompt is known.
+        max_tokens: the client's completion budget, or None.
+        max_tokens_param: the field `max_tokens` came from.
+        stream: answer with server-sent events.
+        include_usage: send a final usage chunk when streaming.
+    """
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    template_kwargs: dict[str, Any]
+    params: SamplingParams
+    max_tokens: int | None
+    max_tokens_param: str
+    stream: bool
+    include_usage: bool
+
+
+def _content_text(message: dict[str, Any], path: str, *, required: bool) -> str:
+    """A message's content as one string: a string, or the text parts of an array joined by newlines."""
+    content = get_field(message, "content", (str, list), parent=path, required=required, default="")
+    if isinstance(content, str):
+        return content
+    content_path = join_path(path, "content")
+    texts = []
+    for i, part in enumerate(content):
+        part_path = join_path(content_path, i)
+        if not isinstance(part, dict):
+            raise wrong_type(part_path, "an object", part)
+        kind = get_field(part, "type", str, parent=part_path, required=True)
+        if kind != "text":
+            raise invalid_request(
+                ErrorCode.UNSUPPORTED,
+                f"{part_path}.type {kind!r} is not supported; this server takes text parts only",
+                join_path(part_path, "type"),
+            )
+        texts.append(get_field(part, "text", str, parent=part_path, required=True))
+    return "\n".join(texts)
+
+
+def _tool_calls(message: dict[str, Any], path: str) -> list[dict[str, Any]]:
+    calls = get_object_list(message, "tool_calls", parent=path)
+    out = []
+    for i, call in enumerate(calls):
+        call_path = join_path(join_path(path, "tool_calls"), i)
+        function = get_field(call, "function", dict, parent=call_path, required=True)
+        function_path = join_path(call_path, "function")
+        name = get_field(function, "name", str, parent=function_path, required=True)
+        arguments = get_field(function, "arguments", (str, dict), parent=function_path, default="{}")
+        if isinstance(arguments, str):
+            # Templates differ: some index into the arguments, some print them; a mapping serves both.
+            try:
+                parsed = json.loads(arguments)
+                arguments = parsed if isinstance(parsed, dict) else arguments
+            except json.JSONDecodeError:
+                pass
+        entry: dict[str, Any] = {"type": "function", "function": {"name": name, "arguments": arguments}}
+        call_id = get_field(call, "id", str, parent=call_path)
+        if call_id is not None:
+            entry["id"] = call_id
+        out.append(entry)
+    return out
+
+
+def convert_messages(raw_messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """OpenAI chat messages -> the Hugging Face chat format the tokenizer's template takes."""
+    messages = []
+    for i, message in enumerate(raw_messages):
+        path = join_path("messages", i)
+        role = get_field(message, "role", str, parent=path, required=True)
+        if role not in _ROLES:
+            raise invalid_request(
+                ErrorCode.INVALID_VALUE,
+                f"{path}.role must be one of {', '.join(_ROLES)}, got {role!r}",
+                join_path(path, "role"),
+            )
+        if role == "developer":
+            role = "system"
+        converted: dict[str, Any] = {"role": role}
+        if role == "assistant":
+            converted["content"] = _content_text(message, path, required=False)
+            tool_calls = _tool_calls(message, path)
+            if tool_calls:
+                converted["tool_calls"] = tool_calls
+            reasoning = get_field(message, "reasoning_content", str, parent=path)
+            if reasoning is not None:
+                converted["reasoning_content"] = reasoning
+        else:
+            converted["content"] = _content_text(message, path, required=True)
+        if role == "tool":
+            converted["tool_call_id"] = get_field(message, "tool_call_id", str, parent=path, required=True)
+        name = get_field(message, "name", str, parent=path)
+        if name is not None:
+            converted["name"] = name
+        messages.append(converted)
+    return messages
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    tools = get_object_list(body, "tools")
+    for i, tool in enumerate(tools):
+        path = join_path("tools", i)
+        kind = get_field(tool, "type", str, parent=path, default="function")
+        if kind != "function":
+            raise invalid_request(
+                ErrorCode.UNSUPPORTED, f"{path}.type must be 'function', got {kind!r}", join_path(path, "type")
+            )
+        function = get_field(tool, "function", dict, parent=path, required=True)
+        get_field(function, "name", str, parent=join_path(path, "function"), required=True)
+    return tools or None
+
+
+def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
+    """Validate a chat completions body; every failure is a 400 naming the field."""
+    get_field(body, "model", str, required=True)
+    raw_messages = get_object_list(body, "messages", required=True, non_empty=True)
+    messages = convert_messages(raw_messages)
+    tools = _tools(body)
+
+    n = get_int(body, "n", default=1)
+    if n != 1:
+        raise invalid_request(ErrorCode.UNSUPPORTED, f"n must be 1 on this server, got {n}", "n")
+    if get_field(body, "logprobs", bool, default=False):
+        raise invalid_request(ErrorCode.UNSUPPORTED, "logprobs is not supported by this server", "logprobs")
+    response_format = get_field(body, "response_format", dict)
+    if response_format is not None:
+        kind = get_field(response_format, "type", str, parent="response_format", required=True)
+        if kind != "text":
+            raise invalid_request(
+                ErrorCode.UNSUPPORTED,
+                f"response_format.type {kind!r} is not supported; only 'text'",
+                "response_format.type",
+            )
+    for penalty in ("frequency_penalty", "presence_penalty"):
+        get_number(body, penalty, lo=-2.0, hi=2.0)
+
+    max_tokens_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = get_int(body, max_tokens_param, lo=1)
+    temperature = get_number(body, "temperature", lo=0.0, hi=2.0, default=1.0)
+    top_p = get_number(body, "top_p", lo=0.0, hi=1.0, lo_open=True, default=1.0)
+    top_k = get_int(body, "top_k", lo=-1, default=0)  # -1 is vLLM's "disabled"
+    seed = get_int(body, "seed")
+    stop = get_string_list(body, "stop", allow_single=True)
+
+    stream = get_field(body, "stream", bool, default=False)
+    stream_options = get_field(body, "stream_options", dict)
+    if stream_options is not None and not stream:
+        raise invalid_request(
+            ErrorCode.INVALID_VALUE, "stream_options is only allowed when stream is true", "stream_options"
+        )
+    include_usage = bool(
+        stream_options and get_field(stream_options, "include_usage", bool, parent="stream_options", default=False)
+    )
+    template_kwargs = get_field(body, "chat_template_kwargs", dict, default={})
+
+    params = SamplingParams(
+        max_tokens=max_tokens or 1,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(top_k, 0),
+        seed=seed,
+        stop=stop,
+    )
+    check_params(params)
+    return ChatRequest(
+        messages=messages,
+        tools=tools,
+        template_kwargs=template_kwargs,
+        params=params,
+        max_tokens=max_tokens,
+        max_tokens_param=max_tokens_param,
+        stream=stream,
+        include_usage=include_usage,
+    )
+
+
+def _usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": num_prompt_tokens,
+        "completion_tokens": num_output_tokens,
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+    }
+
+
+def completion_body(request_id: str, created: int, model: str, completion: Completion) -> dict[str, Any]:
+    """The non-streaming ``chat.completion`` object."""
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": completion.text, "refusal": None},
+                "logprobs": None,
+                "finish_reason": completion.finish_reason,
+            }
+        ],
+        "usage": _usage(completion.num_prompt_tokens, completion.num_output_tokens),
+    }
+
+
+async def _stream_events(
+    engine: Any,
+    prompt_ids: list[int],
+    chat: ChatRequest,
+    request_id: str,
+    created: int,
+    model: str,
+) -> AsyncGenerator[bytes, None]:
+    """The SSE events of one streamed completion, ending with ``[DONE]``."""
+    base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
+            "system_fingerprint": None}
+    if chat.include_usage:
+        base["usage"] = None
+
+    def chunk_event(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        return sse_data({**base, "choices": [choice]})
+
+    yield chunk_event({"role": "assistant", "content": ""})
+    chunks = closing_chunks(engine, prompt_ids, chat.params, request_id)
+    last = None
+    try:
+        async for out in chunks:
+            if out.text:
+                yield chunk_event({"content": out.text})
+            last = out
+        if last is None or last.finish_reason is None:
+            raise ApiError(500, ErrorCode.INTERNAL_ERROR, "the engine ended the request without a finish reason")
+    except ApiError as err:
+        logger.warning("request %s failed mid-stream: %s", request_id, err.message)
+        yield sse_data(openai_error_body(err))
+        yield OPENAI_DONE
+        return
+    except Exception:
+        logger.exception("request %s failed mid-stream", request_id)
+        err = ApiError(500, ErrorCode.INTERNAL_ERROR, "internal server error; see the server log")
+        yield sse_data(openai_error_body(err))
+        yield OPENAI_DONE
+        return
+    finally:
+        await aclose_shielded(chunks)
+    yield chunk_event({}, last.finish_reason)
+    if chat.include_usage:
+        num_prompt_tokens = last.num_prompt_tokens or len(prompt_ids)
+        yield sse_data({**base, "choices": [], "usage": _usage(num_prompt_tokens, last.num_output_tokens)})
+    yield OPENAI_DONE
+
+
+async def chat_completions(request: Request) -> Response:
+    """``POST /v1/chat/completions``."""
+    state = request.app.state
+    engine = state.engine
+    chat = parse_chat_request(parse_json_object(await request.body()))
+    prompt_ids = await render_prompt(engine, chat.messages, chat.tools, chat.template_kwargs)
+    chat.params.max_tokens = fit_context(
+        len(prompt_ids), chat.max_tokens, engine.max_model_len, max_tokens_param=chat.max_tokens_param
+    )
+    chat.params.stop_token_ids = list(engine.tokenizer.eos_token_ids)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    model = state.served_model_name
+    if chat.stream:
+        return EventStreamResponse(_stream_events(engine, prompt_ids, chat, request_id, created, model))
+    completion = await collect(request, engine, prompt_ids, chat.params, request_id)
+    return JSONResponse(completion_body(request_id, created, model, completion))

@@ -1,0 +1,194 @@
+"""Request-body validation shared by both APIs: JSON parsing and typed field access.
+
+Every failure raises `ApiError` (400) naming the field path (``messages[2].content``) and what was
+expected, so each API module states its schema as a short run of `get_*` calls. JSON ``null`` counts
+as absent for optional fields (both APIs' SDKs send ``null`` for unset values in places).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from freetoken.server.errors import ApiError, ErrorCode, invalid_request
+
+_MISSING = object()
+
+_TYPE_NAMES = {
+    str: "a string",
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    list: "an array",
+    dict: "an object",
+}
+
+
+def parse_json_object(raw: bytes) -> dict[str, Any]:
+    """Parse a request body that must be one JSON object."""
+    if not raw.strip():
+        raise invalid_request(ErrorCode.INVALID_JSON, "request body is empty; send a JSON object")
+    try:
+        body = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise invalid_request(ErrorCode.INVALID_JSON, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise invalid_request(
+            ErrorCode.INVALID_JSON, f"request body must be a JSON object, got {_json_type(body)}"
+        )
+    return body
+
+
+def join_path(parent: str, key: str | int) -> str:
+    """The path of `key` under `parent`: ``messages`` + 0 -> ``messages[0]``, + ``role`` -> ``messages[0].role``."""
+    if isinstance(key, int):
+        return f"{parent}[{key}]"
+    return f"{parent}.{key}" if parent else key
+
+
+def _json_type(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, int):
+        return "an integer"
+    if isinstance(value, float):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return type(value).__name__
+
+
+def _matches(value: Any, kind: type) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    return isinstance(value, kind)
+
+
+def wrong_type(path: str, expected: str, value: Any) -> ApiError:
+    """The error for a field of the wrong JSON type."""
+    return invalid_request(
+        ErrorCode.INVALID_TYPE, f"{path} must be {expected}, got {_json_type(value)}", path
+    )
+
+
+def get_field(
+    obj: dict[str, Any],
+    key: str,
+    kind: type | tuple[type, ...],
+    *,
+    parent: str = "",
+    required: bool = False,
+    default: Any = None,
+) -> Any:
+    """Read `obj[key]`, checking its JSON type.
+
+    Args:
+        obj: the JSON object holding the field.
+        key: the field name.
+        kind: one of str, bool, int, float (any finite number), list, dict, or a tuple of them.
+        parent: path of `obj` in the body, for messages.
+        required: raise when the field is absent or null.
+        default: returned when the field is absent or null and not required.
+    """
+    path = join_path(parent, key)
+    value = obj.get(key, _MISSING)
+    if value is _MISSING or value is None:
+        if required:
+            raise invalid_request(ErrorCode.MISSING_FIELD, f"{path} is required", path)
+        return default
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if not any(_matches(value, k) for k in kinds):
+        raise wrong_type(path, " or ".join(_TYPE_NAMES[k] for k in kinds), value)
+    if float in kinds and isinstance(value, int) and int not in kinds:
+        value = float(value)
+    return value
+
+
+def get_number(
+    obj: dict[str, Any],
+    key: str,
+    *,
+    lo: float,
+    hi: float,
+    lo_open: bool = False,
+    parent: str = "",
+    default: float | None = None,
+) -> float | None:
+    """Read an optional number in [lo, hi] (or (lo, hi] with `lo_open`)."""
+    value = get_field(obj, key, float, parent=parent, default=default)
+    if value is None:
+        return None
+    too_low = value <= lo if lo_open else value < lo
+    if too_low or value > hi:
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+        path = join_path(parent, key)
+        raise invalid_request(
+            ErrorCode.INVALID_VALUE, f"{path} must be in {interval}, got {value:g}", path
+        )
+    return value
+
+
+def get_int(
+    obj: dict[str, Any],
+    key: str,
+    *,
+    lo: int | None = None,
+    hi: int | None = None,
+    parent: str = "",
+    required: bool = False,
+    default: int | None = None,
+) -> int | None:
+    """Read an integer, optionally bounded (inclusive)."""
+    value = get_field(obj, key, int, parent=parent, required=required, default=default)
+    if value is None:
+        return None
+    path = join_path(parent, key)
+    if lo is not None and value < lo:
+        raise invalid_request(ErrorCode.INVALID_VALUE, f"{path} must be >= {lo}, got {value}", path)
+    if hi is not None and value > hi:
+        raise invalid_request(ErrorCode.INVALID_VALUE, f"{path} must be <= {hi}, got {value}", path)
+    return value
+
+
+def get_string_list(
+    obj: dict[str, Any], key: str, *, parent: str = "", allow_single: bool = False
+) -> list[str]:
+    """Read an optional array of strings (or one string, with `allow_single`); absent gives []."""
+    kinds: tuple[type, ...] = (list, str) if allow_single else (list,)
+    value = get_field(obj, key, kinds, parent=parent, default=[])
+    if isinstance(value, str):
+        value = [value]
+    path = join_path(parent, key)
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise wrong_type(join_path(path, i), "a string", item)
+        if not item:
+            raise invalid_request(
+                ErrorCode.INVALID_VALUE, f"{join_path(path, i)} must be a non-empty string", path
+            )
+    return list(value)
+
+
+def get_object_list(
+    obj: dict[str, Any], key: str, *, parent: str = "", required: bool = False, non_empty: bool = False
+) -> list[dict[str, Any]]:
+    """Read an array whose items are all JSON objects; absent gives [] unless `required`."""
+    value = get_field(obj, key, list, parent=parent, required=required, default=[])
+    path = join_path(parent, key)
+    if non_empty and not value:
+        raise invalid_request(ErrorCode.INVALID_VALUE, f"{path} must hold at least one item", path)
+    for i, item in enumerate(value):
+        if not isinstance(item, dict):
+            raise wrong_type(join_path(path, i), "an object", item)
+    return value
