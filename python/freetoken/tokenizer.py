@@ -1,0 +1,270 @@
+"""Tokenizer and chat template of a Hugging Face model directory, without `transformers`.
+
+`Tokenizer.from_dir` reads what `transformers.AutoTokenizer` reads for a fast tokenizer:
+- ``tokenizer.json``: the `tokenizers` model (encode/decode);
+- ``tokenizer_config.json``: ``bos_token``, ``eos_token``, ``pad_token``, ``add_bos_token``, ``chat_template``;
+- ``chat_template.jinja``: the chat template, preferred over tokenizer_config's when present;
+- ``generation_config.json``: ``eos_token_id`` (int or list), merged into `eos_token_ids`.
+
+`apply_chat_template` renders as ``transformers``' ``apply_chat_template(..., tokenize=False)`` does
+(same jinja2 sandbox settings and globals), so prompts are byte-identical.
+`IncrementalDetokenizer` turns a stream of ids into text pieces for streaming responses.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+
+__all__ = ["Tokenizer", "IncrementalDetokenizer"]
+
+# Names of the special tokens transformers passes to every chat template (special_tokens_map).
+_SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# Names a message's reasoning may come under; transformers copies it to `reasoning_content`
+# (the name chat templates read) and to `thinking`.
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from e
+    if not isinstance(value, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _token_content(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, null, or {"content": ...}."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _compile_template(source: str, origin: Path) -> jinja2.Template:
+    """Compile a chat template in the sandbox transformers uses (chat_template_utils._compile_jinja_template)."""
+
+    def raise_exception(message: str):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Like transformers: no HTML escaping, non-ASCII kept.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    def strftime_now(format: str) -> str:
+        return datetime.now().strftime(format)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise ValueError(f"{origin}: chat template does not compile: {e} (line {e.lineno})") from e
+
+
+def _normalize_messages(messages: list[dict]) -> list[dict]:
+    """What transformers does to messages before rendering: drop None-valued keys, alias reasoning."""
+    normalized = []
+    for message in messages:
+        if not isinstance(message, dict):
+            raise TypeError(f"chat messages must be dicts, got {message!r}")
+        message = {key: value for key, value in message.items() if value is not None}
+        reasoning = next((message[key] for key in _REASONING_FIELDS if message.get(key) is not None), None)
+        if reasoning is not None:
+            message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+        normalized.append(message)
+    return normalized
+
+
+class Tokenizer:
+    """A model's tokenizer (a `tokenizers.Tokenizer`) plus its special tokens and chat template.
+
+    Attributes:
+        eos_token_ids: ids that end generation: tokenizer_config's eos_token, then
+            generation_config's eos_token_id(s), without repeats.
+        vocab_size: number of token ids the tokenizer can produce, added tokens included
+            (151669 for Qwen3). The model's embedding may be larger (padded; 151936 for Qwen3).
+        bos_token_id: id of tokenizer_config's bos_token, or None (Qwen3 has none).
+    """
+
+    def __init__(
+        self,
+        tokenizer: HFTokenizer,
+        *,
+        special_tokens: dict[str, str],
+        add_bos_token: bool,
+        chat_template: jinja2.Template | None,
+        eos_token_ids: list[int],
+    ):
+        self._tokenizer = tokenizer
+        self._special_tokens = special_tokens
+        self._chat_template = chat_template
+        self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
+        bos = special_tokens.get("bos_token")
+        self.bos_token_id: int | None = tokenizer.token_to_id(bos) if bos is not None else None
+        self._add_bos_token = add_bos_token and self.bos_token_id is not None
+        self.eos_token_ids: list[int] = eos_token_ids
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> Tokenizer:
+        """Load the tokenizer files of a Hugging Face model directory (see the module docstring).
+
+        Raises:
+            FileNotFoundError: `model_dir` or its tokenizer.json is missing.
+            ValueError: a file is not valid JSON, a named special token is not in the vocabulary,
+                or the chat template does not compile.
+        """
+        model_dir = Path(model_dir)
+        tokenizer_file = model_dir / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise FileNotFoundError(f"{tokenizer_file}: no tokenizer.json in the model directory")
+        try:
+            tokenizer = HFTokenizer.from_file(str(tokenizer_file))
+        except Exception as e:  # the tokenizers library raises a bare Exception
+            raise ValueError(f"{tokenizer_file}: not a valid tokenizers file ({e})") from e
+
+        config_file = model_dir / "tokenizer_config.json"
+        config = _read_json(config_file) if config_file.is_file() else {}
+        special_tokens = {
+            name: content for name in _SPECIAL_TOKEN_NAMES if (content := _token_content(config.get(name))) is not None
+        }
+        for name, content in special_tokens.items():
+            if tokenizer.token_to_id(content) is None:
+                raise ValueError(f"{config_file}: {name} {content!r} is not in the vocabulary of {tokenizer_file}")
+
+        template_file = model_dir / "chat_template.jinja"
+        if template_file.is_file():
+            template_source, template_origin = template_file.read_text(encoding="utf-8"), template_file
+        else:
+            template_source, template_origin = config.get("chat_template"), config_file
+            if isinstance(template_source, list):  # [{"name": "default", "template": ...}, ...]
+                by_name = {t.get("name"): t.get("template") for t in template_source}
+                if "default" not in by_name:
+                    raise ValueError(f"{config_file}: chat_template list has no 'default' entry")
+                template_source = by_name["default"]
+        chat_template = _compile_template(template_source, template_origin) if template_source else None
+
+        eos_token_ids = []
+        if "eos_token" in special_tokens:
+            eos_token_ids.append(tokenizer.token_to_id(special_tokens["eos_token"]))
+        generation_file = model_dir / "generation_config.json"
+        if generation_file.is_file():
+            eos = _read_json(generation_file).get("eos_token_id")
+            for token_id in eos if isinstance(eos, list) else [] if eos is None else [eos]:
+                if not isinstance(token_id, int):
+                    raise ValueError(f"{generation_file}: eos_token_id must be an int or a list of ints, got {eos!r}")
+                if token_id not in eos_token_ids:
+                    eos_token_ids.append(token_id)
+
+        return cls(
+            tokenizer,
+            special_tokens=special_tokens,
+            add_bos_token=bool(config.get("add_bos_token", False)),
+            chat_template=chat_template,
+            eos_token_ids=eos_token_ids,
+        )
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`; special-token text (e.g. "<|im_start|>") becomes its one id.
+
+        A BOS id is prepended only when tokenizer_config.json says add_bos_token.
+        """
+        ids = self._tokenizer.encode(text, add_special_tokens=False).ids
+        return [self.bos_token_id, *ids] if self._add_bos_token else ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
+        """Text of `ids`; incomplete UTF-8 sequences come out as U+FFFD."""
+        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of the vocabulary or added token `token` (e.g. "<|im_end|>"), or None."""
+        return self._tokenizer.token_to_id(token)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        **template_kwargs,
+    ) -> str:
+        """Render a conversation to the prompt text, as transformers' apply_chat_template(tokenize=False).
+
+        Args:
+            messages: OpenAI-style dicts ({"role", "content", "tool_calls", "reasoning_content"...});
+                keys with None values are dropped, as transformers does.
+            tools: JSON schemas of the tools ({"type": "function", "function": {...}}), or None.
+            add_generation_prompt: end with the header of the assistant's turn.
+            **template_kwargs: extra template variables (e.g. enable_thinking=False); they override
+                the special-token variables (bos_token, eos_token, ...).
+
+        Raises:
+            ValueError: the model has no chat template, or the template raised (message included).
+        """
+        if self._chat_template is None:
+            raise ValueError("this model directory has no chat template (chat_template.jinja or tokenizer_config.json)")
+        variables = {**self._special_tokens, **template_kwargs}
+        try:
+            return self._chat_template.render(
+                messages=_normalize_messages(messages),
+                tools=tools,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **variables,
+            )
+        except jinja2.exceptions.TemplateError as e:
+            raise ValueError(f"chat template error: {e}") from e
+
+
+class IncrementalDetokenizer:
+    """Turns generated ids into text pieces as they arrive, for streaming.
+
+    The concatenated pieces (all `push` results, then `flush`) equal the text that decoding the
+    generated ids appends to the prompt's text. A piece never ends in a partial UTF-8 character:
+    while the newest text ends in U+FFFD (an incomplete byte sequence), it is held back.
+
+    Cost per `push`: two decodes of a short window (from `prefix_offset`, the start of the last
+    emitted piece's tokens, to the end), not of the whole sequence — the prefix/read offset
+    technique of vLLM and text-generation-inference.
+    """
+
+    # Prompt tokens kept as left context of the first window.
+    _PROMPT_CONTEXT = 5
+
+    def __init__(self, tokenizer: Tokenizer, prompt_ids: list[int] | None = None, skip_special_tokens: bool = False):
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self._ids = list(prompt_ids or [])
+        self._read_offset = len(self._ids)  # ids before this have been emitted
+        self._prefix_offset = max(self._read_offset - self._PROMPT_CONTEXT, 0)  # window start
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def push(self, ids: list[int]) -> str:
+        """Add generated ids; return the text they complete ("" while a character is incomplete)."""
+        self._ids.extend(ids)
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        text = self._decode(self._ids[self._prefix_offset :])
+        if len(text) <= len(prefix_text) or text.endswith("\ufffd"):
+            return ""
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return text[len(prefix_text) :]
+
+    def flush(self) -> str:
+        """Return whatever is held back (a trailing U+FFFD included) at the end of generation."""
+        prefix_text = self._decode(self._ids[self._prefix_offset : self._read_offset])
+        text = self._decode(self._ids[self._prefix_offset :])
+        self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
+        return text[len(prefix_text) :]
