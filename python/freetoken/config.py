@@ -1,0 +1,185 @@
+"""Typed configuration: the model's `config.json` and the engine's settings.
+
+`ModelConfig` reads a Hugging Face `config.json` for the families freetoken runs; `EngineConfig` holds the
+serving knobs that `ft serve` exposes as flags.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+
+
+class ConfigError(ValueError):
+    """A config.json that freetoken cannot run: names the file, the key and what is wrong."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of a Qwen3-MoE model, as in the Hugging Face `config.json` (`model_type: qwen3_moe`).
+
+    Sizes are in elements. Layer `L` is a MoE layer when `L not in mlp_only_layers`, `num_experts > 0` and
+    `(L + 1) % decoder_sparse_step == 0` (transformers' `Qwen3MoeDecoderLayer`); the other layers use a dense
+    SwiGLU MLP of `intermediate_size`.
+    """
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    num_experts: int
+    num_experts_per_tok: int
+    norm_topk_prob: bool
+    decoder_sparse_step: int
+    mlp_only_layers: tuple[int, ...]
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    torch_dtype: str
+    eos_token_ids: tuple[int, ...] = ()
+    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        """Read `model_dir/config.json`. Raises FileNotFoundError or ConfigError naming the file."""
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{path}: no config.json in the model directory")
+        try:
+            raw = json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from e
+        return cls.from_dict(raw, source=str(path))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Build from a parsed config dict. Raises ConfigError for an unsupported architecture or bad values."""
+        archs = raw.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ConfigError(
+                f"{source}: architectures {archs} not supported; freetoken runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+
+        def get(key: str, default: Any = None, required: bool = True) -> Any:
+            if key in raw and raw[key] is not None:
+                return raw[key]
+            if required and default is None:
+                raise ConfigError(f"{source}: missing required key {key!r}")
+            return default
+
+        if raw.get("use_sliding_window"):
+            raise ConfigError(f"{source}: use_sliding_window=true is not supported")
+        rope_theta = raw.get("rope_theta")
+        rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+        if rope_theta is None:
+            rope_theta = rope.get("rope_theta", 10000.0)
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"{source}: rope type {rope_type!r} is not supported (only the default RoPE)")
+        hidden = int(get("hidden_size"))
+        heads = int(get("num_attention_heads"))
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        cfg = cls(
+            architecture=arch,
+            vocab_size=int(get("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(get("intermediate_size")),
+            moe_intermediate_size=int(get("moe_intermediate_size")),
+            num_hidden_layers=int(get("num_hidden_layers")),
+            num_attention_heads=heads,
+            num_key_value_heads=int(get("num_key_value_heads", heads)),
+            head_dim=int(get("head_dim", hidden // heads)),
+            # transformers >= 5 writes num_local_experts, the released checkpoints num_experts.
+            num_experts=int(raw.get("num_experts", get("num_local_experts"))),
+            num_experts_per_tok=int(get("num_experts_per_tok")),
+            norm_topk_prob=bool(get("norm_topk_prob", False, required=False)),
+            decoder_sparse_step=int(get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(int(x) for x in get("mlp_only_layers", [], required=False)),
+            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            max_position_embeddings=int(get("max_position_embeddings")),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False, required=False)),
+            attention_bias=bool(get("attention_bias", False, required=False)),
+            torch_dtype=str(get("torch_dtype", raw.get("dtype", "bfloat16"))),
+            eos_token_ids=eos_ids,
+            raw=raw,
+        )
+        cfg._check(source)
+        return cfg
+
+    def _check(self, source: str) -> None:
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"{source}: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if not 0 < self.num_experts_per_tok <= max(self.num_experts, 1):
+            raise ConfigError(
+                f"{source}: num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})"
+            )
+        if self.decoder_sparse_step < 1:
+            raise ConfigError(f"{source}: decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """True when decoder layer `layer` (0-based) has routed experts rather than a dense MLP."""
+        return (
+            layer not in self.mlp_only_layers
+            and self.num_experts > 0
+            and (layer + 1) % self.decoder_sparse_step == 0
+        )
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """The decoder layers with routed experts, ascending."""
+        return [layer for layer in range(self.num_hidden_layers) if self.is_moe_layer(layer)]
+
+    @property
+    def expert_numel(self) -> int:
+        """Elements in one routed expert: gate and up [I, H] each, down [H, I]."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
+
+@dataclass
+class EngineConfig:
+    """Serving settings (the flags of `ft serve`).
+
+    Attributes:
+        device: "cpu" or "cuda" (or "cuda:N").
+        dtype: compute and weight dtype: "float32", "bfloat16" or "float16"; "auto" takes bfloat16 on CUDA and
+            float32 on the CPU.
+        max_num_seqs: most requests decoding in one batch.
+        max_prefill_tokens: most prompt tokens prefilled in one step (a chunk); longer prompts take several.
+        max_model_len: context length in tokens (prompt + output); 0 means the model's max_position_embeddings.
+        kv_block_size: tokens per KV-cache block.
+        kv_cache_tokens: KV-cache capacity in tokens over all requests; 0 sizes it to hold max_num_seqs full
+            contexts, capped by kv_cache_gb.
+        kv_cache_gb: most memory the KV cache may take, in GB (1e9 bytes).
+        moe_backend: how routed experts run ("fused": all on the compute device).
+        dummy_weights: random weights (seeded) instead of reading safetensors.
+        seed: seed of the dummy weights and the default sampling RNG.
+    """
+
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_num_seqs: int = 16
+    max_prefill_tokens: int = 8192
+    max_model_len: int = 0
+    kv_block_size: int = 16
+    kv_cache_tokens: int = 0
+    kv_cache_gb: float = 4.0
+    moe_backend: str = "fused"
+    dummy_weights: bool = False
+    seed: int = 0

@@ -1,0 +1,73 @@
+"""The paged KV cache: fixed-size blocks of token slots, handed out to sequences by a free-list allocator.
+
+One pair of tensors per decoder layer, `[num_blocks * block_size, num_kv_heads, head_dim]` (slot = block *
+block_size + offset), allocated once at start; sequences own lists of block ids (their block tables), as in
+vLLM's PagedAttention (Kwon et al., SOSP 2023).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class BlockAllocator:
+    """Free list of KV block ids; O(1) allocate and free."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        """Blocks not owned by any sequence."""
+        return len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        """Take `n` blocks. Raises MemoryError when fewer are free (callers check `num_free` first)."""
+        if n > len(self._free):
+            raise MemoryError(f"KV cache: {n} blocks asked, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def free(self, blocks: list[int]) -> None:
+        """Return blocks to the free list."""
+        self._free.extend(reversed(blocks))
+
+
+class KVCache:
+    """Per-layer K and V tensors plus the block allocator.
+
+    Attributes:
+        block_size: tokens per block.
+        num_blocks: blocks in the pool.
+        layers: per decoder layer, (k, v) each [num_blocks * block_size, num_kv_heads, head_dim].
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"KV cache needs at least one block, got {num_blocks}")
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.layers = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(num_layers)
+        ]
+        self.allocator = BlockAllocator(num_blocks)
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of K and V for one token over all layers."""
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """Blocks needed to hold `num_tokens` tokens."""
+        return -(-num_tokens // self.block_size)

@@ -1,0 +1,204 @@
+"""The synchronous engine core: requests in, one step at a time, token and text deltas out.
+
+Not thread-safe: `AsyncEngine` drives it from one thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from freetoken.config import EngineConfig, ModelConfig
+from freetoken.engine.kv_cache import KVCache
+from freetoken.engine.model_runner import ModelRunner
+from freetoken.engine.scheduler import Scheduler
+from freetoken.engine.sequence import Sequence
+from freetoken.engine.stop import OutputText
+from freetoken.engine.types import FinishReason, GenerationChunk, SamplingParams
+from freetoken.models.loader import init_dummy_weights, load_checkpoint, resolve_dtype
+from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
+from freetoken.moe import make_expert_backend
+from freetoken.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class RequestError(ValueError):
+    """A request the engine cannot take (prompt too long, bad parameters); the message names the field."""
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request."""
+
+    request_id: str
+    chunk: GenerationChunk
+
+
+class LLMEngine:
+    """Model, KV cache, scheduler and per-request output state.
+
+    Args:
+        model: the model with its expert backend attached, on `device`.
+        model_cfg: its config.
+        engine_cfg: serving settings.
+        tokenizer: for output text and stop strings; None runs on token ids alone (stop strings then rejected).
+    """
+
+    def __init__(
+        self,
+        model: Qwen3MoeForCausalLM,
+        model_cfg: ModelConfig,
+        engine_cfg: EngineConfig,
+        tokenizer: Tokenizer | None,
+    ) -> None:
+        self.model_cfg = model_cfg
+        self.cfg = engine_cfg
+        self.tokenizer = tokenizer
+        self.device = torch.device(engine_cfg.device)
+        dtype = next(model.parameters()).dtype
+        self.max_model_len = engine_cfg.max_model_len or model_cfg.max_position_embeddings
+        block = engine_cfg.kv_block_size
+        per_token = KVCache.bytes_per_token(
+            model_cfg.num_hidden_layers, model_cfg.num_key_value_heads, model_cfg.head_dim, dtype
+        )
+        tokens = engine_cfg.kv_cache_tokens or engine_cfg.max_num_seqs * self.max_model_len
+        tokens = min(tokens, int(engine_cfg.kv_cache_gb * 1e9) // per_token)
+        num_blocks = tokens // block
+        if num_blocks * block < self.max_model_len:
+            log.warning(
+                "KV cache holds %d tokens; max_model_len lowered from %d to fit (raise --kv-cache-gb)",
+                num_blocks * block,
+                self.max_model_len,
+            )
+            self.max_model_len = num_blocks * block
+        self.kv = KVCache(
+            model_cfg.num_hidden_layers,
+            model_cfg.num_key_value_heads,
+            model_cfg.head_dim,
+            num_blocks,
+            block,
+            dtype,
+            self.device,
+        )
+        log.info(
+            "KV cache: %d blocks x %d tokens = %d tokens, %.2f GB", num_blocks, block, num_blocks * block,
+            num_blocks * block * per_token / 1e9,
+        )
+        self.scheduler = Scheduler(self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens)
+        self.runner = ModelRunner(model, self.kv, self.device)
+        self.eos_ids = set(tokenizer.eos_token_ids if tokenizer else ()) | set(model_cfg.eos_token_ids)
+        self._seqs: dict[str, Sequence] = {}
+        self._rng = random.Random(engine_cfg.seed)
+        self.num_steps = 0
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path, engine_cfg: EngineConfig) -> LLMEngine:
+        """Load config, tokenizer and weights (or seeded random weights with `dummy_weights`) from `model_dir`."""
+        model_dir = Path(model_dir)
+        model_cfg = ModelConfig.from_dir(model_dir)
+        device = torch.device(engine_cfg.device)
+        dtype = resolve_dtype(engine_cfg.dtype, device)
+        experts = make_expert_backend(engine_cfg.moe_backend)
+        if engine_cfg.dummy_weights:
+            model = init_dummy_weights(model_cfg, experts, device, dtype, seed=engine_cfg.seed)
+        else:
+            model = load_checkpoint(model_dir, experts, device, dtype, cfg=model_cfg)
+        tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
+        return cls(model, model_cfg, engine_cfg, tokenizer)
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request. Raises RequestError for an empty or over-long prompt or bad parameters."""
+        try:
+            params.validate()
+        except ValueError as e:
+            raise RequestError(str(e)) from e
+        if request_id in self._seqs:
+            raise RequestError(f"request_id {request_id!r} is already running")
+        if not prompt_ids:
+            raise RequestError("prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.model_cfg.vocab_size]
+        if bad:
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.model_cfg.vocab_size - 1})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(
+                f"prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len} (max_model_len), "
+                "with room for at least one new token"
+            )
+        if params.stop and self.tokenizer is None:
+            raise RequestError("stop strings need a tokenizer; this model directory has no tokenizer.json")
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        text = OutputText(self.tokenizer, prompt_ids, params.stop) if self.tokenizer else None
+        seq = Sequence(request_id, list(prompt_ids), params, generator, text)
+        self._seqs[request_id] = seq
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request (no-op when unknown or finished); its KV blocks are freed at once."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None:
+            self.scheduler.remove(seq)
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        """Run one step. Returns an output for every request that sampled a token or finished."""
+        scheduled = self.scheduler.schedule()
+        if not scheduled.seqs:
+            return []
+        tokens = self.runner.run(scheduled)
+        self.num_steps += 1
+        outputs = []
+        for seq, token in zip(scheduled.seqs, tokens, strict=True):
+            if token is not None:
+                outputs.append(StepOutput(seq.request_id, self._append(seq, token)))
+        return outputs
+
+    def _append(self, seq: Sequence, token: int) -> GenerationChunk:
+        seq.token_ids.append(token)
+        p = seq.params
+        finish: FinishReason | None = None
+        stop_reason: str | int | None = None
+        hidden_token = False
+        if not p.ignore_eos and token in self.eos_ids:
+            finish, stop_reason, hidden_token = "stop", token, True
+        elif token in p.stop_token_ids:
+            finish, stop_reason, hidden_token = "stop", token, True
+        text = ""
+        if seq.text is not None and not hidden_token:
+            text, matched = seq.text.push([token])
+            if matched is not None:
+                finish, stop_reason = "stop", matched
+        if finish is None and (seq.num_output >= p.max_tokens or len(seq.token_ids) >= self.max_model_len):
+            finish = "length"
+        if finish is not None and seq.text is not None and not isinstance(stop_reason, str):
+            text += seq.text.flush()  # held-back text that turned out not to start a stop string
+        if finish is not None:
+            seq.finish_reason, seq.stop_reason = finish, stop_reason
+            self.abort(seq.request_id)
+        return GenerationChunk(
+            text=text,
+            token_ids=[token],
+            finish_reason=finish,
+            stop_reason=stop_reason,
+            num_prompt_tokens=seq.prompt_len,
+            num_output_tokens=seq.num_output,
+        )
+
+    def stats(self) -> dict:
+        """Engine counters (JSON-able)."""
+        return {
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "kv_blocks_total": self.kv.num_blocks,
+            "kv_blocks_free": self.kv.allocator.num_free,
+            "num_steps": self.num_steps,
+        }

@@ -1,0 +1,55 @@
+"""Runs one scheduled step through the model: builds the flat token batch and its attention metadata, runs the
+forward pass, and samples the next token of every sequence whose uncomputed tokens all ran."""
+
+from __future__ import annotations
+
+import torch
+
+from freetoken.engine.kv_cache import KVCache
+from freetoken.engine.sampler import sample
+from freetoken.engine.scheduler import ScheduledStep
+from freetoken.models.attention import AttentionMetadata
+from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
+
+
+class ModelRunner:
+    """Owns the model and the KV cache tensors on the compute device."""
+
+    def __init__(self, model: Qwen3MoeForCausalLM, kv: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = device
+
+    @torch.inference_mode()
+    def run(self, step: ScheduledStep) -> list[int | None]:
+        """Run `step` and advance each sequence's `num_computed`.
+
+        Returns:
+            Per sequence of the step, the sampled next token, or None for a prompt chunk that is not the last.
+        """
+        input_ids: list[int] = []
+        context_lens: list[int] = []
+        for seq, q in zip(step.seqs, step.query_lens, strict=True):
+            input_ids.extend(seq.token_ids[seq.num_computed : seq.num_computed + q])
+            context_lens.append(seq.num_computed + q)
+        meta = AttentionMetadata.build(
+            step.query_lens, context_lens, [s.block_table for s in step.seqs], self.kv.block_size, self.device
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, meta, self.kv.layers)
+        rows: list[int] = []
+        sampled_seqs = []
+        end = 0
+        for seq, q, ctx in zip(step.seqs, step.query_lens, context_lens, strict=True):
+            end += q
+            seq.num_computed = ctx
+            if ctx == len(seq.token_ids):
+                rows.append(end - 1)
+                sampled_seqs.append(seq)
+        out: list[int | None] = [None] * len(step.seqs)
+        if rows:
+            logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+            tokens = sample(logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs])
+            by_seq = dict(zip(map(id, sampled_seqs), tokens))
+            out = [by_seq.get(id(s)) for s in step.seqs]
+        return out

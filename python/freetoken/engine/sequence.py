@@ -1,0 +1,61 @@
+"""A request inside the engine: its tokens, how many have KV in the cache, its blocks and its output state."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from freetoken.engine.stop import OutputText
+from freetoken.engine.types import FinishReason, SamplingParams
+
+_arrival = itertools.count()
+
+
+@dataclass(eq=False)
+class Sequence:
+    """One request.
+
+    Prefill and decode are one mechanism: each step computes the tokens of `token_ids[num_computed:]` (all of
+    them, or a chunk of a long prompt), and a token is sampled when that reaches the end.
+
+    Attributes:
+        request_id: the caller's id.
+        prompt_len: tokens in the prompt.
+        token_ids: prompt then generated tokens.
+        params: sampling parameters.
+        num_computed: leading tokens whose K/V are in the cache.
+        block_table: KV block ids, in order.
+        generator: this request's RNG (sampling), None when greedy.
+        text: incremental detokenization and stop-string matching, None without a tokenizer.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None
+    text: OutputText | None
+    prompt_len: int = 0
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    arrival: int = field(default_factory=lambda: next(_arrival))
+
+    def __post_init__(self) -> None:
+        self.prompt_len = len(self.token_ids)
+
+    @property
+    def num_output(self) -> int:
+        """Tokens generated so far."""
+        return len(self.token_ids) - self.prompt_len
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to run through the model before the next sample (1 while decoding)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,73 @@
+"""Request-level types shared by the engine and the server: sampling parameters and streamed output."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass
+class SamplingParams:
+    """How one request is decoded.
+
+    Attributes:
+        max_tokens: most new tokens to generate (>= 1).
+        temperature: softmax temperature; 0 means greedy (argmax).
+        top_p: nucleus sampling mass in (0, 1]; 1 disables it.
+        top_k: keep the k most likely tokens; 0 disables it.
+        seed: per-request RNG seed; the same seed and prompt give the same tokens.
+        stop: strings that end generation; the matched string is not part of the output text.
+        stop_token_ids: token ids that end generation besides the model's EOS ids.
+        ignore_eos: keep going past EOS (benchmarks).
+    """
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the field when a value is out of range."""
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise ValueError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding is argmax (temperature 0 or top_k 1)."""
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class GenerationChunk:
+    """One streamed piece of a request's output.
+
+    Attributes:
+        text: new text since the previous chunk; never ends inside a UTF-8 character and never
+            holds any part of a matched stop string.
+        token_ids: the new token ids behind `text` (may be non-empty while `text` is empty, when
+            text is held back for an incomplete character or a possible stop string).
+        finish_reason: None while running; "stop" (EOS, stop token or stop string), "length"
+            (max_tokens or the context limit) or "abort" (cancelled) on the last chunk.
+        stop_reason: the stop string or stop token id that ended the request, if any.
+        num_prompt_tokens: tokens in the prompt.
+        num_output_tokens: tokens generated so far.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0

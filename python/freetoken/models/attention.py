@@ -1,0 +1,138 @@
+"""Attention over a paged KV cache, in plain torch (CPU and CUDA through the same code).
+
+The KV cache of one layer is two flat tensors `[num_slots, num_kv_heads, head_dim]` (slot = block * block_size +
+offset, vLLM's PagedAttention layout flattened). A step's tokens write their K/V at `slot_mapping`; each sequence
+then reads its whole context back through `gather_index`, built once per step from the block tables and shared
+by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """Where one step's tokens sit in their sequences and in the KV cache.
+
+    The step's `T` tokens are the concatenation of `B` sequences' query spans (prefill chunks or single decode
+    tokens), in order.
+
+    Attributes:
+        positions: [T] int64, position of each token in its sequence (RoPE and causality).
+        slot_mapping: [T] int64, KV-cache slot each token's K/V is written to.
+        query_lens: per sequence, tokens in this step.
+        context_lens: per sequence, tokens in the KV cache after this step (earlier context + query).
+        decode_gather: [Bd, Cd] int64 KV slots of the decode sequences (query length 1), right-padded with 0;
+            None when the step has no decode sequence.
+        decode_mask: [Bd, 1, 1, Cd] bool, True where `decode_gather` is a real slot.
+        decode_rows: [Bd] int64, token index of each decode sequence's query in the step.
+        prefill_spans: per prefill sequence (query length > 1): (first token index, query length,
+            [context] int64 KV slots of its whole context).
+    """
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    query_lens: list[int]
+    context_lens: list[int]
+    decode_gather: torch.Tensor | None
+    decode_mask: torch.Tensor | None
+    decode_rows: torch.Tensor | None
+    prefill_spans: list[tuple[int, int, torch.Tensor]]
+
+    @classmethod
+    def build(
+        cls,
+        query_lens: list[int],
+        context_lens: list[int],
+        block_tables: list[list[int]],
+        block_size: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """Build the metadata of one step from per-sequence lengths and block tables (KV block ids)."""
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        decode: list[tuple[int, torch.Tensor]] = []
+        prefill: list[tuple[int, int, torch.Tensor]] = []
+        row = 0
+        for q, c, blocks in zip(query_lens, context_lens, block_tables, strict=True):
+            pos = torch.arange(c)
+            ctx_slots = torch.tensor(blocks, dtype=torch.int64)[pos // block_size] * block_size + pos % block_size
+            positions.append(pos[c - q :])
+            slots.append(ctx_slots[c - q :])
+            if q == 1:
+                decode.append((row, ctx_slots))
+            else:
+                prefill.append((row, q, ctx_slots.to(device)))
+            row += q
+        decode_gather = decode_mask = decode_rows = None
+        if decode:
+            width = max(s.numel() for _, s in decode)
+            gather = torch.zeros(len(decode), width, dtype=torch.int64)
+            mask = torch.zeros(len(decode), width, dtype=torch.bool)
+            for j, (_, ctx_slots) in enumerate(decode):
+                gather[j, : ctx_slots.numel()] = ctx_slots
+                mask[j, : ctx_slots.numel()] = True
+            decode_gather = gather.to(device)
+            decode_mask = mask[:, None, None, :].to(device)
+            decode_rows = torch.tensor([r for r, _ in decode], dtype=torch.int64, device=device)
+        return cls(
+            positions=torch.cat(positions).to(device),
+            slot_mapping=torch.cat(slots).to(device),
+            query_lens=list(query_lens),
+            context_lens=list(context_lens),
+            decode_gather=decode_gather,
+            decode_mask=decode_mask,
+            decode_rows=decode_rows,
+            prefill_spans=prefill,
+        )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Causal GQA attention of a step's tokens over their sequences' paged KV cache.
+
+    Args:
+        q: [T, num_heads, head_dim] queries (RoPE applied).
+        k, v: [T, num_kv_heads, head_dim] this step's keys (RoPE applied) and values; written into the cache.
+        k_cache, v_cache: [num_slots, num_kv_heads, head_dim], written in place at `meta.slot_mapping`.
+        meta: the step's metadata.
+        scale: softmax scale, head_dim ** -0.5 for Qwen3.
+
+    Returns:
+        [T, num_heads, head_dim] attention output, dtype of q.
+    """
+    k_cache[meta.slot_mapping] = k
+    v_cache[meta.slot_mapping] = v
+    out = torch.empty_like(q)
+    if meta.decode_gather is not None:
+        # (Bd, Cd, nkv, D) -> (Bd, nkv, Cd, D)
+        kd = k_cache[meta.decode_gather].transpose(1, 2)
+        vd = v_cache[meta.decode_gather].transpose(1, 2)
+        qd = q[meta.decode_rows].unsqueeze(2)  # (Bd, nh, 1, D)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+        out[meta.decode_rows] = od.squeeze(2)
+    for row, qlen, ctx_slots in meta.prefill_spans:
+        ctx = ctx_slots.numel()
+        qp = q[row : row + qlen].transpose(0, 1).unsqueeze(0)  # (1, nh, q, D)
+        kp = k_cache[ctx_slots].transpose(0, 1).unsqueeze(0)  # (1, nkv, ctx, D)
+        vp = v_cache[ctx_slots].transpose(0, 1).unsqueeze(0)
+        if ctx == qlen:
+            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+        else:
+            # Query i sits at position ctx - qlen + i and sees keys 0..that position.
+            qpos = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]
+            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos
+            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
+        out[row : row + qlen] = op.squeeze(0).transpose(0, 1)
+    return out

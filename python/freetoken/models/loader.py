@@ -1,0 +1,220 @@
+"""Build a model from a checkpoint directory in the Hugging Face layout, or with seeded random weights.
+
+Reads safetensors through the `safetensors` library (mmap): `model.safetensors`, or the shards listed in
+`model.safetensors.index.json`. Routed experts are accepted in both layouts the Qwen3-MoE family is saved in:
+one tensor per expert (`model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`, the released checkpoints) or
+fused 3-D tensors (`model.layers.L.mlp.experts.gate_up_proj` [E, 2I, H] and `.down_proj` [E, H, I], as
+transformers 5 saves them). Every parameter must come from the checkpoint: a tensor that is missing, or of the
+wrong shape or dtype, is an error naming the file and the tensor, never a silently uninitialised weight.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from freetoken.config import ModelConfig
+from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM, RotaryEmbedding
+from freetoken.moe.backend import ExpertBackend
+
+log = logging.getLogger(__name__)
+
+FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded; the message names the file and tensor and what is wrong."""
+
+
+@dataclass
+class TensorIndex:
+    """Where each tensor of a checkpoint lives: name -> safetensors file, plus each tensor's shape and dtype."""
+
+    files: dict[str, Path]
+    shapes: dict[str, tuple[int, ...]]
+    dtypes: dict[str, str]
+
+    @classmethod
+    def scan(cls, model_dir: Path) -> TensorIndex:
+        """Index `model_dir`'s safetensors. Raises FileNotFoundError for a missing file or shard."""
+        index_path = model_dir / "model.safetensors.index.json"
+        if index_path.is_file():
+            try:
+                weight_map: dict[str, str] = json.loads(index_path.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{index_path}: not a safetensors index with a weight_map ({e})") from e
+            shard_names = sorted(set(weight_map.values()))
+        elif (model_dir / "model.safetensors").is_file():
+            weight_map, shard_names = {}, ["model.safetensors"]
+        else:
+            raise FileNotFoundError(
+                f"{model_dir}: neither model.safetensors nor model.safetensors.index.json found "
+                "(pass --dummy-weights to run the config with random weights)"
+            )
+        files: dict[str, Path] = {}
+        shapes: dict[str, tuple[int, ...]] = {}
+        dtypes: dict[str, str] = {}
+        for shard in shard_names:
+            path = model_dir / shard
+            if not path.is_file():
+                listed = f" (listed in {index_path.name})" if weight_map else ""
+                raise FileNotFoundError(f"{path}: shard missing on disk{listed}")
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    for name in f.keys():
+                        meta = f.get_slice(name)
+                        files[name] = path
+                        shapes[name] = tuple(meta.get_shape())
+                        dtypes[name] = meta.get_dtype()
+            except Exception as e:  # safetensors raises its own error types for corrupt headers
+                raise CheckpointError(f"{path}: cannot read safetensors header ({e})") from e
+        for name, shard in weight_map.items():
+            if name not in files:
+                raise CheckpointError(f"{model_dir / shard}: tensor {name!r} listed in the index is not in the file")
+        return cls(files, shapes, dtypes)
+
+
+class CheckpointReader:
+    """Reads tensors by name with shape and dtype checks; keeps one open handle per shard."""
+
+    def __init__(self, index: TensorIndex) -> None:
+        self.index = index
+        self._handles: dict[Path, object] = {}
+
+    def has(self, name: str) -> bool:
+        return name in self.index.files
+
+    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        """Return tensor `name` (CPU, checkpoint dtype). Raises CheckpointError when missing or mis-shaped."""
+        path = self.index.files.get(name)
+        if path is None:
+            raise CheckpointError(f"tensor {name!r} missing from the checkpoint (expected shape {list(shape)})")
+        got = self.index.shapes[name]
+        if got != tuple(shape):
+            raise CheckpointError(f"{path.name}: tensor {name!r} has shape {list(got)}, expected {list(shape)}")
+        dtype = self.index.dtypes[name]
+        if dtype not in FLOAT_DTYPES:
+            raise CheckpointError(
+                f"{path.name}: tensor {name!r} has dtype {dtype}; expected one of {', '.join(FLOAT_DTYPES)}"
+            )
+        handle = self._handles.get(path)
+        if handle is None:
+            handle = self._handles[path] = safe_open(str(path), framework="pt")
+        return handle.get_tensor(name)  # type: ignore[attr-defined]
+
+    def close(self) -> None:
+        self._handles.clear()
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`--dtype` value -> torch dtype; "auto" is bfloat16 on CUDA and float32 on the CPU."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in TORCH_DTYPES:
+        raise ValueError(f"--dtype {name!r} is not one of auto, {', '.join(TORCH_DTYPES)}")
+    return TORCH_DTYPES[name]
+
+
+def _empty_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Qwen3MoeForCausalLM:
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(cfg)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:  # to_empty replaces each module's parameters one by one, which unties them
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(device)  # float32 buffer, not a weight
+    return model.eval().requires_grad_(False)
+
+
+def _expert_names(layer: int, expert: int) -> tuple[str, str, str]:
+    prefix = f"model.layers.{layer}.mlp.experts.{expert}"
+    return f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight", f"{prefix}.down_proj.weight"
+
+
+def _load_experts(
+    reader: CheckpointReader, cfg: ModelConfig, layer: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `layer`'s experts as (gate_up [E, 2I, H], down [E, H, I]) on `device` in `dtype`."""
+    num_experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    fused = f"model.layers.{layer}.mlp.experts.gate_up_proj"
+    if reader.has(fused):
+        gate_up = reader.get(fused, (num_experts, 2 * inter, hidden)).to(device=device, dtype=dtype)
+        down = reader.get(f"model.layers.{layer}.mlp.experts.down_proj", (num_experts, hidden, inter))
+        return gate_up, down.to(device=device, dtype=dtype)
+    gate_up = torch.empty(num_experts, 2 * inter, hidden, device=device, dtype=dtype)
+    down = torch.empty(num_experts, hidden, inter, device=device, dtype=dtype)
+    for expert in range(num_experts):
+        gate_name, up_name, down_name = _expert_names(layer, expert)
+        gate_up[expert, :inter] = reader.get(gate_name, (inter, hidden))
+        gate_up[expert, inter:] = reader.get(up_name, (inter, hidden))
+        down[expert] = reader.get(down_name, (hidden, inter))
+    return gate_up, down
+
+
+def load_checkpoint(
+    model_dir: str | Path,
+    experts: ExpertBackend,
+    device: torch.device,
+    dtype: torch.dtype,
+    cfg: ModelConfig | None = None,
+) -> Qwen3MoeForCausalLM:
+    """Load `model_dir` into a new model on `device`; routed experts go to `experts`.
+
+    Raises:
+        FileNotFoundError: config.json, the safetensors file or a shard of the index is missing.
+        CheckpointError: a tensor is missing, mis-shaped or of a non-float dtype.
+        ConfigError: config.json is unsupported.
+    """
+    model_dir = Path(model_dir)
+    cfg = cfg or ModelConfig.from_dir(model_dir)
+    reader = CheckpointReader(TensorIndex.scan(model_dir))
+    model = _empty_model(cfg, device, dtype)
+    expected = set()
+    for name, param in model.named_parameters():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        if name == "lm_head.weight" and not reader.has(name) and reader.has("model.embed_tokens.weight"):
+            raise CheckpointError(
+                "tensor 'lm_head.weight' missing and config.json has tie_word_embeddings=false; "
+                "set tie_word_embeddings=true if the model ties its embeddings"
+            )
+        param.copy_(reader.get(name, tuple(param.shape)))
+        expected.add(name)
+    for layer in cfg.moe_layers:
+        experts.load_layer(layer, *_load_experts(reader, cfg, layer, device, dtype))
+    expert_prefixes = tuple(f"model.layers.{layer}.mlp.experts." for layer in cfg.moe_layers)
+    unused = [n for n in reader.index.files if n not in expected and not n.startswith(expert_prefixes)]
+    if cfg.tie_word_embeddings:
+        unused = [n for n in unused if n != "lm_head.weight"]
+    if unused:
+        log.warning("%d checkpoint tensors not used by %s, e.g. %s", len(unused), cfg.architecture, unused[:3])
+    reader.close()
+    model.attach_experts(experts)
+    return model
+
+
+def init_dummy_weights(
+    cfg: ModelConfig, experts: ExpertBackend, device: torch.device, dtype: torch.dtype, seed: int = 0
+) -> Qwen3MoeForCausalLM:
+    """A model of `cfg` with random weights: N(0, initializer_range) matrices, unit norms; seeded, so the same
+    seed on the same device gives the same weights. Routed experts go to `experts`, built on `device`."""
+    std = float(cfg.raw.get("initializer_range", 0.02))
+    gen = torch.Generator(device=device).manual_seed(seed)
+    model = _empty_model(cfg, device, dtype)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, std, generator=gen)
+    num_experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    for layer in cfg.moe_layers:
+        gate_up = torch.empty(num_experts, 2 * inter, hidden, device=device, dtype=dtype).normal_(0, std, generator=gen)
+        down = torch.empty(num_experts, hidden, inter, device=device, dtype=dtype).normal_(0, std, generator=gen)
+        experts.load_layer(layer, gate_up, down)
+    model.attach_experts(experts)
+    return model

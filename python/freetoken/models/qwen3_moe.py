@@ -1,0 +1,221 @@
+"""Qwen3-MoE (`Qwen3MoeForCausalLM`) in torch, over a paged KV cache and a pluggable expert backend.
+
+Follows the reference implementation in transformers (`models/qwen3_moe/modeling_qwen3_moe.py`): pre-norm
+decoder layers; GQA attention with RMSNorm on q and k per head before RoPE; a softmax router over
+`num_experts`, top-k, renormalised when `norm_topk_prob`; SwiGLU experts; dense SwiGLU MLP on the layers listed
+in `mlp_only_layers` or off the `decoder_sparse_step` grid. Tensor names of the submodules match the checkpoint's
+(`model.layers.L.self_attn.q_proj.weight` …) so the loader maps names one to one; routed experts are not
+parameters of this module but live in the `ExpertBackend`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from freetoken.config import ModelConfig
+from freetoken.models.attention import AttentionMetadata, paged_attention
+from freetoken.moe.backend import ExpertBackend
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm (Zhang & Sennrich 2019), computed in float32 and cast back, as transformers' Qwen3MoeRMSNorm."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Default RoPE (Su et al. 2021) in the rotate-half layout of the Hugging Face Llama/Qwen family."""
+
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] int64 positions -> (cos, sin), each [T, head_dim] in `dtype`."""
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] with cos/sin [T, D] -> rotated x."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class Attention(nn.Module):
+    """GQA self-attention with per-head q/k RMSNorm, reading and writing the paged KV cache."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.num_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.num_kv_heads * self.head_dim, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """x [T, H] -> [T, H]; writes this step's K/V into `kv` (each [num_slots, num_kv_heads, head_dim])."""
+        num_tokens = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        cos, sin = rope
+        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+
+
+class DenseMLP(nn.Module):
+    """SwiGLU MLP (Shazeer 2020): down(silu(gate x) * up x)."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Softmax router: logits = x W^T ([T, E]), softmax in float32, top-k, optional renormalisation."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] in x's dtype)."""
+        probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights.to(x.dtype)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router on the compute device; the routed experts are computed by the shared `ExpertBackend`."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer = layer
+        self.gate = Router(cfg)
+        self.experts: ExpertBackend | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.experts is None:
+            raise RuntimeError(f"layer {self.layer}: no expert backend attached (Model.attach_experts)")
+        ids, weights = self.gate(x)
+        return self.experts.forward(self.layer, x, ids, weights)
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp: nn.Module = (
+            SparseMoeBlock(cfg, layer) if cfg.is_moe_layer(layer) else DenseMLP(cfg.hidden_size, cfg.intermediate_size)
+        )
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Qwen3MoeModel(nn.Module):
+    """Embeddings, decoder layers and the final norm (transformers' `model.` prefix)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta)
+
+
+class Qwen3MoeForCausalLM(nn.Module):
+    """The causal LM: `forward` runs one step's tokens, `compute_logits` the LM head on selected rows.
+
+    The routed experts come from the backend given to `attach_experts`; everything else is a parameter of this
+    module, named as in the checkpoint.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Qwen3MoeModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def attach_experts(self, backend: ExpertBackend) -> None:
+        """Route every MoE layer's expert computation to `backend`."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, SparseMoeBlock):
+                layer.mlp.experts = backend
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """Run one step.
+
+        Args:
+            input_ids: [T] int64, the step's tokens (sequences concatenated, see AttentionMetadata).
+            meta: positions, KV slots and per-sequence spans of the step.
+            kv_caches: per decoder layer (k_cache, v_cache), each [num_slots, num_kv_heads, head_dim],
+                written in place.
+
+        Returns:
+            [T, H] final hidden states (after the last RMSNorm).
+        """
+        x = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary(meta.positions, x.dtype)
+        for layer, kv in zip(self.model.layers, kv_caches, strict=True):
+            x = layer(x, rope, kv, meta)
+        return self.model.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, H] hidden -> [N, vocab_size] float32 logits."""
+        return self.lm_head(hidden).float()
