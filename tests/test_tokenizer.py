@@ -105,7 +105,8 @@ def test_encode_matches_qwen_tiktoken(tok):
 
     qwen = get_tokenizer("qwen3")
     rng = random.Random(0)
-    alphabet = [chr(c) for c in [*range(32, 127), *range(0x4E00, 0x4E40), *range(0x1F600, 0x1F610), 0x3000, 0xA0, 9, 10]]
+    codepoints = [*range(32, 127), *range(0x4E00, 0x4E40), *range(0x1F600, 0x1F610), 0x3000, 0xA0, 9, 10]
+    alphabet = [chr(c) for c in codepoints]
     randoms = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40))) for _ in range(300)]
     for text in TEXTS + randoms + ["<|im_start|>user\nhi<|im_end|>\n<|endoftext|>"]:
         assert tok.encode(text) == qwen.encode(text), text

