@@ -325,7 +325,6 @@ async def messages(request: Request) -> Response:
     req = parse_messages_request(parse_json_object(await request.body()))
     prompt_ids = await render_prompt(engine, req.messages, req.tools, req.template_kwargs)
     fit_context(len(prompt_ids), req.params.max_tokens, engine.max_model_len, max_tokens_param="max_tokens")
-    req.params.stop_token_ids = list(engine.tokenizer.eos_token_ids)
     message_id = f"msg_{uuid.uuid4().hex}"
     model = state.served_model_name
     if req.stream:

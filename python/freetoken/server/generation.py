@@ -21,6 +21,7 @@ import anyio
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
+from freetoken.engine import RequestError
 from freetoken.engine.types import GenerationChunk, SamplingParams
 from freetoken.server.errors import ApiError, ErrorCode, invalid_request
 
@@ -152,13 +153,19 @@ async def closing_chunks(
     finish_reason "abort" becomes a 500 `ApiError` (code request_aborted).
     """
     chunks = engine.generate(prompt_ids, params, request_id=request_id)
+    finished = False
     try:
         async for chunk in chunks:
             if chunk.finish_reason == "abort":
                 raise ApiError(500, ErrorCode.REQUEST_ABORTED, "the engine aborted this request")
+            finished = chunk.finish_reason is not None
             yield chunk
+    except RequestError as exc:
+        raise invalid_request(ErrorCode.INVALID_VALUE, f"the engine refused the request: {exc}") from None
     finally:
         await aclose_shielded(chunks)
+        if not finished:
+            logger.info("request %s: closed before it finished (client gone or error); aborted", request_id)
 
 
 async def _drain(chunks: AsyncIterator[GenerationChunk], num_prompt_tokens: int) -> Completion:
@@ -209,6 +216,5 @@ async def collect(
     if error:
         raise error[0]
     if disconnected or not result:
-        logger.info("request %s: client disconnected; aborted", request_id)
         raise ClientDisconnected(request_id)
     return result[0]

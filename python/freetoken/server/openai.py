@@ -3,7 +3,8 @@
 Accepted: roles system, developer (rendered as system), user, assistant (with ``tool_calls``), tool;
 content as a string or an array of text parts; max_tokens / max_completion_tokens (the latter wins),
 temperature, top_p, seed, stop (string or array), stream, stream_options.include_usage, tools
-(passed to the chat template); non-standard ``top_k`` and ``chat_template_kwargs`` (as in vLLM).
+(passed to the chat template); non-standard ``top_k``, ``ignore_eos`` and ``chat_template_kwargs``
+(as in vLLM).
 Accepted and ignored for now: tool_choice, parallel_tool_calls, frequency/presence_penalty, user,
 metadata, store. Rejected with 400 (code unsupported): n > 1, logprobs, non-text content parts,
 response_format other than text.
@@ -200,6 +201,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     top_k = get_int(body, "top_k", lo=-1, default=0)  # -1 is vLLM's "disabled"
     seed = get_int(body, "seed")
     stop = get_string_list(body, "stop", allow_single=True)
+    ignore_eos = get_field(body, "ignore_eos", bool, default=False)
 
     stream = get_field(body, "stream", bool, default=False)
     stream_options = get_field(body, "stream_options", dict)
@@ -219,6 +221,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         top_k=max(top_k, 0),
         seed=seed,
         stop=stop,
+        ignore_eos=ignore_eos,
     )
     check_params(params)
     return ChatRequest(
@@ -318,7 +321,6 @@ async def chat_completions(request: Request) -> Response:
     chat.params.max_tokens = fit_context(
         len(prompt_ids), chat.max_tokens, engine.max_model_len, max_tokens_param=chat.max_tokens_param
     )
-    chat.params.stop_token_ids = list(engine.tokenizer.eos_token_ids)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = state.served_model_name

@@ -1,0 +1,266 @@
+"""Bad requests, unknown routes, API keys and client disconnects, against a real `ft serve` process.
+
+Every bad body must get HTTP 400 in the API's own error shape naming the field, and the server must
+stay healthy afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+from conftest import API_KEY, MAX_MODEL_LEN
+
+CHAT = "/v1/chat/completions"
+MESSAGES = "/v1/messages"
+USER = [{"role": "user", "content": "hi"}]
+LONG_TEXT = "hello " * (MAX_MODEL_LEN + 100)
+
+
+def _openai(**fields):
+    return json.dumps({"model": "m", "messages": USER, "max_tokens": 4, **fields}).encode()
+
+
+def _anthropic(**fields):
+    return json.dumps({"model": "m", "messages": USER, "max_tokens": 4, **fields}).encode()
+
+
+def _without(body: bytes, key: str) -> bytes:
+    value = json.loads(body)
+    del value[key]
+    return json.dumps(value).encode()
+
+
+def assert_openai_error(response: httpx.Response, status: int, *, mentions: str | None = None, code: str | None = None):
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert set(body) == {"error"}
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert isinstance(error["message"], str) and error["message"]
+    assert error["type"] == ("server_error" if status >= 500 else "invalid_request_error")
+    if mentions is not None:
+        assert mentions in error["message"] or mentions == error["param"], error
+    if code is not None:
+        assert error["code"] == code
+
+
+def assert_anthropic_error(
+    response: httpx.Response, status: int, error_type: str, *, mentions: str | None = None, code: str | None = None
+):
+    assert response.status_code == status, response.text
+    body = response.json()
+    assert body["type"] == "error"
+    assert body["error"]["type"] == error_type
+    assert isinstance(body["error"]["message"], str) and body["error"]["message"]
+    if mentions is not None:
+        assert mentions in body["error"]["message"], body
+    if code is not None:
+        assert body["error"]["code"] == code
+
+
+OPENAI_BAD = [
+    ("malformed json", b'{"model": "m", "messages": [', None, "invalid_json"),
+    ("empty body", b"", None, "invalid_json"),
+    ("not an object", b'["model"]', None, "invalid_json"),
+    ("missing messages", json.dumps({"model": "m"}).encode(), "messages", "missing_field"),
+    ("missing model", _without(_openai(), "model"), "model", "missing_field"),
+    ("empty messages", _openai(messages=[]), "messages", "invalid_value"),
+    ("messages not a list", _openai(messages="hi"), "messages", "invalid_type"),
+    ("message not an object", _openai(messages=["hi"]), "messages[0]", "invalid_type"),
+    ("missing role", _openai(messages=[{"content": "hi"}]), "messages[0].role", "missing_field"),
+    ("bad role", _openai(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role", "invalid_value"),
+    ("content wrong type", _openai(messages=[{"role": "user", "content": 5}]), "messages[0].content", "invalid_type"),
+    ("missing user content", _openai(messages=[{"role": "user"}]), "messages[0].content", "missing_field"),
+    ("image part", _openai(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+     "messages[0].content[0].type", "unsupported"),
+    ("tool without id", _openai(messages=[*USER, {"role": "tool", "content": "x"}]), "messages[1].tool_call_id",
+     "missing_field"),
+    ("temperature type", _openai(temperature="hot"), "temperature", "invalid_type"),
+    ("temperature range", _openai(temperature=3.5), "temperature", "invalid_value"),
+    ("negative temperature", _openai(temperature=-0.1), "temperature", "invalid_value"),
+    ("top_p zero", _openai(top_p=0), "top_p", "invalid_value"),
+    ("top_k negative", _openai(top_k=-7), "top_k", "invalid_value"),
+    ("max_tokens zero", _openai(max_tokens=0), "max_tokens", "invalid_value"),
+    ("max_tokens type", _openai(max_tokens="many"), "max_tokens", "invalid_type"),
+    ("max_tokens float", _openai(max_tokens=2.5), "max_tokens", "invalid_type"),
+    ("max_completion_tokens zero", _openai(max_completion_tokens=0), "max_completion_tokens", "invalid_value"),
+    ("stream type", _openai(stream="yes"), "stream", "invalid_type"),
+    ("stream_options without stream", _openai(stream_options={"include_usage": True}), "stream_options",
+     "invalid_value"),
+    ("stop type", _openai(stop=5), "stop", "invalid_type"),
+    ("stop item type", _openai(stop=["a", 5]), "stop[1]", "invalid_type"),
+    ("seed type", _openai(seed="x"), "seed", "invalid_type"),
+    ("n > 1", _openai(n=2), "n", "unsupported"),
+    ("prompt over context", _openai(messages=[{"role": "user", "content": LONG_TEXT}]), "messages",
+     "context_length_exceeded"),
+    ("prompt + max_tokens over context", _openai(max_tokens=MAX_MODEL_LEN), "max_tokens", "context_length_exceeded"),
+]
+
+
+@pytest.mark.parametrize(("body", "mentions", "code"), [case[1:] for case in OPENAI_BAD],
+                         ids=[case[0] for case in OPENAI_BAD])
+def test_openai_bad_requests(http, body, mentions, code):
+    response = http.post(CHAT, content=body, headers={"content-type": "application/json"})
+    assert_openai_error(response, 400, mentions=mentions, code=code)
+    if mentions is not None:
+        assert mentions in response.json()["error"]["message"]
+
+
+ANTHROPIC_BAD = [
+    ("malformed json", b"{nope", None, "invalid_json"),
+    ("not an object", b"42", None, "invalid_json"),
+    ("missing max_tokens", _without(_anthropic(), "max_tokens"), "max_tokens", "missing_field"),
+    ("missing messages", _without(_anthropic(), "messages"), "messages", "missing_field"),
+    ("missing model", _without(_anthropic(), "model"), "model", "missing_field"),
+    ("empty messages", _anthropic(messages=[]), "messages", "invalid_value"),
+    ("system role in messages", _anthropic(messages=[{"role": "system", "content": "x"}]), "messages[0].role",
+     "invalid_value"),
+    ("content wrong type", _anthropic(messages=[{"role": "user", "content": {"a": 1}}]), "messages[0].content",
+     "invalid_type"),
+    ("block without type", _anthropic(messages=[{"role": "user", "content": [{"text": "x"}]}]),
+     "messages[0].content[0].type", "missing_field"),
+    ("image block", _anthropic(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
+     "messages[0].content[0].type", "unsupported"),
+    ("system wrong type", _anthropic(system=7), "system", "invalid_type"),
+    ("temperature over 1", _anthropic(temperature=1.5), "temperature", "invalid_value"),
+    ("top_p type", _anthropic(top_p="x"), "top_p", "invalid_type"),
+    ("top_k negative", _anthropic(top_k=-1), "top_k", "invalid_value"),
+    ("max_tokens zero", _anthropic(max_tokens=0), "max_tokens", "invalid_value"),
+    ("max_tokens type", _anthropic(max_tokens="4"), "max_tokens", "invalid_type"),
+    ("stop_sequences type", _anthropic(stop_sequences="x"), "stop_sequences", "invalid_type"),
+    ("stream type", _anthropic(stream=1), "stream", "invalid_type"),
+    ("prompt over context", _anthropic(messages=[{"role": "user", "content": LONG_TEXT}]), "messages",
+     "context_length_exceeded"),
+    ("prompt + max_tokens over context", _anthropic(max_tokens=MAX_MODEL_LEN), "max_tokens",
+     "context_length_exceeded"),
+]
+
+
+@pytest.mark.parametrize(("body", "mentions", "code"), [case[1:] for case in ANTHROPIC_BAD],
+                         ids=[case[0] for case in ANTHROPIC_BAD])
+def test_anthropic_bad_requests(http, body, mentions, code):
+    response = http.post(MESSAGES, content=body, headers={"anthropic-version": "2023-06-01"})
+    assert_anthropic_error(response, 400, "invalid_request_error", mentions=mentions, code=code)
+
+
+def test_count_tokens_bad_request(http):
+    response = http.post(MESSAGES + "/count_tokens", content=b'{"model": "m", "messages": []}')
+    assert_anthropic_error(response, 400, "invalid_request_error", mentions="messages")
+
+
+def test_server_healthy_after_bad_requests(http, openai_client):
+    for body in (b"{", b"[]", _openai(temperature=9), _openai(max_tokens=MAX_MODEL_LEN)):
+        assert http.post(CHAT, content=body).status_code == 400
+    assert http.get("/health").status_code == 200
+    response = openai_client.chat.completions.create(model="m", messages=USER, max_tokens=2)
+    assert response.choices[0].finish_reason in ("stop", "length")
+
+
+def test_sdks_raise_bad_request(openai_client, anthropic_client):
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client.chat.completions.create(model="m", messages=USER, max_tokens=2, temperature=7)
+    assert info.value.code == "invalid_value"
+    assert info.value.param == "temperature"
+    with pytest.raises(anthropic.BadRequestError) as info:
+        anthropic_client.messages.create(model="m", messages=USER, max_tokens=MAX_MODEL_LEN * 2)
+    assert "max_tokens" in str(info.value)
+
+
+def test_unknown_routes_and_methods(http):
+    assert_openai_error(http.get("/v1/nothing"), 404, code="unknown_url")
+    assert_openai_error(http.post("/v2/chat/completions", json={}), 404, code="unknown_url")
+    assert_anthropic_error(http.post("/v1/messages/nothing", json={}), 404, "not_found_error", code="unknown_url")
+    assert_anthropic_error(
+        http.get("/v1/other", headers={"anthropic-version": "2023-06-01"}), 404, "not_found_error"
+    )
+    assert_openai_error(http.get(CHAT), 405, code="method_not_allowed")
+    assert_anthropic_error(http.get(MESSAGES), 405, "invalid_request_error", code="method_not_allowed")
+    assert_openai_error(http.get("/v1/models/not-this-one"), 404, code="model_not_found")
+
+
+def _engine_idle(http) -> bool:
+    stats = http.get("/health").json().get("engine") or {}
+    return stats.get("num_running", 0) == 0 and stats.get("num_waiting", 0) == 0
+
+
+def _wait_idle(http, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if _engine_idle(http):
+            return
+        time.sleep(0.05)
+    pytest.fail(f"the engine still runs requests after the client left: {http.get('/health').json()}")
+
+
+@pytest.mark.parametrize("path", [CHAT, MESSAGES])
+def test_client_disconnect_mid_stream_aborts(server, http, path):
+    body = {"model": "m", "messages": USER, "max_tokens": MAX_MODEL_LEN // 2, "stream": True, "temperature": 0,
+            "ignore_eos": True}
+    with httpx.Client(base_url=server.base_url, timeout=30.0) as client:
+        with client.stream("POST", path, json=body) as response:
+            assert response.status_code == 200
+            data = []
+            for line in response.iter_lines():
+                if line.startswith("data:"):
+                    data.append(json.loads(line[len("data:"):]))
+                if len(data) >= 5:
+                    break
+    first = data[0]
+    request_id = first["message"]["id"] if path == MESSAGES else first["id"]
+    _wait_idle(http)
+    assert f"request {request_id}: closed before it finished" in server.log_tail(1_000_000)
+    assert http.get("/health").status_code == 200
+
+
+def test_client_disconnect_non_streaming_aborts(server, http):
+    body = {"model": "m", "messages": USER, "max_tokens": MAX_MODEL_LEN // 2, "temperature": 0, "ignore_eos": True}
+    num_aborted = server.log_tail(1_000_000).count("closed before it finished")
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base_url + CHAT, json=body, timeout=0.5)
+    _wait_idle(http)
+    deadline = time.monotonic() + 10.0
+    while server.log_tail(1_000_000).count("closed before it finished") == num_aborted:
+        assert time.monotonic() < deadline, "the server did not abort the request of a client that left"
+        time.sleep(0.05)
+
+
+class TestApiKey:
+    """A server started with --api-key."""
+
+    def test_health_stays_open(self, keyed_server):
+        assert httpx.get(keyed_server.base_url + "/health").status_code == 200
+
+    def test_missing_or_wrong_key(self, keyed_server):
+        base = keyed_server.base_url
+        assert_openai_error(httpx.get(base + "/v1/models"), 401, code="invalid_api_key")
+        assert_openai_error(
+            httpx.post(base + CHAT, content=_openai(), headers={"Authorization": "Bearer wrong"}), 401,
+            code="invalid_api_key",
+        )
+        assert_anthropic_error(httpx.post(base + MESSAGES, content=_anthropic()), 401, "authentication_error")
+        assert_anthropic_error(
+            httpx.post(base + MESSAGES, content=_anthropic(), headers={"x-api-key": "wrong"}), 401,
+            "authentication_error",
+        )
+
+    def test_right_key_both_headers(self, keyed_server):
+        base = keyed_server.base_url
+        assert httpx.get(base + "/v1/models", headers={"Authorization": f"Bearer {API_KEY}"}).status_code == 200
+        assert httpx.get(base + "/v1/models", headers={"x-api-key": API_KEY}).status_code == 200
+
+    def test_sdks_with_key(self, keyed_server):
+        good = openai.OpenAI(base_url=keyed_server.base_url + "/v1", api_key=API_KEY, max_retries=0)
+        assert good.chat.completions.create(model="m", messages=USER, max_tokens=2).usage.completion_tokens >= 1
+        bad = openai.OpenAI(base_url=keyed_server.base_url + "/v1", api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        good = anthropic.Anthropic(base_url=keyed_server.base_url, api_key=API_KEY, max_retries=0)
+        assert good.messages.create(model="m", messages=USER, max_tokens=2).usage.output_tokens >= 1
+        bad = anthropic.Anthropic(base_url=keyed_server.base_url, api_key="nope", max_retries=0)
+        with pytest.raises(anthropic.AuthenticationError):
+            bad.messages.create(model="m", messages=USER, max_tokens=2)

@@ -1,0 +1,181 @@
+"""OpenAI chat completions against a real `ft serve` process, through the official SDK."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from conftest import MAX_MODEL_LEN, SERVED_MODEL_NAME
+
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+def _greedy(openai_client, messages=HELLO, **kwargs):
+    kwargs.setdefault("max_tokens", 8)
+    return openai_client.chat.completions.create(
+        model="any-name", messages=messages, temperature=0, **kwargs
+    )
+
+
+def test_health_and_models(http, openai_client):
+    health = http.get("/health")
+    assert health.status_code == 200
+    assert health.json()["status"] == "ok"
+    models = openai_client.models.list()
+    assert [m.id for m in models.data] == [SERVED_MODEL_NAME]
+    assert models.data[0].object == "model"
+    raw = http.get("/v1/models").json()
+    assert raw["object"] == "list"
+    assert raw["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert openai_client.models.retrieve(SERVED_MODEL_NAME).id == SERVED_MODEL_NAME
+
+
+def test_non_streaming_shape(openai_client, demo_tokenizer):
+    before = int(time.time())
+    response = _greedy(openai_client, max_tokens=4)
+    assert response.id.startswith("chatcmpl-")
+    assert response.object == "chat.completion"
+    assert response.model == SERVED_MODEL_NAME  # any requested name is accepted; the served one is echoed
+    assert before - 1 <= response.created <= time.time() + 1
+    choice = response.choices[0]
+    assert choice.index == 0
+    assert choice.message.role == "assistant"
+    assert isinstance(choice.message.content, str)
+    assert choice.finish_reason in ("stop", "length")
+    usage = response.usage
+    prompt = demo_tokenizer.apply_chat_template(HELLO, add_generation_prompt=True)
+    assert usage.prompt_tokens == len(demo_tokenizer.encode(prompt))
+    assert 1 <= usage.completion_tokens <= 4
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    if choice.finish_reason == "length":
+        assert usage.completion_tokens == 4
+
+
+def test_max_tokens_gives_length(openai_client):
+    response = _greedy(openai_client, max_tokens=3, extra_body={"ignore_eos": True})
+    assert response.choices[0].finish_reason == "length"
+    assert response.usage.completion_tokens == 3
+    response = openai_client.chat.completions.create(
+        model="m", messages=HELLO, temperature=0, max_completion_tokens=2
+    )
+    assert response.usage.completion_tokens <= 2
+
+
+def test_streaming_matches_non_streaming(openai_client):
+    full = _greedy(openai_client, max_tokens=12)
+    stream = _greedy(openai_client, max_tokens=12, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    ids = {c.id for c in chunks}
+    assert len(ids) == 1 and ids.pop().startswith("chatcmpl-")
+    assert all(c.object == "chat.completion.chunk" and c.model == SERVED_MODEL_NAME for c in chunks)
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices[0].finish_reason is not None
+    assert all(c.usage is None for c in chunks)  # no usage chunk unless asked
+    text = "".join(c.choices[0].delta.content or "" for c in chunks)
+    assert text == full.choices[0].message.content
+
+
+def test_streaming_include_usage(openai_client):
+    full = _greedy(openai_client, max_tokens=5)
+    chunks = list(_greedy(openai_client, max_tokens=5, stream=True, stream_options={"include_usage": True}))
+    last = chunks[-1]
+    assert last.choices == []
+    assert last.usage.prompt_tokens == full.usage.prompt_tokens
+    assert last.usage.completion_tokens == full.usage.completion_tokens
+    assert last.usage.total_tokens == full.usage.total_tokens
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_raw_stream_framing(http, parse_sse):
+    body = {"model": "m", "messages": HELLO, "max_tokens": 6, "temperature": 0, "stream": True}
+    with http.stream("POST", "/v1/chat/completions", json=body) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read()
+    events = parse_sse(raw)
+    assert events[-1] == (None, "[DONE]")
+    for name, data in events[:-1]:
+        assert name is None
+        assert json.loads(data)["object"] == "chat.completion.chunk"
+
+
+def test_stop_strings(openai_client):
+    text = _greedy(openai_client, max_tokens=16, extra_body={"ignore_eos": True}).choices[0].message.content
+    assert len(text) >= 6, text
+    stop = text[3:6]
+    cut = text[: text.index(stop)]
+    for stop_arg in (stop, [stop, "never-appears-zzz"]):
+        response = _greedy(openai_client, max_tokens=16, stop=stop_arg, extra_body={"ignore_eos": True})
+        assert response.choices[0].finish_reason == "stop"
+        assert response.choices[0].message.content == cut
+    streamed = _greedy(openai_client, max_tokens=16, stop=[stop], stream=True, extra_body={"ignore_eos": True})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == cut
+
+
+def test_seed_reproducible(openai_client):
+    def sample(seed):
+        return openai_client.chat.completions.create(
+            model="m", messages=HELLO, max_tokens=8, temperature=1.0, top_p=0.9, seed=seed,
+            extra_body={"top_k": 50},
+        ).choices[0].message.content
+
+    assert sample(1234) == sample(1234)
+
+
+def test_roles_and_content_parts(openai_client, demo_tokenizer):
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "developer", "content": [{"type": "text", "text": "Answer in English."}]},
+        {"role": "user", "content": [{"type": "text", "text": "What is"}, {"type": "text", "text": "the weather?"}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {"id": "call_1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+        {"role": "assistant", "content": "Sunny."},
+        {"role": "user", "content": "Thanks."},
+    ]
+    tools = [{
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
+    }]
+    response = openai_client.chat.completions.create(
+        model="m", messages=messages, tools=tools, max_tokens=3, temperature=0
+    )
+    assert response.choices[0].finish_reason in ("stop", "length")
+    # The prompt is what the chat template renders, tools included.
+    expected = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "system", "content": "Answer in English."},
+        {"role": "user", "content": "What is\nthe weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        ]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+        {"role": "assistant", "content": "Sunny."},
+        {"role": "user", "content": "Thanks."},
+    ]
+    prompt = demo_tokenizer.apply_chat_template(expected, tools=tools, add_generation_prompt=True)
+    assert "get_weather" in prompt
+    assert response.usage.prompt_tokens == len(demo_tokenizer.encode(prompt))
+
+
+def test_utf8_streaming(http, parse_sse):
+    """Every streamed event decodes as UTF-8 on its own (parse_sse checks), and deltas join to the whole text."""
+    body = {"model": "m", "messages": [{"role": "user", "content": "Écris « héllo » 🙂 en 中文"}],
+            "max_tokens": 24, "temperature": 0}
+    full = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+    with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
+        events = parse_sse(response.read())
+    deltas = [json.loads(data)["choices"][0]["delta"].get("content") or "" for _, data in events[:-1]]
+    assert "".join(deltas) == full
