@@ -103,7 +103,7 @@ class ModelConfig:
             num_key_value_heads=int(get("num_key_value_heads", heads)),
             head_dim=int(get("head_dim", hidden // heads)),
             # transformers >= 5 writes num_local_experts, the released checkpoints num_experts.
-            num_experts=int(raw.get("num_experts", get("num_local_experts"))),
+            num_experts=int(get("num_experts") if "num_experts" in raw else get("num_local_experts")),
             num_experts_per_tok=int(get("num_experts_per_tok")),
             norm_topk_prob=bool(get("norm_topk_prob", False, required=False)),
             decoder_sparse_step=int(get("decoder_sparse_step", 1)),

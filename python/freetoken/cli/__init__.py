@@ -1,0 +1,1 @@
+"""The `ft` command line."""

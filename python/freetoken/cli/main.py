@@ -1,0 +1,42 @@
+"""`ft`: freetoken's command line. Each verb lives in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from freetoken import __version__
+from freetoken.cli import serve
+from freetoken.cli.logs import setup_logging
+
+log = logging.getLogger("freetoken.cli")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ft", description="freetoken: serve MoE LLMs bigger than the GPU")
+    parser.add_argument("--version", action="version", version=f"freetoken {__version__}")
+    parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `ft`. Known user errors print one line to stderr and exit 2, never a traceback."""
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level)
+    from freetoken.config import ConfigError
+    from freetoken.models.loader import CheckpointError
+
+    try:
+        return args.func(args)
+    except (FileNotFoundError, ConfigError, CheckpointError, ValueError) as e:
+        print(f"ft {args.command}: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

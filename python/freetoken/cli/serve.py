@@ -1,0 +1,96 @@
+"""`ft serve`: load a model and serve the OpenAI and Anthropic APIs on 127.0.0.1:1919."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import fields
+from pathlib import Path
+
+from freetoken.config import EngineConfig
+
+log = logging.getLogger("freetoken.cli")
+
+DEMO = "demo"
+
+_HELP = {
+    "device": "compute device: cpu, cuda or cuda:N",
+    "dtype": "weight and compute dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16",
+    "max_num_seqs": "most requests decoding in one batch",
+    "max_prefill_tokens": "most tokens run in one step; longer prompts are prefilled in chunks",
+    "max_model_len": "context length in tokens (prompt + output); 0 = the model's max_position_embeddings",
+    "kv_block_size": "tokens per paged KV-cache block",
+    "kv_cache_tokens": "KV-cache capacity in tokens over all requests; 0 = max_num_seqs full contexts",
+    "kv_cache_gb": "most memory the KV cache may take, in GB",
+    "moe_backend": "where routed experts run: fused (all on the compute device)",
+    "dummy_weights": "random weights (seeded) from config.json instead of the safetensors files",
+    "seed": "seed of dummy weights and of requests that give no seed",
+}
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per `EngineConfig` field (`--max-num-seqs` …), with its default."""
+    defaults = EngineConfig()
+    for f in fields(EngineConfig):
+        flag = "--" + f.name.replace("_", "-")
+        default = getattr(defaults, f.name)
+        if isinstance(default, bool):
+            parser.add_argument(flag, action="store_true", help=_HELP[f.name])
+        else:
+            parser.add_argument(flag, type=type(default), default=default, help=f"{_HELP[f.name]} (default: {default})")
+    parser.set_defaults(moe_backend="fused")
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The `EngineConfig` of parsed flags."""
+    return EngineConfig(**{f.name: getattr(args, f.name) for f in fields(EngineConfig)})
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "serve",
+        help="serve a model over the OpenAI and Anthropic HTTP APIs",
+        description="Load a model directory (Hugging Face layout: config.json, safetensors, tokenizer) and serve "
+        "/v1/chat/completions, /v1/messages and /v1/models. --model demo builds and caches a tiny random-weight "
+        "Qwen3-MoE with Qwen's real tokenizer, without network.",
+    )
+    p.add_argument("--model", required=True, help=f"model directory, or {DEMO!r} for the built-in tiny model")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=1919, help="port (default: 1919)")
+    p.add_argument("--served-model-name", default=None, help="model name in the APIs (default: the directory name)")
+    p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer or x-api-key)")
+    add_engine_args(p)
+    p.set_defaults(func=run)
+
+
+def resolve_model_dir(model: str) -> Path:
+    """`--model` value -> a model directory; builds the demo checkpoint for "demo". Raises SystemExit with a
+    message that says what to change when the directory is not usable."""
+    if model == DEMO:
+        from freetoken.models.demo import demo_checkpoint_dir
+
+        return demo_checkpoint_dir()
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise SystemExit(f"ft serve: --model {model!r} is not a directory (give a model directory, or --model {DEMO})")
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"ft serve: {path} has no config.json; is it a Hugging Face model directory?")
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    from freetoken.engine import AsyncEngine, LLMEngine
+    from freetoken.server.app import run_server
+
+    if not 0 < args.port < 65536:
+        raise SystemExit(f"ft serve: --port {args.port} is not a valid port (1..65535)")
+    cfg = engine_config(args)
+    model_dir = resolve_model_dir(args.model)
+    name = args.served_model_name or (DEMO if args.model == DEMO else model_dir.name)
+    log.info("loading %s on %s (%s)", model_dir, cfg.device, "dummy weights" if cfg.dummy_weights else "safetensors")
+    engine = LLMEngine.from_dir(model_dir, cfg)
+    if engine.tokenizer is None:
+        raise SystemExit(f"ft serve: {model_dir} has no tokenizer.json; the chat APIs need one")
+    log.info("serving %r on http://%s:%d", name, args.host, args.port)
+    run_server(AsyncEngine(engine, name), host=args.host, port=args.port, served_model_name=name, api_key=args.api_key)
+    return 0
