@@ -1,0 +1,356 @@
+//! Matrix-vector kernels over bf16 weights: `out[t, r] = Σ_c W[r, c] · x[t, c]`, fp32 accumulation.
+//!
+//! Variants, chosen at run time ([`Isa::detect`]):
+//! - [`Isa::Avx512Bf16`]: `vdpbf16ps` on 32 bf16 pairs per instruction; `x` is rounded to bf16
+//!   first (the weights are bf16 already), products are exact and summed in fp32.
+//! - [`Isa::Avx2`]: weights widened to fp32 (`vpmovzxwd` + shift), `x` in fp32, FMA.
+//! - [`Isa::Scalar`]: the reference, fp32 `x`, one row at a time.
+//!
+//! All three block 4 rows x up to 4 tokens so one pass over a weight row serves every token of
+//! the block (the weight block stays in L1 while the token blocks loop), and handle any `cols`
+//! (masked / scalar tails). Tests: `cargo test -p freetoken-core cpu::`; bench:
+//! `cargo bench -p freetoken-core --bench cpu_kernel`.
+use crate::bf16::bf16_to_f32;
+
+/// An instruction-set path of the CPU expert kernels.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum Isa {
+    /// Portable reference.
+    Scalar,
+    /// AVX2 + FMA (x86-64-v3).
+    Avx2,
+    /// AVX-512F/BW + AVX512_BF16.
+    Avx512Bf16,
+}
+
+impl Isa {
+    /// Name as used by the Python API: `scalar`, `avx2`, `avx512_bf16`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Scalar => "scalar",
+            Self::Avx2 => "avx2",
+            Self::Avx512Bf16 => "avx512_bf16",
+        }
+    }
+
+    /// Parses [`Isa::name`].
+    pub fn from_name(s: &str) -> Option<Self> {
+        [Self::Scalar, Self::Avx2, Self::Avx512Bf16].into_iter().find(|i| i.name() == s)
+    }
+
+    /// Whether this CPU can run the path.
+    pub fn supported(self) -> bool {
+        match self {
+            Self::Scalar => true,
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
+            #[cfg(target_arch = "x86_64")]
+            Self::Avx512Bf16 => {
+                is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512bf16")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => false,
+        }
+    }
+
+    /// Every path this CPU supports, slowest first.
+    pub fn all_supported() -> Vec<Self> {
+        [Self::Scalar, Self::Avx2, Self::Avx512Bf16].into_iter().filter(|i| i.supported()).collect()
+    }
+
+    /// The fastest supported path.
+    pub fn detect() -> Self {
+        *Self::all_supported().last().unwrap_or(&Self::Scalar)
+    }
+
+    /// Whether the path reads activations as bf16 (else fp32).
+    pub fn wants_bf16(self) -> bool {
+        self == Self::Avx512Bf16
+    }
+}
+
+/// Activations of `n_tok` tokens, `[n_tok, cols]` row-major, in the format the path wants.
+#[derive(Clone, Copy)]
+pub enum Act<'a> {
+    /// fp32 (scalar, AVX2).
+    F32(&'a [f32]),
+    /// bf16 bits (AVX-512-BF16).
+    Bf16(&'a [u16]),
+}
+
+/// `out[t * ldo + (r - r0)] = Σ_c w[r * cols + c] · x[t * cols + c]` for `r in r0..r1`, `t < n_tok`.
+///
+/// `w` holds the whole `[rows, cols]` matrix; `x` must match `isa.wants_bf16()`.
+/// Panics (via slice indexing) if the slices are too short; never reads out of bounds.
+#[allow(clippy::too_many_arguments)]
+pub fn gemv(isa: Isa, w: &[u16], cols: usize, r0: usize, r1: usize, x: Act<'_>, n_tok: usize, out: &mut [f32], ldo: usize) {
+    assert!(r1 * cols <= w.len() && r0 <= r1);
+    assert!(n_tok == 0 || (n_tok - 1) * ldo + (r1 - r0) <= out.len());
+    match (isa, x) {
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512Bf16, Act::Bf16(x)) if isa.supported() => {
+            assert!(n_tok * cols <= x.len());
+            // SAFETY: feature support checked; bounds asserted above.
+            unsafe { avx512::gemv(w.as_ptr(), cols, r0, r1, x.as_ptr(), n_tok, out.as_mut_ptr(), ldo) }
+        }
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, Act::F32(x)) if isa.supported() => {
+            assert!(n_tok * cols <= x.len());
+            // SAFETY: feature support checked; bounds asserted above.
+            unsafe { avx2::gemv(w.as_ptr(), cols, r0, r1, x.as_ptr(), n_tok, out.as_mut_ptr(), ldo) }
+        }
+        (_, Act::F32(x)) => scalar(w, cols, r0, r1, x, n_tok, out, ldo),
+        (_, Act::Bf16(x)) => {
+            let xf: Vec<f32> = x.iter().map(|&v| bf16_to_f32(v)).collect();
+            scalar(w, cols, r0, r1, &xf, n_tok, out, ldo)
+        }
+    }
+}
+
+/// The reference: one row, one token at a time, fp32.
+#[allow(clippy::too_many_arguments)]
+fn scalar(w: &[u16], cols: usize, r0: usize, r1: usize, x: &[f32], n_tok: usize, out: &mut [f32], ldo: usize) {
+    for r in r0..r1 {
+        let row = &w[r * cols..(r + 1) * cols];
+        for t in 0..n_tok {
+            let xt = &x[t * cols..(t + 1) * cols];
+            let mut acc = 0.0f32;
+            for c in 0..cols {
+                acc += bf16_to_f32(row[c]) * xt[c];
+            }
+            out[t * ldo + r - r0] = acc;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// R rows x T tokens block; `out[t][r]`.
+    #[inline(always)]
+    unsafe fn block<const R: usize, const T: usize>(w: [*const u16; R], x: [*const u16; T], cols: usize) -> [[f32; R]; T] {
+        // SAFETY: the caller guarantees `cols` readable elements behind every pointer; the tail
+        // uses masked loads, which do not touch masked-off bytes.
+        unsafe {
+            let mut acc = [[_mm512_setzero_ps(); R]; T];
+            let mut c = 0;
+            while c + 32 <= cols {
+                let mut wv = [_mm512_setzero_si512(); R];
+                for r in 0..R {
+                    wv[r] = _mm512_loadu_si512(w[r].add(c) as *const _);
+                }
+                for t in 0..T {
+                    let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(x[t].add(c) as *const _));
+                    for r in 0..R {
+                        acc[t][r] = _mm512_dpbf16_ps(acc[t][r], std::mem::transmute::<__m512i, __m512bh>(wv[r]), xv);
+                    }
+                }
+                c += 32;
+            }
+            if c < cols {
+                let m: __mmask32 = (1u32 << (cols - c)) - 1;
+                let mut wv = [_mm512_setzero_si512(); R];
+                for r in 0..R {
+                    wv[r] = _mm512_maskz_loadu_epi16(m, w[r].add(c) as *const i16);
+                }
+                for t in 0..T {
+                    let xv: __m512bh = std::mem::transmute(_mm512_maskz_loadu_epi16(m, x[t].add(c) as *const i16));
+                    for r in 0..R {
+                        acc[t][r] = _mm512_dpbf16_ps(acc[t][r], std::mem::transmute::<__m512i, __m512bh>(wv[r]), xv);
+                    }
+                }
+            }
+            let mut out = [[0.0f32; R]; T];
+            for t in 0..T {
+                for r in 0..R {
+                    out[t][r] = _mm512_reduce_add_ps(acc[t][r]);
+                }
+            }
+            out
+        }
+    }
+
+    #[inline(always)]
+    #[allow(unused_assignments)]
+    unsafe fn rows<const R: usize>(w: *const u16, cols: usize, r: usize, x: *const u16, n_tok: usize, out: *mut f32, ldo: usize, o: usize) {
+        // SAFETY: forwarded bounds from `gemv`.
+        unsafe {
+            let wp: [*const u16; R] = std::array::from_fn(|i| w.add((r + i) * cols));
+            let mut t = 0;
+            macro_rules! tok {
+                ($T:literal) => {{
+                    let xp: [*const u16; $T] = std::array::from_fn(|j| x.add((t + j) * cols));
+                    let v = block::<R, $T>(wp, xp, cols);
+                    for j in 0..$T {
+                        for i in 0..R {
+                            *out.add((t + j) * ldo + o + i) = v[j][i];
+                        }
+                    }
+                    t += $T;
+                }};
+            }
+            while t + 4 <= n_tok {
+                tok!(4);
+            }
+            match n_tok - t {
+                3 => tok!(3),
+                2 => tok!(2),
+                1 => tok!(1),
+                _ => {}
+            }
+        }
+    }
+
+    /// See [`super::gemv`].
+    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemv(w: *const u16, cols: usize, r0: usize, r1: usize, x: *const u16, n_tok: usize, out: *mut f32, ldo: usize) {
+        let mut r = r0;
+        // SAFETY: rows r0..r1 of w and n_tok rows of x are in bounds (asserted by the caller).
+        unsafe {
+            while r + 4 <= r1 {
+                rows::<4>(w, cols, r, x, n_tok, out, ldo, r - r0);
+                r += 4;
+            }
+            while r < r1 {
+                rows::<1>(w, cols, r, x, n_tok, out, ldo, r - r0);
+                r += 1;
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn widen(p: *const u16) -> __m256 {
+        // SAFETY: caller guarantees 8 readable u16 at p.
+        unsafe { _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)), 16)) }
+    }
+
+    #[inline(always)]
+    unsafe fn hsum(v: __m256) -> f32 {
+        // SAFETY: register-only intrinsics.
+        unsafe {
+            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+            _mm_cvtss_f32(s)
+        }
+    }
+
+    #[inline(always)]
+    unsafe fn block<const R: usize, const T: usize>(w: [*const u16; R], x: [*const f32; T], cols: usize) -> [[f32; R]; T] {
+        // SAFETY: `cols` readable elements behind each pointer; the vector loop stops at the
+        // last full 8-element group and the tail is scalar.
+        unsafe {
+            let mut acc = [[_mm256_setzero_ps(); R]; T];
+            let mut c = 0;
+            while c + 8 <= cols {
+                let mut wv = [_mm256_setzero_ps(); R];
+                for r in 0..R {
+                    wv[r] = widen(w[r].add(c));
+                }
+                for t in 0..T {
+                    let xv = _mm256_loadu_ps(x[t].add(c));
+                    for r in 0..R {
+                        acc[t][r] = _mm256_fmadd_ps(wv[r], xv, acc[t][r]);
+                    }
+                }
+                c += 8;
+            }
+            let mut out = [[0.0f32; R]; T];
+            for t in 0..T {
+                for r in 0..R {
+                    let mut s = hsum(acc[t][r]);
+                    for cc in c..cols {
+                        s += f32::from_bits((*w[r].add(cc) as u32) << 16) * *x[t].add(cc);
+                    }
+                    out[t][r] = s;
+                }
+            }
+            out
+        }
+    }
+
+    #[inline(always)]
+    #[allow(unused_assignments)]
+    unsafe fn rows<const R: usize>(w: *const u16, cols: usize, r: usize, x: *const f32, n_tok: usize, out: *mut f32, ldo: usize, o: usize) {
+        // SAFETY: forwarded bounds from `gemv`.
+        unsafe {
+            let wp: [*const u16; R] = std::array::from_fn(|i| w.add((r + i) * cols));
+            let mut t = 0;
+            macro_rules! tok {
+                ($T:literal) => {{
+                    let xp: [*const f32; $T] = std::array::from_fn(|j| x.add((t + j) * cols));
+                    let v = block::<R, $T>(wp, xp, cols);
+                    for j in 0..$T {
+                        for i in 0..R {
+                            *out.add((t + j) * ldo + o + i) = v[j][i];
+                        }
+                    }
+                    t += $T;
+                }};
+            }
+            while t + 3 <= n_tok {
+                tok!(3);
+            }
+            match n_tok - t {
+                2 => tok!(2),
+                1 => tok!(1),
+                _ => {}
+            }
+        }
+    }
+
+    /// See [`super::gemv`].
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemv(w: *const u16, cols: usize, r0: usize, r1: usize, x: *const f32, n_tok: usize, out: *mut f32, ldo: usize) {
+        let mut r = r0;
+        // SAFETY: rows r0..r1 of w and n_tok rows of x are in bounds (asserted by the caller).
+        unsafe {
+            while r + 4 <= r1 {
+                rows::<4>(w, cols, r, x, n_tok, out, ldo, r - r0);
+                r += 4;
+            }
+            while r < r1 {
+                rows::<1>(w, cols, r, x, n_tok, out, ldo, r - r0);
+                r += 1;
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::bf16::f32_to_bf16;
+    use crate::pool::SplitMix64;
+
+    #[test]
+    fn every_path_matches_scalar() {
+        let mut rng = SplitMix64::new(3);
+        for &(rows, cols, n_tok) in &[(1, 1, 1), (7, 33, 5), (13, 511, 4), (8, 64, 9), (5, 100, 2)] {
+            let w: Vec<u16> = (0..rows * cols).map(|_| f32_to_bf16(rng.next_f64() as f32 - 0.5)).collect();
+            let x: Vec<f32> = (0..n_tok * cols).map(|_| rng.next_f64() as f32 - 0.5).collect();
+            let xb: Vec<u16> = x.iter().map(|&v| f32_to_bf16(v)).collect();
+            let xr: Vec<f32> = xb.iter().map(|&v| bf16_to_f32(v)).collect();
+            let (r0, r1) = (rows / 3, rows);
+            let ldo = rows + 3;
+            let mut want = vec![0.0; n_tok * ldo];
+            scalar(&w, cols, r0, r1, &xr, n_tok, &mut want, ldo);
+            for isa in Isa::all_supported() {
+                let mut got = vec![0.0; n_tok * ldo];
+                let act = if isa.wants_bf16() { Act::Bf16(&xb) } else { Act::F32(&xr) };
+                gemv(isa, &w, cols, r0, r1, act, n_tok, &mut got, ldo);
+                for (a, b) in got.iter().zip(&want) {
+                    assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()) * (cols as f32).sqrt(), "{isa:?} {rows}x{cols}x{n_tok}: {a} vs {b}");
+                }
+            }
+        }
+    }
+}
