@@ -17,11 +17,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import anthropic
+import freetoken
 import httpx
 import openai
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 SERVED_MODEL_NAME = "freetoken-test"
 MAX_MODEL_LEN = 512
 API_KEY = "test-key-7d1f"
@@ -72,7 +72,9 @@ def start_server(log_dir: Path, *extra_args: str) -> ServerProcess:
     model_dir = demo_checkpoint_dir()
     port = free_port()
     env = os.environ.copy()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT / "python"), env.get("PYTHONPATH")]))
+    # The server imports the same freetoken as this process (the installed one, or the source tree).
+    package_root = str(Path(freetoken.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     cmd = [
         sys.executable, "-m", "freetoken.cli.main", "serve",
         "--model", str(model_dir),

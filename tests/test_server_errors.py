@@ -183,24 +183,44 @@ def test_unknown_routes_and_methods(http):
     assert_openai_error(http.get("/v1/models/not-this-one"), 404, code="model_not_found")
 
 
-def _engine_idle(http) -> bool:
-    stats = http.get("/health").json().get("engine") or {}
-    return stats.get("num_running", 0) == 0 and stats.get("num_waiting", 0) == 0
+def _engine_steps(http) -> int:
+    return http.get("/health").json()["engine"]["num_steps"]
 
 
-def _wait_idle(http, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if _engine_idle(http):
-            return
+def _assert_aborted(http, steps_before: int, budget: int) -> None:
+    """The engine stops stepping well before `budget` tokens: the request was aborted, not finished.
+
+    (The engine's stats are a snapshot from its last step, so "steps stopped growing" is the signal.)
+    """
+    deadline = time.monotonic() + 20.0
+    steps = _engine_steps(http)
+    while True:
+        time.sleep(0.5)
+        now = _engine_steps(http)
+        if now == steps:
+            break
+        assert time.monotonic() < deadline, "the engine kept stepping after the client left"
+        steps = now
+    assert steps - steps_before < budget // 2, f"{steps - steps_before} steps for a budget of {budget}"
+
+
+def _wait_for_log(server, needle: str, count_before: int) -> None:
+    deadline = time.monotonic() + 10.0
+    while server.log_tail(1_000_000).count(needle) <= count_before:
+        assert time.monotonic() < deadline, f"no {needle!r} in the server log"
         time.sleep(0.05)
-    pytest.fail(f"the engine still runs requests after the client left: {http.get('/health').json()}")
+
+
+ABORTED = "closed before it finished"
+BUDGET = MAX_MODEL_LEN - 64
 
 
 @pytest.mark.parametrize("path", [CHAT, MESSAGES])
 def test_client_disconnect_mid_stream_aborts(server, http, path):
-    body = {"model": "m", "messages": USER, "max_tokens": MAX_MODEL_LEN // 2, "stream": True, "temperature": 0,
+    body = {"model": "m", "messages": USER, "max_tokens": BUDGET, "stream": True, "temperature": 0,
             "ignore_eos": True}
+    steps_before = _engine_steps(http)
+    num_aborted = server.log_tail(1_000_000).count(ABORTED)
     with httpx.Client(base_url=server.base_url, timeout=30.0) as client:
         with client.stream("POST", path, json=body) as response:
             assert response.status_code == 200
@@ -212,21 +232,20 @@ def test_client_disconnect_mid_stream_aborts(server, http, path):
                     break
     first = data[0]
     request_id = first["message"]["id"] if path == MESSAGES else first["id"]
-    _wait_idle(http)
-    assert f"request {request_id}: closed before it finished" in server.log_tail(1_000_000)
+    _wait_for_log(server, ABORTED, num_aborted)
+    assert f"request {request_id}: {ABORTED}" in server.log_tail(1_000_000)
+    _assert_aborted(http, steps_before, BUDGET)
     assert http.get("/health").status_code == 200
 
 
 def test_client_disconnect_non_streaming_aborts(server, http):
-    body = {"model": "m", "messages": USER, "max_tokens": MAX_MODEL_LEN // 2, "temperature": 0, "ignore_eos": True}
-    num_aborted = server.log_tail(1_000_000).count("closed before it finished")
+    body = {"model": "m", "messages": USER, "max_tokens": BUDGET, "temperature": 0, "ignore_eos": True}
+    steps_before = _engine_steps(http)
+    num_aborted = server.log_tail(1_000_000).count(ABORTED)
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.base_url + CHAT, json=body, timeout=0.5)
-    _wait_idle(http)
-    deadline = time.monotonic() + 10.0
-    while server.log_tail(1_000_000).count("closed before it finished") == num_aborted:
-        assert time.monotonic() < deadline, "the server did not abort the request of a client that left"
-        time.sleep(0.05)
+        httpx.post(server.base_url + CHAT, json=body, timeout=0.3)
+    _wait_for_log(server, ABORTED, num_aborted)
+    _assert_aborted(http, steps_before, BUDGET)
 
 
 class TestApiKey:

@@ -221,14 +221,13 @@ def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None
 
 
 def _log_config() -> dict[str, Any]:
-    """uvicorn's logging config with every handler on stderr, plus the freetoken loggers."""
+    """uvicorn's logging config with every handler on stderr (the CLI sets up the freetoken loggers)."""
     config = copy.deepcopy(uvicorn.config.LOGGING_CONFIG)
     for handler in config["handlers"].values():
         handler["stream"] = "ext://sys.stderr"
     if os.environ.get("NO_COLOR") is not None:
         for formatter in config["formatters"].values():
             formatter["use_colors"] = False
-    config["loggers"]["freetoken"] = {"handlers": ["default"], "level": "INFO", "propagate": False}
     return config
 
 
