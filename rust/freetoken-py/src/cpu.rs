@@ -1,0 +1,98 @@
+//! `CpuExperts`: SwiGLU experts on the host, GIL released.
+use freetoken_core::cpu::{CpuExperts, Hidden, Isa};
+use numpy::{PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use crate::arrays::{describe, int_array, readonly};
+use crate::errors::{invalid, IntoPyErr};
+use crate::pool::PyExpertPool;
+
+/// Runs routed experts on the CPU with a persistent pinned worker pool.
+#[pyclass(frozen, name = "CpuExperts", module = "freetoken._core")]
+pub struct PyCpuExperts {
+    inner: CpuExperts,
+    pool: Py<PyExpertPool>,
+}
+
+#[pymethods]
+impl PyCpuExperts {
+    #[new]
+    #[pyo3(signature = (pool, num_threads=None, isa=None))]
+    fn new(pool: Bound<'_, PyExpertPool>, num_threads: Option<usize>, isa: Option<&str>) -> PyResult<Self> {
+        let isa = match isa {
+            None => None,
+            Some(s) => Some(Isa::from_name(s).ok_or_else(|| invalid(format!("unknown isa {s:?}; expected scalar, avx2 or avx512_bf16")))?),
+        };
+        let inner = CpuExperts::new(pool.get().inner.clone(), num_threads, isa).py()?;
+        Ok(Self { inner, pool: pool.unbind() })
+    }
+
+    #[getter]
+    fn isa(&self) -> &'static str {
+        self.inner.isa().name()
+    }
+    #[getter]
+    fn num_threads(&self) -> usize {
+        self.inner.num_threads()
+    }
+    #[getter]
+    fn pool(&self, py: Python<'_>) -> Py<PyExpertPool> {
+        self.pool.clone_ref(py)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn forward(
+        &self,
+        py: Python<'_>,
+        layer: i64,
+        hidden: &Bound<'_, PyAny>,
+        topk_ids: &Bound<'_, PyAny>,
+        topk_weights: &Bound<'_, PyAny>,
+        experts: &Bound<'_, PyAny>,
+        out: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let (ids, shape) = int_array(topk_ids, "topk_ids")?;
+        let k = match shape.as_slice() {
+            [_, k] => *k,
+            s => return Err(invalid(format!("topk_ids must be [B, k], got shape {s:?}"))),
+        };
+        let (experts, _) = int_array(experts, "experts")?;
+        let w = readonly::<f32>(topk_weights, "topk_weights", "float32")?;
+        let w = w.as_slice().map_err(|e| invalid(format!("topk_weights: {e}")))?;
+        let out = out
+            .cast::<PyArrayDyn<f32>>()
+            .map_err(|_| invalid(format!("out must be a writable float32 numpy array [B, H], got {}", describe(out))))?;
+        let mut out = out.try_readwrite().map_err(|e| invalid(format!("out: {e}")))?;
+        if !out.is_c_contiguous() {
+            return Err(invalid("out must be C-contiguous"));
+        }
+        let out = out.as_slice_mut().map_err(|e| invalid(format!("out: {e}")))?;
+        if let Ok(x) = hidden.cast::<PyArrayDyn<f32>>() {
+            let x = x.try_readonly().map_err(|e| invalid(format!("hidden: {e}")))?;
+            let x = x.as_slice().map_err(|e| invalid(format!("hidden must be C-contiguous: {e}")))?;
+            return py.detach(|| self.inner.forward(layer, Hidden::F32(x), &ids, w, k, &experts, out)).py();
+        }
+        let bits: Option<Vec<u16>> = if let Ok(x) = hidden.cast::<PyArrayDyn<u16>>() {
+            let r = x.try_readonly().map_err(|e| invalid(format!("hidden: {e}")))?;
+            Some(r.as_slice().map_err(|e| invalid(format!("hidden must be C-contiguous: {e}")))?.to_vec())
+        } else if let Ok(x) = hidden.cast::<PyArrayDyn<i16>>() {
+            let r = x.try_readonly().map_err(|e| invalid(format!("hidden: {e}")))?;
+            Some(r.as_slice().map_err(|e| invalid(format!("hidden must be C-contiguous: {e}")))?.iter().map(|&v| v as u16).collect())
+        } else {
+            None
+        };
+        match bits {
+            Some(x) => py.detach(|| self.inner.forward(layer, Hidden::Bf16(&x), &ids, w, k, &experts, out)).py(),
+            None => Err(invalid(format!(
+                "hidden must be a numpy float32 array or bf16 bits as int16/uint16 (torch: x.view(torch.int16).numpy()), got {}",
+                describe(hidden)
+            ))),
+        }
+    }
+}
+
+/// Kernel paths this CPU supports, slowest first (`scalar`, `avx2`, `avx512_bf16`).
+#[pyfunction]
+pub fn supported_isas() -> Vec<&'static str> {
+    Isa::all_supported().into_iter().map(|i| i.name()).collect()
+}

@@ -1,0 +1,212 @@
+//! `Planner` and `Plan`: the q* decision per layer step, and per-layer counters.
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use freetoken_core::planner::{Backend, BandwidthProfile, Plan, Planner, PlannerConfig};
+use numpy::{PyArray1, PyArray2, PyArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::arrays::int_array;
+use crate::cache::{lock, relocations};
+use crate::errors::{invalid, IntoPyErr};
+
+/// The plan of one layer step (arrays are int32, expert ids of the plan's layer).
+#[pyclass(frozen, name = "Plan", module = "freetoken._core")]
+pub struct PyPlan {
+    plan: Plan,
+    layer: i64,
+    batch: usize,
+    k: usize,
+}
+
+fn arr<'py>(py: Python<'py>, v: &[i32]) -> Bound<'py, PyArray1<i32>> {
+    PyArray1::from_slice(py, v)
+}
+
+#[pymethods]
+impl PyPlan {
+    #[getter]
+    fn layer(&self) -> i64 {
+        self.layer
+    }
+    #[getter]
+    fn hit_experts<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        arr(py, &self.plan.hit_experts)
+    }
+    #[getter]
+    fn hit_slots<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        arr(py, &self.plan.hit_slots)
+    }
+    #[getter]
+    fn fill_experts<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        arr(py, &self.plan.fill_experts)
+    }
+    #[getter]
+    fn fill_slots<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        arr(py, &self.plan.fill_slots)
+    }
+    #[getter]
+    fn victim_layers<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        arr(py, &self.plan.victim_layers)
+    }
+    #[getter]
+    fn victim_experts<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        arr(py, &self.plan.victim_experts)
+    }
+    #[getter]
+    fn cpu_experts<'py>(&self, py: Python<'py>) -> Bound<'py, PyArray1<i32>> {
+        arr(py, &self.plan.cpu_experts)
+    }
+    #[getter]
+    fn topk_slots<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        arr(py, &self.plan.topk_slots).reshape([self.batch, self.k])
+    }
+    #[getter]
+    fn q(&self) -> f64 {
+        self.plan.q
+    }
+    #[getter]
+    fn num_hits(&self) -> usize {
+        self.plan.hit_experts.len()
+    }
+    #[getter]
+    fn num_fills(&self) -> usize {
+        self.plan.fill_experts.len()
+    }
+    #[getter]
+    fn num_cpu(&self) -> usize {
+        self.plan.cpu_experts.len()
+    }
+    fn __repr__(&self) -> String {
+        format!(
+            "Plan(layer={}, hits={:?}, fills={:?}, cpu={:?}, q={:.3})",
+            self.layer, self.plan.hit_experts, self.plan.fill_experts, self.plan.cpu_experts, self.plan.q
+        )
+    }
+}
+
+fn profile(pcie: Option<f64>, cpu: Option<HashMap<i64, f64>>) -> PyResult<Option<BandwidthProfile>> {
+    match (pcie, cpu) {
+        (None, None) => Ok(None),
+        (Some(p), Some(c)) => {
+            let pts = c.into_iter().map(|(b, v)| (b as f64, v)).collect();
+            BandwidthProfile::new(p, pts).py().map(Some)
+        }
+        _ => Err(invalid("pcie_bytes_per_s and cpu_bytes_per_s must be given together")),
+    }
+}
+
+/// Decides, per layer step, hits, fills and CPU runs (q*), and counts them per layer.
+#[pyclass(frozen, name = "Planner", module = "freetoken._core")]
+pub struct PyPlanner {
+    inner: Mutex<Planner>,
+}
+
+#[pymethods]
+impl PyPlanner {
+    #[new]
+    #[pyo3(signature = (num_layers, num_experts, expert_nbytes, capacity, policy="lru", pcie_bytes_per_s=None, cpu_bytes_per_s=None, reuse_weight=0.5, reuse_decay=0.9))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        num_layers: usize,
+        num_experts: usize,
+        expert_nbytes: usize,
+        capacity: usize,
+        policy: &str,
+        pcie_bytes_per_s: Option<f64>,
+        cpu_bytes_per_s: Option<HashMap<i64, f64>>,
+        reuse_weight: f64,
+        reuse_decay: f64,
+    ) -> PyResult<Self> {
+        let cfg = PlannerConfig {
+            num_layers,
+            num_experts,
+            expert_nbytes,
+            capacity,
+            policy: policy.to_string(),
+            profile: profile(pcie_bytes_per_s, cpu_bytes_per_s)?,
+            reuse_weight,
+            reuse_decay,
+        };
+        Ok(Self { inner: Mutex::new(Planner::new(cfg).py()?) })
+    }
+
+    #[pyo3(signature = (layer, topk_ids, backend="offload"))]
+    fn plan(&self, layer: i64, topk_ids: &Bound<'_, PyAny>, backend: &str) -> PyResult<PyPlan> {
+        let backend = backend.parse::<Backend>().py()?;
+        let (ids, shape) = int_array(topk_ids, "topk_ids")?;
+        let (batch, k) = match shape.as_slice() {
+            [b, k] => (*b, *k),
+            [k] => (1, *k),
+            s => return Err(invalid(format!("topk_ids must be [B, k], got shape {s:?}"))),
+        };
+        let plan = lock(&self.inner).plan(layer, &ids, k, backend).py()?;
+        Ok(PyPlan { plan, layer, batch, k })
+    }
+
+    #[pyo3(signature = (pcie_bytes_per_s=None, cpu_bytes_per_s=None))]
+    fn set_profile(&self, pcie_bytes_per_s: Option<f64>, cpu_bytes_per_s: Option<HashMap<i64, f64>>) -> PyResult<()> {
+        let p = profile(pcie_bytes_per_s, cpu_bytes_per_s)?;
+        lock(&self.inner).set_profile(p);
+        Ok(())
+    }
+
+    #[pyo3(signature = (batch, reuse=0.0))]
+    fn q_star(&self, batch: f64, reuse: f64) -> PyResult<f64> {
+        let g = lock(&self.inner);
+        let w = g.config().reuse_weight;
+        match &g.config().profile {
+            Some(p) => Ok(p.q(batch, w * reuse)),
+            None => Err(invalid("no bandwidth profile set")),
+        }
+    }
+
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let c: Vec<_> = lock(&self.inner).counters().to_vec();
+        let d = PyDict::new(py);
+        let col = |f: fn(&freetoken_core::planner::LayerCounters) -> u64| -> Vec<i64> { c.iter().map(|x| f(x) as i64).collect() };
+        d.set_item("steps", PyArray1::from_vec(py, col(|x| x.steps)))?;
+        d.set_item("hits", PyArray1::from_vec(py, col(|x| x.hits)))?;
+        d.set_item("fills", PyArray1::from_vec(py, col(|x| x.fills)))?;
+        d.set_item("cpu_runs", PyArray1::from_vec(py, col(|x| x.cpu_runs)))?;
+        d.set_item("evictions", PyArray1::from_vec(py, col(|x| x.evictions)))?;
+        d.set_item("bytes_h2d", PyArray1::from_vec(py, col(|x| x.bytes_h2d)))?;
+        d.set_item("bytes_cpu", PyArray1::from_vec(py, col(|x| x.bytes_cpu)))?;
+        Ok(d)
+    }
+
+    fn reset_stats(&self) {
+        lock(&self.inner).reset_stats()
+    }
+
+    fn resize<'py>(&self, py: Python<'py>, capacity: usize) -> PyResult<Bound<'py, PyArray2<i64>>> {
+        let moves = lock(&self.inner).resize(capacity).py()?;
+        Ok(relocations(py, &moves))
+    }
+
+    fn slot_of(&self, layer: i64, expert: i64) -> PyResult<Option<u32>> {
+        lock(&self.inner).slots().get(layer, expert).py()
+    }
+
+    #[getter]
+    fn capacity(&self) -> usize {
+        lock(&self.inner).slots().capacity()
+    }
+    #[getter]
+    fn num_resident(&self) -> usize {
+        lock(&self.inner).slots().len()
+    }
+    #[getter]
+    fn policy(&self) -> &'static str {
+        lock(&self.inner).slots().policy_name()
+    }
+    #[getter]
+    fn num_layers(&self) -> usize {
+        lock(&self.inner).config().num_layers
+    }
+    #[getter]
+    fn num_experts(&self) -> usize {
+        lock(&self.inner).config().num_experts
+    }
+}

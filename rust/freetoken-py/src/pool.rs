@@ -1,0 +1,137 @@
+//! `ExpertPool`: the host arena of routed experts.
+use std::sync::Arc;
+
+use freetoken_core::pool::{checkpoint, ExpertPool, PoolShape};
+use numpy::PyArray1;
+use pyo3::prelude::*;
+
+use crate::errors::{invalid, IntoPyErr};
+
+/// Every routed expert of every MoE layer in one 2 MiB-aligned host arena.
+#[pyclass(frozen, name = "ExpertPool", module = "freetoken._core")]
+pub struct PyExpertPool {
+    pub inner: Arc<ExpertPool>,
+}
+
+impl PyExpertPool {
+    fn view<'py>(slf: &Bound<'py, Self>, ptr: *const u8, n: usize) -> PyResult<Bound<'py, PyArray1<u8>>> {
+        // SAFETY: ptr..ptr+n lies inside the arena, which lives as long as the pool object; the
+        // array's base is set to that object, so the memory outlives the array and every buffer
+        // taken from it.
+        unsafe {
+            let v = ndarray::ArrayView1::from_shape_ptr(n, ptr);
+            Ok(PyArray1::borrow_from_array(&v, slf.clone().into_any()))
+        }
+    }
+}
+
+#[pymethods]
+impl PyExpertPool {
+    #[staticmethod]
+    #[pyo3(signature = (model_dir, num_threads=None))]
+    fn from_checkpoint(py: Python<'_>, model_dir: std::path::PathBuf, num_threads: Option<usize>) -> PyResult<Self> {
+        if num_threads == Some(0) {
+            return Err(invalid("num_threads must be positive"));
+        }
+        let pool = py.detach(|| checkpoint::load(&model_dir, num_threads)).py()?;
+        Ok(Self { inner: Arc::new(pool) })
+    }
+
+    #[staticmethod]
+    #[pyo3(signature = (num_layers, num_experts, hidden_size, intermediate_size, seed=0, moe_layers=None, num_threads=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn random(
+        py: Python<'_>,
+        num_layers: usize,
+        num_experts: usize,
+        hidden_size: usize,
+        intermediate_size: usize,
+        seed: u64,
+        moe_layers: Option<Vec<usize>>,
+        num_threads: Option<usize>,
+    ) -> PyResult<Self> {
+        let moe_layers = moe_layers.unwrap_or_else(|| (0..num_layers).collect());
+        if moe_layers.len() != num_layers {
+            return Err(invalid(format!("moe_layers has {} entries but num_layers is {num_layers}", moe_layers.len())));
+        }
+        if num_threads == Some(0) {
+            return Err(invalid("num_threads must be positive"));
+        }
+        let shape = PoolShape { moe_layers, num_experts, hidden_size, intermediate_size };
+        let pool = py.detach(|| ExpertPool::random(shape, seed, num_threads)).py()?;
+        Ok(Self { inner: Arc::new(pool) })
+    }
+
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.inner.num_layers()
+    }
+    #[getter]
+    fn num_experts(&self) -> usize {
+        self.inner.num_experts()
+    }
+    #[getter]
+    fn hidden_size(&self) -> usize {
+        self.inner.hidden_size()
+    }
+    #[getter]
+    fn intermediate_size(&self) -> usize {
+        self.inner.intermediate_size()
+    }
+    #[getter]
+    fn expert_nbytes(&self) -> usize {
+        self.inner.expert_nbytes()
+    }
+    #[getter]
+    fn expert_stride(&self) -> usize {
+        self.inner.shape().expert_stride()
+    }
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.nbytes()
+    }
+    #[getter]
+    fn ptr(&self) -> usize {
+        self.inner.ptr() as usize
+    }
+    #[getter]
+    fn moe_layers(&self) -> Vec<usize> {
+        self.inner.moe_layers().to_vec()
+    }
+
+    fn layer_index(&self, model_layer: i64) -> PyResult<usize> {
+        self.inner.layer_index(model_layer).py()
+    }
+
+    fn expert_ptr(&self, layer: i64, expert: i64) -> PyResult<(usize, usize)> {
+        let (p, n) = self.inner.expert_ptr(layer, expert).py()?;
+        Ok((p as usize, n))
+    }
+
+    fn expert_offset(&self, layer: i64, expert: i64) -> PyResult<usize> {
+        let (p, _) = self.inner.expert_ptr(layer, expert).py()?;
+        Ok(p as usize - self.inner.ptr() as usize)
+    }
+
+    fn expert_view<'py>(slf: &Bound<'py, Self>, layer: i64, expert: i64) -> PyResult<Bound<'py, PyArray1<u8>>> {
+        let (p, n) = slf.get().inner.expert_ptr(layer, expert).py()?;
+        Self::view(slf, p, n)
+    }
+
+    fn arena_view<'py>(slf: &Bound<'py, Self>) -> PyResult<Bound<'py, PyArray1<u8>>> {
+        let pool = &slf.get().inner;
+        Self::view(slf, pool.ptr(), pool.nbytes())
+    }
+
+    fn __repr__(&self) -> String {
+        let p = &self.inner;
+        format!(
+            "ExpertPool(num_layers={}, num_experts={}, hidden_size={}, intermediate_size={}, nbytes={})",
+            p.num_layers(),
+            p.num_experts(),
+            p.hidden_size(),
+            p.intermediate_size(),
+            p.nbytes()
+        )
+    }
+}
