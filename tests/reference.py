@@ -1,6 +1,7 @@
 """Small Qwen3-MoE checkpoints made by the reference implementation (transformers), for exactness tests.
 
-Each is the real Qwen3-30B-A3B config (`../shared/models/qwen3-30b-a3b/config.json`) scaled down: same keys and
+Each is the real Qwen3-30B-A3B config (the preset shipped in `freetoken.models.presets`, a byte-exact copy of
+`shared/models/qwen3-30b-a3b/config.json`) scaled down: same keys and
 structure, fewer layers and experts, smaller sizes; saved by `save_pretrained`, i.e. in the real on-disk layout.
 """
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-REAL_CONFIG = Path(__file__).resolve().parents[2] / "shared" / "models" / "qwen3-30b-a3b" / "config.json"
+from freetoken.models.presets import preset_config_path
 
 SCALED_DOWN = dict(
     hidden_size=64,
@@ -32,14 +33,17 @@ SCALED_DOWN = dict(
 
 
 def real_config() -> dict:
-    """The real Qwen3-30B-A3B config.json; falls back to its values inlined when shared/ is not beside the repo."""
-    if REAL_CONFIG.is_file():
-        return json.loads(REAL_CONFIG.read_text())
-    raise FileNotFoundError(f"{REAL_CONFIG}: the real model configs are expected in ../shared/models")
+    """The real Qwen3-30B-A3B config.json."""
+    return json.loads(preset_config_path("qwen3-30b-a3b").read_text())
 
 
-def make_reference_checkpoint(dest: Path, seed: int = 0, **overrides) -> torch.nn.Module:
-    """Save a random scaled-down Qwen3-MoE with transformers into `dest`; return the transformers model (eval)."""
+def make_reference_checkpoint(dest: Path, seed: int = 0, lm_head_std: float = 0.15, **overrides) -> torch.nn.Module:
+    """Save a random scaled-down Qwen3-MoE with transformers into `dest`; return the transformers model (eval).
+
+    Matrices are N(0, 0.15) (large enough that greedy output does not repeat one token); `lm_head_std` sets the
+    LM head's, which scales the gaps between logits (bfloat16 comparisons use a larger one, so that the top-2
+    margin stays above bfloat16 rounding).
+    """
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     raw = real_config()
@@ -54,6 +58,6 @@ def make_reference_checkpoint(dest: Path, seed: int = 0, **overrides) -> torch.n
             if "norm" in name:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
             else:
-                p.normal_(0.0, 0.15)
+                p.normal_(0.0, lm_head_std if name == "lm_head.weight" else 0.15)
     model.save_pretrained(dest)
     return model

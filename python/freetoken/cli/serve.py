@@ -54,7 +54,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "/v1/chat/completions, /v1/messages and /v1/models. --model demo builds and caches a tiny random-weight "
         "Qwen3-MoE with Qwen's real tokenizer, without network.",
     )
-    p.add_argument("--model", required=True, help=f"model directory, or {DEMO!r} for the built-in tiny model")
+    p.add_argument(
+        "--model",
+        required=True,
+        help=f"model directory; {DEMO!r} for the built-in tiny model; or a shipped real config "
+        "(qwen3-30b-a3b, qwen3-235b-a22b) with --dummy-weights",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=1919, help="port (default: 1919)")
     p.add_argument("--served-model-name", default=None, help="model name in the APIs (default: the directory name)")
@@ -63,16 +68,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def resolve_model_dir(model: str) -> Path:
-    """`--model` value -> a model directory; builds the demo checkpoint for "demo". Raises SystemExit with a
-    message that says what to change when the directory is not usable."""
+def resolve_model_dir(model: str, dummy_weights: bool) -> Path:
+    """`--model` value -> a model directory: a path; "demo" (the tiny demo checkpoint, built once); or the name
+    of a shipped real config (`freetoken.models.presets`, with --dummy-weights). Raises SystemExit with a message
+    that says what to change when the value is not usable."""
+    from freetoken.models.presets import preset_dir, preset_names
+
     if model == DEMO:
         from freetoken.models.demo import demo_checkpoint_dir
 
         return demo_checkpoint_dir()
     path = Path(model).expanduser()
+    if not path.exists() and model in preset_names():
+        if not dummy_weights:
+            raise SystemExit(f"ft serve: preset {model!r} has no weights; add --dummy-weights to run its real shapes")
+        return preset_dir(model)
     if not path.is_dir():
-        raise SystemExit(f"ft serve: --model {model!r} is not a directory (give a model directory, or --model {DEMO})")
+        raise SystemExit(
+            f"ft serve: --model {model!r} is not a directory (give a model directory, {DEMO!r}, or a preset "
+            f"with --dummy-weights: {', '.join(preset_names())})"
+        )
     if not (path / "config.json").is_file():
         raise SystemExit(f"ft serve: {path} has no config.json; is it a Hugging Face model directory?")
     return path
@@ -85,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise SystemExit(f"ft serve: --port {args.port} is not a valid port (1..65535)")
     cfg = engine_config(args)
-    model_dir = resolve_model_dir(args.model)
+    model_dir = resolve_model_dir(args.model, cfg.dummy_weights)
     name = args.served_model_name or (DEMO if args.model == DEMO else model_dir.name)
     log.info("loading %s on %s (%s)", model_dir, cfg.device, "dummy weights" if cfg.dummy_weights else "safetensors")
     engine = LLMEngine.from_dir(model_dir, cfg)

@@ -12,6 +12,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# cuDNN attention rebuilds an execution plan per call (~1 ms of CPU each on an H200 host, measured with
+# benches/decode_fused.py --profile), which dominates a decode step; the other backends do not.
+_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -114,6 +119,13 @@ def paged_attention(
     """
     k_cache[meta.slot_mapping] = k
     v_cache[meta.slot_mapping] = v
+    with sdpa_kernel(_SDPA_BACKENDS):
+        return _attend(q, k_cache, v_cache, meta, scale)
+
+
+def _attend(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
     out = torch.empty_like(q)
     if meta.decode_gather is not None:
         # (Bd, Cd, nkv, D) -> (Bd, nkv, Cd, D)

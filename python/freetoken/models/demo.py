@@ -25,9 +25,7 @@ from __future__ import annotations
 
 import base64
 import json
-import os
 import shutil
-import tempfile
 import time
 from contextlib import contextmanager
 from importlib import resources
@@ -35,6 +33,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
+
+from freetoken.paths import atomic_build, cache_root
 
 __all__ = [
     "QWEN3_ADDED_TOKENS",
@@ -417,36 +417,10 @@ def build_demo_checkpoint(
     return dest
 
 
-def _cache_root() -> Path:
-    """$FREETOKEN_CACHE_DIR, else $XDG_CACHE_HOME/freetoken, else ~/.cache/freetoken."""
-    if os.environ.get("FREETOKEN_CACHE_DIR"):
-        return Path(os.environ["FREETOKEN_CACHE_DIR"])
-    xdg = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(xdg) / "freetoken"
-
-
-def _atomic_build(final: Path, build) -> Path:
-    """Run `build(tmp_dir)` in a sibling temp dir and rename it to `final`; reuse `final` if present."""
-    if final.exists():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=final.parent))
-    tmp.chmod(0o755)
-    try:
-        build(tmp)
-        os.rename(tmp, final)
-    except OSError:
-        if not final.exists():  # not a lost race with another builder
-            raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
 def _cached_tokenizer_json() -> Path:
     """The converted Qwen tokenizer.json, built once into <cache>/tokenizers/qwen2-bpe-v1/."""
-    final = _cache_root() / "tokenizers" / "qwen2-bpe-v1"
-    return _atomic_build(final, lambda tmp: build_qwen_tokenizer_json(tmp / "tokenizer.json")) / "tokenizer.json"
+    final = cache_root() / "tokenizers" / "qwen2-bpe-v1"
+    return atomic_build(final, lambda tmp: build_qwen_tokenizer_json(tmp / "tokenizer.json")) / "tokenizer.json"
 
 
 def demo_checkpoint_dir() -> Path:
@@ -456,4 +430,4 @@ def demo_checkpoint_dir() -> Path:
     else ~/.cache/freetoken/models/demo-v1. Built in a temporary sibling directory and renamed into
     place, so a present directory is always complete.
     """
-    return _atomic_build(_cache_root() / "models" / DEMO_NAME, build_demo_checkpoint)
+    return atomic_build(cache_root() / "models" / DEMO_NAME, build_demo_checkpoint)

@@ -1,0 +1,42 @@
+"""Real model configs shipped with freetoken, runnable with `--dummy-weights` where no checkpoint exists.
+
+`ft serve --model qwen3-30b-a3b --dummy-weights` builds (once, into the cache) a model directory holding the
+preset's real `config.json` and Qwen's real tokenizer files from the demo checkpoint (Qwen3 models share the
+vocabulary), and serves random weights of the real shapes.
+"""
+
+from __future__ import annotations
+
+import shutil
+from importlib import resources
+from pathlib import Path
+
+from freetoken.models.demo import demo_checkpoint_dir
+from freetoken.paths import atomic_build, cache_root
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def preset_names() -> list[str]:
+    """Names of the shipped presets, e.g. "qwen3-30b-a3b"."""
+    return sorted(p.name.removesuffix(".json") for p in resources.files(__name__).iterdir() if p.name.endswith(".json"))
+
+
+def preset_config_path(name: str) -> Path:
+    """The preset's config.json. Raises KeyError naming the presets when `name` is not one."""
+    if name not in preset_names():
+        raise KeyError(f"no preset {name!r}; presets: {', '.join(preset_names())}")
+    return Path(str(resources.files(__name__) / f"{name}.json"))
+
+
+def preset_dir(name: str) -> Path:
+    """A weight-less model directory for preset `name` (config.json + tokenizer files), cached."""
+    config = preset_config_path(name)
+    demo = demo_checkpoint_dir()
+
+    def build(tmp: Path) -> None:
+        shutil.copyfile(config, tmp / "config.json")
+        for f in TOKENIZER_FILES:
+            shutil.copyfile(demo / f, tmp / f)
+
+    return atomic_build(cache_root() / "presets" / name, build)
