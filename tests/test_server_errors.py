@@ -6,14 +6,16 @@ stay healthy afterwards.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 import time
 
 import anthropic
 import httpx
 import openai
 import pytest
-from conftest import API_KEY, MAX_MODEL_LEN
+from conftest import API_KEY, MAX_MODEL_LEN, start_server
 
 CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
@@ -283,3 +285,25 @@ class TestApiKey:
         bad = anthropic.Anthropic(base_url=keyed_server.base_url, api_key="nope", max_retries=0)
         with pytest.raises(anthropic.AuthenticationError):
             bad.messages.create(model="m", messages=USER, max_tokens=2)
+
+
+def test_sigterm_shuts_down_gracefully(tmp_path):
+    """SIGTERM with a stream in flight: the stream ends, the engine shuts down, no traceback."""
+    proc = start_server(tmp_path)
+    try:
+        body = {"model": "m", "messages": USER, "max_tokens": BUDGET, "stream": True, "ignore_eos": True}
+        with httpx.Client(base_url=proc.base_url, timeout=30.0) as client:
+            with client.stream("POST", CHAT, json=body) as response:
+                lines = response.iter_lines()
+                assert next(lines).startswith("data:")
+                proc.proc.send_signal(signal.SIGTERM)
+                with contextlib.suppress(httpx.HTTPError):
+                    for _ in lines:  # ends when the server finishes the stream or closes the connection
+                        pass
+        # uvicorn re-raises the signal after its clean shutdown, so the process ends as killed by it.
+        assert proc.proc.wait(timeout=30) in (0, -signal.SIGTERM), proc.log_tail()
+        log = proc.log_tail(1_000_000)
+        assert "Application shutdown complete" in log
+        assert "Traceback" not in log, log
+    finally:
+        proc.stop()

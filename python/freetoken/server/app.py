@@ -23,10 +23,12 @@ API key: with ``api_key`` set, every route but /health needs ``Authorization: Be
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import copy
 import hmac
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator
@@ -182,6 +184,19 @@ async def get_model(request: Request) -> Response:
     return JSONResponse(_model_card(state))
 
 
+async def _abort_on_exit(server: uvicorn.Server, engine: Any, graceful_shutdown_s: float) -> None:
+    """Once uvicorn is told to exit, give running requests `graceful_shutdown_s`, then stop the engine.
+
+    Stopping the engine ends the requests still running with finish_reason "abort", so their streams
+    close with an error event and uvicorn's wait for open connections ends.
+    """
+    while not server.should_exit:
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(graceful_shutdown_s)
+    logger.info("shutting down: aborting the requests still running")
+    await engine.shutdown()
+
+
 def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None) -> Starlette:
     """Build the ASGI app serving `engine`; the app's lifespan starts and shuts down the engine.
 
@@ -195,9 +210,15 @@ def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.start()
         logger.info("serving %s (context %d tokens)", served_model_name, engine.max_model_len)
+        watcher = None
+        server = getattr(app.state, "uvicorn_server", None)
+        if server is not None:
+            watcher = asyncio.create_task(_abort_on_exit(server, engine, app.state.graceful_shutdown_s))
         try:
             yield
         finally:
+            if watcher is not None:
+                watcher.cancel()
             await engine.shutdown()
 
     routes = [
@@ -238,12 +259,13 @@ def run_server(
     port: int = 1919,
     served_model_name: str,
     api_key: str | None = None,
-    graceful_shutdown_s: float = 5.0,
+    graceful_shutdown_s: float = 3.0,
 ) -> None:
     """Serve `engine` with uvicorn until SIGINT/SIGTERM; logs go to stderr.
 
-    On a signal the server stops accepting connections, gives open requests `graceful_shutdown_s`
-    to finish (then cancels them, which aborts them in the engine), and shuts the engine down.
+    On a signal the server stops accepting connections, gives running requests `graceful_shutdown_s`
+    to finish, then aborts the rest in the engine (their streams end with an error event), and shuts
+    the engine down. uvicorn then re-raises the signal, so the process ends as killed by it.
     """
     app = build_app(engine, served_model_name=served_model_name, api_key=api_key)
     config = uvicorn.Config(
@@ -251,7 +273,11 @@ def run_server(
         host=host,
         port=port,
         log_config=_log_config(),
-        timeout_graceful_shutdown=int(graceful_shutdown_s),
+        # A backstop: requests are aborted (and their connections close) after graceful_shutdown_s.
+        timeout_graceful_shutdown=math.ceil(graceful_shutdown_s) + 10,
         lifespan="on",
     )
-    uvicorn.Server(config).run()
+    server = uvicorn.Server(config)
+    app.state.uvicorn_server = server
+    app.state.graceful_shutdown_s = graceful_shutdown_s
+    server.run()

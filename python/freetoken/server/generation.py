@@ -150,14 +150,16 @@ async def closing_chunks(
 
     Closing happens even when this generator is cancelled or closed early (client disconnect), and is
     shielded from the cancellation so that the engine's abort path runs to the end. A chunk with
-    finish_reason "abort" becomes a 500 `ApiError` (code request_aborted).
+    finish_reason "abort" becomes a 503 `ApiError` (code request_aborted).
     """
     chunks = engine.generate(prompt_ids, params, request_id=request_id)
     finished = False
     try:
         async for chunk in chunks:
             if chunk.finish_reason == "abort":
-                raise ApiError(500, ErrorCode.REQUEST_ABORTED, "the engine aborted this request")
+                raise ApiError(
+                    503, ErrorCode.REQUEST_ABORTED, "the engine aborted this request (the server is shutting down)"
+                )
             finished = chunk.finish_reason is not None
             yield chunk
     except RequestError as exc:
