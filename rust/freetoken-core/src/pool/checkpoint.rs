@@ -57,7 +57,8 @@ fn read_json(path: &Path) -> Result<Value, PoolError> {
 /// Reads the pool shape from a Hugging Face `config.json` (uses `text_config` when present).
 pub fn shape_from_config(path: &Path) -> Result<PoolShape, PoolError> {
     let root = read_json(path)?;
-    let cfg = root.get("text_config").filter(|c| c.get("num_experts").is_some()).unwrap_or(&root);
+    let experts_key = |c: &Value| ["num_experts", "num_local_experts", "n_routed_experts"].into_iter().find(|k| c.get(*k).is_some());
+    let cfg = root.get("text_config").filter(|c| experts_key(c).is_some()).unwrap_or(&root);
     let get = |key: &str| -> Result<usize, PoolError> {
         cfg.get(key).and_then(Value::as_u64).map(|v| v as usize).ok_or_else(|| PoolError::BadConfig {
             path: path.into(),
@@ -65,7 +66,8 @@ pub fn shape_from_config(path: &Path) -> Result<PoolShape, PoolError> {
         })
     };
     let num_layers = get("num_hidden_layers")?;
-    let num_experts = get("num_experts")?;
+    // transformers >= 5 writes `num_local_experts` for qwen3_moe; older versions `num_experts`.
+    let num_experts = get(experts_key(cfg).unwrap_or("num_experts"))?;
     let hidden_size = get("hidden_size")?;
     let intermediate_size = get("moe_intermediate_size")?;
     let step = cfg.get("decoder_sparse_step").and_then(Value::as_u64).unwrap_or(1).max(1) as usize;
