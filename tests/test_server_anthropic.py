@@ -144,3 +144,10 @@ def test_tool_use_history_renders(anthropic_client):
         model="claude-any", messages=messages, tools=tools, max_tokens=3, extra_body=GREEDY
     )
     assert message.usage.input_tokens == with_tools.input_tokens
+
+
+def test_models_in_anthropic_shape(anthropic_client):
+    models = anthropic_client.models.list()
+    assert [m.id for m in models.data] == [SERVED_MODEL_NAME]
+    assert models.data[0].type == "model"
+    assert anthropic_client.models.retrieve(SERVED_MODEL_NAME).id == SERVED_MODEL_NAME

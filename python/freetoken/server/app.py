@@ -2,7 +2,7 @@
 
 Routes:
     GET  /health                    always open (no API key); 200 once the engine has started.
-    GET  /v1/models                 OpenAI list with the one served model.
+    GET  /v1/models                 the one served model (Anthropic shape with anthropic-version, else OpenAI).
     GET  /v1/models/{model}         that model, or 404 (code model_not_found).
     POST /v1/chat/completions       OpenAI (see `openai.py`).
     POST /v1/messages               Anthropic (see `anthropic.py`).
@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
+import datetime
 import hmac
 import logging
 import math
@@ -159,7 +160,15 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok", "model": state.served_model_name, "engine": stats})
 
 
-def _model_card(state: Any) -> dict[str, Any]:
+def _model_card(state: Any, flavor: ApiFlavor) -> dict[str, Any]:
+    if flavor is ApiFlavor.ANTHROPIC:
+        created_at = datetime.datetime.fromtimestamp(state.created, datetime.timezone.utc)
+        return {
+            "type": "model",
+            "id": state.served_model_name,
+            "display_name": state.served_model_name,
+            "created_at": created_at.isoformat().replace("+00:00", "Z"),
+        }
     return {
         "id": state.served_model_name,
         "object": "model",
@@ -170,18 +179,24 @@ def _model_card(state: Any) -> dict[str, Any]:
 
 
 async def list_models(request: Request) -> Response:
-    """``GET /v1/models``: the OpenAI list shape with the one served model."""
-    return JSONResponse({"object": "list", "data": [_model_card(request.app.state)]})
+    """``GET /v1/models``: the one served model, in the Anthropic list shape when the request carries an
+    ``anthropic-version`` header, else the OpenAI one."""
+    state = request.app.state
+    flavor = flavor_of(request.scope)
+    card = _model_card(state, flavor)
+    if flavor is ApiFlavor.ANTHROPIC:
+        return JSONResponse({"data": [card], "has_more": False, "first_id": card["id"], "last_id": card["id"]})
+    return JSONResponse({"object": "list", "data": [card]})
 
 
 async def get_model(request: Request) -> Response:
-    """``GET /v1/models/{model}``: the served model, or 404."""
+    """``GET /v1/models/{model}``: the served model (shaped as in `list_models`), or 404."""
     state = request.app.state
     name = request.path_params["model"]
     if name != state.served_model_name:
         raise ApiError(404, ErrorCode.MODEL_NOT_FOUND, f"model {name!r} is not served here; "
                        f"this server serves {state.served_model_name!r}", "model")
-    return JSONResponse(_model_card(state))
+    return JSONResponse(_model_card(state, flavor_of(request.scope)))
 
 
 async def _abort_on_exit(server: uvicorn.Server, engine: Any, graceful_shutdown_s: float) -> None:
