@@ -223,15 +223,14 @@ def test_client_disconnect_mid_stream_aborts(server, http, path):
             "ignore_eos": True}
     steps_before = _engine_steps(http)
     num_aborted = server.log_tail(1_000_000).count(ABORTED)
-    with httpx.Client(base_url=server.base_url, timeout=30.0) as client:
-        with client.stream("POST", path, json=body) as response:
-            assert response.status_code == 200
-            data = []
-            for line in response.iter_lines():
-                if line.startswith("data:"):
-                    data.append(json.loads(line[len("data:"):]))
-                if len(data) >= 5:
-                    break
+    with httpx.Client(base_url=server.base_url, timeout=30.0) as client, client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        data = []
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                data.append(json.loads(line[len("data:"):]))
+            if len(data) >= 5:
+                break
     first = data[0]
     request_id = first["message"]["id"] if path == MESSAGES else first["id"]
     _wait_for_log(server, ABORTED, num_aborted)
@@ -292,14 +291,13 @@ def test_sigterm_shuts_down_gracefully(tmp_path):
     proc = start_server(tmp_path)
     try:
         body = {"model": "m", "messages": USER, "max_tokens": BUDGET, "stream": True, "ignore_eos": True}
-        with httpx.Client(base_url=proc.base_url, timeout=30.0) as client:
-            with client.stream("POST", CHAT, json=body) as response:
-                lines = response.iter_lines()
-                assert next(lines).startswith("data:")
-                proc.proc.send_signal(signal.SIGTERM)
-                with contextlib.suppress(httpx.HTTPError):
-                    for _ in lines:  # ends when the server finishes the stream or closes the connection
-                        pass
+        with httpx.Client(base_url=proc.base_url, timeout=30.0) as client, client.stream("POST", CHAT, json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data:")
+            proc.proc.send_signal(signal.SIGTERM)
+            with contextlib.suppress(httpx.HTTPError):
+                for _ in lines:  # ends when the server finishes the stream or closes the connection
+                    pass
         # uvicorn re-raises the signal after its clean shutdown, so the process ends as killed by it.
         assert proc.proc.wait(timeout=30) in (0, -signal.SIGTERM), proc.log_tail()
         log = proc.log_tail(1_000_000)

@@ -15,7 +15,6 @@ the tail when the request fails mid-stream.
 
 from __future__ import annotations
 
-import logging
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -25,7 +24,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from freetoken.engine.types import SamplingParams
-from freetoken.server.errors import ApiError, ErrorCode, anthropic_error_body, invalid_request
+from freetoken.server.errors import (
+    ApiError,
+    ErrorCode,
+    anthropic_error_body,
+    invalid_request,
+)
 from freetoken.server.generation import (
     Completion,
     aclose_shielded,
@@ -45,9 +49,7 @@ from freetoken.server.schema import (
     parse_json_object,
     wrong_type,
 )
-from freetoken.server.sse import EventStreamResponse, sse_event
-
-logger = logging.getLogger("freetoken.server")
+from freetoken.server.sse import EventStreamResponse, guard_stream, sse_event
 
 
 @dataclass
@@ -270,7 +272,7 @@ def message_body(
 async def _stream_events(
     engine: Any, prompt_ids: list[int], req: MessagesRequest, message_id: str, model: str
 ) -> AsyncGenerator[bytes, None]:
-    """The SSE events of one streamed message."""
+    """The SSE events of one streamed message; raises on failure (`guard_stream`)."""
     num_prompt_tokens = len(prompt_ids)
     start = {
         "id": message_id,
@@ -298,24 +300,19 @@ async def _stream_events(
                     {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": out.text}},
                 )
             last = out
-        if last is None or last.finish_reason is None:
-            raise ApiError(500, ErrorCode.INTERNAL_ERROR, "the engine ended the request without a finish reason")
-    except ApiError as err:
-        logger.warning("request %s failed mid-stream: %s", message_id, err.message)
-        yield sse_event("error", anthropic_error_body(err))
-        return
-    except Exception:
-        logger.exception("request %s failed mid-stream", message_id)
-        err = ApiError(500, ErrorCode.INTERNAL_ERROR, "internal server error; see the server log")
-        yield sse_event("error", anthropic_error_body(err))
-        return
     finally:
         await aclose_shielded(chunks)
+    if last is None or last.finish_reason is None:
+        raise ApiError(500, ErrorCode.INTERNAL_ERROR, "the engine ended the request without a finish reason")
     yield sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
     usage = {"input_tokens": last.num_prompt_tokens or num_prompt_tokens, "output_tokens": last.num_output_tokens}
     delta = stop_fields(last.finish_reason, last.stop_reason, req.stop_sequences)
     yield sse_event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
     yield sse_event("message_stop", {"type": "message_stop"})
+
+
+def _error_events(err: ApiError) -> list[bytes]:
+    return [sse_event("error", anthropic_error_body(err))]
 
 
 async def messages(request: Request) -> Response:
@@ -328,7 +325,8 @@ async def messages(request: Request) -> Response:
     message_id = f"msg_{uuid.uuid4().hex}"
     model = state.served_model_name
     if req.stream:
-        return EventStreamResponse(_stream_events(engine, prompt_ids, req, message_id, model))
+        events = _stream_events(engine, prompt_ids, req, message_id, model)
+        return EventStreamResponse(guard_stream(events, message_id, _error_events))
     completion = await collect(request, engine, prompt_ids, req.params, message_id)
     return JSONResponse(message_body(message_id, model, completion, req.stop_sequences))
 

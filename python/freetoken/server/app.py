@@ -142,7 +142,8 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     if exc.status_code == 404:
         err = ApiError(404, ErrorCode.UNKNOWN_URL, f"unknown URL: {request.method} {request.url.path}")
     elif exc.status_code == 405:
-        err = ApiError(405, ErrorCode.METHOD_NOT_ALLOWED, f"method {request.method} is not allowed on {request.url.path}")
+        message = f"method {request.method} is not allowed on {request.url.path}"
+        err = ApiError(405, ErrorCode.METHOD_NOT_ALLOWED, message)
     else:
         err = ApiError(exc.status_code, ErrorCode.INVALID_VALUE, str(exc.detail))
     response = error_response(err, flavor_of(request.scope))

@@ -210,7 +210,7 @@ async def collect(
             tg.start_soon(watch_disconnect, tg.cancel_scope)
             try:
                 result.append(await _drain(chunks, len(prompt_ids)))
-            except Exception as exc:  # re-raised below, unwrapped from the task group
+            except Exception as exc:  # noqa: BLE001 - re-raised below, unwrapped from the task group
                 error.append(exc)
             tg.cancel_scope.cancel()
     finally:

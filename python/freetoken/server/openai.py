@@ -13,7 +13,6 @@ response_format other than text.
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -24,7 +23,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from freetoken.engine.types import SamplingParams
-from freetoken.server.errors import ApiError, ErrorCode, invalid_request, openai_error_body
+from freetoken.server.errors import (
+    ApiError,
+    ErrorCode,
+    invalid_request,
+    openai_error_body,
+)
 from freetoken.server.generation import (
     Completion,
     aclose_shielded,
@@ -44,9 +48,12 @@ from freetoken.server.schema import (
     parse_json_object,
     wrong_type,
 )
-from freetoken.server.sse import OPENAI_DONE, EventStreamResponse, sse_data
-
-logger = logging.getLogger("freetoken.server")
+from freetoken.server.sse import (
+    OPENAI_DONE,
+    EventStreamResponse,
+    guard_stream,
+    sse_data,
+)
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -272,7 +279,7 @@ async def _stream_events(
     created: int,
     model: str,
 ) -> AsyncGenerator[bytes, None]:
-    """The SSE events of one streamed completion, ending with ``[DONE]``."""
+    """The SSE events of one streamed completion, ending with ``[DONE]``; raises on failure (`guard_stream`)."""
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": None}
     if chat.include_usage:
@@ -290,26 +297,19 @@ async def _stream_events(
             if out.text:
                 yield chunk_event({"content": out.text})
             last = out
-        if last is None or last.finish_reason is None:
-            raise ApiError(500, ErrorCode.INTERNAL_ERROR, "the engine ended the request without a finish reason")
-    except ApiError as err:
-        logger.warning("request %s failed mid-stream: %s", request_id, err.message)
-        yield sse_data(openai_error_body(err))
-        yield OPENAI_DONE
-        return
-    except Exception:
-        logger.exception("request %s failed mid-stream", request_id)
-        err = ApiError(500, ErrorCode.INTERNAL_ERROR, "internal server error; see the server log")
-        yield sse_data(openai_error_body(err))
-        yield OPENAI_DONE
-        return
     finally:
         await aclose_shielded(chunks)
+    if last is None or last.finish_reason is None:
+        raise ApiError(500, ErrorCode.INTERNAL_ERROR, "the engine ended the request without a finish reason")
     yield chunk_event({}, last.finish_reason)
     if chat.include_usage:
         num_prompt_tokens = last.num_prompt_tokens or len(prompt_ids)
         yield sse_data({**base, "choices": [], "usage": _usage(num_prompt_tokens, last.num_output_tokens)})
     yield OPENAI_DONE
+
+
+def _error_events(err: ApiError) -> list[bytes]:
+    return [sse_data(openai_error_body(err)), OPENAI_DONE]
 
 
 async def chat_completions(request: Request) -> Response:
@@ -325,6 +325,7 @@ async def chat_completions(request: Request) -> Response:
     created = int(time.time())
     model = state.served_model_name
     if chat.stream:
-        return EventStreamResponse(_stream_events(engine, prompt_ids, chat, request_id, created, model))
+        events = _stream_events(engine, prompt_ids, chat, request_id, created, model)
+        return EventStreamResponse(guard_stream(events, request_id, _error_events))
     completion = await collect(request, engine, prompt_ids, chat.params, request_id)
     return JSONResponse(completion_body(request_id, created, model, completion))

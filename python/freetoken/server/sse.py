@@ -1,5 +1,6 @@
 """Server-sent events: encoding and a streaming response that always closes its source.
 
+`guard_stream` ends a stream that fails midway with the API's error event instead of a cut connection.
 `EventStreamResponse` streams an async generator of already-encoded events. When the client
 disconnects, Starlette cancels the send loop; the response then closes the generator (shielded from
 the cancellation), so that the generator's own ``finally`` closes the engine's generator and the
@@ -9,12 +10,17 @@ engine aborts the request.
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncGenerator
+import logging
+from collections.abc import AsyncGenerator, Callable
 from typing import Any
 
 import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Send
+
+from freetoken.server.errors import ApiError, ErrorCode
+
+logger = logging.getLogger("freetoken.server")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -52,3 +58,30 @@ class EventStreamResponse(StreamingResponse):
         finally:
             with anyio.CancelScope(shield=True):
                 await self._events.aclose()
+
+
+async def guard_stream(
+    events: AsyncGenerator[bytes, None],
+    request_id: str,
+    error_events: Callable[[ApiError], list[bytes]],
+) -> AsyncGenerator[bytes, None]:
+    """Pass `events` through; if it raises, log and end with `error_events(err)` instead.
+
+    An `ApiError` is sent as it is; any other exception is logged with its traceback and sent as a
+    500 internal_error. `events` is closed on every exit.
+    """
+    try:
+        async for event in events:
+            yield event
+    except ApiError as err:
+        logger.warning("request %s failed mid-stream: %s", request_id, err.message)
+        for event in error_events(err):
+            yield event
+    except Exception:
+        logger.exception("request %s failed mid-stream", request_id)
+        err = ApiError(500, ErrorCode.INTERNAL_ERROR, "internal server error; see the server log")
+        for event in error_events(err):
+            yield event
+    finally:
+        with anyio.CancelScope(shield=True):
+            await events.aclose()
