@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
+import httpx
 from conftest import MAX_MODEL_LEN, SERVED_MODEL_NAME
 
 HELLO = [{"role": "user", "content": "Say hello."}]
@@ -179,3 +181,23 @@ def test_utf8_streaming(http, parse_sse):
         events = parse_sse(response.read())
     deltas = [json.loads(data)["choices"][0]["delta"].get("content") or "" for _, data in events[:-1]]
     assert "".join(deltas) == full
+
+
+def test_concurrent_requests(server):
+    """Streams and plain requests of both APIs at once all complete (the engine batches them)."""
+
+    async def one(client: httpx.AsyncClient, i: int) -> int:
+        if i % 2:
+            body = {"model": "m", "messages": HELLO, "max_tokens": 6, "stream": i % 4 == 1}
+            response = await client.post("/v1/messages", json=body)
+        else:
+            body = {"model": "m", "messages": HELLO, "max_tokens": 6, "stream": i % 4 == 0}
+            response = await client.post("/v1/chat/completions", json=body)
+        assert response.status_code == 200, response.text
+        return len(response.content)
+
+    async def main() -> list[int]:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60.0) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(8)))
+
+    assert all(size > 0 for size in asyncio.run(main()))
