@@ -23,8 +23,8 @@ pytestmark = [
 PROMPTS = [[3, 17, 100, 42, 7, 8, 9, 200, 13], [5, 6, 400, 401, 402, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
 
 
-def _greedy(path, device: str, dtype: str, prompts, max_tokens: int) -> list[list[int]]:
-    engine = LLMEngine.from_dir(path, EngineConfig(device=device, dtype=dtype, kv_cache_gb=0.5))
+def _greedy(path, device: str, dtype: str, prompts, max_tokens: int, **engine_args) -> list[list[int]]:
+    engine = LLMEngine.from_dir(path, EngineConfig(device=device, dtype=dtype, kv_cache_gb=0.5, **engine_args))
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
@@ -36,19 +36,50 @@ def _greedy(path, device: str, dtype: str, prompts, max_tokens: int) -> list[lis
 
 
 def test_demo_greedy_on_cuda_equals_cpu(tmp_path):
+    """CUDA (Triton kernels, CUDA-graph decode) against the CPU's torch path, both float32."""
     path = build_demo_checkpoint(tmp_path / "demo", seed=3)
     assert _greedy(path, "cuda", "float32", PROMPTS, 32) == _greedy(path, "cpu", "float32", PROMPTS, 32)
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_bfloat16_greedy_follows_transformers(tmp_path, seed):
-    ref = make_reference_checkpoint(tmp_path / "ref", seed=seed, lm_head_std=0.6).to("cuda", torch.bfloat16)
-    got = _greedy(tmp_path / "ref", "cuda", "bfloat16", PROMPTS, 16)
-    for prompt, tokens in zip(PROMPTS, got):
-        ids = torch.tensor([prompt], device="cuda")
-        with torch.no_grad():
-            expected = ref.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                eos_token_id=None, pad_token_id=0,
-            )[0, len(prompt):].tolist()
-        assert tokens == expected
+def test_cuda_graph_decode_equals_torch_path(tmp_path):
+    """float32: the captured decode step gives the tokens of the eager torch attention path (max_num_seqs
+    above 64 sends a batch of 65 through the eager path)."""
+    path = build_demo_checkpoint(tmp_path / "demo", seed=4)
+    prompts = [[(7 * i + j) % 5000 + 1 for j in range(5 + i % 7)] for i in range(65)]
+    graphs = _greedy(path, "cuda", "float32", prompts[:8], 24)
+    eager = _greedy(path, "cuda", "float32", prompts, 24, max_num_seqs=65)
+    assert graphs == eager[:8]
+
+
+def test_bfloat16_greedy_follows_transformers(tmp_path):
+    """16 greedy steps in bfloat16 equal transformers' on the same GPU.
+
+    Both round the logits to bfloat16, so where the reference's top two logits are within a couple of bfloat16
+    steps (a tie at that precision), the last-bit differences of any other kernel order may pick the other one.
+    A sequence may therefore part from the reference only at such a tie; and most must match all 16 steps.
+    """
+    full = 0
+    total = 0
+    for seed in range(4):
+        ref = make_reference_checkpoint(tmp_path / f"ref{seed}", seed=seed, lm_head_std=0.6).to("cuda", torch.bfloat16)
+        got = _greedy(tmp_path / f"ref{seed}", "cuda", "bfloat16", PROMPTS, 16)
+        for prompt, tokens in zip(PROMPTS, got):
+            ids = torch.tensor([prompt], device="cuda")
+            with torch.no_grad():
+                out = ref.generate(
+                    ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                    eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+                )
+            expected = out.sequences[0, len(prompt):].tolist()
+            total += 1
+            first = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
+            if first is None:
+                full += 1
+                continue
+            top = out.scores[first][0].float().topk(2).values
+            ulp = 2.0 ** (torch.floor(torch.log2(top[0].abs())).item() - 7)  # bfloat16 spacing at that magnitude
+            assert (top[0] - top[1]).item() <= 2 * ulp, (
+                f"seed {seed}: first difference at step {first} where the reference's top-2 margin is "
+                f"{(top[0] - top[1]).item()} (> 2 bf16 ulp = {2 * ulp})"
+            )
+    assert full >= total - 2, f"only {full} of {total} sequences matched all 16 steps"

@@ -170,6 +170,7 @@ class EngineConfig:
         moe_backend: how routed experts run ("fused": all on the compute device).
         dummy_weights: random weights (seeded) instead of reading safetensors.
         seed: seed of the dummy weights and the default sampling RNG.
+        enforce_eager: no CUDA graphs (decode steps launch their kernels one by one).
     """
 
     device: str = "cpu"
@@ -183,3 +184,4 @@ class EngineConfig:
     moe_backend: str = "fused"
     dummy_weights: bool = False
     seed: int = 0
+    enforce_eager: bool = False

@@ -25,6 +25,7 @@ _HELP = {
     "moe_backend": "where routed experts run: fused (all on the compute device)",
     "dummy_weights": "random weights (seeded) from config.json instead of the safetensors files",
     "seed": "seed of dummy weights and of requests that give no seed",
+    "enforce_eager": "no CUDA graphs for decode steps (slower; for debugging)",
 }
 
 

@@ -38,8 +38,9 @@ class KVCache:
 
     Attributes:
         block_size: tokens per block.
-        num_blocks: blocks in the pool.
-        layers: per decoder layer, (k, v) each [num_blocks * block_size, num_kv_heads, head_dim].
+        num_blocks: blocks in the pool (handed out by the allocator).
+        null_block: one more block, never handed out: padding rows of a fixed-shape step write there.
+        layers: per decoder layer, (k, v) each [(num_blocks + 1) * block_size, num_kv_heads, head_dim].
     """
 
     def __init__(
@@ -56,7 +57,8 @@ class KVCache:
             raise ValueError(f"KV cache needs at least one block, got {num_blocks}")
         self.block_size = block_size
         self.num_blocks = num_blocks
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+        self.null_block = num_blocks
+        shape = ((num_blocks + 1) * block_size, num_kv_heads, head_dim)
         self.layers = [
             (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for _ in range(num_layers)

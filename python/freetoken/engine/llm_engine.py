@@ -90,7 +90,9 @@ class LLMEngine:
             num_blocks * block * per_token / 1e9,
         )
         self.scheduler = Scheduler(self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens)
-        self.runner = ModelRunner(model, self.kv, self.device)
+        self.runner = ModelRunner(
+            model, self.kv, self.device, engine_cfg.max_num_seqs, self.max_model_len, engine_cfg.enforce_eager
+        )
         self.eos_ids = set(tokenizer.eos_token_ids if tokenizer else ()) | set(model_cfg.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
         self._rng = random.Random(engine_cfg.seed)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from freetoken.engine.cuda_graph import DecodeRunner
 from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.sampler import sample
 from freetoken.engine.scheduler import ScheduledStep
@@ -13,12 +14,27 @@ from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
 
 
 class ModelRunner:
-    """Owns the model and the KV cache tensors on the compute device."""
+    """Owns the model and the KV cache tensors on the compute device.
 
-    def __init__(self, model: Qwen3MoeForCausalLM, kv: KVCache, device: torch.device) -> None:
+    Decode-only steps on CUDA of at most 64 sequences go through `DecodeRunner` (fixed shapes, CUDA graphs unless
+    `enforce_eager`); every other step runs eagerly with the torch attention path.
+    """
+
+    def __init__(
+        self,
+        model: Qwen3MoeForCausalLM,
+        kv: KVCache,
+        device: torch.device,
+        max_num_seqs: int = 0,
+        max_model_len: int = 0,
+        enforce_eager: bool = False,
+    ) -> None:
         self.model = model
         self.kv = kv
         self.device = device
+        self.decode: DecodeRunner | None = None
+        if device.type == "cuda" and max_num_seqs > 0:
+            self.decode = DecodeRunner(model, kv, max_num_seqs, max_model_len, use_graphs=not enforce_eager)
 
     @torch.inference_mode()
     def run(self, step: ScheduledStep) -> list[int | None]:
@@ -27,6 +43,11 @@ class ModelRunner:
         Returns:
             Per sequence of the step, the sampled next token, or None for a prompt chunk that is not the last.
         """
+        if self.decode is not None and all(q == 1 for q in step.query_lens) and len(step.seqs) <= self.decode.max_batch:
+            logits = self.decode.run(step.seqs)
+            for seq in step.seqs:
+                seq.num_computed += 1
+            return sample(logits, [s.params for s in step.seqs], [s.generator for s in step.seqs])
         input_ids: list[int] = []
         context_lens: list[int] = []
         for seq, q in zip(step.seqs, step.query_lens, strict=True):

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# cuDNN attention rebuilds an execution plan per call (~1 ms of CPU each on an H200 host, measured with
-# benches/decode_fused.py --profile), which dominates a decode step; the other backends do not.
+# cuDNN attention rebuilds an execution plan per masked call (~1 ms of CPU each on an H200 host, measured with
+# benches/decode_fused.py --profile), which would dominate an eager decode step; the other backends do not.
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -37,6 +37,9 @@ class AttentionMetadata:
         decode_rows: [Bd] int64, token index of each decode sequence's query in the step.
         prefill_spans: per prefill sequence (query length > 1): (first token index, query length,
             [context] int64 KV slots of its whole context).
+        block_tables: [B, max_blocks] int32 and seq_lens: [B] int32, set instead of the fields above for a
+            decode-only step on CUDA: the Triton kernel reads the block tables itself (fixed shapes, so the step
+            can be captured in a CUDA graph); kv_block_size is then the cache's block size.
     """
 
     positions: torch.Tensor
@@ -47,6 +50,9 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None
     decode_rows: torch.Tensor | None
     prefill_spans: list[tuple[int, int, torch.Tensor]]
+    block_tables: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    kv_block_size: int = 0
 
     @classmethod
     def build(
@@ -119,20 +125,18 @@ def paged_attention(
     """
     k_cache[meta.slot_mapping] = k
     v_cache[meta.slot_mapping] = v
-    with sdpa_kernel(_SDPA_BACKENDS):
-        return _attend(q, k_cache, v_cache, meta, scale)
+    if meta.block_tables is not None:
+        from freetoken.kernels.paged_attention import paged_decode_attention
 
-
-def _attend(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
-) -> torch.Tensor:
+        return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.kv_block_size, scale)
     out = torch.empty_like(q)
     if meta.decode_gather is not None:
         # (Bd, Cd, nkv, D) -> (Bd, nkv, Cd, D)
         kd = k_cache[meta.decode_gather].transpose(1, 2)
         vd = v_cache[meta.decode_gather].transpose(1, 2)
         qd = q[meta.decode_rows].unsqueeze(2)  # (Bd, nh, 1, D)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
+        with sdpa_kernel(_SDPA_BACKENDS):
+            od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True)
         out[meta.decode_rows] = od.squeeze(2)
     for row, qlen, ctx_slots in meta.prefill_spans:
         ctx = ctx_slots.numel()

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 class FusedExperts:
     """All experts of all MoE layers as stacked tensors on one device.
 
-    Per layer: `gate_up` [E, 2I, H] and `down` [E, H, I], model dtype. The forward groups the step's
+    Per layer: `gate_up` [E, 2I, H] and `down` [E, H, I], model dtype. On CUDA the forward is the Triton grouped
+    SwiGLU (`freetoken.kernels.fused_moe`, no host sync, CUDA-graph safe). On the CPU it groups the step's
     (token, expert) pairs by expert and runs one SwiGLU per expert that has tokens, in expert order, then
     scatters the weighted rows back (the same order of accumulation as transformers' `Qwen3MoeExperts`).
     """
@@ -33,7 +34,11 @@ class FusedExperts:
     ) -> torch.Tensor:
         """See `ExpertBackend.forward`: [T, H] hidden, [T, k] ids and weights -> [T, H]."""
         gate_up, down = self.gate_up[layer], self.down[layer]
-        num_tokens, k = topk_ids.shape
+        if hidden.is_cuda:
+            from freetoken.kernels.fused_moe import fused_moe
+
+            return fused_moe(hidden, gate_up, down, topk_ids, topk_weights)
+        k = topk_ids.shape[1]
         flat_ids = topk_ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
         counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()

@@ -1,0 +1,211 @@
+"""Grouped SwiGLU over the routed experts of a batch, in Triton.
+
+Variants:
+  - `fused_moe`: (token, expert) pairs are sorted by expert and each expert's group is padded to BLOCK_SIZE_M rows
+    (the alignment of vLLM's fused_moe, Kwon et al.), so every M tile belongs to one expert; two kernels then run
+    gate/up + SiLU*up (`_gate_up_kernel`) and down + routing weight (`_down_kernel`) as grouped GEMMs, reading
+    each expert's weights through its index into a stacked weight tensor (E experts, or S cache slots).
+    The launch grid has a fixed upper bound and no step syncs with the host, so a decode step can be captured in
+    a CUDA graph.
+  - `fused_moe_reference`: the same maths in plain torch, the correctness reference.
+
+Shapes (project letters): M tokens, K hidden, N expert intermediate, E experts (or slots), k top-k.
+Test: python -m pytest tests/test_kernels.py     Bench: python benches/decode_fused.py
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, h_ptr, sorted_pair_ptr, block_expert_ptr,
+    num_pairs, N, K, top_k,
+    stride_xm, stride_we, stride_wn, stride_hm,
+    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+):
+    """h[row, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n]) for the rows of one expert's M tile."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
+    pair = tl.load(sorted_pair_ptr + rows)
+    row_ok = pair < num_pairs
+    token = pair // top_k
+    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    offs_k = tl.arange(0, BLOCK_SIZE_K)
+    x_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    gate_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None]
+    up_ptrs = gate_ptrs + N * stride_wn
+    acc_gate = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    n_ok = offs_n[None, :] < N
+    for k0 in range(0, K, BLOCK_SIZE_K):
+        k_ok = offs_k + k0 < K
+        a = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        g = tl.load(gate_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
+        u = tl.load(up_ptrs, mask=k_ok[:, None] & n_ok, other=0.0)
+        acc_gate = tl.dot(a, g, acc_gate, input_precision="ieee")
+        acc_up = tl.dot(a, u, acc_up, input_precision="ieee")
+        x_ptrs += BLOCK_SIZE_K
+        gate_ptrs += BLOCK_SIZE_K
+        up_ptrs += BLOCK_SIZE_K
+    # Round where the reference (transformers' Qwen3MoeExperts in the model dtype) rounds: the GEMM outputs, SiLU,
+    # then the product; so low-precision results follow it, not only float32 ones.
+    dtype = h_ptr.dtype.element_ty
+    gate = acc_gate.to(dtype).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    h = act * acc_up.to(dtype).to(tl.float32)
+    h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
+    tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok)
+
+
+@triton.jit
+def _down_kernel(
+    h_ptr, w_ptr, out_ptr, weight_ptr, sorted_pair_ptr, block_expert_ptr,
+    num_pairs, K, N,
+    stride_hm, stride_we, stride_wk, stride_om,
+    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+):
+    """out[pair, kk] = weight[pair] * (h[row] . w[e, kk]) for the rows of one expert's M tile (kk over hidden K)."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert < 0:
+        return
+    rows = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
+    pair = tl.load(sorted_pair_ptr + rows)
+    row_ok = pair < num_pairs
+    offs_out = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+    offs_in = tl.arange(0, BLOCK_SIZE_K)
+    h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_in[None, :]
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_out[None, :] * stride_wk + offs_in[:, None]
+    out_ok = offs_out[None, :] < K
+    acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
+    for n0 in range(0, N, BLOCK_SIZE_K):
+        in_ok = offs_in + n0 < N
+        a = tl.load(h_ptrs, mask=row_ok[:, None] & in_ok[None, :], other=0.0)
+        b = tl.load(w_ptrs, mask=in_ok[:, None] & out_ok, other=0.0)
+        acc = tl.dot(a, b, acc, input_precision="ieee")
+        h_ptrs += BLOCK_SIZE_K
+        w_ptrs += BLOCK_SIZE_K
+    routing = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
+    acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * routing[:, None]  # rounded like the reference
+    out_ptrs = out_ptr + pair[:, None] * stride_om + offs_out[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok)
+
+
+def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sort (token, expert) pairs by expert and pad each expert's group to a multiple of `block_m`.
+
+    Fixed-shape tensor ops only (no host sync), so it can be captured in a CUDA graph.
+
+    Args:
+        topk_ids: [M, k] int64 expert (or slot) ids, each in [0, num_experts).
+        num_experts: E, the number of distinct ids possible.
+        block_m: rows per M tile.
+
+    Returns:
+        sorted_pairs: [R] int64, pair index (token * k + j) of each row, `M * k` on padding rows;
+            R = M*k + min(M*k, E) * (block_m - 1) rounded up to block_m, an upper bound of the padded total.
+        block_expert: [R / block_m] int64, the expert of each M tile, -1 for tiles past the end.
+    """
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    num_rows = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
+    num_rows = -(-num_rows // block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)
+    sorted_ids = flat[order]
+    first_of_expert = torch.cumsum(counts, 0) - counts
+    rank = torch.arange(num_pairs, device=flat.device) - first_of_expert[sorted_ids]
+    dest = padded_end[sorted_ids] - padded[sorted_ids] + rank
+    sorted_pairs = torch.full((num_rows,), num_pairs, dtype=torch.int64, device=flat.device)
+    sorted_pairs.scatter_(0, dest, order)
+    tile_start = torch.arange(0, num_rows, block_m, device=flat.device)
+    block_expert = torch.searchsorted(padded_end, tile_start, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, torch.full_like(block_expert, -1))
+    return sorted_pairs, block_expert
+
+
+def _block_m(num_pairs: int) -> int:
+    return 16 if num_pairs <= 512 else 64
+
+
+def fused_moe(
+    hidden: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """Weighted sum of the routed SwiGLU experts of each token.
+
+    Args:
+        hidden: [M, K] activations (bf16/fp16/fp32, CUDA, contiguous).
+        w_gate_up: [E, 2N, K] gate rows then up rows per expert (or per cache slot), same dtype.
+        w_down: [E, K, N] down projection per expert.
+        topk_ids: [M, k] int64 indices into the first dim of the weights.
+        topk_weights: [M, k] routing weights.
+
+    Returns:
+        [M, K] in hidden's dtype: sum_j topk_weights[m, j] * down_e(silu(gate_e h) * up_e h), e = topk_ids[m, j].
+        GEMMs accumulate in float32 and round to hidden's dtype where transformers does; the k expert outputs of
+        a token are summed in float32 and rounded once (transformers adds them one by one in the model dtype,
+        in expert order; the two agree for k <= 2).
+    """
+    num_tokens, hidden_size = hidden.shape
+    num_experts, two_n, _ = w_gate_up.shape
+    inter = two_n // 2
+    top_k = topk_ids.shape[1]
+    num_pairs = num_tokens * top_k
+    block_m = _block_m(num_pairs)
+    sorted_pairs, block_expert = align_pairs(topk_ids, num_experts, block_m)
+    num_rows = sorted_pairs.numel()
+    h = torch.empty(num_rows, inter, dtype=hidden.dtype, device=hidden.device)
+    block_n, block_k = 64, 64
+    grid = (num_rows // block_m, triton.cdiv(inter, block_n))
+    _gate_up_kernel[grid](
+        hidden, w_gate_up, h, sorted_pairs, block_expert,
+        num_pairs, inter, hidden_size, top_k,
+        hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
+        BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block_k, num_warps=4, num_stages=3,
+    )
+    out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    weights = topk_weights.reshape(-1).contiguous()
+    grid = (num_rows // block_m, triton.cdiv(hidden_size, block_n))
+    _down_kernel[grid](
+        h, w_down, out, weights, sorted_pairs, block_expert,
+        num_pairs, hidden_size, inter,
+        h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
+        BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block_k, num_warps=4, num_stages=3,
+    )
+    return out.view(num_tokens, top_k, hidden_size).sum(dim=1)
+
+
+def fused_moe_reference(
+    hidden: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+) -> torch.Tensor:
+    """`fused_moe` in plain torch, float32 throughout (the reference of the kernel tests)."""
+    x = hidden.float()
+    out = torch.zeros_like(x)
+    for j in range(topk_ids.shape[1]):
+        ids = topk_ids[:, j]
+        gate, up = torch.bmm(w_gate_up[ids].float(), x[:, :, None]).squeeze(-1).chunk(2, dim=-1)
+        y = torch.bmm(w_down[ids].float(), (F.silu(gate) * up)[:, :, None]).squeeze(-1)
+        out += topk_weights[:, j, None].float() * y
+    return out

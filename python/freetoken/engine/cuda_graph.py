@@ -1,0 +1,128 @@
+"""The decode step on CUDA: fixed-shape inputs, captured once per padded batch size in a CUDA graph.
+
+A decode step (every sequence one new token) launches a few hundred small kernels; launched one by one from
+Python, their CPU cost dominates the step (benches/decode_fused.py --profile). Here the step's inputs live in
+static device buffers, attention is the Triton paged-decode kernel (it reads block tables and lengths from
+memory) and the experts the Triton grouped kernel (no host sync), so the whole forward plus the LM head is
+captured per batch size in {1, 2, 4, 8, 16, 32, 64} up to max_num_seqs, and a step is a few copies and one
+replay. Rows that pad a batch up to its size write their K/V into the KV cache's reserved null block.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from freetoken.engine.kv_cache import KVCache
+from freetoken.engine.sequence import Sequence
+from freetoken.models.attention import AttentionMetadata
+from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
+
+log = logging.getLogger(__name__)
+
+BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+class DecodeRunner:
+    """Runs decode steps of up to `max_batch` sequences from static buffers, replaying CUDA graphs when captured.
+
+    Args:
+        model: the model, on a CUDA device.
+        kv: the KV cache (its `null_block` takes the padding rows' K/V).
+        max_batch: largest batch this runner takes (<= 64).
+        max_model_len: longest context, which sizes the block-table buffer.
+        use_graphs: capture CUDA graphs (False runs the same fixed-shape step eagerly).
+    """
+
+    def __init__(
+        self, model: Qwen3MoeForCausalLM, kv: KVCache, max_batch: int, max_model_len: int, use_graphs: bool
+    ) -> None:
+        self.model = model
+        self.kv = kv
+        device = kv.layers[0][0].device
+        self.sizes = [s for s in BATCH_SIZES if s < max_batch] + [min(max_batch, BATCH_SIZES[-1])]
+        self.max_batch = self.sizes[-1]
+        width = kv.blocks_for(max_model_len)
+        n = self.max_batch
+        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
+        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if use_graphs:
+            self._capture()
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        return AttentionMetadata(
+            positions=self.positions[:size],
+            slot_mapping=self.slot_mapping[:size],
+            query_lens=[1] * size,
+            context_lens=[],
+            decode_gather=None,
+            decode_mask=None,
+            decode_rows=None,
+            prefill_spans=[],
+            block_tables=self.block_tables[:size],
+            seq_lens=self.seq_lens[:size],
+            kv_block_size=self.kv.block_size,
+        )
+
+    def _forward(self, size: int) -> torch.Tensor:
+        hidden = self.model(self.input_ids[:size], self._meta(size), self.kv.layers)
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        self._pad_from(0)
+        pool = None
+        for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+            self._forward(size)  # compiles the Triton kernels and warms the allocator outside the capture
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                logits = self._forward(size)
+            pool = graph.pool()
+            self.graphs[size] = (graph, logits)
+        log.info("captured CUDA graphs of the decode step for batch sizes %s", self.sizes)
+
+    def _pad_from(self, start: int) -> None:
+        null = self.kv.null_block
+        self.input_ids[start:] = 0
+        self.positions[start:] = 0
+        self.slot_mapping[start:] = null * self.kv.block_size
+        self.block_tables[start:, 0] = null
+        self.seq_lens[start:] = 1
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Run the decode step of `seqs` (each with exactly one uncomputed token, its blocks allocated).
+
+        Returns:
+            [len(seqs), vocab] float32 logits (a view of a static buffer, valid until the next call).
+        """
+        batch = len(seqs)
+        size = next(s for s in self.sizes if s >= batch)
+        bs = self.kv.block_size
+        ids, pos, slots, lens = [], [], [], []
+        width = max(len(s.block_table) for s in seqs)
+        tables = torch.zeros(batch, width, dtype=torch.int32)
+        for i, seq in enumerate(seqs):
+            p = seq.num_computed
+            ids.append(seq.token_ids[p])
+            pos.append(p)
+            slots.append(seq.block_table[p // bs] * bs + p % bs)
+            lens.append(p + 1)
+            tables[i, : len(seq.block_table)] = torch.tensor(seq.block_table, dtype=torch.int32)
+        self.input_ids[:batch].copy_(torch.tensor(ids), non_blocking=True)
+        self.positions[:batch].copy_(torch.tensor(pos), non_blocking=True)
+        self.slot_mapping[:batch].copy_(torch.tensor(slots), non_blocking=True)
+        self.seq_lens[:batch].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+        self.block_tables[:batch, :width].copy_(tables, non_blocking=True)
+        self._pad_from(batch)
+        if size in self.graphs:
+            graph, logits = self.graphs[size]
+            graph.replay()
+            return logits[:batch]
+        return self._forward(size)[:batch]
