@@ -21,7 +21,7 @@ impl PyCpuExperts {
     fn new(pool: Bound<'_, PyExpertPool>, num_threads: Option<usize>, isa: Option<&str>) -> PyResult<Self> {
         let isa = match isa {
             None => None,
-            Some(s) => Some(Isa::from_name(s).ok_or_else(|| invalid(format!("unknown isa {s:?}; expected scalar, avx2 or avx512_bf16")))?),
+            Some(s) => Some(Isa::from_name(s).ok_or_else(|| invalid(format!("unknown isa {s:?}; expected scalar, avx2, avx512_bf16 or amx_bf16")))?),
         };
         let inner = CpuExperts::new(pool.get().inner.clone(), num_threads, isa).py()?;
         Ok(Self { inner, pool: pool.unbind() })
@@ -91,7 +91,7 @@ impl PyCpuExperts {
     }
 }
 
-/// Kernel paths this CPU supports, slowest first (`scalar`, `avx2`, `avx512_bf16`).
+/// Kernel paths this CPU supports, slowest first (`scalar`, `avx2`, `avx512_bf16`, `amx_bf16`).
 #[pyfunction]
 pub fn supported_isas() -> Vec<&'static str> {
     Isa::all_supported().into_iter().map(|i| i.name()).collect()

@@ -1,6 +1,9 @@
 //! Matrix-vector kernels over bf16 weights: `out[t, r] = Σ_c W[r, c] · x[t, c]`, fp32 accumulation.
 //!
 //! Variants, chosen at run time ([`Isa::detect`]):
+//! - [`Isa::AmxBf16`]: Intel AMX tiles (`tdpbf16ps`, 16x16 fp32 += 16x32 bf16 · 32x16 bf16) for
+//!   calls of at least [`AMX_MIN_TOKENS`] tokens; below that, and for rows that do not fill a
+//!   16-row tile or `cols` not a multiple of 32, the AVX-512-BF16 path.
 //! - [`Isa::Avx512Bf16`]: `vdpbf16ps` on 32 bf16 pairs per instruction; `x` is rounded to bf16
 //!   first (the weights are bf16 already), products are exact and summed in fp32.
 //! - [`Isa::Avx2`]: weights widened to fp32 (`vpmovzxwd` + shift), `x` in fp32, FMA.
@@ -21,7 +24,13 @@ pub enum Isa {
     Avx2,
     /// AVX-512F/BW + AVX512_BF16.
     Avx512Bf16,
+    /// AMX-BF16 tiles (with AVX-512-BF16 for small batches and edges).
+    AmxBf16,
 }
+
+/// Fewest tokens per call for which the AMX path is used (below, AVX-512-BF16 is as fast: the
+/// call is bound by memory, and a tile would be mostly padding).
+pub const AMX_MIN_TOKENS: usize = 4;
 
 impl Isa {
     /// Name as used by the Python API: `scalar`, `avx2`, `avx512_bf16`.
@@ -30,12 +39,13 @@ impl Isa {
             Self::Scalar => "scalar",
             Self::Avx2 => "avx2",
             Self::Avx512Bf16 => "avx512_bf16",
+            Self::AmxBf16 => "amx_bf16",
         }
     }
 
     /// Parses [`Isa::name`].
     pub fn from_name(s: &str) -> Option<Self> {
-        [Self::Scalar, Self::Avx2, Self::Avx512Bf16].into_iter().find(|i| i.name() == s)
+        [Self::Scalar, Self::Avx2, Self::Avx512Bf16, Self::AmxBf16].into_iter().find(|i| i.name() == s)
     }
 
     /// Whether this CPU can run the path.
@@ -48,6 +58,8 @@ impl Isa {
             Self::Avx512Bf16 => {
                 is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512bf16")
             }
+            #[cfg(target_arch = "x86_64")]
+            Self::AmxBf16 => Self::Avx512Bf16.supported() && amx::available(),
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
         }
@@ -55,7 +67,7 @@ impl Isa {
 
     /// Every path this CPU supports, slowest first.
     pub fn all_supported() -> Vec<Self> {
-        [Self::Scalar, Self::Avx2, Self::Avx512Bf16].into_iter().filter(|i| i.supported()).collect()
+        [Self::Scalar, Self::Avx2, Self::Avx512Bf16, Self::AmxBf16].into_iter().filter(|i| i.supported()).collect()
     }
 
     /// The fastest supported path.
@@ -65,7 +77,7 @@ impl Isa {
 
     /// Whether the path reads activations as bf16 (else fp32).
     pub fn wants_bf16(self) -> bool {
-        self == Self::Avx512Bf16
+        matches!(self, Self::Avx512Bf16 | Self::AmxBf16)
     }
 }
 
@@ -88,7 +100,17 @@ pub fn gemv(isa: Isa, w: &[u16], cols: usize, r0: usize, r1: usize, x: Act<'_>, 
     assert!(n_tok == 0 || (n_tok - 1) * ldo + (r1 - r0) <= out.len());
     match (isa, x) {
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512Bf16, Act::Bf16(x)) if isa.supported() => {
+        (Isa::AmxBf16, Act::Bf16(x)) if n_tok >= AMX_MIN_TOKENS && cols % 32 == 0 && r1 - r0 >= 16 && isa.supported() => {
+            assert!(n_tok * cols <= x.len());
+            // SAFETY: AMX support and permission checked; bounds asserted above.
+            let done = unsafe { amx::gemv(w.as_ptr(), cols, r0, r1, x, n_tok, out.as_mut_ptr(), ldo) };
+            if done < r1 {
+                // SAFETY: AVX-512-BF16 is implied by AMX support here; same bounds.
+                unsafe { avx512::gemv(w.as_ptr(), cols, done, r1, x.as_ptr(), n_tok, out.as_mut_ptr().add(done - r0), ldo) }
+            }
+        }
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512Bf16 | Isa::AmxBf16, Act::Bf16(x)) if Isa::Avx512Bf16.supported() => {
             assert!(n_tok * cols <= x.len());
             // SAFETY: feature support checked; bounds asserted above.
             unsafe { avx512::gemv(w.as_ptr(), cols, r0, r1, x.as_ptr(), n_tok, out.as_mut_ptr(), ldo) }
@@ -222,6 +244,141 @@ mod avx512 {
 }
 
 #[cfg(target_arch = "x86_64")]
+mod amx {
+    use std::arch::asm;
+    use std::sync::OnceLock;
+
+    /// Whether the CPU has AMX-TILE + AMX-BF16 and the kernel lets this process use tile data
+    /// (`arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)`, asked once).
+    pub fn available() -> bool {
+        static OK: OnceLock<bool> = OnceLock::new();
+        *OK.get_or_init(|| {
+            let max = std::arch::x86_64::__cpuid(0).eax;
+            if max < 7 {
+                return false;
+            }
+            let edx = std::arch::x86_64::__cpuid_count(7, 0).edx;
+            let (bf16, tile) = (edx & (1 << 22) != 0, edx & (1 << 24) != 0);
+            const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
+            const XFEATURE_XTILEDATA: libc::c_long = 18;
+            // SAFETY: a plain syscall with integer arguments; failure is reported by its result.
+            bf16 && tile && unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) } == 0
+        })
+    }
+
+    /// The 64-byte tile configuration (palette 1): tiles 0..7 all 16 rows x 64 bytes, 8..15 unused.
+    #[repr(C, align(64))]
+    struct TileCfg {
+        palette: u8,
+        start_row: u8,
+        reserved: [u8; 14],
+        colsb: [u16; 16],
+        rows: [u8; 16],
+    }
+
+    thread_local! {
+        /// Per thread: x packed in pairs `[cols/2][16 tokens]` u32, and the C tiles' spill area.
+        static SCRATCH: std::cell::RefCell<(Vec<u32>, Vec<f32>)> = const { std::cell::RefCell::new((Vec::new(), Vec::new())) };
+    }
+
+    /// Rows `r0..done` of `out` (multiples of 16 rows); returns `done`. See [`super::gemv`].
+    ///
+    /// Tiles: C0..C3 = tmm0..3 (64 weight rows x 16 tokens, fp32), A = tmm4/tmm5 (16 weight rows x
+    /// 32 cols, straight from the row-major weights), B = tmm6 (x in pairs: 16 rows of 32-bit
+    /// (c, c+1) pairs x 16 tokens). `C[r][t] += Σ_c W[r][c] · x[t][c]`.
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn gemv(w: *const u16, cols: usize, r0: usize, r1: usize, x: &[u16], n_tok: usize, out: *mut f32, ldo: usize) -> usize {
+        let full = r0 + (r1 - r0) / 16 * 16;
+        // Palette 1 has 8 tiles; the entries of tiles 8..15 must be zero or ldtilecfg faults.
+        let mut cfg = TileCfg { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
+        cfg.colsb[..8].fill(64);
+        cfg.rows[..8].fill(16);
+        let ws = cols * 2; // weight row stride, bytes
+        SCRATCH.with(|s| {
+            let mut s = s.borrow_mut();
+            let (xv, ct) = &mut *s;
+            xv.resize(cols / 2 * 16, 0);
+            ct.resize(64 * 16, 0.0);
+            // SAFETY: the CPU supports AMX and the process has permission (checked by the caller
+            // through `Isa::supported`); `cfg` is a valid palette-1 configuration.
+            unsafe { asm!("ldtilecfg [{}]", in(reg) &cfg as *const TileCfg, options(nostack, readonly)) };
+            for t0 in (0..n_tok).step_by(16) {
+                let nt = (n_tok - t0).min(16);
+                for c2 in 0..cols / 2 {
+                    for t in 0..16 {
+                        xv[c2 * 16 + t] = if t < nt {
+                            let b = (t0 + t) * cols + 2 * c2;
+                            x[b] as u32 | ((x[b + 1] as u32) << 16)
+                        } else {
+                            0
+                        };
+                    }
+                }
+                let mut r = r0;
+                while r < full {
+                    let nb = ((full - r) / 16).min(4);
+                    // SAFETY: every tile load reads 16 rows of 64 bytes: weight rows r..r+16·nb
+                    // (< r1) at columns c..c+32 (< cols), and xv rows c/2..c/2+16 (< cols/2).
+                    unsafe {
+                        asm!("tilezero tmm0", "tilezero tmm1", "tilezero tmm2", "tilezero tmm3", options(nostack, nomem));
+                        let wr = w.add(r * cols);
+                        for c in (0..cols).step_by(32) {
+                            let xb = xv.as_ptr().add(c / 2 * 16);
+                            let a = wr.add(c);
+                            match nb {
+                                4 => asm!(
+                                    "tileloadd tmm6, [{xb} + {xs}*1]",
+                                    "tileloadd tmm4, [{a0} + {ws}*1]",
+                                    "tdpbf16ps tmm0, tmm4, tmm6",
+                                    "tileloadd tmm5, [{a1} + {ws}*1]",
+                                    "tdpbf16ps tmm1, tmm5, tmm6",
+                                    "tileloadd tmm4, [{a2} + {ws}*1]",
+                                    "tdpbf16ps tmm2, tmm4, tmm6",
+                                    "tileloadd tmm5, [{a3} + {ws}*1]",
+                                    "tdpbf16ps tmm3, tmm5, tmm6",
+                                    xb = in(reg) xb, xs = in(reg) 64usize, ws = in(reg) ws,
+                                    a0 = in(reg) a, a1 = in(reg) a.add(16 * cols), a2 = in(reg) a.add(32 * cols), a3 = in(reg) a.add(48 * cols),
+                                    options(nostack, readonly)
+                                ),
+                                _ => {
+                                    asm!("tileloadd tmm6, [{xb} + {xs}*1]", xb = in(reg) xb, xs = in(reg) 64usize, options(nostack, readonly));
+                                    asm!("tileloadd tmm4, [{a} + {ws}*1]", "tdpbf16ps tmm0, tmm4, tmm6", a = in(reg) a, ws = in(reg) ws, options(nostack, readonly));
+                                    if nb > 1 {
+                                        asm!("tileloadd tmm5, [{a} + {ws}*1]", "tdpbf16ps tmm1, tmm5, tmm6", a = in(reg) a.add(16 * cols), ws = in(reg) ws, options(nostack, readonly));
+                                    }
+                                    if nb > 2 {
+                                        asm!("tileloadd tmm4, [{a} + {ws}*1]", "tdpbf16ps tmm2, tmm4, tmm6", a = in(reg) a.add(32 * cols), ws = in(reg) ws, options(nostack, readonly));
+                                    }
+                                }
+                            }
+                        }
+                        let cp = ct.as_mut_ptr();
+                        asm!(
+                            "tilestored [{c0} + {s}*1], tmm0",
+                            "tilestored [{c1} + {s}*1], tmm1",
+                            "tilestored [{c2} + {s}*1], tmm2",
+                            "tilestored [{c3} + {s}*1], tmm3",
+                            c0 = in(reg) cp, c1 = in(reg) cp.add(256), c2 = in(reg) cp.add(512), c3 = in(reg) cp.add(768),
+                            s = in(reg) 64usize,
+                            options(nostack)
+                        );
+                        for i in 0..nb * 16 {
+                            for t in 0..nt {
+                                *out.add((t0 + t) * ldo + (r - r0) + i) = ct[i * 16 + t];
+                            }
+                        }
+                    }
+                    r += nb * 16;
+                }
+            }
+            // SAFETY: releases this thread's tile state.
+            unsafe { asm!("tilerelease", options(nostack, nomem)) };
+        });
+        full
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
 mod avx2 {
     use std::arch::x86_64::*;
 
@@ -334,7 +491,8 @@ mod tests {
     #[test]
     fn every_path_matches_scalar() {
         let mut rng = SplitMix64::new(3);
-        for &(rows, cols, n_tok) in &[(1, 1, 1), (7, 33, 5), (13, 511, 4), (8, 64, 9), (5, 100, 2)] {
+        // (83, 64, 17) and (40, 96, 5) exercise AMX: 16-row tiles, 4/2/1-tile blocks, row and token tails.
+        for &(rows, cols, n_tok) in &[(1, 1, 1), (7, 33, 5), (13, 511, 4), (8, 64, 9), (5, 100, 2), (83, 64, 17), (40, 96, 5), (128, 256, 33)] {
             let w: Vec<u16> = (0..rows * cols).map(|_| f32_to_bf16(rng.next_f64() as f32 - 0.5)).collect();
             let x: Vec<f32> = (0..n_tok * cols).map(|_| rng.next_f64() as f32 - 0.5).collect();
             let xb: Vec<u16> = x.iter().map(|&v| f32_to_bf16(v)).collect();

@@ -1,6 +1,6 @@
 //! CPU expert kernels: SwiGLU forward of the experts a plan sends to the host.
 //!
-//! Owns: [`CpuExperts`] (kernel choice, the persistent [`workers::WorkerPool`], the per-call
+//! Owns: [`CpuExperts`] (kernel choice: AMX, AVX-512-BF16, AVX2 or scalar, see [`kernels`]; the persistent [`workers::WorkerPool`], the per-call
 //! scratch) and the GEMV kernels ([`kernels`]). Not: routing decisions (the planner), the
 //! pinned output buffer (the caller provides it).
 //!
@@ -193,11 +193,11 @@ impl CpuExperts {
         let mut a_bf = vec![0u16; if bf { n_all * i_sz } else { 0 }];
         let mut y = vec![0f32; n_all * h];
 
-        // Tasks: ~2 chunks per thread per phase, rows a multiple of 4.
+        // Tasks: ~2 chunks per thread per phase, rows a multiple of 16 (an AMX tile).
         let nt = self.num_threads();
         let chunks = |rows: usize| -> usize {
             let per_expert = (2 * nt).div_ceil(list.len()).max(1);
-            rows.div_ceil(per_expert).next_multiple_of(4).max(4)
+            rows.div_ceil(per_expert).next_multiple_of(16).max(16)
         };
         let (c1, c2) = (chunks(i_sz), chunks(h));
         let mut tasks = Vec::new();
