@@ -21,7 +21,7 @@ use freetoken_core::cache::{policy_by_name, SlotMap};
 use freetoken_core::trace::{self, access_sequence, SyntheticConfig, Trace};
 
 const FRACTIONS: [f64; 5] = [0.05, 0.10, 0.20, 0.40, 0.60];
-const POLICIES: [&str; 3] = ["lru", "layer_lru", "min"];
+const POLICIES: [&str; 4] = ["lru", "layer_lru", "lfu", "min"];
 
 fn traces_dir() -> PathBuf {
     std::env::var_os("FT_TRACES_DIR")
@@ -91,7 +91,7 @@ fn main() {
     let cap = t.num_layers * t.num_experts / 5;
     let mut g = crit.benchmark_group("policies_lookup");
     g.throughput(Throughput::Elements(n_acc as u64));
-    for p in ["lru", "layer_lru"] {
+    for p in ["lru", "layer_lru", "lfu"] {
         g.bench_function(format!("{p}_20pct_{n_acc}_accesses"), |b| {
             b.iter(|| {
                 let mut m = SlotMap::new(cap, t.num_layers, ne, policy_by_name(p, cap, t.num_layers).expect("policy")).expect("map");

@@ -11,7 +11,7 @@
 pub mod policy;
 
 use crate::error::CacheError;
-pub use policy::{LayerLru, Lru, MinOracle, Policy};
+pub use policy::{LayerLfu, LayerLru, Lru, MinOracle, Policy};
 
 /// A GPU expert slot index, `0..capacity`.
 pub type SlotId = u32;
@@ -38,12 +38,18 @@ pub struct Relocation {
 
 const NONE: u32 = u32::MAX;
 
+/// Half-life of the `lfu` policy's aging, in accesses per layer (128 = 16 decode steps of a
+/// top-8 model at batch 1).
+pub const LFU_HALF_LIFE: f64 = 128.0;
+
 /// Builds a policy by name: `lru` (global LRU), `layer_lru` (per-layer LRU with quotas
-/// `capacity / num_layers`), or `min` (needs the future: use [`MinOracle::new`] directly).
+/// `capacity / num_layers`), `lfu` (per-layer quotas, LRFU aging: [`LayerLfu`]), or `min`
+/// (needs the future: use [`MinOracle::new`] directly).
 pub fn policy_by_name(name: &str, capacity: usize, num_layers: usize) -> Result<Box<dyn Policy>, CacheError> {
     match name {
         "lru" => Ok(Box::new(Lru::new(capacity))),
         "layer_lru" => Ok(Box::new(LayerLru::new(capacity, num_layers))),
+        "lfu" => Ok(Box::new(LayerLfu::new(capacity, num_layers, LFU_HALF_LIFE))),
         other => Err(CacheError::UnknownPolicy(other.to_string())),
     }
 }

@@ -1,5 +1,5 @@
-//! Replacement policies behind one trait: [`Lru`], [`LayerLru`] and the offline oracle
-//! [`MinOracle`] (Belady's MIN).
+//! Replacement policies behind one trait: [`Lru`], [`LayerLru`], [`LayerLfu`] and the offline
+//! oracle [`MinOracle`] (Belady's MIN).
 //!
 //! A policy only orders slots; the [`super::SlotMap`] owns the key <-> slot mapping and tells
 //! the policy about every hit, insert, removal and move, in order.
@@ -252,6 +252,127 @@ impl Policy for LayerLru {
     }
 }
 
+/// Per-layer quotas (as [`LayerLru`]) and, within a layer, the lowest recency-weighted
+/// frequency: LRFU (Lee et al., IEEE TC 2001) with exponential aging.
+///
+/// Each key's score is `Σ_uses 2^(t_use / half_life)`, `t` counting accesses at the key's layer,
+/// kept as a log2 so it never overflows; a newer use outweighs an older one and a use
+/// `half_life` accesses old counts half, with no periodic rescan. Scores persist after eviction
+/// (history), so a popular expert that was pushed out returns with its weight. Victim selection
+/// is O(log capacity) (a `BTreeSet` per layer) plus pinned slots skipped.
+#[derive(Debug, Clone)]
+pub struct LayerLfu {
+    quota: Vec<usize>,
+    half_life: f64,
+    clock: Vec<u64>,
+    /// log2 score per `[layer][expert]`, grown on demand.
+    score: Vec<Vec<f64>>,
+    /// Score each resident slot is filed under, and its layer.
+    slot_score: Vec<(u64, u32)>,
+    sets: Vec<BTreeSet<(u64, SlotId)>>,
+}
+
+impl LayerLfu {
+    /// Per-layer LRFU over `num_layers` layers and `capacity` slots, aging with a half-life of
+    /// `half_life` accesses per layer (e.g. 16 · top_k: sixteen decode steps at batch 1).
+    pub fn new(capacity: usize, num_layers: usize, half_life: f64) -> Self {
+        let n = num_layers.max(1);
+        let mut p = Self {
+            quota: vec![0; n],
+            half_life: half_life.max(1.0),
+            clock: vec![0; n],
+            score: vec![Vec::new(); n],
+            slot_score: Vec::new(),
+            sets: vec![BTreeSet::new(); n],
+        };
+        p.resize(capacity);
+        p
+    }
+
+    fn layer(&self, key: ExpertKey) -> usize {
+        (key.layer as usize).min(self.quota.len() - 1)
+    }
+
+    /// Adds a use of `key` now and returns its new score (as order-preserving bits).
+    fn bump(&mut self, key: ExpertKey) -> u64 {
+        let l = self.layer(key);
+        self.clock[l] += 1;
+        let now = self.clock[l] as f64 / self.half_life;
+        let row = &mut self.score[l];
+        if row.len() <= key.expert as usize {
+            row.resize(key.expert as usize + 1, f64::NEG_INFINITY);
+        }
+        let s = row[key.expert as usize];
+        let (hi, lo) = if s > now { (s, now) } else { (now, s) };
+        let new = hi + (1.0 + (lo - hi).exp2()).log2();
+        row[key.expert as usize] = new;
+        // Scores are >= 1/half_life > 0, so the IEEE bits order like the values.
+        new.to_bits()
+    }
+
+    fn file(&mut self, slot: SlotId, layer: usize, bits: u64) {
+        self.slot_score[slot as usize] = (bits, layer as u32);
+        self.sets[layer].insert((bits, slot));
+    }
+
+    fn unfile(&mut self, slot: SlotId) {
+        let (bits, l) = self.slot_score[slot as usize];
+        self.sets[l as usize].remove(&(bits, slot));
+    }
+
+    fn lowest_unpinned(&self, l: usize, pinned: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
+        self.sets[l].iter().find(|(_, s)| !pinned(*s)).map(|&(_, s)| s)
+    }
+}
+
+impl Policy for LayerLfu {
+    fn name(&self) -> &'static str {
+        "lfu"
+    }
+    fn resize(&mut self, capacity: usize) {
+        if capacity > self.slot_score.len() {
+            self.slot_score.resize(capacity, (0, 0));
+        }
+        let n = self.quota.len();
+        for (l, q) in self.quota.iter_mut().enumerate() {
+            *q = capacity / n + usize::from(l < capacity % n);
+        }
+    }
+    fn on_hit(&mut self, slot: SlotId, key: ExpertKey) {
+        self.unfile(slot);
+        let bits = self.bump(key);
+        self.file(slot, self.layer(key), bits);
+    }
+    fn on_insert(&mut self, slot: SlotId, key: ExpertKey) {
+        let bits = self.bump(key);
+        self.file(slot, self.layer(key), bits);
+    }
+    fn on_remove(&mut self, slot: SlotId, _key: ExpertKey) {
+        self.unfile(slot);
+    }
+    fn on_move(&mut self, from: SlotId, to: SlotId, _key: ExpertKey) {
+        let (bits, l) = self.slot_score[from as usize];
+        self.unfile(from);
+        self.file(to, l as usize, bits);
+    }
+    fn victim(&mut self, incoming: Option<ExpertKey>, pinned: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
+        if let Some(k) = incoming {
+            let l = self.layer(k);
+            if self.sets[l].len() >= self.quota[l].max(1) {
+                if let Some(s) = self.lowest_unpinned(l, pinned) {
+                    return Some(s);
+                }
+            }
+        }
+        let mut order: Vec<(isize, usize)> = (0..self.quota.len())
+            .filter(|&l| !self.sets[l].is_empty())
+            .map(|l| (self.sets[l].len() as isize - self.quota[l] as isize, l))
+            .collect();
+        order.sort_unstable_by(|a, b| b.cmp(a));
+        order.into_iter().find_map(|(_, l)| self.lowest_unpinned(l, pinned))
+    }
+}
+
 /// Belady's MIN: evicts the resident whose next use lies furthest in the future.
 ///
 /// An offline oracle for benchmarks: built from the exact sequence of accesses (hits and
@@ -339,6 +460,20 @@ mod tests {
             }
         }
         hits
+    }
+
+    #[test]
+    fn lfu_keeps_the_popular_expert() {
+        // Expert 0 is used every other access, the others once each: LRU with 2 slots keeps
+        // losing expert 0 to the stream of one-off experts only when they are recent; LFU keeps it.
+        let mut keys = Vec::new();
+        for i in 1..60u32 {
+            keys.push((0, 0));
+            keys.push((0, 1 + i % 7));
+            keys.push((0, 1 + (i + 3) % 7));
+        }
+        let lfu = run(&keys, 2, Box::new(LayerLfu::new(2, 2, 16.0)));
+        assert!(lfu >= 55, "{lfu}");
     }
 
     #[test]
