@@ -61,7 +61,9 @@ fn read_bandwidth(threads: usize, nbytes: usize) -> f64 {
         let t0 = Instant::now();
         let s: u64 = std::thread::scope(|s| {
             let hs: Vec<_> = buf.chunks(chunk).map(|c| s.spawn(move || sum(c))).collect();
-            hs.into_iter().map(|h| h.join().unwrap_or(0)).fold(0u64, |x, y| x.wrapping_add(y))
+            hs.into_iter()
+                .map(|h| h.join().unwrap_or(0))
+                .fold(0u64, |x, y| x.wrapping_add(y))
         });
         black_box(s);
         best = best.min(t0.elapsed().as_secs_f64());
@@ -83,20 +85,39 @@ struct Case {
 impl Case {
     /// One call: TOPK experts (the next ones in the rotation), every token routed to all of them.
     fn call(&mut self) {
-        let experts: Vec<i64> = (0..TOPK).map(|j| ((self.next + j) % self.num_experts) as i64).collect();
+        let experts: Vec<i64> = (0..TOPK)
+            .map(|j| ((self.next + j) % self.num_experts) as i64)
+            .collect();
         self.next = (self.next + TOPK) % self.num_experts;
         for t in 0..self.batch {
             self.ids[t * TOPK..(t + 1) * TOPK].copy_from_slice(&experts);
         }
-        self.cpu.forward(0, Hidden::F32(&self.x), &self.ids, &self.w, TOPK, &experts, &mut self.out).expect("forward");
+        self.cpu
+            .forward(
+                0,
+                Hidden::F32(&self.x),
+                &self.ids,
+                &self.w,
+                TOPK,
+                &experts,
+                &mut self.out,
+            )
+            .expect("forward");
     }
 }
 
 fn main() {
     let num_experts = env_usize("FT_BENCH_EXPERTS").unwrap_or(128);
     let threads = env_usize("FT_BENCH_THREADS");
-    let isa = std::env::var("FT_BENCH_ISA").ok().and_then(|s| Isa::from_name(&s));
-    let shape = PoolShape { moe_layers: vec![0], num_experts, hidden_size: H, intermediate_size: I };
+    let isa = std::env::var("FT_BENCH_ISA")
+        .ok()
+        .and_then(|s| Isa::from_name(&s));
+    let shape = PoolShape {
+        moe_layers: vec![0],
+        num_experts,
+        hidden_size: H,
+        intermediate_size: I,
+    };
     let pool = Arc::new(ExpertPool::random(shape, 0, threads).expect("pool"));
     let expert_bytes = pool.expert_nbytes();
     let cpu0 = CpuExperts::new(pool.clone(), threads, isa).expect("cpu experts");
@@ -151,11 +172,15 @@ fn main() {
             bw / 1e9
         );
     }
-    let mut crit = Criterion::default().measurement_time(Duration::from_secs(3)).configure_from_args();
+    let mut crit = Criterion::default()
+        .measurement_time(Duration::from_secs(3))
+        .configure_from_args();
     let mut g = crit.benchmark_group("cpu_kernel");
     g.throughput(Throughput::Bytes((TOPK * expert_bytes) as u64));
     for c in &mut cases {
-        g.bench_function(format!("qwen3_30b_a3b_top8_batch{}", c.batch), |bch| bch.iter(|| c.call()));
+        g.bench_function(format!("qwen3_30b_a3b_top8_batch{}", c.batch), |bch| {
+            bch.iter(|| c.call())
+        });
     }
     g.finish();
     crit.final_summary();

@@ -12,12 +12,23 @@ use freetoken_core::planner::{Backend, BandwidthProfile, Planner, PlannerConfig}
 use freetoken_core::trace::{self, SyntheticConfig};
 
 fn main() {
-    let mut crit = Criterion::default().measurement_time(Duration::from_secs(3)).configure_from_args();
+    let mut crit = Criterion::default()
+        .measurement_time(Duration::from_secs(3))
+        .configure_from_args();
     let (layers, experts, k) = (48usize, 128usize, 8usize);
     let mut g = crit.benchmark_group("planner");
     for batch in [1usize, 16] {
-        let t = trace::synthetic(&SyntheticConfig { batch, seed: 3, ..SyntheticConfig::new(layers, experts, k, 200) }).expect("trace");
-        let recs: Vec<(i64, Vec<i64>)> = t.records.iter().map(|r| (r.layer as i64, r.ids.iter().map(|&e| e as i64).collect())).collect();
+        let t = trace::synthetic(&SyntheticConfig {
+            batch,
+            seed: 3,
+            ..SyntheticConfig::new(layers, experts, k, 200)
+        })
+        .expect("trace");
+        let recs: Vec<(i64, Vec<i64>)> = t
+            .records
+            .iter()
+            .map(|r| (r.layer as i64, r.ids.iter().map(|&e| e as i64).collect()))
+            .collect();
         for backend in [Backend::Offload, Backend::Hybrid] {
             let mut p = Planner::new(PlannerConfig {
                 num_layers: layers,
@@ -25,19 +36,24 @@ fn main() {
                 expert_nbytes: 9 << 20,
                 capacity: layers * experts / 4,
                 policy: "lru".into(),
-                profile: Some(BandwidthProfile::new(50e9, vec![(1.0, 60e9), (16.0, 120e9)]).expect("profile")),
+                profile: Some(
+                    BandwidthProfile::new(50e9, vec![(1.0, 60e9), (16.0, 120e9)]).expect("profile"),
+                ),
                 reuse_weight: 0.5,
                 reuse_decay: 0.9,
             })
             .expect("planner");
             let mut i = 0;
-            g.bench_function(format!("plan_batch{batch}_{backend:?}").to_lowercase(), |b| {
-                b.iter(|| {
-                    let (l, ids) = &recs[i % recs.len()];
-                    i += 1;
-                    black_box(p.plan(*l, ids, k, backend).expect("plan"))
-                })
-            });
+            g.bench_function(
+                format!("plan_batch{batch}_{backend:?}").to_lowercase(),
+                |b| {
+                    b.iter(|| {
+                        let (l, ids) = &recs[i % recs.len()];
+                        i += 1;
+                        black_box(p.plan(*l, ids, k, backend).expect("plan"))
+                    })
+                },
+            );
         }
     }
     g.finish();

@@ -36,7 +36,12 @@ fn olmoe_popularity() -> Option<Vec<Vec<f64>>> {
     let counts = v.get("domains")?.get("c4")?.get("expert_counts")?;
     let rows: Vec<Vec<f64>> = ["layer0", "layer7", "layer15"]
         .iter()
-        .filter_map(|l| counts.get(*l)?.as_array().map(|a| a.iter().filter_map(|x| x.as_f64()).collect()))
+        .filter_map(|l| {
+            counts
+                .get(*l)?
+                .as_array()
+                .map(|a| a.iter().filter_map(|x| x.as_f64()).collect())
+        })
         .collect();
     (rows.len() == 3).then_some(rows)
 }
@@ -44,15 +49,26 @@ fn olmoe_popularity() -> Option<Vec<Vec<f64>>> {
 fn main() {
     let mut traces: Vec<(&str, Trace)> = vec![(
         "synthetic-qwen3-30b",
-        trace::synthetic(&SyntheticConfig { seed: 1, ..SyntheticConfig::new(48, 128, 8, 600) }).expect("trace"),
+        trace::synthetic(&SyntheticConfig {
+            seed: 1,
+            ..SyntheticConfig::new(48, 128, 8, 600)
+        })
+        .expect("trace"),
     )];
     match olmoe_popularity() {
         Some(pop) => traces.push((
             "olmoe-counts",
-            trace::synthetic(&SyntheticConfig { seed: 2, popularity: Some(pop), ..SyntheticConfig::new(16, 64, 8, 1500) })
-                .expect("trace"),
+            trace::synthetic(&SyntheticConfig {
+                seed: 2,
+                popularity: Some(pop),
+                ..SyntheticConfig::new(16, 64, 8, 1500)
+            })
+            .expect("trace"),
         )),
-        None => println!("policies: OLMoE counts not found under {}; skipping that trace", traces_dir().display()),
+        None => println!(
+            "policies: OLMoE counts not found under {}; skipping that trace",
+            traces_dir().display()
+        ),
     }
     for (name, t) in &traces {
         let keys = t.num_layers * t.num_experts;
@@ -67,7 +83,13 @@ fn main() {
             ratio.iter().cloned().fold(f64::MAX, f64::min),
             ratio.iter().cloned().fold(0.0, f64::max)
         );
-        println!("  {:<10} {}", "policy", FRACTIONS.map(|f| format!("{:>7}", format!("{:.0}%", f * 100.0))).join(" "));
+        println!(
+            "  {:<10} {}",
+            "policy",
+            FRACTIONS
+                .map(|f| format!("{:>7}", format!("{:.0}%", f * 100.0)))
+                .join(" ")
+        );
         for p in POLICIES {
             let mut cells = Vec::new();
             for f in FRACTIONS {
@@ -79,11 +101,21 @@ fn main() {
                     r.hit_rate()
                 );
             }
-            println!("  {:<10} {}", p, cells.iter().map(|h| format!("{:>6.1}%", h * 100.0)).collect::<Vec<_>>().join(" "));
+            println!(
+                "  {:<10} {}",
+                p,
+                cells
+                    .iter()
+                    .map(|h| format!("{:>6.1}%", h * 100.0))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            );
         }
     }
     // ns per lookup: replay the first trace's accesses through a slot map at 20 % of the pool.
-    let mut crit = Criterion::default().measurement_time(Duration::from_secs(3)).configure_from_args();
+    let mut crit = Criterion::default()
+        .measurement_time(Duration::from_secs(3))
+        .configure_from_args();
     let (_, t) = &traces[0];
     let seq = access_sequence(t);
     let n_acc = seq.len();
@@ -94,7 +126,13 @@ fn main() {
     for p in ["lru", "layer_lru", "lfu"] {
         g.bench_function(format!("{p}_20pct_{n_acc}_accesses"), |b| {
             b.iter(|| {
-                let mut m = SlotMap::new(cap, t.num_layers, ne, policy_by_name(p, cap, t.num_layers).expect("policy")).expect("map");
+                let mut m = SlotMap::new(
+                    cap,
+                    t.num_layers,
+                    ne,
+                    policy_by_name(p, cap, t.num_layers).expect("policy"),
+                )
+                .expect("map");
                 let mut hits = 0u64;
                 for (i, k) in seq.iter().enumerate() {
                     if i % 8 == 0 {

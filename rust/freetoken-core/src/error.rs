@@ -45,7 +45,9 @@ pub enum PoolError {
         num_experts: usize,
     },
     /// A model layer index that is not a MoE layer of this pool.
-    #[error("model layer {model_layer} is not a MoE layer of this pool (MoE layers: {moe_layers:?})")]
+    #[error(
+        "model layer {model_layer} is not a MoE layer of this pool (MoE layers: {moe_layers:?})"
+    )]
     NotMoeLayer {
         /// The model layer asked for.
         model_layer: i64,
@@ -136,7 +138,9 @@ impl PoolError {
     /// The broad class of this error.
     pub fn kind(&self) -> ErrorKind {
         match self {
-            Self::LayerIndex { .. } | Self::ExpertIndex { .. } | Self::NotMoeLayer { .. } => ErrorKind::Index,
+            Self::LayerIndex { .. } | Self::ExpertIndex { .. } | Self::NotMoeLayer { .. } => {
+                ErrorKind::Index
+            }
             Self::Config(_) => ErrorKind::Value,
             Self::FileNotFound { .. } => ErrorKind::NotFound,
             Self::Io { .. } | Self::Alloc { .. } => ErrorKind::Io,
@@ -172,7 +176,9 @@ pub enum CacheError {
         capacity: usize,
     },
     /// An unknown policy name.
-    #[error("unknown expert_cache policy {0:?}; known: lru, layer_lru, lfu, min (min needs a trace)")]
+    #[error(
+        "unknown expert_cache policy {0:?}; known: lru, layer_lru, lfu, min (min needs a trace)"
+    )]
     UnknownPolicy(String),
     /// A bad argument.
     #[error("{0}")]
@@ -268,7 +274,9 @@ impl TraceError {
     /// The broad class of this error.
     pub fn kind(&self) -> ErrorKind {
         match self {
-            Self::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => ErrorKind::NotFound,
+            Self::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound => {
+                ErrorKind::NotFound
+            }
             Self::Io { .. } => ErrorKind::Io,
             Self::Format { .. } => ErrorKind::Trace,
             Self::Invalid(_) => ErrorKind::Value,

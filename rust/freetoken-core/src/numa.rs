@@ -41,13 +41,18 @@ pub fn allowed_cpus() -> Vec<usize> {
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) == 0 {
-            let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize).filter(|&c| libc::CPU_ISSET(c, &set)).collect();
+            let cpus: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+                .filter(|&c| libc::CPU_ISSET(c, &set))
+                .collect();
             if !cpus.is_empty() {
                 return cpus;
             }
         }
     }
-    (0..std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)).collect()
+    (0..std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1))
+        .collect()
 }
 
 /// The NUMA nodes that hold at least one allowed CPU (one node when `/sys` says nothing).
@@ -58,7 +63,10 @@ pub fn nodes() -> Vec<NumaNode> {
         for id in parse_cpu_list(&online) {
             let path = format!("/sys/devices/system/node/node{id}/cpulist");
             if let Ok(list) = fs::read_to_string(path) {
-                let cpus: Vec<usize> = parse_cpu_list(&list).into_iter().filter(|c| allowed.contains(c)).collect();
+                let cpus: Vec<usize> = parse_cpu_list(&list)
+                    .into_iter()
+                    .filter(|c| allowed.contains(c))
+                    .collect();
                 if !cpus.is_empty() {
                     out.push(NumaNode { id, cpus });
                 }
@@ -66,7 +74,10 @@ pub fn nodes() -> Vec<NumaNode> {
         }
     }
     if out.is_empty() {
-        out.push(NumaNode { id: 0, cpus: allowed });
+        out.push(NumaNode {
+            id: 0,
+            cpus: allowed,
+        });
     }
     out
 }

@@ -48,7 +48,9 @@ impl std::str::FromStr for Backend {
             "offload" => Ok(Self::Offload),
             "cpu" => Ok(Self::Cpu),
             "hybrid" => Ok(Self::Hybrid),
-            other => Err(PlanError::Invalid(format!("unknown backend {other:?}; expected \"offload\", \"cpu\" or \"hybrid\""))),
+            other => Err(PlanError::Invalid(format!(
+                "unknown backend {other:?}; expected \"offload\", \"cpu\" or \"hybrid\""
+            ))),
         }
     }
 }
@@ -65,15 +67,24 @@ pub struct BandwidthProfile {
 
 impl BandwidthProfile {
     /// Checks the profile: positive finite values, at least one CPU point, batches increasing.
-    pub fn new(pcie_bytes_per_s: f64, mut cpu_bytes_per_s: Vec<(f64, f64)>) -> Result<Self, PlanError> {
+    pub fn new(
+        pcie_bytes_per_s: f64,
+        mut cpu_bytes_per_s: Vec<(f64, f64)>,
+    ) -> Result<Self, PlanError> {
         cpu_bytes_per_s.sort_by(|a, b| a.0.total_cmp(&b.0));
         let ok = |x: f64| x.is_finite() && x > 0.0;
-        if !ok(pcie_bytes_per_s) || cpu_bytes_per_s.is_empty() || cpu_bytes_per_s.iter().any(|&(b, v)| !ok(b) || !ok(v)) {
+        if !ok(pcie_bytes_per_s)
+            || cpu_bytes_per_s.is_empty()
+            || cpu_bytes_per_s.iter().any(|&(b, v)| !ok(b) || !ok(v))
+        {
             return Err(PlanError::Invalid(format!(
                 "bandwidth profile needs a positive B_pcie (got {pcie_bytes_per_s}) and at least one positive (batch, B_cpu) point (got {cpu_bytes_per_s:?})"
             )));
         }
-        Ok(Self { pcie_bytes_per_s, cpu_bytes_per_s })
+        Ok(Self {
+            pcie_bytes_per_s,
+            cpu_bytes_per_s,
+        })
     }
 
     /// `B_cpu(b)`, bytes/s.
@@ -183,7 +194,11 @@ pub struct Planner {
 impl Planner {
     /// A planner with an empty expert cache.
     pub fn new(cfg: PlannerConfig) -> Result<Self, PlanError> {
-        if !(0.0..1.0).contains(&cfg.reuse_decay) || !(cfg.reuse_weight >= 0.0) || cfg.expert_nbytes == 0 {
+        if !(0.0..1.0).contains(&cfg.reuse_decay)
+            || cfg.reuse_weight.is_nan()
+            || cfg.reuse_weight < 0.0
+            || cfg.expert_nbytes == 0
+        {
             return Err(PlanError::Invalid(format!(
                 "reuse_decay must be in [0, 1) (got {}), reuse_weight >= 0 (got {}), expert_nbytes > 0 (got {})",
                 cfg.reuse_decay, cfg.reuse_weight, cfg.expert_nbytes
@@ -228,7 +243,9 @@ impl Planner {
 
     /// Zeroes the counters.
     pub fn reset_stats(&mut self) {
-        self.counters.iter_mut().for_each(|c| *c = LayerCounters::default());
+        self.counters
+            .iter_mut()
+            .for_each(|c| *c = LayerCounters::default());
     }
 
     /// Resizes the expert cache at a safe point; see [`SlotMap::resize`].
@@ -244,16 +261,29 @@ impl Planner {
     }
 
     /// Plans one layer step. `topk_ids` is `[batch, k]` row-major (any integer type fitting i64).
-    pub fn plan(&mut self, layer: i64, topk_ids: &[i64], k: usize, backend: Backend) -> Result<Plan, PlanError> {
+    pub fn plan(
+        &mut self,
+        layer: i64,
+        topk_ids: &[i64],
+        k: usize,
+        backend: Backend,
+    ) -> Result<Plan, PlanError> {
         let (nl, ne) = (self.cfg.num_layers, self.cfg.num_experts);
         if layer < 0 || layer as usize >= nl {
-            return Err(PlanError::Index(format!("layer {layer} out of range: the planner covers {nl} pool layers")));
+            return Err(PlanError::Index(format!(
+                "layer {layer} out of range: the planner covers {nl} pool layers"
+            )));
         }
-        if k == 0 || topk_ids.is_empty() || topk_ids.len() % k != 0 {
-            return Err(PlanError::Invalid(format!("topk_ids has {} entries, not a multiple of k = {k}", topk_ids.len())));
+        if k == 0 || topk_ids.is_empty() || !topk_ids.len().is_multiple_of(k) {
+            return Err(PlanError::Invalid(format!(
+                "topk_ids has {} entries, not a multiple of k = {k}",
+                topk_ids.len()
+            )));
         }
         if let Some(&bad) = topk_ids.iter().find(|&&e| e < 0 || e as usize >= ne) {
-            return Err(PlanError::Index(format!("expert id {bad} out of range 0..{ne} in topk_ids")));
+            return Err(PlanError::Index(format!(
+                "expert id {bad} out of range 0..{ne} in topk_ids"
+            )));
         }
         if backend == Backend::Hybrid && self.cfg.profile.is_none() {
             return Err(PlanError::Invalid("the hybrid backend needs a bandwidth profile (Planner(profile=...) or set_profile)".into()));
@@ -312,7 +342,9 @@ impl Planner {
         };
         if n_cpu > 0 && n_cpu < n {
             // Lowest reuse first, then fewest tokens, then id (deterministic).
-            self.misses.sort_unstable_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+            self.misses.sort_unstable_by(|a, b| {
+                a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2))
+            });
         }
         let c = &mut self.counters[l];
         let s_bytes = self.cfg.expert_nbytes as u64;
@@ -324,8 +356,10 @@ impl Planner {
                     Ok((slot, victim)) => {
                         plan.fill_experts.push(e as i32);
                         plan.fill_slots.push(slot as i32);
-                        plan.victim_layers.push(victim.map_or(-1, |v| v.layer as i32));
-                        plan.victim_experts.push(victim.map_or(-1, |v| v.expert as i32));
+                        plan.victim_layers
+                            .push(victim.map_or(-1, |v| v.layer as i32));
+                        plan.victim_experts
+                            .push(victim.map_or(-1, |v| v.expert as i32));
                         self.dest[e] = slot as i32;
                         c.fills += 1;
                         c.bytes_h2d += s_bytes;
@@ -429,7 +463,9 @@ mod tests {
         assert!((prof.q(1.0, 0.0) - 0.5).abs() < 1e-12);
         assert!((prof.cpu_at(8.5) - 2.5e9).abs() < 1.0);
         let mut p = planner(16, Some(prof));
-        let plan = p.plan(0, &[0, 1, 2, 3, 4, 5, 6, 7], 8, Backend::Hybrid).unwrap();
+        let plan = p
+            .plan(0, &[0, 1, 2, 3, 4, 5, 6, 7], 8, Backend::Hybrid)
+            .unwrap();
         assert_eq!(plan.cpu_experts.len(), 4);
         assert_eq!(plan.fill_experts.len(), 4);
         assert!((plan.q - 0.5).abs() < 1e-12);

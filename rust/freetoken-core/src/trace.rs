@@ -45,24 +45,42 @@ pub struct Trace {
 }
 
 fn io_err(path: &Path) -> impl Fn(std::io::Error) -> TraceError + '_ {
-    move |source| TraceError::Io { path: path.to_path_buf(), source }
+    move |source| TraceError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
 }
 
 impl Trace {
     /// An empty trace.
     pub fn new(num_layers: usize, num_experts: usize, top_k: usize) -> Result<Self, TraceError> {
-        if num_layers == 0 || num_layers > u16::MAX as usize || num_experts == 0 || num_experts > u16::MAX as usize || top_k == 0 || top_k > num_experts {
+        if num_layers == 0
+            || num_layers > u16::MAX as usize
+            || num_experts == 0
+            || num_experts > u16::MAX as usize
+            || top_k == 0
+            || top_k > num_experts
+        {
             return Err(TraceError::Invalid(format!(
                 "bad trace shape: {num_layers} layers (1..=65535), {num_experts} experts (1..=65535), top_k {top_k} (1..=num_experts)"
             )));
         }
-        Ok(Self { num_layers, num_experts, top_k, records: Vec::new() })
+        Ok(Self {
+            num_layers,
+            num_experts,
+            top_k,
+            records: Vec::new(),
+        })
     }
 
     /// Appends one layer step after checking it.
     pub fn push(&mut self, step: u32, layer: usize, ids: Vec<u16>) -> Result<(), TraceError> {
         check_record(self.num_layers, self.num_experts, self.top_k, layer, &ids)?;
-        self.records.push(TraceRecord { step, layer: layer as u16, ids });
+        self.records.push(TraceRecord {
+            step,
+            layer: layer as u16,
+            ids,
+        });
         Ok(())
     }
 
@@ -70,9 +88,13 @@ impl Trace {
     pub fn read(path: &Path) -> Result<Self, TraceError> {
         let f = std::fs::File::open(path).map_err(io_err(path))?;
         let mut r = BufReader::new(f);
-        let fmt = |msg: String| TraceError::Format { path: path.to_path_buf(), msg };
+        let fmt = |msg: String| TraceError::Format {
+            path: path.to_path_buf(),
+            msg,
+        };
         let mut head = [0u8; 20];
-        r.read_exact(&mut head).map_err(|_| fmt("shorter than the 20-byte header".into()))?;
+        r.read_exact(&mut head)
+            .map_err(|_| fmt("shorter than the 20-byte header".into()))?;
         if &head[..8] != MAGIC {
             return Err(fmt("not a freetoken routing trace (bad magic)".into()));
         }
@@ -89,9 +111,14 @@ impl Trace {
             let layer = u16::from_le_bytes([rec[4], rec[5]]) as usize;
             let batch = u16::from_le_bytes([rec[6], rec[7]]) as usize;
             let mut raw = vec![0u8; batch * t.top_k * 2];
-            r.read_exact(&mut raw).map_err(|_| fmt(format!("record {} truncated", t.records.len())))?;
-            let ids = raw.chunks_exact(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
-            t.push(step, layer, ids).map_err(|e| fmt(format!("record {}: {e}", t.records.len())))?;
+            r.read_exact(&mut raw)
+                .map_err(|_| fmt(format!("record {} truncated", t.records.len())))?;
+            let ids = raw
+                .chunks_exact(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                .collect();
+            t.push(step, layer, ids)
+                .map_err(|e| fmt(format!("record {}: {e}", t.records.len())))?;
         }
         Ok(t)
     }
@@ -106,15 +133,28 @@ impl Trace {
     }
 }
 
-fn check_record(num_layers: usize, num_experts: usize, top_k: usize, layer: usize, ids: &[u16]) -> Result<(), TraceError> {
+fn check_record(
+    num_layers: usize,
+    num_experts: usize,
+    top_k: usize,
+    layer: usize,
+    ids: &[u16],
+) -> Result<(), TraceError> {
     if layer >= num_layers {
-        return Err(TraceError::Invalid(format!("layer {layer} out of range 0..{num_layers}")));
+        return Err(TraceError::Invalid(format!(
+            "layer {layer} out of range 0..{num_layers}"
+        )));
     }
-    if ids.is_empty() || ids.len() % top_k != 0 || ids.len() / top_k > u16::MAX as usize {
-        return Err(TraceError::Invalid(format!("{} ids is not batch x top_k ({top_k}) with 1 <= batch <= 65535", ids.len())));
+    if ids.is_empty() || !ids.len().is_multiple_of(top_k) || ids.len() / top_k > u16::MAX as usize {
+        return Err(TraceError::Invalid(format!(
+            "{} ids is not batch x top_k ({top_k}) with 1 <= batch <= 65535",
+            ids.len()
+        )));
     }
     if let Some(&bad) = ids.iter().find(|&&e| e as usize >= num_experts) {
-        return Err(TraceError::Invalid(format!("expert id {bad} out of range 0..{num_experts}")));
+        return Err(TraceError::Invalid(format!(
+            "expert id {bad} out of range 0..{num_experts}"
+        )));
     }
     Ok(())
 }
@@ -128,7 +168,12 @@ pub struct TraceWriter {
 
 impl TraceWriter {
     /// Creates `path` and writes the header.
-    pub fn create(path: &Path, num_layers: usize, num_experts: usize, top_k: usize) -> Result<Self, TraceError> {
+    pub fn create(
+        path: &Path,
+        num_layers: usize,
+        num_experts: usize,
+        top_k: usize,
+    ) -> Result<Self, TraceError> {
         Trace::new(num_layers, num_experts, top_k)?;
         let f = std::fs::File::create(path).map_err(io_err(path))?;
         let mut out = BufWriter::new(f);
@@ -138,7 +183,11 @@ impl TraceWriter {
             head.extend_from_slice(&(v as u32).to_le_bytes());
         }
         out.write_all(&head).map_err(io_err(path))?;
-        Ok(Self { path: path.to_path_buf(), out, shape: (num_layers, num_experts, top_k) })
+        Ok(Self {
+            path: path.to_path_buf(),
+            out,
+            shape: (num_layers, num_experts, top_k),
+        })
     }
 
     /// Appends one layer step: `ids` is `[batch, top_k]` row-major.
@@ -180,7 +229,10 @@ pub fn access_sequence(trace: &Trace) -> Vec<ExpertKey> {
     let mut d = Vec::new();
     for r in &trace.records {
         distinct_sorted(&r.ids, &mut d);
-        out.extend(d.iter().map(|&e| ExpertKey { layer: r.layer as u32, expert: e as u32 }));
+        out.extend(d.iter().map(|&e| ExpertKey {
+            layer: r.layer as u32,
+            expert: e as u32,
+        }));
     }
     out
 }
@@ -198,24 +250,40 @@ impl SimResult {
     /// `hits / (hits + misses)`, 0 for an empty trace.
     pub fn hit_rate(&self) -> f64 {
         let n = self.hits + self.misses;
-        if n == 0 { 0.0 } else { self.hits as f64 / n as f64 }
+        if n == 0 {
+            0.0
+        } else {
+            self.hits as f64 / n as f64
+        }
     }
 }
 
 /// Replays `trace` through a slot map of `capacity` slots with the named policy (`lru`,
 /// `layer_lru`, `min`). The first `warmup` records are played but not counted.
-pub fn simulate(trace: &Trace, capacity: usize, policy: &str, warmup: usize) -> Result<SimResult, TraceError> {
+pub fn simulate(
+    trace: &Trace,
+    capacity: usize,
+    policy: &str,
+    warmup: usize,
+) -> Result<SimResult, TraceError> {
     let p: Box<dyn Policy> = if policy == "min" {
         Box::new(MinOracle::new(access_sequence(trace), capacity))
     } else {
-        policy_by_name(policy, capacity, trace.num_layers).map_err(|e| TraceError::Invalid(e.to_string()))?
+        policy_by_name(policy, capacity, trace.num_layers)
+            .map_err(|e| TraceError::Invalid(e.to_string()))?
     };
     simulate_with(trace, capacity, p, warmup)
 }
 
 /// [`simulate`] with a policy object.
-pub fn simulate_with(trace: &Trace, capacity: usize, policy: Box<dyn Policy>, warmup: usize) -> Result<SimResult, TraceError> {
-    let mut m = SlotMap::new(capacity, trace.num_layers, trace.num_experts, policy).map_err(|e| TraceError::Invalid(e.to_string()))?;
+pub fn simulate_with(
+    trace: &Trace,
+    capacity: usize,
+    policy: Box<dyn Policy>,
+    warmup: usize,
+) -> Result<SimResult, TraceError> {
+    let mut m = SlotMap::new(capacity, trace.num_layers, trace.num_experts, policy)
+        .map_err(|e| TraceError::Invalid(e.to_string()))?;
     let mut res = SimResult::default();
     let mut d = Vec::new();
     for (i, r) in trace.records.iter().enumerate() {
@@ -225,10 +293,15 @@ pub fn simulate_with(trace: &Trace, capacity: usize, policy: Box<dyn Policy>, wa
             let f = r.layer as usize * trace.num_experts + e as usize;
             let hit = m.touch_flat(f).is_some();
             if !hit && capacity > 0 {
-                m.insert_flat(f).map_err(|e| TraceError::Invalid(e.to_string()))?;
+                m.insert_flat(f)
+                    .map_err(|e| TraceError::Invalid(e.to_string()))?;
             }
             if i >= warmup {
-                if hit { res.hits += 1 } else { res.misses += 1 }
+                if hit {
+                    res.hits += 1
+                } else {
+                    res.misses += 1
+                }
             }
         }
     }
@@ -276,7 +349,18 @@ pub struct SyntheticConfig {
 impl SyntheticConfig {
     /// The calibrated defaults for a model shape (see the type's docs).
     pub fn new(num_layers: usize, num_experts: usize, top_k: usize, num_steps: usize) -> Self {
-        Self { num_layers, num_experts, top_k, num_steps, batch: 1, skew: 0.45, reuse: 0.35, window: 16, seed: 0, popularity: None }
+        Self {
+            num_layers,
+            num_experts,
+            top_k,
+            num_steps,
+            batch: 1,
+            skew: 0.45,
+            reuse: 0.35,
+            window: 16,
+            seed: 0,
+            popularity: None,
+        }
     }
 }
 
@@ -284,10 +368,12 @@ impl SyntheticConfig {
 pub fn synthetic(cfg: &SyntheticConfig) -> Result<Trace, TraceError> {
     let mut t = Trace::new(cfg.num_layers, cfg.num_experts, cfg.top_k)?;
     if cfg.batch == 0 || cfg.window == 0 || !(0.0..=1.0).contains(&cfg.reuse) || cfg.skew < 0.0 {
-        return Err(TraceError::Invalid("batch and window must be positive, reuse in [0, 1], skew >= 0".into()));
+        return Err(TraceError::Invalid(
+            "batch and window must be positive, reuse in [0, 1], skew >= 0".into(),
+        ));
     }
     let (ne, k) = (cfg.num_experts, cfg.top_k);
-    let mut rng = SplitMix64::new(cfg.seed ^ 0x5EED_0F_7EA5E);
+    let mut rng = SplitMix64::new(cfg.seed ^ 0x05EE_D0F7_EA5E);
     // Cumulative popularity per layer.
     let mut cdf: Vec<Vec<f64>> = Vec::with_capacity(cfg.num_layers);
     for l in 0..cfg.num_layers {
@@ -295,7 +381,10 @@ pub fn synthetic(cfg: &SyntheticConfig) -> Result<Trace, TraceError> {
             Some(rows) if !rows.is_empty() => {
                 let row = &rows[l % rows.len()];
                 if row.len() != ne {
-                    return Err(TraceError::Invalid(format!("popularity row has {} weights, expected {ne}", row.len())));
+                    return Err(TraceError::Invalid(format!(
+                        "popularity row has {} weights, expected {ne}",
+                        row.len()
+                    )));
                 }
                 row.iter().map(|&x| x.max(0.0) + 1e-12).collect()
             }
@@ -313,10 +402,18 @@ pub fn synthetic(cfg: &SyntheticConfig) -> Result<Trace, TraceError> {
         };
         let total: f64 = w.iter().sum();
         let mut acc = 0.0;
-        cdf.push(w.iter().map(|x| { acc += x / total; acc }).collect());
+        cdf.push(
+            w.iter()
+                .map(|x| {
+                    acc += x / total;
+                    acc
+                })
+                .collect(),
+        );
     }
     // history[l]: ring of the last `window` steps' picks at layer l (each batch * k ids).
-    let mut history: Vec<std::collections::VecDeque<Vec<u16>>> = vec![Default::default(); cfg.num_layers];
+    let mut history: Vec<std::collections::VecDeque<Vec<u16>>> =
+        vec![Default::default(); cfg.num_layers];
     let mut ids = Vec::with_capacity(cfg.batch * k);
     let mut tok = Vec::with_capacity(k);
     for step in 0..cfg.num_steps {
@@ -365,7 +462,11 @@ pub fn busiest_ratio(trace: &Trace) -> Vec<f64> {
         .map(|c| {
             let total: u64 = c.iter().sum();
             let max = c.iter().copied().max().unwrap_or(0);
-            if total == 0 { 0.0 } else { max as f64 * trace.num_experts as f64 / total as f64 }
+            if total == 0 {
+                0.0
+            } else {
+                max as f64 * trace.num_experts as f64 / total as f64
+            }
         })
         .collect()
 }
@@ -379,12 +480,19 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("fttrace-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let p = dir.join("t.fttrace");
-        let t = synthetic(&SyntheticConfig { batch: 3, ..SyntheticConfig::new(4, 16, 2, 10) }).unwrap();
+        let t = synthetic(&SyntheticConfig {
+            batch: 3,
+            ..SyntheticConfig::new(4, 16, 2, 10)
+        })
+        .unwrap();
         t.write(&p).unwrap();
         assert_eq!(Trace::read(&p).unwrap(), t);
         std::fs::write(&p, b"nope").unwrap();
         assert!(matches!(Trace::read(&p), Err(TraceError::Format { .. })));
-        assert!(matches!(Trace::read(&dir.join("missing")), Err(TraceError::Io { .. })));
+        assert!(matches!(
+            Trace::read(&dir.join("missing")),
+            Err(TraceError::Io { .. })
+        ));
         let mut t = Trace::new(2, 4, 2).unwrap();
         assert!(t.push(0, 2, vec![0, 1]).is_err());
         assert!(t.push(0, 0, vec![0, 4]).is_err());
@@ -397,10 +505,20 @@ mod tests {
         // Qwen3-30B-A3B-like routing: 128 experts, top-8; a few layers suffice for the statistics.
         let t = synthetic(&SyntheticConfig::new(4, 128, 8, 1500)).unwrap();
         let ratios = busiest_ratio(&t);
-        assert!(ratios.iter().all(|&r| (2.5..=7.8).contains(&r)), "busiest/uniform {ratios:?}");
-        let half = simulate(&t, 4 * 64, "layer_lru", 4 * 50).unwrap().hit_rate();
-        assert!((0.6..=0.8).contains(&half), "per-layer LRU-64 hit rate {half}");
-        let full = simulate(&t, 4 * 128, "layer_lru", 4 * 200).unwrap().hit_rate();
+        assert!(
+            ratios.iter().all(|&r| (2.5..=7.8).contains(&r)),
+            "busiest/uniform {ratios:?}"
+        );
+        let half = simulate(&t, 4 * 64, "layer_lru", 4 * 50)
+            .unwrap()
+            .hit_rate();
+        assert!(
+            (0.6..=0.8).contains(&half),
+            "per-layer LRU-64 hit rate {half}"
+        );
+        let full = simulate(&t, 4 * 128, "layer_lru", 4 * 200)
+            .unwrap()
+            .hit_rate();
         assert!(full > 0.99);
         let min = simulate(&t, 4 * 64, "min", 4 * 50).unwrap().hit_rate();
         assert!(min >= half, "MIN {min} < LRU {half}");

@@ -13,32 +13,54 @@ pub fn int_array(obj: &Bound<'_, PyAny>, what: &str) -> PyResult<(Vec<i64>, Vec<
     }
     if let Ok(a) = obj.cast::<PyArrayDyn<i32>>() {
         let r = a.readonly();
-        return Ok((r.as_array().iter().map(|&v| v as i64).collect(), r.shape().to_vec()));
+        return Ok((
+            r.as_array().iter().map(|&v| v as i64).collect(),
+            r.shape().to_vec(),
+        ));
     }
     let np = obj.py().import("numpy")?;
-    let conv = np
-        .call_method1("asarray", (obj, "int64"))
-        .map_err(|e| invalid(format!("{what} must be an integer array (numpy int32/int64): {e}")))?;
-    let a = conv.cast::<PyArrayDyn<i64>>().map_err(|_| invalid(format!("{what} must be an integer array")))?;
+    let conv = np.call_method1("asarray", (obj, "int64")).map_err(|e| {
+        invalid(format!(
+            "{what} must be an integer array (numpy int32/int64): {e}"
+        ))
+    })?;
+    let a = conv
+        .cast::<PyArrayDyn<i64>>()
+        .map_err(|_| invalid(format!("{what} must be an integer array")))?;
     let r = a.readonly();
     Ok((r.as_array().iter().copied().collect(), r.shape().to_vec()))
 }
 
 /// A read-only C-contiguous numpy array of `T`, borrowed.
-pub fn readonly<'py, T: numpy::Element>(obj: &Bound<'py, PyAny>, what: &str, dtype: &str) -> PyResult<PyReadonlyArrayDyn<'py, T>> {
+pub fn readonly<'py, T: numpy::Element>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+    dtype: &str,
+) -> PyResult<PyReadonlyArrayDyn<'py, T>> {
     let a = obj.cast::<PyArrayDyn<T>>().map_err(|_| {
-        invalid(format!("{what} must be a numpy array of dtype {dtype}, got {}", describe(obj)))
+        invalid(format!(
+            "{what} must be a numpy array of dtype {dtype}, got {}",
+            describe(obj)
+        ))
     })?;
-    let r = a.try_readonly().map_err(|e| invalid(format!("{what}: {e}")))?;
+    let r = a
+        .try_readonly()
+        .map_err(|e| invalid(format!("{what}: {e}")))?;
     if !r.is_c_contiguous() {
-        return Err(invalid(format!("{what} must be C-contiguous (call numpy.ascontiguousarray)")));
+        return Err(invalid(format!(
+            "{what} must be C-contiguous (call numpy.ascontiguousarray)"
+        )));
     }
     Ok(r)
 }
 
 /// `type(obj)` and, for arrays, the dtype, for error messages.
 pub fn describe(obj: &Bound<'_, PyAny>) -> String {
-    let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+    let ty = obj
+        .get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into());
     match obj.getattr("dtype") {
         Ok(d) => format!("{ty} of dtype {d}"),
         Err(_) => ty,

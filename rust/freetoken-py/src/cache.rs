@@ -19,8 +19,21 @@ pub struct PySlotMap {
 }
 
 /// Relocations as an int64 array `[n, 4]`: (layer, expert, from_slot, to_slot).
-pub fn relocations<'py>(py: Python<'py>, r: &[freetoken_core::cache::Relocation]) -> Bound<'py, PyArray2<i64>> {
-    let rows: Vec<Vec<i64>> = r.iter().map(|r| vec![r.key.layer as i64, r.key.expert as i64, r.from as i64, r.to as i64]).collect();
+pub fn relocations<'py>(
+    py: Python<'py>,
+    r: &[freetoken_core::cache::Relocation],
+) -> Bound<'py, PyArray2<i64>> {
+    let rows: Vec<Vec<i64>> = r
+        .iter()
+        .map(|r| {
+            vec![
+                r.key.layer as i64,
+                r.key.expert as i64,
+                r.from as i64,
+                r.to as i64,
+            ]
+        })
+        .collect();
     if rows.is_empty() {
         return numpy::PyArray2::zeros(py, [0, 4], false);
     }
@@ -33,7 +46,9 @@ impl PySlotMap {
     #[pyo3(signature = (capacity, num_layers, num_experts, policy="lru"))]
     fn new(capacity: usize, num_layers: usize, num_experts: usize, policy: &str) -> PyResult<Self> {
         let p = policy_by_name(policy, capacity, num_layers).py()?;
-        Ok(Self { inner: Mutex::new(SlotMap::new(capacity, num_layers, num_experts, p).py()?) })
+        Ok(Self {
+            inner: Mutex::new(SlotMap::new(capacity, num_layers, num_experts, p).py()?),
+        })
     }
 
     #[getter]
@@ -79,12 +94,20 @@ impl PySlotMap {
     }
 
     fn residents(&self) -> Vec<(u32, u32, u32)> {
-        lock(&self.inner).residents().into_iter().map(|(k, s)| (k.layer, k.expert, s)).collect()
+        lock(&self.inner)
+            .residents()
+            .into_iter()
+            .map(|(k, s)| (k.layer, k.expert, s))
+            .collect()
     }
 
     fn __repr__(&self) -> String {
         let m = lock(&self.inner);
-        format!("SlotMap(capacity={}, len={}, policy={:?})", m.capacity(), m.len(), m.policy_name())
+        format!(
+            "SlotMap(capacity={}, len={}, policy={:?})",
+            m.capacity(),
+            m.len(),
+            m.policy_name()
+        )
     }
 }
-

@@ -18,13 +18,24 @@ pub struct PyCpuExperts {
 impl PyCpuExperts {
     #[new]
     #[pyo3(signature = (pool, num_threads=None, isa=None))]
-    fn new(pool: Bound<'_, PyExpertPool>, num_threads: Option<usize>, isa: Option<&str>) -> PyResult<Self> {
+    fn new(
+        pool: Bound<'_, PyExpertPool>,
+        num_threads: Option<usize>,
+        isa: Option<&str>,
+    ) -> PyResult<Self> {
         let isa = match isa {
             None => None,
-            Some(s) => Some(Isa::from_name(s).ok_or_else(|| invalid(format!("unknown isa {s:?}; expected scalar, avx2, avx512_bf16 or amx_bf16")))?),
+            Some(s) => Some(Isa::from_name(s).ok_or_else(|| {
+                invalid(format!(
+                    "unknown isa {s:?}; expected scalar, avx2, avx512_bf16 or amx_bf16"
+                ))
+            })?),
         };
         let inner = CpuExperts::new(pool.get().inner.clone(), num_threads, isa).py()?;
-        Ok(Self { inner, pool: pool.unbind() })
+        Ok(Self {
+            inner,
+            pool: pool.unbind(),
+        })
     }
 
     #[getter]
@@ -58,26 +69,58 @@ impl PyCpuExperts {
         };
         let (experts, _) = int_array(experts, "experts")?;
         let w = readonly::<f32>(topk_weights, "topk_weights", "float32")?;
-        let w = w.as_slice().map_err(|e| invalid(format!("topk_weights: {e}")))?;
-        let out = out
-            .cast::<PyArrayDyn<f32>>()
-            .map_err(|_| invalid(format!("out must be a writable float32 numpy array [B, H], got {}", describe(out))))?;
-        let mut out = out.try_readwrite().map_err(|e| invalid(format!("out: {e}")))?;
+        let w = w
+            .as_slice()
+            .map_err(|e| invalid(format!("topk_weights: {e}")))?;
+        let out = out.cast::<PyArrayDyn<f32>>().map_err(|_| {
+            invalid(format!(
+                "out must be a writable float32 numpy array [B, H], got {}",
+                describe(out)
+            ))
+        })?;
+        let mut out = out
+            .try_readwrite()
+            .map_err(|e| invalid(format!("out: {e}")))?;
         if !out.is_c_contiguous() {
             return Err(invalid("out must be C-contiguous"));
         }
-        let out = out.as_slice_mut().map_err(|e| invalid(format!("out: {e}")))?;
+        let out = out
+            .as_slice_mut()
+            .map_err(|e| invalid(format!("out: {e}")))?;
         if let Ok(x) = hidden.cast::<PyArrayDyn<f32>>() {
-            let x = x.try_readonly().map_err(|e| invalid(format!("hidden: {e}")))?;
-            let x = x.as_slice().map_err(|e| invalid(format!("hidden must be C-contiguous: {e}")))?;
-            return py.detach(|| self.inner.forward(layer, Hidden::F32(x), &ids, w, k, &experts, out)).py();
+            let x = x
+                .try_readonly()
+                .map_err(|e| invalid(format!("hidden: {e}")))?;
+            let x = x
+                .as_slice()
+                .map_err(|e| invalid(format!("hidden must be C-contiguous: {e}")))?;
+            return py
+                .detach(|| {
+                    self.inner
+                        .forward(layer, Hidden::F32(x), &ids, w, k, &experts, out)
+                })
+                .py();
         }
         let bits: Option<Vec<u16>> = if let Ok(x) = hidden.cast::<PyArrayDyn<u16>>() {
-            let r = x.try_readonly().map_err(|e| invalid(format!("hidden: {e}")))?;
-            Some(r.as_slice().map_err(|e| invalid(format!("hidden must be C-contiguous: {e}")))?.to_vec())
+            let r = x
+                .try_readonly()
+                .map_err(|e| invalid(format!("hidden: {e}")))?;
+            Some(
+                r.as_slice()
+                    .map_err(|e| invalid(format!("hidden must be C-contiguous: {e}")))?
+                    .to_vec(),
+            )
         } else if let Ok(x) = hidden.cast::<PyArrayDyn<i16>>() {
-            let r = x.try_readonly().map_err(|e| invalid(format!("hidden: {e}")))?;
-            Some(r.as_slice().map_err(|e| invalid(format!("hidden must be C-contiguous: {e}")))?.iter().map(|&v| v as u16).collect())
+            let r = x
+                .try_readonly()
+                .map_err(|e| invalid(format!("hidden: {e}")))?;
+            Some(
+                r.as_slice()
+                    .map_err(|e| invalid(format!("hidden must be C-contiguous: {e}")))?
+                    .iter()
+                    .map(|&v| v as u16)
+                    .collect(),
+            )
         } else {
             None
         };

@@ -15,14 +15,54 @@ pyo3::create_exception!(
 
 /// (class name, builtin base, kind, docstring).
 const CLASSES: [(&str, &str, ErrorKind, &str); 8] = [
-    ("OutOfRangeError", "IndexError", ErrorKind::Index, "A layer, expert or slot index out of range."),
-    ("InvalidArgumentError", "ValueError", ErrorKind::Value, "A bad argument: shape, dtype, name or value."),
-    ("CheckpointError", "ValueError", ErrorKind::Checkpoint, "A checkpoint whose content is wrong (missing tensor, shape, dtype)."),
-    ("MissingFileError", "FileNotFoundError", ErrorKind::NotFound, "A file or directory that should exist does not."),
-    ("HostIOError", "OSError", ErrorKind::Io, "An operating-system error: read, mmap, allocation."),
-    ("ExpertCacheFullError", "RuntimeError", ErrorKind::Capacity, "Every expert_cache slot is pinned by the step in flight."),
-    ("TraceFormatError", "ValueError", ErrorKind::Trace, "A routing-trace file is malformed."),
-    ("InternalError", "RuntimeError", ErrorKind::Internal, "A bug: a worker thread failed. Please report it."),
+    (
+        "OutOfRangeError",
+        "IndexError",
+        ErrorKind::Index,
+        "A layer, expert or slot index out of range.",
+    ),
+    (
+        "InvalidArgumentError",
+        "ValueError",
+        ErrorKind::Value,
+        "A bad argument: shape, dtype, name or value.",
+    ),
+    (
+        "CheckpointError",
+        "ValueError",
+        ErrorKind::Checkpoint,
+        "A checkpoint whose content is wrong (missing tensor, shape, dtype).",
+    ),
+    (
+        "MissingFileError",
+        "FileNotFoundError",
+        ErrorKind::NotFound,
+        "A file or directory that should exist does not.",
+    ),
+    (
+        "HostIOError",
+        "OSError",
+        ErrorKind::Io,
+        "An operating-system error: read, mmap, allocation.",
+    ),
+    (
+        "ExpertCacheFullError",
+        "RuntimeError",
+        ErrorKind::Capacity,
+        "Every expert_cache slot is pinned by the step in flight.",
+    ),
+    (
+        "TraceFormatError",
+        "ValueError",
+        ErrorKind::Trace,
+        "A routing-trace file is malformed.",
+    ),
+    (
+        "InternalError",
+        "RuntimeError",
+        ErrorKind::Internal,
+        "A bug: a worker thread failed. Please report it.",
+    ),
 ];
 
 static TYPES: PyOnceLock<Vec<(ErrorKind, Py<PyType>)>> = PyOnceLock::new();
@@ -50,9 +90,14 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
 /// A Python exception of the class for `kind`, with `msg`.
 pub fn py_err(kind: ErrorKind, msg: String) -> PyErr {
-    Python::attach(|py| match TYPES.get(py).and_then(|t| t.iter().find(|(k, _)| *k == kind)) {
-        Some((_, cls)) => PyErr::from_type(cls.bind(py).clone(), msg),
-        None => FreetokenError::new_err(msg),
+    Python::attach(|py| {
+        match TYPES
+            .get(py)
+            .and_then(|t| t.iter().find(|(k, _)| *k == kind))
+        {
+            Some((_, cls)) => PyErr::from_type(cls.bind(py).clone(), msg),
+            None => FreetokenError::new_err(msg),
+        }
     })
 }
 

@@ -81,19 +81,28 @@ impl PyPlan {
     fn __repr__(&self) -> String {
         format!(
             "Plan(layer={}, hits={:?}, fills={:?}, cpu={:?}, q={:.3})",
-            self.layer, self.plan.hit_experts, self.plan.fill_experts, self.plan.cpu_experts, self.plan.q
+            self.layer,
+            self.plan.hit_experts,
+            self.plan.fill_experts,
+            self.plan.cpu_experts,
+            self.plan.q
         )
     }
 }
 
-fn profile(pcie: Option<f64>, cpu: Option<HashMap<i64, f64>>) -> PyResult<Option<BandwidthProfile>> {
+fn profile(
+    pcie: Option<f64>,
+    cpu: Option<HashMap<i64, f64>>,
+) -> PyResult<Option<BandwidthProfile>> {
     match (pcie, cpu) {
         (None, None) => Ok(None),
         (Some(p), Some(c)) => {
             let pts = c.into_iter().map(|(b, v)| (b as f64, v)).collect();
             BandwidthProfile::new(p, pts).py().map(Some)
         }
-        _ => Err(invalid("pcie_bytes_per_s and cpu_bytes_per_s must be given together")),
+        _ => Err(invalid(
+            "pcie_bytes_per_s and cpu_bytes_per_s must be given together",
+        )),
     }
 }
 
@@ -129,7 +138,9 @@ impl PyPlanner {
             reuse_weight,
             reuse_decay,
         };
-        Ok(Self { inner: Mutex::new(Planner::new(cfg).py()?) })
+        Ok(Self {
+            inner: Mutex::new(Planner::new(cfg).py()?),
+        })
     }
 
     #[pyo3(signature = (layer, topk_ids, backend="offload"))]
@@ -142,11 +153,20 @@ impl PyPlanner {
             s => return Err(invalid(format!("topk_ids must be [B, k], got shape {s:?}"))),
         };
         let plan = lock(&self.inner).plan(layer, &ids, k, backend).py()?;
-        Ok(PyPlan { plan, layer, batch, k })
+        Ok(PyPlan {
+            plan,
+            layer,
+            batch,
+            k,
+        })
     }
 
     #[pyo3(signature = (pcie_bytes_per_s=None, cpu_bytes_per_s=None))]
-    fn set_profile(&self, pcie_bytes_per_s: Option<f64>, cpu_bytes_per_s: Option<HashMap<i64, f64>>) -> PyResult<()> {
+    fn set_profile(
+        &self,
+        pcie_bytes_per_s: Option<f64>,
+        cpu_bytes_per_s: Option<HashMap<i64, f64>>,
+    ) -> PyResult<()> {
         let p = profile(pcie_bytes_per_s, cpu_bytes_per_s)?;
         lock(&self.inner).set_profile(p);
         Ok(())
@@ -165,7 +185,9 @@ impl PyPlanner {
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let c: Vec<_> = lock(&self.inner).counters().to_vec();
         let d = PyDict::new(py);
-        let col = |f: fn(&freetoken_core::planner::LayerCounters) -> u64| -> Vec<i64> { c.iter().map(|x| f(x) as i64).collect() };
+        let col = |f: fn(&freetoken_core::planner::LayerCounters) -> u64| -> Vec<i64> {
+            c.iter().map(|x| f(x) as i64).collect()
+        };
         d.set_item("steps", PyArray1::from_vec(py, col(|x| x.steps)))?;
         d.set_item("hits", PyArray1::from_vec(py, col(|x| x.hits)))?;
         d.set_item("fills", PyArray1::from_vec(py, col(|x| x.fills)))?;

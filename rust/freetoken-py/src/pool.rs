@@ -14,7 +14,11 @@ pub struct PyExpertPool {
 }
 
 impl PyExpertPool {
-    fn view<'py>(slf: &Bound<'py, Self>, ptr: *const u8, n: usize) -> PyResult<Bound<'py, PyArray1<u8>>> {
+    fn view<'py>(
+        slf: &Bound<'py, Self>,
+        ptr: *const u8,
+        n: usize,
+    ) -> PyResult<Bound<'py, PyArray1<u8>>> {
         // SAFETY: ptr..ptr+n lies inside the arena, which lives as long as the pool object; the
         // array's base is set to that object, so the memory outlives the array and every buffer
         // taken from it.
@@ -29,12 +33,20 @@ impl PyExpertPool {
 impl PyExpertPool {
     #[staticmethod]
     #[pyo3(signature = (model_dir, num_threads=None))]
-    fn from_checkpoint(py: Python<'_>, model_dir: std::path::PathBuf, num_threads: Option<usize>) -> PyResult<Self> {
+    fn from_checkpoint(
+        py: Python<'_>,
+        model_dir: std::path::PathBuf,
+        num_threads: Option<usize>,
+    ) -> PyResult<Self> {
         if num_threads == Some(0) {
             return Err(invalid("num_threads must be positive"));
         }
-        let pool = py.detach(|| checkpoint::load(&model_dir, num_threads)).py()?;
-        Ok(Self { inner: Arc::new(pool) })
+        let pool = py
+            .detach(|| checkpoint::load(&model_dir, num_threads))
+            .py()?;
+        Ok(Self {
+            inner: Arc::new(pool),
+        })
     }
 
     #[staticmethod]
@@ -52,14 +64,26 @@ impl PyExpertPool {
     ) -> PyResult<Self> {
         let moe_layers = moe_layers.unwrap_or_else(|| (0..num_layers).collect());
         if moe_layers.len() != num_layers {
-            return Err(invalid(format!("moe_layers has {} entries but num_layers is {num_layers}", moe_layers.len())));
+            return Err(invalid(format!(
+                "moe_layers has {} entries but num_layers is {num_layers}",
+                moe_layers.len()
+            )));
         }
         if num_threads == Some(0) {
             return Err(invalid("num_threads must be positive"));
         }
-        let shape = PoolShape { moe_layers, num_experts, hidden_size, intermediate_size };
-        let pool = py.detach(|| ExpertPool::random(shape, seed, num_threads)).py()?;
-        Ok(Self { inner: Arc::new(pool) })
+        let shape = PoolShape {
+            moe_layers,
+            num_experts,
+            hidden_size,
+            intermediate_size,
+        };
+        let pool = py
+            .detach(|| ExpertPool::random(shape, seed, num_threads))
+            .py()?;
+        Ok(Self {
+            inner: Arc::new(pool),
+        })
     }
 
     #[getter]
@@ -113,7 +137,11 @@ impl PyExpertPool {
         Ok(p as usize - self.inner.ptr() as usize)
     }
 
-    fn expert_view<'py>(slf: &Bound<'py, Self>, layer: i64, expert: i64) -> PyResult<Bound<'py, PyArray1<u8>>> {
+    fn expert_view<'py>(
+        slf: &Bound<'py, Self>,
+        layer: i64,
+        expert: i64,
+    ) -> PyResult<Bound<'py, PyArray1<u8>>> {
         let (p, n) = slf.get().inner.expert_ptr(layer, expert).py()?;
         Self::view(slf, p, n)
     }

@@ -21,7 +21,11 @@ pub struct PyTraceWriter {
 impl PyTraceWriter {
     #[new]
     fn new(path: PathBuf, num_layers: usize, num_experts: usize, top_k: usize) -> PyResult<Self> {
-        Ok(Self { inner: Mutex::new(Some(TraceWriter::create(&path, num_layers, num_experts, top_k).py()?)) })
+        Ok(Self {
+            inner: Mutex::new(Some(
+                TraceWriter::create(&path, num_layers, num_experts, top_k).py()?,
+            )),
+        })
     }
 
     fn record(&self, step: u32, layer: usize, topk_ids: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -54,7 +58,12 @@ impl PyTraceWriter {
         slf
     }
 
-    fn __exit__(&self, _a: Option<Bound<'_, PyAny>>, _b: Option<Bound<'_, PyAny>>, _c: Option<Bound<'_, PyAny>>) -> PyResult<bool> {
+    fn __exit__(
+        &self,
+        _a: Option<Bound<'_, PyAny>>,
+        _b: Option<Bound<'_, PyAny>>,
+        _c: Option<Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
         self.close()?;
         Ok(false)
     }
@@ -82,9 +91,17 @@ pub fn read_trace<'py>(py: Python<'py>, path: PathBuf) -> PyResult<Bound<'py, Py
 /// Replays a trace file through a slot map; returns `{"hits", "misses", "hit_rate"}`.
 #[pyfunction]
 #[pyo3(signature = (path, capacity, policy="lru", warmup=0))]
-pub fn simulate_trace<'py>(py: Python<'py>, path: PathBuf, capacity: usize, policy: &str, warmup: usize) -> PyResult<Bound<'py, PyDict>> {
+pub fn simulate_trace<'py>(
+    py: Python<'py>,
+    path: PathBuf,
+    capacity: usize,
+    policy: &str,
+    warmup: usize,
+) -> PyResult<Bound<'py, PyDict>> {
     let policy = policy.to_string();
-    let r = py.detach(|| Trace::read(&path).and_then(|t| trace::simulate(&t, capacity, &policy, warmup))).py()?;
+    let r = py
+        .detach(|| Trace::read(&path).and_then(|t| trace::simulate(&t, capacity, &policy, warmup)))
+        .py()?;
     let d = PyDict::new(py);
     d.set_item("hits", r.hits)?;
     d.set_item("misses", r.misses)?;
@@ -109,6 +126,14 @@ pub fn synthetic_trace(
     window: usize,
     seed: u64,
 ) -> PyResult<()> {
-    let cfg = SyntheticConfig { batch, skew, reuse, window, seed, ..SyntheticConfig::new(num_layers, num_experts, top_k, num_steps) };
-    py.detach(|| trace::synthetic(&cfg).and_then(|t| t.write(&path))).py()
+    let cfg = SyntheticConfig {
+        batch,
+        skew,
+        reuse,
+        window,
+        seed,
+        ..SyntheticConfig::new(num_layers, num_experts, top_k, num_steps)
+    };
+    py.detach(|| trace::synthetic(&cfg).and_then(|t| t.write(&path)))
+        .py()
 }

@@ -45,7 +45,11 @@ pub const LFU_HALF_LIFE: f64 = 128.0;
 /// Builds a policy by name: `lru` (global LRU), `layer_lru` (per-layer LRU with quotas
 /// `capacity / num_layers`), `lfu` (per-layer quotas, LRFU aging: [`LayerLfu`]), or `min`
 /// (needs the future: use [`MinOracle::new`] directly).
-pub fn policy_by_name(name: &str, capacity: usize, num_layers: usize) -> Result<Box<dyn Policy>, CacheError> {
+pub fn policy_by_name(
+    name: &str,
+    capacity: usize,
+    num_layers: usize,
+) -> Result<Box<dyn Policy>, CacheError> {
     match name {
         "lru" => Ok(Box::new(Lru::new(capacity))),
         "layer_lru" => Ok(Box::new(LayerLru::new(capacity, num_layers))),
@@ -73,14 +77,27 @@ pub struct SlotMap {
 
 impl SlotMap {
     /// An empty map of `capacity` slots over `num_layers x num_experts` keys.
-    pub fn new(capacity: usize, num_layers: usize, num_experts: usize, policy: Box<dyn Policy>) -> Result<Self, CacheError> {
+    pub fn new(
+        capacity: usize,
+        num_layers: usize,
+        num_experts: usize,
+        policy: Box<dyn Policy>,
+    ) -> Result<Self, CacheError> {
         if num_layers == 0 || num_experts == 0 {
-            return Err(CacheError::Invalid(format!("num_layers ({num_layers}) and num_experts ({num_experts}) must be positive")));
+            return Err(CacheError::Invalid(format!(
+                "num_layers ({num_layers}) and num_experts ({num_experts}) must be positive"
+            )));
         }
-        let keys = num_layers.checked_mul(num_experts).filter(|&k| k < NONE as usize);
-        let keys = keys.ok_or_else(|| CacheError::Invalid("num_layers * num_experts must be below 2^32".into()))?;
+        let keys = num_layers
+            .checked_mul(num_experts)
+            .filter(|&k| k < NONE as usize);
+        let keys = keys.ok_or_else(|| {
+            CacheError::Invalid("num_layers * num_experts must be below 2^32".into())
+        })?;
         if capacity >= NONE as usize {
-            return Err(CacheError::Invalid(format!("capacity {capacity} must be below 2^32")));
+            return Err(CacheError::Invalid(format!(
+                "capacity {capacity} must be below 2^32"
+            )));
         }
         let mut policy = policy;
         policy.resize(capacity);
@@ -130,15 +147,27 @@ impl SlotMap {
     /// Checks a key and returns its flat index.
     #[inline]
     pub fn flat(&self, layer: i64, expert: i64) -> Result<usize, CacheError> {
-        if layer < 0 || expert < 0 || layer as usize >= self.num_layers || expert as usize >= self.num_experts {
-            return Err(CacheError::KeyOutOfRange { layer, expert, num_layers: self.num_layers, num_experts: self.num_experts });
+        if layer < 0
+            || expert < 0
+            || layer as usize >= self.num_layers
+            || expert as usize >= self.num_experts
+        {
+            return Err(CacheError::KeyOutOfRange {
+                layer,
+                expert,
+                num_layers: self.num_layers,
+                num_experts: self.num_experts,
+            });
         }
         Ok(layer as usize * self.num_experts + expert as usize)
     }
 
     #[inline]
     fn key(&self, flat: u32) -> ExpertKey {
-        ExpertKey { layer: flat / self.num_experts as u32, expert: flat % self.num_experts as u32 }
+        ExpertKey {
+            layer: flat / self.num_experts as u32,
+            expert: flat % self.num_experts as u32,
+        }
     }
 
     /// The slot of `(layer, expert)`, without touching the policy or pins.
@@ -149,7 +178,11 @@ impl SlotMap {
 
     /// The expert in `slot`, if any.
     pub fn resident(&self, slot: SlotId) -> Option<ExpertKey> {
-        self.key_of.get(slot as usize).copied().filter(|&k| k != NONE).map(|k| self.key(k))
+        self.key_of
+            .get(slot as usize)
+            .copied()
+            .filter(|&k| k != NONE)
+            .map(|k| self.key(k))
     }
 
     /// Looks up `(layer, expert)` by flat index; on a hit tells the policy and pins the slot.
@@ -181,7 +214,12 @@ impl SlotMap {
             None => {
                 let (pin_epoch, epoch) = (&self.pin_epoch, self.epoch);
                 let pinned = |s: SlotId| pin_epoch[s as usize] == epoch;
-                let s = self.policy.victim(Some(key), &pinned).ok_or(CacheError::AllPinned { capacity: self.capacity })?;
+                let s = self
+                    .policy
+                    .victim(Some(key), &pinned)
+                    .ok_or(CacheError::AllPinned {
+                        capacity: self.capacity,
+                    })?;
                 let old = self.key_of[s as usize];
                 debug_assert!(old != NONE && !pinned(s));
                 let old_key = self.key(old);
@@ -199,7 +237,11 @@ impl SlotMap {
 
     /// Places an absent `(layer, expert)`; see [`SlotMap::insert_flat`]. A resident key is
     /// touched instead and returned with no victim.
-    pub fn insert(&mut self, layer: i64, expert: i64) -> Result<(SlotId, Option<ExpertKey>), CacheError> {
+    pub fn insert(
+        &mut self,
+        layer: i64,
+        expert: i64,
+    ) -> Result<(SlotId, Option<ExpertKey>), CacheError> {
         let f = self.flat(layer, expert)?;
         if let Some(s) = self.touch_flat(f) {
             return Ok((s, None));
@@ -224,7 +266,9 @@ impl SlotMap {
 
     /// Whether `slot` is pinned by the step in flight.
     pub fn is_pinned(&self, slot: SlotId) -> bool {
-        self.pin_epoch.get(slot as usize).is_some_and(|&e| e == self.epoch)
+        self.pin_epoch
+            .get(slot as usize)
+            .is_some_and(|&e| e == self.epoch)
     }
 
     /// Releases every pin (call once the step that used them no longer reads its slots).
@@ -239,7 +283,9 @@ impl SlotMap {
     /// relocations tell the caller which GPU slot contents to copy (`from` -> `to`).
     pub fn resize(&mut self, capacity: usize) -> Result<Vec<Relocation>, CacheError> {
         if capacity >= NONE as usize {
-            return Err(CacheError::Invalid(format!("capacity {capacity} must be below 2^32")));
+            return Err(CacheError::Invalid(format!(
+                "capacity {capacity} must be below 2^32"
+            )));
         }
         self.unpin_all();
         let old = self.capacity;
@@ -256,18 +302,25 @@ impl SlotMap {
         }
         let nopin = |_: SlotId| false;
         while self.len() > capacity {
-            let s = self.policy.victim(None, &nopin).ok_or(CacheError::Invalid("policy found no victim while shrinking".into()))?;
+            let s = self.policy.victim(None, &nopin).ok_or(CacheError::Invalid(
+                "policy found no victim while shrinking".into(),
+            ))?;
             let k = self.key(self.key_of[s as usize]);
             self.remove(k.layer as i64, k.expert as i64)?;
         }
-        let mut low_free: Vec<u32> = (0..capacity as u32).rev().filter(|&s| self.key_of[s as usize] == NONE).collect();
+        let mut low_free: Vec<u32> = (0..capacity as u32)
+            .rev()
+            .filter(|&s| self.key_of[s as usize] == NONE)
+            .collect();
         let mut moves = Vec::new();
         for from in capacity as u32..old as u32 {
             let flat = self.key_of[from as usize];
             if flat == NONE {
                 continue;
             }
-            let to = low_free.pop().ok_or(CacheError::Invalid("no free slot while compacting".into()))?;
+            let to = low_free
+                .pop()
+                .ok_or(CacheError::Invalid("no free slot while compacting".into()))?;
             let key = self.key(flat);
             self.policy.on_move(from, to, key);
             self.key_of[to as usize] = flat;
@@ -284,7 +337,12 @@ impl SlotMap {
 
     /// Every resident `(key, slot)`, in slot order.
     pub fn residents(&self) -> Vec<(ExpertKey, SlotId)> {
-        self.key_of.iter().enumerate().filter(|(_, &k)| k != NONE).map(|(s, &k)| (self.key(k), s as SlotId)).collect()
+        self.key_of
+            .iter()
+            .enumerate()
+            .filter(|(_, &k)| k != NONE)
+            .map(|(s, &k)| (self.key(k), s as SlotId))
+            .collect()
     }
 }
 
@@ -307,7 +365,16 @@ mod tests {
         m.touch(0, 0).unwrap();
         m.unpin_all();
         let (s, v) = m.insert(0, 2).unwrap();
-        assert_eq!((s, v), (1, Some(ExpertKey { layer: 0, expert: 1 })));
+        assert_eq!(
+            (s, v),
+            (
+                1,
+                Some(ExpertKey {
+                    layer: 0,
+                    expert: 1
+                })
+            )
+        );
         assert_eq!(m.get(0, 1).unwrap(), None);
         assert!(m.get(4, 0).is_err() && m.get(0, 8).is_err() && m.get(-1, 0).is_err());
     }
@@ -405,6 +472,40 @@ mod tests {
                 slots.dedup();
                 prop_assert_eq!(slots.len(), model.len());
                 prop_assert!(slots.iter().all(|&s| (s as usize) < m.capacity()));
+            }
+        }
+    }
+
+    proptest! {
+        // Every policy: slots unique and < capacity, pinned slots never evicted, len <= capacity.
+        #[test]
+        fn policy_invariants(ops in proptest::collection::vec((0i64..3, 0i64..6, 0u8..12), 1..300), cap in 1usize..10, pi in 0usize..3) {
+            let name = ["lru", "layer_lru", "lfu"][pi];
+            let mut m = SlotMap::new(cap, 3, 6, policy_by_name(name, cap, 3).unwrap()).unwrap();
+            let mut pinned: Vec<ExpertKey> = Vec::new();
+            for (l, e, op) in ops {
+                match op {
+                    0 => { m.unpin_all(); pinned.clear(); }
+                    1 => { m.resize(1 + (e as usize + l as usize) % 9).unwrap(); pinned.clear(); }
+                    2 => { m.remove(l, e).unwrap(); pinned.retain(|k| *k != ExpertKey { layer: l as u32, expert: e as u32 }); }
+                    _ => {
+                        match m.insert(l, e) {
+                            Ok((s, victim)) => {
+                                prop_assert!((s as usize) < m.capacity());
+                                if let Some(v) = victim { prop_assert!(!pinned.contains(&v), "{name} evicted a pinned expert"); }
+                                pinned.push(ExpertKey { layer: l as u32, expert: e as u32 });
+                            }
+                            Err(CacheError::AllPinned { .. }) => prop_assert!(m.len() == m.capacity()),
+                            Err(other) => prop_assert!(false, "{other}"),
+                        }
+                    }
+                }
+                let res = m.residents();
+                prop_assert!(res.len() == m.len() && m.len() <= m.capacity());
+                for k in &pinned { prop_assert!(m.get(k.layer as i64, k.expert as i64).unwrap().is_some()); }
+                let mut slots: Vec<SlotId> = res.iter().map(|x| x.1).collect();
+                slots.sort(); slots.dedup();
+                prop_assert_eq!(slots.len(), res.len());
             }
         }
     }

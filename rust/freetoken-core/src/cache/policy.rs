@@ -30,7 +30,11 @@ pub trait Policy: Send {
     fn on_move(&mut self, from: SlotId, to: SlotId, key: ExpertKey);
     /// The slot to evict to make room for `incoming` (`None` when shrinking), never one for
     /// which `pinned` is true. `None` when every resident is pinned.
-    fn victim(&mut self, incoming: Option<ExpertKey>, pinned: &dyn Fn(SlotId) -> bool) -> Option<SlotId>;
+    fn victim(
+        &mut self,
+        incoming: Option<ExpertKey>,
+        pinned: &dyn Fn(SlotId) -> bool,
+    ) -> Option<SlotId>;
 }
 
 const NIL: u32 = u32::MAX;
@@ -48,7 +52,12 @@ struct Lists {
 
 impl Lists {
     fn new(num_lists: usize, capacity: usize) -> Self {
-        let mut l = Self { head: vec![NIL; num_lists], tail: vec![NIL; num_lists], len: vec![0; num_lists], ..Self::default() };
+        let mut l = Self {
+            head: vec![NIL; num_lists],
+            tail: vec![NIL; num_lists],
+            len: vec![0; num_lists],
+            ..Self::default()
+        };
         l.grow(capacity);
         l
     }
@@ -97,7 +106,7 @@ impl Lists {
         self.len[li] -= 1;
     }
 
-    fn to_front(&mut self, s: u32) {
+    fn move_to_front(&mut self, s: u32) {
         let li = self.list_of[s as usize];
         if li != NIL && self.head[li as usize] != s {
             self.unlink(s);
@@ -151,7 +160,9 @@ pub struct Lru {
 impl Lru {
     /// An LRU for `capacity` slots.
     pub fn new(capacity: usize) -> Self {
-        Self { lists: Lists::new(1, capacity) }
+        Self {
+            lists: Lists::new(1, capacity),
+        }
     }
 }
 
@@ -163,7 +174,7 @@ impl Policy for Lru {
         self.lists.grow(capacity);
     }
     fn on_hit(&mut self, slot: SlotId, _key: ExpertKey) {
-        self.lists.to_front(slot);
+        self.lists.move_to_front(slot);
     }
     fn on_insert(&mut self, slot: SlotId, _key: ExpertKey) {
         self.lists.push_front(0, slot);
@@ -174,7 +185,11 @@ impl Policy for Lru {
     fn on_move(&mut self, from: SlotId, to: SlotId, _key: ExpertKey) {
         self.lists.relocate(from, to);
     }
-    fn victim(&mut self, _incoming: Option<ExpertKey>, pinned: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
+    fn victim(
+        &mut self,
+        _incoming: Option<ExpertKey>,
+        pinned: &dyn Fn(SlotId) -> bool,
+    ) -> Option<SlotId> {
         self.lists.last_unpinned(0, pinned)
     }
 }
@@ -194,7 +209,10 @@ pub struct LayerLru {
 impl LayerLru {
     /// Per-layer LRU over `num_layers` layers and `capacity` slots.
     pub fn new(capacity: usize, num_layers: usize) -> Self {
-        let mut p = Self { lists: Lists::new(num_layers.max(1), capacity), quota: vec![0; num_layers.max(1)] };
+        let mut p = Self {
+            lists: Lists::new(num_layers.max(1), capacity),
+            quota: vec![0; num_layers.max(1)],
+        };
         p.set_quotas(capacity);
         p
     }
@@ -221,7 +239,7 @@ impl Policy for LayerLru {
         self.set_quotas(capacity);
     }
     fn on_hit(&mut self, slot: SlotId, _key: ExpertKey) {
-        self.lists.to_front(slot);
+        self.lists.move_to_front(slot);
     }
     fn on_insert(&mut self, slot: SlotId, key: ExpertKey) {
         let l = (key.layer as usize).min(self.quota.len() - 1) as u32;
@@ -233,7 +251,11 @@ impl Policy for LayerLru {
     fn on_move(&mut self, from: SlotId, to: SlotId, _key: ExpertKey) {
         self.lists.relocate(from, to);
     }
-    fn victim(&mut self, incoming: Option<ExpertKey>, pinned: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
+    fn victim(
+        &mut self,
+        incoming: Option<ExpertKey>,
+        pinned: &dyn Fn(SlotId) -> bool,
+    ) -> Option<SlotId> {
         if let Some(k) = incoming {
             let l = (k.layer as usize).min(self.quota.len() - 1);
             if self.lists.len[l] >= self.quota[l].max(1) {
@@ -248,7 +270,9 @@ impl Policy for LayerLru {
             .map(|l| (self.lists.len[l] as isize - self.quota[l] as isize, l))
             .collect();
         order.sort_unstable_by(|a, b| b.cmp(a));
-        order.into_iter().find_map(|(_, l)| self.lists.last_unpinned(l, pinned))
+        order
+            .into_iter()
+            .find_map(|(_, l)| self.lists.last_unpinned(l, pinned))
     }
 }
 
@@ -321,7 +345,10 @@ impl LayerLfu {
     }
 
     fn lowest_unpinned(&self, l: usize, pinned: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
-        self.sets[l].iter().find(|(_, s)| !pinned(*s)).map(|&(_, s)| s)
+        self.sets[l]
+            .iter()
+            .find(|(_, s)| !pinned(*s))
+            .map(|&(_, s)| s)
     }
 }
 
@@ -355,7 +382,11 @@ impl Policy for LayerLfu {
         self.unfile(from);
         self.file(to, l as usize, bits);
     }
-    fn victim(&mut self, incoming: Option<ExpertKey>, pinned: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
+    fn victim(
+        &mut self,
+        incoming: Option<ExpertKey>,
+        pinned: &dyn Fn(SlotId) -> bool,
+    ) -> Option<SlotId> {
         if let Some(k) = incoming {
             let l = self.layer(k);
             if self.sets[l].len() >= self.quota[l].max(1) {
@@ -369,7 +400,9 @@ impl Policy for LayerLfu {
             .map(|l| (self.sets[l].len() as isize - self.quota[l] as isize, l))
             .collect();
         order.sort_unstable_by(|a, b| b.cmp(a));
-        order.into_iter().find_map(|(_, l)| self.lowest_unpinned(l, pinned))
+        order
+            .into_iter()
+            .find_map(|(_, l)| self.lowest_unpinned(l, pinned))
     }
 }
 
@@ -393,21 +426,32 @@ impl MinOracle {
     /// An oracle for the access sequence `keys` (and `capacity` slots).
     pub fn new(keys: Vec<ExpertKey>, capacity: usize) -> Self {
         let mut next_use = vec![usize::MAX; keys.len()];
-        let mut last: std::collections::HashMap<ExpertKey, usize> = std::collections::HashMap::new();
+        let mut last: std::collections::HashMap<ExpertKey, usize> =
+            std::collections::HashMap::new();
         for (i, k) in keys.iter().enumerate().rev() {
             if let Some(&j) = last.get(k) {
                 next_use[i] = j;
             }
             last.insert(*k, i);
         }
-        Self { keys, next_use, cursor: 0, slot_next: vec![usize::MAX; capacity], order: BTreeSet::new() }
+        Self {
+            keys,
+            next_use,
+            cursor: 0,
+            slot_next: vec![usize::MAX; capacity],
+            order: BTreeSet::new(),
+        }
     }
 
     fn use_slot(&mut self, slot: SlotId, key: ExpertKey) {
         let i = self.cursor;
         self.cursor += 1;
         // Off the trace (a caller diverged): treat as never used again.
-        let nu = if self.keys.get(i) == Some(&key) { self.next_use[i] } else { usize::MAX };
+        let nu = if self.keys.get(i) == Some(&key) {
+            self.next_use[i]
+        } else {
+            usize::MAX
+        };
         self.order.remove(&(self.slot_next[slot as usize], slot));
         self.slot_next[slot as usize] = nu;
         self.order.insert((nu, slot));
@@ -438,8 +482,16 @@ impl Policy for MinOracle {
         self.slot_next[to as usize] = nu;
         self.order.insert((nu, to));
     }
-    fn victim(&mut self, _incoming: Option<ExpertKey>, pinned: &dyn Fn(SlotId) -> bool) -> Option<SlotId> {
-        self.order.iter().rev().find(|(_, s)| !pinned(*s)).map(|&(_, s)| s)
+    fn victim(
+        &mut self,
+        _incoming: Option<ExpertKey>,
+        pinned: &dyn Fn(SlotId) -> bool,
+    ) -> Option<SlotId> {
+        self.order
+            .iter()
+            .rev()
+            .find(|(_, s)| !pinned(*s))
+            .map(|&(_, s)| s)
     }
 }
 
@@ -479,7 +531,13 @@ mod tests {
     #[test]
     fn min_beats_lru_on_a_cycle() {
         let keys: Vec<(u32, u32)> = (0..40).map(|i| (0, i % 4)).collect();
-        let trace: Vec<ExpertKey> = keys.iter().map(|&(l, e)| ExpertKey { layer: l, expert: e }).collect();
+        let trace: Vec<ExpertKey> = keys
+            .iter()
+            .map(|&(l, e)| ExpertKey {
+                layer: l,
+                expert: e,
+            })
+            .collect();
         let lru = run(&keys, 3, Box::new(Lru::new(3)));
         let min = run(&keys, 3, Box::new(MinOracle::new(trace, 3)));
         assert_eq!(lru, 0);

@@ -45,7 +45,9 @@ impl Isa {
 
     /// Parses [`Isa::name`].
     pub fn from_name(s: &str) -> Option<Self> {
-        [Self::Scalar, Self::Avx2, Self::Avx512Bf16, Self::AmxBf16].into_iter().find(|i| i.name() == s)
+        [Self::Scalar, Self::Avx2, Self::Avx512Bf16, Self::AmxBf16]
+            .into_iter()
+            .find(|i| i.name() == s)
     }
 
     /// Whether this CPU can run the path.
@@ -56,7 +58,9 @@ impl Isa {
             Self::Avx2 => is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"),
             #[cfg(target_arch = "x86_64")]
             Self::Avx512Bf16 => {
-                is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512bw") && is_x86_feature_detected!("avx512bf16")
+                is_x86_feature_detected!("avx512f")
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512bf16")
             }
             #[cfg(target_arch = "x86_64")]
             Self::AmxBf16 => Self::Avx512Bf16.supported() && amx::available(),
@@ -67,7 +71,10 @@ impl Isa {
 
     /// Every path this CPU supports, slowest first.
     pub fn all_supported() -> Vec<Self> {
-        [Self::Scalar, Self::Avx2, Self::Avx512Bf16, Self::AmxBf16].into_iter().filter(|i| i.supported()).collect()
+        [Self::Scalar, Self::Avx2, Self::Avx512Bf16, Self::AmxBf16]
+            .into_iter()
+            .filter(|i| i.supported())
+            .collect()
     }
 
     /// The fastest supported path.
@@ -95,31 +102,80 @@ pub enum Act<'a> {
 /// `w` holds the whole `[rows, cols]` matrix; `x` must match `isa.wants_bf16()`.
 /// Panics (via slice indexing) if the slices are too short; never reads out of bounds.
 #[allow(clippy::too_many_arguments)]
-pub fn gemv(isa: Isa, w: &[u16], cols: usize, r0: usize, r1: usize, x: Act<'_>, n_tok: usize, out: &mut [f32], ldo: usize) {
+pub fn gemv(
+    isa: Isa,
+    w: &[u16],
+    cols: usize,
+    r0: usize,
+    r1: usize,
+    x: Act<'_>,
+    n_tok: usize,
+    out: &mut [f32],
+    ldo: usize,
+) {
     assert!(r1 * cols <= w.len() && r0 <= r1);
     assert!(n_tok == 0 || (n_tok - 1) * ldo + (r1 - r0) <= out.len());
     match (isa, x) {
         #[cfg(target_arch = "x86_64")]
-        (Isa::AmxBf16, Act::Bf16(x)) if n_tok >= AMX_MIN_TOKENS && cols % 32 == 0 && r1 - r0 >= 16 && isa.supported() => {
+        (Isa::AmxBf16, Act::Bf16(x))
+            if n_tok >= AMX_MIN_TOKENS
+                && cols.is_multiple_of(32)
+                && r1 - r0 >= 16
+                && isa.supported() =>
+        {
             assert!(n_tok * cols <= x.len());
             // SAFETY: AMX support and permission checked; bounds asserted above.
-            let done = unsafe { amx::gemv(w.as_ptr(), cols, r0, r1, x, n_tok, out.as_mut_ptr(), ldo) };
+            let done =
+                unsafe { amx::gemv(w.as_ptr(), cols, r0, r1, x, n_tok, out.as_mut_ptr(), ldo) };
             if done < r1 {
                 // SAFETY: AVX-512-BF16 is implied by AMX support here; same bounds.
-                unsafe { avx512::gemv(w.as_ptr(), cols, done, r1, x.as_ptr(), n_tok, out.as_mut_ptr().add(done - r0), ldo) }
+                unsafe {
+                    avx512::gemv(
+                        w.as_ptr(),
+                        cols,
+                        done,
+                        r1,
+                        x.as_ptr(),
+                        n_tok,
+                        out.as_mut_ptr().add(done - r0),
+                        ldo,
+                    )
+                }
             }
         }
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx512Bf16 | Isa::AmxBf16, Act::Bf16(x)) if Isa::Avx512Bf16.supported() => {
             assert!(n_tok * cols <= x.len());
             // SAFETY: feature support checked; bounds asserted above.
-            unsafe { avx512::gemv(w.as_ptr(), cols, r0, r1, x.as_ptr(), n_tok, out.as_mut_ptr(), ldo) }
+            unsafe {
+                avx512::gemv(
+                    w.as_ptr(),
+                    cols,
+                    r0,
+                    r1,
+                    x.as_ptr(),
+                    n_tok,
+                    out.as_mut_ptr(),
+                    ldo,
+                )
+            }
         }
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx2, Act::F32(x)) if isa.supported() => {
             assert!(n_tok * cols <= x.len());
             // SAFETY: feature support checked; bounds asserted above.
-            unsafe { avx2::gemv(w.as_ptr(), cols, r0, r1, x.as_ptr(), n_tok, out.as_mut_ptr(), ldo) }
+            unsafe {
+                avx2::gemv(
+                    w.as_ptr(),
+                    cols,
+                    r0,
+                    r1,
+                    x.as_ptr(),
+                    n_tok,
+                    out.as_mut_ptr(),
+                    ldo,
+                )
+            }
         }
         (_, Act::F32(x)) => scalar(w, cols, r0, r1, x, n_tok, out, ldo),
         (_, Act::Bf16(x)) => {
@@ -131,7 +187,16 @@ pub fn gemv(isa: Isa, w: &[u16], cols: usize, r0: usize, r1: usize, x: Act<'_>, 
 
 /// The reference: one row, one token at a time, fp32.
 #[allow(clippy::too_many_arguments)]
-fn scalar(w: &[u16], cols: usize, r0: usize, r1: usize, x: &[f32], n_tok: usize, out: &mut [f32], ldo: usize) {
+fn scalar(
+    w: &[u16],
+    cols: usize,
+    r0: usize,
+    r1: usize,
+    x: &[f32],
+    n_tok: usize,
+    out: &mut [f32],
+    ldo: usize,
+) {
     for r in r0..r1 {
         let row = &w[r * cols..(r + 1) * cols];
         for t in 0..n_tok {
@@ -151,7 +216,11 @@ mod avx512 {
 
     /// R rows x T tokens block; `out[t][r]`.
     #[inline(always)]
-    unsafe fn block<const R: usize, const T: usize>(w: [*const u16; R], x: [*const u16; T], cols: usize) -> [[f32; R]; T] {
+    unsafe fn block<const R: usize, const T: usize>(
+        w: [*const u16; R],
+        x: [*const u16; T],
+        cols: usize,
+    ) -> [[f32; R]; T] {
         // SAFETY: the caller guarantees `cols` readable elements behind every pointer; the tail
         // uses masked loads, which do not touch masked-off bytes.
         unsafe {
@@ -163,9 +232,14 @@ mod avx512 {
                     wv[r] = _mm512_loadu_si512(w[r].add(c) as *const _);
                 }
                 for t in 0..T {
-                    let xv: __m512bh = std::mem::transmute(_mm512_loadu_si512(x[t].add(c) as *const _));
+                    let xv: __m512bh =
+                        std::mem::transmute(_mm512_loadu_si512(x[t].add(c) as *const _));
                     for r in 0..R {
-                        acc[t][r] = _mm512_dpbf16_ps(acc[t][r], std::mem::transmute::<__m512i, __m512bh>(wv[r]), xv);
+                        acc[t][r] = _mm512_dpbf16_ps(
+                            acc[t][r],
+                            std::mem::transmute::<__m512i, __m512bh>(wv[r]),
+                            xv,
+                        );
                     }
                 }
                 c += 32;
@@ -177,9 +251,14 @@ mod avx512 {
                     wv[r] = _mm512_maskz_loadu_epi16(m, w[r].add(c) as *const i16);
                 }
                 for t in 0..T {
-                    let xv: __m512bh = std::mem::transmute(_mm512_maskz_loadu_epi16(m, x[t].add(c) as *const i16));
+                    let xv: __m512bh =
+                        std::mem::transmute(_mm512_maskz_loadu_epi16(m, x[t].add(c) as *const i16));
                     for r in 0..R {
-                        acc[t][r] = _mm512_dpbf16_ps(acc[t][r], std::mem::transmute::<__m512i, __m512bh>(wv[r]), xv);
+                        acc[t][r] = _mm512_dpbf16_ps(
+                            acc[t][r],
+                            std::mem::transmute::<__m512i, __m512bh>(wv[r]),
+                            xv,
+                        );
                     }
                 }
             }
@@ -194,8 +273,17 @@ mod avx512 {
     }
 
     #[inline(always)]
-    #[allow(unused_assignments)]
-    unsafe fn rows<const R: usize>(w: *const u16, cols: usize, r: usize, x: *const u16, n_tok: usize, out: *mut f32, ldo: usize, o: usize) {
+    #[allow(unused_assignments, clippy::too_many_arguments)]
+    unsafe fn rows<const R: usize>(
+        w: *const u16,
+        cols: usize,
+        r: usize,
+        x: *const u16,
+        n_tok: usize,
+        out: *mut f32,
+        ldo: usize,
+        o: usize,
+    ) {
         // SAFETY: forwarded bounds from `gemv`.
         unsafe {
             let wp: [*const u16; R] = std::array::from_fn(|i| w.add((r + i) * cols));
@@ -227,7 +315,16 @@ mod avx512 {
     /// See [`super::gemv`].
     #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn gemv(w: *const u16, cols: usize, r0: usize, r1: usize, x: *const u16, n_tok: usize, out: *mut f32, ldo: usize) {
+    pub unsafe fn gemv(
+        w: *const u16,
+        cols: usize,
+        r0: usize,
+        r1: usize,
+        x: *const u16,
+        n_tok: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) {
         let mut r = r0;
         // SAFETY: rows r0..r1 of w and n_tok rows of x are in bounds (asserted by the caller).
         unsafe {
@@ -262,7 +359,14 @@ mod amx {
             const ARCH_REQ_XCOMP_PERM: libc::c_long = 0x1023;
             const XFEATURE_XTILEDATA: libc::c_long = 18;
             // SAFETY: a plain syscall with integer arguments; failure is reported by its result.
-            bf16 && tile && unsafe { libc::syscall(libc::SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) } == 0
+            bf16 && tile
+                && unsafe {
+                    libc::syscall(
+                        libc::SYS_arch_prctl,
+                        ARCH_REQ_XCOMP_PERM,
+                        XFEATURE_XTILEDATA,
+                    )
+                } == 0
         })
     }
 
@@ -287,10 +391,25 @@ mod amx {
     /// 32 cols, straight from the row-major weights), B = tmm6 (x in pairs: 16 rows of 32-bit
     /// (c, c+1) pairs x 16 tokens). `C[r][t] += Σ_c W[r][c] · x[t][c]`.
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn gemv(w: *const u16, cols: usize, r0: usize, r1: usize, x: &[u16], n_tok: usize, out: *mut f32, ldo: usize) -> usize {
+    pub unsafe fn gemv(
+        w: *const u16,
+        cols: usize,
+        r0: usize,
+        r1: usize,
+        x: &[u16],
+        n_tok: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) -> usize {
         let full = r0 + (r1 - r0) / 16 * 16;
         // Palette 1 has 8 tiles; the entries of tiles 8..15 must be zero or ldtilecfg faults.
-        let mut cfg = TileCfg { palette: 1, start_row: 0, reserved: [0; 14], colsb: [0; 16], rows: [0; 16] };
+        let mut cfg = TileCfg {
+            palette: 1,
+            start_row: 0,
+            reserved: [0; 14],
+            colsb: [0; 16],
+            rows: [0; 16],
+        };
         cfg.colsb[..8].fill(64);
         cfg.rows[..8].fill(16);
         let ws = cols * 2; // weight row stride, bytes
@@ -385,7 +504,12 @@ mod avx2 {
     #[inline(always)]
     unsafe fn widen(p: *const u16) -> __m256 {
         // SAFETY: caller guarantees 8 readable u16 at p.
-        unsafe { _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)), 16)) }
+        unsafe {
+            _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i)),
+                16,
+            ))
+        }
     }
 
     #[inline(always)]
@@ -400,7 +524,11 @@ mod avx2 {
     }
 
     #[inline(always)]
-    unsafe fn block<const R: usize, const T: usize>(w: [*const u16; R], x: [*const f32; T], cols: usize) -> [[f32; R]; T] {
+    unsafe fn block<const R: usize, const T: usize>(
+        w: [*const u16; R],
+        x: [*const f32; T],
+        cols: usize,
+    ) -> [[f32; R]; T] {
         // SAFETY: `cols` readable elements behind each pointer; the vector loop stops at the
         // last full 8-element group and the tail is scalar.
         unsafe {
@@ -434,8 +562,17 @@ mod avx2 {
     }
 
     #[inline(always)]
-    #[allow(unused_assignments)]
-    unsafe fn rows<const R: usize>(w: *const u16, cols: usize, r: usize, x: *const f32, n_tok: usize, out: *mut f32, ldo: usize, o: usize) {
+    #[allow(unused_assignments, clippy::too_many_arguments)]
+    unsafe fn rows<const R: usize>(
+        w: *const u16,
+        cols: usize,
+        r: usize,
+        x: *const f32,
+        n_tok: usize,
+        out: *mut f32,
+        ldo: usize,
+        o: usize,
+    ) {
         // SAFETY: forwarded bounds from `gemv`.
         unsafe {
             let wp: [*const u16; R] = std::array::from_fn(|i| w.add((r + i) * cols));
@@ -466,7 +603,16 @@ mod avx2 {
     /// See [`super::gemv`].
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)]
-    pub unsafe fn gemv(w: *const u16, cols: usize, r0: usize, r1: usize, x: *const f32, n_tok: usize, out: *mut f32, ldo: usize) {
+    pub unsafe fn gemv(
+        w: *const u16,
+        cols: usize,
+        r0: usize,
+        r1: usize,
+        x: *const f32,
+        n_tok: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) {
         let mut r = r0;
         // SAFETY: rows r0..r1 of w and n_tok rows of x are in bounds (asserted by the caller).
         unsafe {
@@ -492,9 +638,22 @@ mod tests {
     fn every_path_matches_scalar() {
         let mut rng = SplitMix64::new(3);
         // (83, 64, 17) and (40, 96, 5) exercise AMX: 16-row tiles, 4/2/1-tile blocks, row and token tails.
-        for &(rows, cols, n_tok) in &[(1, 1, 1), (7, 33, 5), (13, 511, 4), (8, 64, 9), (5, 100, 2), (83, 64, 17), (40, 96, 5), (128, 256, 33)] {
-            let w: Vec<u16> = (0..rows * cols).map(|_| f32_to_bf16(rng.next_f64() as f32 - 0.5)).collect();
-            let x: Vec<f32> = (0..n_tok * cols).map(|_| rng.next_f64() as f32 - 0.5).collect();
+        for &(rows, cols, n_tok) in &[
+            (1, 1, 1),
+            (7, 33, 5),
+            (13, 511, 4),
+            (8, 64, 9),
+            (5, 100, 2),
+            (83, 64, 17),
+            (40, 96, 5),
+            (128, 256, 33),
+        ] {
+            let w: Vec<u16> = (0..rows * cols)
+                .map(|_| f32_to_bf16(rng.next_f64() as f32 - 0.5))
+                .collect();
+            let x: Vec<f32> = (0..n_tok * cols)
+                .map(|_| rng.next_f64() as f32 - 0.5)
+                .collect();
             let xb: Vec<u16> = x.iter().map(|&v| f32_to_bf16(v)).collect();
             let xr: Vec<f32> = xb.iter().map(|&v| bf16_to_f32(v)).collect();
             let (r0, r1) = (rows / 3, rows);
@@ -503,10 +662,17 @@ mod tests {
             scalar(&w, cols, r0, r1, &xr, n_tok, &mut want, ldo);
             for isa in Isa::all_supported() {
                 let mut got = vec![0.0; n_tok * ldo];
-                let act = if isa.wants_bf16() { Act::Bf16(&xb) } else { Act::F32(&xr) };
+                let act = if isa.wants_bf16() {
+                    Act::Bf16(&xb)
+                } else {
+                    Act::F32(&xr)
+                };
                 gemv(isa, &w, cols, r0, r1, act, n_tok, &mut got, ldo);
                 for (a, b) in got.iter().zip(&want) {
-                    assert!((a - b).abs() <= 1e-4 * (1.0 + b.abs()) * (cols as f32).sqrt(), "{isa:?} {rows}x{cols}x{n_tok}: {a} vs {b}");
+                    assert!(
+                        (a - b).abs() <= 1e-4 * (1.0 + b.abs()) * (cols as f32).sqrt(),
+                        "{isa:?} {rows}x{cols}x{n_tok}: {a} vs {b}"
+                    );
                 }
             }
         }

@@ -88,19 +88,30 @@ struct Task {
 impl CpuExperts {
     /// Starts `num_threads` participants (default: one per allowed CPU) using `isa` (default:
     /// the fastest this CPU supports).
-    pub fn new(pool: Arc<ExpertPool>, num_threads: Option<usize>, isa: Option<Isa>) -> Result<Self, KernelError> {
+    pub fn new(
+        pool: Arc<ExpertPool>,
+        num_threads: Option<usize>,
+        isa: Option<Isa>,
+    ) -> Result<Self, KernelError> {
         let isa = isa.unwrap_or_else(Isa::detect);
         if !isa.supported() {
             return Err(KernelError::Invalid(format!(
                 "kernel path {} is not supported by this CPU; supported: {:?}",
                 isa.name(),
-                Isa::all_supported().iter().map(|i| i.name()).collect::<Vec<_>>()
+                Isa::all_supported()
+                    .iter()
+                    .map(|i| i.name())
+                    .collect::<Vec<_>>()
             )));
         }
         if num_threads == Some(0) {
             return Err(KernelError::Invalid("num_threads must be positive".into()));
         }
-        Ok(Self { pool, workers: WorkerPool::new(num_threads), isa })
+        Ok(Self {
+            pool,
+            workers: WorkerPool::new(num_threads),
+            isa,
+        })
     }
 
     /// The kernel path in use.
@@ -134,14 +145,25 @@ impl CpuExperts {
         experts: &[i64],
         out: &mut [f32],
     ) -> Result<(), KernelError> {
-        let (h, i_sz, ne) = (self.pool.hidden_size(), self.pool.intermediate_size(), self.pool.num_experts());
+        let (h, i_sz, ne) = (
+            self.pool.hidden_size(),
+            self.pool.intermediate_size(),
+            self.pool.num_experts(),
+        );
         let l = self.pool.check(layer, 0)?.0;
-        if out.len() % h != 0 || out.is_empty() {
-            return Err(KernelError::Invalid(format!("out has {} elements, not a positive multiple of hidden_size {h}", out.len())));
+        if !out.len().is_multiple_of(h) || out.is_empty() {
+            return Err(KernelError::Invalid(format!(
+                "out has {} elements, not a positive multiple of hidden_size {h}",
+                out.len()
+            )));
         }
         let b = out.len() / h;
         if hidden.len() != b * h {
-            return Err(KernelError::Invalid(format!("hidden has {} elements, expected [B={b}, H={h}] = {}", hidden.len(), b * h)));
+            return Err(KernelError::Invalid(format!(
+                "hidden has {} elements, expected [B={b}, H={h}] = {}",
+                hidden.len(),
+                b * h
+            )));
         }
         if k == 0 || topk_ids.len() != b * k || topk_weights.len() != b * k {
             return Err(KernelError::Invalid(format!(
@@ -156,9 +178,14 @@ impl CpuExperts {
         for &e in experts {
             let (_, eu) = self.pool.check(layer, e)?;
             if std::mem::replace(&mut seen[eu], true) {
-                return Err(KernelError::Invalid(format!("expert {e} listed twice in experts")));
+                return Err(KernelError::Invalid(format!(
+                    "expert {e} listed twice in experts"
+                )));
             }
-            let toks: Vec<(usize, f32)> = (0..b * k).filter(|&j| topk_ids[j] == e).map(|j| (j / k, topk_weights[j])).collect();
+            let toks: Vec<(usize, f32)> = (0..b * k)
+                .filter(|&j| topk_ids[j] == e)
+                .map(|j| (j / k, topk_weights[j]))
+                .collect();
             if !toks.is_empty() {
                 list.push((eu, toks));
             }
@@ -207,7 +234,12 @@ impl CpuExperts {
             for e in 0..list.len() {
                 let mut n = 0;
                 for r0 in (0..rows).step_by(c) {
-                    tasks.push(Task { phase, e: e as u32, r0: r0 as u32, r1: (r0 + c).min(rows) as u32 });
+                    tasks.push(Task {
+                        phase,
+                        e: e as u32,
+                        r0: r0 as u32,
+                        r1: (r0 + c).min(rows) as u32,
+                    });
                     n += 1;
                 }
                 if phase == 0 {
@@ -218,7 +250,11 @@ impl CpuExperts {
         let next = AtomicUsize::new(0);
         let failed = AtomicBool::new(false);
         let (px_f, px_b) = (SyncPtr(x_f32.as_mut_ptr()), SyncPtr(x_bf.as_mut_ptr()));
-        let (pa_f, pa_b, py) = (SyncPtr(a_f32.as_mut_ptr()), SyncPtr(a_bf.as_mut_ptr()), SyncPtr(y.as_mut_ptr()));
+        let (pa_f, pa_b, py) = (
+            SyncPtr(a_f32.as_mut_ptr()),
+            SyncPtr(a_bf.as_mut_ptr()),
+            SyncPtr(y.as_mut_ptr()),
+        );
         let (x_len, a_len, y_len) = (n_all * h, n_all * i_sz, n_all * h);
         let isa = self.isa;
         let pool = &*self.pool;
@@ -245,13 +281,29 @@ impl CpuExperts {
                     // SAFETY: x is only read during the job; its length is x_len.
                     let act = unsafe {
                         if bf {
-                            Act::Bf16(&std::slice::from_raw_parts(px_b.ptr(), x_len)[off * h..(off + n) * h])
+                            Act::Bf16(
+                                &std::slice::from_raw_parts(px_b.ptr(), x_len)
+                                    [off * h..(off + n) * h],
+                            )
                         } else {
-                            Act::F32(&std::slice::from_raw_parts(px_f.ptr(), x_len)[off * h..(off + n) * h])
+                            Act::F32(
+                                &std::slice::from_raw_parts(px_f.ptr(), x_len)
+                                    [off * h..(off + n) * h],
+                            )
                         }
                     };
                     kernels::gemv(isa, w.gate_up, h, r0, r1, act, n, &mut g, rows);
-                    kernels::gemv(isa, w.gate_up, h, i_sz + r0, i_sz + r1, act, n, &mut u, rows);
+                    kernels::gemv(
+                        isa,
+                        w.gate_up,
+                        h,
+                        i_sz + r0,
+                        i_sz + r1,
+                        act,
+                        n,
+                        &mut u,
+                        rows,
+                    );
                     for tok in 0..n {
                         for r in 0..rows {
                             let gv = g[tok * rows + r];
@@ -283,15 +335,23 @@ impl CpuExperts {
                     // of e are no longer written.
                     let act = unsafe {
                         if bf {
-                            Act::Bf16(&std::slice::from_raw_parts(pa_b.ptr(), a_len)[off * i_sz..(off + n) * i_sz])
+                            Act::Bf16(
+                                &std::slice::from_raw_parts(pa_b.ptr(), a_len)
+                                    [off * i_sz..(off + n) * i_sz],
+                            )
                         } else {
-                            Act::F32(&std::slice::from_raw_parts(pa_f.ptr(), a_len)[off * i_sz..(off + n) * i_sz])
+                            Act::F32(
+                                &std::slice::from_raw_parts(pa_f.ptr(), a_len)
+                                    [off * i_sz..(off + n) * i_sz],
+                            )
                         }
                     };
                     debug_assert!((off + n) * h <= y_len);
                     // SAFETY: this task alone writes columns r0..r1 of expert e's rows of y;
                     // gemv writes out[tok * h + (r - r0)] for r in r0..r1, tok < n only.
-                    let out_e = unsafe { std::slice::from_raw_parts_mut(py.ptr().add(off * h + r0), n * h - r0) };
+                    let out_e = unsafe {
+                        std::slice::from_raw_parts_mut(py.ptr().add(off * h + r0), n * h - r0)
+                    };
                     kernels::gemv(isa, w.down, i_sz, r0, r1, act, n, out_e, h);
                 }
             }
@@ -302,7 +362,9 @@ impl CpuExperts {
             }
         };
         if !self.workers.run(&guarded) || failed.load(Ordering::Relaxed) {
-            return Err(KernelError::Worker("a task panicked; out is unchanged".into()));
+            return Err(KernelError::Worker(
+                "a task panicked; out is unchanged".into(),
+            ));
         }
         // Weighted sum into out.
         for (li, (_, toks)) in list.iter().enumerate() {
@@ -321,7 +383,12 @@ impl CpuExperts {
 pub fn reference_expert(pool: &ExpertPool, layer: usize, expert: usize, x: &[f32]) -> Vec<f32> {
     let (h, i) = (pool.hidden_size(), pool.intermediate_size());
     let w = pool.expert_unchecked(layer, expert);
-    let dot = |row: &[u16], v: &[f32]| row.iter().zip(v).map(|(&a, &b)| bf16_to_f32(a) * b).sum::<f32>();
+    let dot = |row: &[u16], v: &[f32]| {
+        row.iter()
+            .zip(v)
+            .map(|(&a, &b)| bf16_to_f32(a) * b)
+            .sum::<f32>()
+    };
     let a: Vec<f32> = (0..i)
         .map(|r| {
             let g = dot(&w.gate_up[r * h..(r + 1) * h], x);
@@ -329,7 +396,9 @@ pub fn reference_expert(pool: &ExpertPool, layer: usize, expert: usize, x: &[f32
             g / (1.0 + (-g).exp()) * u
         })
         .collect();
-    (0..h).map(|r| dot(&w.down[r * i..(r + 1) * i], &a)).collect()
+    (0..h)
+        .map(|r| dot(&w.down[r * i..(r + 1) * i], &a))
+        .collect()
 }
 
 #[cfg(test)]
@@ -339,11 +408,18 @@ mod tests {
 
     #[test]
     fn forward_matches_reference_on_every_path() {
-        let shape = PoolShape { moe_layers: vec![0, 2], num_experts: 6, hidden_size: 67, intermediate_size: 33 };
+        let shape = PoolShape {
+            moe_layers: vec![0, 2],
+            num_experts: 6,
+            hidden_size: 67,
+            intermediate_size: 33,
+        };
         let pool = Arc::new(ExpertPool::random(shape, 1, None).unwrap());
         let (h, b, k) = (67, 5, 2);
         let mut rng = SplitMix64::new(9);
-        let x: Vec<f32> = (0..b * h).map(|_| rng.next_f64() as f32 * 2.0 - 1.0).collect();
+        let x: Vec<f32> = (0..b * h)
+            .map(|_| rng.next_f64() as f32 * 2.0 - 1.0)
+            .collect();
         let ids: Vec<i64> = vec![0, 1, 1, 2, 3, 0, 5, 1, 0, 4];
         let wts: Vec<f32> = (0..b * k).map(|j| 0.25 + j as f32 * 0.05).collect();
         let experts = [0i64, 1, 5, 3];
@@ -365,18 +441,36 @@ mod tests {
             for threads in [1, 3] {
                 let cpu = CpuExperts::new(pool.clone(), Some(threads), Some(isa)).unwrap();
                 let mut out = vec![0.5f32; b * h];
-                cpu.forward(1, Hidden::F32(&x), &ids, &wts, k, &experts, &mut out).unwrap();
-                let err = out.iter().zip(&want).map(|(a, b)| (a - b).abs()).fold(0.0, f32::max);
+                cpu.forward(1, Hidden::F32(&x), &ids, &wts, k, &experts, &mut out)
+                    .unwrap();
+                let err = out
+                    .iter()
+                    .zip(&want)
+                    .map(|(a, b)| (a - b).abs())
+                    .fold(0.0, f32::max);
                 let tol = if isa.wants_bf16() { 2e-2 } else { 1e-4 };
-                assert!(err <= tol * scale, "{isa:?} x{threads}: max err {err} vs scale {scale}");
+                assert!(
+                    err <= tol * scale,
+                    "{isa:?} x{threads}: max err {err} vs scale {scale}"
+                );
             }
         }
         let cpu = CpuExperts::new(pool.clone(), Some(2), None).unwrap();
         let mut out = vec![0.0f32; b * h];
-        assert!(cpu.forward(2, Hidden::F32(&x), &ids, &wts, k, &experts, &mut out).is_err());
-        assert!(cpu.forward(1, Hidden::F32(&x), &ids, &wts, k, &[6], &mut out).is_err());
-        assert!(cpu.forward(1, Hidden::F32(&x), &ids, &wts, k, &[1, 1], &mut out).is_err());
-        assert!(cpu.forward(1, Hidden::F32(&x[1..]), &ids, &wts, k, &[1], &mut out).is_err());
-        assert!(cpu.forward(1, Hidden::F32(&x), &ids[1..], &wts, k, &[1], &mut out).is_err());
+        assert!(cpu
+            .forward(2, Hidden::F32(&x), &ids, &wts, k, &experts, &mut out)
+            .is_err());
+        assert!(cpu
+            .forward(1, Hidden::F32(&x), &ids, &wts, k, &[6], &mut out)
+            .is_err());
+        assert!(cpu
+            .forward(1, Hidden::F32(&x), &ids, &wts, k, &[1, 1], &mut out)
+            .is_err());
+        assert!(cpu
+            .forward(1, Hidden::F32(&x[1..]), &ids, &wts, k, &[1], &mut out)
+            .is_err());
+        assert!(cpu
+            .forward(1, Hidden::F32(&x), &ids[1..], &wts, k, &[1], &mut out)
+            .is_err());
     }
 }

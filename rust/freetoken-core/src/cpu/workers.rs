@@ -67,7 +67,11 @@ impl WorkerPool {
             senders.push(tx);
             handles.push(h);
         }
-        Self { senders, handles, gate: Mutex::new(()) }
+        Self {
+            senders,
+            handles,
+            gate: Mutex::new(()),
+        }
     }
 
     /// Participants of a job (workers + the caller).
@@ -86,7 +90,14 @@ impl WorkerPool {
         let erased: *const (dyn Fn() + Sync + 'static) = unsafe { std::mem::transmute(job) };
         let mut sent = 0;
         for tx in &self.senders {
-            if tx.send(JobRef { job: erased, pending: &pending, panicked: &panicked }).is_ok() {
+            if tx
+                .send(JobRef {
+                    job: erased,
+                    pending: &pending,
+                    panicked: &panicked,
+                })
+                .is_ok()
+            {
                 sent += 1;
             }
         }

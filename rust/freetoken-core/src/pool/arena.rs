@@ -37,7 +37,10 @@ impl Arena {
             )
         };
         if raw == libc::MAP_FAILED {
-            return Err(PoolError::Alloc { nbytes: len, source: std::io::Error::last_os_error() });
+            return Err(PoolError::Alloc {
+                nbytes: len,
+                source: std::io::Error::last_os_error(),
+            });
         }
         let start = raw as usize;
         let aligned = start.next_multiple_of(ARENA_ALIGN);
@@ -54,7 +57,10 @@ impl Arena {
             // Advice only; failure (no THP support) is harmless.
             libc::madvise(aligned as *mut libc::c_void, len, libc::MADV_HUGEPAGE);
         }
-        Ok(Self { ptr: aligned as *mut u8, len })
+        Ok(Self {
+            ptr: aligned as *mut u8,
+            len,
+        })
     }
 
     /// Base address (2 MiB aligned).

@@ -46,39 +46,77 @@ enum Target {
 fn read_json(path: &Path) -> Result<Value, PoolError> {
     let text = std::fs::read_to_string(path).map_err(|source| {
         if source.kind() == std::io::ErrorKind::NotFound {
-            PoolError::FileNotFound { path: path.into(), what: "a model directory needs config.json".into() }
+            PoolError::FileNotFound {
+                path: path.into(),
+                what: "a model directory needs config.json".into(),
+            }
         } else {
-            PoolError::Io { path: path.into(), source }
+            PoolError::Io {
+                path: path.into(),
+                source,
+            }
         }
     })?;
-    serde_json::from_str(&text).map_err(|e| PoolError::BadConfig { path: path.into(), msg: format!("invalid JSON: {e}") })
+    serde_json::from_str(&text).map_err(|e| PoolError::BadConfig {
+        path: path.into(),
+        msg: format!("invalid JSON: {e}"),
+    })
 }
 
 /// Reads the pool shape from a Hugging Face `config.json` (uses `text_config` when present).
 pub fn shape_from_config(path: &Path) -> Result<PoolShape, PoolError> {
     let root = read_json(path)?;
-    let experts_key = |c: &Value| ["num_experts", "num_local_experts", "n_routed_experts"].into_iter().find(|k| c.get(*k).is_some());
-    let cfg = root.get("text_config").filter(|c| experts_key(c).is_some()).unwrap_or(&root);
+    let experts_key = |c: &Value| {
+        ["num_experts", "num_local_experts", "n_routed_experts"]
+            .into_iter()
+            .find(|k| c.get(*k).is_some())
+    };
+    let cfg = root
+        .get("text_config")
+        .filter(|c| experts_key(c).is_some())
+        .unwrap_or(&root);
     let get = |key: &str| -> Result<usize, PoolError> {
-        cfg.get(key).and_then(Value::as_u64).map(|v| v as usize).ok_or_else(|| PoolError::BadConfig {
-            path: path.into(),
-            msg: format!("missing or non-integer field {key:?} (needed for the expert pool)"),
-        })
+        cfg.get(key)
+            .and_then(Value::as_u64)
+            .map(|v| v as usize)
+            .ok_or_else(|| PoolError::BadConfig {
+                path: path.into(),
+                msg: format!("missing or non-integer field {key:?} (needed for the expert pool)"),
+            })
     };
     let num_layers = get("num_hidden_layers")?;
     // transformers >= 5 writes `num_local_experts` for qwen3_moe; older versions `num_experts`.
     let num_experts = get(experts_key(cfg).unwrap_or("num_experts"))?;
     let hidden_size = get("hidden_size")?;
     let intermediate_size = get("moe_intermediate_size")?;
-    let step = cfg.get("decoder_sparse_step").and_then(Value::as_u64).unwrap_or(1).max(1) as usize;
+    let step = cfg
+        .get("decoder_sparse_step")
+        .and_then(Value::as_u64)
+        .unwrap_or(1)
+        .max(1) as usize;
     let mlp_only: Vec<usize> = cfg
         .get("mlp_only_layers")
         .and_then(Value::as_array)
-        .map(|a| a.iter().filter_map(Value::as_u64).map(|v| v as usize).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(Value::as_u64)
+                .map(|v| v as usize)
+                .collect()
+        })
         .unwrap_or_default();
-    let moe_layers: Vec<usize> = (0..num_layers).filter(|l| !mlp_only.contains(l) && (l + 1) % step == 0).collect();
-    let shape = PoolShape { moe_layers, num_experts, hidden_size, intermediate_size };
-    shape.validate().map_err(|e| PoolError::BadConfig { path: path.into(), msg: e.to_string() })?;
+    let moe_layers: Vec<usize> = (0..num_layers)
+        .filter(|l| !mlp_only.contains(l) && (l + 1) % step == 0)
+        .collect();
+    let shape = PoolShape {
+        moe_layers,
+        num_experts,
+        hidden_size,
+        intermediate_size,
+    };
+    shape.validate().map_err(|e| PoolError::BadConfig {
+        path: path.into(),
+        msg: e.to_string(),
+    })?;
     Ok(shape)
 }
 
@@ -88,10 +126,13 @@ fn weight_map(dir: &Path) -> Result<(HashMap<String, PathBuf>, PathBuf), PoolErr
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
         let v = read_json(&index)?;
-        let map = v.get("weight_map").and_then(Value::as_object).ok_or_else(|| PoolError::BadConfig {
-            path: index.clone(),
-            msg: "no \"weight_map\" object".into(),
-        })?;
+        let map = v
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| PoolError::BadConfig {
+                path: index.clone(),
+                msg: "no \"weight_map\" object".into(),
+            })?;
         let mut out = HashMap::with_capacity(map.len());
         for (name, file) in map {
             let file = file.as_str().ok_or_else(|| PoolError::BadConfig {
@@ -106,27 +147,43 @@ fn weight_map(dir: &Path) -> Result<(HashMap<String, PathBuf>, PathBuf), PoolErr
     if !single.exists() {
         return Err(PoolError::FileNotFound {
             path: single,
-            what: "a model directory needs model.safetensors or model.safetensors.index.json".into(),
+            what: "a model directory needs model.safetensors or model.safetensors.index.json"
+                .into(),
         });
     }
     let (_, mmap) = map_file(&single)?;
-    let (_, meta) = SafeTensors::read_metadata(&mmap)
-        .map_err(|e| PoolError::BadSafetensors { path: single.clone(), msg: e.to_string() })?;
-    let out = meta.tensors().into_keys().map(|k| (k, single.clone())).collect();
+    let (_, meta) = SafeTensors::read_metadata(&mmap).map_err(|e| PoolError::BadSafetensors {
+        path: single.clone(),
+        msg: e.to_string(),
+    })?;
+    let out = meta
+        .tensors()
+        .into_keys()
+        .map(|k| (k, single.clone()))
+        .collect();
     Ok((out, single))
 }
 
 fn map_file(path: &Path) -> Result<(std::fs::File, memmap2::Mmap), PoolError> {
     let file = std::fs::File::open(path).map_err(|source| {
         if source.kind() == std::io::ErrorKind::NotFound {
-            PoolError::FileNotFound { path: path.into(), what: "listed in the shard index".into() }
+            PoolError::FileNotFound {
+                path: path.into(),
+                what: "listed in the shard index".into(),
+            }
         } else {
-            PoolError::Io { path: path.into(), source }
+            PoolError::Io {
+                path: path.into(),
+                source,
+            }
         }
     })?;
     // SAFETY: the file is mapped read-only; a concurrent writer truncating a checkpoint under
     // us is outside the contract (as for every safetensors loader).
-    let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| PoolError::Io { path: path.into(), source })?;
+    let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(|source| PoolError::Io {
+        path: path.into(),
+        source,
+    })?;
     Ok((file, mmap))
 }
 
@@ -134,7 +191,10 @@ fn map_file(path: &Path) -> Result<(std::fs::File, memmap2::Mmap), PoolError> {
 /// (default: min(shards, allowed CPUs)).
 pub fn load(dir: &Path, num_threads: Option<usize>) -> Result<ExpertPool, PoolError> {
     if !dir.is_dir() {
-        return Err(PoolError::FileNotFound { path: dir.into(), what: "model directory".into() });
+        return Err(PoolError::FileNotFound {
+            path: dir.into(),
+            what: "model directory".into(),
+        });
     }
     let shape = shape_from_config(&dir.join("config.json"))?;
     let (map, map_file_path) = weight_map(dir)?;
@@ -176,13 +236,16 @@ pub fn load(dir: &Path, num_threads: Option<usize>) -> Result<ExpertPool, PoolEr
     }
 
     let pool = ExpertPool::alloc(shape)?;
-    let threads = num_threads.unwrap_or_else(|| numa::allowed_cpus().len()).clamp(1, shards.len().max(1));
+    let threads = num_threads
+        .unwrap_or_else(|| numa::allowed_cpus().len())
+        .clamp(1, shards.len().max(1));
     let nodes = numa::nodes();
     let next = AtomicUsize::new(0);
     let first_err: Mutex<Option<PoolError>> = Mutex::new(None);
     std::thread::scope(|s| {
         for t in 0..threads {
-            let (pool, shards, next, first_err, nodes) = (&pool, &shards, &next, &first_err, &nodes);
+            let (pool, shards, next, first_err, nodes) =
+                (&pool, &shards, &next, &first_err, &nodes);
             s.spawn(move || {
                 if nodes.len() > 1 {
                     numa::bind_current_thread(&nodes[t % nodes.len()].cpus);
@@ -190,12 +253,20 @@ pub fn load(dir: &Path, num_threads: Option<usize>) -> Result<ExpertPool, PoolEr
                 loop {
                     // ORDERING: a plain work counter; results are joined by the scope.
                     let idx = next.fetch_add(1, Ordering::Relaxed);
-                    if idx >= shards.len() || first_err.lock().map(|e| e.is_some()).unwrap_or(true) {
+                    if idx >= shards.len() || first_err.lock().map(|e| e.is_some()).unwrap_or(true)
+                    {
                         break;
                     }
                     let (path, tensors) = &shards[idx];
-                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| load_shard(pool, path, tensors)))
-                        .unwrap_or_else(|_| Err(PoolError::Internal(format!("panic while loading {}", path.display()))));
+                    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        load_shard(pool, path, tensors)
+                    }))
+                    .unwrap_or_else(|_| {
+                        Err(PoolError::Internal(format!(
+                            "panic while loading {}",
+                            path.display()
+                        )))
+                    });
                     if let Err(e) = r {
                         if let Ok(mut g) = first_err.lock() {
                             g.get_or_insert(e);
@@ -215,13 +286,24 @@ pub fn load(dir: &Path, num_threads: Option<usize>) -> Result<ExpertPool, PoolEr
 
 /// Packs the listed tensors of one shard. Each target is written by exactly one call (targets
 /// are disjoint across shards because the weight map lists each tensor once).
-fn load_shard(pool: &ExpertPool, path: &Path, tensors: &[(String, Target)]) -> Result<(), PoolError> {
+fn load_shard(
+    pool: &ExpertPool,
+    path: &Path,
+    tensors: &[(String, Target)],
+) -> Result<(), PoolError> {
     let (_file, mmap) = map_file(path)?;
     let _ = mmap.advise(memmap2::Advice::Sequential);
     let (header, meta) =
-        SafeTensors::read_metadata(&mmap).map_err(|e| PoolError::BadSafetensors { path: path.into(), msg: e.to_string() })?;
+        SafeTensors::read_metadata(&mmap).map_err(|e| PoolError::BadSafetensors {
+            path: path.into(),
+            msg: e.to_string(),
+        })?;
     let data_start = 8 + header;
-    let (h, i, ne) = (pool.hidden_size(), pool.intermediate_size(), pool.num_experts());
+    let (h, i, ne) = (
+        pool.hidden_size(),
+        pool.intermediate_size(),
+        pool.num_experts(),
+    );
     for (name, target) in tensors {
         let info = meta.info(name).ok_or_else(|| PoolError::MissingTensor {
             path: path.into(),
@@ -229,13 +311,21 @@ fn load_shard(pool: &ExpertPool, path: &Path, tensors: &[(String, Target)]) -> R
             what: "listed in the index but absent from this shard".into(),
         })?;
         let (a, b) = info.data_offsets;
-        let src = mmap.get(data_start + a..data_start + b).ok_or_else(|| PoolError::BadSafetensors {
-            path: path.into(),
-            msg: format!("tensor {name} data {a}..{b} lies outside the file"),
-        })?;
+        let src =
+            mmap.get(data_start + a..data_start + b)
+                .ok_or_else(|| PoolError::BadSafetensors {
+                    path: path.into(),
+                    msg: format!("tensor {name} data {a}..{b} lies outside the file"),
+                })?;
         let dtype = match info.dtype {
             Dtype::BF16 | Dtype::F16 | Dtype::F32 => info.dtype,
-            other => return Err(PoolError::BadDtype { path: path.into(), tensor: name.clone(), got: format!("{other:?}") }),
+            other => {
+                return Err(PoolError::BadDtype {
+                    path: path.into(),
+                    tensor: name.clone(),
+                    got: format!("{other:?}"),
+                })
+            }
         };
         let bad_shape = |expected: String| PoolError::BadShape {
             path: path.into(),
@@ -250,15 +340,23 @@ fn load_shard(pool: &ExpertPool, path: &Path, tensors: &[(String, Target)]) -> R
         match *target {
             Target::Gate(l, e) | Target::Up(l, e) => {
                 if s != [i, h] {
-                    return Err(bad_shape(format!("[{i}, {h}] (moe_intermediate_size, hidden_size)")));
+                    return Err(bad_shape(format!(
+                        "[{i}, {h}] (moe_intermediate_size, hidden_size)"
+                    )));
                 }
-                let off = if matches!(target, Target::Gate(..)) { 0 } else { i * h };
+                let off = if matches!(target, Target::Gate(..)) {
+                    0
+                } else {
+                    i * h
+                };
                 let dst = unsafe { &mut pool.expert_mut(l, e)[off..off + i * h] };
                 pack(src, dtype, i, h, false, dst);
             }
             Target::Down(l, e) => {
                 if s != [h, i] {
-                    return Err(bad_shape(format!("[{h}, {i}] (hidden_size, moe_intermediate_size)")));
+                    return Err(bad_shape(format!(
+                        "[{h}, {i}] (hidden_size, moe_intermediate_size)"
+                    )));
                 }
                 let dst = unsafe { &mut pool.expert_mut(l, e)[2 * i * h..] };
                 pack(src, dtype, h, i, false, dst);
@@ -269,12 +367,23 @@ fn load_shard(pool: &ExpertPool, path: &Path, tensors: &[(String, Target)]) -> R
                 } else if s == [ne, h, 2 * i] {
                     true
                 } else {
-                    return Err(bad_shape(format!("[{ne}, {}, {h}] or [{ne}, {h}, {}]", 2 * i, 2 * i)));
+                    return Err(bad_shape(format!(
+                        "[{ne}, {}, {h}] or [{ne}, {h}, {}]",
+                        2 * i,
+                        2 * i
+                    )));
                 };
                 let per = 2 * i * h * (dtype.bitsize() / 8);
                 for e in 0..ne {
                     let dst = unsafe { &mut pool.expert_mut(l, e)[..2 * i * h] };
-                    pack(&src[e * per..(e + 1) * per], dtype, 2 * i, h, transposed, dst);
+                    pack(
+                        &src[e * per..(e + 1) * per],
+                        dtype,
+                        2 * i,
+                        h,
+                        transposed,
+                        dst,
+                    );
                 }
             }
             Target::FusedDown(l) => {
@@ -300,7 +409,11 @@ fn load_shard(pool: &ExpertPool, path: &Path, tensors: &[(String, Target)]) -> R
             // SAFETY: [lo, hi) lies inside the read-only file mapping, which is not read again
             // after this point for this tensor (tensors do not overlap).
             unsafe {
-                libc::madvise(mmap.as_ptr().add(lo) as *mut libc::c_void, hi - lo, libc::MADV_DONTNEED);
+                libc::madvise(
+                    mmap.as_ptr().add(lo) as *mut libc::c_void,
+                    hi - lo,
+                    libc::MADV_DONTNEED,
+                );
             }
         }
     }
@@ -328,7 +441,11 @@ fn pack(src: &[u8], dtype: Dtype, rows: usize, cols: usize, transposed: bool, ds
     }
     for r in 0..rows {
         for c in 0..cols {
-            dst[r * cols + c] = if transposed { read(c * rows + r) } else { read(r * cols + c) };
+            dst[r * cols + c] = if transposed {
+                read(c * rows + r)
+            } else {
+                read(r * cols + c)
+            };
         }
     }
 }

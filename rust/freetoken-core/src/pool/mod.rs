@@ -40,7 +40,11 @@ pub struct PoolShape {
 impl PoolShape {
     /// Checks that every size is positive and `moe_layers` is strictly increasing.
     pub fn validate(&self) -> Result<(), PoolError> {
-        if self.moe_layers.is_empty() || self.num_experts == 0 || self.hidden_size == 0 || self.intermediate_size == 0 {
+        if self.moe_layers.is_empty()
+            || self.num_experts == 0
+            || self.hidden_size == 0
+            || self.intermediate_size == 0
+        {
             return Err(PoolError::Config(format!(
                 "every size must be positive: {} MoE layers, {} experts, hidden_size {}, intermediate_size {}",
                 self.moe_layers.len(),
@@ -50,10 +54,16 @@ impl PoolShape {
             )));
         }
         if self.moe_layers.windows(2).any(|w| w[0] >= w[1]) {
-            return Err(PoolError::Config(format!("moe_layers must be strictly increasing, got {:?}", self.moe_layers)));
+            return Err(PoolError::Config(format!(
+                "moe_layers must be strictly increasing, got {:?}",
+                self.moe_layers
+            )));
         }
         if self.num_experts > u16::MAX as usize {
-            return Err(PoolError::Config(format!("num_experts {} exceeds 65535", self.num_experts)));
+            return Err(PoolError::Config(format!(
+                "num_experts {} exceeds 65535",
+                self.num_experts
+            )));
         }
         Ok(())
     }
@@ -102,10 +112,16 @@ impl ExpertPool {
     /// Values are uniform in `±1/sqrt(fan_in)` (fan_in = H for gate/up, I for down), rounded to
     /// bf16. Filled by `num_threads` threads (default: all allowed CPUs), each bound to a NUMA node
     /// in turn, each touching the pages it fills first.
-    pub fn random(shape: PoolShape, seed: u64, num_threads: Option<usize>) -> Result<Self, PoolError> {
+    pub fn random(
+        shape: PoolShape,
+        seed: u64,
+        num_threads: Option<usize>,
+    ) -> Result<Self, PoolError> {
         let pool = Self::alloc(shape)?;
         let total = pool.num_layers() * pool.num_experts();
-        let threads = num_threads.unwrap_or_else(|| numa::allowed_cpus().len()).clamp(1, total);
+        let threads = num_threads
+            .unwrap_or_else(|| numa::allowed_cpus().len())
+            .clamp(1, total);
         let nodes = numa::nodes();
         let next = std::sync::atomic::AtomicUsize::new(0);
         let (h, i) = (pool.shape.hidden_size, pool.shape.intermediate_size);
@@ -127,7 +143,9 @@ impl ExpertPool {
                             // SAFETY: each (l, e) is claimed by exactly one thread through `next`,
                             // so the ranges written are disjoint; the arena outlives the scope.
                             let w = unsafe { pool.expert_mut(l, e) };
-                            let mut rng = SplitMix64::new(seed ^ (idx as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15));
+                            let mut rng = SplitMix64::new(
+                                seed ^ (idx as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                            );
                             let (gate_up, down) = w.split_at_mut(2 * i * h);
                             fill_uniform(gate_up, 1.0 / (h as f32).sqrt(), &mut rng);
                             fill_uniform(down, 1.0 / (i as f32).sqrt(), &mut rng);
@@ -193,16 +211,25 @@ impl ExpertPool {
         usize::try_from(model_layer)
             .ok()
             .and_then(|m| self.shape.moe_layers.binary_search(&m).ok())
-            .ok_or_else(|| PoolError::NotMoeLayer { model_layer, moe_layers: self.shape.moe_layers.clone() })
+            .ok_or_else(|| PoolError::NotMoeLayer {
+                model_layer,
+                moe_layers: self.shape.moe_layers.clone(),
+            })
     }
 
     /// Checks `(layer, expert)` and returns them as `usize`.
     pub fn check(&self, layer: i64, expert: i64) -> Result<(usize, usize), PoolError> {
         if layer < 0 || layer as usize >= self.num_layers() {
-            return Err(PoolError::LayerIndex { layer, num_layers: self.num_layers() });
+            return Err(PoolError::LayerIndex {
+                layer,
+                num_layers: self.num_layers(),
+            });
         }
         if expert < 0 || expert as usize >= self.num_experts() {
-            return Err(PoolError::ExpertIndex { expert, num_experts: self.num_experts() });
+            return Err(PoolError::ExpertIndex {
+                expert,
+                num_experts: self.num_experts(),
+            });
         }
         Ok((layer as usize, expert as usize))
     }
@@ -216,7 +243,10 @@ impl ExpertPool {
     pub fn expert_ptr(&self, layer: i64, expert: i64) -> Result<(*const u8, usize), PoolError> {
         let (l, e) = self.check(layer, expert)?;
         // SAFETY: offset + expert_nbytes <= experts_nbytes <= arena length for checked indices.
-        Ok((unsafe { self.arena.ptr().add(self.offset(l, e)) }, self.expert_nbytes()))
+        Ok((
+            unsafe { self.arena.ptr().add(self.offset(l, e)) },
+            self.expert_nbytes(),
+        ))
     }
 
     /// Weights of one expert, checked.
@@ -233,7 +263,10 @@ impl ExpertPool {
         // SAFETY: the range lies inside the arena (see `expert_ptr`); offsets are multiples of
         // EXPERT_ALIGN so the u16 pointer is aligned; the pool is immutable once built.
         let all = unsafe {
-            std::slice::from_raw_parts(self.arena.ptr().add(self.offset(layer, expert)) as *const u16, n)
+            std::slice::from_raw_parts(
+                self.arena.ptr().add(self.offset(layer, expert)) as *const u16,
+                n,
+            )
         };
         let (gate_up, down) = all.split_at(2 * i * h);
         ExpertWeights { gate_up, down }
@@ -248,7 +281,12 @@ impl ExpertPool {
     pub(crate) unsafe fn expert_mut(&self, layer: usize, expert: usize) -> &mut [u16] {
         let n = 3 * self.shape.intermediate_size * self.shape.hidden_size;
         // SAFETY: in bounds as in `expert_unchecked`; exclusivity is the caller's contract.
-        unsafe { std::slice::from_raw_parts_mut(self.arena.ptr().add(self.offset(layer, expert)) as *mut u16, n) }
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.arena.ptr().add(self.offset(layer, expert)) as *mut u16,
+                n,
+            )
+        }
     }
 }
 
@@ -301,7 +339,12 @@ mod tests {
     use super::*;
 
     fn shape() -> PoolShape {
-        PoolShape { moe_layers: vec![1, 3], num_experts: 4, hidden_size: 33, intermediate_size: 17 }
+        PoolShape {
+            moe_layers: vec![1, 3],
+            num_experts: 4,
+            hidden_size: 33,
+            intermediate_size: 17,
+        }
     }
 
     #[test]
@@ -315,11 +358,23 @@ mod tests {
         let (p0, n) = a.expert_ptr(0, 1).unwrap();
         assert_eq!(n, 3 * 33 * 17 * 2);
         assert_eq!(p0 as usize - a.ptr() as usize, shape().expert_stride());
-        assert!(matches!(a.expert_ptr(2, 0), Err(PoolError::LayerIndex { .. })));
-        assert!(matches!(a.expert_ptr(0, -1), Err(PoolError::ExpertIndex { .. })));
+        assert!(matches!(
+            a.expert_ptr(2, 0),
+            Err(PoolError::LayerIndex { .. })
+        ));
+        assert!(matches!(
+            a.expert_ptr(0, -1),
+            Err(PoolError::ExpertIndex { .. })
+        ));
         assert_eq!(a.layer_index(3).unwrap(), 1);
         assert!(a.layer_index(2).is_err());
-        let max = a.expert(0, 0).unwrap().gate_up.iter().map(|&x| crate::bf16::bf16_to_f32(x).abs()).fold(0.0, f32::max);
+        let max = a
+            .expert(0, 0)
+            .unwrap()
+            .gate_up
+            .iter()
+            .map(|&x| crate::bf16::bf16_to_f32(x).abs())
+            .fold(0.0, f32::max);
         assert!(max > 0.0 && max <= 1.0 / 33f32.sqrt() * 1.01);
     }
 
