@@ -66,3 +66,22 @@ pub fn describe(obj: &Bound<'_, PyAny>) -> String {
         Err(_) => ty,
     }
 }
+
+/// A C-contiguous numpy array of `T` copied out through `f`; `None` when `obj` is not a numpy
+/// array of dtype `T`.
+pub fn copy_as<T: numpy::Element + Copy, U>(
+    obj: &Bound<'_, PyAny>,
+    what: &str,
+    f: impl Fn(T) -> U,
+) -> PyResult<Option<Vec<U>>> {
+    let Ok(a) = obj.cast::<PyArrayDyn<T>>() else {
+        return Ok(None);
+    };
+    let r = a
+        .try_readonly()
+        .map_err(|e| invalid(format!("{what}: {e}")))?;
+    let v = r
+        .as_slice()
+        .map_err(|e| invalid(format!("{what} must be C-contiguous: {e}")))?;
+    Ok(Some(v.iter().map(|&x| f(x)).collect()))
+}

@@ -3,7 +3,7 @@ use freetoken_core::cpu::{CpuExperts, Hidden, Isa};
 use numpy::{PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use crate::arrays::{describe, int_array, readonly};
+use crate::arrays::{copy_as, describe, int_array, readonly};
 use crate::errors::{invalid, IntoPyErr};
 use crate::pool::PyExpertPool;
 
@@ -101,28 +101,9 @@ impl PyCpuExperts {
                 })
                 .py();
         }
-        let bits: Option<Vec<u16>> = if let Ok(x) = hidden.cast::<PyArrayDyn<u16>>() {
-            let r = x
-                .try_readonly()
-                .map_err(|e| invalid(format!("hidden: {e}")))?;
-            Some(
-                r.as_slice()
-                    .map_err(|e| invalid(format!("hidden must be C-contiguous: {e}")))?
-                    .to_vec(),
-            )
-        } else if let Ok(x) = hidden.cast::<PyArrayDyn<i16>>() {
-            let r = x
-                .try_readonly()
-                .map_err(|e| invalid(format!("hidden: {e}")))?;
-            Some(
-                r.as_slice()
-                    .map_err(|e| invalid(format!("hidden must be C-contiguous: {e}")))?
-                    .iter()
-                    .map(|&v| v as u16)
-                    .collect(),
-            )
-        } else {
-            None
+        let bits = match copy_as::<u16, u16>(hidden, "hidden", |v| v)? {
+            Some(b) => Some(b),
+            None => copy_as::<i16, u16>(hidden, "hidden", |v| v as u16)?,
         };
         match bits {
             Some(x) => py.detach(|| self.inner.forward(layer, Hidden::Bf16(&x), &ids, w, k, &experts, out)).py(),

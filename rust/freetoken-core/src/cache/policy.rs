@@ -194,6 +194,31 @@ impl Policy for Lru {
     }
 }
 
+/// Victim choice shared by the per-layer policies: the `pick` of the incoming key's layer when
+/// that layer holds its quota or more; otherwise the `pick` of the layer furthest above its quota
+/// (O(L) scan) that has an unpinned slot. `len(l)` is the residents of layer `l`, `pick(l)` its
+/// policy's unpinned victim.
+fn quota_victim(
+    incoming_layer: Option<usize>,
+    quota: &[usize],
+    len: impl Fn(usize) -> usize,
+    pick: impl Fn(usize) -> Option<SlotId>,
+) -> Option<SlotId> {
+    if let Some(l) = incoming_layer.map(|l| l.min(quota.len() - 1)) {
+        if len(l) >= quota[l].max(1) {
+            if let Some(s) = pick(l) {
+                return Some(s);
+            }
+        }
+    }
+    let mut order: Vec<(isize, usize)> = (0..quota.len())
+        .filter(|&l| len(l) > 0)
+        .map(|l| (len(l) as isize - quota[l] as isize, l))
+        .collect();
+    order.sort_unstable_by(|a, b| b.cmp(a));
+    order.into_iter().find_map(|(_, l)| pick(l))
+}
+
 /// One LRU list per layer with a quota per layer: `capacity / L` (the first `capacity % L`
 /// layers get one more).
 ///
@@ -256,23 +281,9 @@ impl Policy for LayerLru {
         incoming: Option<ExpertKey>,
         pinned: &dyn Fn(SlotId) -> bool,
     ) -> Option<SlotId> {
-        if let Some(k) = incoming {
-            let l = (k.layer as usize).min(self.quota.len() - 1);
-            if self.lists.len[l] >= self.quota[l].max(1) {
-                if let Some(s) = self.lists.last_unpinned(l, pinned) {
-                    return Some(s);
-                }
-            }
-        }
-        // The layer furthest above its quota that has an unpinned slot.
-        let mut order: Vec<(isize, usize)> = (0..self.quota.len())
-            .filter(|&l| self.lists.len[l] > 0)
-            .map(|l| (self.lists.len[l] as isize - self.quota[l] as isize, l))
-            .collect();
-        order.sort_unstable_by(|a, b| b.cmp(a));
-        order
-            .into_iter()
-            .find_map(|(_, l)| self.lists.last_unpinned(l, pinned))
+        let len = |l: usize| self.lists.len[l];
+        let pick = |l: usize| self.lists.last_unpinned(l, pinned);
+        quota_victim(incoming.map(|k| k.layer as usize), &self.quota, len, pick)
     }
 }
 
@@ -387,22 +398,9 @@ impl Policy for LayerLfu {
         incoming: Option<ExpertKey>,
         pinned: &dyn Fn(SlotId) -> bool,
     ) -> Option<SlotId> {
-        if let Some(k) = incoming {
-            let l = self.layer(k);
-            if self.sets[l].len() >= self.quota[l].max(1) {
-                if let Some(s) = self.lowest_unpinned(l, pinned) {
-                    return Some(s);
-                }
-            }
-        }
-        let mut order: Vec<(isize, usize)> = (0..self.quota.len())
-            .filter(|&l| !self.sets[l].is_empty())
-            .map(|l| (self.sets[l].len() as isize - self.quota[l] as isize, l))
-            .collect();
-        order.sort_unstable_by(|a, b| b.cmp(a));
-        order
-            .into_iter()
-            .find_map(|(_, l)| self.lowest_unpinned(l, pinned))
+        let len = |l: usize| self.sets[l].len();
+        let pick = |l: usize| self.lowest_unpinned(l, pinned);
+        quota_victim(incoming.map(|k| k.layer as usize), &self.quota, len, pick)
     }
 }
 

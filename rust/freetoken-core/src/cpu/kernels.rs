@@ -210,6 +210,81 @@ fn scalar(
     }
 }
 
+/// Defines `rows` and `gemv` of a SIMD module around its `block::<R, T>` kernel: rows in blocks
+/// of 4 (then 1), tokens in blocks of `$tmax` (then the 3/2/1 remainder); `$xt` is the activation
+/// element type and `$features` the target features of `gemv`.
+#[cfg(target_arch = "x86_64")]
+macro_rules! blocked_gemv {
+    ($xt:ty, $tmax:literal, $features:literal) => {
+        #[inline(always)]
+        #[allow(unused_assignments, clippy::too_many_arguments)]
+        unsafe fn rows<const R: usize>(
+            w: *const u16,
+            cols: usize,
+            r: usize,
+            x: *const $xt,
+            n_tok: usize,
+            out: *mut f32,
+            ldo: usize,
+            o: usize,
+        ) {
+            // SAFETY: forwarded bounds from `gemv`.
+            unsafe {
+                let wp: [*const u16; R] = std::array::from_fn(|i| w.add((r + i) * cols));
+                let mut t = 0;
+                macro_rules! tok {
+                    ($t:literal) => {{
+                        let xp: [*const $xt; $t] = std::array::from_fn(|j| x.add((t + j) * cols));
+                        let v = block::<R, $t>(wp, xp, cols);
+                        for j in 0..$t {
+                            for i in 0..R {
+                                *out.add((t + j) * ldo + o + i) = v[j][i];
+                            }
+                        }
+                        t += $t;
+                    }};
+                }
+                while t + $tmax <= n_tok {
+                    tok!($tmax);
+                }
+                match n_tok - t {
+                    3 => tok!(3),
+                    2 => tok!(2),
+                    1 => tok!(1),
+                    _ => {}
+                }
+            }
+        }
+
+        /// See [`super::gemv`].
+        #[target_feature(enable = $features)]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe fn gemv(
+            w: *const u16,
+            cols: usize,
+            r0: usize,
+            r1: usize,
+            x: *const $xt,
+            n_tok: usize,
+            out: *mut f32,
+            ldo: usize,
+        ) {
+            let mut r = r0;
+            // SAFETY: rows r0..r1 of w and n_tok rows of x are in bounds (asserted by the caller).
+            unsafe {
+                while r + 4 <= r1 {
+                    rows::<4>(w, cols, r, x, n_tok, out, ldo, r - r0);
+                    r += 4;
+                }
+                while r < r1 {
+                    rows::<1>(w, cols, r, x, n_tok, out, ldo, r - r0);
+                    r += 1;
+                }
+            }
+        }
+    };
+}
+
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;
@@ -272,72 +347,7 @@ mod avx512 {
         }
     }
 
-    #[inline(always)]
-    #[allow(unused_assignments, clippy::too_many_arguments)]
-    unsafe fn rows<const R: usize>(
-        w: *const u16,
-        cols: usize,
-        r: usize,
-        x: *const u16,
-        n_tok: usize,
-        out: *mut f32,
-        ldo: usize,
-        o: usize,
-    ) {
-        // SAFETY: forwarded bounds from `gemv`.
-        unsafe {
-            let wp: [*const u16; R] = std::array::from_fn(|i| w.add((r + i) * cols));
-            let mut t = 0;
-            macro_rules! tok {
-                ($T:literal) => {{
-                    let xp: [*const u16; $T] = std::array::from_fn(|j| x.add((t + j) * cols));
-                    let v = block::<R, $T>(wp, xp, cols);
-                    for j in 0..$T {
-                        for i in 0..R {
-                            *out.add((t + j) * ldo + o + i) = v[j][i];
-                        }
-                    }
-                    t += $T;
-                }};
-            }
-            while t + 4 <= n_tok {
-                tok!(4);
-            }
-            match n_tok - t {
-                3 => tok!(3),
-                2 => tok!(2),
-                1 => tok!(1),
-                _ => {}
-            }
-        }
-    }
-
-    /// See [`super::gemv`].
-    #[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn gemv(
-        w: *const u16,
-        cols: usize,
-        r0: usize,
-        r1: usize,
-        x: *const u16,
-        n_tok: usize,
-        out: *mut f32,
-        ldo: usize,
-    ) {
-        let mut r = r0;
-        // SAFETY: rows r0..r1 of w and n_tok rows of x are in bounds (asserted by the caller).
-        unsafe {
-            while r + 4 <= r1 {
-                rows::<4>(w, cols, r, x, n_tok, out, ldo, r - r0);
-                r += 4;
-            }
-            while r < r1 {
-                rows::<1>(w, cols, r, x, n_tok, out, ldo, r - r0);
-                r += 1;
-            }
-        }
-    }
+    blocked_gemv!(u16, 4, "avx512f,avx512bw,avx512bf16");
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -561,71 +571,7 @@ mod avx2 {
         }
     }
 
-    #[inline(always)]
-    #[allow(unused_assignments, clippy::too_many_arguments)]
-    unsafe fn rows<const R: usize>(
-        w: *const u16,
-        cols: usize,
-        r: usize,
-        x: *const f32,
-        n_tok: usize,
-        out: *mut f32,
-        ldo: usize,
-        o: usize,
-    ) {
-        // SAFETY: forwarded bounds from `gemv`.
-        unsafe {
-            let wp: [*const u16; R] = std::array::from_fn(|i| w.add((r + i) * cols));
-            let mut t = 0;
-            macro_rules! tok {
-                ($T:literal) => {{
-                    let xp: [*const f32; $T] = std::array::from_fn(|j| x.add((t + j) * cols));
-                    let v = block::<R, $T>(wp, xp, cols);
-                    for j in 0..$T {
-                        for i in 0..R {
-                            *out.add((t + j) * ldo + o + i) = v[j][i];
-                        }
-                    }
-                    t += $T;
-                }};
-            }
-            while t + 3 <= n_tok {
-                tok!(3);
-            }
-            match n_tok - t {
-                2 => tok!(2),
-                1 => tok!(1),
-                _ => {}
-            }
-        }
-    }
-
-    /// See [`super::gemv`].
-    #[target_feature(enable = "avx2,fma")]
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn gemv(
-        w: *const u16,
-        cols: usize,
-        r0: usize,
-        r1: usize,
-        x: *const f32,
-        n_tok: usize,
-        out: *mut f32,
-        ldo: usize,
-    ) {
-        let mut r = r0;
-        // SAFETY: rows r0..r1 of w and n_tok rows of x are in bounds (asserted by the caller).
-        unsafe {
-            while r + 4 <= r1 {
-                rows::<4>(w, cols, r, x, n_tok, out, ldo, r - r0);
-                r += 4;
-            }
-            while r < r1 {
-                rows::<1>(w, cols, r, x, n_tok, out, ldo, r - r0);
-                r += 1;
-            }
-        }
-    }
+    blocked_gemv!(f32, 3, "avx2,fma");
 }
 
 #[cfg(test)]
