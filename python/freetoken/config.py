@@ -60,6 +60,8 @@ class ModelConfig:
             raw = json.loads(path.read_text())
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from e
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
         return cls.from_dict(raw, source=str(path))
 
     @classmethod
@@ -79,6 +81,14 @@ class ModelConfig:
                 raise ConfigError(f"{source}: missing required key {key!r}")
             return default
 
+        def num(convert: type, key: str, default: Any = None, required: bool = True) -> Any:
+            """`get`, converted by `convert`; a value that does not convert is a ConfigError naming the key."""
+            value = get(key, default, required)
+            try:
+                return convert(value)
+            except (TypeError, ValueError):
+                raise ConfigError(f"{source}: {key} must be {convert.__name__}, got {value!r}") from None
+
         if raw.get("use_sliding_window"):
             raise ConfigError(f"{source}: use_sliding_window=true is not supported")
         rope_theta = raw.get("rope_theta")
@@ -88,29 +98,29 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ConfigError(f"{source}: rope type {rope_type!r} is not supported (only the default RoPE)")
-        hidden = int(get("hidden_size"))
-        heads = int(get("num_attention_heads"))
+        hidden = num(int, "hidden_size")
+        heads = num(int, "num_attention_heads")
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
         cfg = cls(
             architecture=arch,
-            vocab_size=int(get("vocab_size")),
+            vocab_size=num(int, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=int(get("intermediate_size")),
-            moe_intermediate_size=int(get("moe_intermediate_size")),
-            num_hidden_layers=int(get("num_hidden_layers")),
+            intermediate_size=num(int, "intermediate_size"),
+            moe_intermediate_size=num(int, "moe_intermediate_size"),
+            num_hidden_layers=num(int, "num_hidden_layers"),
             num_attention_heads=heads,
-            num_key_value_heads=int(get("num_key_value_heads", heads)),
-            head_dim=int(get("head_dim", hidden // heads)),
+            num_key_value_heads=num(int, "num_key_value_heads", heads),
+            head_dim=num(int, "head_dim", hidden // heads if heads else 0),
             # transformers >= 5 writes num_local_experts, the released checkpoints num_experts.
-            num_experts=int(get("num_experts") if "num_experts" in raw else get("num_local_experts")),
-            num_experts_per_tok=int(get("num_experts_per_tok")),
+            num_experts=num(int, "num_experts" if "num_experts" in raw else "num_local_experts"),
+            num_experts_per_tok=num(int, "num_experts_per_tok"),
             norm_topk_prob=bool(get("norm_topk_prob", False, required=False)),
-            decoder_sparse_step=int(get("decoder_sparse_step", 1)),
-            mlp_only_layers=tuple(int(x) for x in get("mlp_only_layers", [], required=False)),
-            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+            decoder_sparse_step=num(int, "decoder_sparse_step", 1),
+            mlp_only_layers=tuple(int(x) for x in num(tuple, "mlp_only_layers", [], required=False)),
+            rms_norm_eps=num(float, "rms_norm_eps", 1e-6),
             rope_theta=float(rope_theta),
-            max_position_embeddings=int(get("max_position_embeddings")),
+            max_position_embeddings=num(int, "max_position_embeddings"),
             tie_word_embeddings=bool(get("tie_word_embeddings", False, required=False)),
             attention_bias=bool(get("attention_bias", False, required=False)),
             torch_dtype=str(get("torch_dtype", raw.get("dtype", "bfloat16"))),
@@ -121,6 +131,10 @@ class ModelConfig:
         return cfg
 
     def _check(self, source: str) -> None:
+        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                    "head_dim", "max_position_embeddings"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"{source}: {key} must be >= 1, got {getattr(self, key)}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"{source}: num_attention_heads ({self.num_attention_heads}) is not a multiple of "
@@ -185,3 +199,25 @@ class EngineConfig:
     dummy_weights: bool = False
     seed: int = 0
     enforce_eager: bool = False
+
+    def validate(self) -> None:
+        """Raise ValueError naming the flag when a setting is out of range (a zero `max_num_seqs` would hang) or
+        `device` is not a torch device this machine has."""
+        import torch
+
+        try:
+            device = torch.device(self.device)
+        except RuntimeError:
+            raise ValueError(f"--device {self.device!r} is not a device (cpu, cuda or cuda:N)") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {self.device}: torch sees no CUDA device here; use --device cpu")
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"--device {self.device!r}: freetoken runs on cpu or cuda")
+        for name in ("max_num_seqs", "max_prefill_tokens", "kv_block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        for name in ("max_model_len", "kv_cache_tokens"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: automatic), got {getattr(self, name)}")
+        if not self.kv_cache_gb > 0:
+            raise ValueError(f"--kv-cache-gb must be > 0, got {self.kv_cache_gb}")

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from freetoken.engine.llm_engine import LLMEngine
+from freetoken.engine.llm_engine import LLMEngine, RequestError
 from freetoken.engine.types import GenerationChunk, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -123,10 +123,14 @@ class AsyncEngine:
         if isinstance(command, _Stop):
             return False
         if isinstance(command, _Add):
+            if command.request_id in self._streams:  # refuse it without taking over the running request's stream
+                error = RequestError(f"request_id {command.request_id!r} is already running")
+                command.loop.call_soon_threadsafe(command.out.put_nowait, error)
+                return True
             self._streams[command.request_id] = command
             try:
                 self.engine.add_request(command.request_id, command.prompt_ids, command.params)
-            except ValueError as e:
+            except Exception as e:  # noqa: BLE001 (RequestError or any other bad-request failure: the thread lives on)
                 self._deliver(command.request_id, e)
         elif isinstance(command, _Abort):
             self._streams.pop(command.request_id, None)

@@ -56,6 +56,7 @@ class LLMEngine:
         engine_cfg: EngineConfig,
         tokenizer: Tokenizer | None,
     ) -> None:
+        engine_cfg.validate()
         self.model_cfg = model_cfg
         self.cfg = engine_cfg
         self.tokenizer = tokenizer
@@ -69,6 +70,11 @@ class LLMEngine:
         tokens = engine_cfg.kv_cache_tokens or engine_cfg.max_num_seqs * self.max_model_len
         tokens = min(tokens, int(engine_cfg.kv_cache_gb * 1e9) // per_token)
         num_blocks = tokens // block
+        if num_blocks < 1:
+            raise ValueError(
+                f"--kv-cache-tokens {engine_cfg.kv_cache_tokens} and --kv-cache-gb {engine_cfg.kv_cache_gb} leave "
+                f"room for no KV block of {block} tokens (--kv-block-size); raise them"
+            )
         if num_blocks * block < self.max_model_len:
             log.warning(
                 "KV cache holds %d tokens; max_model_len lowered from %d to fit (raise --kv-cache-gb)",
@@ -101,6 +107,7 @@ class LLMEngine:
     @classmethod
     def from_dir(cls, model_dir: str | Path, engine_cfg: EngineConfig) -> LLMEngine:
         """Load config, tokenizer and weights (or seeded random weights with `dummy_weights`) from `model_dir`."""
+        engine_cfg.validate()  # before any loading: a bad flag fails fast
         model_dir = Path(model_dir)
         model_cfg = ModelConfig.from_dir(model_dir)
         device = torch.device(engine_cfg.device)

@@ -33,7 +33,24 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def validate(self) -> None:
-        """Raise ValueError naming the field when a value is out of range."""
+        """Raise ValueError naming the field when a value is out of range or of the wrong type.
+
+        Each message starts with the field's name (the server reports it as the error's parameter). Types are
+        checked too: a wrong one would otherwise fail later, inside the engine thread (a `stop` string, not a
+        list, would stop at any of its characters).
+        """
+        for name in ("max_tokens", "top_k"):
+            if not _is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        for name in ("temperature", "top_p"):
+            if not _is_int(getattr(self, name)) and not isinstance(getattr(self, name), float):
+                raise ValueError(f"{name} must be a number, got {getattr(self, name)!r}")
+        if self.seed is not None and not (_is_int(self.seed) and -(2**63) <= self.seed < 2**64):
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a list of strings, got {self.stop!r}")
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(map(_is_int, self.stop_token_ids)):
+            raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:
@@ -47,6 +64,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         """True when decoding is argmax (temperature 0 or top_k 1)."""
         return self.temperature == 0.0 or self.top_k == 1
+
+
+def _is_int(value: object) -> bool:
+    """True for an int that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass

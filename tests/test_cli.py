@@ -1,0 +1,140 @@
+"""`ft` as a user runs it (`python -m freetoken.cli.main`): help, and user errors as one line without a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def ft(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
+    env = os.environ.copy()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT / "python"), env.get("PYTHONPATH")]))
+    return subprocess.run(
+        [sys.executable, "-m", "freetoken.cli.main", *args],
+        check=False, capture_output=True, text=True, env=env, timeout=timeout_s, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+
+
+def assert_user_error(result: subprocess.CompletedProcess, *needles: str) -> None:
+    """Non-zero exit, no traceback, one line on stderr that says what is wrong (with each of `needles`)."""
+    assert result.returncode != 0, result.stderr
+    assert "Traceback" not in result.stderr and "Traceback" not in result.stdout, result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("ft ")]
+    assert len(errors) == 1, result.stderr
+    for needle in needles:
+        assert needle in errors[0], (needle, errors[0])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from freetoken.models.demo import build_demo_checkpoint
+
+    return build_demo_checkpoint(tmp_path_factory.mktemp("cli"), seed=1, vocab_size=2048, num_hidden_layers=2)
+
+
+def _variant(src: Path, dest: Path) -> Path:
+    shutil.copytree(src, dest)
+    return dest
+
+
+def test_help():
+    for args in (["--help"], ["serve", "--help"]):
+        result = ft(*args)
+        assert result.returncode == 0, result.stderr
+        assert "usage: ft" in result.stdout
+    out = ft("serve", "--help").stdout
+    for flag in ("--model", "--port", "--max-num-seqs", "--max-prefill-tokens", "--kv-cache-gb", "--dummy-weights"):
+        assert flag in out
+
+
+def test_version():
+    result = ft("--version")
+    assert result.returncode == 0 and result.stdout.startswith("freetoken ")
+
+
+def test_no_command_is_a_usage_error():
+    result = ft()
+    assert result.returncode == 2 and "usage: ft" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_model_not_a_directory():
+    assert_user_error(ft("serve", "--model", "/nonexistent/model"), "/nonexistent/model")
+
+
+def test_model_without_config(tmp_path):
+    assert_user_error(ft("serve", "--model", str(tmp_path)), "config.json")
+
+
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [
+        ("{not json", "not valid JSON"),
+        ("[]", "JSON object"),
+        (json.dumps({"architectures": ["LlamaForCausalLM"]}), "LlamaForCausalLM"),
+        (json.dumps({"architectures": ["Qwen3MoeForCausalLM"]}), "missing required key"),
+    ],
+)
+def test_bad_config(tmp_path, model_dir, config, needle):
+    path = _variant(model_dir, tmp_path / "m")
+    (path / "config.json").write_text(config)
+    assert_user_error(ft("serve", "--model", str(path), "--port", "1"), "config.json", needle)
+
+
+def test_bad_config_value(tmp_path, model_dir):
+    path = _variant(model_dir, tmp_path / "m")
+    raw = json.loads((path / "config.json").read_text())
+    raw["num_hidden_layers"] = "two"
+    (path / "config.json").write_text(json.dumps(raw))
+    assert_user_error(ft("serve", "--model", str(path)), "config.json", "num_hidden_layers")
+
+
+def test_no_weights_suggests_dummy_weights(tmp_path, model_dir):
+    path = _variant(model_dir, tmp_path / "m")
+    (path / "model.safetensors").unlink()
+    assert_user_error(ft("serve", "--model", str(path)), "--dummy-weights")
+
+
+def test_broken_tensor(tmp_path, model_dir):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = _variant(model_dir, tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.norm.weight"] = torch.zeros(3)
+    save_file(tensors, path / "model.safetensors")
+    assert_user_error(ft("serve", "--model", str(path)), "model.norm.weight", "shape")
+
+
+def test_bad_port(model_dir):
+    assert_user_error(ft("serve", "--model", str(model_dir), "--port", "70000"), "--port")
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        (["--max-num-seqs", "0"], "--max-num-seqs"),
+        (["--kv-block-size", "0"], "--kv-block-size"),
+        (["--dtype", "float64"], "--dtype"),
+        (["--device", "tpu"], "--device"),
+        (["--device", "cuda:x"], "--device"),
+        pytest.param(["--device", "cuda"], "--device", marks=pytest.mark.skipif(
+            __import__("torch").cuda.is_available(), reason="this machine has CUDA: serve would start")),
+        (["--moe-backend", "magic"], "magic"),
+    ],
+)
+def test_bad_engine_flags(model_dir, flags, needle):
+    assert_user_error(ft("serve", "--model", str(model_dir), *flags), needle)
+
+
+def test_unparseable_flag_value(model_dir):
+    result = ft("serve", "--model", str(model_dir), "--max-num-seqs", "many")
+    assert result.returncode == 2 and "--max-num-seqs" in result.stderr and "Traceback" not in result.stderr

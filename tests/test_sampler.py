@@ -1,0 +1,109 @@
+"""`engine.sampler.sample` on hand-made logits: greedy, temperature, top-k, top-p (nucleus) and seeds."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from freetoken.engine.sampler import sample
+from freetoken.engine.types import SamplingParams
+
+NUM_DRAWS = 4000
+
+
+def _logits(probs: list[float]) -> torch.Tensor:
+    return torch.log(torch.tensor([probs], dtype=torch.float32))
+
+
+def _draws(logits: torch.Tensor, params: SamplingParams, seed: int = 0) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return [sample(logits, [params], [gen])[0] for _ in range(NUM_DRAWS)]
+
+
+def test_greedy_is_argmax():
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.9], [5.0, 1.0, 1.0, 1.0], [-3.0, -2.0, -1.0, -1.5]])
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=0.0, top_p=0.1), SamplingParams(top_k=1)]
+    assert sample(logits, params, [None, None, None]) == [1, 0, 2]
+
+
+@pytest.mark.parametrize(
+    ("top_p", "kept"),
+    [
+        (0.5, {0}),  # 0.5 alone reaches 0.5
+        (0.51, {0, 1}),
+        (0.8, {0, 1}),  # 0.5 + 0.3 reaches 0.8 exactly
+        (0.81, {0, 1, 2}),
+        (0.95, {0, 1, 2}),
+        (0.96, {0, 1, 2, 3}),
+        (0.01, {0}),
+        (1.0, {0, 1, 2, 3}),
+    ],
+)
+def test_top_p_keeps_smallest_set_reaching_p(top_p, kept):
+    # Token order scrambled so that sorting matters: probs 0.5 (id 2), 0.3 (id 0), 0.15 (id 3), 0.05 (id 1).
+    ids = [2, 0, 3, 1]
+    logits = _logits([0.3, 0.05, 0.5, 0.15])
+    kept_ids = {ids[i] for i in kept}
+    draws = _draws(logits, SamplingParams(temperature=1.0, top_p=top_p), seed=int(top_p * 100))
+    assert set(draws) == kept_ids
+    # Renormalised over the kept set.
+    probs = {2: 0.5, 0: 0.3, 3: 0.15, 1: 0.05}
+    mass = sum(probs[i] for i in kept_ids)
+    for token in kept_ids:
+        expected = probs[token] / mass
+        got = draws.count(token) / NUM_DRAWS
+        assert abs(got - expected) < 4 * math.sqrt(expected * (1 - expected) / NUM_DRAWS) + 1e-9, token
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5, 6, 100])
+def test_top_k_masks_all_but_k(k):
+    logits = torch.tensor([[1.0, 4.0, 2.0, 3.5, -1.0, 0.0]])
+    order = [1, 3, 2, 0, 5, 4]
+    draws = _draws(logits, SamplingParams(temperature=1.5, top_k=k), seed=k)
+    assert set(draws) == set(order[: min(k, 6)])
+
+
+def test_top_k_then_top_p():
+    # top_k=3 leaves ids 1, 3, 2 with renormalised mass ~ 0.57, 0.35, 0.08; top_p=0.9 then drops id 2.
+    logits = torch.tensor([[1.0, 4.0, 2.0, 3.5, -1.0, 0.0]])
+    draws = _draws(logits, SamplingParams(temperature=1.0, top_k=3, top_p=0.9))
+    assert set(draws) == {1, 3}
+
+
+def test_temperature_sharpens_and_flattens():
+    logits = _logits([0.6, 0.4])
+    cold = _draws(logits, SamplingParams(temperature=0.25)).count(0) / NUM_DRAWS
+    warm = _draws(logits, SamplingParams(temperature=1.0)).count(0) / NUM_DRAWS
+    hot = _draws(logits, SamplingParams(temperature=2.0)).count(0) / NUM_DRAWS
+    expect_cold = 0.6**4 / (0.6**4 + 0.4**4)  # p^(1/T), renormalised
+    expect_hot = 0.6**0.5 / (0.6**0.5 + 0.4**0.5)
+    assert abs(cold - expect_cold) < 0.03 and abs(warm - 0.6) < 0.03 and abs(hot - expect_hot) < 0.03
+
+
+def test_never_samples_minus_inf():
+    logits = torch.tensor([[0.0, float("-inf"), 0.0, float("-inf")]])
+    assert set(_draws(logits, SamplingParams(temperature=2.0))) == {0, 2}
+
+
+def test_same_generator_seed_same_tokens_and_rows_independent():
+    logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)]
+
+    def draw(seeds):
+        gens = [torch.Generator().manual_seed(s) if s is not None else None for s in seeds]
+        return [sample(logits, params, gens) for _ in range(20)]
+
+    a = draw([7, None, 8])
+    assert a == draw([7, None, 8])
+    b = draw([7, None, 9])
+    assert [x[0] for x in a] == [x[0] for x in b]  # row 0 does not depend on row 2's RNG
+    assert [x[2] for x in a] != [x[2] for x in b]
+    assert all(x[1] == int(torch.argmax(logits[1])) for x in a)
+
+
+def test_low_precision_logits():
+    logits = _logits([0.1, 0.2, 0.7]).to(torch.bfloat16)
+    assert sample(logits, [SamplingParams(temperature=0.0)], [None]) == [2]
+    draws = _draws(logits, SamplingParams(temperature=1.0, top_p=0.6))
+    assert set(draws) == {2}
