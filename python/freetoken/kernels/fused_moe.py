@@ -108,7 +108,8 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     Fixed-shape tensor ops only (no host sync), so it can be captured in a CUDA graph.
 
     Args:
-        topk_ids: [M, k] int64 expert (or slot) ids, each in [0, num_experts).
+        topk_ids: [M, k] int64 expert (or slot) ids in [0, num_experts); a negative id skips the pair (an
+            expert computed elsewhere, e.g. on the CPU): its tiles get expert -1.
         num_experts: E, the number of distinct ids possible.
         block_m: rows per M tile.
 
@@ -117,11 +118,12 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
             R = M*k + min(M*k, E) * (block_m - 1) rounded up to block_m, an upper bound of the padded total.
         block_expert: [R / block_m] int64, the expert of each M tile, -1 for tiles past the end.
     """
-    flat = topk_ids.reshape(-1)
+    # Skipped pairs go to one extra bucket, number num_experts, whose tiles are marked -1 below.
+    flat = torch.where(topk_ids.reshape(-1) < 0, num_experts, topk_ids.reshape(-1))
     num_pairs = flat.numel()
-    num_rows = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
+    num_rows = num_pairs + min(num_pairs, num_experts + 1) * (block_m - 1)
     num_rows = -(-num_rows // block_m) * block_m
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     padded_end = torch.cumsum(padded, 0)
@@ -155,7 +157,7 @@ def fused_moe(
         hidden: [M, K] activations (bf16/fp16/fp32, CUDA, contiguous).
         w_gate_up: [E, 2N, K] gate rows then up rows per expert (or per cache slot), same dtype.
         w_down: [E, K, N] down projection per expert.
-        topk_ids: [M, k] int64 indices into the first dim of the weights.
+        topk_ids: [M, k] int64 indices into the first dim of the weights; negative: skip that pair.
         topk_weights: [M, k] routing weights.
 
     Returns:
@@ -165,7 +167,7 @@ def fused_moe(
         in expert order; the two agree for k <= 2).
     """
     num_tokens, hidden_size = hidden.shape
-    num_experts, two_n, _ = w_gate_up.shape
+    num_experts, two_n, _ = w_gate_up.shape  # experts or slots: any first-dim stride (slot padding) works
     inter = two_n // 2
     top_k = topk_ids.shape[1]
     num_pairs = num_tokens * top_k
@@ -181,7 +183,7 @@ def fused_moe(
         hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
         BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block_k, num_warps=4, num_stages=3,
     )
-    out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
+    out = torch.zeros(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)  # skipped pairs stay 0
     weights = topk_weights.reshape(-1).contiguous()
     grid = (num_rows // block_m, triton.cdiv(hidden_size, block_n))
     _down_kernel[grid](
@@ -204,8 +206,8 @@ def fused_moe_reference(
     x = hidden.float()
     out = torch.zeros_like(x)
     for j in range(topk_ids.shape[1]):
-        ids = topk_ids[:, j]
+        ids = topk_ids[:, j].clamp(min=0)
         gate, up = torch.bmm(w_gate_up[ids].float(), x[:, :, None]).squeeze(-1).chunk(2, dim=-1)
         y = torch.bmm(w_down[ids].float(), (F.silu(gate) * up)[:, :, None]).squeeze(-1)
-        out += topk_weights[:, j, None].float() * y
+        out += (topk_ids[:, j, None] >= 0) * topk_weights[:, j, None].float() * y
     return out

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+from freetoken.moe.compute import grouped_swiglu
 
 
 class FusedExperts:
     """All experts of all MoE layers as stacked tensors on one device.
 
-    Per layer: `gate_up` [E, 2I, H] and `down` [E, H, I], model dtype. On CUDA the forward is the Triton grouped
-    SwiGLU (`freetoken.kernels.fused_moe`, no host sync, CUDA-graph safe). On the CPU it groups the step's
-    (token, expert) pairs by expert and runs one SwiGLU per expert that has tokens, in expert order, then
-    scatters the weighted rows back (the same order of accumulation as transformers' `Qwen3MoeExperts`).
+    Per layer: `gate_up` [E, 2I, H] and `down` [E, H, I], model dtype; the forward is `grouped_swiglu` over
+    expert ids (no host sync on CUDA, so a decode step can be captured in a CUDA graph).
     """
+
+    graph_safe = True
 
     def __init__(self) -> None:
         self.gate_up: dict[int, torch.Tensor] = {}
@@ -33,25 +34,4 @@ class FusedExperts:
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """See `ExpertBackend.forward`: [T, H] hidden, [T, k] ids and weights -> [T, H]."""
-        gate_up, down = self.gate_up[layer], self.down[layer]
-        if hidden.is_cuda:
-            from freetoken.kernels.fused_moe import fused_moe
-
-            return fused_moe(hidden, gate_up, down, topk_ids, topk_weights)
-        k = topk_ids.shape[1]
-        flat_ids = topk_ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)
-        counts = torch.bincount(flat_ids, minlength=gate_up.shape[0]).tolist()
-        token_of_pair = order // k
-        rows = hidden[token_of_pair]  # (T*k, H), grouped by expert
-        out = torch.empty_like(rows)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            seg = rows[start : start + count]
-            gate, up = F.linear(seg, gate_up[expert]).chunk(2, dim=-1)
-            out[start : start + count] = F.linear(F.silu(gate) * up, down[expert])
-            start += count
-        out = out * topk_weights.reshape(-1)[order, None]
-        return torch.zeros_like(hidden).index_add_(0, token_of_pair, out)
+        return grouped_swiglu(hidden, self.gate_up[layer], self.down[layer], topk_ids, topk_weights)
