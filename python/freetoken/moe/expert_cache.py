@@ -1,0 +1,185 @@
+"""`offload`, `cpu` and `hybrid`: routed experts live in host RAM; a cache of expert slots sits on the device.
+
+Per MoE layer step (`shared/DESIGN.md`, "One decode step, one MoE layer"):
+1. the router's top-k ids (and, when the CPU will be used, the hidden states) come to the host: one sync;
+2. the Rust planner (`freetoken._core.Planner`) splits the distinct experts into hits (resident slots), fills
+   (copied from the pinned host pool into a slot, evicting the policy's victim) and CPU runs, by the backend:
+   `offload` fills every miss, `cpu` runs every miss on the host, `hybrid` sends the share q* of miss bytes to
+   the CPU so both paths end together;
+3. fills are queued on a copy stream (DMA engines, not SMs) from the pinned arena; the device computes hits and
+   fills in one grouped SwiGLU over slot ids once the fills' event fires, while the host computes its experts
+   with the Rust kernels (GIL released); their weighted outputs are added last.
+
+On the CPU device the same code runs with the slots as host tensors (the "copy" is a memcpy), so CI tests the
+planning and bookkeeping of every backend.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from freetoken._core import CpuExperts, ExpertPool, Planner
+from freetoken.moe.compute import grouped_swiglu
+
+log = logging.getLogger(__name__)
+
+MODES = ("offload", "cpu", "hybrid")
+
+
+def pin_host_memory(ptr: int, nbytes: int) -> None:
+    """Page-lock `nbytes` at `ptr` for the current CUDA device (cudaHostRegister), so copies from it run as DMA at
+    PCIe line rate. Raises RuntimeError with the CUDA error and what to change."""
+    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+    code = getattr(err, "value", err)
+    if code != 0:
+        raise RuntimeError(
+            f"cudaHostRegister of the {nbytes / 1e9:.1f} GB expert pool failed (CUDA error {code}); "
+            "raise RLIMIT_MEMLOCK (ulimit -l) or free host memory"
+        )
+
+
+class ExpertCacheBackend:
+    """Experts in the host `ExpertPool`, a device cache of `num_slots` expert slots, planned per layer step.
+
+    Args:
+        mode: "offload", "cpu" or "hybrid".
+        pool: the host pool (bf16, layout `[layer][expert]{gate_up [2I, H], down [H, I]}`).
+        device: compute device; slots are allocated there.
+        num_slots: expert slots in the cache (0 is allowed for `cpu`).
+        policy: slot replacement policy of the planner ("lru", "layer_lru", "lfu").
+        pcie_bytes_per_s: B_pcie, host->device expert copy bandwidth (bytes/s); needed by `hybrid`.
+        cpu_bytes_per_s: B_cpu(b) as {batch: weight bytes/s}; needed by `hybrid`.
+        cpu_threads: threads of the host expert kernels (default: all CPUs).
+
+    Raises:
+        ValueError: unknown mode, no slots for a mode that fills, or `hybrid` without a bandwidth profile.
+    """
+
+    graph_safe = False  # one host sync per layer step: the decode step cannot be captured
+    wants_weights = False  # the pool read the checkpoint itself
+
+    def __init__(
+        self,
+        mode: str,
+        pool: ExpertPool,
+        device: torch.device,
+        num_slots: int,
+        policy: str = "lru",
+        pcie_bytes_per_s: float | None = None,
+        cpu_bytes_per_s: dict[int, float] | None = None,
+        cpu_threads: int | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"--moe-backend {mode!r}: expected one of {', '.join(MODES)}")
+        if num_slots < 1 and mode != "cpu":
+            raise ValueError(f"--moe-backend {mode} needs at least one expert slot, got {num_slots}")
+        if mode == "hybrid" and (pcie_bytes_per_s is None or not cpu_bytes_per_s):
+            raise ValueError("--moe-backend hybrid needs a bandwidth profile (run `ft bench bw`)")
+        self.mode = mode
+        self.pool = pool
+        self.device = device
+        self.num_slots = num_slots
+        hidden, inter = pool.hidden_size, pool.intermediate_size
+        self.expert_nbytes = pool.expert_nbytes
+        # Zero-copy view of the arena; the pool object stays alive as the buffer's owner.
+        self.arena = torch.frombuffer(pool.arena_view(), dtype=torch.uint8)
+        if device.type == "cuda":
+            pin_host_memory(pool.ptr, pool.nbytes)
+        self.slots = torch.empty(max(num_slots, 1), pool.expert_stride, dtype=torch.uint8, device=device)
+        words = self.slots.view(torch.bfloat16)
+        self.gate_up = words[:, : 2 * inter * hidden].view(-1, 2 * inter, hidden)
+        self.down = words[:, 2 * inter * hidden : 3 * inter * hidden].view(-1, hidden, inter)
+        self.planner = Planner(
+            pool.num_layers,
+            pool.num_experts,
+            pool.expert_nbytes,
+            max(num_slots, 1),
+            policy=policy,
+            pcie_bytes_per_s=pcie_bytes_per_s,
+            cpu_bytes_per_s=cpu_bytes_per_s,
+        )
+        self.cpu = CpuExperts(pool, num_threads=cpu_threads)
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.pool_layer = {model_layer: i for i, model_layer in enumerate(pool.moe_layers)}
+        self._host_hidden = torch.empty(0)
+        self._host_out = torch.empty(0)
+
+    def load_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
+        """Not used: the pool read the experts from the checkpoint (`wants_weights` is False)."""
+        raise TypeError("ExpertCacheBackend takes its experts from its ExpertPool, not from the torch loader")
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the slot cache."""
+        return self.slots.numel()
+
+    def _host_buffers(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pinned (on CUDA) float32 [num_tokens, H] buffers for the CPU path's input and output, grown on demand."""
+        if self._host_hidden.shape[0] < num_tokens:
+            pin = self.device.type == "cuda"
+            shape = (max(num_tokens, 2 * self._host_hidden.shape[0]), self.pool.hidden_size)
+            self._host_hidden = torch.empty(shape, dtype=torch.float32, pin_memory=pin)
+            self._host_out = torch.empty(shape, dtype=torch.float32, pin_memory=pin)
+        return self._host_hidden[:num_tokens], self._host_out[:num_tokens]
+
+    def forward(
+        self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """See `ExpertBackend.forward`: [T, H] hidden, [T, k] ids and weights -> [T, H]."""
+        pool_layer = self.pool_layer[layer]
+        num_tokens = hidden.shape[0]
+        host_hidden = host_out = None
+        if self.mode != "offload":
+            host_hidden, host_out = self._host_buffers(num_tokens)
+            host_hidden.copy_(hidden, non_blocking=True)
+        ids = topk_ids.to("cpu", non_blocking=True)
+        weights = topk_weights.to("cpu", torch.float32, non_blocking=True)
+        if hidden.is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()  # ids, weights and hidden are on the host now
+        ids_np = ids.numpy()
+        plan = self.planner.plan(pool_layer, ids_np, self.mode)
+        if plan.num_fills:
+            self._fill(pool_layer, plan.fill_experts, plan.fill_slots)
+        out = None
+        if plan.num_hits or plan.num_fills:
+            slots = torch.from_numpy(plan.topk_slots.astype(np.int64)).to(self.device, non_blocking=True)
+            out = grouped_swiglu(hidden, self.gate_up, self.down, slots, topk_weights)
+        if plan.num_cpu:
+            if host_hidden is None:  # offload with every slot pinned: the rest of the misses run here
+                host_hidden, host_out = self._host_buffers(num_tokens)
+                host_hidden.copy_(hidden)
+            host_out.zero_()
+            self.cpu.forward(
+                pool_layer, host_hidden.numpy(), ids_np, weights.numpy(), plan.cpu_experts, host_out.numpy()
+            )
+            cpu_out = host_out.to(self.device, hidden.dtype, non_blocking=True)
+            out = cpu_out if out is None else out + cpu_out
+        return out if out is not None else torch.zeros_like(hidden)
+
+    def _fill(self, pool_layer: int, experts: np.ndarray, slots: np.ndarray) -> None:
+        """Copy experts from the pinned arena into their slots; later device work waits for the copies."""
+        n = self.expert_nbytes
+        if self.copy_stream is None:
+            for expert, slot in zip(experts.tolist(), slots.tolist()):
+                offset = self.pool.expert_offset(pool_layer, expert)
+                self.slots[slot, :n].copy_(self.arena[offset : offset + n])
+            return
+        with torch.cuda.stream(self.copy_stream):
+            for expert, slot in zip(experts.tolist(), slots.tolist()):
+                offset = self.pool.expert_offset(pool_layer, expert)
+                self.slots[slot, :n].copy_(self.arena[offset : offset + n], non_blocking=True)
+        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+
+    def stats(self) -> dict:
+        """Per-layer planner counters (lists over pool layers) and the cache's size, JSON-able."""
+        counters = {name: values.tolist() for name, values in self.planner.stats().items()}
+        return {
+            "backend": self.mode,
+            "num_slots": self.num_slots,
+            "num_resident": self.planner.num_resident,
+            "expert_nbytes": self.expert_nbytes,
+            "layers": counters,
+        }
