@@ -26,12 +26,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of `ft`. Known user errors print one line to stderr and exit 2, never a traceback."""
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level)
-    from freetoken.config import ConfigError
-    from freetoken.models.loader import CheckpointError
-
+    # ConfigError and the loader's CheckpointError are ValueErrors; the loader is not imported here, so that a
+    # user error found before loading (a bad path, flag or config.json) answers without importing torch.
     try:
         return args.func(args)
-    except (FileNotFoundError, ConfigError, CheckpointError, ValueError) as e:
+    except (FileNotFoundError, ValueError) as e:
         print(f"ft {args.command}: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -7,7 +7,7 @@ import logging
 from dataclasses import fields
 from pathlib import Path
 
-from freetoken.config import EngineConfig
+from freetoken.config import EngineConfig, ModelConfig
 
 log = logging.getLogger("freetoken.cli")
 
@@ -95,13 +95,16 @@ def resolve_model_dir(model: str, dummy_weights: bool) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from freetoken.engine import AsyncEngine, LLMEngine
-    from freetoken.server.app import run_server
-
+    """Check the flags and config.json first (no torch import: a typo answers at once), then load and serve."""
     if not 0 < args.port < 65536:
         raise SystemExit(f"ft serve: --port {args.port} is not a valid port (1..65535)")
     cfg = engine_config(args)
     model_dir = resolve_model_dir(args.model, cfg.dummy_weights)
+    ModelConfig.from_dir(model_dir)  # raises ConfigError naming config.json and the key
+
+    from freetoken.engine import AsyncEngine, LLMEngine
+    from freetoken.server.app import run_server
+
     name = args.served_model_name or (DEMO if args.model == DEMO else model_dir.name)
     log.info("loading %s on %s (%s)", model_dir, cfg.device, "dummy weights" if cfg.dummy_weights else "safetensors")
     engine = LLMEngine.from_dir(model_dir, cfg)
