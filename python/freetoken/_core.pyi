@@ -52,7 +52,7 @@ class TraceFormatError(FreetokenError, ValueError):
     """A routing-trace file is malformed or truncated."""
 
 class InternalError(FreetokenError, RuntimeError):
-    """A bug: a worker thread failed. ``out`` buffers are left unchanged."""
+    """A bug: a worker thread failed (``CpuExperts.forward``'s ``out`` may be partly updated)."""
 
 class ExpertPool:
     """Every routed expert of every MoE layer, packed in one host arena (the source of truth).
@@ -455,7 +455,7 @@ class CpuExperts:
         Raises:
             OutOfRangeError: Bad layer or expert id.
             InvalidArgumentError: Bad shapes, dtypes, contiguity, or a repeated expert.
-            InternalError: A worker failed (``out`` unchanged).
+            InternalError: A worker failed (``out`` may be partly updated).
         """
 
 class TraceWriter:

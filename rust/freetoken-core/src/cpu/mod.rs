@@ -10,10 +10,12 @@
 //! out[token] += routing_weight · y
 //! ```
 //! Work split: phase 1 cuts each expert's `I` rows (gate and up together, then the activation)
-//! into chunks; phase 2 cuts its `H` down rows; a phase-2 chunk of expert `e` starts when every
-//! phase-1 chunk of `e` is done. All chunks of a call are claimed from one atomic counter by the
-//! worker threads and the caller; phase-1 chunks come first, so a phase-2 wait is always on
-//! chunks already running. The weighted sum into `out` is done by the caller afterwards.
+//! into chunks; phase 2 cuts `H` into chunks, each running the down projection of every listed
+//! expert for its rows and adding the weighted result straight into those rows of `out` (chunks
+//! are disjoint, so no reduction pass and no locks). Phase 2 starts when every phase-1 chunk is
+//! done. All chunks of a call are claimed from one atomic counter by the worker threads and the
+//! caller; phase-1 chunks come first, so a phase-2 wait is always on chunks already running.
+//! Inputs are gathered once per call into scratch buffers reused across calls.
 pub mod kernels;
 pub mod workers;
 
@@ -42,12 +44,6 @@ impl Hidden<'_> {
             Self::Bf16(x) => x.len(),
         }
     }
-    fn get(&self, i: usize) -> f32 {
-        match self {
-            Self::F32(x) => x[i],
-            Self::Bf16(x) => bf16_to_f32(x[i]),
-        }
-    }
 }
 
 /// A raw pointer that may cross threads; users guarantee disjoint writes.
@@ -67,11 +63,22 @@ impl<T> SyncPtr<T> {
     }
 }
 
+/// Buffers reused across calls: gathered inputs `[n, H]` and activations `[n, I]` of the listed
+/// experts' tokens (one of each pair is used, by the path's activation format).
+#[derive(Default)]
+struct Scratch {
+    x_f32: Vec<f32>,
+    x_bf: Vec<u16>,
+    a_f32: Vec<f32>,
+    a_bf: Vec<u16>,
+}
+
 /// Runs routed experts on the host with a persistent worker pool.
 pub struct CpuExperts {
     pool: Arc<ExpertPool>,
     workers: WorkerPool,
     isa: Isa,
+    scratch: std::sync::Mutex<Scratch>,
 }
 
 /// One unit of work.
@@ -111,6 +118,7 @@ impl CpuExperts {
             pool,
             workers: WorkerPool::new(num_threads),
             isa,
+            scratch: Default::default(),
         })
     }
 
@@ -193,7 +201,7 @@ impl CpuExperts {
         if list.is_empty() {
             return Ok(());
         }
-        // Scratch: gathered inputs, activations, outputs, per expert at these offsets (in tokens).
+        // Per expert, its tokens' rows in the scratch buffers start at tok_off[e].
         let mut tok_off = Vec::with_capacity(list.len() + 1);
         tok_off.push(0usize);
         for (_, t) in &list {
@@ -201,66 +209,68 @@ impl CpuExperts {
         }
         let n_all = *tok_off.last().unwrap_or(&0);
         let bf = self.isa.wants_bf16();
-        let mut x_f32 = vec![0f32; if bf { 0 } else { n_all * h }];
-        let mut x_bf = vec![0u16; if bf { n_all * h } else { 0 }];
-        for (li, (_, toks)) in list.iter().enumerate() {
-            for (j, &(t, _)) in toks.iter().enumerate() {
-                let dst = (tok_off[li] + j) * h;
-                for c in 0..h {
-                    let v = hidden.get(t * h + c);
-                    if bf {
-                        x_bf[dst + c] = f32_to_bf16(v);
-                    } else {
-                        x_f32[dst + c] = v;
-                    }
-                }
+        let mut guard = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
+        let sc = &mut *guard;
+        // Gather: convert hidden once, then copy each routed token's row per expert.
+        let (xs, xe) = if bf { (0, n_all * h) } else { (n_all * h, 0) };
+        sc.x_f32.resize(xs, 0.0);
+        sc.x_bf.resize(xe, 0);
+        sc.a_f32.resize(if bf { 0 } else { n_all * i_sz }, 0.0);
+        sc.a_bf.resize(if bf { n_all * i_sz } else { 0 }, 0);
+        match (hidden, bf) {
+            (Hidden::Bf16(x), true) => gather(&list, &tok_off, h, x, &mut sc.x_bf),
+            (Hidden::F32(x), false) => gather(&list, &tok_off, h, x, &mut sc.x_f32),
+            (Hidden::F32(x), true) => {
+                let xb: Vec<u16> = x.iter().map(|&v| f32_to_bf16(v)).collect();
+                gather(&list, &tok_off, h, &xb, &mut sc.x_bf)
+            }
+            (Hidden::Bf16(x), false) => {
+                let xf: Vec<f32> = x.iter().map(|&v| bf16_to_f32(v)).collect();
+                gather(&list, &tok_off, h, &xf, &mut sc.x_f32)
             }
         }
-        let mut a_f32 = vec![0f32; if bf { 0 } else { n_all * i_sz }];
-        let mut a_bf = vec![0u16; if bf { n_all * i_sz } else { 0 }];
-        let mut y = vec![0f32; n_all * h];
 
-        // Tasks: ~2 chunks per thread per phase, rows a multiple of 16 (an AMX tile).
+        // Phase 1: per expert, chunks of I (gate and up rows, then the activation).
+        // Phase 2: chunks of H, each over every expert, accumulating into its rows of `out`.
+        // About two chunks per thread per phase, rows a multiple of 16 (an AMX tile).
         let nt = self.num_threads();
-        let chunks = |rows: usize| -> usize {
-            let per_expert = (2 * nt).div_ceil(list.len()).max(1);
-            rows.div_ceil(per_expert).next_multiple_of(16).max(16)
-        };
-        let (c1, c2) = (chunks(i_sz), chunks(h));
+        let per_expert = (2 * nt).div_ceil(list.len()).max(1);
+        let c1 = i_sz.div_ceil(per_expert).next_multiple_of(16).max(16);
+        let c2 = h.div_ceil(2 * nt).next_multiple_of(16).max(16);
         let mut tasks = Vec::new();
-        let mut left1 = Vec::with_capacity(list.len());
-        for phase in 0..2u8 {
-            let (rows, c) = if phase == 0 { (i_sz, c1) } else { (h, c2) };
-            for e in 0..list.len() {
-                let mut n = 0;
-                for r0 in (0..rows).step_by(c) {
-                    tasks.push(Task {
-                        phase,
-                        e: e as u32,
-                        r0: r0 as u32,
-                        r1: (r0 + c).min(rows) as u32,
-                    });
-                    n += 1;
-                }
-                if phase == 0 {
-                    left1.push(AtomicUsize::new(n));
-                }
+        for e in 0..list.len() {
+            for r0 in (0..i_sz).step_by(c1) {
+                tasks.push(Task {
+                    phase: 0,
+                    e: e as u32,
+                    r0: r0 as u32,
+                    r1: (r0 + c1).min(i_sz) as u32,
+                });
             }
+        }
+        let left1 = AtomicUsize::new(tasks.len());
+        for r0 in (0..h).step_by(c2) {
+            tasks.push(Task {
+                phase: 1,
+                e: 0,
+                r0: r0 as u32,
+                r1: (r0 + c2).min(h) as u32,
+            });
         }
         let next = AtomicUsize::new(0);
         let failed = AtomicBool::new(false);
-        let (px_f, px_b) = (SyncPtr(x_f32.as_mut_ptr()), SyncPtr(x_bf.as_mut_ptr()));
-        let (pa_f, pa_b, py) = (
-            SyncPtr(a_f32.as_mut_ptr()),
-            SyncPtr(a_bf.as_mut_ptr()),
-            SyncPtr(y.as_mut_ptr()),
+        let (x_f32, x_bf) = (&sc.x_f32[..], &sc.x_bf[..]);
+        let (pa_f, pa_b) = (
+            SyncPtr(sc.a_f32.as_mut_ptr()),
+            SyncPtr(sc.a_bf.as_mut_ptr()),
         );
-        let (x_len, a_len, y_len) = (n_all * h, n_all * i_sz, n_all * h);
+        let a_len = n_all * i_sz;
+        let pout = SyncPtr(out.as_mut_ptr());
+        let out_len = out.len();
         let isa = self.isa;
         let pool = &*self.pool;
         let job = || {
-            let mut g = Vec::new();
-            let mut u = Vec::new();
+            let (mut g, mut u) = (Vec::new(), Vec::new());
             loop {
                 // ORDERING: a work counter; data dependencies use `left1` below.
                 let ti = next.fetch_add(1, Ordering::Relaxed);
@@ -268,29 +278,20 @@ impl CpuExperts {
                     break;
                 }
                 let t = tasks[ti];
-                let (e, r0, r1) = (t.e as usize, t.r0 as usize, t.r1 as usize);
-                let (eu, n) = (list[e].0, list[e].1.len());
-                let w = pool.expert_unchecked(l, eu);
-                let off = tok_off[e];
+                let (r0, r1) = (t.r0 as usize, t.r1 as usize);
+                let rows = r1 - r0;
                 if t.phase == 0 {
-                    let rows = r1 - r0;
+                    let e = t.e as usize;
+                    let (eu, n, off) = (list[e].0, list[e].1.len(), tok_off[e]);
+                    let w = pool.expert_unchecked(l, eu);
                     g.clear();
                     g.resize(n * rows, 0.0);
                     u.clear();
                     u.resize(n * rows, 0.0);
-                    // SAFETY: x is only read during the job; its length is x_len.
-                    let act = unsafe {
-                        if bf {
-                            Act::Bf16(
-                                &std::slice::from_raw_parts(px_b.ptr(), x_len)
-                                    [off * h..(off + n) * h],
-                            )
-                        } else {
-                            Act::F32(
-                                &std::slice::from_raw_parts(px_f.ptr(), x_len)
-                                    [off * h..(off + n) * h],
-                            )
-                        }
+                    let act = if bf {
+                        Act::Bf16(&x_bf[off * h..(off + n) * h])
+                    } else {
+                        Act::F32(&x_f32[off * h..(off + n) * h])
                     };
                     kernels::gemv(isa, w.gate_up, h, r0, r1, act, n, &mut g, rows);
                     kernels::gemv(
@@ -311,7 +312,7 @@ impl CpuExperts {
                             let idx = (off + tok) * i_sz + r0 + r;
                             debug_assert!(idx < a_len);
                             // SAFETY: element (tok, r0 + r) of expert e's activations is written
-                            // by this task only (chunks partition 0..I).
+                            // by this task only (chunks partition 0..I); idx < a_len.
                             unsafe {
                                 if bf {
                                     *pa_b.ptr().add(idx) = f32_to_bf16(v);
@@ -322,37 +323,48 @@ impl CpuExperts {
                         }
                     }
                     // ORDERING: Release publishes this chunk's activations to phase-2 readers.
-                    left1[e].fetch_sub(1, Ordering::Release);
+                    left1.fetch_sub(1, Ordering::Release);
                 } else {
-                    // ORDERING: Acquire pairs with the phase-1 Release decrements of expert e.
-                    while left1[e].load(Ordering::Acquire) != 0 {
+                    // ORDERING: Acquire pairs with every phase-1 Release decrement.
+                    while left1.load(Ordering::Acquire) != 0 {
                         if failed.load(Ordering::Relaxed) {
                             return;
                         }
                         std::hint::spin_loop();
                     }
-                    // SAFETY: every phase-1 chunk of e is done (Acquire above); the activations
-                    // of e are no longer written.
-                    let act = unsafe {
-                        if bf {
-                            Act::Bf16(
-                                &std::slice::from_raw_parts(pa_b.ptr(), a_len)
-                                    [off * i_sz..(off + n) * i_sz],
-                            )
-                        } else {
-                            Act::F32(
-                                &std::slice::from_raw_parts(pa_f.ptr(), a_len)
-                                    [off * i_sz..(off + n) * i_sz],
-                            )
+                    for (e, (eu, toks)) in list.iter().enumerate() {
+                        let (n, off) = (toks.len(), tok_off[e]);
+                        let w = pool.expert_unchecked(l, *eu);
+                        // SAFETY: every phase-1 chunk is done (Acquire above), so the
+                        // activations are no longer written; they span a_len elements.
+                        let act = unsafe {
+                            if bf {
+                                Act::Bf16(
+                                    &std::slice::from_raw_parts(pa_b.ptr(), a_len)
+                                        [off * i_sz..(off + n) * i_sz],
+                                )
+                            } else {
+                                Act::F32(
+                                    &std::slice::from_raw_parts(pa_f.ptr(), a_len)
+                                        [off * i_sz..(off + n) * i_sz],
+                                )
+                            }
+                        };
+                        g.clear();
+                        g.resize(n * rows, 0.0);
+                        kernels::gemv(isa, w.down, i_sz, r0, r1, act, n, &mut g, rows);
+                        for (j, &(tok, wgt)) in toks.iter().enumerate() {
+                            debug_assert!(tok * h + r1 <= out_len);
+                            // SAFETY: this task alone touches columns r0..r1 of every row of
+                            // `out` (chunks partition 0..H); tok < B so the range is in bounds.
+                            let o = unsafe {
+                                std::slice::from_raw_parts_mut(pout.ptr().add(tok * h + r0), rows)
+                            };
+                            for (o, y) in o.iter_mut().zip(&g[j * rows..(j + 1) * rows]) {
+                                *o += wgt * y;
+                            }
                         }
-                    };
-                    debug_assert!((off + n) * h <= y_len);
-                    // SAFETY: this task alone writes columns r0..r1 of expert e's rows of y;
-                    // gemv writes out[tok * h + (r - r0)] for r in r0..r1, tok < n only.
-                    let out_e = unsafe {
-                        std::slice::from_raw_parts_mut(py.ptr().add(off * h + r0), n * h - r0)
-                    };
-                    kernels::gemv(isa, w.down, i_sz, r0, r1, act, n, out_e, h);
+                    }
                 }
             }
         };
@@ -363,19 +375,27 @@ impl CpuExperts {
         };
         if !self.workers.run(&guarded) || failed.load(Ordering::Relaxed) {
             return Err(KernelError::Worker(
-                "a task panicked; out is unchanged".into(),
+                "a task panicked; out may be partly updated".into(),
             ));
         }
-        // Weighted sum into out.
-        for (li, (_, toks)) in list.iter().enumerate() {
-            for (j, &(t, wgt)) in toks.iter().enumerate() {
-                let src = &y[(tok_off[li] + j) * h..(tok_off[li] + j + 1) * h];
-                for (o, s) in out[t * h..(t + 1) * h].iter_mut().zip(src) {
-                    *o += wgt * s;
-                }
-            }
-        }
         Ok(())
+    }
+}
+
+/// Copies the rows of `x` (`[B, h]`) routed to each listed expert into `dst`, expert after
+/// expert, starting at row `tok_off[e]`.
+fn gather<T: Copy>(
+    list: &[(usize, Vec<(usize, f32)>)],
+    tok_off: &[usize],
+    h: usize,
+    x: &[T],
+    dst: &mut [T],
+) {
+    for (e, (_, toks)) in list.iter().enumerate() {
+        for (j, &(t, _)) in toks.iter().enumerate() {
+            let d = (tok_off[e] + j) * h;
+            dst[d..d + h].copy_from_slice(&x[t * h..(t + 1) * h]);
+        }
     }
 }
 
