@@ -220,6 +220,17 @@ def test_preemption_keeps_outputs(demo):
     assert_all_blocks_free(engine)
 
 
+def test_preemption_keeps_seeded_samples(demo):
+    # Recomputing a preempted request must not redraw its RNG: seeded samples equal the request run alone.
+    params = [SamplingParams(max_tokens=12, temperature=1.0, top_k=40, seed=i, ignore_eos=True) for i in range(6)]
+    expected = [alone(demo, p, q).token_ids for p, q in zip(demo.prompts, params, strict=True)]
+    engine = demo.engine(kv_block_size=4, kv_cache_tokens=64)
+    results = run(engine, {str(i): (p, q) for i, (p, q) in enumerate(zip(demo.prompts, params, strict=True))})
+    for i, tokens in enumerate(expected):
+        assert results[str(i)].token_ids == tokens, i
+    assert_all_blocks_free(engine)
+
+
 def test_preemption_with_tiny_cache_and_long_outputs(demo):
     # The cache holds one full context (max_model_len is lowered to it); all requests still finish.
     params = greedy(30)
@@ -258,6 +269,10 @@ def test_max_tokens_gives_length(demo):
         assert r.last.finish_reason == "length" and r.last.stop_reason is None
         assert r.last.num_output_tokens == n and r.last.num_prompt_tokens == len(demo.prompts[0])
         assert all(c.finish_reason is None for c in r.chunks[:-1])
+    engine = demo.engine(kv_block_size=4)
+    r = run(engine, {str(i): (p, greedy(1)) for i, p in enumerate(demo.prompts)})
+    assert all(len(x.token_ids) == 1 and x.last.finish_reason == "length" for x in r.values())
+    assert_all_blocks_free(engine)
 
 
 def test_max_model_len_gives_length(demo, solo):
