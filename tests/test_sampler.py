@@ -107,3 +107,10 @@ def test_low_precision_logits():
     assert sample(logits, [SamplingParams(temperature=0.0)], [None]) == [2]
     draws = _draws(logits, SamplingParams(temperature=1.0, top_p=0.6))
     assert set(draws) == {2}
+
+
+def test_top_k_with_ties_keeps_exactly_k():
+    # Ties at the k-th value are common with bf16 logits; top_k must still keep k tokens, not every tied one.
+    logits = torch.tensor([[1.0, 2.0, 2.0, 2.0, 2.0, 0.0]])
+    draws = _draws(logits, SamplingParams(temperature=1.0, top_k=2))
+    assert len(set(draws)) == 2 and set(draws) <= {1, 2, 3, 4}

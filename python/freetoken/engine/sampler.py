@@ -28,8 +28,9 @@ def sample(
             continue
         scores = logits[row] / p.temperature
         if p.top_k > 0 and p.top_k < scores.numel():
-            kth = torch.topk(scores, p.top_k).values[-1]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
+            # Keep exactly top_k ids (by index, not `>= k-th value`: ties, common in bf16 logits, would keep more).
+            keep = torch.topk(scores, p.top_k).indices
+            scores = torch.full_like(scores, float("-inf")).scatter(0, keep, scores[keep])
         if p.top_p < 1.0:
             sorted_scores, order = torch.sort(scores, descending=True)
             probs = torch.softmax(sorted_scores, dim=-1)
