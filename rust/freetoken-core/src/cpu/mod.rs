@@ -9,13 +9,13 @@
 //! g = x · gate_upᵀ[0..I]   u = x · gate_upᵀ[I..2I]   a = silu(g) ⊙ u   y = a · downᵀ   [n, H]
 //! out[token] += routing_weight · y
 //! ```
-//! Work split: phase 1 cuts each expert's `I` rows (gate and up together, then the activation)
-//! into chunks; phase 2 cuts `H` into chunks, each running the down projection of every listed
-//! expert for its rows and adding the weighted result straight into those rows of `out` (chunks
-//! are disjoint, so no reduction pass and no locks). Phase 2 starts when every phase-1 chunk is
-//! done. All chunks of a call are claimed from one atomic counter by the worker threads and the
-//! caller; phase-1 chunks come first, so a phase-2 wait is always on chunks already running.
-//! Inputs are gathered once per call into scratch buffers reused across calls.
+//! Work split, three phases of row chunks claimed from one atomic counter by the workers and
+//! the caller: (0) per expert, chunks of `I` (gate and up rows, then the activation); (1) per
+//! expert, chunks of `H` of the down projection into a scratch `y`, once every phase-0 chunk of
+//! that expert is done; (2) chunks of `H`, `out[t] += w · y` over every expert, once phase 1 is
+//! done (chunks are disjoint, so no locks). Earlier phases are claimed first, so a wait is always
+//! on chunks already running. Inputs are gathered once per call into scratch buffers reused
+//! across calls.
 pub mod kernels;
 pub mod workers;
 
@@ -71,6 +71,8 @@ struct Scratch {
     x_bf: Vec<u16>,
     a_f32: Vec<f32>,
     a_bf: Vec<u16>,
+    /// Expert outputs `[n, H]` before weighting.
+    y: Vec<f32>,
 }
 
 /// Runs routed experts on the host with a persistent worker pool.
@@ -230,28 +232,44 @@ impl CpuExperts {
             }
         }
 
-        // Phase 1: per expert, chunks of I (gate and up rows, then the activation).
-        // Phase 2: chunks of H, each over every expert, accumulating into its rows of `out`.
+        sc.y.resize(n_all * h, 0.0);
+
+        // Phase 0: per expert, chunks of I (gate and up rows, then the activation).
+        // Phase 1: per expert, chunks of H of the down projection into y (after e's phase 0).
+        // Phase 2: chunks of H, out[t] += w · y over every expert (after all of phase 1).
         // About two chunks per thread per phase, rows a multiple of 16 (an AMX tile).
         let nt = self.num_threads();
         let per_expert = (2 * nt).div_ceil(list.len()).max(1);
-        let c1 = i_sz.div_ceil(per_expert).next_multiple_of(16).max(16);
-        let c2 = h.div_ceil(2 * nt).next_multiple_of(16).max(16);
+        let chunk = |rows: usize, parts: usize| rows.div_ceil(parts).next_multiple_of(16).max(16);
+        let (c0, c1, c2) = (
+            chunk(i_sz, per_expert),
+            chunk(h, per_expert),
+            chunk(h, 2 * nt),
+        );
         let mut tasks = Vec::new();
-        for e in 0..list.len() {
-            for r0 in (0..i_sz).step_by(c1) {
-                tasks.push(Task {
-                    phase: 0,
-                    e: e as u32,
-                    r0: r0 as u32,
-                    r1: (r0 + c1).min(i_sz) as u32,
-                });
+        let mut left0 = Vec::with_capacity(list.len());
+        for (phase, rows, c) in [(0u8, i_sz, c0), (1, h, c1)] {
+            for e in 0..list.len() {
+                let before = tasks.len();
+                for r0 in (0..rows).step_by(c) {
+                    let r1 = (r0 + c).min(rows);
+                    tasks.push(Task {
+                        phase,
+                        e: e as u32,
+                        r0: r0 as u32,
+                        r1: r1 as u32,
+                    });
+                }
+                if phase == 0 {
+                    left0.push(AtomicUsize::new(tasks.len() - before));
+                }
             }
         }
-        let left1 = AtomicUsize::new(tasks.len());
+        let n0: usize = left0.iter().map(|a| a.load(Ordering::Relaxed)).sum();
+        let left1 = AtomicUsize::new(tasks.len() - n0);
         for r0 in (0..h).step_by(c2) {
             tasks.push(Task {
-                phase: 1,
+                phase: 2,
                 e: 0,
                 r0: r0 as u32,
                 r1: (r0 + c2).min(h) as u32,
@@ -264,78 +282,83 @@ impl CpuExperts {
             SyncPtr(sc.a_f32.as_mut_ptr()),
             SyncPtr(sc.a_bf.as_mut_ptr()),
         );
-        let a_len = n_all * i_sz;
+        let py = SyncPtr(sc.y.as_mut_ptr());
+        let (a_len, y_len) = (n_all * i_sz, n_all * h);
         let pout = SyncPtr(out.as_mut_ptr());
         let out_len = out.len();
         let isa = self.isa;
         let pool = &*self.pool;
+        let wait = |counter: &AtomicUsize| -> bool {
+            // ORDERING: Acquire pairs with the Release decrements of the tasks waited for.
+            while counter.load(Ordering::Acquire) != 0 {
+                if failed.load(Ordering::Relaxed) {
+                    return false;
+                }
+                std::hint::spin_loop();
+            }
+            true
+        };
         let job = || {
             let (mut g, mut u) = (Vec::new(), Vec::new());
             loop {
-                // ORDERING: a work counter; data dependencies use `left1` below.
+                // ORDERING: a work counter; data dependencies use `left0`/`left1`.
                 let ti = next.fetch_add(1, Ordering::Relaxed);
                 if ti >= tasks.len() || failed.load(Ordering::Relaxed) {
                     break;
                 }
                 let t = tasks[ti];
-                let (r0, r1) = (t.r0 as usize, t.r1 as usize);
+                let (e, r0, r1) = (t.e as usize, t.r0 as usize, t.r1 as usize);
                 let rows = r1 - r0;
-                if t.phase == 0 {
-                    let e = t.e as usize;
-                    let (eu, n, off) = (list[e].0, list[e].1.len(), tok_off[e]);
-                    let w = pool.expert_unchecked(l, eu);
-                    g.clear();
-                    g.resize(n * rows, 0.0);
-                    u.clear();
-                    u.resize(n * rows, 0.0);
-                    let act = if bf {
-                        Act::Bf16(&x_bf[off * h..(off + n) * h])
-                    } else {
-                        Act::F32(&x_f32[off * h..(off + n) * h])
-                    };
-                    kernels::gemv(isa, w.gate_up, h, r0, r1, act, n, &mut g, rows);
-                    kernels::gemv(
-                        isa,
-                        w.gate_up,
-                        h,
-                        i_sz + r0,
-                        i_sz + r1,
-                        act,
-                        n,
-                        &mut u,
-                        rows,
-                    );
-                    for tok in 0..n {
-                        for r in 0..rows {
-                            let gv = g[tok * rows + r];
-                            let v = gv / (1.0 + (-gv).exp()) * u[tok * rows + r];
-                            let idx = (off + tok) * i_sz + r0 + r;
-                            debug_assert!(idx < a_len);
-                            // SAFETY: element (tok, r0 + r) of expert e's activations is written
-                            // by this task only (chunks partition 0..I); idx < a_len.
-                            unsafe {
-                                if bf {
-                                    *pa_b.ptr().add(idx) = f32_to_bf16(v);
-                                } else {
-                                    *pa_f.ptr().add(idx) = v;
+                let (eu, n, off) = (list[e].0, list[e].1.len(), tok_off[e]);
+                let w = pool.expert_unchecked(l, eu);
+                match t.phase {
+                    0 => {
+                        g.clear();
+                        g.resize(n * rows, 0.0);
+                        u.clear();
+                        u.resize(n * rows, 0.0);
+                        let act = if bf {
+                            Act::Bf16(&x_bf[off * h..(off + n) * h])
+                        } else {
+                            Act::F32(&x_f32[off * h..(off + n) * h])
+                        };
+                        kernels::gemv(isa, w.gate_up, h, r0, r1, act, n, &mut g, rows);
+                        kernels::gemv(
+                            isa,
+                            w.gate_up,
+                            h,
+                            i_sz + r0,
+                            i_sz + r1,
+                            act,
+                            n,
+                            &mut u,
+                            rows,
+                        );
+                        for tok in 0..n {
+                            for r in 0..rows {
+                                let gv = g[tok * rows + r];
+                                let v = gv / (1.0 + (-gv).exp()) * u[tok * rows + r];
+                                let idx = (off + tok) * i_sz + r0 + r;
+                                debug_assert!(idx < a_len);
+                                // SAFETY: element (tok, r0 + r) of expert e's activations is
+                                // written by this task only (chunks partition 0..I); idx < a_len.
+                                unsafe {
+                                    if bf {
+                                        *pa_b.ptr().add(idx) = f32_to_bf16(v);
+                                    } else {
+                                        *pa_f.ptr().add(idx) = v;
+                                    }
                                 }
                             }
                         }
+                        // ORDERING: Release publishes this chunk's activations to phase 1.
+                        left0[e].fetch_sub(1, Ordering::Release);
                     }
-                    // ORDERING: Release publishes this chunk's activations to phase-2 readers.
-                    left1.fetch_sub(1, Ordering::Release);
-                } else {
-                    // ORDERING: Acquire pairs with every phase-1 Release decrement.
-                    while left1.load(Ordering::Acquire) != 0 {
-                        if failed.load(Ordering::Relaxed) {
+                    1 => {
+                        if !wait(&left0[e]) {
                             return;
                         }
-                        std::hint::spin_loop();
-                    }
-                    for (e, (eu, toks)) in list.iter().enumerate() {
-                        let (n, off) = (toks.len(), tok_off[e]);
-                        let w = pool.expert_unchecked(l, *eu);
-                        // SAFETY: every phase-1 chunk is done (Acquire above), so the
+                        // SAFETY: every phase-0 chunk of e is done (Acquire in `wait`), so its
                         // activations are no longer written; they span a_len elements.
                         let act = unsafe {
                             if bf {
@@ -350,18 +373,39 @@ impl CpuExperts {
                                 )
                             }
                         };
-                        g.clear();
-                        g.resize(n * rows, 0.0);
-                        kernels::gemv(isa, w.down, i_sz, r0, r1, act, n, &mut g, rows);
-                        for (j, &(tok, wgt)) in toks.iter().enumerate() {
-                            debug_assert!(tok * h + r1 <= out_len);
-                            // SAFETY: this task alone touches columns r0..r1 of every row of
-                            // `out` (chunks partition 0..H); tok < B so the range is in bounds.
-                            let o = unsafe {
-                                std::slice::from_raw_parts_mut(pout.ptr().add(tok * h + r0), rows)
-                            };
-                            for (o, y) in o.iter_mut().zip(&g[j * rows..(j + 1) * rows]) {
-                                *o += wgt * y;
+                        debug_assert!((off + n) * h <= y_len);
+                        // SAFETY: this task alone writes columns r0..r1 of expert e's rows of y;
+                        // gemv writes y[tok * h + (r - r0)] for r in r0..r1, tok < n only.
+                        let y_e = unsafe {
+                            std::slice::from_raw_parts_mut(py.ptr().add(off * h + r0), n * h - r0)
+                        };
+                        kernels::gemv(isa, w.down, i_sz, r0, r1, act, n, y_e, h);
+                        // ORDERING: Release publishes this chunk of y to phase 2.
+                        left1.fetch_sub(1, Ordering::Release);
+                    }
+                    _ => {
+                        if !wait(&left1) {
+                            return;
+                        }
+                        for (e, (_, toks)) in list.iter().enumerate() {
+                            for (j, &(tok, wgt)) in toks.iter().enumerate() {
+                                let src = (tok_off[e] + j) * h + r0;
+                                debug_assert!(tok * h + r1 <= out_len && src + rows <= y_len);
+                                // SAFETY: y is complete and no longer written (Acquire in
+                                // `wait`); this task alone touches columns r0..r1 of `out`
+                                // (chunks partition 0..H); both ranges are in bounds.
+                                let (o, y) = unsafe {
+                                    (
+                                        std::slice::from_raw_parts_mut(
+                                            pout.ptr().add(tok * h + r0),
+                                            rows,
+                                        ),
+                                        std::slice::from_raw_parts(py.ptr().add(src), rows),
+                                    )
+                                };
+                                for (o, y) in o.iter_mut().zip(y) {
+                                    *o += wgt * y;
+                                }
                             }
                         }
                     }
