@@ -106,3 +106,31 @@ def test_forward_errors() -> None:
         cpu.forward(0, x, ids, w, [0, 0], out)
     with pytest.raises(ValueError, match="isa"):
         _core.CpuExperts(pool, isa="neon")
+
+
+def test_forward_from_threads() -> None:
+    """Calls from several Python threads (GIL released) are serialised and all correct."""
+    import threading
+
+    pool = _core.ExpertPool.random(1, 8, 64, 32, seed=5)
+    cpu = _core.CpuExperts(pool, num_threads=2)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((4, 64), dtype=np.float32)
+    ids = np.array([[0, 1], [2, 3], [1, 4], [5, 0]])
+    w = np.full((4, 2), 0.5, np.float32)
+    want = np.zeros((4, 64), np.float32)
+    cpu.forward(0, x, ids, w, np.arange(8), want)
+    outs = [np.zeros((4, 64), np.float32) for _ in range(4)]
+
+    def work(o: np.ndarray) -> None:
+        for _ in range(20):
+            o[:] = 0
+            cpu.forward(0, x, ids, w, np.arange(8), o)
+
+    threads = [threading.Thread(target=work, args=(o,)) for o in outs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for o in outs:
+        assert np.array_equal(o, want)
