@@ -265,6 +265,7 @@ impl CpuExperts {
                 }
             }
         }
+        // ORDERING: no other thread runs yet; Relaxed reads of our own initial counts.
         let n0: usize = left0.iter().map(|a| a.load(Ordering::Relaxed)).sum();
         let left1 = AtomicUsize::new(tasks.len() - n0);
         for r0 in (0..h).step_by(c2) {
@@ -414,9 +415,11 @@ impl CpuExperts {
         };
         let guarded = || {
             if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
+                // ORDERING: a flag only; `run` returning is the synchronisation point.
                 failed.store(true, Ordering::Relaxed);
             }
         };
+        // ORDERING: `run` has joined every participant (Acquire inside), so Relaxed suffices.
         if !self.workers.run(&guarded) || failed.load(Ordering::Relaxed) {
             return Err(KernelError::Worker(
                 "a task panicked; out may be partly updated".into(),

@@ -55,6 +55,7 @@ impl WorkerPool {
                         let job = unsafe { &*j.job };
                         if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
                             // SAFETY: as above.
+                            // ORDERING: published by the Release decrement of `pending` below.
                             unsafe { (*j.panicked).store(true, Ordering::Relaxed) };
                         }
                         // ORDERING: Release publishes this worker's writes to the caller, which
@@ -116,6 +117,7 @@ impl WorkerPool {
                 std::thread::yield_now();
             }
         }
+        // ORDERING: after the Acquire load of `pending` == 0 above.
         !panicked.load(Ordering::Relaxed)
     }
 }
@@ -133,6 +135,7 @@ impl Drop for WorkerPool {
 mod tests {
     use super::*;
 
+    // ORDERING (whole test): counters only; `run` joins before the asserts read them.
     #[test]
     fn every_participant_runs_and_work_is_claimed_once() {
         let pool = WorkerPool::new(Some(3));

@@ -349,6 +349,7 @@ fn load_shard(
                 } else {
                     i * h
                 };
+                // SAFETY: one writer per expert part (see above).
                 let dst = unsafe { &mut pool.expert_mut(l, e)[off..off + i * h] };
                 pack(src, dtype, i, h, false, dst);
             }
@@ -358,6 +359,7 @@ fn load_shard(
                         "[{h}, {i}] (hidden_size, moe_intermediate_size)"
                     )));
                 }
+                // SAFETY: one writer per expert part (see above).
                 let dst = unsafe { &mut pool.expert_mut(l, e)[2 * i * h..] };
                 pack(src, dtype, h, i, false, dst);
             }
@@ -375,6 +377,7 @@ fn load_shard(
                 };
                 let per = 2 * i * h * (dtype.bitsize() / 8);
                 for e in 0..ne {
+                    // SAFETY: one writer per expert part (see above).
                     let dst = unsafe { &mut pool.expert_mut(l, e)[..2 * i * h] };
                     pack(
                         &src[e * per..(e + 1) * per],
@@ -396,6 +399,7 @@ fn load_shard(
                 };
                 let per = h * i * (dtype.bitsize() / 8);
                 for e in 0..ne {
+                    // SAFETY: one writer per expert part (see above).
                     let dst = unsafe { &mut pool.expert_mut(l, e)[2 * i * h..] };
                     pack(&src[e * per..(e + 1) * per], dtype, h, i, transposed, dst);
                 }
