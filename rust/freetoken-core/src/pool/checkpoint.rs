@@ -11,7 +11,9 @@
 //!   first) and `model.layers.{L}.mlp.experts.down_proj` `[E, H, I]`; the transposed forms
 //!   `[E, H, 2I]` and `[E, I, H]` are accepted and transposed while packing.
 //!
-//! MoE layers: `L` such that `mlp_only_layers` does not list it and `(L + 1) % decoder_sparse_step == 0`.
+//! MoE layers: `L` such that `mlp_only_layers` does not list it and `(L + 1) % decoder_sparse_step == 0`
+//! (Qwen-MoE); with `first_k_dense_replace` in the config (DeepSeek-V2/V3, same tensor names),
+//! `L >= first_k_dense_replace` with `L % moe_layer_freq == 0`.
 //!
 //! Memory: each loader thread maps one shard at a time and drops each tensor's source pages
 //! (`MADV_DONTNEED`) once packed, so peak RSS stays near arena + the tensors in flight.
@@ -104,9 +106,17 @@ pub fn shape_from_config(path: &Path) -> Result<PoolShape, PoolError> {
                 .collect()
         })
         .unwrap_or_default();
-    let moe_layers: Vec<usize> = (0..num_layers)
-        .filter(|l| !mlp_only.contains(l) && (l + 1) % step == 0)
-        .collect();
+    let int = |key: &str| cfg.get(key).and_then(Value::as_u64).map(|v| v as usize);
+    let moe_layers: Vec<usize> = match int("first_k_dense_replace") {
+        // DeepSeek-V2/V3 layout: dense layers first, then MoE every `moe_layer_freq` layers.
+        Some(k) => {
+            let freq = int("moe_layer_freq").unwrap_or(1).max(1);
+            (k..num_layers).filter(|l| l % freq == 0).collect()
+        }
+        None => (0..num_layers)
+            .filter(|l| !mlp_only.contains(l) && (l + 1) % step == 0)
+            .collect(),
+    };
     let shape = PoolShape {
         moe_layers,
         num_experts,
@@ -451,5 +461,47 @@ fn pack(src: &[u8], dtype: Dtype, rows: usize, cols: usize, transposed: bool, ds
                 read(r * cols + c)
             };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(json: &str) -> Result<PoolShape, PoolError> {
+        let dir = std::env::temp_dir().join(format!("ftcfg-{}-{}", std::process::id(), json.len()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("config.json");
+        std::fs::write(&p, json).unwrap();
+        let r = shape_from_config(&p);
+        std::fs::remove_dir_all(&dir).ok();
+        r
+    }
+
+    #[test]
+    fn moe_layer_rules() {
+        let base = r#""hidden_size": 8, "moe_intermediate_size": 4, "num_hidden_layers": 6"#;
+        let s = shape(&format!(
+            r#"{{{base}, "num_experts": 4, "mlp_only_layers": [1], "decoder_sparse_step": 2}}"#
+        ))
+        .unwrap();
+        assert_eq!(s.moe_layers, vec![3, 5]);
+        let s = shape(&format!(r#"{{{base}, "num_local_experts": 4}}"#)).unwrap();
+        assert_eq!((s.moe_layers.len(), s.num_experts), (6, 4));
+        let s = shape(&format!(
+            r#"{{{base}, "n_routed_experts": 4, "first_k_dense_replace": 1, "moe_layer_freq": 2}}"#
+        ))
+        .unwrap();
+        assert_eq!(s.moe_layers, vec![2, 4]);
+        let s = shape(&format!(
+            r#"{{"text_config": {{{base}, "num_experts": 2}}}}"#
+        ))
+        .unwrap();
+        assert_eq!(s.num_experts, 2);
+        assert!(matches!(
+            shape(&format!("{{{base}}}")),
+            Err(PoolError::BadConfig { .. })
+        ));
+        assert!(matches!(shape("{"), Err(PoolError::BadConfig { .. })));
     }
 }
