@@ -23,7 +23,7 @@ from freetoken.engine.llm_engine import LLMEngine
 from freetoken.engine.types import SamplingParams
 from freetoken.models.loader import init_dummy_weights
 from freetoken.models.presets import preset_config_path
-from freetoken.moe import make_expert_backend
+from freetoken.moe import FusedExperts
 
 
 def measure(engine: LLMEngine, batch: int, prompt_len: int, steps: int) -> list[float]:
@@ -71,10 +71,10 @@ def main() -> None:
     cfg = ModelConfig.from_dict(json.loads(preset_config_path(args.preset).read_text()), source=args.preset)
     device = torch.device("cuda")
     t0 = time.perf_counter()
-    experts = make_expert_backend("fused")
+    experts = FusedExperts()
     model = init_dummy_weights(cfg, experts, device, torch.bfloat16, seed=0)
     build_s = time.perf_counter() - t0
-    engine_cfg = EngineConfig(device="cuda", dtype="bfloat16", max_num_seqs=max(args.batch), kv_cache_gb=4.0,
+    engine_cfg = EngineConfig(device="cuda", dtype="bfloat16", moe_backend="fused", max_num_seqs=max(args.batch), kv_cache_gb=4.0,
                               max_model_len=4096)
     engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
     weights_gb = (sum(p.numel() * p.element_size() for p in model.parameters()) + experts.nbytes) / 1e9

@@ -17,7 +17,7 @@ from freetoken.engine.llm_engine import LLMEngine, RequestError
 from freetoken.engine.types import GenerationChunk, SamplingParams
 from freetoken.models.demo import build_demo_checkpoint
 from freetoken.models.loader import load_checkpoint
-from freetoken.moe import make_expert_backend
+from freetoken.moe import FusedExperts
 from freetoken.tokenizer import Tokenizer
 
 PROMPTS = [
@@ -51,7 +51,7 @@ def demo(tmp_path_factory) -> Model:
     import torch
 
     cfg = ModelConfig.from_dir(path)
-    model = load_checkpoint(path, make_expert_backend("fused"), torch.device("cpu"), torch.float32, cfg=cfg)
+    model = load_checkpoint(path, FusedExperts(), torch.device("cpu"), torch.float32, cfg=cfg)
     tokenizer = Tokenizer.from_dir(path)
     return Model(path, model, cfg, tokenizer, [tokenizer.encode(p) for p in PROMPTS])
 

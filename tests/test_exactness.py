@@ -29,7 +29,7 @@ PROMPTS = [[3, 17, 100, 42, 7, 8, 9, 200, 13], [5, 6, 400, 401, 402, 1, 2, 3, 4,
 
 
 def _engine(path, **kwargs) -> LLMEngine:
-    cfg = EngineConfig(device="cpu", dtype="float32", **kwargs)
+    cfg = EngineConfig(device="cpu", dtype="float32", moe_backend="fused", **kwargs)
     return LLMEngine.from_dir(path, cfg)
 
 

@@ -24,7 +24,9 @@ PROMPTS = [[3, 17, 100, 42, 7, 8, 9, 200, 13], [5, 6, 400, 401, 402, 1, 2, 3, 4,
 
 
 def _greedy(path, device: str, dtype: str, prompts, max_tokens: int, **engine_args) -> list[list[int]]:
-    engine = LLMEngine.from_dir(path, EngineConfig(device=device, dtype=dtype, kv_cache_gb=0.5, **engine_args))
+    engine = LLMEngine.from_dir(
+        path, EngineConfig(device=device, dtype=dtype, kv_cache_gb=0.5, moe_backend="fused", **engine_args)
+    )
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)

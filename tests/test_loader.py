@@ -16,7 +16,7 @@ from freetoken.engine.types import SamplingParams
 from freetoken.models.attention import AttentionMetadata
 from freetoken.models.demo import build_demo_checkpoint
 from freetoken.models.loader import CheckpointError, init_dummy_weights, load_checkpoint
-from freetoken.moe import make_expert_backend
+from freetoken.moe import FusedExperts
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -27,7 +27,7 @@ SMALL = {"vocab_size": 2048, "num_hidden_layers": 3, "mlp_only_layers": [1]}
 
 
 def _load(path: Path):
-    return load_checkpoint(path, make_expert_backend("fused"), CPU, torch.float32)
+    return load_checkpoint(path, FusedExperts(), CPU, torch.float32)
 
 
 def _logits(model, prompt=PROMPT) -> torch.Tensor:
@@ -255,7 +255,7 @@ def test_untied_config_with_tied_checkpoint_named_as_such(tmp_path):
 
 
 def _dummy(cfg: ModelConfig, seed: int, dtype=torch.float32):
-    experts = make_expert_backend("fused")
+    experts = FusedExperts()
     return init_dummy_weights(cfg, experts, CPU, dtype, seed=seed), experts
 
 

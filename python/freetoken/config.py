@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+MOE_BACKENDS = ("auto", "fused", "offload", "cpu", "hybrid")
+EXPERT_CACHE_POLICIES = ("lru", "layer_lru", "lfu")
 
 
 class ConfigError(ValueError):
@@ -181,7 +183,15 @@ class EngineConfig:
         kv_cache_tokens: KV-cache capacity in tokens over all requests; 0 sizes it to hold max_num_seqs full
             contexts, capped by kv_cache_gb.
         kv_cache_gb: most memory the KV cache may take, in GB (1e9 bytes).
-        moe_backend: how routed experts run ("fused": all on the compute device).
+        moe_backend: where routed experts run: "fused" (all on the compute device; only when asked),
+            "offload" (host pool + device slot cache; every miss is copied in), "cpu" (every miss runs on the
+            host), "hybrid" (misses split by q*; needs a bandwidth profile), "auto" ("cpu" on a CPU device,
+            "offload" on CUDA).
+        gpu_memory_gb: the device memory budget in GB: non-expert weights, KV cache, then expert slots;
+            0 means 90 % of the free memory.
+        expert_slots: expert slots in the cache; 0 sizes them from the budget.
+        expert_cache_policy: slot replacement policy: "lru", "layer_lru" (per-layer quotas) or "lfu".
+        cpu_threads: threads of the host expert kernels; 0 means all CPUs.
         dummy_weights: random weights (seeded) instead of reading safetensors.
         seed: seed of the dummy weights and the default sampling RNG.
         enforce_eager: no CUDA graphs (decode steps launch their kernels one by one).
@@ -195,7 +205,11 @@ class EngineConfig:
     kv_block_size: int = 16
     kv_cache_tokens: int = 0
     kv_cache_gb: float = 4.0
-    moe_backend: str = "fused"
+    moe_backend: str = "auto"
+    gpu_memory_gb: float = 0.0
+    expert_slots: int = 0
+    expert_cache_policy: str = "lru"
+    cpu_threads: int = 0
     dummy_weights: bool = False
     seed: int = 0
     enforce_eager: bool = False
@@ -221,3 +235,12 @@ class EngineConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: automatic), got {getattr(self, name)}")
         if not self.kv_cache_gb > 0:
             raise ValueError(f"--kv-cache-gb must be > 0, got {self.kv_cache_gb}")
+        if self.moe_backend not in MOE_BACKENDS:
+            raise ValueError(f"--moe-backend {self.moe_backend!r}: choose from {', '.join(MOE_BACKENDS)}")
+        if self.expert_cache_policy not in EXPERT_CACHE_POLICIES:
+            raise ValueError(
+                f"--expert-cache-policy {self.expert_cache_policy!r}: choose from {', '.join(EXPERT_CACHE_POLICIES)}"
+            )
+        for name in ("gpu_memory_gb", "expert_slots", "cpu_threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: automatic), got {getattr(self, name)}")

@@ -22,7 +22,12 @@ _HELP = {
     "kv_block_size": "tokens per paged KV-cache block",
     "kv_cache_tokens": "KV-cache capacity in tokens over all requests; 0 = max_num_seqs full contexts",
     "kv_cache_gb": "most memory the KV cache may take, in GB",
-    "moe_backend": "where routed experts run: fused (all on the compute device)",
+    "moe_backend": "where routed experts run: auto (cpu on a CPU device, offload on CUDA), fused (all on the GPU), "
+    "offload (host pool + GPU slot cache), cpu (misses run on the host), hybrid (q* split; needs a profile)",
+    "gpu_memory_gb": "GPU memory budget in GB for weights, KV cache and expert slots; 0 = 90%% of free memory",
+    "expert_slots": "expert slots in the GPU cache; 0 = as many as the budget leaves",
+    "expert_cache_policy": "slot replacement policy: lru, layer_lru, lfu",
+    "cpu_threads": "threads of the host expert kernels; 0 = all CPUs",
     "dummy_weights": "random weights (seeded) from config.json instead of the safetensors files",
     "seed": "seed of dummy weights and of requests that give no seed",
     "enforce_eager": "no CUDA graphs for decode steps (slower; for debugging)",
@@ -39,7 +44,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action="store_true", help=_HELP[f.name])
         else:
             parser.add_argument(flag, type=type(default), default=default, help=f"{_HELP[f.name]} (default: {default})")
-    parser.set_defaults(moe_backend="fused")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:

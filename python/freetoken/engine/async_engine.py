@@ -149,6 +149,7 @@ class AsyncEngine:
             except queue.Empty:
                 pass
             if not self.engine.has_work():
+                self._stats = self.engine.stats()  # after aborts, so an idle engine reports itself idle
                 continue
             try:
                 outputs = self.engine.step()

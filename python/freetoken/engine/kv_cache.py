@@ -7,7 +7,52 @@ vLLM's PagedAttention (Kwon et al., SOSP 2023).
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
+
+from freetoken.config import EngineConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KVPlan:
+    """Size of the KV cache: `num_blocks` of `block_size` tokens, `nbytes` in all, and the context length
+    (`max_model_len`, lowered to what the cache holds)."""
+
+    num_blocks: int
+    block_size: int
+    nbytes: int
+    max_model_len: int
+
+
+def plan_kv_cache(model_cfg: ModelConfig, engine_cfg: EngineConfig, dtype: torch.dtype) -> KVPlan:
+    """Blocks for `kv_cache_tokens` (default: max_num_seqs full contexts), capped by `kv_cache_gb`.
+
+    Raises:
+        ValueError: naming the flags, when not even one block fits.
+    """
+    max_model_len = engine_cfg.max_model_len or model_cfg.max_position_embeddings
+    block = engine_cfg.kv_block_size
+    per_token = KVCache.bytes_per_token(model_cfg.num_hidden_layers, model_cfg.num_key_value_heads, model_cfg.head_dim, dtype)
+    tokens = engine_cfg.kv_cache_tokens or engine_cfg.max_num_seqs * max_model_len
+    tokens = min(tokens, int(engine_cfg.kv_cache_gb * 1e9) // per_token)
+    num_blocks = tokens // block
+    if num_blocks < 1:
+        raise ValueError(
+            f"--kv-cache-tokens {engine_cfg.kv_cache_tokens} and --kv-cache-gb {engine_cfg.kv_cache_gb} leave "
+            f"room for no KV block of {block} tokens (--kv-block-size); raise them"
+        )
+    if num_blocks * block < max_model_len:
+        log.warning(
+            "KV cache holds %d tokens; max_model_len lowered from %d to fit (raise --kv-cache-gb)",
+            num_blocks * block,
+            max_model_len,
+        )
+        max_model_len = num_blocks * block
+    return KVPlan(num_blocks, block, (num_blocks + 1) * block * per_token, max_model_len)
 
 
 class BlockAllocator:

@@ -13,13 +13,13 @@ from pathlib import Path
 import torch
 
 from freetoken.config import EngineConfig, ModelConfig
-from freetoken.engine.kv_cache import KVCache
+from freetoken.engine.kv_cache import KVCache, plan_kv_cache
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.engine.scheduler import Scheduler
 from freetoken.engine.sequence import Sequence
 from freetoken.engine.stop import OutputText
 from freetoken.engine.types import FinishReason, GenerationChunk, SamplingParams
-from freetoken.models.loader import init_dummy_weights, load_checkpoint, resolve_dtype
+from freetoken.models.loader import TensorIndex, init_dummy_weights, load_checkpoint, resolve_dtype
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
 from freetoken.moe import make_expert_backend
 from freetoken.tokenizer import Tokenizer
@@ -62,42 +62,27 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.device = torch.device(engine_cfg.device)
         dtype = next(model.parameters()).dtype
-        self.max_model_len = engine_cfg.max_model_len or model_cfg.max_position_embeddings
-        block = engine_cfg.kv_block_size
-        per_token = KVCache.bytes_per_token(
-            model_cfg.num_hidden_layers, model_cfg.num_key_value_heads, model_cfg.head_dim, dtype
-        )
-        tokens = engine_cfg.kv_cache_tokens or engine_cfg.max_num_seqs * self.max_model_len
-        tokens = min(tokens, int(engine_cfg.kv_cache_gb * 1e9) // per_token)
-        num_blocks = tokens // block
-        if num_blocks < 1:
-            raise ValueError(
-                f"--kv-cache-tokens {engine_cfg.kv_cache_tokens} and --kv-cache-gb {engine_cfg.kv_cache_gb} leave "
-                f"room for no KV block of {block} tokens (--kv-block-size); raise them"
-            )
-        if num_blocks * block < self.max_model_len:
-            log.warning(
-                "KV cache holds %d tokens; max_model_len lowered from %d to fit (raise --kv-cache-gb)",
-                num_blocks * block,
-                self.max_model_len,
-            )
-            self.max_model_len = num_blocks * block
+        plan = plan_kv_cache(model_cfg, engine_cfg, dtype)
+        self.max_model_len = plan.max_model_len
         self.kv = KVCache(
             model_cfg.num_hidden_layers,
             model_cfg.num_key_value_heads,
             model_cfg.head_dim,
-            num_blocks,
-            block,
+            plan.num_blocks,
+            plan.block_size,
             dtype,
             self.device,
         )
         log.info(
-            "KV cache: %d blocks x %d tokens = %d tokens, %.2f GB", num_blocks, block, num_blocks * block,
-            num_blocks * block * per_token / 1e9,
+            "KV cache: %d blocks x %d tokens = %d tokens, %.2f GB",
+            plan.num_blocks, plan.block_size, plan.num_blocks * plan.block_size, plan.nbytes / 1e9,
         )
+        self.experts = model.experts
         self.scheduler = Scheduler(self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens)
+        graphs = getattr(self.experts, "graph_safe", False)
         self.runner = ModelRunner(
-            model, self.kv, self.device, engine_cfg.max_num_seqs, self.max_model_len, engine_cfg.enforce_eager
+            model, self.kv, self.device, engine_cfg.max_num_seqs if graphs else 0, self.max_model_len,
+            engine_cfg.enforce_eager,
         )
         self.eos_ids = set(tokenizer.eos_token_ids if tokenizer else ()) | set(model_cfg.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}
@@ -112,7 +97,9 @@ class LLMEngine:
         model_cfg = ModelConfig.from_dir(model_dir)
         device = torch.device(engine_cfg.device)
         dtype = resolve_dtype(engine_cfg.dtype, device)
-        experts = make_expert_backend(engine_cfg.moe_backend)
+        if not engine_cfg.dummy_weights:
+            TensorIndex.scan(model_dir)  # missing files fail here, with the loader's messages, before any loading
+        experts = make_expert_backend(engine_cfg, model_cfg, None if engine_cfg.dummy_weights else model_dir, dtype)
         if engine_cfg.dummy_weights:
             model = init_dummy_weights(model_cfg, experts, device, dtype, seed=engine_cfg.seed)
         else:
@@ -210,4 +197,5 @@ class LLMEngine:
             "kv_blocks_total": self.kv.num_blocks,
             "kv_blocks_free": self.kv.allocator.num_free,
             "num_steps": self.num_steps,
+            "moe_backend": self.experts.stats() if hasattr(self.experts, "stats") else {"backend": "fused"},
         }

@@ -185,7 +185,7 @@ def load_checkpoint(
             )
         param.copy_(reader.get(name, tuple(param.shape)))
         expected.add(name)
-    for layer in cfg.moe_layers:
+    for layer in cfg.moe_layers if experts.wants_weights else ():
         experts.load_layer(layer, *_load_experts(reader, cfg, layer, device, dtype))
     expert_prefixes = tuple(f"model.layers.{layer}.mlp.experts." for layer in cfg.moe_layers)
     unused = [n for n in reader.index.files if n not in expected and not n.startswith(expert_prefixes)]
@@ -212,7 +212,7 @@ def init_dummy_weights(
         else:
             param.normal_(0.0, std, generator=gen)
     num_experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    for layer in cfg.moe_layers:
+    for layer in cfg.moe_layers if experts.wants_weights else ():
         gate_up = torch.empty(num_experts, 2 * inter, hidden, device=device, dtype=dtype).normal_(0, std, generator=gen)
         down = torch.empty(num_experts, hidden, inter, device=device, dtype=dtype).normal_(0, std, generator=gen)
         experts.load_layer(layer, gate_up, down)

@@ -193,6 +193,14 @@ class Qwen3MoeForCausalLM(nn.Module):
             if isinstance(layer.mlp, SparseMoeBlock):
                 layer.mlp.experts = backend
 
+    @property
+    def experts(self) -> ExpertBackend | None:
+        """The attached expert backend (None before `attach_experts` or without MoE layers)."""
+        for layer in self.model.layers:
+            if isinstance(layer.mlp, SparseMoeBlock):
+                return layer.mlp.experts
+        return None
+
     def forward(
         self,
         input_ids: torch.Tensor,

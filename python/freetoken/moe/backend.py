@@ -15,7 +15,16 @@ import torch
 
 
 class ExpertBackend(Protocol):
-    """Computes the routed experts of MoE layers (SwiGLU: y = down(silu(gate x) * up x))."""
+    """Computes the routed experts of MoE layers (SwiGLU: y = down(silu(gate x) * up x)).
+
+    Attributes:
+        wants_weights: True when the loader must hand it each layer's experts (`load_layer`); False when it
+            reads them itself (the host `ExpertPool`).
+        graph_safe: True when `forward` never syncs with the host, so a decode step can be a CUDA graph.
+    """
+
+    wants_weights: bool
+    graph_safe: bool
 
     def load_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """Take the routed experts of decoder layer `layer`.

@@ -15,6 +15,7 @@ class FusedExperts:
     """
 
     graph_safe = True
+    wants_weights = True
 
     def __init__(self) -> None:
         self.gate_up: dict[int, torch.Tensor] = {}

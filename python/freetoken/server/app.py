@@ -161,6 +161,12 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok", "model": state.served_model_name, "engine": stats})
 
 
+async def stats(request: Request) -> Response:
+    """``GET /v1/stats``: the engine's counters (requests, KV blocks, steps) and the expert backend's per-layer
+    hits, fills, CPU runs and bytes each way, as JSON."""
+    return JSONResponse(request.app.state.engine.stats())
+
+
 def _model_card(state: Any, flavor: ApiFlavor) -> dict[str, Any]:
     if flavor is ApiFlavor.ANTHROPIC:
         created_at = datetime.datetime.fromtimestamp(state.created, datetime.timezone.utc)
@@ -240,6 +246,7 @@ def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None
     routes = [
         Route("/health", health, methods=["GET"]),
         Route("/v1/models", list_models, methods=["GET"]),
+        Route("/v1/stats", stats, methods=["GET"]),
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
         Route("/v1/messages", anthropic.messages, methods=["POST"]),

@@ -1,0 +1,68 @@
+"""How many expert slots fit the device memory budget.
+
+Order of claims on the budget (`shared/DESIGN.md`, "Where the weights live"): the non-expert weights, the KV
+cache, a reserve for activations, then expert slots with what is left, never more than the whole pool.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from freetoken.config import EngineConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
+# Activations of one prefill chunk: ~24 live [tokens, hidden] tensors in the compute dtype, plus the allocator's
+# and CUDA context's own use. A working estimate, not a bound.
+ACTIVATION_TENSORS = 24
+RESERVE_BYTES = 1 << 30
+
+
+def non_expert_nbytes(model_cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of every weight but the routed experts (embeddings, attention, norms, routers, dense MLPs, LM head)."""
+    from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(model_cfg)
+    size = torch.empty((), dtype=dtype).element_size()
+    return sum(p.numel() for p in model.parameters()) * size
+
+
+def plan_expert_slots(
+    cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, expert_stride: int, backend: str
+) -> int:
+    """Expert slots for the budget `cfg.gpu_memory_gb` (0: 90 % of the device's free memory).
+
+    On a CPU device the "device" is host memory and the whole pool is cached unless `--expert-slots` says
+    otherwise; `cpu` needs no slots at all.
+
+    Raises:
+        ValueError: the budget does not even hold the non-expert weights and the KV cache (names the flags).
+    """
+    from freetoken.engine.kv_cache import plan_kv_cache
+
+    num_experts = len(model_cfg.moe_layers) * model_cfg.num_experts
+    device = torch.device(cfg.device)
+    if backend == "cpu":
+        return 0
+    if device.type != "cuda":
+        return num_experts
+    free, _total = torch.cuda.mem_get_info(device)
+    budget = int(cfg.gpu_memory_gb * 1e9) if cfg.gpu_memory_gb else int(0.9 * free)
+    weights = non_expert_nbytes(model_cfg, dtype)
+    kv = plan_kv_cache(model_cfg, cfg, dtype).nbytes
+    activations = RESERVE_BYTES + ACTIVATION_TENSORS * cfg.max_prefill_tokens * model_cfg.hidden_size * 4
+    left = budget - weights - kv - activations
+    log.info(
+        "GPU budget %.1f GB: non-expert weights %.2f GB, KV cache %.2f GB, activations %.2f GB, expert slots %.2f GB",
+        budget / 1e9, weights / 1e9, kv / 1e9, activations / 1e9, max(left, 0) / 1e9,
+    )
+    if left < expert_stride:
+        raise ValueError(
+            f"--gpu-memory-gb {budget / 1e9:.1f}: non-expert weights ({weights / 1e9:.1f} GB), KV cache "
+            f"({kv / 1e9:.1f} GB) and activations ({activations / 1e9:.1f} GB) leave no room for an expert slot; "
+            "raise --gpu-memory-gb or lower --kv-cache-gb / --max-prefill-tokens"
+        )
+    return min(left // expert_stride, num_experts)
