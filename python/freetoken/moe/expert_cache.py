@@ -29,9 +29,15 @@ log = logging.getLogger(__name__)
 MODES = ("offload", "cpu", "hybrid")
 
 
+_PINNED: set[int] = set()
+
+
 def pin_host_memory(ptr: int, nbytes: int) -> None:
-    """Page-lock `nbytes` at `ptr` for the current CUDA device (cudaHostRegister), so copies from it run as DMA at
-    PCIe line rate. Raises RuntimeError with the CUDA error and what to change."""
+    """Page-lock `nbytes` at `ptr` for CUDA (cudaHostRegister), so copies from it run as DMA at PCIe line rate.
+    Idempotent per pointer (several backends may share one pool). Raises RuntimeError with the CUDA error and
+    what to change."""
+    if ptr in _PINNED:
+        return
     err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
     code = getattr(err, "value", err)
     if code != 0:
@@ -39,6 +45,7 @@ def pin_host_memory(ptr: int, nbytes: int) -> None:
             f"cudaHostRegister of the {nbytes / 1e9:.1f} GB expert pool failed (CUDA error {code}); "
             "raise RLIMIT_MEMLOCK (ulimit -l) or free host memory"
         )
+    _PINNED.add(ptr)
 
 
 class ExpertCacheBackend:
