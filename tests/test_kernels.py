@@ -1,22 +1,17 @@
 """Triton kernels against their torch references.
 
 On a GPU they run compiled (bf16, shape grid with odd sizes); without one, Triton's interpreter
-(TRITON_INTERPRET=1, set here before the kernels are defined) runs the same kernels on the CPU in float32,
+(TRITON_INTERPRET=1, set in conftest before the kernels are defined) runs the same kernels on the CPU in float32,
 so CI checks their indexing and masking.
 """
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-from freetoken.kernels.fused_moe import align_pairs, fused_moe, fused_moe_reference  # noqa: E402
-from freetoken.kernels.paged_attention import (  # noqa: E402
+from freetoken.kernels.fused_moe import align_pairs, fused_moe, fused_moe_reference
+from freetoken.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
 )

@@ -6,6 +6,11 @@ static device buffers, attention is the Triton paged-decode kernel (it reads blo
 memory) and the experts the Triton grouped kernel (no host sync), so the whole forward plus the LM head is
 captured per batch size in {1, 2, 4, 8, 16, 32, 64} up to max_num_seqs, and a step is a few copies and one
 replay. Rows that pad a batch up to its size write their K/V into the KV cache's reserved null block.
+
+Expert-cache backends sync with the host in every MoE layer (routing decides copies and CPU work), so their
+step is captured piecewise (as vLLM's piecewise CUDA graphs): one graph per span from one MoE layer's experts to
+the next one's router (residual add, attention, norms, router), and the routed experts run eagerly between
+replays on the real rows only.
 """
 
 from __future__ import annotations
@@ -36,10 +41,17 @@ class DecodeRunner:
     """
 
     def __init__(
-        self, model: Qwen3MoeForCausalLM, kv: KVCache, max_batch: int, max_model_len: int, use_graphs: bool
+        self,
+        model: Qwen3MoeForCausalLM,
+        kv: KVCache,
+        max_batch: int,
+        max_model_len: int,
+        use_graphs: bool,
+        piecewise: bool = False,
     ) -> None:
         self.model = model
         self.kv = kv
+        self.piecewise = piecewise
         device = kv.layers[0][0].device
         self.sizes = [s for s in BATCH_SIZES if s < max_batch] + [min(max_batch, BATCH_SIZES[-1])]
         self.max_batch = self.sizes[-1]
@@ -51,6 +63,22 @@ class DecodeRunner:
         self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if piecewise:
+            cfg = model.config
+            dtype = model.lm_head.weight.dtype
+            hidden, k = cfg.hidden_size, cfg.num_experts_per_tok
+            self.x_resid = torch.zeros(n, hidden, dtype=dtype, device=device)
+            self.h_moe = torch.zeros(n, hidden, dtype=dtype, device=device)
+            self.moe_out = torch.zeros(n, hidden, dtype=dtype, device=device)
+            self.topk_ids = torch.zeros(n, k, dtype=torch.int64, device=device)
+            self.topk_weights = torch.zeros(n, k, dtype=dtype, device=device)
+            self.cos = torch.zeros(n, cfg.head_dim, dtype=dtype, device=device)
+            self.sin = torch.zeros(n, cfg.head_dim, dtype=dtype, device=device)
+            self.logits = torch.zeros(n, cfg.vocab_size, dtype=torch.float32, device=device)
+            moe = cfg.moe_layers
+            # (first layer, MoE layer that ends the span or -1): spans run between the MoE layers' experts.
+            self.spans = list(zip([0] + [m + 1 for m in moe], moe + [-1]))
+            self.span_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         if use_graphs:
             self._capture()
 
@@ -73,11 +101,63 @@ class DecodeRunner:
         hidden = self.model(self.input_ids[:size], self._meta(size), self.kv.layers)
         return self.model.compute_logits(hidden)
 
+    def _span(self, size: int, index: int) -> None:
+        """Run span `index` on the static buffers: from the previous MoE layer's output (or the embeddings) to
+        the next MoE layer's router outputs (or the logits)."""
+        start, moe_layer = self.spans[index]
+        meta = self._meta(size)
+        model = self.model
+        if index == 0:
+            x = model.model.embed_tokens(self.input_ids[:size])
+            cos, sin = model.model.rotary(meta.positions, x.dtype)
+            self.cos[:size].copy_(cos)
+            self.sin[:size].copy_(sin)
+        else:
+            x = self.x_resid[:size] + self.moe_out[:size]
+        x, _ = model.run_until_moe(x, start, (self.cos[:size], self.sin[:size]), self.kv.layers, meta)
+        if moe_layer < 0:
+            self.logits[:size].copy_(model.compute_logits(model.model.norm(x)))
+            return
+        layer = model.model.layers[moe_layer]
+        h = layer.post_attention_layernorm(x)
+        ids, weights = layer.mlp.gate(h)
+        self.x_resid[:size].copy_(x)
+        self.h_moe[:size].copy_(h)
+        self.topk_ids[:size].copy_(ids)
+        self.topk_weights[:size].copy_(weights)
+
+    def _run_piecewise(self, size: int, batch: int) -> torch.Tensor:
+        graphs = self.span_graphs.get(size)
+        for index, (_, moe_layer) in enumerate(self.spans):
+            if graphs is not None:
+                graphs[index].replay()
+            else:
+                self._span(size, index)
+            if moe_layer >= 0:  # the routed experts of the real rows, eagerly (host sync, copies, CPU work)
+                experts = self.model.model.layers[moe_layer].mlp.experts
+                y = experts.forward(
+                    moe_layer, self.h_moe[:batch], self.topk_ids[:batch], self.topk_weights[:batch]
+                )
+                self.moe_out[:batch].copy_(y)
+        return self.logits[:batch]
+
     @torch.inference_mode()
     def _capture(self) -> None:
         self._pad_from(0)
         pool = None
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+            if self.piecewise:
+                graphs = []
+                for index in range(len(self.spans)):
+                    self._span(size, index)  # compiles kernels and warms the allocator outside the capture
+                    torch.cuda.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._span(size, index)
+                    pool = graph.pool()
+                    graphs.append(graph)
+                self.span_graphs[size] = graphs
+                continue
             self._forward(size)  # compiles the Triton kernels and warms the allocator outside the capture
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
@@ -85,7 +165,8 @@ class DecodeRunner:
                 logits = self._forward(size)
             pool = graph.pool()
             self.graphs[size] = (graph, logits)
-        log.info("captured CUDA graphs of the decode step for batch sizes %s", self.sizes)
+        kind = "piecewise (one graph per span between MoE layers)" if self.piecewise else "whole-step"
+        log.info("captured %s CUDA graphs of the decode step for batch sizes %s", kind, self.sizes)
 
     def _pad_from(self, start: int) -> None:
         null = self.kv.null_block
@@ -121,6 +202,8 @@ class DecodeRunner:
         self.seq_lens[:batch].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
         self.block_tables[:batch, :width].copy_(tables, non_blocking=True)
         self._pad_from(batch)
+        if self.piecewise:
+            return self._run_piecewise(size, batch)
         if size in self.graphs:
             graph, logits = self.graphs[size]
             graph.replay()

@@ -79,10 +79,9 @@ class LLMEngine:
         )
         self.experts = model.experts
         self.scheduler = Scheduler(self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens)
-        graphs = getattr(self.experts, "graph_safe", False)
         self.runner = ModelRunner(
-            model, self.kv, self.device, engine_cfg.max_num_seqs if graphs else 0, self.max_model_len,
-            engine_cfg.enforce_eager,
+            model, self.kv, self.device, engine_cfg.max_num_seqs, self.max_model_len, engine_cfg.enforce_eager,
+            piecewise=not getattr(self.experts, "graph_safe", False),
         )
         self.eos_ids = set(tokenizer.eos_token_ids if tokenizer else ()) | set(model_cfg.eos_token_ids)
         self._seqs: dict[str, Sequence] = {}

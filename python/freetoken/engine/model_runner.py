@@ -17,7 +17,8 @@ class ModelRunner:
     """Owns the model and the KV cache tensors on the compute device.
 
     Decode-only steps on CUDA of at most 64 sequences go through `DecodeRunner` (fixed shapes, CUDA graphs unless
-    `enforce_eager`); every other step runs eagerly with the torch attention path.
+    `enforce_eager`; piecewise around the routed experts when the expert backend syncs with the host); every
+    other step runs eagerly with the torch attention path.
     """
 
     def __init__(
@@ -28,13 +29,16 @@ class ModelRunner:
         max_num_seqs: int = 0,
         max_model_len: int = 0,
         enforce_eager: bool = False,
+        piecewise: bool = False,
     ) -> None:
         self.model = model
         self.kv = kv
         self.device = device
         self.decode: DecodeRunner | None = None
         if device.type == "cuda" and max_num_seqs > 0:
-            self.decode = DecodeRunner(model, kv, max_num_seqs, max_model_len, use_graphs=not enforce_eager)
+            self.decode = DecodeRunner(
+                model, kv, max_num_seqs, max_model_len, use_graphs=not enforce_eager, piecewise=piecewise
+            )
 
     @torch.inference_mode()
     def run(self, step: ScheduledStep) -> list[int | None]:

@@ -157,8 +157,18 @@ class DecoderLayer(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
+        x = self.attend(x, rope, kv, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def attend(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """The attention half of the block: x + attn(norm(x))."""
+        return x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
 
 
 class Qwen3MoeModel(nn.Module):
@@ -223,6 +233,28 @@ class Qwen3MoeForCausalLM(nn.Module):
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
             x = layer(x, rope, kv, meta)
         return self.model.norm(x)
+
+    def run_until_moe(
+        self,
+        x: torch.Tensor,
+        start: int,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, int]:
+        """Run decoder layers from `start` up to the next MoE layer's routed experts (for piecewise CUDA graphs:
+        everything but the experts can be captured).
+
+        Returns:
+            (x after that MoE layer's attention residual, its index), or (x after every layer, -1).
+        """
+        for i in range(start, len(self.model.layers)):
+            layer = self.model.layers[i]
+            x = layer.attend(x, rope, kv_caches[i], meta)
+            if isinstance(layer.mlp, SparseMoeBlock):
+                return x, i
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return x, -1
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] hidden -> [N, vocab_size] float32 logits."""
