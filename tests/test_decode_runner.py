@@ -5,7 +5,6 @@ kernels in the interpreter; on CUDA (tests/test_gpu.py) the same step runs as CU
 from __future__ import annotations
 
 import pytest
-import torch
 
 from freetoken.config import EngineConfig
 from freetoken.engine.cuda_graph import DecodeRunner
