@@ -85,3 +85,23 @@ def test_bfloat16_greedy_follows_transformers(tmp_path):
                 f"{(top[0] - top[1]).item()} (> 2 bf16 ulp = {2 * ulp})"
             )
     assert full >= total - 2, f"only {full} of {total} sequences matched all 16 steps"
+
+
+@pytest.mark.parametrize("slots", [64, 5])
+def test_offload_piecewise_graphs_equal_fused(tmp_path, slots):
+    """bfloat16 on CUDA: offload (host pool, slot cache, piecewise CUDA graphs) gives fused's greedy tokens; its
+    slot runs use the same Triton kernel on the same bf16 weights, so the tokens are the same bits."""
+    path = build_demo_checkpoint(tmp_path / "demo", seed=6)
+    fused = _greedy(path, "cuda", "bfloat16", PROMPTS, 16)
+    engine = LLMEngine.from_dir(
+        path, EngineConfig(device="cuda", dtype="bfloat16", kv_cache_gb=0.5, moe_backend="offload", expert_slots=slots)
+    )
+    assert engine.runner.decode is not None and engine.runner.decode.span_graphs
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(str(i), p, params)
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id].extend(o.chunk.token_ids)
+    assert [out[str(i)] for i in range(len(PROMPTS))] == fused

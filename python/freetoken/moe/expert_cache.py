@@ -132,6 +132,11 @@ class ExpertCacheBackend:
             self._host_out = torch.empty(shape, dtype=torch.float32, pin_memory=pin)
         return self._host_hidden[:num_tokens], self._host_out[:num_tokens]
 
+    def _host_slots(self, shape: torch.Size) -> torch.Tensor:
+        """A pinned (on CUDA) int64 host buffer for the step's slot ids, fresh each call: the previous one may
+        still be in flight to the device."""
+        return torch.empty(shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+
     def forward(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
@@ -152,7 +157,10 @@ class ExpertCacheBackend:
             self._fill(pool_layer, plan.fill_experts, plan.fill_slots)
         out = None
         if plan.num_hits or plan.num_fills:
-            slots = torch.from_numpy(plan.topk_slots.astype(np.int64)).to(self.device, non_blocking=True)
+            # Through pinned memory: a copy from pageable memory would block the host until the fills end.
+            host_slots = self._host_slots(topk_ids.shape)
+            host_slots.numpy()[...] = plan.topk_slots
+            slots = host_slots.to(self.device, non_blocking=True)
             out = grouped_swiglu(hidden, self.gate_up, self.down, slots, topk_weights)
         if plan.num_cpu:
             if host_hidden is None:  # offload with every slot pinned: the rest of the misses run here
