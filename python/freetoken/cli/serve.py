@@ -26,7 +26,7 @@ _HELP = {
     "offload (host pool + GPU slot cache), cpu (misses run on the host), hybrid (q* split; needs a profile)",
     "gpu_memory_gb": "GPU memory budget in GB for weights, KV cache and expert slots; 0 = 90%% of free memory",
     "expert_slots": "expert slots in the GPU cache; 0 = as many as the budget leaves",
-    "expert_cache_policy": "slot replacement policy: lru, layer_lru, lfu",
+    "expert_cache_policy": "slot replacement policy: lfu, lru, layer_lru",
     "cpu_threads": "threads of the host expert kernels; 0 = all CPUs",
     "dummy_weights": "random weights (seeded) from config.json instead of the safetensors files",
     "seed": "seed of dummy weights and of requests that give no seed",
