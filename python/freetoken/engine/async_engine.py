@@ -70,6 +70,15 @@ class AsyncEngine:
             self._commands.put(_Stop())
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+            # Requests queued behind the stop were never seen by the engine thread: end them too.
+            aborted = GenerationChunk(text="", token_ids=[], finish_reason="abort")
+            while True:
+                try:
+                    command = self._commands.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(command, _Add):
+                    command.loop.call_soon_threadsafe(command.out.put_nowait, aborted)
 
     def stats(self) -> dict:
         """The latest engine counters (JSON-able), as of the last step."""
