@@ -11,7 +11,6 @@ import shutil
 from importlib import resources
 from pathlib import Path
 
-from freetoken.models.demo import demo_checkpoint_dir
 from freetoken.paths import atomic_build, cache_root
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
@@ -31,6 +30,8 @@ def preset_config_path(name: str) -> Path:
 
 def preset_dir(name: str) -> Path:
     """A weight-less model directory for preset `name` (config.json + tokenizer files), cached."""
+    from freetoken.models.demo import demo_checkpoint_dir  # imports torch: only when a preset is served
+
     config = preset_config_path(name)
     demo = demo_checkpoint_dir()
 
