@@ -28,12 +28,12 @@ import numpy as np
 import torch
 
 from freetoken._core import CpuExperts, ExpertPool, read_trace, synthetic_trace
+from freetoken.bench.bandwidth import measure_cpu, measure_pcie
 from freetoken.config import EngineConfig, ModelConfig
 from freetoken.engine.llm_engine import LLMEngine
 from freetoken.engine.types import SamplingParams
 from freetoken.models.loader import init_dummy_weights
 from freetoken.models.presets import preset_config_path
-from freetoken.moe.bandwidth import measure_cpu, measure_pcie
 from freetoken.moe.budget import plan_expert_slots
 from freetoken.moe.compute import grouped_swiglu
 from freetoken.moe.expert_cache import ExpertCacheBackend, pin_host_memory

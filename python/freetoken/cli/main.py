@@ -7,7 +7,7 @@ import logging
 import sys
 
 from freetoken import __version__
-from freetoken.cli import serve
+from freetoken.cli import bench, serve
 from freetoken.cli.logs import setup_logging
 
 log = logging.getLogger("freetoken.cli")
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve.add_parser(sub)
+    bench.add_parser(sub)
     return parser
 
 

@@ -1,7 +1,8 @@
 """The routed-expert path: the MoE layer asks an expert backend for the experts' outputs of its tokens.
 
 `make_expert_backend` picks and builds the backend of `--moe-backend`: `fused` (every expert on the compute
-device) or the expert cache (`offload`, `cpu`, `hybrid`: host pool + device slots, planned per layer step).
+device) or the expert cache (`offload`, `cpu`, `hybrid`: host pool + device slots, planned per layer step);
+`auto` and `hybrid` read the bandwidth profile of `ft bench bw` (`freetoken.moe.profile`).
 """
 
 from __future__ import annotations
@@ -15,17 +16,42 @@ from freetoken.config import EngineConfig, ModelConfig
 from freetoken.moe.backend import ExpertBackend
 from freetoken.moe.budget import plan_expert_slots
 from freetoken.moe.fused import FusedExperts
+from freetoken.moe.profile import ExpertShape, find_profile, planner_bandwidths, verdict
 
 __all__ = ["ExpertBackend", "FusedExperts", "make_expert_backend", "resolve_backend"]
 
 log = logging.getLogger(__name__)
 
 
-def resolve_backend(name: str, device: torch.device) -> str:
-    """`--moe-backend` -> the backend that runs: "auto" is "cpu" on a CPU device and "offload" on CUDA."""
-    if name != "auto":
-        return name
-    return "cpu" if device.type == "cpu" else "offload"
+def gpu_uuid(device: torch.device) -> str:
+    """The UUID of CUDA device `device` (`torch.cuda.get_device_properties(...).uuid`), the key of its profile."""
+    return str(torch.cuda.get_device_properties(device).uuid)
+
+
+def resolve_backend(
+    name: str, device: torch.device, shape: ExpertShape, profiles: Path | None = None
+) -> tuple[str, dict | None]:
+    """`--moe-backend` -> (the backend that runs, the bandwidth profile it uses or None).
+
+    "auto" is "cpu" on a CPU device; on CUDA it is "hybrid" when a usable profile of this GPU and expert shape
+    (`freetoken.moe.profile.find_profile`, in `profiles` or the default directory) says so, else "offload".
+    "hybrid" needs such a profile; "offload" and "cpu" take one when there is one (their stats then show measured
+    against profiled bandwidths). Raises ValueError for "hybrid" without a profile, saying to run `ft bench bw`.
+    """
+    if name == "fused" or device.type != "cuda":
+        if name == "hybrid":
+            raise ValueError("--moe-backend hybrid needs a GPU and its bandwidth profile; on a CPU device use cpu")
+        return ("cpu" if name == "auto" else name), None
+    profile = find_profile(gpu_uuid(device), shape, profiles)
+    if name == "hybrid" and profile is None:
+        raise ValueError(
+            f"--moe-backend hybrid needs a bandwidth profile of this GPU and expert {shape.label()}: run "
+            "`ft bench bw --model DIR` first (or use --moe-backend offload)"
+        )
+    if name == "auto":
+        name = verdict(*planner_bandwidths(profile))[0] if profile is not None else "offload"
+        log.info("--moe-backend auto: %s (%s)", name, "from the bandwidth profile" if profile else "no profile")
+    return name, profile
 
 
 def make_expert_backend(
@@ -40,11 +66,13 @@ def make_expert_backend(
         dtype: the model's compute dtype.
 
     Raises:
-        ValueError: an unknown backend, or a budget that leaves no room for expert slots (names the flags).
+        ValueError: an unknown backend, `hybrid` without a bandwidth profile (says to run `ft bench bw`), or a
+            budget that leaves no room for expert slots (names the flags).
         freetoken._core.CheckpointError / MissingFileError: the pool cannot read the checkpoint.
     """
     device = torch.device(cfg.device)
-    name = resolve_backend(cfg.moe_backend, device)
+    shape = ExpertShape(model_cfg.hidden_size, model_cfg.moe_intermediate_size)
+    name, profile = resolve_backend(cfg.moe_backend, device, shape)
     if name == "fused":
         return FusedExperts()
     from freetoken._core import ExpertPool
@@ -71,11 +99,14 @@ def make_expert_backend(
         100 * num_slots / (pool.num_layers * pool.num_experts),
         pool.nbytes / 1e9,
     )
+    pcie_bytes_per_s, cpu_bytes_per_s = planner_bandwidths(profile) if profile is not None else (None, None)
     return ExpertCacheBackend(
         name,
         pool,
         device,
         num_slots,
         policy=cfg.expert_cache_policy,
+        pcie_bytes_per_s=pcie_bytes_per_s,
+        cpu_bytes_per_s=cpu_bytes_per_s,
         cpu_threads=cfg.cpu_threads or None,
     )

@@ -12,21 +12,88 @@ Per MoE layer step (`shared/DESIGN.md`, "One decode step, one MoE layer"):
 
 On the CPU device the same code runs with the slots as host tensors (the "copy" is a memcpy), so CI tests the
 planning and bookkeeping of every backend.
+
+Online refinement of q*: the backend times what it actually does, never adding a sync. CPU runs are timed with
+`perf_counter` around `CpuExperts.forward` (bytes = experts run x `expert_nbytes`, at b = mean tokens per expert);
+fills with CUDA events recorded on the copy stream around the step's copies and read (`Event.query`, non-blocking)
+at later layer steps (on the CPU device, the memcpy is timed with `perf_counter`). Each path keeps an exponential
+moving average of measured / profiled bandwidth (`BandwidthTracker`); every `REFINE_EVERY` layer steps the
+planner gets the profile scaled by those ratios, each bounded to [1/4, 4] (`set_profile`), so q* follows the box
+when another process loads the PCIe or memory bus. `stats()["bandwidth"]` shows profiled against measured.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections import deque
 
 import numpy as np
 import torch
 
 from freetoken._core import CpuExperts, ExpertPool, Planner
 from freetoken.moe.compute import grouped_swiglu
+from freetoken.moe.profile import interpolate
 
 log = logging.getLogger(__name__)
 
 MODES = ("offload", "cpu", "hybrid")
+REFINE_EVERY = 16  # layer steps between planner.set_profile calls with the refined bandwidths
+MAX_PENDING_FILLS = 8  # timed fill groups awaiting their events; older ones are dropped unread
+
+
+class BandwidthTracker:
+    """Exponential moving average of one miss path's measured bandwidth, relative to its profile.
+
+    Each sample (bytes moved in seconds, at b tokens per expert) gives the ratio measured / profiled(b); the ratio's
+    EMA (weight `alpha` per sample: ~1/alpha samples of memory, with alpha 0.02 about one token's layer steps) scales
+    the whole profile curve, bounded to [`min_ratio`, `max_ratio`], so one noisy run cannot swing q*. Without a
+    profile only the absolute EMA (bytes/s) is kept.
+
+    Args:
+        profile: {batch: bytes/s}; PCIe copies use the single point {1: B_pcie}; None when there is no profile.
+        alpha: EMA weight of a new sample, in (0, 1].
+        min_ratio, max_ratio: bounds of the refined / profiled ratio.
+    """
+
+    def __init__(
+        self, profile: dict[int, float] | None, alpha: float = 0.02, min_ratio: float = 0.25, max_ratio: float = 4.0
+    ) -> None:
+        self.profile = profile
+        self.alpha = alpha
+        self.min_ratio, self.max_ratio = min_ratio, max_ratio
+        self.ratio: float | None = None  # EMA of measured / profiled, unbounded
+        self.bytes_per_s: float | None = None  # EMA of measured bytes/s
+        self.num_samples = 0
+
+    def add(self, nbytes: int, seconds: float, batch: float = 1.0) -> None:
+        """One timed run: `nbytes` moved or read in `seconds` at `batch` tokens per expert."""
+        if seconds <= 0 or nbytes <= 0:
+            return
+        measured = nbytes / seconds
+        ema = lambda old, new: new if old is None else old + self.alpha * (new - old)
+        self.bytes_per_s = ema(self.bytes_per_s, measured)
+        if self.profile:
+            self.ratio = ema(self.ratio, measured / interpolate(self.profile, batch))
+        self.num_samples += 1
+
+    def refined(self) -> dict[int, float] | None:
+        """The profile scaled by the bounded ratio (the profile itself before any sample); None without one."""
+        if not self.profile:
+            return None
+        scale = 1.0 if self.ratio is None else min(max(self.ratio, self.min_ratio), self.max_ratio)
+        return {b: v * scale for b, v in self.profile.items()}
+
+    def stats(self) -> dict:
+        """JSON-able: profiled and refined curves (GB/s by batch), the measured EMA (GB/s) and its ratio."""
+        gbps = lambda curve: None if curve is None else {b: round(v / 1e9, 3) for b, v in curve.items()}
+        return {
+            "profiled_gbps": gbps(self.profile),
+            "refined_gbps": gbps(self.refined()),
+            "measured_gbps": None if self.bytes_per_s is None else round(self.bytes_per_s / 1e9, 3),
+            "measured_over_profiled": None if self.ratio is None else round(self.ratio, 3),
+            "num_samples": self.num_samples,
+        }
 
 
 _PINNED: set[int] = set()
@@ -113,6 +180,10 @@ class ExpertCacheBackend:
         self.pool_layer = {model_layer: i for i, model_layer in enumerate(pool.moe_layers)}
         self._host_hidden = torch.empty(0)
         self._host_out = torch.empty(0)
+        self.pcie = BandwidthTracker(None if pcie_bytes_per_s is None else {1: pcie_bytes_per_s})
+        self.cpu_bw = BandwidthTracker(dict(cpu_bytes_per_s) if cpu_bytes_per_s else None)
+        self._pending_fills: deque[tuple[torch.cuda.Event, torch.cuda.Event, int]] = deque()
+        self._num_steps = 0
 
     def load_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """Not used: the pool read the experts from the checkpoint (`wants_weights` is False)."""
@@ -152,6 +223,7 @@ class ExpertCacheBackend:
         if hidden.is_cuda:
             torch.cuda.current_stream(self.device).synchronize()  # ids, weights and hidden are on the host now
         ids_np = ids.numpy()
+        self._refine()
         plan = self.planner.plan(pool_layer, ids_np, self.mode)
         if plan.num_fills:
             self._fill(pool_layer, plan.fill_experts, plan.fill_slots)
@@ -167,9 +239,13 @@ class ExpertCacheBackend:
                 host_hidden, host_out = self._host_buffers(num_tokens)
                 host_hidden.copy_(hidden)
             host_out.zero_()
+            t0 = time.perf_counter()
             self.cpu.forward(
                 pool_layer, host_hidden.numpy(), ids_np, weights.numpy(), plan.cpu_experts, host_out.numpy()
             )
+            seconds = time.perf_counter() - t0
+            tokens_per_expert = np.isin(ids_np, plan.cpu_experts).sum() / plan.num_cpu
+            self.cpu_bw.add(plan.num_cpu * self.expert_nbytes, seconds, tokens_per_expert)
             cpu_out = host_out.to(self.device, hidden.dtype, non_blocking=True)
             out = cpu_out if out is None else out + cpu_out
         return out if out is not None else torch.zeros_like(hidden)
@@ -178,23 +254,43 @@ class ExpertCacheBackend:
         """Copy experts from the pinned arena into their slots; later device work waits for the copies."""
         n = self.expert_nbytes
         if self.copy_stream is None:
+            t0 = time.perf_counter()
             for expert, slot in zip(experts.tolist(), slots.tolist()):
                 offset = self.pool.expert_offset(pool_layer, expert)
                 self.slots[slot, :n].copy_(self.arena[offset : offset + n])
+            self.pcie.add(len(experts) * n, time.perf_counter() - t0)
             return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.copy_stream):
+            start.record(self.copy_stream)
             for expert, slot in zip(experts.tolist(), slots.tolist()):
                 offset = self.pool.expert_offset(pool_layer, expert)
                 self.slots[slot, :n].copy_(self.arena[offset : offset + n], non_blocking=True)
+            end.record(self.copy_stream)
         torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        if len(self._pending_fills) == MAX_PENDING_FILLS:
+            self._pending_fills.popleft()
+        self._pending_fills.append((start, end, len(experts) * n))
+
+    def _refine(self) -> None:
+        """Read the copy events that have fired (non-blocking), and every `REFINE_EVERY` layer steps hand the
+        planner the refined bandwidths (only when there is a profile to refine)."""
+        while self._pending_fills and self._pending_fills[0][1].query():
+            start, end, nbytes = self._pending_fills.popleft()
+            self.pcie.add(nbytes, start.elapsed_time(end) / 1e3)
+        self._num_steps += 1
+        if self._num_steps % REFINE_EVERY == 0 and self.pcie.profile and self.cpu_bw.profile:
+            self.planner.set_profile(self.pcie.refined()[1], self.cpu_bw.refined())
 
     def stats(self) -> dict:
-        """Per-layer planner counters (lists over pool layers) and the cache's size, JSON-able."""
+        """Per-layer planner counters (lists over pool layers), the cache's size, and the bandwidths of both miss
+        paths, profiled against measured (`BandwidthTracker.stats`), JSON-able."""
         counters = {name: values.tolist() for name, values in self.planner.stats().items()}
         return {
             "backend": self.mode,
             "num_slots": self.num_slots,
             "num_resident": self.planner.num_resident,
             "expert_nbytes": self.expert_nbytes,
+            "bandwidth": {"pcie": self.pcie.stats(), "cpu": self.cpu_bw.stats()},
             "layers": counters,
         }

@@ -1,0 +1,263 @@
+"""`ft bench bw` and its profile: writing, reading, matching, the `auto` choice, and online refinement of q*.
+
+No GPU needed: the CLI measures the host side; profiles are built by hand; the refinement runs on a CPU-device
+expert cache, whose fills are memcpys and whose CPU runs are the real Rust kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+
+import numpy as np
+import pytest
+import torch
+from test_cli import assert_user_error, ft
+
+from freetoken import __version__
+from freetoken._core import ExpertPool
+from freetoken.moe import resolve_backend
+from freetoken.moe import profile as prof
+from freetoken.moe.expert_cache import REFINE_EVERY, BandwidthTracker, ExpertCacheBackend
+from freetoken.moe.profile import ExpertShape, ProfileError
+
+UUID = "GPU-11111111-2222-3333-4444-555555555555"
+SHAPE = ExpertShape(2048, 768)
+
+
+def make_profile(uuid: str = UUID, shape: ExpertShape = SHAPE, pcie: float = 54e9, cpu1: float = 49e9, **top) -> dict:
+    """A profile as `ft bench bw` writes it, with B_pcie `pcie` and B_cpu(1) `cpu1` (bytes/s)."""
+    curve = {"1": cpu1, "2": cpu1 * 0.8, "4": cpu1 * 0.6, "8": cpu1 * 0.5, "16": cpu1 * 0.45}
+    backend, q1 = prof.verdict(pcie, {int(b): v for b, v in curve.items()})
+    return {
+        "schema_version": prof.SCHEMA_VERSION,
+        "freetoken_version": __version__,
+        "created_unix_s": time.time(),
+        "gpu": {"uuid": uuid, "name": "NVIDIA H200", "index": 0},
+        "host": {"cpu_model": "test", "num_cpus": 2, "kernel_threads": 2, "isa": "avx2"},
+        "expert": shape.to_dict(),
+        "method": {},
+        "measured": {},
+        "planner": {"pcie_bytes_per_s": pcie, "cpu_bytes_per_s": curve},
+        "verdict": {"backend": backend, "q_star_b1": q1, "hybrid_min_q_star": prof.HYBRID_MIN_Q_STAR},
+        **top,
+    }
+
+
+def write(directory, profile: dict, uuid: str = UUID, shape: ExpertShape = SHAPE):
+    path = prof.profile_path(directory, uuid, shape)
+    prof.write_profile(path, profile)
+    return path
+
+
+def test_write_read_roundtrip_atomic(tmp_path):
+    path = write(tmp_path, make_profile())
+    assert prof.read_profile(path) == json.loads(path.read_text())
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]  # no temp file left
+
+
+def test_failed_write_keeps_the_old_profile(tmp_path, monkeypatch):
+    path = write(tmp_path, make_profile(pcie=10e9))
+
+    def broken_dump(obj, f, **kwargs):
+        f.write('{"schema_version": 1, "half')
+        raise OSError("disk full")
+
+    monkeypatch.setattr(prof.json, "dump", broken_dump)
+    with pytest.raises(OSError, match="disk full"):
+        prof.write_profile(path, make_profile(pcie=99e9))
+    assert prof.planner_bandwidths(prof.read_profile(path))[0] == 10e9
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
+
+
+def test_profile_dir_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("FREETOKEN_PROFILE_DIR", str(tmp_path / "p"))
+    assert prof.profile_dir() == tmp_path / "p"
+    monkeypatch.delenv("FREETOKEN_PROFILE_DIR")
+    monkeypatch.delenv("FREETOKEN_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert prof.profile_dir() == tmp_path / "xdg" / "freetoken" / "profiles"
+
+
+def test_find_matching_profile(tmp_path, caplog):
+    write(tmp_path, make_profile())
+    write(tmp_path, make_profile("GPU-other"), uuid="GPU-other")  # another GPU's profile beside it: not read
+    with caplog.at_level(logging.INFO, logger="freetoken"):
+        found = prof.find_profile(UUID, SHAPE, tmp_path)
+    assert found is not None and found["gpu"]["uuid"] == UUID
+    assert "q*(1)" in caplog.text and "ignored" not in caplog.text
+
+
+@pytest.mark.parametrize(
+    "uuid,shape,needle",
+    [("GPU-other", SHAPE, "ignored: it is for GPU 'GPU-other'"), (UUID, ExpertShape(4096, 1536), "I1536")],
+)
+def test_profile_of_another_gpu_or_shape_is_ignored(tmp_path, caplog, uuid, shape, needle):
+    write(tmp_path, make_profile(uuid, shape), uuid=uuid, shape=shape)
+    with caplog.at_level(logging.INFO, logger="freetoken"):
+        assert prof.find_profile(UUID, SHAPE, tmp_path) is None
+    assert needle in caplog.text and "run `ft bench bw`" in caplog.text
+
+
+def test_profile_whose_content_names_another_gpu_is_ignored(tmp_path, caplog):
+    write(tmp_path, make_profile("GPU-copied"))  # a file copied from another box under this GPU's name
+    assert prof.find_profile(UUID, SHAPE, tmp_path) is None
+    assert "ignored: it is for GPU 'GPU-copied'" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "content,needle",
+    [
+        ("{not json", "not valid JSON"),
+        ("[1, 2]", "expected a JSON object"),
+        (json.dumps(make_profile(schema_version=99)), "schema_version 99"),
+        (json.dumps(make_profile(freetoken_version="0.0.1-old")), "stale: made by freetoken"),
+        (json.dumps(make_profile(created_unix_s=time.time() - 31 * 86400)), "stale: 31 days old"),
+        (json.dumps(make_profile(planner={"pcie_bytes_per_s": -1, "cpu_bytes_per_s": {"1": 1e9}})), "positive"),
+        (json.dumps(make_profile(planner={"pcie_bytes_per_s": 1e9})), "bad planner section"),
+        (json.dumps({k: v for k, v in make_profile().items() if k != "gpu"}), "missing section 'gpu'"),
+    ],
+)
+def test_unusable_profile_is_reported_not_used(tmp_path, caplog, content, needle):
+    path = prof.profile_path(tmp_path, UUID, SHAPE)
+    path.write_text(content)
+    with pytest.raises(ProfileError, match=needle.replace("*", r"\*")):
+        prof.read_profile(path)
+    assert prof.find_profile(UUID, SHAPE, tmp_path) is None
+    assert "not used" in caplog.text and needle in caplog.text
+
+
+def test_unreadable_profile(tmp_path, caplog):
+    path = prof.profile_path(tmp_path, UUID, SHAPE)
+    path.mkdir(parents=True)  # a directory where the file should be: is_file() is False, so it is scanned
+    (tmp_path / "junk.json").write_bytes(b"\xff\xfe")
+    assert prof.find_profile(UUID, SHAPE, tmp_path) is None
+    assert "junk.json not used: unreadable" in caplog.text
+
+
+def test_q_star_and_verdict():
+    assert prof.q_star(50e9, {1: 50e9, 16: 25e9}, 1) == pytest.approx(0.5)
+    assert prof.q_star(50e9, {1: 50e9, 16: 25e9}, 32) == pytest.approx(1 / 3)  # clamped beyond the last point
+    assert prof.verdict(54e9, {1: 49e9}) == ("hybrid", pytest.approx(49 / 103))
+    assert prof.verdict(54e9, {1: 5e9})[0] == "offload"  # q* 0.085 < 0.15
+
+
+@pytest.fixture
+def cuda_uuid(monkeypatch):
+    """Pretend the CUDA device has UUID `UUID` (resolve_backend never touches the device otherwise)."""
+    monkeypatch.setattr("freetoken.moe.gpu_uuid", lambda device: UUID)
+
+
+def test_auto_choice(tmp_path, cuda_uuid, caplog):
+    caplog.set_level(logging.INFO, logger="freetoken")
+    cuda = torch.device("cuda")
+    assert resolve_backend("auto", torch.device("cpu"), SHAPE, tmp_path) == ("cpu", None)
+    assert resolve_backend("auto", cuda, SHAPE, tmp_path) == ("offload", None)  # no profile
+    write(tmp_path, make_profile(cpu1=5e9))
+    assert resolve_backend("auto", cuda, SHAPE, tmp_path)[0] == "offload"  # the profile says offload
+    write(tmp_path, make_profile(cpu1=49e9))
+    name, profile = resolve_backend("auto", cuda, SHAPE, tmp_path)
+    assert name == "hybrid" and profile["planner"]["pcie_bytes_per_s"] == 54e9
+    assert "--moe-backend auto: hybrid (from the bandwidth profile)" in caplog.text
+    # a profile of another shape does not count for this one
+    assert resolve_backend("auto", cuda, ExpertShape(4096, 1536), tmp_path) == ("offload", None)
+    assert resolve_backend("offload", cuda, SHAPE, tmp_path)[1] is not None  # offload shows measured vs profiled
+    assert resolve_backend("fused", cuda, SHAPE, tmp_path) == ("fused", None)
+
+
+def test_hybrid_needs_a_profile(tmp_path, cuda_uuid):
+    with pytest.raises(ValueError, match="run `ft bench bw"):
+        resolve_backend("hybrid", torch.device("cuda"), SHAPE, tmp_path)
+    with pytest.raises(ValueError, match="needs a GPU"):
+        resolve_backend("hybrid", torch.device("cpu"), SHAPE, tmp_path)
+    write(tmp_path, make_profile(cpu1=5e9))  # explicit hybrid runs even where auto would pick offload
+    assert resolve_backend("hybrid", torch.device("cuda"), SHAPE, tmp_path)[0] == "hybrid"
+
+
+def test_tracker_ema_is_bounded():
+    t = BandwidthTracker({1: 10e9, 16: 40e9}, alpha=0.5)
+    assert t.refined() == {1: 10e9, 16: 40e9} and t.stats()["measured_gbps"] is None
+    t.add(5_000_000_000, 1.0, batch=1)  # half the profile at b=1
+    assert t.ratio == pytest.approx(0.5) and t.refined() == {1: 5e9, 16: 20e9}
+    t.add(20_000_000_000, 1.0, batch=16)  # half again, at b=16
+    assert t.ratio == pytest.approx(0.5)
+    t.add(40_000_000_000, 1.0, batch=8.5)  # twice the interpolated 25 GB/s: the EMA moves halfway
+    assert t.ratio == pytest.approx(0.5 + 0.5 * (1.6 - 0.5))
+    for _ in range(50):
+        t.add(1_000_000, 1.0)  # a collapse to 1e-4 of the profile
+    assert t.ratio < 0.01 and t.refined()[1] == pytest.approx(0.25 * 10e9)  # bounded at 1/4
+    for _ in range(50):
+        t.add(10**15, 1.0)
+    assert t.refined()[16] == pytest.approx(4 * 40e9)  # and at 4x
+    t.add(0, 1.0)  # empty runs are no samples
+    t.add(10, 0.0)
+    assert t.num_samples == 103
+    absolute = BandwidthTracker(None)
+    absolute.add(3_000_000_000, 1.0)
+    assert absolute.refined() is None and absolute.stats()["measured_gbps"] == 3.0
+
+
+def test_expert_cache_refines_the_planner_online():
+    """CPU device, hybrid: fills (memcpy) and CPU runs (the Rust kernels) are timed, and every REFINE_EVERY layer
+    steps the planner's profile becomes the bounded EMA; stats() shows profiled against measured."""
+    pool = ExpertPool.random(2, 16, 64, 32, seed=3)
+    profile_cpu = {1: 20e9, 4: 40e9, 16: 60e9}
+    backend = ExpertCacheBackend("hybrid", pool, torch.device("cpu"), 4, pcie_bytes_per_s=50e9,
+                                 cpu_bytes_per_s=profile_cpu, cpu_threads=2)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    for step in range(REFINE_EVERY * 2):
+        ids = torch.randint(0, 16, (3, 4), generator=gen)
+        hidden = torch.randn(3, 64, generator=gen)
+        backend.forward(step % 2, hidden, ids, torch.full((3, 4), 0.25))
+    stats = backend.stats()["bandwidth"]
+    for path in ("pcie", "cpu"):
+        assert stats[path]["num_samples"] > 0 and stats[path]["measured_gbps"] > 0
+        assert stats[path]["measured_over_profiled"] > 0
+    assert stats["pcie"]["profiled_gbps"] == {1: 50.0} and stats["cpu"]["profiled_gbps"] == {1: 20.0, 4: 40.0, 16: 60.0}
+    json.dumps(backend.stats())  # GET /v1/stats serves it
+    # The planner's q* is the one of the refined (bounded) bandwidths.
+    pcie, cpu = backend.pcie.refined()[1], backend.cpu_bw.refined()
+    for _ in range(REFINE_EVERY):  # no new samples; passes a multiple of REFINE_EVERY
+        backend._refine()
+    assert backend.planner.q_star(1) == pytest.approx(prof.q_star(pcie, cpu, 1), rel=1e-6)
+    assert 0.25 - 1e-9 <= backend.pcie.refined()[1] / 50e9 <= 4 + 1e-9
+
+
+def test_offload_without_profile_still_measures():
+    pool = ExpertPool.random(1, 8, 64, 32, seed=1)
+    backend = ExpertCacheBackend("offload", pool, torch.device("cpu"), 2, cpu_threads=1)
+    backend.forward(0, torch.randn(2, 64), torch.tensor([[0, 1], [2, 3]]), torch.full((2, 2), 0.5))
+    stats = backend.stats()["bandwidth"]
+    assert stats["pcie"]["measured_gbps"] > 0 and stats["pcie"]["profiled_gbps"] is None
+    assert stats["cpu"]["measured_gbps"] > 0  # 4 experts, 2 slots: the rest ran on the host
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_cli_without_gpu_measures_the_host_side(tmp_path):
+    result = ft("bench", "bw", "--preset", "qwen3-30b-a3b", "--seconds", "0.05", "--pool-gb", "0.1",
+                "--cpu-threads", "2", "--out", str(tmp_path / "profiles"))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "no CUDA GPU present" in result.stdout and "no profile written" in result.stdout
+    for row in ("host kernel", "host memory read"):
+        assert row in result.stdout
+    assert not (tmp_path / "profiles").exists()
+
+
+def test_cli_help_and_errors(tmp_path):
+    out = ft("bench", "bw", "--help").stdout
+    for needle in ("--model", "--preset", "--seconds", "--out", "FREETOKEN_PROFILE_DIR", "q*", "overlapped"):
+        assert needle in out
+    assert_user_error(ft("bench", "bw", "--model", str(tmp_path / "nope")), "config.json")
+    assert_user_error(ft("bench", "bw", "--seconds", "0"), "--seconds")
+
+
+def test_measure_cpu_counts_expert_bytes():
+    from freetoken._core import CpuExperts
+    from freetoken.bench.bandwidth import measure_cpu, measure_host_read
+
+    pool = ExpertPool.random(2, 8, 128, 64, seed=2)
+    cpu = CpuExperts(pool, num_threads=1)
+    assert measure_cpu(cpu, pool, 2, experts_per_call=4, seconds=0.01) > 0
+    assert measure_host_read(pool, 1) > 0
+    assert np.isfinite(measure_cpu(cpu, pool, 1, experts_per_call=99, seconds=0.01))  # capped at E per call
