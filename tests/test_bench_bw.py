@@ -17,11 +17,12 @@ from test_cli import assert_user_error, ft
 
 from freetoken import __version__
 from freetoken._core import ExpertPool
-from freetoken.moe import resolve_backend
+from freetoken.moe import choose_backend
 from freetoken.moe import profile as prof
 from freetoken.moe.expert_cache import REFINE_EVERY, BandwidthTracker, ExpertCacheBackend
 from freetoken.moe.profile import ExpertShape, ProfileError
 
+needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 UUID = "GPU-11111111-2222-3333-4444-555555555555"
 SHAPE = ExpertShape(2048, 768)
 
@@ -145,34 +146,34 @@ def test_q_star_and_verdict():
 
 @pytest.fixture
 def cuda_uuid(monkeypatch):
-    """Pretend the CUDA device has UUID `UUID` (resolve_backend never touches the device otherwise)."""
+    """Pretend the CUDA device has UUID `UUID` (choose_backend never touches the device otherwise)."""
     monkeypatch.setattr("freetoken.moe.gpu_uuid", lambda device: UUID)
 
 
 def test_auto_choice(tmp_path, cuda_uuid, caplog):
     caplog.set_level(logging.INFO, logger="freetoken")
     cuda = torch.device("cuda")
-    assert resolve_backend("auto", torch.device("cpu"), SHAPE, tmp_path) == ("cpu", None)
-    assert resolve_backend("auto", cuda, SHAPE, tmp_path) == ("offload", None)  # no profile
+    assert choose_backend("auto", torch.device("cpu"), SHAPE, tmp_path) == ("cpu", None)
+    assert choose_backend("auto", cuda, SHAPE, tmp_path) == ("offload", None)  # no profile
     write(tmp_path, make_profile(cpu1=5e9))
-    assert resolve_backend("auto", cuda, SHAPE, tmp_path)[0] == "offload"  # the profile says offload
+    assert choose_backend("auto", cuda, SHAPE, tmp_path)[0] == "offload"  # the profile says offload
     write(tmp_path, make_profile(cpu1=49e9))
-    name, profile = resolve_backend("auto", cuda, SHAPE, tmp_path)
+    name, profile = choose_backend("auto", cuda, SHAPE, tmp_path)
     assert name == "hybrid" and profile["planner"]["pcie_bytes_per_s"] == 54e9
     assert "--moe-backend auto: hybrid (from the bandwidth profile)" in caplog.text
     # a profile of another shape does not count for this one
-    assert resolve_backend("auto", cuda, ExpertShape(4096, 1536), tmp_path) == ("offload", None)
-    assert resolve_backend("offload", cuda, SHAPE, tmp_path)[1] is not None  # offload shows measured vs profiled
-    assert resolve_backend("fused", cuda, SHAPE, tmp_path) == ("fused", None)
+    assert choose_backend("auto", cuda, ExpertShape(4096, 1536), tmp_path) == ("offload", None)
+    assert choose_backend("offload", cuda, SHAPE, tmp_path)[1] is not None  # offload shows measured vs profiled
+    assert choose_backend("fused", cuda, SHAPE, tmp_path) == ("fused", None)
 
 
 def test_hybrid_needs_a_profile(tmp_path, cuda_uuid):
     with pytest.raises(ValueError, match="run `ft bench bw"):
-        resolve_backend("hybrid", torch.device("cuda"), SHAPE, tmp_path)
+        choose_backend("hybrid", torch.device("cuda"), SHAPE, tmp_path)
     with pytest.raises(ValueError, match="needs a GPU"):
-        resolve_backend("hybrid", torch.device("cpu"), SHAPE, tmp_path)
+        choose_backend("hybrid", torch.device("cpu"), SHAPE, tmp_path)
     write(tmp_path, make_profile(cpu1=5e9))  # explicit hybrid runs even where auto would pick offload
-    assert resolve_backend("hybrid", torch.device("cuda"), SHAPE, tmp_path)[0] == "hybrid"
+    assert choose_backend("hybrid", torch.device("cuda"), SHAPE, tmp_path)[0] == "hybrid"
 
 
 def test_tracker_ema_is_bounded():
@@ -261,3 +262,39 @@ def test_measure_cpu_counts_expert_bytes():
     assert measure_cpu(cpu, pool, 2, experts_per_call=4, seconds=0.01) > 0
     assert measure_host_read(pool, 1) > 0
     assert np.isfinite(measure_cpu(cpu, pool, 1, experts_per_call=99, seconds=0.01))  # capped at E per call
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_bench_writes_the_profile_auto_reads(tmp_path):
+    """A short `ft bench bw` on the real GPU: one profile per GPU, keyed by the UUID `choose_backend` looks up."""
+    from freetoken.moe import gpu_uuid
+
+    result = ft("bench", "bw", "--seconds", "0.1", "--pool-gb", "1", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    assert "verdict" in result.stdout and "profile written" in result.stdout
+    assert len(list(tmp_path.glob("*.json"))) == torch.cuda.device_count()
+    cuda = torch.device("cuda", 0)
+    name, found = choose_backend("auto", cuda, SHAPE, tmp_path)
+    assert found is not None and found["gpu"]["uuid"] == gpu_uuid(cuda)
+    assert name == prof.verdict(*prof.planner_bandwidths(found))[0]
+    measured = found["measured"]
+    assert measured["pcie_expert_bytes_per_s"] <= 1.2 * measured["pcie_line_rate_bytes_per_s"]
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_fill_events_are_read_without_a_sync():
+    """On CUDA, fills are timed by events on the copy stream, read at later layer steps."""
+    pool = ExpertPool.random(2, 16, 256, 128, seed=4)
+    cuda = torch.device("cuda")
+    backend = ExpertCacheBackend("hybrid", pool, cuda, 4, pcie_bytes_per_s=50e9,
+                                 cpu_bytes_per_s={1: 20e9, 16: 40e9}, cpu_threads=2)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    for step in range(REFINE_EVERY * 2):
+        ids = torch.randint(0, 16, (2, 4), generator=gen).to(cuda)
+        hidden = torch.randn(2, 256, generator=gen).to(cuda, torch.bfloat16)
+        backend.forward(step % 2, hidden, ids, torch.full((2, 4), 0.25, device=cuda, dtype=torch.bfloat16))
+    stats = backend.stats()["bandwidth"]
+    assert stats["pcie"]["num_samples"] > 0 and stats["pcie"]["measured_gbps"] > 0
+    assert stats["cpu"]["num_samples"] > 0

@@ -48,18 +48,22 @@ def _expert_sources(pool: ExpertPool, start: int = 0):
         i += 1
 
 
+def _timed(stream: torch.cuda.Stream, enqueue: Callable[[], None]) -> float:
+    """Seconds `stream` spends on the work `enqueue()` queues on it, between two CUDA events (waits for it)."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record(stream)
+        enqueue()
+        end.record(stream)
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
 def _copy_rate(copy_one: Callable[[int], None], nbytes: int, stream: torch.cuda.Stream, seconds: float) -> float:
     """Bytes/s of `copy_one(i)` (one async copy of `nbytes` on `stream`), over about `seconds`, by CUDA events."""
 
     def timed(first: int, count: int) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            start.record(stream)
-            for i in range(first, first + count):
-                copy_one(i)
-            end.record(stream)
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3
+        return _timed(stream, lambda: [copy_one(i) for i in range(first, first + count)])
 
     timed(0, 8)  # warm-up
     per_copy_s = timed(8, CALIBRATE_COPIES) / CALIBRATE_COPIES
@@ -102,16 +106,7 @@ def measure_line_rate(device: torch.device, nbytes: int = LINE_RATE_BYTES) -> fl
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     stream = torch.cuda.Stream(device)
-    best = float("inf")
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            start.record(stream)
-            dst.copy_(src, non_blocking=True)
-            end.record(stream)
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3)
-    return nbytes / best
+    return nbytes / min(_timed(stream, lambda: dst.copy_(src, non_blocking=True)) for _ in range(3))
 
 
 class _CpuCalls:

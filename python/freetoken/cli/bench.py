@@ -96,9 +96,10 @@ def gpu_info(index: int) -> dict[str, Any]:
     import torch
 
     props = torch.cuda.get_device_properties(index)
-    bus_id = f"{props.pci_domain_id:04x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
-    sysfs = f"/sys/bus/pci/devices/{bus_id}/"
-    link = {k: _read(sysfs + k) for k in ("current_link_speed", "current_link_width", "max_link_speed", "max_link_width")}
+    pci = [getattr(props, f"pci_{k}_id", None) for k in ("domain", "bus", "device")]  # torch >= 2.5
+    bus_id = None if None in pci else "{:04x}:{:02x}:{:02x}.0".format(*pci)
+    keys = ("current_link_speed", "current_link_width", "max_link_speed", "max_link_width")
+    link = {k: _read(f"/sys/bus/pci/devices/{bus_id}/{k}") if bus_id else None for k in keys}
     driver = re.search(r"Kernel Module\s+(\S+)", _read("/proc/driver/nvidia/version") or "")
     return {
         "uuid": str(props.uuid),

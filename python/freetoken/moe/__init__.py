@@ -18,7 +18,7 @@ from freetoken.moe.budget import plan_expert_slots
 from freetoken.moe.fused import FusedExperts
 from freetoken.moe.profile import ExpertShape, find_profile, planner_bandwidths, verdict
 
-__all__ = ["ExpertBackend", "FusedExperts", "make_expert_backend", "resolve_backend"]
+__all__ = ["ExpertBackend", "FusedExperts", "choose_backend", "make_expert_backend", "resolve_backend"]
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +28,16 @@ def gpu_uuid(device: torch.device) -> str:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
-def resolve_backend(
+def resolve_backend(name: str, device: torch.device) -> str:
+    """`--moe-backend` -> the backend that runs, before any bandwidth profile is read: "auto" is "cpu" on a CPU
+    device and "offload" on CUDA (`choose_backend` then makes it "hybrid" when the profile says so; both keep the
+    experts in the host pool)."""
+    if name != "auto":
+        return name
+    return "cpu" if device.type == "cpu" else "offload"
+
+
+def choose_backend(
     name: str, device: torch.device, shape: ExpertShape, profiles: Path | None = None
 ) -> tuple[str, dict | None]:
     """`--moe-backend` -> (the backend that runs, the bandwidth profile it uses or None).
@@ -41,7 +50,7 @@ def resolve_backend(
     if name == "fused" or device.type != "cuda":
         if name == "hybrid":
             raise ValueError("--moe-backend hybrid needs a GPU and its bandwidth profile; on a CPU device use cpu")
-        return ("cpu" if name == "auto" else name), None
+        return resolve_backend(name, device), None
     profile = find_profile(gpu_uuid(device), shape, profiles)
     if name == "hybrid" and profile is None:
         raise ValueError(
@@ -72,7 +81,7 @@ def make_expert_backend(
     """
     device = torch.device(cfg.device)
     shape = ExpertShape(model_cfg.hidden_size, model_cfg.moe_intermediate_size)
-    name, profile = resolve_backend(cfg.moe_backend, device, shape)
+    name, profile = choose_backend(cfg.moe_backend, device, shape)
     if name == "fused":
         return FusedExperts()
     from freetoken._core import ExpertPool
