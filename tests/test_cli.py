@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def ft(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
+    """Run `ft` as the installed package (the one pytest imports), never the source tree: its compiled
+    `freetoken._core` exists only in the installed wheel."""
     env = os.environ.copy()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT / "python"), env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-m", "freetoken.cli.main", *args],
         check=False, capture_output=True, text=True, env=env, timeout=timeout_s, stdin=subprocess.DEVNULL,
@@ -138,3 +138,9 @@ def test_bad_engine_flags(model_dir, flags, needle):
 def test_unparseable_flag_value(model_dir):
     result = ft("serve", "--model", str(model_dir), "--max-num-seqs", "many")
     assert result.returncode == 2 and "--max-num-seqs" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_model_too_big_for_host_memory_is_refused():
+    """The real Qwen3-235B-A22B shape needs ~470 GB of host memory for its pool: refused before allocating."""
+    result = ft("serve", "--model", "qwen3-235b-a22b", "--dummy-weights", "--device", "cpu", timeout_s=300)
+    assert_user_error(result, "GB of host memory", "available")

@@ -305,3 +305,17 @@ def test_sigterm_shuts_down_gracefully(tmp_path):
         assert "Traceback" not in log, log
     finally:
         proc.stop()
+
+
+def test_oversized_and_deeply_nested_bodies(http):
+    """A body over the size limit is refused with 413 before it is parsed; JSON nested past the parser's
+    recursion limit is a 400, not a 500."""
+    from freetoken.server.schema import MAX_BODY_BYTES
+
+    big = b'{"model": "m", "messages": [{"role": "user", "content": "' + b"a" * (MAX_BODY_BYTES + 1) + b'"}]}'
+    assert_openai_error(http.post(CHAT, content=big), 413, code="request_too_large")
+    assert_anthropic_error(http.post(MESSAGES, content=big), 413, "request_too_large", code="request_too_large")
+    nested = b"[" * 100_000 + b"]" * 100_000
+    assert_openai_error(http.post(CHAT, content=nested), 400, code="invalid_json")
+    assert_anthropic_error(http.post(MESSAGES, content=nested), 400, "invalid_request_error", code="invalid_json")
+    assert http.get("/health").status_code == 200

@@ -103,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise SystemExit(f"ft serve: --port {args.port} is not a valid port (1..65535)")
     cfg = engine_config(args)
+    cfg.validate()  # bad flags answer before anything loads
     model_dir = resolve_model_dir(args.model, cfg.dummy_weights)
     ModelConfig.from_dir(model_dir)  # raises ConfigError naming config.json and the key
 

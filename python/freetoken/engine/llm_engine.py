@@ -21,7 +21,8 @@ from freetoken.engine.stop import OutputText
 from freetoken.engine.types import FinishReason, GenerationChunk, SamplingParams
 from freetoken.models.loader import TensorIndex, init_dummy_weights, load_checkpoint, resolve_dtype
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
-from freetoken.moe import make_expert_backend
+from freetoken.moe import make_expert_backend, resolve_backend
+from freetoken.moe.budget import check_host_memory
 from freetoken.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -98,6 +99,7 @@ class LLMEngine:
         dtype = resolve_dtype(engine_cfg.dtype, device)
         if not engine_cfg.dummy_weights:
             TensorIndex.scan(model_dir)  # missing files fail here, with the loader's messages, before any loading
+        check_host_memory(engine_cfg, model_cfg, dtype, resolve_backend(engine_cfg.moe_backend, device))
         experts = make_expert_backend(engine_cfg, model_cfg, None if engine_cfg.dummy_weights else model_dir, dtype)
         if engine_cfg.dummy_weights:
             model = init_dummy_weights(model_cfg, experts, device, dtype, seed=engine_cfg.seed)

@@ -66,3 +66,41 @@ def plan_expert_slots(
             "raise --gpu-memory-gb or lower --kv-cache-gb / --max-prefill-tokens"
         )
     return min(left // expert_stride, num_experts)
+
+
+def host_available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo in bytes (None where the file does not exist)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def check_host_memory(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, backend: str) -> None:
+    """Refuse, before allocating, a model whose host-memory needs exceed what the machine has available.
+
+    Needs: the expert pool (bf16, all routed experts) for the expert-cache backends; every weight when the model
+    itself runs on the CPU.
+
+    Raises:
+        ValueError: with the sizes and what to change.
+    """
+    available = host_available_bytes()
+    if available is None:
+        return
+    experts = len(model_cfg.moe_layers) * model_cfg.num_experts * model_cfg.expert_numel
+    need = 0
+    if backend != "fused":
+        need += experts * 2  # the pool holds bf16
+    if torch.device(cfg.device).type == "cpu":
+        size = torch.empty((), dtype=dtype).element_size()
+        need += non_expert_nbytes(model_cfg, dtype) + (experts * size if backend == "fused" else 0)
+    if need > 0.95 * available:
+        raise ValueError(
+            f"this model needs {need / 1e9:.1f} GB of host memory ({backend} backend on {cfg.device}); "
+            f"{available / 1e9:.1f} GB is available. Use a machine with more RAM or a smaller model"
+        )

@@ -47,6 +47,7 @@ from freetoken.server.schema import (
     get_string_list,
     join_path,
     parse_json_object,
+    read_body,
     wrong_type,
 )
 from freetoken.server.sse import EventStreamResponse, guard_stream, sse_event
@@ -319,7 +320,7 @@ async def messages(request: Request) -> Response:
     """``POST /v1/messages``."""
     state = request.app.state
     engine = state.engine
-    req = parse_messages_request(parse_json_object(await request.body()))
+    req = parse_messages_request(parse_json_object(await read_body(request)))
     prompt_ids = await render_prompt(engine, req.messages, req.tools, req.template_kwargs)
     fit_context(len(prompt_ids), req.params.max_tokens, engine.max_model_len, max_tokens_param="max_tokens")
     message_id = f"msg_{uuid.uuid4().hex}"
@@ -334,6 +335,6 @@ async def messages(request: Request) -> Response:
 async def count_tokens(request: Request) -> Response:
     """``POST /v1/messages/count_tokens``: the prompt's token count, as the chat template renders it."""
     engine = request.app.state.engine
-    req = parse_messages_request(parse_json_object(await request.body()), count_only=True)
+    req = parse_messages_request(parse_json_object(await read_body(request)), count_only=True)
     prompt_ids = await render_prompt(engine, req.messages, req.tools, req.template_kwargs)
     return JSONResponse({"input_tokens": len(prompt_ids)})

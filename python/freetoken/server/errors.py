@@ -28,6 +28,7 @@ class ErrorCode(str, enum.Enum):
     """Stable error codes, the same in both APIs' bodies."""
 
     INVALID_JSON = "invalid_json"
+    REQUEST_TOO_LARGE = "request_too_large"
     MISSING_FIELD = "missing_field"
     INVALID_TYPE = "invalid_type"
     INVALID_VALUE = "invalid_value"

@@ -46,6 +46,7 @@ from freetoken.server.schema import (
     get_string_list,
     join_path,
     parse_json_object,
+    read_body,
     wrong_type,
 )
 from freetoken.server.sse import (
@@ -316,7 +317,7 @@ async def chat_completions(request: Request) -> Response:
     """``POST /v1/chat/completions``."""
     state = request.app.state
     engine = state.engine
-    chat = parse_chat_request(parse_json_object(await request.body()))
+    chat = parse_chat_request(parse_json_object(await read_body(request)))
     prompt_ids = await render_prompt(engine, chat.messages, chat.tools, chat.template_kwargs)
     chat.params.max_tokens = fit_context(
         len(prompt_ids), chat.max_tokens, engine.max_model_len, max_tokens_param=chat.max_tokens_param
