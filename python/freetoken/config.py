@@ -185,8 +185,8 @@ class EngineConfig:
         kv_cache_gb: most memory the KV cache may take, in GB (1e9 bytes).
         moe_backend: where routed experts run: "fused" (all on the compute device; only when asked),
             "offload" (host pool + device slot cache; every miss is copied in), "cpu" (every miss runs on the
-            host), "hybrid" (misses split by q*; needs a bandwidth profile), "auto" ("cpu" on a CPU device,
-            "offload" on CUDA).
+            host), "hybrid" (misses split by q*; needs the `ft bench bw` profile of this GPU and expert shape),
+            "auto" ("cpu" on a CPU device; on CUDA "hybrid" when that profile says so, else "offload").
         gpu_memory_gb: the device memory budget in GB: non-expert weights, KV cache, then expert slots;
             0 means 90 % of the free memory.
         expert_slots: expert slots in the cache; 0 sizes them from the budget.

@@ -59,6 +59,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     bw.add_argument("--seconds", type=float, default=1.0, help="length of each timed measurement, s (default: 1)")
     bw.add_argument("--pool-gb", type=float, default=6.0, help="random expert pool (working set), GB (default: 6)")
     bw.add_argument("--cpu-threads", type=int, default=0, help="threads of the host expert kernel; 0 = all CPUs")
+    bw.add_argument(
+        "--experts-per-call",
+        type=int,
+        default=0,
+        help="experts per host-kernel call; 0 = the model's top-k (as the criterion bench; a decode step at batch 1 "
+        "sends fewer, and the online refinement corrects B_cpu for it)",
+    )
     bw.add_argument("--out", type=Path, default=None, help="directory of the profiles (default: see above)")
     bw.set_defaults(func=run_bw)
 
@@ -115,8 +122,8 @@ def gpu_info(index: int) -> dict[str, Any]:
 
 def run_bw(args: argparse.Namespace) -> int:
     """Measure, print the table and verdict, write one profile per GPU (none without a GPU)."""
-    if args.seconds <= 0 or args.pool_gb <= 0 or args.cpu_threads < 0:
-        raise ValueError("--seconds and --pool-gb must be > 0 and --cpu-threads >= 0")
+    if args.seconds <= 0 or args.pool_gb <= 0 or args.cpu_threads < 0 or args.experts_per_call < 0:
+        raise ValueError("--seconds and --pool-gb must be > 0, --cpu-threads and --experts-per-call >= 0")
     cfg = _model_config(args)
     import torch
     from rich.console import Console
@@ -132,9 +139,9 @@ def run_bw(args: argparse.Namespace) -> int:
     )  # fmt: skip
 
     shape = ExpertShape(cfg.hidden_size, cfg.moe_intermediate_size)
-    top_k = cfg.num_experts_per_tok
+    experts_per_call = args.experts_per_call or cfg.num_experts_per_tok
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    num_experts = max(top_k, round(args.pool_gb * 1e9 / shape.expert_nbytes))
+    num_experts = max(experts_per_call, round(args.pool_gb * 1e9 / shape.expert_nbytes))
     num_layers = max(1, min(len(cfg.moe_layers), num_experts // cfg.num_experts))
     per_layer = min(cfg.num_experts, num_experts) if num_layers == 1 else cfg.num_experts
     phases = 2 + len(BATCHES) + num_gpus * (3 + len(BATCHES))
@@ -152,7 +159,7 @@ def run_bw(args: argparse.Namespace) -> int:
         method = {
             "pool_bytes": pool.nbytes,
             "seconds_per_measurement": args.seconds,
-            "experts_per_call": min(top_k, per_layer),
+            "experts_per_call": min(experts_per_call, per_layer),
             "batches": list(BATCHES),
         }
         phase("host memory read")
@@ -160,7 +167,7 @@ def run_bw(args: argparse.Namespace) -> int:
         cpu_alone = {}
         for b in BATCHES:
             phase(f"host kernel, b={b}")
-            cpu_alone[b] = bw.measure_cpu(cpu, pool, b, top_k, args.seconds)
+            cpu_alone[b] = bw.measure_cpu(cpu, pool, b, experts_per_call, args.seconds)
         gpus = []
         if num_gpus:
             arena = torch.frombuffer(pool.arena_view(), dtype=torch.uint8)
@@ -179,7 +186,7 @@ def run_bw(args: argparse.Namespace) -> int:
             overlapped = {}
             for b in BATCHES:
                 phase(f"cuda:{i} overlapped, b={b}")
-                overlapped[b] = bw.measure_overlapped(cpu, pool, arena, slots, stream, b, top_k, args.seconds)
+                overlapped[b] = bw.measure_overlapped(cpu, pool, arena, slots, stream, b, experts_per_call, args.seconds)
             gpus.append((gpu_info(i), pcie, torch_copy, line, overlapped))
             del slots
     log.info("measured in %.0f s", time.perf_counter() - t_start)
