@@ -11,13 +11,11 @@ import torch
 from safetensors import safe_open
 
 from freetoken.models import demo
+from freetoken.models.presets import preset_config_path
 
 transformers = pytest.importorskip("transformers")
 
-REPO = Path(__file__).resolve().parents[1]
-REAL_CONFIG = next(
-    (p for p in (REPO / "shared", REPO.parent / "shared") if p.is_dir()), REPO / "shared"
-) / "models/qwen3-30b-a3b/config.json"
+REAL_CONFIG = preset_config_path("qwen3-30b-a3b")  # byte-exact copy of shared/models/qwen3-30b-a3b/config.json
 
 
 @pytest.fixture(scope="session")
@@ -67,8 +65,7 @@ def test_demo_dir_is_built_once_and_complete(demo_dir, cache_dir):
 
 def test_config_keeps_the_real_keys(demo_dir):
     config = json.loads((demo_dir / "config.json").read_text())
-    if REAL_CONFIG.exists():
-        assert set(config) == set(json.loads(REAL_CONFIG.read_text()))
+    assert set(config) == set(json.loads(REAL_CONFIG.read_text()))
     assert config["model_type"] == "qwen3_moe" and config["architectures"] == ["Qwen3MoeForCausalLM"]
     assert config["vocab_size"] == 151936 and config["torch_dtype"] == "float32"
     with pytest.raises(ValueError, match="unknown Qwen3-MoE config keys"):
