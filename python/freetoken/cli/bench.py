@@ -144,7 +144,7 @@ def run_bw(args: argparse.Namespace) -> int:
     num_experts = max(experts_per_call, round(args.pool_gb * 1e9 / shape.expert_nbytes))
     num_layers = max(1, min(len(cfg.moe_layers), num_experts // cfg.num_experts))
     per_layer = min(cfg.num_experts, num_experts) if num_layers == 1 else cfg.num_experts
-    phases = 2 + len(BATCHES) + num_gpus * (3 + len(BATCHES))
+    phases = 1 + len(BATCHES) + num_gpus * (3 + len(BATCHES))
     t_start = time.perf_counter()
     with Progress(
         SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=stderr_console(), transient=True

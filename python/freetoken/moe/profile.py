@@ -16,7 +16,7 @@ Schema (`SCHEMA_VERSION` 1; bandwidths in bytes/s; CPU curves keyed by tokens pe
      "verdict": {"backend": "offload" | "hybrid", "q_star_b1": float, "hybrid_min_q_star": float}}
 
 `planner` holds the figures q* uses: those measured with copies and CPU kernels running at once (they share the
-memory bus). A profile is used only when it is readable, of this schema, not stale (`MAX_AGE_S`, same freetoken
+memory bus): B_cpu(b) overlapped at each b, and B_pcie the median over b of the copies overlapped with them. A profile is used only when it is readable, of this schema, not stale (`MAX_AGE_S`, same freetoken
 version), and made on this GPU for this expert shape; otherwise the reason is logged and it is ignored.
 """
 
