@@ -298,3 +298,12 @@ def test_gpu_fill_events_are_read_without_a_sync():
     stats = backend.stats()["bandwidth"]
     assert stats["pcie"]["num_samples"] > 0 and stats["pcie"]["measured_gbps"] > 0
     assert stats["cpu"]["num_samples"] > 0
+
+
+def test_nvidia_driver_version_parsing():
+    from freetoken.cli.bench import nvidia_driver_version
+
+    assert nvidia_driver_version("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.03  Thu Jan 1\n") == "580.159.03"
+    text = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.03  Release Build  (dvs-builder@U16)\n"
+    assert nvidia_driver_version(text) == "580.159.03"
+    assert nvidia_driver_version("") is None

@@ -97,6 +97,13 @@ def host_info(kernel_threads: int, isa: str) -> dict[str, Any]:
     }
 
 
+def nvidia_driver_version(text: str) -> str | None:
+    """The driver version in /proc/driver/nvidia/version's text ("NVRM version: NVIDIA UNIX [Open] Kernel Module
+    [for x86_64]  580.159.03  Release Build ..."), or None."""
+    match = re.search(r"Kernel Module.*?\s(\d+\.\d+(?:\.\d+)*)\s", text)
+    return match.group(1) if match else None
+
+
 def gpu_info(index: int) -> dict[str, Any]:
     """Name, UUID, CUDA runtime, driver (/proc/driver/nvidia/version) and PCIe link (sysfs, by the device's PCI
     bus id) of CUDA device `index`; what cannot be read is null."""
@@ -107,13 +114,13 @@ def gpu_info(index: int) -> dict[str, Any]:
     bus_id = None if None in pci else "{:04x}:{:02x}:{:02x}.0".format(*pci)
     keys = ("current_link_speed", "current_link_width", "max_link_speed", "max_link_width")
     link = {k: _read(f"/sys/bus/pci/devices/{bus_id}/{k}") if bus_id else None for k in keys}
-    driver = re.search(r"Kernel Module\s+(\S+)", _read("/proc/driver/nvidia/version") or "")
+    driver = nvidia_driver_version(_read("/proc/driver/nvidia/version") or "")
     return {
         "uuid": str(props.uuid),
         "name": props.name,
         "index": index,
         "cuda_runtime": torch.version.cuda,
-        "driver": driver.group(1) if driver else None,
+        "driver": driver,
         "pci_bus_id": bus_id,
         "pcie_link": link if any(link.values()) else None,
         "total_memory_bytes": props.total_memory,
