@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.kernels.fused_moe import align_pairs, fused_moe, fused_moe_reference
+from freetoken.kernels.fused_moe import align_pairs, align_pairs_host, fused_moe, fused_moe_reference
 from freetoken.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -35,6 +35,16 @@ def test_align_pairs_groups_by_expert(num_tokens, top_k):
         if expert < 0:
             assert not pairs
         assert all(ids.reshape(-1)[p].item() == expert for p in pairs)
+
+
+@pytest.mark.parametrize("num_tokens,top_k,block_m", [(1, 8, 16), (7, 3, 16), (40, 8, 64)])
+def test_align_pairs_host_equals_device(num_tokens, top_k, block_m):
+    gen = torch.Generator().manual_seed(num_tokens)
+    ids = torch.randint(-1, 20, (num_tokens, top_k), generator=gen)
+    expected = align_pairs(ids.to(DEVICE), 20, block_m)
+    got = align_pairs_host(ids.numpy(), 20, block_m)
+    for g, e in zip(got, expected):
+        assert g.tolist() == e.tolist()
 
 
 @pytest.mark.parametrize(

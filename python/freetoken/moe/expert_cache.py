@@ -203,10 +203,30 @@ class ExpertCacheBackend:
             self._host_out = torch.empty(shape, dtype=torch.float32, pin_memory=pin)
         return self._host_hidden[:num_tokens], self._host_out[:num_tokens]
 
-    def _host_slots(self, shape: torch.Size) -> torch.Tensor:
-        """A pinned (on CUDA) int64 host buffer for the step's slot ids, fresh each call: the previous one may
-        still be in flight to the device."""
-        return torch.empty(shape, dtype=torch.int64, pin_memory=self.device.type == "cuda")
+    def _slot_experts(self, hidden: torch.Tensor, topk_slots: np.ndarray, topk_weights: torch.Tensor) -> torch.Tensor:
+        """The grouped SwiGLU over the picks resident in slots (`topk_slots` [T, k], -1 where the CPU runs it).
+
+        On CUDA the slot ids and the kernel's tile alignment are made on the host (they are known there already)
+        and sent in one copy through pinned memory: no alignment kernels, and no copy from pageable memory,
+        which would block the host until the fills end.
+        """
+        if not hidden.is_cuda:
+            slots = torch.from_numpy(topk_slots.astype(np.int64))
+            return grouped_swiglu(hidden, self.gate_up, self.down, slots, topk_weights)
+        from freetoken.kernels.fused_moe import align_pairs_host, block_m_for, fused_moe
+
+        sorted_pairs, block_expert = align_pairs_host(topk_slots, self.gate_up.shape[0], block_m_for(topk_slots.size))
+        n_slots, n_pairs = topk_slots.size, sorted_pairs.size
+        # Fresh each call (the caching host allocator recycles it): the previous one may still be in flight.
+        staging = torch.empty(n_slots + n_pairs + block_expert.size, dtype=torch.int64, pin_memory=True)
+        host = staging.numpy()
+        host[:n_slots] = topk_slots.reshape(-1)
+        host[n_slots : n_slots + n_pairs] = sorted_pairs
+        host[n_slots + n_pairs :] = block_expert
+        dev = staging.to(self.device, non_blocking=True)
+        slots = dev[:n_slots].view(topk_slots.shape)
+        alignment = (dev[n_slots : n_slots + n_pairs], dev[n_slots + n_pairs :])
+        return fused_moe(hidden, self.gate_up, self.down, slots, topk_weights, alignment=alignment)
 
     def forward(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -219,7 +239,8 @@ class ExpertCacheBackend:
             host_hidden, host_out = self._host_buffers(num_tokens)
             host_hidden.copy_(hidden, non_blocking=True)
         ids = topk_ids.to("cpu", non_blocking=True)
-        weights = topk_weights.to("cpu", torch.float32, non_blocking=True)
+        # offload needs the weights on the host only when every slot is pinned (rare): fetched then.
+        weights = None if self.mode == "offload" else topk_weights.to("cpu", torch.float32, non_blocking=True)
         if hidden.is_cuda:
             torch.cuda.current_stream(self.device).synchronize()  # ids, weights and hidden are on the host now
         ids_np = ids.numpy()
@@ -229,15 +250,12 @@ class ExpertCacheBackend:
             self._fill(pool_layer, plan.fill_experts, plan.fill_slots)
         out = None
         if plan.num_hits or plan.num_fills:
-            # Through pinned memory: a copy from pageable memory would block the host until the fills end.
-            host_slots = self._host_slots(topk_ids.shape)
-            host_slots.numpy()[...] = plan.topk_slots
-            slots = host_slots.to(self.device, non_blocking=True)
-            out = grouped_swiglu(hidden, self.gate_up, self.down, slots, topk_weights)
+            out = self._slot_experts(hidden, plan.topk_slots, topk_weights)
         if plan.num_cpu:
             if host_hidden is None:  # offload with every slot pinned: the rest of the misses run here
                 host_hidden, host_out = self._host_buffers(num_tokens)
                 host_hidden.copy_(hidden)
+                weights = topk_weights.to("cpu", torch.float32)
             host_out.zero_()
             t0 = time.perf_counter()
             self.cpu.forward(
