@@ -11,8 +11,9 @@ import pytest
 from freetoken.config import EngineConfig
 from freetoken.engine.cuda_graph import DecodeRunner
 from freetoken.engine.llm_engine import LLMEngine
-from freetoken.engine.types import SamplingParams
 from freetoken.models.demo import build_demo_checkpoint
+
+from greedy import greedy_tokens
 
 PROMPTS = [[3, 17, 100, 42, 7], [5, 6, 400, 401, 402, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
 
@@ -22,15 +23,8 @@ def checkpoint(tmp_path_factory):
     return build_demo_checkpoint(tmp_path_factory.mktemp("demo"), seed=11, mlp_only_layers=[1])
 
 
-def _greedy(engine: LLMEngine, max_tokens: int = 6) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, params)
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
-    while engine.has_work():
-        for o in engine.step():
-            out[o.request_id].extend(o.chunk.token_ids)
-    return [out[str(i)] for i in range(len(PROMPTS))]
+def _greedy(engine: LLMEngine) -> list[list[int]]:
+    return greedy_tokens(engine, PROMPTS, 6)
 
 
 @pytest.mark.skipif(

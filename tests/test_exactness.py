@@ -12,9 +12,9 @@ from safetensors.torch import load_file, save_file
 
 from freetoken.config import EngineConfig
 from freetoken.engine.llm_engine import LLMEngine
-from freetoken.engine.types import SamplingParams
 from freetoken.models.attention import AttentionMetadata
 
+from greedy import greedy_tokens
 from reference import make_reference_checkpoint
 
 CONFIGS = {
@@ -34,14 +34,7 @@ def _engine(path, **kwargs) -> LLMEngine:
 
 
 def _greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 32) -> list[list[int]]:
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_work():
-        for o in engine.step():
-            out[o.request_id].extend(o.chunk.token_ids)
-    return [out[str(i)] for i in range(len(prompts))]
+    return greedy_tokens(engine, prompts, max_tokens)
 
 
 def _hf_greedy(model, prompt: list[int], max_tokens: int = 32) -> list[int]:

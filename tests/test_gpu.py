@@ -10,9 +10,9 @@ import torch
 
 from freetoken.config import EngineConfig
 from freetoken.engine.llm_engine import LLMEngine
-from freetoken.engine.types import SamplingParams
 from freetoken.models.demo import build_demo_checkpoint
 
+from greedy import greedy_tokens
 from reference import make_reference_checkpoint
 
 pytestmark = [
@@ -27,14 +27,7 @@ def _greedy(path, device: str, dtype: str, prompts, max_tokens: int, **engine_ar
     engine = LLMEngine.from_dir(
         path, EngineConfig(device=device, dtype=dtype, kv_cache_gb=0.5, moe_backend="fused", **engine_args)
     )
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    while engine.has_work():
-        for o in engine.step():
-            out[o.request_id].extend(o.chunk.token_ids)
-    return [out[str(i)] for i in range(len(prompts))]
+    return greedy_tokens(engine, prompts, max_tokens)
 
 
 def test_demo_greedy_on_cuda_equals_cpu(tmp_path):
@@ -97,11 +90,4 @@ def test_offload_piecewise_graphs_equal_fused(tmp_path, slots):
         path, EngineConfig(device="cuda", dtype="bfloat16", kv_cache_gb=0.5, moe_backend="offload", expert_slots=slots)
     )
     assert engine.runner.decode is not None and engine.runner.decode.span_graphs
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(PROMPTS):
-        engine.add_request(str(i), p, params)
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
-    while engine.has_work():
-        for o in engine.step():
-            out[o.request_id].extend(o.chunk.token_ids)
-    assert [out[str(i)] for i in range(len(PROMPTS))] == fused
+    assert greedy_tokens(engine, PROMPTS, 16) == fused
