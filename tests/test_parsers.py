@@ -177,3 +177,15 @@ def test_real_template_prompts(demo_tokenizer):
     assert out.reasoning == "" and out.content == "Hi </think> there"
     out = parse_text(_parser(thinking, True), "<think>\nr\n</think>\n\nc")
     assert (out.reasoning, out.content) == ("r", "c")
+
+
+def test_tool_call_prefix_forces_a_call():
+    parser = _parser(PROMPT, True)
+    first = parser.feed(parser.tool_call_prefix("get_weather"))
+    assert first.tool_calls[0].name == "get_weather"  # the call starts with the prefix
+    out = parse_text(parser, '"city": "Paris"}}\n</tool_call>', first)
+    assert out == ParsedOutput("", "", [ToolCall("get_weather", '{"city": "Paris"}')])
+    parser = _parser(PROMPT, True)
+    out = parse_text(parser, parser.tool_call_prefix(None) + '{"name": "ls", "arguments": {}}\n</tool_call>')
+    assert out.tool_calls == [ToolCall("ls", "{}")]
+    assert _parser(PROMPT_OPEN, True).tool_call_prefix(None) is None  # inside the prompt's open <think>

@@ -201,3 +201,108 @@ def test_concurrent_requests(server):
             return await asyncio.gather(*(one(client, i) for i in range(8)))
 
     assert all(size > 0 for size in asyncio.run(main()))
+
+
+WEATHER_TOOLS = [{
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather in a city",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}, {
+    "type": "function",
+    "function": {"name": "list_files", "parameters": {"type": "object", "properties": {}}},
+}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_named_tool_choice_forces_a_call(openai_client):
+    response = _greedy(openai_client, tools=WEATHER_TOOLS, tool_choice=NAMED, max_tokens=6)
+    choice = response.choices[0]
+    assert choice.finish_reason in ("tool_calls", "length")
+    assert choice.message.content is None
+    [call] = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert call.function.arguments.startswith("{")
+    assert hasattr(choice.message, "reasoning_content")
+
+    chunks = list(_greedy(openai_client, tools=WEATHER_TOOLS, tool_choice=NAMED, max_tokens=6, stream=True))
+    pieces = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+    assert pieces[0].index == 0 and pieces[0].id.startswith("call_") and pieces[0].type == "function"
+    assert pieces[0].function.name == "get_weather"
+    assert all(p.index == 0 and p.id is None and p.function.name is None for p in pieces[1:])
+    assert "".join(p.function.arguments or "" for p in pieces) == call.function.arguments
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [choice.finish_reason]
+    assert all(not c.choices or not c.choices[0].delta.content for c in chunks)
+
+
+def test_tool_choice_none_leaves_tools_out(openai_client, demo_tokenizer):
+    auto = _greedy(openai_client, tools=WEATHER_TOOLS, max_tokens=1)
+    none = _greedy(openai_client, tools=WEATHER_TOOLS, tool_choice="none", max_tokens=1)
+    plain = _greedy(openai_client, max_tokens=1)
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens < auto.usage.prompt_tokens
+    with_tools = demo_tokenizer.apply_chat_template(HELLO, tools=WEATHER_TOOLS, add_generation_prompt=True)
+    assert auto.usage.prompt_tokens == len(demo_tokenizer.encode(with_tools))
+    required = _greedy(openai_client, tools=WEATHER_TOOLS, tool_choice="required", max_tokens=4)
+    opening = len(demo_tokenizer.encode("<tool_call>\n"))
+    assert required.usage.prompt_tokens == auto.usage.prompt_tokens + opening  # the prompt opens a call
+    assert required.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+def test_bad_tool_choice_is_400(http):
+    base = {"model": "m", "messages": HELLO, "max_tokens": 1}
+    cases = [
+        ({"tools": WEATHER_TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+         "tool_choice.function.name"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": WEATHER_TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": WEATHER_TOOLS, "tool_choice": {"type": "function"}}, "tool_choice.function"),
+    ]
+    for extra, param in cases:
+        response = http.post("/v1/chat/completions", json={**base, **extra})
+        assert response.status_code == 400, (extra, response.text)
+        assert response.json()["error"]["param"] == param
+
+
+def test_multi_turn_tool_history(openai_client, http):
+    """Arguments in history as a JSON string or as an object render the same prompt; several calls per turn."""
+
+    def history(arguments):
+        return [
+            {"role": "user", "content": "Weather in Paris and Rome, then list files."},
+            {"role": "assistant", "content": None, "reasoning_content": "Two cities.", "tool_calls": [
+                {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": arguments[0]}},
+                {"id": "call_b", "type": "function", "function": {"name": "get_weather", "arguments": arguments[1]}},
+            ]},
+            {"role": "tool", "tool_call_id": "call_a", "content": "sunny"},
+            {"role": "tool", "tool_call_id": "call_b", "content": [{"type": "text", "text": "rain"}]},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": "call_c", "type": "function", "function": {"name": "list_files", "arguments": "{}"}}]},
+            {"role": "tool", "tool_call_id": "call_c", "content": "a.py"},
+        ]
+
+    as_strings = history(['{"city": "Paris"}', '{"city": "Rome"}'])
+    response = openai_client.chat.completions.create(
+        model="m", messages=as_strings, tools=WEATHER_TOOLS, tool_choice="auto", max_tokens=4, temperature=0,
+        extra_body={"chat_template_kwargs": {"enable_thinking": False}},
+    )
+    assert response.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    body = {"model": "m", "messages": history([{"city": "Paris"}, {"city": "Rome"}]), "tools": WEATHER_TOOLS,
+            "max_tokens": 4, "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}}
+    raw = http.post("/v1/chat/completions", json=body)
+    assert raw.status_code == 200, raw.text
+    assert raw.json()["usage"]["prompt_tokens"] == response.usage.prompt_tokens
+
+
+def test_enable_thinking_false_shapes(openai_client, demo_tokenizer):
+    kwargs = {"chat_template_kwargs": {"enable_thinking": False}}
+    response = _greedy(openai_client, max_tokens=4, extra_body=kwargs)
+    prompt = demo_tokenizer.apply_chat_template(HELLO, enable_thinking=False)
+    assert response.usage.prompt_tokens == len(demo_tokenizer.encode(prompt))
+    message = response.choices[0].message
+    assert message.reasoning_content is None and isinstance(message.content, str)
+    chunks = list(_greedy(openai_client, max_tokens=4, stream=True, extra_body=kwargs))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == message.content

@@ -321,7 +321,7 @@ async def messages(request: Request) -> Response:
     state = request.app.state
     engine = state.engine
     req = parse_messages_request(parse_json_object(await read_body(request)))
-    prompt_ids = await render_prompt(engine, req.messages, req.tools, req.template_kwargs)
+    prompt_ids = (await render_prompt(engine, req.messages, req.tools, req.template_kwargs)).ids
     fit_context(len(prompt_ids), req.params.max_tokens, engine.max_model_len, max_tokens_param="max_tokens")
     message_id = f"msg_{uuid.uuid4().hex}"
     model = state.served_model_name
@@ -336,5 +336,5 @@ async def count_tokens(request: Request) -> Response:
     """``POST /v1/messages/count_tokens``: the prompt's token count, as the chat template renders it."""
     engine = request.app.state.engine
     req = parse_messages_request(parse_json_object(await read_body(request)), count_only=True)
-    prompt_ids = await render_prompt(engine, req.messages, req.tools, req.template_kwargs)
-    return JSONResponse({"input_tokens": len(prompt_ids)})
+    prompt = await render_prompt(engine, req.messages, req.tools, req.template_kwargs)
+    return JSONResponse({"input_tokens": len(prompt.ids)})

@@ -1,6 +1,8 @@
 """From validated chat messages to engine output, shared by both APIs.
 
-- `render_prompt`: chat template (with tool definitions) -> prompt token ids, off the event loop.
+- `render_prompt`: chat template (with tool definitions) -> prompt text and token ids, off the event loop.
+- `start_parser`: the model family's output parser for one request; for a forced tool choice it also
+  appends the opening of a tool call to the prompt.
 - `fit_context`: checks the prompt and the completion budget against the engine's context length.
 - `collect`: runs one request to completion for a non-streaming response, and aborts it when the
   client disconnects first.
@@ -24,6 +26,12 @@ from starlette.requests import Request
 from freetoken.engine import RequestError
 from freetoken.engine.types import GenerationChunk, SamplingParams
 from freetoken.server.errors import ApiError, ErrorCode, invalid_request
+from freetoken.server.parsers import (
+    OutputParser,
+    ParsedDelta,
+    ParserOptions,
+    parser_for,
+)
 
 logger = logging.getLogger("freetoken.server")
 
@@ -54,12 +62,39 @@ class Completion:
     num_output_tokens: int
 
 
+@dataclass
+class Prompt:
+    """A rendered prompt.
+
+    Attributes:
+        text: the chat template's output.
+        ids: its token ids (plus those of a forced tool call's opening, see `start_parser`).
+    """
+
+    text: str
+    ids: list[int]
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """How the model may use the offered tools.
+
+    Attributes:
+        mode: "auto" (the model decides), "none" (tools not offered, calls not parsed), "required"
+            (a call is forced), or "function" (a call of `name` is forced).
+        name: the function of mode "function".
+    """
+
+    mode: str = "auto"
+    name: str | None = None
+
+
 async def render_prompt(
     engine: Any,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     template_kwargs: dict[str, Any],
-) -> list[int]:
+) -> Prompt:
     """Render `messages` (Hugging Face chat format) with the model's chat template and tokenize.
 
     Template errors (for example a conversation the template rejects) become a 400 naming `messages`.
@@ -67,11 +102,11 @@ async def render_prompt(
     tokenizer = engine.tokenizer
     template_kwargs = {k: v for k, v in template_kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
 
-    def render() -> list[int]:
+    def render() -> Prompt:
         text = tokenizer.apply_chat_template(
             messages, tools=tools or None, add_generation_prompt=True, **template_kwargs
         )
-        return tokenizer.encode(text)
+        return Prompt(text, tokenizer.encode(text))
 
     try:
         return await run_in_threadpool(render)
@@ -85,6 +120,27 @@ async def render_prompt(
                 ErrorCode.TEMPLATE_ERROR, f"the chat template cannot render these messages: {exc}", "messages"
             ) from None
         raise
+
+
+def start_parser(
+    engine: Any, prompt: Prompt, tools_offered: bool, tool_choice: ToolChoice
+) -> tuple[OutputParser, ParsedDelta]:
+    """The output parser of one request, and what it already parsed of a forced tool call's opening.
+
+    With tool choice "required" or "function", the opening of a tool call (naming the function for
+    "function") is appended to `prompt.ids`, so the model's output continues inside the call; the
+    returned delta is what that opening means (the call's name, for "function"). A model or prompt
+    that cannot be forced this way (see `OutputParser.tool_call_prefix`) is left to choose.
+    """
+    parse_tools = tools_offered and tool_choice.mode != "none"
+    parser = parser_for(engine.tokenizer, ParserOptions(prompt_text=prompt.text, parse_tools=parse_tools))
+    if not parse_tools or tool_choice.mode not in ("required", "function"):
+        return parser, ParsedDelta()
+    prefix = parser.tool_call_prefix(tool_choice.name)
+    if not prefix:
+        return parser, ParsedDelta()
+    prompt.ids = prompt.ids + engine.tokenizer.encode(prefix)
+    return parser, parser.feed(prefix)
 
 
 def fit_context(

@@ -1,13 +1,24 @@
 """OpenAI chat completions: ``POST /v1/chat/completions``, streaming (SSE) and not.
 
-Accepted: roles system, developer (rendered as system), user, assistant (with ``tool_calls``), tool;
-content as a string or an array of text parts; max_tokens / max_completion_tokens (the latter wins),
-temperature, top_p, seed, stop (string or array), stream, stream_options.include_usage, tools
-(passed to the chat template); non-standard ``top_k``, ``ignore_eos`` and ``chat_template_kwargs``
-(as in vLLM).
-Accepted and ignored for now: tool_choice, parallel_tool_calls, frequency/presence_penalty, user,
-metadata, store. Rejected with 400 (code unsupported): n > 1, logprobs, non-text content parts,
-response_format other than text.
+Accepted: roles system, developer (rendered as system), user, assistant (with ``tool_calls`` whose
+arguments are a JSON string or an object, and ``reasoning_content``), tool; content as a string, an
+array of text parts, or null; max_tokens / max_completion_tokens (the latter wins), temperature, top_p,
+seed, stop (string or array), stream, stream_options.include_usage, tools, tool_choice; non-standard
+``top_k``, ``ignore_eos`` and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``, as in vLLM).
+Accepted and ignored for now: parallel_tool_calls, frequency/presence_penalty, user, metadata, store.
+Rejected with 400 (code unsupported): n > 1, logprobs, non-text content parts, response_format other
+than text.
+
+Output goes through the model family's parser (`freetoken.server.parsers`): reasoning becomes
+``reasoning_content``, tool calls ``message.tool_calls`` (content null when there is no text) with
+finish_reason ``tool_calls``; streamed, they come as ``delta.reasoning_content`` and ``delta.tool_calls``
+(the first piece of a call has index, id, type and name; later pieces add to its arguments).
+
+tool_choice, and what is enforced: ``none`` leaves the tools out of the prompt and parses no calls;
+``auto`` offers them and parses calls; ``required`` and ``{"type": "function", "function": {"name": N}}``
+offer them and start the assistant turn with the opening of a tool call (naming N), so the model's output
+is a call, unless the prompt ends inside an open reasoning block (then they act as ``auto``). The
+arguments are not constrained to the tool's schema.
 """
 
 from __future__ import annotations
@@ -31,12 +42,20 @@ from freetoken.server.errors import (
 )
 from freetoken.server.generation import (
     Completion,
+    ToolChoice,
     aclose_shielded,
     check_params,
     closing_chunks,
     collect,
     fit_context,
     render_prompt,
+    start_parser,
+)
+from freetoken.server.parsers import (
+    OutputParser,
+    ParsedDelta,
+    ParsedOutput,
+    parse_text,
 )
 from freetoken.server.schema import (
     get_field,
@@ -66,6 +85,7 @@ class ChatRequest:
     Attributes:
         messages: the conversation in the Hugging Face chat format (content always a string).
         tools: tool definitions for the chat template, or None.
+        tool_choice: how the model may use `tools`.
         template_kwargs: extra chat template variables (``chat_template_kwargs``).
         params: sampling parameters; ``max_tokens`` is set from the context once the prompt is known.
         max_tokens: the client's completion budget, or None.
@@ -76,6 +96,7 @@ class ChatRequest:
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
+    tool_choice: ToolChoice
     template_kwargs: dict[str, Any]
     params: SamplingParams
     max_tokens: int | None
@@ -178,12 +199,44 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     return tools or None
 
 
+def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> ToolChoice:
+    """``tool_choice``: "auto" (the default), "none", "required", or a named function among `tools`."""
+    value = get_field(body, "tool_choice", (str, dict), default="auto")
+    if isinstance(value, str):
+        if value not in ("auto", "none", "required"):
+            raise invalid_request(
+                ErrorCode.INVALID_VALUE,
+                f"tool_choice must be 'auto', 'none', 'required' or a function object, got {value!r}",
+                "tool_choice",
+            )
+        choice = ToolChoice(value)
+    else:
+        kind = get_field(value, "type", str, parent="tool_choice", required=True)
+        if kind != "function":
+            raise invalid_request(
+                ErrorCode.UNSUPPORTED, f"tool_choice.type must be 'function', got {kind!r}", "tool_choice.type"
+            )
+        function = get_field(value, "function", dict, parent="tool_choice", required=True)
+        name = get_field(function, "name", str, parent="tool_choice.function", required=True)
+        if name not in {tool["function"]["name"] for tool in tools or []}:
+            raise invalid_request(
+                ErrorCode.INVALID_VALUE,
+                f"tool_choice names function {name!r}, which is not among tools",
+                "tool_choice.function.name",
+            )
+        choice = ToolChoice("function", name)
+    if choice.mode == "required" and not tools:
+        raise invalid_request(ErrorCode.INVALID_VALUE, "tool_choice 'required' needs tools", "tool_choice")
+    return choice
+
+
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     """Validate a chat completions body; every failure is a 400 naming the field."""
     get_field(body, "model", str, required=True)
     raw_messages = get_object_list(body, "messages", required=True, non_empty=True)
     messages = convert_messages(raw_messages)
     tools = _tools(body)
+    tool_choice = _tool_choice(body, tools)
 
     n = get_int(body, "n", default=1)
     if n != 1:
@@ -235,6 +288,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     return ChatRequest(
         messages=messages,
         tools=tools,
+        tool_choice=tool_choice,
         template_kwargs=template_kwargs,
         params=params,
         max_tokens=max_tokens,
@@ -252,8 +306,30 @@ def _usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
     }
 
 
-def completion_body(request_id: str, created: int, model: str, completion: Completion) -> dict[str, Any]:
-    """The non-streaming ``chat.completion`` object."""
+def _call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def _finish_reason(finish_reason: str, has_tool_calls: bool) -> str:
+    """The engine's finish reason, as "tool_calls" when the model stopped after calling tools."""
+    return "tool_calls" if has_tool_calls and finish_reason == "stop" else finish_reason
+
+
+def completion_body(
+    request_id: str, created: int, model: str, completion: Completion, output: ParsedOutput
+) -> dict[str, Any]:
+    """The non-streaming ``chat.completion`` object of `completion`, parsed into `output`."""
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": output.content if output.content or not output.tool_calls else None,
+        "refusal": None,
+        "reasoning_content": output.reasoning or None,
+    }
+    if output.tool_calls:
+        message["tool_calls"] = [
+            {"id": _call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+            for call in output.tool_calls
+        ]
     return {
         "id": request_id,
         "object": "chat.completion",
@@ -263,24 +339,53 @@ def completion_body(request_id: str, created: int, model: str, completion: Compl
         "choices": [
             {
                 "index": 0,
-                "message": {"role": "assistant", "content": completion.text, "refusal": None},
+                "message": message,
                 "logprobs": None,
-                "finish_reason": completion.finish_reason,
+                "finish_reason": _finish_reason(completion.finish_reason, bool(output.tool_calls)),
             }
         ],
         "usage": _usage(completion.num_prompt_tokens, completion.num_output_tokens),
     }
 
 
+def _delta_fields(delta: ParsedDelta, call_ids: list[str]) -> dict[str, Any]:
+    """A parsed delta as the fields of a chunk's ``delta`` (empty when it carries nothing); a tool call's
+    first piece gets a new id, appended to `call_ids`."""
+    fields: dict[str, Any] = {}
+    if delta.reasoning:
+        fields["reasoning_content"] = delta.reasoning
+    if delta.content:
+        fields["content"] = delta.content
+    calls = []
+    for piece in delta.tool_calls:
+        if piece.name is not None:
+            call_ids.append(_call_id())
+            calls.append({
+                "index": piece.index,
+                "id": call_ids[piece.index],
+                "type": "function",
+                "function": {"name": piece.name, "arguments": piece.arguments},
+            })
+        else:
+            calls.append({"index": piece.index, "function": {"arguments": piece.arguments}})
+    if calls:
+        fields["tool_calls"] = calls
+    return fields
+
+
 async def _stream_events(
     engine: Any,
     prompt_ids: list[int],
     chat: ChatRequest,
+    parser: OutputParser,
+    first: ParsedDelta,
     request_id: str,
     created: int,
     model: str,
 ) -> AsyncGenerator[bytes, None]:
-    """The SSE events of one streamed completion, ending with ``[DONE]``; raises on failure (`guard_stream`)."""
+    """The SSE events of one streamed completion, ending with ``[DONE]``; raises on failure (`guard_stream`).
+
+    `first` is what the parser made of a forced tool call's opening (sent with the first text)."""
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": None}
     if chat.include_usage:
@@ -291,18 +396,26 @@ async def _stream_events(
         return sse_data({**base, "choices": [choice]})
 
     yield chunk_event({"role": "assistant", "content": ""})
+    call_ids: list[str] = []
     chunks = closing_chunks(engine, prompt_ids, chat.params, request_id)
     last = None
     try:
         async for out in chunks:
-            if out.text:
-                yield chunk_event({"content": out.text})
+            first.extend(parser.feed(out.text))
+            fields = _delta_fields(first, call_ids)
+            first = ParsedDelta()
+            if fields:
+                yield chunk_event(fields)
             last = out
     finally:
         await aclose_shielded(chunks)
     if last is None or last.finish_reason is None:
         raise ApiError(500, ErrorCode.INTERNAL_ERROR, "the engine ended the request without a finish reason")
-    yield chunk_event({}, last.finish_reason)
+    first.extend(parser.finish())
+    fields = _delta_fields(first, call_ids)
+    if fields:
+        yield chunk_event(fields)
+    yield chunk_event({}, _finish_reason(last.finish_reason, bool(call_ids)))
     if chat.include_usage:
         num_prompt_tokens = last.num_prompt_tokens or len(prompt_ids)
         yield sse_data({**base, "choices": [], "usage": _usage(num_prompt_tokens, last.num_output_tokens)})
@@ -318,7 +431,10 @@ async def chat_completions(request: Request) -> Response:
     state = request.app.state
     engine = state.engine
     chat = parse_chat_request(parse_json_object(await read_body(request)))
-    prompt_ids = await render_prompt(engine, chat.messages, chat.tools, chat.template_kwargs)
+    tools = None if chat.tool_choice.mode == "none" else chat.tools
+    prompt = await render_prompt(engine, chat.messages, tools, chat.template_kwargs)
+    parser, first = start_parser(engine, prompt, bool(tools), chat.tool_choice)
+    prompt_ids = prompt.ids
     chat.params.max_tokens = fit_context(
         len(prompt_ids), chat.max_tokens, engine.max_model_len, max_tokens_param=chat.max_tokens_param
     )
@@ -326,7 +442,8 @@ async def chat_completions(request: Request) -> Response:
     created = int(time.time())
     model = state.served_model_name
     if chat.stream:
-        events = _stream_events(engine, prompt_ids, chat, request_id, created, model)
+        events = _stream_events(engine, prompt_ids, chat, parser, first, request_id, created, model)
         return EventStreamResponse(guard_stream(events, request_id, _error_events))
     completion = await collect(request, engine, prompt_ids, chat.params, request_id)
-    return JSONResponse(completion_body(request_id, created, model, completion))
+    output = parse_text(parser, completion.text, first)
+    return JSONResponse(completion_body(request_id, created, model, completion, output))

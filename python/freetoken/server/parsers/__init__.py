@@ -89,6 +89,11 @@ class OutputParser(Protocol):
         """The end of generation: return everything still held back."""
         ...
 
+    def tool_call_prefix(self, name: str | None) -> str | None:
+        """Text that, appended to the prompt, starts a tool call (of function `name`, if given); None when
+        this model or prompt cannot be made to call a tool that way. Called before any `feed`."""
+        ...
+
 
 @dataclass(frozen=True)
 class ParserOptions:
@@ -116,6 +121,10 @@ class PlainTextParser:
     def finish(self) -> ParsedDelta:
         """Nothing is held back."""
         return ParsedDelta()
+
+    def tool_call_prefix(self, name: str | None) -> None:
+        """No markup for tool calls is known."""
+        del name
 
 
 @dataclass(frozen=True)
@@ -149,11 +158,9 @@ def parser_for(tokenizer: Any, options: ParserOptions) -> OutputParser:
     return PlainTextParser(options)
 
 
-def parse_text(parser: OutputParser, text: str) -> ParsedOutput:
-    """Run `parser` over a whole completion."""
-    delta = parser.feed(text)
-    delta.extend(parser.finish())
-    return collect_deltas([delta])
+def parse_text(parser: OutputParser, text: str, before: ParsedDelta | None = None) -> ParsedOutput:
+    """Run `parser` over a whole completion; `before` is what it parsed earlier (a forced prefix)."""
+    return collect_deltas([before or ParsedDelta(), parser.feed(text), parser.finish()])
 
 
 def collect_deltas(deltas: list[ParsedDelta]) -> ParsedOutput:

@@ -158,6 +158,15 @@ class Qwen3Parser:
             out.content += tail
         return out
 
+    def tool_call_prefix(self, name: str | None) -> str | None:
+        """``<tool_call>``, and for `name` the header up to the arguments' ``{`` (so the call starts at
+        once); None inside a reasoning block the prompt opened."""
+        if self._mode == _REASONING:
+            return None
+        if name is None:
+            return TOOL_OPEN + "\n"
+        return f'{TOOL_OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {{'
+
     def _emit(self, out: ParsedDelta, text: str) -> None:
         if self._mode == _REASONING:
             out.reasoning += self._segment.push(text)
