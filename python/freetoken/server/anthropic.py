@@ -2,19 +2,32 @@
 
 Accepted: ``system`` as a string or an array of text blocks; message content as a string or blocks
 (text; tool_use in assistant turns and tool_result in user turns are rendered through the chat
-template as tool calls and tool messages; thinking blocks are dropped); ``max_tokens`` (required),
-stop_sequences, temperature, top_p, top_k, stream, tools (``input_schema`` becomes the function's
-``parameters``), ``thinking`` (sets the template's ``enable_thinking``). Accepted and ignored for now:
-tool_choice, metadata, service_tier, cache_control. Rejected with 400 (code unsupported): image and
+template as tool calls and tool messages; thinking blocks become the turn's ``reasoning_content``, which
+the template keeps or drops; redacted_thinking and block types this server does not know are skipped);
+``max_tokens`` (required), stop_sequences, temperature, top_p, top_k, stream, tools (``input_schema``
+becomes the function's ``parameters``), tool_choice, ``thinking`` (sets the template's
+``enable_thinking``; absent leaves the template's default). Accepted and ignored: metadata,
+service_tier, cache_control, disable_parallel_tool_use. Rejected with 400 (code unsupported): image and
 document blocks. The ``anthropic-version`` header is accepted, whatever its value.
 
-Stream event order: message_start, content_block_start, ping, content_block_delta (text_delta)…,
-content_block_stop, message_delta (stop_reason, usage), message_stop; an ``error`` event replaces
-the tail when the request fails mid-stream.
+Output goes through the model family's parser (`freetoken.server.parsers`): reasoning becomes a
+``thinking`` block (with an empty ``signature``; no signature_delta is streamed, which the SDK accepts),
+text a ``text`` block, each tool call a ``tool_use`` block (``toolu_`` id; ``input`` is the parsed
+arguments, ``{}`` when the model's JSON is not an object), and ``stop_reason`` is ``tool_use`` when the
+model stopped after calling tools. tool_choice: ``none`` leaves the tools out of the prompt; ``auto``
+offers them; ``any`` and ``tool`` start the assistant turn with the opening of a tool call (naming the
+tool for ``tool``), as the OpenAI module's ``required`` and named choice do.
+
+Stream event order: message_start; per block content_block_start, content_block_delta (thinking_delta,
+text_delta or input_json_delta)…, content_block_stop, with one ping after the first block starts;
+message_delta (stop_reason, usage), message_stop. A block starts when its first piece arrives; a
+completion with no output has one empty text block. An ``error`` event replaces the tail when the
+request fails mid-stream.
 """
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
@@ -32,12 +45,20 @@ from freetoken.server.errors import (
 )
 from freetoken.server.generation import (
     Completion,
+    ToolChoice,
     aclose_shielded,
     check_params,
     closing_chunks,
     collect,
     fit_context,
     render_prompt,
+    start_parser,
+)
+from freetoken.server.parsers import (
+    OutputParser,
+    ParsedDelta,
+    ParsedOutput,
+    parse_text,
 )
 from freetoken.server.schema import (
     get_field,
@@ -60,6 +81,7 @@ class MessagesRequest:
     Attributes:
         messages: the conversation in the Hugging Face chat format (system first, if any).
         tools: tool definitions in the function format the chat template takes, or None.
+        tool_choice: how the model may use `tools`.
         template_kwargs: extra chat template variables.
         params: sampling parameters (max_tokens as asked).
         stop_sequences: the client's stop sequences, to tell stop_sequence from end_turn.
@@ -68,6 +90,7 @@ class MessagesRequest:
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
+    tool_choice: ToolChoice
     template_kwargs: dict[str, Any]
     params: SamplingParams
     stop_sequences: list[str]
@@ -93,14 +116,19 @@ def _unsupported_block(kind: str, path: str) -> ApiError:
     )
 
 
+# Blocks the model cannot take and must not silently lose; any other unknown type is skipped.
+_REFUSED_BLOCKS = frozenset({"image", "document"})
+
+
 def _text_of(blocks: list[dict[str, Any]], path: str) -> str:
-    """Join text blocks; anything else is unsupported at this place."""
+    """Join text blocks; images and documents are unsupported, other block types are skipped."""
     texts = []
     for i, block in enumerate(blocks):
         block_path = join_path(path, i)
-        if block["type"] != "text":
+        if block["type"] == "text":
+            texts.append(get_field(block, "text", str, parent=block_path, required=True))
+        elif block["type"] in _REFUSED_BLOCKS:
             raise _unsupported_block(block["type"], block_path)
-        texts.append(get_field(block, "text", str, parent=block_path, required=True))
     return "\n".join(texts)
 
 
@@ -126,7 +154,7 @@ def _convert_user(blocks: list[dict[str, Any]], path: str) -> list[dict[str, Any
             text = "" if content is None else _text_of(_blocks(content, join_path(block_path, "content")),
                                                       join_path(block_path, "content"))
             out.append({"role": "tool", "content": text, "tool_call_id": tool_use_id})
-        else:
+        elif kind in _REFUSED_BLOCKS:
             raise _unsupported_block(kind, block_path)
     if texts or not out:
         out.append({"role": "user", "content": "\n".join(texts)})
@@ -134,8 +162,9 @@ def _convert_user(blocks: list[dict[str, Any]], path: str) -> list[dict[str, Any
 
 
 def _convert_assistant(blocks: list[dict[str, Any]], path: str) -> dict[str, Any]:
-    """An assistant turn: text joined, tool_use blocks become tool_calls, thinking dropped."""
+    """An assistant turn: text joined, tool_use blocks become tool_calls, thinking becomes reasoning."""
     texts = []
+    thoughts = []
     tool_calls = []
     for i, block in enumerate(blocks):
         block_path = join_path(path, i)
@@ -151,11 +180,13 @@ def _convert_assistant(blocks: list[dict[str, Any]], path: str) -> dict[str, Any
                     "arguments": get_field(block, "input", dict, parent=block_path, default={}),
                 },
             })
-        elif kind in ("thinking", "redacted_thinking"):
-            continue
-        else:
+        elif kind == "thinking":
+            thoughts.append(get_field(block, "thinking", str, parent=block_path, default=""))
+        elif kind in _REFUSED_BLOCKS:
             raise _unsupported_block(kind, block_path)
     message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    if any(thoughts):
+        message["reasoning_content"] = "\n".join(thoughts)
     if tool_calls:
         message["tool_calls"] = tool_calls
     return message
@@ -199,6 +230,33 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     return tools or None
 
 
+def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> ToolChoice:
+    """``tool_choice``: auto (the default), any, tool (named, among `tools`), none."""
+    value = get_field(body, "tool_choice", dict)
+    if value is None:
+        return ToolChoice()
+    kind = get_field(value, "type", str, parent="tool_choice", required=True)
+    get_field(value, "disable_parallel_tool_use", bool, parent="tool_choice")
+    if kind in ("auto", "none"):
+        return ToolChoice(kind)
+    if kind not in ("any", "tool"):
+        raise invalid_request(
+            ErrorCode.INVALID_VALUE,
+            f"tool_choice.type must be 'auto', 'any', 'tool' or 'none', got {kind!r}",
+            "tool_choice.type",
+        )
+    if not tools:
+        raise invalid_request(ErrorCode.INVALID_VALUE, f"tool_choice {kind!r} needs tools", "tool_choice")
+    if kind == "any":
+        return ToolChoice("required")
+    name = get_field(value, "name", str, parent="tool_choice", required=True)
+    if name not in {tool["function"]["name"] for tool in tools}:
+        raise invalid_request(
+            ErrorCode.INVALID_VALUE, f"tool_choice names tool {name!r}, which is not among tools", "tool_choice.name"
+        )
+    return ToolChoice("function", name)
+
+
 def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     thinking = get_field(body, "thinking", dict)
     if thinking is None:
@@ -216,6 +274,7 @@ def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) ->
     get_field(body, "model", str, required=True)
     messages = convert_messages(body)
     tools = _tools(body)
+    tool_choice = _tool_choice(body, tools)
     template_kwargs = _template_kwargs(body)
     max_tokens = get_int(body, "max_tokens", lo=1, required=not count_only, default=1)
     params = SamplingParams(
@@ -230,6 +289,7 @@ def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) ->
     return MessagesRequest(
         messages=messages,
         tools=tools,
+        tool_choice=tool_choice,
         template_kwargs=template_kwargs,
         params=params,
         stop_sequences=list(params.stop),
@@ -237,10 +297,14 @@ def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) ->
     )
 
 
-def stop_fields(finish_reason: str, stop_reason: str | int | None, stop_sequences: list[str]) -> dict[str, Any]:
+def stop_fields(
+    finish_reason: str, stop_reason: str | int | None, stop_sequences: list[str], used_tools: bool
+) -> dict[str, Any]:
     """The engine's finish -> Anthropic ``stop_reason`` and ``stop_sequence``."""
     if finish_reason == "length":
         return {"stop_reason": "max_tokens", "stop_sequence": None}
+    if used_tools:
+        return {"stop_reason": "tool_use", "stop_sequence": None}
     if isinstance(stop_reason, str) and stop_reason in stop_sequences:
         return {"stop_reason": "stop_sequence", "stop_sequence": stop_reason}
     return {"stop_reason": "end_turn", "stop_sequence": None}
@@ -255,25 +319,112 @@ def _usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
     }
 
 
+def _tool_use_id() -> str:
+    return f"toolu_{uuid.uuid4().hex[:24]}"
+
+
+def _tool_input(arguments: str) -> dict[str, Any]:
+    """A call's arguments as the tool_use ``input`` object; ``{}`` when they are not a JSON object."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
 def message_body(
-    message_id: str, model: str, completion: Completion, stop_sequences: list[str]
+    message_id: str, model: str, completion: Completion, output: ParsedOutput, stop_sequences: list[str]
 ) -> dict[str, Any]:
-    """The non-streaming ``message`` object."""
+    """The non-streaming ``message`` object of `completion`, parsed into `output`."""
+    content: list[dict[str, Any]] = []
+    if output.reasoning:
+        content.append({"type": "thinking", "thinking": output.reasoning, "signature": ""})
+    if output.content or not output.tool_calls:
+        content.append({"type": "text", "text": output.content})
+    for call in output.tool_calls:
+        content.append({"type": "tool_use", "id": _tool_use_id(), "name": call.name,
+                        "input": _tool_input(call.arguments)})
     return {
         "id": message_id,
         "type": "message",
         "role": "assistant",
         "model": model,
-        "content": [{"type": "text", "text": completion.text}],
-        **stop_fields(completion.finish_reason, completion.stop_reason, stop_sequences),
+        "content": content,
+        **stop_fields(
+            completion.finish_reason, completion.stop_reason, stop_sequences, bool(output.tool_calls)
+        ),
         "usage": _usage(completion.num_prompt_tokens, completion.num_output_tokens),
     }
 
 
+class _BlockStream:
+    """Turns parsed deltas into content-block events: a block starts when its first piece arrives and
+    stops when a piece of another block (or the end) comes; one ping follows the first block's start."""
+
+    def __init__(self) -> None:
+        self._kind: str | None = None  # the open block's type
+        self._num_blocks = 0
+        self.used_tools = False
+
+    def _start(self, block: dict[str, Any]) -> list[bytes]:
+        events = self._stop()
+        self._kind = block["type"]
+        events.append(sse_event(
+            "content_block_start", {"type": "content_block_start", "index": self._num_blocks, "content_block": block}
+        ))
+        if self._num_blocks == 0:
+            events.append(sse_event("ping", {"type": "ping"}))
+        self._num_blocks += 1
+        return events
+
+    def _stop(self) -> list[bytes]:
+        if self._kind is None:
+            return []
+        self._kind = None
+        return [sse_event("content_block_stop", {"type": "content_block_stop", "index": self._num_blocks - 1})]
+
+    def _delta(self, delta: dict[str, Any]) -> bytes:
+        return sse_event(
+            "content_block_delta", {"type": "content_block_delta", "index": self._num_blocks - 1, "delta": delta}
+        )
+
+    def events(self, parsed: ParsedDelta) -> list[bytes]:
+        """The events of one parsed delta (reasoning, then content, then tool-call pieces)."""
+        events: list[bytes] = []
+        if parsed.reasoning:
+            if self._kind != "thinking":
+                events += self._start({"type": "thinking", "thinking": "", "signature": ""})
+            events.append(self._delta({"type": "thinking_delta", "thinking": parsed.reasoning}))
+        if parsed.content:
+            if self._kind != "text":
+                events += self._start({"type": "text", "text": ""})
+            events.append(self._delta({"type": "text_delta", "text": parsed.content}))
+        for piece in parsed.tool_calls:
+            if piece.name is not None:
+                self.used_tools = True
+                events += self._start({"type": "tool_use", "id": _tool_use_id(), "name": piece.name, "input": {}})
+            if piece.arguments:
+                events.append(self._delta({"type": "input_json_delta", "partial_json": piece.arguments}))
+        return events
+
+    def close(self) -> list[bytes]:
+        """Stop the open block; a completion without blocks gets one empty text block."""
+        events = [] if self._num_blocks else self._start({"type": "text", "text": ""})
+        return events + self._stop()
+
+
 async def _stream_events(
-    engine: Any, prompt_ids: list[int], req: MessagesRequest, message_id: str, model: str
+    engine: Any,
+    prompt_ids: list[int],
+    req: MessagesRequest,
+    parser: OutputParser,
+    first: ParsedDelta,
+    message_id: str,
+    model: str,
 ) -> AsyncGenerator[bytes, None]:
-    """The SSE events of one streamed message; raises on failure (`guard_stream`)."""
+    """The SSE events of one streamed message; raises on failure (`guard_stream`).
+
+    `first` is what the parser made of a forced tool call's opening (sent with the first text)."""
     num_prompt_tokens = len(prompt_ids)
     start = {
         "id": message_id,
@@ -286,28 +437,24 @@ async def _stream_events(
         "usage": _usage(num_prompt_tokens, 0),
     }
     yield sse_event("message_start", {"type": "message_start", "message": start})
-    yield sse_event(
-        "content_block_start",
-        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
-    )
-    yield sse_event("ping", {"type": "ping"})
+    blocks = _BlockStream()
     chunks = closing_chunks(engine, prompt_ids, req.params, message_id)
     last = None
     try:
         async for out in chunks:
-            if out.text:
-                yield sse_event(
-                    "content_block_delta",
-                    {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": out.text}},
-                )
+            first.extend(parser.feed(out.text))
+            for event in blocks.events(first):
+                yield event
+            first = ParsedDelta()
             last = out
     finally:
         await aclose_shielded(chunks)
     if last is None or last.finish_reason is None:
         raise ApiError(500, ErrorCode.INTERNAL_ERROR, "the engine ended the request without a finish reason")
-    yield sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    for event in blocks.events(parser.finish()) + blocks.close():
+        yield event
     usage = {"input_tokens": last.num_prompt_tokens or num_prompt_tokens, "output_tokens": last.num_output_tokens}
-    delta = stop_fields(last.finish_reason, last.stop_reason, req.stop_sequences)
+    delta = stop_fields(last.finish_reason, last.stop_reason, req.stop_sequences, blocks.used_tools)
     yield sse_event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
     yield sse_event("message_stop", {"type": "message_stop"})
 
@@ -321,20 +468,26 @@ async def messages(request: Request) -> Response:
     state = request.app.state
     engine = state.engine
     req = parse_messages_request(parse_json_object(await read_body(request)))
-    prompt_ids = (await render_prompt(engine, req.messages, req.tools, req.template_kwargs)).ids
+    tools = None if req.tool_choice.mode == "none" else req.tools
+    prompt = await render_prompt(engine, req.messages, tools, req.template_kwargs)
+    parser, first = start_parser(engine, prompt, bool(tools), req.tool_choice)
+    prompt_ids = prompt.ids
     fit_context(len(prompt_ids), req.params.max_tokens, engine.max_model_len, max_tokens_param="max_tokens")
     message_id = f"msg_{uuid.uuid4().hex}"
     model = state.served_model_name
     if req.stream:
-        events = _stream_events(engine, prompt_ids, req, message_id, model)
+        events = _stream_events(engine, prompt_ids, req, parser, first, message_id, model)
         return EventStreamResponse(guard_stream(events, message_id, _error_events))
     completion = await collect(request, engine, prompt_ids, req.params, message_id)
-    return JSONResponse(message_body(message_id, model, completion, req.stop_sequences))
+    output = parse_text(parser, completion.text, first)
+    return JSONResponse(message_body(message_id, model, completion, output, req.stop_sequences))
 
 
 async def count_tokens(request: Request) -> Response:
     """``POST /v1/messages/count_tokens``: the prompt's token count, as the chat template renders it."""
     engine = request.app.state.engine
     req = parse_messages_request(parse_json_object(await read_body(request)), count_only=True)
-    prompt = await render_prompt(engine, req.messages, req.tools, req.template_kwargs)
+    tools = None if req.tool_choice.mode == "none" else req.tools
+    prompt = await render_prompt(engine, req.messages, tools, req.template_kwargs)
+    start_parser(engine, prompt, bool(tools), req.tool_choice)  # a forced tool call's opening counts too
     return JSONResponse({"input_tokens": len(prompt.ids)})
