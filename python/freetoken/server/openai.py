@@ -79,6 +79,25 @@ _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass
+class Sampling:
+    """The sampling and streaming fields both OpenAI completion endpoints share.
+
+    Attributes:
+        params: sampling parameters; ``max_tokens`` is set from the context once the prompt is known.
+        max_tokens: the client's completion budget, or None.
+        max_tokens_param: the field `max_tokens` came from.
+        stream: answer with server-sent events.
+        include_usage: send a final usage chunk when streaming.
+    """
+
+    params: SamplingParams
+    max_tokens: int | None
+    max_tokens_param: str
+    stream: bool
+    include_usage: bool
+
+
+@dataclass
 class ChatRequest:
     """A validated chat completions request.
 
@@ -87,22 +106,14 @@ class ChatRequest:
         tools: tool definitions for the chat template, or None.
         tool_choice: how the model may use `tools`.
         template_kwargs: extra chat template variables (``chat_template_kwargs``).
-        params: sampling parameters; ``max_tokens`` is set from the context once the prompt is known.
-        max_tokens: the client's completion budget, or None.
-        max_tokens_param: the field `max_tokens` came from.
-        stream: answer with server-sent events.
-        include_usage: send a final usage chunk when streaming.
+        sampling: sampling and streaming.
     """
 
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     tool_choice: ToolChoice
     template_kwargs: dict[str, Any]
-    params: SamplingParams
-    max_tokens: int | None
-    max_tokens_param: str
-    stream: bool
-    include_usage: bool
+    sampling: Sampling
 
 
 def _content_text(message: dict[str, Any], path: str, *, required: bool) -> str:
@@ -230,28 +241,11 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> To
     return choice
 
 
-def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
-    """Validate a chat completions body; every failure is a 400 naming the field."""
-    get_field(body, "model", str, required=True)
-    raw_messages = get_object_list(body, "messages", required=True, non_empty=True)
-    messages = convert_messages(raw_messages)
-    tools = _tools(body)
-    tool_choice = _tool_choice(body, tools)
-
+def parse_sampling(body: dict[str, Any]) -> Sampling:
+    """The sampling and streaming fields of a chat or text completions body."""
     n = get_int(body, "n", default=1)
     if n != 1:
         raise invalid_request(ErrorCode.UNSUPPORTED, f"n must be 1 on this server, got {n}", "n")
-    if get_field(body, "logprobs", bool, default=False):
-        raise invalid_request(ErrorCode.UNSUPPORTED, "logprobs is not supported by this server", "logprobs")
-    response_format = get_field(body, "response_format", dict)
-    if response_format is not None:
-        kind = get_field(response_format, "type", str, parent="response_format", required=True)
-        if kind != "text":
-            raise invalid_request(
-                ErrorCode.UNSUPPORTED,
-                f"response_format.type {kind!r} is not supported; only 'text'",
-                "response_format.type",
-            )
     for penalty in ("frequency_penalty", "presence_penalty"):
         get_number(body, penalty, lo=-2.0, hi=2.0)
 
@@ -273,8 +267,6 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     include_usage = bool(
         stream_options and get_field(stream_options, "include_usage", bool, parent="stream_options", default=False)
     )
-    template_kwargs = get_field(body, "chat_template_kwargs", dict, default={})
-
     params = SamplingParams(
         max_tokens=max_tokens or 1,
         temperature=temperature,
@@ -285,20 +277,40 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         ignore_eos=ignore_eos,
     )
     check_params(params)
+    return Sampling(params, max_tokens, max_tokens_param, stream, include_usage)
+
+
+def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
+    """Validate a chat completions body; every failure is a 400 naming the field."""
+    get_field(body, "model", str, required=True)
+    raw_messages = get_object_list(body, "messages", required=True, non_empty=True)
+    messages = convert_messages(raw_messages)
+    tools = _tools(body)
+    tool_choice = _tool_choice(body, tools)
+
+    if get_field(body, "logprobs", bool, default=False):
+        raise invalid_request(ErrorCode.UNSUPPORTED, "logprobs is not supported by this server", "logprobs")
+    response_format = get_field(body, "response_format", dict)
+    if response_format is not None:
+        kind = get_field(response_format, "type", str, parent="response_format", required=True)
+        if kind != "text":
+            raise invalid_request(
+                ErrorCode.UNSUPPORTED,
+                f"response_format.type {kind!r} is not supported; only 'text'",
+                "response_format.type",
+            )
+    template_kwargs = get_field(body, "chat_template_kwargs", dict, default={})
     return ChatRequest(
         messages=messages,
         tools=tools,
         tool_choice=tool_choice,
         template_kwargs=template_kwargs,
-        params=params,
-        max_tokens=max_tokens,
-        max_tokens_param=max_tokens_param,
-        stream=stream,
-        include_usage=include_usage,
+        sampling=parse_sampling(body),
     )
 
 
-def _usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+    """The OpenAI ``usage`` object."""
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_output_tokens,
@@ -344,7 +356,7 @@ def completion_body(
                 "finish_reason": _finish_reason(completion.finish_reason, bool(output.tool_calls)),
             }
         ],
-        "usage": _usage(completion.num_prompt_tokens, completion.num_output_tokens),
+        "usage": usage(completion.num_prompt_tokens, completion.num_output_tokens),
     }
 
 
@@ -388,7 +400,7 @@ async def _stream_events(
     `first` is what the parser made of a forced tool call's opening (sent with the first text)."""
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": None}
-    if chat.include_usage:
+    if chat.sampling.include_usage:
         base["usage"] = None
 
     def chunk_event(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
@@ -397,7 +409,7 @@ async def _stream_events(
 
     yield chunk_event({"role": "assistant", "content": ""})
     call_ids: list[str] = []
-    chunks = closing_chunks(engine, prompt_ids, chat.params, request_id)
+    chunks = closing_chunks(engine, prompt_ids, chat.sampling.params, request_id)
     last = None
     try:
         async for out in chunks:
@@ -416,13 +428,14 @@ async def _stream_events(
     if fields:
         yield chunk_event(fields)
     yield chunk_event({}, _finish_reason(last.finish_reason, bool(call_ids)))
-    if chat.include_usage:
+    if chat.sampling.include_usage:
         num_prompt_tokens = last.num_prompt_tokens or len(prompt_ids)
-        yield sse_data({**base, "choices": [], "usage": _usage(num_prompt_tokens, last.num_output_tokens)})
+        yield sse_data({**base, "choices": [], "usage": usage(num_prompt_tokens, last.num_output_tokens)})
     yield OPENAI_DONE
 
 
-def _error_events(err: ApiError) -> list[bytes]:
+def error_events(err: ApiError) -> list[bytes]:
+    """The tail of a stream that failed: an error event, then ``[DONE]``."""
     return [sse_data(openai_error_body(err)), OPENAI_DONE]
 
 
@@ -435,15 +448,16 @@ async def chat_completions(request: Request) -> Response:
     prompt = await render_prompt(engine, chat.messages, tools, chat.template_kwargs)
     parser, first = start_parser(engine, prompt, bool(tools), chat.tool_choice)
     prompt_ids = prompt.ids
-    chat.params.max_tokens = fit_context(
-        len(prompt_ids), chat.max_tokens, engine.max_model_len, max_tokens_param=chat.max_tokens_param
+    sampling = chat.sampling
+    sampling.params.max_tokens = fit_context(
+        len(prompt_ids), sampling.max_tokens, engine.max_model_len, max_tokens_param=sampling.max_tokens_param
     )
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = state.served_model_name
-    if chat.stream:
+    if chat.sampling.stream:
         events = _stream_events(engine, prompt_ids, chat, parser, first, request_id, created, model)
-        return EventStreamResponse(guard_stream(events, request_id, _error_events))
-    completion = await collect(request, engine, prompt_ids, chat.params, request_id)
+        return EventStreamResponse(guard_stream(events, request_id, error_events))
+    completion = await collect(request, engine, prompt_ids, chat.sampling.params, request_id)
     output = parse_text(parser, completion.text, first)
     return JSONResponse(completion_body(request_id, created, model, completion, output))

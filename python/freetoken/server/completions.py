@@ -1,0 +1,139 @@
+"""OpenAI (legacy) text completions: ``POST /v1/completions``, streaming (SSE) and not.
+
+The prompt is raw text, tokenized without a chat template, and the output is raw text (no reasoning
+or tool-call parsing). Accepted: ``prompt`` as a string, an array of one string, or an array of token
+ids; the sampling and streaming fields of chat completions (`openai.parse_sampling`; ``max_tokens``
+defaults to 16, as in the OpenAI API); ``echo`` (the prompt text is prepended to the output).
+Accepted and ignored: suffix (null only), best_of 1, user. Rejected with 400 (code unsupported):
+several prompts, logprobs, suffix, best_of > 1.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from freetoken.server.errors import ApiError, ErrorCode, invalid_request
+from freetoken.server.generation import (
+    aclose_shielded,
+    closing_chunks,
+    collect,
+    fit_context,
+)
+from freetoken.server.openai import Sampling, error_events, parse_sampling, usage
+from freetoken.server.schema import (
+    get_field,
+    get_int,
+    parse_json_object,
+    read_body,
+    wrong_type,
+)
+from freetoken.server.sse import (
+    OPENAI_DONE,
+    EventStreamResponse,
+    guard_stream,
+    sse_data,
+)
+
+# The OpenAI API's default completion budget of this endpoint.
+DEFAULT_MAX_TOKENS = 16
+
+
+def _prompt_ids(body: dict[str, Any], tokenizer: Any) -> tuple[str, list[int]]:
+    """``prompt`` -> (its text, its token ids)."""
+    prompt = get_field(body, "prompt", (str, list), required=True)
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0], tokenizer.encode(prompt[0])
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = next((t for t in prompt if not 0 <= t < tokenizer.vocab_size), None)
+        if bad is not None:
+            raise invalid_request(
+                ErrorCode.INVALID_VALUE, f"prompt holds token id {bad}, outside [0, {tokenizer.vocab_size})", "prompt"
+            )
+        return tokenizer.decode(prompt), list(prompt)
+    if prompt and all(isinstance(p, str | list) for p in prompt):
+        raise invalid_request(ErrorCode.UNSUPPORTED, "prompt must be one prompt on this server", "prompt")
+    raise wrong_type("prompt", "a string, an array of one string, or a non-empty array of token ids", prompt)
+
+
+def _sampling(body: dict[str, Any]) -> Sampling:
+    get_field(body, "model", str, required=True)
+    if get_int(body, "logprobs") is not None:
+        raise invalid_request(ErrorCode.UNSUPPORTED, "logprobs is not supported by this server", "logprobs")
+    if get_field(body, "suffix", str) is not None:
+        raise invalid_request(ErrorCode.UNSUPPORTED, "suffix is not supported by this server", "suffix")
+    if get_int(body, "best_of", lo=1, default=1) != 1:
+        raise invalid_request(ErrorCode.UNSUPPORTED, "best_of must be 1 on this server", "best_of")
+    sampling = parse_sampling(body)
+    if sampling.max_tokens is None:
+        sampling.max_tokens = DEFAULT_MAX_TOKENS
+    return sampling
+
+
+async def _stream_events(
+    engine: Any, prompt_ids: list[int], sampling: Sampling, echo: str, request_id: str, created: int, model: str
+) -> AsyncGenerator[bytes, None]:
+    """The SSE events of one streamed text completion, ending with ``[DONE]``."""
+    base = {"id": request_id, "object": "text_completion", "created": created, "model": model}
+
+    def chunk_event(text: str, finish_reason: str | None = None) -> bytes:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return sse_data({**base, "choices": [choice]})
+
+    if echo:
+        yield chunk_event(echo)
+    chunks = closing_chunks(engine, prompt_ids, sampling.params, request_id)
+    last = None
+    try:
+        async for out in chunks:
+            if out.text:
+                yield chunk_event(out.text)
+            last = out
+    finally:
+        await aclose_shielded(chunks)
+    if last is None or last.finish_reason is None:
+        raise ApiError(500, ErrorCode.INTERNAL_ERROR, "the engine ended the request without a finish reason")
+    yield chunk_event("", last.finish_reason)
+    if sampling.include_usage:
+        num_prompt_tokens = last.num_prompt_tokens or len(prompt_ids)
+        yield sse_data({**base, "choices": [], "usage": usage(num_prompt_tokens, last.num_output_tokens)})
+    yield OPENAI_DONE
+
+
+async def completions(request: Request) -> Response:
+    """``POST /v1/completions``."""
+    state = request.app.state
+    engine = state.engine
+    body = parse_json_object(await read_body(request))
+    sampling = _sampling(body)
+    echo = get_field(body, "echo", bool, default=False)
+    prompt_text, prompt_ids = _prompt_ids(body, engine.tokenizer)
+    sampling.params.max_tokens = fit_context(
+        len(prompt_ids), sampling.max_tokens, engine.max_model_len,
+        max_tokens_param=sampling.max_tokens_param, messages_param="prompt",
+    )
+    request_id = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    model = state.served_model_name
+    prefix = prompt_text if echo else ""
+    if sampling.stream:
+        events = _stream_events(engine, prompt_ids, sampling, prefix, request_id, created, model)
+        return EventStreamResponse(guard_stream(events, request_id, error_events))
+    completion = await collect(request, engine, prompt_ids, sampling.params, request_id)
+    choice = {"index": 0, "text": prefix + completion.text, "logprobs": None, "finish_reason": completion.finish_reason}
+    return JSONResponse({
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+        "choices": [choice],
+        "usage": usage(completion.num_prompt_tokens, completion.num_output_tokens),
+    })
