@@ -97,7 +97,8 @@ OPENAI_BAD = [
     ("stop type", _openai(stop=5), "stop", "invalid_type"),
     ("stop item type", _openai(stop=["a", 5]), "stop[1]", "invalid_type"),
     ("seed type", _openai(seed="x"), "seed", "invalid_type"),
-    ("n > 1", _openai(n=2), "n", "unsupported"),
+    ("n over the limit", _openai(n=17), "n", "invalid_value"),
+    ("n zero", _openai(n=0), "n", "invalid_value"),
     ("prompt over context", _openai(messages=[{"role": "user", "content": LONG_TEXT}]), "messages",
      "context_length_exceeded"),
     ("prompt + max_tokens over context", _openai(max_tokens=MAX_MODEL_LEN), "max_tokens", "context_length_exceeded"),
@@ -318,4 +319,26 @@ def test_oversized_and_deeply_nested_bodies(http):
     nested = b"[" * 100_000 + b"]" * 100_000
     assert_openai_error(http.post(CHAT, content=nested), 400, code="invalid_json")
     assert_anthropic_error(http.post(MESSAGES, content=nested), 400, "invalid_request_error", code="invalid_json")
+    assert http.get("/health").status_code == 200
+
+
+def test_client_disconnect_aborts_every_choice(server, http):
+    """With n choices streamed, a client that leaves aborts all of their engine requests."""
+    body = {"model": "m", "messages": USER, "max_tokens": BUDGET, "stream": True, "temperature": 0,
+            "ignore_eos": True, "n": 3}
+    steps_before = _engine_steps(http)
+    num_aborted = server.log_tail(1_000_000).count(ABORTED)
+    with httpx.Client(base_url=server.base_url, timeout=30.0) as client, client.stream("POST", CHAT, json=body) as r:
+        assert r.status_code == 200
+        data = []
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                data.append(json.loads(line[len("data:"):]))
+            if len(data) >= 8:
+                break
+    request_id = data[0]["id"]
+    _wait_for_log(server, ABORTED, num_aborted + 2)
+    log = server.log_tail(1_000_000)
+    assert all(f"request {request_id}-{i}: {ABORTED}" in log for i in range(3))
+    _assert_aborted(http, steps_before, BUDGET)
     assert http.get("/health").status_code == 200

@@ -306,3 +306,31 @@ def test_enable_thinking_false_shapes(openai_client, demo_tokenizer):
     assert message.reasoning_content is None and isinstance(message.content, str)
     chunks = list(_greedy(openai_client, max_tokens=4, stream=True, extra_body=kwargs))
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == message.content
+
+
+def test_n_choices(openai_client):
+    one = _greedy(openai_client, max_tokens=6)
+    three = _greedy(openai_client, max_tokens=6, n=3)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert all(c.message.content == one.choices[0].message.content for c in three.choices)  # greedy
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens
+    assert three.usage.completion_tokens == 3 * one.usage.completion_tokens
+
+    seeded = openai_client.chat.completions.create(model="m", messages=HELLO, max_tokens=6, n=2, seed=7)
+    again = openai_client.chat.completions.create(model="m", messages=HELLO, max_tokens=6, n=2, seed=7)
+    assert [c.message.content for c in seeded.choices] == [c.message.content for c in again.choices]
+
+    chunks = list(_greedy(openai_client, max_tokens=6, n=3, stream=True, stream_options={"include_usage": True}))
+    for index in range(3):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant"
+        assert "".join(c.delta.content or "" for c in mine) == one.choices[0].message.content
+        assert [c.finish_reason for c in mine if c.finish_reason] == [one.choices[0].finish_reason]
+    assert chunks[-1].usage.completion_tokens == three.usage.completion_tokens
+
+
+def test_n_with_forced_tool_calls(openai_client):
+    response = _greedy(openai_client, tools=WEATHER_TOOLS, tool_choice=NAMED, max_tokens=4, n=2)
+    assert [c.message.tool_calls[0].function.name for c in response.choices] == ["get_weather"] * 2
+    ids = {c.message.tool_calls[0].id for c in response.choices}
+    assert len(ids) == 2

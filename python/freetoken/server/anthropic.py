@@ -51,8 +51,8 @@ from freetoken.server.generation import (
     closing_chunks,
     collect,
     fit_context,
+    plan_output,
     render_prompt,
-    start_parser,
 )
 from freetoken.server.parsers import (
     OutputParser,
@@ -470,7 +470,7 @@ async def messages(request: Request) -> Response:
     req = parse_messages_request(parse_json_object(await read_body(request)))
     tools = None if req.tool_choice.mode == "none" else req.tools
     prompt = await render_prompt(engine, req.messages, tools, req.template_kwargs)
-    parser, first = start_parser(engine, prompt, bool(tools), req.tool_choice)
+    parser, first = plan_output(engine, prompt, bool(tools), req.tool_choice).parser()
     prompt_ids = prompt.ids
     fit_context(len(prompt_ids), req.params.max_tokens, engine.max_model_len, max_tokens_param="max_tokens")
     message_id = f"msg_{uuid.uuid4().hex}"
@@ -478,7 +478,7 @@ async def messages(request: Request) -> Response:
     if req.stream:
         events = _stream_events(engine, prompt_ids, req, parser, first, message_id, model)
         return EventStreamResponse(guard_stream(events, message_id, _error_events))
-    completion = await collect(request, engine, prompt_ids, req.params, message_id)
+    [completion] = await collect(request, engine, prompt_ids, [req.params], message_id)
     output = parse_text(parser, completion.text, first)
     return JSONResponse(message_body(message_id, model, completion, output, req.stop_sequences))
 
@@ -489,5 +489,5 @@ async def count_tokens(request: Request) -> Response:
     req = parse_messages_request(parse_json_object(await read_body(request)), count_only=True)
     tools = None if req.tool_choice.mode == "none" else req.tools
     prompt = await render_prompt(engine, req.messages, tools, req.template_kwargs)
-    start_parser(engine, prompt, bool(tools), req.tool_choice)  # a forced tool call's opening counts too
+    plan_output(engine, prompt, bool(tools), req.tool_choice)  # a forced tool call's opening counts too
     return JSONResponse({"input_tokens": len(prompt.ids)})

@@ -5,7 +5,7 @@ or tool-call parsing). Accepted: ``prompt`` as a string, an array of one string,
 ids; the sampling and streaming fields of chat completions (`openai.parse_sampling`; ``max_tokens``
 defaults to 16, as in the OpenAI API); ``echo`` (the prompt text is prepended to the output).
 Accepted and ignored: suffix (null only), best_of 1, user. Rejected with 400 (code unsupported):
-several prompts, logprobs, suffix, best_of > 1.
+several prompts, n > 1, logprobs, suffix, best_of > 1.
 """
 
 from __future__ import annotations
@@ -72,6 +72,8 @@ def _sampling(body: dict[str, Any]) -> Sampling:
     if get_int(body, "best_of", lo=1, default=1) != 1:
         raise invalid_request(ErrorCode.UNSUPPORTED, "best_of must be 1 on this server", "best_of")
     sampling = parse_sampling(body)
+    if sampling.n != 1:
+        raise invalid_request(ErrorCode.UNSUPPORTED, f"n must be 1 on this endpoint, got {sampling.n}", "n")
     if sampling.max_tokens is None:
         sampling.max_tokens = DEFAULT_MAX_TOKENS
     return sampling
@@ -126,7 +128,7 @@ async def completions(request: Request) -> Response:
     if sampling.stream:
         events = _stream_events(engine, prompt_ids, sampling, prefix, request_id, created, model)
         return EventStreamResponse(guard_stream(events, request_id, error_events))
-    completion = await collect(request, engine, prompt_ids, sampling.params, request_id)
+    [completion] = await collect(request, engine, prompt_ids, [sampling.params], request_id)
     choice = {"index": 0, "text": prefix + completion.text, "logprobs": None, "finish_reason": completion.finish_reason}
     return JSONResponse({
         "id": request_id,

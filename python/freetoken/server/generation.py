@@ -1,11 +1,11 @@
 """From validated chat messages to engine output, shared by both APIs.
 
 - `render_prompt`: chat template (with tool definitions) -> prompt text and token ids, off the event loop.
-- `start_parser`: the model family's output parser for one request; for a forced tool choice it also
+- `plan_output`: the model family's output parsers for one request; for a forced tool choice it also
   appends the opening of a tool call to the prompt.
 - `fit_context`: checks the prompt and the completion budget against the engine's context length.
-- `collect`: runs one request to completion for a non-streaming response, and aborts it when the
-  client disconnects first.
+- `collect`: runs one request (its n choices) to completion for a non-streaming response, and aborts
+  it when the client disconnects first; `merged_chunks` interleaves the choices' chunks.
 - `closing_chunks`: runs the engine's generator so that it is always closed (the engine aborts the
   request and frees its KV blocks) however the consumer stops.
 
@@ -14,6 +14,8 @@ API shapes live in `openai.py` / `anthropic.py`; this module knows neither.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -68,7 +70,7 @@ class Prompt:
 
     Attributes:
         text: the chat template's output.
-        ids: its token ids (plus those of a forced tool call's opening, see `start_parser`).
+        ids: its token ids (plus those of a forced tool call's opening, see `plan_output`).
     """
 
     text: str
@@ -122,25 +124,41 @@ async def render_prompt(
         raise
 
 
-def start_parser(
-    engine: Any, prompt: Prompt, tools_offered: bool, tool_choice: ToolChoice
-) -> tuple[OutputParser, ParsedDelta]:
-    """The output parser of one request, and what it already parsed of a forced tool call's opening.
+@dataclass
+class OutputPlan:
+    """How one request's outputs are parsed.
+
+    Attributes:
+        tokenizer: the model's tokenizer (it picks the parser family).
+        options: the parsers' options.
+        prefix: the forced tool call's opening appended to the prompt, or "".
+    """
+
+    tokenizer: Any
+    options: ParserOptions
+    prefix: str
+
+    def parser(self) -> tuple[OutputParser, ParsedDelta]:
+        """A new parser for one choice, and what it made of `prefix` (the forced call's name, say)."""
+        parser = parser_for(self.tokenizer, self.options)
+        return parser, parser.feed(self.prefix) if self.prefix else ParsedDelta()
+
+
+def plan_output(engine: Any, prompt: Prompt, tools_offered: bool, tool_choice: ToolChoice) -> OutputPlan:
+    """The output plan of one request.
 
     With tool choice "required" or "function", the opening of a tool call (naming the function for
-    "function") is appended to `prompt.ids`, so the model's output continues inside the call; the
-    returned delta is what that opening means (the call's name, for "function"). A model or prompt
-    that cannot be forced this way (see `OutputParser.tool_call_prefix`) is left to choose.
+    "function") is appended to `prompt.ids`, so the model's output continues inside the call. A model or
+    prompt that cannot be forced this way (see `OutputParser.tool_call_prefix`) is left to choose.
     """
     parse_tools = tools_offered and tool_choice.mode != "none"
-    parser = parser_for(engine.tokenizer, ParserOptions(prompt_text=prompt.text, parse_tools=parse_tools))
-    if not parse_tools or tool_choice.mode not in ("required", "function"):
-        return parser, ParsedDelta()
-    prefix = parser.tool_call_prefix(tool_choice.name)
-    if not prefix:
-        return parser, ParsedDelta()
-    prompt.ids = prompt.ids + engine.tokenizer.encode(prefix)
-    return parser, parser.feed(prefix)
+    options = ParserOptions(prompt_text=prompt.text, parse_tools=parse_tools)
+    prefix = ""
+    if parse_tools and tool_choice.mode in ("required", "function"):
+        prefix = parser_for(engine.tokenizer, options).tool_call_prefix(tool_choice.name) or ""
+        if prefix:
+            prompt.ids = prompt.ids + engine.tokenizer.encode(prefix)
+    return OutputPlan(engine.tokenizer, options, prefix)
 
 
 def fit_context(
@@ -226,28 +244,82 @@ async def closing_chunks(
             logger.info("request %s: closed before it finished (client gone or error); aborted", request_id)
 
 
-async def _drain(chunks: AsyncIterator[GenerationChunk], num_prompt_tokens: int) -> Completion:
-    parts: list[str] = []
-    last: GenerationChunk | None = None
-    async for chunk in chunks:
-        parts.append(chunk.text)
-        last = chunk
-    if last is None or last.finish_reason is None:
-        raise ApiError(500, ErrorCode.INTERNAL_ERROR, "the engine ended the request without a finish reason")
-    return Completion(
-        text="".join(parts),
-        finish_reason=last.finish_reason,
-        stop_reason=last.stop_reason,
-        num_prompt_tokens=last.num_prompt_tokens or num_prompt_tokens,
-        num_output_tokens=last.num_output_tokens,
-    )
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The parameters of `n` choices of one request: copies of `params`, the i-th seeded ``seed + i`` (when
+    seeded), so that choices differ yet a seeded request is reproducible."""
+    if n == 1:
+        return [params]
+    seeds = [None] * n if params.seed is None else [params.seed + i for i in range(n)]
+    return [dataclasses.replace(params, seed=seed, stop=list(params.stop)) for seed in seeds]
+
+
+async def merged_chunks(
+    engine: Any, prompt_ids: list[int], params: list[SamplingParams], request_id: str
+) -> AsyncIterator[tuple[int, GenerationChunk]]:
+    """(choice index, chunk) of one engine request per entry of `params`, as they arrive.
+
+    Every engine generator is closed on any exit (see `closing_chunks`); the first error ends them all.
+    """
+    if len(params) == 1:
+        chunks = closing_chunks(engine, prompt_ids, params[0], request_id)
+        try:
+            async for chunk in chunks:
+                yield 0, chunk
+        finally:
+            await aclose_shielded(chunks)
+        return
+    streams = [closing_chunks(engine, prompt_ids, p, f"{request_id}-{i}") for i, p in enumerate(params)]
+    pending: dict[asyncio.Future, int] = {}
+    try:
+        for i, stream in enumerate(streams):
+            pending[asyncio.ensure_future(stream.__anext__())] = i
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                i = pending.pop(future)
+                try:
+                    chunk = future.result()
+                except StopAsyncIteration:
+                    continue
+                pending[asyncio.ensure_future(streams[i].__anext__())] = i
+                yield i, chunk
+    finally:
+        with anyio.CancelScope(shield=True):
+            for future in pending:
+                future.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+            for stream in streams:
+                await stream.aclose()
+
+
+async def _drain(
+    chunks: AsyncIterator[tuple[int, GenerationChunk]], n: int, num_prompt_tokens: int
+) -> list[Completion]:
+    parts: list[list[str]] = [[] for _ in range(n)]
+    last: list[GenerationChunk | None] = [None] * n
+    async for i, chunk in chunks:
+        parts[i].append(chunk.text)
+        last[i] = chunk
+    completions = []
+    for i, chunk in enumerate(last):
+        if chunk is None or chunk.finish_reason is None:
+            raise ApiError(500, ErrorCode.INTERNAL_ERROR, "the engine ended the request without a finish reason")
+        completions.append(Completion(
+            text="".join(parts[i]),
+            finish_reason=chunk.finish_reason,
+            stop_reason=chunk.stop_reason,
+            num_prompt_tokens=chunk.num_prompt_tokens or num_prompt_tokens,
+            num_output_tokens=chunk.num_output_tokens,
+        ))
+    return completions
 
 
 async def collect(
-    request: Request, engine: Any, prompt_ids: list[int], params: SamplingParams, request_id: str
-) -> Completion:
-    """Run one request to the end; abort it and raise `ClientDisconnected` if the client leaves first."""
-    result: list[Completion] = []
+    request: Request, engine: Any, prompt_ids: list[int], params: list[SamplingParams], request_id: str
+) -> list[Completion]:
+    """Run one engine request per entry of `params` (the choices) to the end; abort them all and raise
+    `ClientDisconnected` if the client leaves first."""
+    result: list[list[Completion]] = []
     error: list[BaseException] = []
     disconnected = False
 
@@ -260,12 +332,12 @@ async def collect(
                 scope.cancel()
                 return
 
-    chunks = closing_chunks(engine, prompt_ids, params, request_id)
+    chunks = merged_chunks(engine, prompt_ids, params, request_id)
     try:
         async with anyio.create_task_group() as tg:
             tg.start_soon(watch_disconnect, tg.cancel_scope)
             try:
-                result.append(await _drain(chunks, len(prompt_ids)))
+                result.append(await _drain(chunks, len(params), len(prompt_ids)))
             except Exception as exc:  # noqa: BLE001 - re-raised below, unwrapped from the task group
                 error.append(exc)
             tg.cancel_scope.cancel()

@@ -6,7 +6,8 @@ array of text parts, or null; max_tokens / max_completion_tokens (the latter win
 seed, stop (string or array), stream, stream_options.include_usage, tools, tool_choice; non-standard
 ``top_k``, ``ignore_eos`` and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``, as in vLLM).
 Accepted and ignored for now: parallel_tool_calls, frequency/presence_penalty, user, metadata, store.
-Rejected with 400 (code unsupported): n > 1, logprobs, non-text content parts, response_format other
+``n`` (up to 16 choices, each its own engine request; seeded choices use seed + index). Rejected with 400
+(code unsupported): logprobs, non-text content parts, response_format other
 than text.
 
 Output goes through the model family's parser (`freetoken.server.parsers`): reasoning becomes
@@ -42,17 +43,18 @@ from freetoken.server.errors import (
 )
 from freetoken.server.generation import (
     Completion,
+    OutputPlan,
     ToolChoice,
     aclose_shielded,
     check_params,
-    closing_chunks,
+    choice_params,
     collect,
     fit_context,
+    merged_chunks,
+    plan_output,
     render_prompt,
-    start_parser,
 )
 from freetoken.server.parsers import (
-    OutputParser,
     ParsedDelta,
     ParsedOutput,
     parse_text,
@@ -76,6 +78,8 @@ from freetoken.server.sse import (
 )
 
 _ROLES = ("system", "developer", "user", "assistant", "tool")
+# Most choices (n) one request may ask for; each is an engine request.
+MAX_CHOICES = 16
 
 
 @dataclass
@@ -84,6 +88,7 @@ class Sampling:
 
     Attributes:
         params: sampling parameters; ``max_tokens`` is set from the context once the prompt is known.
+        n: the number of choices (each its own engine request; see `choice_params` for seeds).
         max_tokens: the client's completion budget, or None.
         max_tokens_param: the field `max_tokens` came from.
         stream: answer with server-sent events.
@@ -91,6 +96,7 @@ class Sampling:
     """
 
     params: SamplingParams
+    n: int
     max_tokens: int | None
     max_tokens_param: str
     stream: bool
@@ -243,9 +249,7 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> To
 
 def parse_sampling(body: dict[str, Any]) -> Sampling:
     """The sampling and streaming fields of a chat or text completions body."""
-    n = get_int(body, "n", default=1)
-    if n != 1:
-        raise invalid_request(ErrorCode.UNSUPPORTED, f"n must be 1 on this server, got {n}", "n")
+    n = get_int(body, "n", lo=1, hi=MAX_CHOICES, default=1)
     for penalty in ("frequency_penalty", "presence_penalty"):
         get_number(body, penalty, lo=-2.0, hi=2.0)
 
@@ -277,7 +281,7 @@ def parse_sampling(body: dict[str, Any]) -> Sampling:
         ignore_eos=ignore_eos,
     )
     check_params(params)
-    return Sampling(params, max_tokens, max_tokens_param, stream, include_usage)
+    return Sampling(params, n, max_tokens, max_tokens_param, stream, include_usage)
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
@@ -327,10 +331,8 @@ def _finish_reason(finish_reason: str, has_tool_calls: bool) -> str:
     return "tool_calls" if has_tool_calls and finish_reason == "stop" else finish_reason
 
 
-def completion_body(
-    request_id: str, created: int, model: str, completion: Completion, output: ParsedOutput
-) -> dict[str, Any]:
-    """The non-streaming ``chat.completion`` object of `completion`, parsed into `output`."""
+def _message(output: ParsedOutput) -> dict[str, Any]:
+    """The ``message`` of one choice."""
     message: dict[str, Any] = {
         "role": "assistant",
         "content": output.content if output.content or not output.tool_calls else None,
@@ -342,21 +344,31 @@ def completion_body(
             {"id": _call_id(), "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
             for call in output.tool_calls
         ]
+    return message
+
+
+def completion_body(
+    request_id: str, created: int, model: str, completions: list[Completion], outputs: list[ParsedOutput]
+) -> dict[str, Any]:
+    """The non-streaming ``chat.completion`` object: one choice per completion, parsed into `outputs`."""
+    choices = [
+        {
+            "index": index,
+            "message": _message(output),
+            "logprobs": None,
+            "finish_reason": _finish_reason(completion.finish_reason, bool(output.tool_calls)),
+        }
+        for index, (completion, output) in enumerate(zip(completions, outputs, strict=True))
+    ]
+    num_output_tokens = sum(completion.num_output_tokens for completion in completions)
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
         "system_fingerprint": None,
-        "choices": [
-            {
-                "index": 0,
-                "message": message,
-                "logprobs": None,
-                "finish_reason": _finish_reason(completion.finish_reason, bool(output.tool_calls)),
-            }
-        ],
-        "usage": usage(completion.num_prompt_tokens, completion.num_output_tokens),
+        "choices": choices,
+        "usage": usage(completions[0].num_prompt_tokens, num_output_tokens),
     }
 
 
@@ -389,48 +401,51 @@ async def _stream_events(
     engine: Any,
     prompt_ids: list[int],
     chat: ChatRequest,
-    parser: OutputParser,
-    first: ParsedDelta,
+    plan: OutputPlan,
     request_id: str,
     created: int,
     model: str,
 ) -> AsyncGenerator[bytes, None]:
-    """The SSE events of one streamed completion, ending with ``[DONE]``; raises on failure (`guard_stream`).
-
-    `first` is what the parser made of a forced tool call's opening (sent with the first text)."""
+    """The SSE events of one streamed completion (its n choices interleaved), ending with ``[DONE]``;
+    raises on failure (`guard_stream`)."""
     base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
             "system_fingerprint": None}
     if chat.sampling.include_usage:
         base["usage"] = None
 
-    def chunk_event(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def chunk_event(index: int, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         return sse_data({**base, "choices": [choice]})
 
-    yield chunk_event({"role": "assistant", "content": ""})
-    call_ids: list[str] = []
-    chunks = closing_chunks(engine, prompt_ids, chat.sampling.params, request_id)
-    last = None
+    params = choice_params(chat.sampling.params, chat.sampling.n)
+    parsers = [plan.parser() for _ in params]
+    pending = [first for _, first in parsers]  # what a forced call's opening parsed, sent with the first text
+    call_ids: list[list[str]] = [[] for _ in params]
+    last: list[Any] = [None] * len(params)
+    for index in range(len(params)):
+        yield chunk_event(index, {"role": "assistant", "content": ""})
+    chunks = merged_chunks(engine, prompt_ids, params, request_id)
     try:
-        async for out in chunks:
-            first.extend(parser.feed(out.text))
-            fields = _delta_fields(first, call_ids)
-            first = ParsedDelta()
+        async for index, out in chunks:
+            parser = parsers[index][0]
+            pending[index].extend(parser.feed(out.text))
+            if out.finish_reason is not None:
+                pending[index].extend(parser.finish())
+            fields = _delta_fields(pending[index], call_ids[index])
+            pending[index] = ParsedDelta()
             if fields:
-                yield chunk_event(fields)
-            last = out
+                yield chunk_event(index, fields)
+            if out.finish_reason is not None:
+                yield chunk_event(index, {}, _finish_reason(out.finish_reason, bool(call_ids[index])))
+            last[index] = out
     finally:
         await aclose_shielded(chunks)
-    if last is None or last.finish_reason is None:
+    if any(out is None or out.finish_reason is None for out in last):
         raise ApiError(500, ErrorCode.INTERNAL_ERROR, "the engine ended the request without a finish reason")
-    first.extend(parser.finish())
-    fields = _delta_fields(first, call_ids)
-    if fields:
-        yield chunk_event(fields)
-    yield chunk_event({}, _finish_reason(last.finish_reason, bool(call_ids)))
     if chat.sampling.include_usage:
-        num_prompt_tokens = last.num_prompt_tokens or len(prompt_ids)
-        yield sse_data({**base, "choices": [], "usage": usage(num_prompt_tokens, last.num_output_tokens)})
+        num_prompt_tokens = last[0].num_prompt_tokens or len(prompt_ids)
+        num_output_tokens = sum(out.num_output_tokens for out in last)
+        yield sse_data({**base, "choices": [], "usage": usage(num_prompt_tokens, num_output_tokens)})
     yield OPENAI_DONE
 
 
@@ -446,7 +461,7 @@ async def chat_completions(request: Request) -> Response:
     chat = parse_chat_request(parse_json_object(await read_body(request)))
     tools = None if chat.tool_choice.mode == "none" else chat.tools
     prompt = await render_prompt(engine, chat.messages, tools, chat.template_kwargs)
-    parser, first = start_parser(engine, prompt, bool(tools), chat.tool_choice)
+    plan = plan_output(engine, prompt, bool(tools), chat.tool_choice)
     prompt_ids = prompt.ids
     sampling = chat.sampling
     sampling.params.max_tokens = fit_context(
@@ -455,9 +470,11 @@ async def chat_completions(request: Request) -> Response:
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = state.served_model_name
-    if chat.sampling.stream:
-        events = _stream_events(engine, prompt_ids, chat, parser, first, request_id, created, model)
+    if sampling.stream:
+        events = _stream_events(engine, prompt_ids, chat, plan, request_id, created, model)
         return EventStreamResponse(guard_stream(events, request_id, error_events))
-    completion = await collect(request, engine, prompt_ids, chat.sampling.params, request_id)
-    output = parse_text(parser, completion.text, first)
-    return JSONResponse(completion_body(request_id, created, model, completion, output))
+    params = choice_params(sampling.params, sampling.n)
+    completions = await collect(request, engine, prompt_ids, params, request_id)
+    outputs = [parse_text(parser, completion.text, first)
+               for completion, (parser, first) in zip(completions, (plan.parser() for _ in params), strict=True)]
+    return JSONResponse(completion_body(request_id, created, model, completions, outputs))
