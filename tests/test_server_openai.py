@@ -334,3 +334,28 @@ def test_n_with_forced_tool_calls(openai_client):
     assert [c.message.tool_calls[0].function.name for c in response.choices] == ["get_weather"] * 2
     ids = {c.message.tool_calls[0].id for c in response.choices}
     assert len(ids) == 2
+
+
+def test_response_format_instructs(openai_client, demo_tokenizer, http):
+    from freetoken.server.openai import JSON_OBJECT_INSTRUCTION
+
+    response = _greedy(openai_client, max_tokens=2, response_format={"type": "json_object"})
+    prompt = demo_tokenizer.apply_chat_template(
+        [{"role": "system", "content": JSON_OBJECT_INSTRUCTION}, *HELLO], add_generation_prompt=True
+    )
+    assert response.usage.prompt_tokens == len(demo_tokenizer.encode(prompt))
+    schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
+    with_system = [{"role": "system", "content": "Be terse."}, *HELLO]
+    response = _greedy(openai_client, messages=with_system, max_tokens=2, response_format={
+        "type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}})
+    plain = _greedy(openai_client, messages=with_system, max_tokens=2)
+    assert response.usage.prompt_tokens > plain.usage.prompt_tokens
+    assert _greedy(openai_client, max_tokens=2, response_format={"type": "text"}).usage.prompt_tokens == (
+        _greedy(openai_client, max_tokens=2).usage.prompt_tokens)
+    for response_format, param in [({"type": "xml"}, "response_format.type"),
+                                   ({"type": "json_schema"}, "response_format.json_schema"),
+                                   ({"type": "json_schema", "json_schema": {"schema": {}}},
+                                    "response_format.json_schema.name")]:
+        bad = http.post("/v1/chat/completions", json={"model": "m", "messages": HELLO, "max_tokens": 1,
+                                                      "response_format": response_format})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text

@@ -6,9 +6,10 @@ array of text parts, or null; max_tokens / max_completion_tokens (the latter win
 seed, stop (string or array), stream, stream_options.include_usage, tools, tool_choice; non-standard
 ``top_k``, ``ignore_eos`` and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``, as in vLLM).
 Accepted and ignored for now: parallel_tool_calls, frequency/presence_penalty, user, metadata, store.
-``n`` (up to 16 choices, each its own engine request; seeded choices use seed + index). Rejected with 400
-(code unsupported): logprobs, non-text content parts, response_format other
-than text.
+``n`` (up to 16 choices, each its own engine request; seeded choices use seed + index).
+``response_format`` ``json_object`` / ``json_schema`` add a system instruction (the schema included) to the
+prompt; decoding is not constrained, so the output is JSON only as far as the model follows it.
+Rejected with 400 (code unsupported): logprobs, non-text content parts.
 
 Output goes through the model family's parser (`freetoken.server.parsers`): reasoning becomes
 ``reasoning_content``, tool calls ``message.tool_calls`` (content null when there is no text) with
@@ -284,6 +285,41 @@ def parse_sampling(body: dict[str, Any]) -> Sampling:
     return Sampling(params, n, max_tokens, max_tokens_param, stream, include_usage)
 
 
+JSON_OBJECT_INSTRUCTION = "Respond with one JSON object and nothing else: no prose, no code fences."
+
+
+def _format_instruction(body: dict[str, Any]) -> str | None:
+    """The system instruction that ``response_format`` asks for (None for text)."""
+    response_format = get_field(body, "response_format", dict)
+    if response_format is None:
+        return None
+    kind = get_field(response_format, "type", str, parent="response_format", required=True)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return JSON_OBJECT_INSTRUCTION
+    if kind != "json_schema":
+        raise invalid_request(
+            ErrorCode.INVALID_VALUE,
+            f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+            "response_format.type",
+        )
+    spec = get_field(response_format, "json_schema", dict, parent="response_format", required=True)
+    name = get_field(spec, "name", str, parent="response_format.json_schema", required=True)
+    get_field(spec, "strict", bool, parent="response_format.json_schema")
+    schema = get_field(spec, "schema", dict, parent="response_format.json_schema", default={"type": "object"})
+    return (f"{JSON_OBJECT_INSTRUCTION} It must match this JSON schema (named {name!r}):\n"
+            f"{json.dumps(schema, ensure_ascii=False)}")
+
+
+def with_system_instruction(messages: list[dict[str, Any]], instruction: str) -> list[dict[str, Any]]:
+    """`messages` with `instruction` appended to the first system message (or in a new one, first)."""
+    if messages and messages[0]["role"] == "system":
+        first = {**messages[0], "content": f"{messages[0]['content']}\n\n{instruction}"}
+        return [first, *messages[1:]]
+    return [{"role": "system", "content": instruction}, *messages]
+
+
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     """Validate a chat completions body; every failure is a 400 naming the field."""
     get_field(body, "model", str, required=True)
@@ -294,15 +330,9 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
 
     if get_field(body, "logprobs", bool, default=False):
         raise invalid_request(ErrorCode.UNSUPPORTED, "logprobs is not supported by this server", "logprobs")
-    response_format = get_field(body, "response_format", dict)
-    if response_format is not None:
-        kind = get_field(response_format, "type", str, parent="response_format", required=True)
-        if kind != "text":
-            raise invalid_request(
-                ErrorCode.UNSUPPORTED,
-                f"response_format.type {kind!r} is not supported; only 'text'",
-                "response_format.type",
-            )
+    instruction = _format_instruction(body)
+    if instruction:
+        messages = with_system_instruction(messages, instruction)
     template_kwargs = get_field(body, "chat_template_kwargs", dict, default={})
     return ChatRequest(
         messages=messages,
