@@ -214,6 +214,19 @@ def _wait_for_log(server, needle: str, count_before: int) -> None:
         time.sleep(0.05)
 
 
+def _first_events(server, path: str, body: dict, count: int) -> list[dict]:
+    """Stream `body` to `path`, read the data of the first `count` events, and disconnect."""
+    data = []
+    with httpx.Client(base_url=server.base_url, timeout=30.0) as client, client.stream("POST", path, json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                data.append(json.loads(line[len("data:"):]))
+            if len(data) >= count:
+                break
+    return data
+
+
 ABORTED = "closed before it finished"
 BUDGET = MAX_MODEL_LEN - 64
 
@@ -224,15 +237,7 @@ def test_client_disconnect_mid_stream_aborts(server, http, path):
             "ignore_eos": True}
     steps_before = _engine_steps(http)
     num_aborted = server.log_tail(1_000_000).count(ABORTED)
-    with httpx.Client(base_url=server.base_url, timeout=30.0) as client, client.stream("POST", path, json=body) as r:
-        assert r.status_code == 200
-        data = []
-        for line in r.iter_lines():
-            if line.startswith("data:"):
-                data.append(json.loads(line[len("data:"):]))
-            if len(data) >= 5:
-                break
-    first = data[0]
+    first = _first_events(server, path, body, 5)[0]
     request_id = first["message"]["id"] if path == MESSAGES else first["id"]
     _wait_for_log(server, ABORTED, num_aborted)
     assert f"request {request_id}: {ABORTED}" in server.log_tail(1_000_000)
@@ -328,15 +333,7 @@ def test_client_disconnect_aborts_every_choice(server, http):
             "ignore_eos": True, "n": 3}
     steps_before = _engine_steps(http)
     num_aborted = server.log_tail(1_000_000).count(ABORTED)
-    with httpx.Client(base_url=server.base_url, timeout=30.0) as client, client.stream("POST", CHAT, json=body) as r:
-        assert r.status_code == 200
-        data = []
-        for line in r.iter_lines():
-            if line.startswith("data:"):
-                data.append(json.loads(line[len("data:"):]))
-            if len(data) >= 8:
-                break
-    request_id = data[0]["id"]
+    request_id = _first_events(server, CHAT, body, 8)[0]["id"]
     _wait_for_log(server, ABORTED, num_aborted + 2)
     log = server.log_tail(1_000_000)
     assert all(f"request {request_id}-{i}: {ABORTED}" in log for i in range(3))
