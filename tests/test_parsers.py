@@ -189,3 +189,22 @@ def test_tool_call_prefix_forces_a_call():
     out = parse_text(parser, parser.tool_call_prefix(None) + '{"name": "ls", "arguments": {}}\n</tool_call>')
     assert out.tool_calls == [ToolCall("ls", "{}")]
     assert _parser(PROMPT_OPEN, True).tool_call_prefix(None) is None  # inside the prompt's open <think>
+
+
+def test_random_markup_never_raises():
+    """Random mixes of tags, tag fragments, JSON pieces and text: no exception at any split, and with tools
+    off (reasoning only) streaming equals the whole parse."""
+    import random
+
+    pieces = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<", "</", "<tool", "think>", "\n", " ",
+              '{"name": "f", "arguments": {', '"a": 1}', "}", "{", '"', "text", "é🙂", ",", "null"]
+    rng = random.Random(0)
+    for _ in range(300):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+        for parse_tools in (True, False):
+            whole = parse_text(_parser(PROMPT, parse_tools), text)
+            cuts = sorted(rng.sample(range(len(text) + 1), min(3, len(text) + 1)))
+            chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+            got, _ = _stream(PROMPT, parse_tools, chunks)
+            if not parse_tools:
+                assert got == whole, (text, chunks)
