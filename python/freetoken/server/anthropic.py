@@ -45,20 +45,19 @@ from freetoken.server.errors import (
 )
 from freetoken.server.generation import (
     Completion,
+    OutputPlan,
     ToolChoice,
     aclose_shielded,
     check_params,
-    closing_chunks,
     collect,
     fit_context,
+    parsed_chunks,
     plan_output,
     render_prompt,
 )
 from freetoken.server.parsers import (
-    OutputParser,
     ParsedDelta,
     ParsedOutput,
-    parse_text,
 )
 from freetoken.server.schema import (
     get_field,
@@ -414,17 +413,9 @@ class _BlockStream:
 
 
 async def _stream_events(
-    engine: Any,
-    prompt_ids: list[int],
-    req: MessagesRequest,
-    parser: OutputParser,
-    first: ParsedDelta,
-    message_id: str,
-    model: str,
+    engine: Any, prompt_ids: list[int], req: MessagesRequest, plan: OutputPlan, message_id: str, model: str
 ) -> AsyncGenerator[bytes, None]:
-    """The SSE events of one streamed message; raises on failure (`guard_stream`).
-
-    `first` is what the parser made of a forced tool call's opening (sent with the first text)."""
+    """The SSE events of one streamed message; raises on failure (`guard_stream`)."""
     num_prompt_tokens = len(prompt_ids)
     start = {
         "id": message_id,
@@ -438,20 +429,14 @@ async def _stream_events(
     }
     yield sse_event("message_start", {"type": "message_start", "message": start})
     blocks = _BlockStream()
-    chunks = closing_chunks(engine, prompt_ids, req.params, message_id)
-    last = None
+    chunks = parsed_chunks(engine, prompt_ids, req.params, plan, message_id)
     try:
-        async for out in chunks:
-            first.extend(parser.feed(out.text))
-            for event in blocks.events(first):
+        async for parsed, last in chunks:
+            for event in blocks.events(parsed):
                 yield event
-            first = ParsedDelta()
-            last = out
     finally:
         await aclose_shielded(chunks)
-    if last is None or last.finish_reason is None:
-        raise ApiError(500, ErrorCode.INTERNAL_ERROR, "the engine ended the request without a finish reason")
-    for event in blocks.events(parser.finish()) + blocks.close():
+    for event in blocks.close():
         yield event
     usage = {"input_tokens": last.num_prompt_tokens or num_prompt_tokens, "output_tokens": last.num_output_tokens}
     delta = stop_fields(last.finish_reason, last.stop_reason, req.stop_sequences, blocks.used_tools)
@@ -470,16 +455,16 @@ async def messages(request: Request) -> Response:
     req = parse_messages_request(parse_json_object(await read_body(request)))
     tools = None if req.tool_choice.mode == "none" else req.tools
     prompt = await render_prompt(engine, req.messages, tools, req.template_kwargs)
-    parser, first = plan_output(engine, prompt, bool(tools), req.tool_choice).parser()
+    plan = plan_output(engine, prompt, bool(tools), req.tool_choice)
     prompt_ids = prompt.ids
     fit_context(len(prompt_ids), req.params.max_tokens, engine.max_model_len, max_tokens_param="max_tokens")
     message_id = f"msg_{uuid.uuid4().hex}"
     model = state.served_model_name
     if req.stream:
-        events = _stream_events(engine, prompt_ids, req, parser, first, message_id, model)
+        events = _stream_events(engine, prompt_ids, req, plan, message_id, model)
         return EventStreamResponse(guard_stream(events, message_id, _error_events))
     [completion] = await collect(request, engine, prompt_ids, [req.params], message_id)
-    output = parse_text(parser, completion.text, first)
+    output = plan.parse(completion.text)
     return JSONResponse(message_body(message_id, model, completion, output, req.stop_sequences))
 
 

@@ -6,6 +6,7 @@ Routes:
     GET  /v1/models/{model}         that model, or 404 (code model_not_found).
     POST /v1/chat/completions       OpenAI (see `openai.py`).
     POST /v1/completions            OpenAI text completions (see `completions.py`).
+    POST /v1/responses              OpenAI Responses (see `responses.py`).
     POST /v1/messages               Anthropic (see `anthropic.py`).
     POST /v1/messages/count_tokens  Anthropic token count.
 
@@ -45,7 +46,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from freetoken.server import anthropic, completions, openai
+from freetoken.server import anthropic, completions, openai, responses
 from freetoken.server.errors import ApiError, ApiFlavor, ErrorCode, error_body
 from freetoken.server.generation import ClientDisconnected
 
@@ -251,6 +252,7 @@ def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None
         Route("/v1/models/{model:path}", get_model, methods=["GET"]),
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
         Route("/v1/completions", completions.completions, methods=["POST"]),
+        Route("/v1/responses", responses.responses, methods=["POST"]),
         Route("/v1/messages", anthropic.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
     ]

@@ -31,7 +31,9 @@ from freetoken.server.errors import ApiError, ErrorCode, invalid_request
 from freetoken.server.parsers import (
     OutputParser,
     ParsedDelta,
+    ParsedOutput,
     ParserOptions,
+    parse_text,
     parser_for,
 )
 
@@ -142,6 +144,11 @@ class OutputPlan:
         """A new parser for one choice, and what it made of `prefix` (the forced call's name, say)."""
         parser = parser_for(self.tokenizer, self.options)
         return parser, parser.feed(self.prefix) if self.prefix else ParsedDelta()
+
+    def parse(self, text: str) -> ParsedOutput:
+        """One choice's whole output text, parsed by a new parser."""
+        parser, first = self.parser()
+        return parse_text(parser, text, first)
 
 
 def plan_output(engine: Any, prompt: Prompt, tools_offered: bool, tool_choice: ToolChoice) -> OutputPlan:
@@ -290,6 +297,29 @@ async def merged_chunks(
             await asyncio.gather(*pending, return_exceptions=True)
             for stream in streams:
                 await stream.aclose()
+
+
+async def parsed_chunks(
+    engine: Any, prompt_ids: list[int], params: SamplingParams, plan: OutputPlan, request_id: str
+) -> AsyncIterator[tuple[ParsedDelta, GenerationChunk]]:
+    """One engine request's chunks, each with what the output parser made of its text (a forced call's
+    opening joins the first, the parser's held-back tail the last); a 500 when the engine ends the request
+    without a finish reason. The engine generator is closed on any exit."""
+    parser, pending = plan.parser()
+    chunks = merged_chunks(engine, prompt_ids, [params], request_id)
+    last = None
+    try:
+        async for _, out in chunks:
+            pending.extend(parser.feed(out.text))
+            if out.finish_reason is not None:
+                pending.extend(parser.finish())
+            yield pending, out
+            pending = ParsedDelta()
+            last = out
+    finally:
+        await aclose_shielded(chunks)
+    if last is None or last.finish_reason is None:
+        raise ApiError(500, ErrorCode.INTERNAL_ERROR, "the engine ended the request without a finish reason")
 
 
 async def _drain(

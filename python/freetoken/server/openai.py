@@ -58,7 +58,6 @@ from freetoken.server.generation import (
 from freetoken.server.parsers import (
     ParsedDelta,
     ParsedOutput,
-    parse_text,
 )
 from freetoken.server.schema import (
     get_field,
@@ -217,8 +216,14 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> ToolChoice:
-    """``tool_choice``: "auto" (the default), "none", "required", or a named function among `tools`."""
+def parse_tool_choice(
+    body: dict[str, Any], tools: list[dict[str, Any]] | None, *, nested: bool = True
+) -> ToolChoice:
+    """``tool_choice``: "auto" (the default), "none", "required", or a named function among `tools`.
+
+    The function is named as ``{"type": "function", "function": {"name": N}}`` (chat completions) or, with
+    `nested` false, ``{"type": "function", "name": N}`` (Responses).
+    """
     value = get_field(body, "tool_choice", (str, dict), default="auto")
     if isinstance(value, str):
         if value not in ("auto", "none", "required"):
@@ -234,13 +239,14 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> To
             raise invalid_request(
                 ErrorCode.UNSUPPORTED, f"tool_choice.type must be 'function', got {kind!r}", "tool_choice.type"
             )
-        function = get_field(value, "function", dict, parent="tool_choice", required=True)
-        name = get_field(function, "name", str, parent="tool_choice.function", required=True)
+        parent = "tool_choice.function" if nested else "tool_choice"
+        holder = get_field(value, "function", dict, parent="tool_choice", required=True) if nested else value
+        name = get_field(holder, "name", str, parent=parent, required=True)
         if name not in {tool["function"]["name"] for tool in tools or []}:
             raise invalid_request(
                 ErrorCode.INVALID_VALUE,
                 f"tool_choice names function {name!r}, which is not among tools",
-                "tool_choice.function.name",
+                join_path(parent, "name"),
             )
         choice = ToolChoice("function", name)
     if choice.mode == "required" and not tools:
@@ -326,7 +332,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     raw_messages = get_object_list(body, "messages", required=True, non_empty=True)
     messages = convert_messages(raw_messages)
     tools = _tools(body)
-    tool_choice = _tool_choice(body, tools)
+    tool_choice = parse_tool_choice(body, tools)
 
     if get_field(body, "logprobs", bool, default=False):
         raise invalid_request(ErrorCode.UNSUPPORTED, "logprobs is not supported by this server", "logprobs")
@@ -505,6 +511,5 @@ async def chat_completions(request: Request) -> Response:
         return EventStreamResponse(guard_stream(events, request_id, error_events))
     params = choice_params(sampling.params, sampling.n)
     completions = await collect(request, engine, prompt_ids, params, request_id)
-    outputs = [parse_text(parser, completion.text, first)
-               for completion, (parser, first) in zip(completions, (plan.parser() for _ in params), strict=True)]
+    outputs = [plan.parse(completion.text) for completion in completions]
     return JSONResponse(completion_body(request_id, created, model, completions, outputs))

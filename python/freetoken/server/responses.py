@@ -1,0 +1,391 @@
+"""OpenAI Responses: ``POST /v1/responses`` (what Codex speaks), streaming (SSE) and not.
+
+Accepted: ``instructions`` (a system message); ``input`` as a string or an array of items: messages
+(role user, assistant, system, developer as system; content a string or input_text/output_text parts),
+``function_call`` (arguments a JSON string), ``function_call_output`` (output a string or text parts),
+``reasoning`` (its reasoning_text content or summary becomes the next assistant turn's reasoning); item
+types this server does not know are skipped. ``tools`` of type function (other tool types are skipped:
+this server runs no hosted tools), ``tool_choice`` (auto, none, required, {"type": "function", "name"},
+enforced as in chat completions), ``max_output_tokens``, temperature, top_p, stream, ``reasoning.effort``
+("none" or "minimal" turn the template's thinking off). Accepted and ignored: parallel_tool_calls, store,
+include, metadata, user, truncation, text. Rejected with 400 (code unsupported): previous_response_id
+(nothing is stored), images and files.
+
+Output items: ``reasoning`` (content: one reasoning_text), ``message`` (one output_text), one
+``function_call`` per tool call; status ``incomplete`` (reason max_output_tokens) when the budget ran out.
+Stream events, each with a sequence_number: response.created, response.in_progress; per item
+response.output_item.added, then for a message response.content_part.added, response.output_text.delta…,
+response.output_text.done, response.content_part.done; for reasoning response.reasoning_text.delta…,
+response.reasoning_text.done; for a call response.function_call_arguments.delta…,
+response.function_call_arguments.done; then response.output_item.done; last response.completed (or
+response.incomplete). A failure mid-stream ends with an ``error`` event.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from freetoken.engine.types import SamplingParams
+from freetoken.server.errors import (
+    ApiError,
+    ErrorCode,
+    invalid_request,
+    openai_error_body,
+)
+from freetoken.server.generation import (
+    OutputPlan,
+    aclose_shielded,
+    check_params,
+    collect,
+    fit_context,
+    parsed_chunks,
+    plan_output,
+    render_prompt,
+)
+from freetoken.server.openai import parse_tool_choice
+from freetoken.server.parsers import ParsedDelta, ParsedOutput
+from freetoken.server.schema import (
+    get_field,
+    get_int,
+    get_number,
+    get_object_list,
+    join_path,
+    parse_json_object,
+    read_body,
+    wrong_type,
+)
+from freetoken.server.sse import EventStreamResponse, guard_stream, sse_event
+
+_TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
+_REFUSED_PARTS = frozenset({"input_image", "input_file", "input_audio"})
+
+
+def _text(value: Any, path: str) -> str:
+    """Content as one string: a string, or its text parts joined by newlines (other parts skipped)."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise wrong_type(path, "a string or an array of content parts", value)
+    texts = []
+    for i, part in enumerate(value):
+        part_path = join_path(path, i)
+        if not isinstance(part, dict):
+            raise wrong_type(part_path, "an object", part)
+        kind = get_field(part, "type", str, parent=part_path, required=True)
+        if kind in _TEXT_PARTS:
+            texts.append(get_field(part, "text", str, parent=part_path, required=True))
+        elif kind in _REFUSED_PARTS:
+            raise invalid_request(
+                ErrorCode.UNSUPPORTED, f"content part type {kind!r} is not supported here", join_path(part_path, "type")
+            )
+    return "\n".join(texts)
+
+
+def convert_input(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """``instructions`` + ``input`` -> the Hugging Face chat format."""
+    messages: list[dict[str, Any]] = []
+    instructions = get_field(body, "instructions", str)
+    if instructions:
+        messages.append({"role": "system", "content": instructions})
+    raw = get_field(body, "input", (str, list), required=True)
+    if isinstance(raw, str):
+        return [*messages, {"role": "user", "content": raw}]
+    reasoning: list[str] = []
+    for i, item in enumerate(raw):
+        path = join_path("input", i)
+        if not isinstance(item, dict):
+            raise wrong_type(path, "an object", item)
+        kind = get_field(item, "type", str, parent=path, default="message")
+        if kind == "message":
+            role = get_field(item, "role", str, parent=path, required=True)
+            if role not in ("user", "assistant", "system", "developer"):
+                raise invalid_request(
+                    ErrorCode.INVALID_VALUE,
+                    f"{path}.role must be user, assistant, system or developer, got {role!r}",
+                    join_path(path, "role"),
+                )
+            message = {"role": "system" if role == "developer" else role,
+                       "content": _text(item.get("content", ""), join_path(path, "content"))}
+            if role == "assistant" and reasoning:
+                message["reasoning_content"], reasoning = "\n".join(reasoning), []
+            messages.append(message)
+        elif kind == "function_call":
+            call = {
+                "id": get_field(item, "call_id", str, parent=path, required=True),
+                "type": "function",
+                "function": {
+                    "name": get_field(item, "name", str, parent=path, required=True),
+                    "arguments": get_field(item, "arguments", str, parent=path, default="{}"),
+                },
+            }
+            last = messages[-1] if messages else None
+            if last is None or last["role"] != "assistant" or reasoning:
+                last = {"role": "assistant", "content": ""}
+                if reasoning:
+                    last["reasoning_content"], reasoning = "\n".join(reasoning), []
+                messages.append(last)
+            last.setdefault("tool_calls", []).append(call)
+        elif kind == "function_call_output":
+            messages.append({
+                "role": "tool",
+                "tool_call_id": get_field(item, "call_id", str, parent=path, required=True),
+                "content": _text(item.get("output", ""), join_path(path, "output")),
+            })
+        elif kind == "reasoning":
+            parts = item.get("content") or item.get("summary") or []
+            if isinstance(parts, list):
+                reasoning += [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+    if not messages:
+        raise invalid_request(ErrorCode.INVALID_VALUE, "input must hold at least one message", "input")
+    return messages
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """Function tools in the chat template's format; other tool types are skipped."""
+    tools = []
+    for i, tool in enumerate(get_object_list(body, "tools")):
+        path = join_path("tools", i)
+        if get_field(tool, "type", str, parent=path, required=True) != "function":
+            continue
+        function = {"name": get_field(tool, "name", str, parent=path, required=True)}
+        description = get_field(tool, "description", str, parent=path)
+        if description is not None:
+            function["description"] = description
+        function["parameters"] = get_field(tool, "parameters", dict, parent=path, default={"type": "object"})
+        tools.append({"type": "function", "function": function})
+    return tools or None
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+    reasoning = get_field(body, "reasoning", dict)
+    effort = reasoning and get_field(reasoning, "effort", str, parent="reasoning")
+    return {"enable_thinking": False} if effort in ("none", "minimal") else {}
+
+
+def _usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": num_prompt_tokens,
+        "input_tokens_details": {"cached_tokens": 0},
+        "output_tokens": num_output_tokens,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": num_prompt_tokens + num_output_tokens,
+    }
+
+
+def _item_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+
+
+def _reasoning_item(text: str, status: str) -> dict[str, Any]:
+    return {"type": "reasoning", "id": _item_id("rs"), "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": status}
+
+
+def _message_item(text: str, status: str) -> dict[str, Any]:
+    """A message item; one that is still in progress has no content parts yet."""
+    content = [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {"type": "message", "id": _item_id("msg"), "status": status, "role": "assistant", "content": content}
+
+
+def _call_item(name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"type": "function_call", "id": _item_id("fc"), "call_id": _item_id("call"), "name": name,
+            "arguments": arguments, "status": status}
+
+
+def output_items(output: ParsedOutput) -> list[dict[str, Any]]:
+    """The output items of a parsed completion."""
+    items = []
+    if output.reasoning:
+        items.append(_reasoning_item(output.reasoning, "completed"))
+    if output.content or not output.tool_calls:
+        items.append(_message_item(output.content, "completed"))
+    items += [_call_item(call.name, call.arguments, "completed") for call in output.tool_calls]
+    return items
+
+
+class _Response:
+    """The response object's fields, filled in as the request runs."""
+
+    def __init__(self, body: dict[str, Any], model: str, params: SamplingParams) -> None:
+        self.id = f"resp_{uuid.uuid4().hex}"
+        self._fixed = {
+            "id": self.id,
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": model,
+            "instructions": body.get("instructions"),
+            "max_output_tokens": body.get("max_output_tokens"),
+            "parallel_tool_calls": bool(body.get("parallel_tool_calls", True)),
+            "previous_response_id": None,
+            "temperature": params.temperature,
+            "top_p": params.top_p,
+            "tool_choice": body.get("tool_choice", "auto"),
+            "tools": body.get("tools") or [],
+            "text": {"format": {"type": "text"}},
+            "truncation": "disabled",
+            "metadata": body.get("metadata") or {},
+            "error": None,
+        }
+
+    def body(
+        self, status: str, output: list[dict[str, Any]], usage: dict[str, Any] | None, finish_reason: str | None
+    ) -> dict[str, Any]:
+        """The response object in `status`."""
+        if finish_reason == "length":
+            status = "incomplete"
+        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        return {**self._fixed, "status": status, "incomplete_details": incomplete, "output": output, "usage": usage}
+
+
+class _ItemStream:
+    """Turns parsed deltas into output-item events; numbers every event."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None
+        self._text = ""
+        self._sequence = 0
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        """One event of type `kind`, numbered."""
+        payload = {"type": kind, "sequence_number": self._sequence, **fields}
+        self._sequence += 1
+        return sse_event(kind, payload)
+
+    def _where(self) -> dict[str, Any]:
+        return {"item_id": self._open["id"], "output_index": len(self.items) - 1}
+
+    def _start(self, item: dict[str, Any]) -> list[bytes]:
+        events = self._stop()
+        self._open, self._text = item, ""
+        self.items.append(item)
+        events.append(self.event("response.output_item.added", output_index=len(self.items) - 1, item=item))
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": "", "annotations": []}
+            events.append(self.event("response.content_part.added", **self._where(), content_index=0, part=part))
+        return events
+
+    def _stop(self) -> list[bytes]:
+        item = self._open
+        if item is None:
+            return []
+        events, where = [], self._where()
+        if item["type"] == "message":
+            part = {"type": "output_text", "text": self._text, "annotations": [], "logprobs": []}
+            events.append(self.event("response.output_text.done", **where, content_index=0, text=self._text,
+                                     logprobs=[]))
+            events.append(self.event("response.content_part.done", **where, content_index=0, part=part))
+            item["content"] = [part]
+        elif item["type"] == "reasoning":
+            events.append(self.event("response.reasoning_text.done", **where, content_index=0, text=self._text))
+            item["content"] = [{"type": "reasoning_text", "text": self._text}]
+        else:
+            events.append(self.event("response.function_call_arguments.done", **where, name=item["name"],
+                                     arguments=self._text))
+            item["arguments"] = self._text
+        item["status"] = "completed"
+        events.append(self.event("response.output_item.done", output_index=where["output_index"], item=item))
+        self._open = None
+        return events
+
+    def events(self, parsed: ParsedDelta) -> list[bytes]:
+        """The events of one parsed delta."""
+        events: list[bytes] = []
+        if parsed.reasoning:
+            if self._open is None or self._open["type"] != "reasoning":
+                events += self._start(_reasoning_item("", "in_progress") | {"content": []})
+            self._text += parsed.reasoning
+            events.append(self.event("response.reasoning_text.delta", **self._where(), content_index=0,
+                                     delta=parsed.reasoning))
+        if parsed.content:
+            if self._open is None or self._open["type"] != "message":
+                events += self._start(_message_item("", "in_progress"))
+            self._text += parsed.content
+            events.append(self.event("response.output_text.delta", **self._where(), content_index=0,
+                                     delta=parsed.content, logprobs=[]))
+        for piece in parsed.tool_calls:
+            if piece.name is not None:
+                events += self._start(_call_item(piece.name, "", "in_progress"))
+            if piece.arguments:
+                self._text += piece.arguments
+                events.append(self.event("response.function_call_arguments.delta", **self._where(),
+                                         delta=piece.arguments))
+        return events
+
+    def close(self) -> list[bytes]:
+        """Close the open item; an output without items gets one empty message."""
+        events = [] if self.items else self._start(_message_item("", "in_progress"))
+        return events + self._stop()
+
+
+async def _stream_events(
+    engine: Any, prompt_ids: list[int], params: SamplingParams, plan: OutputPlan, response: _Response
+) -> AsyncGenerator[bytes, None]:
+    """The SSE events of one streamed response; raises on failure (`guard_stream`)."""
+    items = _ItemStream()
+    yield items.event("response.created", response=response.body("in_progress", [], None, None))
+    yield items.event("response.in_progress", response=response.body("in_progress", [], None, None))
+    chunks = parsed_chunks(engine, prompt_ids, params, plan, response.id)
+    try:
+        async for parsed, last in chunks:
+            for event in items.events(parsed):
+                yield event
+    finally:
+        await aclose_shielded(chunks)
+    for event in items.close():
+        yield event
+    usage = _usage(last.num_prompt_tokens or len(prompt_ids), last.num_output_tokens)
+    final = response.body("completed", items.items, usage, last.finish_reason)
+    kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+    yield items.event(kind, response=final)
+
+
+def _error_events(err: ApiError) -> list[bytes]:
+    body = openai_error_body(err)["error"]
+    return [sse_event("error", {"type": "error", "sequence_number": 0, "code": body.get("code"),
+                                "message": body["message"], "param": body.get("param")})]
+
+
+async def responses(request: Request) -> Response:
+    """``POST /v1/responses``."""
+    state = request.app.state
+    engine = state.engine
+    body = parse_json_object(await read_body(request))
+    get_field(body, "model", str, required=True)
+    if get_field(body, "previous_response_id", str) is not None:
+        raise invalid_request(
+            ErrorCode.UNSUPPORTED, "previous_response_id is not supported: this server stores no responses; "
+            "send the whole conversation in input", "previous_response_id",
+        )
+    messages = convert_input(body)
+    tools = _tools(body)
+    tool_choice = parse_tool_choice(body, tools, nested=False)
+    max_output_tokens = get_int(body, "max_output_tokens", lo=1)
+    params = SamplingParams(
+        max_tokens=max_output_tokens or 1,
+        temperature=get_number(body, "temperature", lo=0.0, hi=2.0, default=1.0),
+        top_p=get_number(body, "top_p", lo=0.0, hi=1.0, lo_open=True, default=1.0),
+    )
+    check_params(params)
+    stream = get_field(body, "stream", bool, default=False)
+    offered = None if tool_choice.mode == "none" else tools
+    prompt = await render_prompt(engine, messages, offered, _template_kwargs(body))
+    plan = plan_output(engine, prompt, bool(offered), tool_choice)
+    params.max_tokens = fit_context(
+        len(prompt.ids), max_output_tokens, engine.max_model_len, max_tokens_param="max_output_tokens",
+        messages_param="input",
+    )
+    response = _Response(body, state.served_model_name, params)
+    if stream:
+        events = _stream_events(engine, prompt.ids, params, plan, response)
+        return EventStreamResponse(guard_stream(events, response.id, _error_events))
+    [completion] = await collect(request, engine, prompt.ids, [params], response.id)
+    output = plan.parse(completion.text)
+    usage = _usage(completion.num_prompt_tokens, completion.num_output_tokens)
+    return JSONResponse(response.body("completed", output_items(output), usage, completion.finish_reason))

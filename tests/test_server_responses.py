@@ -1,0 +1,117 @@
+"""OpenAI Responses (``POST /v1/responses``) against a real `ft serve` process, through the official SDK."""
+
+from __future__ import annotations
+
+from conftest import SERVED_MODEL_NAME
+
+TOOLS = [{
+    "type": "function",
+    "name": "shell",
+    "description": "Run a command",
+    "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]},
+}, {"type": "web_search"}]
+
+
+def test_shape_and_usage(openai_client, demo_tokenizer):
+    response = openai_client.responses.create(
+        model="m", input="Say hello.", instructions="Be terse.", max_output_tokens=4, temperature=0
+    )
+    assert response.id.startswith("resp_") and response.object == "response"
+    assert response.model == SERVED_MODEL_NAME
+    assert response.status in ("completed", "incomplete")
+    if response.status == "incomplete":
+        assert response.incomplete_details.reason == "max_output_tokens"
+    assert [item.type for item in response.output] == ["message"]
+    assert response.output[0].content[0].type == "output_text"
+    assert response.output_text == response.output[0].content[0].text
+    prompt = demo_tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Say hello."}]
+    )
+    assert response.usage.input_tokens == len(demo_tokenizer.encode(prompt))
+    assert response.usage.total_tokens == response.usage.input_tokens + response.usage.output_tokens
+
+
+def test_forced_function_call_and_stream(openai_client):
+    kwargs = {"model": "m", "input": "List files.", "tools": TOOLS, "max_output_tokens": 5, "temperature": 0,
+              "tool_choice": {"type": "function", "name": "shell"}}
+    response = openai_client.responses.create(**kwargs)
+    calls = [item for item in response.output if item.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "shell" and calls[0].call_id.startswith("call_")
+    assert calls[0].arguments.startswith("{")
+
+    events = list(openai_client.responses.create(**kwargs, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert done[0].arguments == deltas == calls[0].arguments
+    final = events[-1].response
+    assert [item.type for item in final.output] == [item.type for item in response.output]
+    assert final.output[0].name == "shell" and final.output[0].arguments == deltas
+
+
+def test_sdk_stream_helper_text(openai_client):
+    """The SDK's stream helper takes the events (its get_final_response wants response.completed, which a
+    response cut by max_output_tokens replaces with response.incomplete, as the spec says)."""
+    full = openai_client.responses.create(model="m", input="Hi.", max_output_tokens=6, temperature=0)
+    with openai_client.responses.stream(model="m", input="Hi.", max_output_tokens=6, temperature=0) as stream:
+        events = list(stream)
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == full.output_text
+    assert events[-1].response.output_text == full.output_text
+
+
+def test_multi_turn_items(openai_client, http):
+    items = [
+        {"role": "developer", "content": "Use tools."},
+        {"role": "user", "content": [{"type": "input_text", "text": "What is in the folder?"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [{"type": "summary_text", "text": "Run ls."}]},
+        {"type": "function_call", "call_id": "call_1", "name": "shell", "arguments": '{"cmd": "ls"}'},
+        {"type": "function_call", "call_id": "call_2", "name": "shell", "arguments": '{"cmd": "pwd"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": "a.py"},
+        {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "/w"}]},
+        {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "a.py in /w"}]},
+        {"type": "some_future_item", "x": 1},
+        {"role": "user", "content": "Thanks."},
+    ]
+    response = openai_client.responses.create(
+        model="m", input=items, tools=TOOLS, max_output_tokens=3, temperature=0, reasoning={"effort": "minimal"}
+    )
+    assert response.status in ("completed", "incomplete")
+    for body, param in [
+        ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+         "input[0].content[0].type"),
+        ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+        ({"input": []}, "input"),
+    ]:
+        bad = http.post("/v1/responses", json={"model": "m", "max_output_tokens": 1, **body})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+
+
+def test_reasoning_and_calls_validate_as_sdk_events():
+    """Realistic Qwen3 output, streamed as this server does: every event validates as the SDK's type, and the
+    final response's items equal those of the non-streamed parse."""
+    import json
+
+    from freetoken.server.parsers import ParserOptions, parse_text
+    from freetoken.server.parsers.qwen3 import Qwen3Parser
+    from freetoken.server.responses import _ItemStream, output_items
+    from openai.types.responses import ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    text = ('<think>\nNeed ls.\n</think>\n\nRunning it.\n<tool_call>\n{"name": "shell", "arguments": '
+            '{"cmd": "ls -la"}}\n</tool_call>')
+    options = ParserOptions(prompt_text="", parse_tools=True)
+    whole = output_items(parse_text(Qwen3Parser(options), text))
+    parser, items = Qwen3Parser(options), _ItemStream()
+    raw = [e for i in range(0, len(text), 5) for e in items.events(parser.feed(text[i:i + 5]))]
+    raw += items.events(parser.finish()) + items.close()
+    adapter = TypeAdapter(ResponseStreamEvent)
+    events = [adapter.validate_python(json.loads(e.split(b"data: ", 1)[1])) for e in raw]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == "Need ls."
+    strip = [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items.items]
+    assert strip == [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in whole]
+    assert [item["type"] for item in whole] == ["reasoning", "message", "function_call"]
