@@ -7,9 +7,10 @@
 - `collect`: runs one request (its n choices) to completion for a non-streaming response, and aborts
   it when the client disconnects first; `merged_chunks` interleaves the choices' chunks.
 - `closing_chunks`: runs the engine's generator so that it is always closed (the engine aborts the
-  request and frees its KV blocks) however the consumer stops.
+  request and frees its KV blocks) however the consumer stops; `parsed_chunks` adds the output parser's
+  view of each chunk, for streams of one choice.
 
-API shapes live in `openai.py` / `anthropic.py`; this module knows neither.
+API shapes live in `openai.py`, `completions.py`, `responses.py` and `anthropic.py`; this module knows none.
 """
 
 from __future__ import annotations
