@@ -128,3 +128,42 @@ impl_into!(
 pub fn invalid(msg: impl Into<String>) -> PyErr {
     py_err(ErrorKind::Value, msg.into())
 }
+
+/// Runs `work` on its own thread with the GIL released, checking for Python signals every 100 ms, so that
+/// Ctrl-C during a long load raises `KeyboardInterrupt` at once (polars' `enter_polars` does the same). The
+/// abandoned work finishes in the background and its result is dropped.
+pub fn interruptible<T: Send + 'static>(
+    py: Python<'_>,
+    work: impl FnOnce() -> T + Send + 'static,
+) -> PyResult<T> {
+    use std::sync::mpsc::{channel, RecvTimeoutError};
+    use std::time::Duration;
+
+    let (tx, rx) = channel();
+    std::thread::Builder::new()
+        .name("freetoken-load".into())
+        .spawn(move || {
+            // A send fails only when the caller was interrupted and left; the result is then unwanted.
+            let _ = tx.send(work());
+        })
+        .map_err(|e| py_err(ErrorKind::Internal, format!("cannot start a thread: {e}")))?;
+    let mut rx = rx;
+    loop {
+        // The receiver is Send but not Sync: it moves into the GIL-free closure and back.
+        let (back, received) = py.detach(move || {
+            let received = rx.recv_timeout(Duration::from_millis(100));
+            (rx, received)
+        });
+        rx = back;
+        match received {
+            Ok(result) => return Ok(result),
+            Err(RecvTimeoutError::Timeout) => py.check_signals()?,
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(py_err(
+                    ErrorKind::Internal,
+                    "the worker thread panicked".to_string(),
+                ))
+            }
+        }
+    }
+}

@@ -5,7 +5,7 @@ use freetoken_core::pool::{checkpoint, ExpertPool, PoolShape};
 use numpy::PyArray1;
 use pyo3::prelude::*;
 
-use crate::errors::{invalid, IntoPyErr};
+use crate::errors::{interruptible, invalid, IntoPyErr};
 
 /// Every routed expert of every MoE layer in one 2 MiB-aligned host arena.
 #[pyclass(frozen, name = "ExpertPool", module = "freetoken._core")]
@@ -41,9 +41,7 @@ impl PyExpertPool {
         if num_threads == Some(0) {
             return Err(invalid("num_threads must be positive"));
         }
-        let pool = py
-            .detach(|| checkpoint::load(&model_dir, num_threads))
-            .py()?;
+        let pool = interruptible(py, move || checkpoint::load(&model_dir, num_threads))?.py()?;
         Ok(Self {
             inner: Arc::new(pool),
         })
@@ -78,9 +76,7 @@ impl PyExpertPool {
             hidden_size,
             intermediate_size,
         };
-        let pool = py
-            .detach(|| ExpertPool::random(shape, seed, num_threads))
-            .py()?;
+        let pool = interruptible(py, move || ExpertPool::random(shape, seed, num_threads))?.py()?;
         Ok(Self {
             inner: Arc::new(pool),
         })
