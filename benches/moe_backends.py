@@ -116,6 +116,25 @@ def run_decode(
     return times, start_stats
 
 
+def profile_steps(engine: LLMEngine, replay: TraceReplay, batch: int, log) -> None:
+    """Where 4 warm decode steps spend their time: the profiler's top ops by CPU and by GPU time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    for i in range(batch):
+        engine.add_request(f"p{i}", list(range(1 + i, 33 + i)), params)
+    for _ in range(7):  # prefill and warm-up
+        engine.step()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(4):
+            engine.step()
+        torch.cuda.synchronize()
+    while engine.has_work():
+        engine.step()
+    for key in ("self_cpu_time_total", "self_cuda_time_total"):
+        log(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=40))
+
+
 def snapshot(backend) -> dict:
     if isinstance(backend, ExpertCacheBackend):
         s = backend.planner.stats()
@@ -133,6 +152,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--backends", nargs="+", default=["fused", "static", "offload", "cpu", "hybrid"])
+    ap.add_argument("--profile", action="store_true",
+                    help="print the torch profiler's top ops (CPU and GPU time) of 4 decode steps per row, to stderr")
     args = ap.parse_args()
     cfg = ModelConfig.from_dict(json.loads(preset_config_path(args.preset).read_text()), source=args.preset)
     device = torch.device("cuda")
@@ -192,6 +213,9 @@ def main() -> None:
                     model.attach_experts(replay)
                     torch.cuda.reset_peak_memory_stats()
                     engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
+                    if args.profile:
+                        profile_steps(engine, replay, batch, log)
+                        engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
                     times, before = run_decode(engine, replay, batch, args.warmup, args.steps)
                     after = snapshot(inner)
                     tokens = batch * args.steps
