@@ -646,3 +646,21 @@ def test_async_shutdown_aborts_running(demo):
     for r in asyncio.run(main()):
         assert r.last.finish_reason == "abort"
         assert 0 < len(r.token_ids) < 10_000
+
+
+def test_no_decoder_starves_under_a_small_token_budget(demo):
+    """More decoding requests than the per-step token budget: once a request decodes, it gets a token on every
+    step until it ends (no gaps), and all finish."""
+    engine = demo.engine(max_prefill_tokens=2, max_num_seqs=6)
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i in range(6):
+        engine.add_request(str(i), [5 + i, 6, 7], params)
+    steps_with_token: dict[str, list[int]] = {}
+    step = 0
+    while engine.has_work():
+        step += 1
+        for o in engine.step():
+            steps_with_token.setdefault(o.request_id, []).append(step)
+    assert sorted(steps_with_token) == [str(i) for i in range(6)]
+    for steps in steps_with_token.values():
+        assert steps == list(range(steps[0], steps[0] + 4)), steps
