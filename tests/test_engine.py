@@ -649,8 +649,9 @@ def test_async_shutdown_aborts_running(demo):
 
 
 def test_no_decoder_starves_under_a_small_token_budget(demo):
-    """More decoding requests than the per-step token budget: once a request decodes, it gets a token on every
-    step until it ends (no gaps), and all finish."""
+    """More requests than the per-step token budget: once a request decodes, it gets a token on every step until
+    it ends (no gaps), and all finish. (Admissions only use the budget the decoders leave, so decoders never
+    outnumber the budget.)"""
     engine = demo.engine(max_prefill_tokens=2, max_num_seqs=6)
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
     for i in range(6):

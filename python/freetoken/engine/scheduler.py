@@ -1,8 +1,7 @@
 """Continuous batching with chunked prefill over the paged KV cache.
 
 Each step takes a token budget (`max_prefill_tokens`). Running sequences that are decoding go first, one token
-each and all of them (at most `max_num_seqs`, even past the budget), so a long prompt never stalls them and no
-decoder starves; the rest of the budget goes to prompt chunks, of sequences already
+each, so a long prompt never stalls them; the rest of the budget goes to prompt chunks, of sequences already
 admitted and then of waiting ones, up to `max_num_seqs` running. When the KV cache cannot give a decoding
 sequence its next block, the most recently arrived running sequence is preempted: its blocks are freed and it
 is recomputed from its tokens later (vLLM's recompute preemption).
@@ -98,7 +97,7 @@ class Scheduler:
                 victim = self._preempt_last()
                 if victim is seq or victim is None:
                     break
-            if seq in self.running:  # every decoder runs each step, even past the budget: none starves
+            if seq in self.running and budget > 0:
                 step.seqs.append(seq)
                 step.query_lens.append(1)
                 budget -= 1
