@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from freetoken.server.errors import ApiError, ErrorCode, invalid_request
@@ -47,21 +48,75 @@ async def read_body(request: Any) -> bytes:
     return b"".join(chunks)
 
 
+# A \u escape of a UTF-16 surrogate: only a body holding one can decode to a string that is not valid Unicode.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
+
+
 def parse_json_object(raw: bytes) -> dict[str, Any]:
-    """Parse a request body that must be one JSON object."""
+    """Parse a request body that must be one JSON object.
+
+    NaN and Infinity literals (Python's json takes them, JSON has none) and lone UTF-16 surrogates
+    (``"\\ud800"``, which no UTF-8 text holds) are refused with a 400 naming the field, and their raw
+    bytes as invalid JSON: either would otherwise fail later, where a response echoes or encodes the value.
+    """
     if not raw.strip():
         raise invalid_request(ErrorCode.INVALID_JSON, "request body is empty; send a JSON object")
+    constants: list[str] = []
+
+    def parse_constant(name: str) -> float:
+        constants.append(name)
+        return float(name)
+
     try:
-        body = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise invalid_request(ErrorCode.INVALID_JSON, f"request body is not valid JSON: {exc}") from None
+        # Decoded strictly: json.loads(bytes) lets the UTF-8 bytes of a lone surrogate through.
+        text = raw.decode(json.detect_encoding(raw))
+        body = json.loads(text, parse_constant=parse_constant)
     except RecursionError:
         raise invalid_request(ErrorCode.INVALID_JSON, "request body is nested too deeply") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer literal past int's digit limit
+        raise invalid_request(ErrorCode.INVALID_JSON, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise invalid_request(
             ErrorCode.INVALID_JSON, f"request body must be a JSON object, got {_json_type(body)}"
         )
+    if constants or _SURROGATE_ESCAPE.search(text):
+        _check_values(body)
     return body
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _check_values(body: dict[str, Any]) -> None:
+    """Refuse the first non-finite number or string with a lone surrogate (a key too) in `body`, by path."""
+    stack: list[tuple[str, Any]] = [("", body)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, float) and not math.isfinite(value):
+            raise invalid_request(
+                ErrorCode.INVALID_VALUE, f"{path or 'body'} must be a finite number, got {value!r}", path or None
+            )
+        if isinstance(value, str) and not _is_unicode(value):
+            raise invalid_request(
+                ErrorCode.INVALID_VALUE,
+                f"{path or 'body'} holds a lone UTF-16 surrogate; send valid Unicode text", path or None,
+            )
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if not _is_unicode(key):
+                    raise invalid_request(
+                        ErrorCode.INVALID_VALUE,
+                        f"{path or 'body'} has a key with a lone UTF-16 surrogate; send valid Unicode text",
+                        path or None,
+                    )
+                stack.append((join_path(path, key), item))
+        elif isinstance(value, list):
+            stack.extend((join_path(path, i), item) for i, item in enumerate(value))
 
 
 def join_path(parent: str, key: str | int) -> str:
@@ -95,7 +150,12 @@ def _matches(value: Any, kind: type) -> bool:
     if kind is int:
         return isinstance(value, int) and not isinstance(value, bool)
     if kind is float:
-        return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            return False
+        try:
+            return math.isfinite(value)
+        except OverflowError:  # an integer too large for a float
+            return False
     return isinstance(value, kind)
 
 
