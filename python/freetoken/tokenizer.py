@@ -22,6 +22,7 @@ import jinja2
 import jinja2.ext
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 
 __all__ = ["Tokenizer", "IncrementalDetokenizer"]
 
@@ -30,6 +31,22 @@ _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad
 # Names a message's reasoning may come under; transformers copies it to `reasoning_content`
 # (the name chat templates read) and to `thinking`.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level BPE alphabet: each byte as the printable character its vocabulary writes it with."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    mapping = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in mapping:
+            mapping[b] = chr(256 + extra)
+            extra += 1
+    return mapping
+
+
+# A byte-level BPE vocabulary character -> the byte it stands for.
+_UNICODE_TO_BYTE = {ch: b for b, ch in _bytes_to_unicode().items()}
 
 
 def _read_json(path: Path) -> dict:
@@ -116,6 +133,9 @@ class Tokenizer:
         self.bos_token_id: int | None = tokenizer.token_to_id(bos) if bos is not None else None
         self._add_bos_token = add_bos_token and self.bos_token_id is not None
         self.eos_token_ids: list[int] = eos_token_ids
+        self._byte_level = isinstance(tokenizer.decoder, ByteLevelDecoder)
+        self._added_ids = frozenset(tokenizer.get_added_tokens_decoder())
+        self._token_bytes: dict[int, bytes] = {}
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -187,6 +207,31 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; incomplete UTF-8 sequences come out as U+FFFD."""
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token alone (special tokens included); a piece of a multi-byte character that is not
+        valid UTF-8 on its own comes out as U+FFFD, as in `decode`."""
+        return self._tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for.
+
+        For a byte-level BPE (the GPT-2 byte-to-unicode mapping; Qwen's tokenizers) these are the token's raw
+        bytes, even when they are not valid UTF-8 alone (part of a multi-byte character); for added tokens and
+        other tokenizers, the UTF-8 of `token_text` (U+FFFD's bytes where the text is replaced).
+        """
+        cached = self._token_bytes.get(token_id)
+        if cached is not None:
+            return cached
+        value = None
+        if self._byte_level and token_id not in self._added_ids:
+            piece = self._tokenizer.id_to_token(token_id)
+            if piece is not None and all(ch in _UNICODE_TO_BYTE for ch in piece):
+                value = bytes(_UNICODE_TO_BYTE[ch] for ch in piece)
+        if value is None:
+            value = self.token_text(token_id).encode("utf-8")
+        self._token_bytes[token_id] = value
+        return value
 
     def token_to_id(self, token: str) -> int | None:
         """Id of the vocabulary or added token `token` (e.g. "<|im_end|>"), or None."""

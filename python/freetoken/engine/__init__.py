@@ -2,6 +2,6 @@
 
 from freetoken.engine.async_engine import AsyncEngine
 from freetoken.engine.llm_engine import LLMEngine, RequestError
-from freetoken.engine.types import GenerationChunk, SamplingParams
+from freetoken.engine.types import GenerationChunk, SamplingParams, TokenLogprob
 
-__all__ = ["AsyncEngine", "GenerationChunk", "LLMEngine", "RequestError", "SamplingParams"]
+__all__ = ["AsyncEngine", "GenerationChunk", "LLMEngine", "RequestError", "SamplingParams", "TokenLogprob"]

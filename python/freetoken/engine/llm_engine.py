@@ -18,7 +18,7 @@ from freetoken.engine.model_runner import ModelRunner
 from freetoken.engine.scheduler import Scheduler
 from freetoken.engine.sequence import Sequence
 from freetoken.engine.stop import OutputText
-from freetoken.engine.types import FinishReason, GenerationChunk, SamplingParams
+from freetoken.engine.types import FinishReason, GenerationChunk, SamplingParams, TokenLogprob
 from freetoken.models.loader import TensorIndex, init_dummy_weights, load_checkpoint, resolve_dtype
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
 from freetoken.moe import make_expert_backend, resolve_backend
@@ -151,15 +151,15 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
             return []
-        tokens = self.runner.run(scheduled)
+        tokens, logprobs = self.runner.run(scheduled)
         self.num_steps += 1
         outputs = []
-        for seq, token in zip(scheduled.seqs, tokens, strict=True):
+        for seq, token, logprob in zip(scheduled.seqs, tokens, logprobs, strict=True):
             if token is not None:
-                outputs.append(StepOutput(seq.request_id, self._append(seq, token)))
+                outputs.append(StepOutput(seq.request_id, self._append(seq, token, logprob)))
         return outputs
 
-    def _append(self, seq: Sequence, token: int) -> GenerationChunk:
+    def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> GenerationChunk:
         seq.token_ids.append(token)
         p = seq.params
         finish: FinishReason | None = None
@@ -188,6 +188,7 @@ class LLMEngine:
             stop_reason=stop_reason,
             num_prompt_tokens=seq.prompt_len,
             num_output_tokens=seq.num_output,
+            logprobs=[logprob] if logprob is not None else None,
         )
 
     def stats(self) -> dict:

@@ -7,8 +7,9 @@ import torch
 
 from freetoken.engine.cuda_graph import DecodeRunner
 from freetoken.engine.kv_cache import KVCache
-from freetoken.engine.sampler import sample
+from freetoken.engine.sampler import sample_with_logprobs
 from freetoken.engine.scheduler import ScheduledStep
+from freetoken.engine.types import TokenLogprob
 from freetoken.models.attention import AttentionMetadata
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
 
@@ -41,17 +42,24 @@ class ModelRunner:
             )
 
     @torch.inference_mode()
-    def run(self, step: ScheduledStep) -> list[int | None]:
+    def run(self, step: ScheduledStep) -> tuple[list[int | None], list[TokenLogprob | None]]:
         """Run `step` and advance each sequence's `num_computed`.
 
+        Both paths hand their logits to `sample_with_logprobs` (the decode runner's are a view of its static
+        buffer, read before the next step), so log-probabilities work with and without CUDA graphs.
+
         Returns:
-            Per sequence of the step, the sampled next token, or None for a prompt chunk that is not the last.
+            Per sequence of the step, the sampled next token, or None for a prompt chunk that is not the last;
+            and per sequence its token's `TokenLogprob` when its params ask for logprobs, else None.
         """
         if self.decode is not None and all(q == 1 for q in step.query_lens) and len(step.seqs) <= self.decode.max_batch:
             logits = self.decode.run(step.seqs)
             for seq in step.seqs:
                 seq.num_computed += 1
-            return sample(logits, [s.params for s in step.seqs], [s.generator for s in step.seqs])
+            tokens, logprobs = sample_with_logprobs(
+                logits, [s.params for s in step.seqs], [s.generator for s in step.seqs]
+            )
+            return list(tokens), logprobs
         input_ids: list[int] = []
         context_lens: list[int] = []
         for seq, q in zip(step.seqs, step.query_lens, strict=True):
@@ -72,9 +80,13 @@ class ModelRunner:
                 rows.append(end - 1)
                 sampled_seqs.append(seq)
         out: list[int | None] = [None] * len(step.seqs)
+        out_logprobs: list[TokenLogprob | None] = [None] * len(step.seqs)
         if rows:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
-            tokens = sample(logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs])
-            by_seq = dict(zip(map(id, sampled_seqs), tokens))
-            out = [by_seq.get(id(s)) for s in step.seqs]
-        return out
+            tokens, logprobs = sample_with_logprobs(
+                logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs]
+            )
+            by_seq = {id(s): (t, lp) for s, t, lp in zip(sampled_seqs, tokens, logprobs, strict=True)}
+            out = [by_seq[id(s)][0] if id(s) in by_seq else None for s in step.seqs]
+            out_logprobs = [by_seq[id(s)][1] if id(s) in by_seq else None for s in step.seqs]
+        return out, out_logprobs

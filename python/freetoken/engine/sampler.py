@@ -1,10 +1,11 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p (nucleus, Holtzman et al. 2020), per-request seeds."""
+"""Next-token sampling: greedy, temperature, top-k, top-p (nucleus, Holtzman et al. 2020), per-request seeds;
+the sampled tokens' log-probabilities for requests that ask (`token_logprobs`)."""
 
 from __future__ import annotations
 
 import torch
 
-from freetoken.engine.types import SamplingParams
+from freetoken.engine.types import SamplingParams, TokenLogprob
 
 
 def sample(
@@ -40,3 +41,51 @@ def sample(
         probs = torch.softmax(scores, dim=-1)
         out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
     return out
+
+
+def token_logprobs(
+    logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
+) -> list[TokenLogprob | None]:
+    """The log-probabilities of the sampled `tokens`, for the rows whose params ask for them (`logprobs`).
+
+    They are those of the model's distribution: log_softmax of the raw logits in float32, before temperature,
+    top-k and top-p (what vLLM and the OpenAI API report). Rows that did not ask cost nothing; the rows that did
+    take one log_softmax, one gather and one batched topk (k = the largest ask) over just those rows.
+
+    Args:
+        logits: [N, V] logits (any float dtype; computed in float32).
+        params: N sampling parameter sets.
+        tokens: the N sampled token ids.
+
+    Returns:
+        Per row, a `TokenLogprob` with `params[row].logprobs` alternatives, or None for a row that did not ask.
+    """
+    rows = [row for row, p in enumerate(params) if p.logprobs is not None]
+    out: list[TokenLogprob | None] = [None] * len(params)
+    if not rows:
+        return out
+    if len(rows) == len(params):
+        picked = logits
+    else:
+        picked = logits[torch.tensor(rows, device=logits.device)]
+    logprobs = torch.log_softmax(picked.float(), dim=-1)
+    ids = torch.tensor([tokens[row] for row in rows], device=logits.device)
+    chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
+    k = min(max(params[row].logprobs for row in rows), logprobs.shape[-1])
+    top_values: list[list[float]] = [[] for _ in rows]
+    top_ids: list[list[int]] = [[] for _ in rows]
+    if k > 0:
+        values, indices = torch.topk(logprobs, k, dim=-1)
+        top_values, top_ids = values.tolist(), indices.tolist()
+    for i, row in enumerate(rows):
+        n = params[row].logprobs
+        out[row] = TokenLogprob(tokens[row], chosen[i], list(zip(top_ids[i][:n], top_values[i][:n], strict=True)))
+    return out
+
+
+def sample_with_logprobs(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> tuple[list[int], list[TokenLogprob | None]]:
+    """`sample`, plus `token_logprobs` of the sampled tokens for the rows that ask (None for the others)."""
+    tokens = sample(logits, params, generators)
+    return tokens, token_logprobs(logits, params, tokens)

@@ -7,6 +7,9 @@ from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 
+# Most top alternatives per token a request may ask for (`SamplingParams.logprobs`), as in the OpenAI API.
+MAX_LOGPROBS = 20
+
 
 @dataclass
 class SamplingParams:
@@ -21,6 +24,10 @@ class SamplingParams:
         stop: strings that end generation; the matched string is not part of the output text.
         stop_token_ids: token ids that end generation besides the model's EOS ids.
         ignore_eos: keep going past EOS (benchmarks).
+        logprobs: None (the default) reports no log-probabilities; 0..20 reports, for every generated token,
+            its log-probability and that many most likely alternatives (`TokenLogprob`). They are those of the
+            model's own distribution: log_softmax of the raw logits in float32, before temperature, top-k and
+            top-p (as vLLM and the OpenAI API report them), so they do not depend on the sampling settings.
     """
 
     max_tokens: int = 256
@@ -31,6 +38,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    logprobs: int | None = None
 
     def validate(self) -> None:
         """Raise ValueError naming the field when a value is out of range or of the wrong type.
@@ -51,6 +59,8 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of strings, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(map(_is_int, self.stop_token_ids)):
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
+        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:
@@ -72,6 +82,23 @@ def _is_int(value: object) -> bool:
 
 
 @dataclass
+class TokenLogprob:
+    """The log-probability of one generated token under the model's distribution (see `SamplingParams.logprobs`).
+
+    Attributes:
+        token_id: the generated token.
+        logprob: its log-probability (float32 log_softmax of the raw logits, before any sampling transform).
+        top: the most likely tokens as (token id, logprob), most likely first (tied values in no set
+            order); as many as the request's `logprobs`. The generated token is among them only
+            when it is that likely.
+    """
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
 class GenerationChunk:
     """One streamed piece of a request's output.
 
@@ -85,6 +112,8 @@ class GenerationChunk:
         stop_reason: the stop string or stop token id that ended the request, if any.
         num_prompt_tokens: tokens in the prompt.
         num_output_tokens: tokens generated so far.
+        logprobs: with `SamplingParams.logprobs` set, one `TokenLogprob` per entry of `token_ids`, in order;
+            else None.
     """
 
     text: str
@@ -93,3 +122,4 @@ class GenerationChunk:
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    logprobs: list[TokenLogprob] | None = None

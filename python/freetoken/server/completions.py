@@ -3,9 +3,12 @@
 The prompt is raw text, tokenized without a chat template, and the output is raw text (no reasoning
 or tool-call parsing). Accepted: ``prompt`` as a string, an array of one string, or an array of token
 ids; the sampling and streaming fields of chat completions (`openai.parse_sampling`; ``max_tokens``
-defaults to 16, as in the OpenAI API); ``echo`` (the prompt text is prepended to the output).
+defaults to 16, as in the OpenAI API); ``echo`` (the prompt text is prepended to the output);
+``logprobs`` (0..20 alternatives; the legacy ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset``
+object, see `freetoken.server.logprobs`, for the generated tokens only: an echoed prompt has no entries, and
+``text_offset`` counts from the start of the choice's text, echo included).
 Accepted and ignored: suffix (null only), best_of 1, user. Rejected with 400 (code unsupported):
-several prompts, n > 1, logprobs, suffix, best_of > 1.
+several prompts, n > 1, suffix, best_of > 1.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from freetoken.engine.types import MAX_LOGPROBS
 from freetoken.server.errors import ApiError, ErrorCode, invalid_request
 from freetoken.server.generation import (
     aclose_shielded,
@@ -25,6 +29,7 @@ from freetoken.server.generation import (
     collect,
     fit_context,
 )
+from freetoken.server.logprobs import completion_logprobs
 from freetoken.server.openai import Sampling, error_events, parse_sampling, usage
 from freetoken.server.schema import (
     get_field,
@@ -65,8 +70,7 @@ def _prompt_ids(body: dict[str, Any], tokenizer: Any) -> tuple[str, list[int]]:
 
 def _sampling(body: dict[str, Any]) -> Sampling:
     get_field(body, "model", str, required=True)
-    if get_int(body, "logprobs") is not None:
-        raise invalid_request(ErrorCode.UNSUPPORTED, "logprobs is not supported by this server", "logprobs")
+    logprobs = get_int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
     if get_field(body, "suffix", str) is not None:
         raise invalid_request(ErrorCode.UNSUPPORTED, "suffix is not supported by this server", "suffix")
     if get_int(body, "best_of", lo=1, default=1) != 1:
@@ -76,6 +80,7 @@ def _sampling(body: dict[str, Any]) -> Sampling:
         raise invalid_request(ErrorCode.UNSUPPORTED, f"n must be 1 on this endpoint, got {sampling.n}", "n")
     if sampling.max_tokens is None:
         sampling.max_tokens = DEFAULT_MAX_TOKENS
+    sampling.params.logprobs = logprobs
     return sampling
 
 
@@ -85,18 +90,23 @@ async def _stream_events(
     """The SSE events of one streamed text completion, ending with ``[DONE]``."""
     base = {"id": request_id, "object": "text_completion", "created": created, "model": model}
 
-    def chunk_event(text: str, finish_reason: str | None = None) -> bytes:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    def chunk_event(text: str, finish_reason: str | None = None, logprobs: dict | None = None) -> bytes:
+        choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return sse_data({**base, "choices": [choice]})
 
     if echo:
         yield chunk_event(echo)
     chunks = closing_chunks(engine, prompt_ids, sampling.params, request_id)
     last = None
+    offset = len(echo)  # text_offset of the next token: the lengths of the texts of the tokens before it
     try:
         async for out in chunks:
-            if out.text:
-                yield chunk_event(out.text)
+            logprobs = None
+            if out.logprobs:
+                logprobs = completion_logprobs(engine.tokenizer, out.logprobs, offset)
+                offset += sum(map(len, logprobs["tokens"]))
+            if out.text or logprobs:
+                yield chunk_event(out.text, logprobs=logprobs)
             last = out
     finally:
         await aclose_shielded(chunks)
@@ -129,7 +139,12 @@ async def completions(request: Request) -> Response:
         events = _stream_events(engine, prompt_ids, sampling, prefix, request_id, created, model)
         return EventStreamResponse(guard_stream(events, request_id, error_events))
     [completion] = await collect(request, engine, prompt_ids, [sampling.params], request_id)
-    choice = {"index": 0, "text": prefix + completion.text, "logprobs": None, "finish_reason": completion.finish_reason}
+    logprobs = None
+    if completion.logprobs is not None:
+        logprobs = completion_logprobs(engine.tokenizer, completion.logprobs, len(prefix))
+    choice = {
+        "index": 0, "text": prefix + completion.text, "logprobs": logprobs, "finish_reason": completion.finish_reason
+    }
     return JSONResponse({
         "id": request_id,
         "object": "text_completion",

@@ -27,7 +27,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from freetoken.engine import RequestError
-from freetoken.engine.types import GenerationChunk, SamplingParams
+from freetoken.engine.types import GenerationChunk, SamplingParams, TokenLogprob
 from freetoken.server.errors import ApiError, ErrorCode, invalid_request
 from freetoken.server.parsers import (
     OutputParser,
@@ -58,6 +58,7 @@ class Completion:
         stop_reason: the stop string or stop token id that ended it, if any.
         num_prompt_tokens: tokens in the prompt.
         num_output_tokens: tokens generated.
+        logprobs: one entry per generated token when the request asked for logprobs, else None.
     """
 
     text: str
@@ -65,6 +66,7 @@ class Completion:
     stop_reason: str | int | None
     num_prompt_tokens: int
     num_output_tokens: int
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -327,9 +329,12 @@ async def _drain(
     chunks: AsyncIterator[tuple[int, GenerationChunk]], n: int, num_prompt_tokens: int
 ) -> list[Completion]:
     parts: list[list[str]] = [[] for _ in range(n)]
+    logprobs: list[list[TokenLogprob] | None] = [None] * n
     last: list[GenerationChunk | None] = [None] * n
     async for i, chunk in chunks:
         parts[i].append(chunk.text)
+        if chunk.logprobs is not None:
+            logprobs[i] = (logprobs[i] or []) + list(chunk.logprobs)
         last[i] = chunk
     completions = []
     for i, chunk in enumerate(last):
@@ -341,6 +346,7 @@ async def _drain(
             stop_reason=chunk.stop_reason,
             num_prompt_tokens=chunk.num_prompt_tokens or num_prompt_tokens,
             num_output_tokens=chunk.num_output_tokens,
+            logprobs=logprobs[i],
         ))
     return completions
 

@@ -9,7 +9,10 @@ Accepted and ignored for now: parallel_tool_calls, frequency/presence_penalty, u
 ``n`` (up to 16 choices, each its own engine request; seeded choices use seed + index).
 ``response_format`` ``json_object`` / ``json_schema`` add a system instruction (the schema included) to the
 prompt; decoding is not constrained, so the output is JSON only as far as the model follows it.
-Rejected with 400 (code unsupported): logprobs, non-text content parts.
+``logprobs: true`` with ``top_logprobs`` (0..20) gives ``choices[i].logprobs.content`` (per chunk when
+streaming; see `freetoken.server.logprobs` for the values, ``token`` and ``bytes``); ``top_logprobs``
+without ``logprobs: true`` is a 400.
+Rejected with 400 (code unsupported): non-text content parts.
 
 Output goes through the model family's parser (`freetoken.server.parsers`): reasoning becomes
 ``reasoning_content``, tool calls ``message.tool_calls`` (content null when there is no text) with
@@ -35,7 +38,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from freetoken.engine.types import SamplingParams
+from freetoken.engine.types import MAX_LOGPROBS, SamplingParams, TokenLogprob
 from freetoken.server.errors import (
     ApiError,
     ErrorCode,
@@ -55,6 +58,7 @@ from freetoken.server.generation import (
     plan_output,
     render_prompt,
 )
+from freetoken.server.logprobs import chat_logprobs
 from freetoken.server.parsers import (
     ParsedDelta,
     ParsedOutput,
@@ -334,18 +338,25 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     tools = _tools(body)
     tool_choice = parse_tool_choice(body, tools)
 
-    if get_field(body, "logprobs", bool, default=False):
-        raise invalid_request(ErrorCode.UNSUPPORTED, "logprobs is not supported by this server", "logprobs")
+    logprobs = get_field(body, "logprobs", bool, default=False)
+    top_logprobs = get_int(body, "top_logprobs", lo=0, hi=MAX_LOGPROBS)
+    if top_logprobs is not None and not logprobs:
+        raise invalid_request(
+            ErrorCode.INVALID_VALUE, "top_logprobs is only allowed when logprobs is true", "top_logprobs"
+        )
     instruction = _format_instruction(body)
     if instruction:
         messages = with_system_instruction(messages, instruction)
     template_kwargs = get_field(body, "chat_template_kwargs", dict, default={})
+    sampling = parse_sampling(body)
+    if logprobs:
+        sampling.params.logprobs = top_logprobs or 0
     return ChatRequest(
         messages=messages,
         tools=tools,
         tool_choice=tool_choice,
         template_kwargs=template_kwargs,
-        sampling=parse_sampling(body),
+        sampling=sampling,
     )
 
 
@@ -384,14 +395,20 @@ def _message(output: ParsedOutput) -> dict[str, Any]:
 
 
 def completion_body(
-    request_id: str, created: int, model: str, completions: list[Completion], outputs: list[ParsedOutput]
+    request_id: str,
+    created: int,
+    model: str,
+    completions: list[Completion],
+    outputs: list[ParsedOutput],
+    tokenizer: Any = None,
 ) -> dict[str, Any]:
-    """The non-streaming ``chat.completion`` object: one choice per completion, parsed into `outputs`."""
+    """The non-streaming ``chat.completion`` object: one choice per completion, parsed into `outputs`; a
+    completion with logprobs gets them (in tokens' texts through `tokenizer`)."""
     choices = [
         {
             "index": index,
             "message": _message(output),
-            "logprobs": None,
+            "logprobs": chat_logprobs(tokenizer, completion.logprobs) if completion.logprobs is not None else None,
             "finish_reason": _finish_reason(completion.finish_reason, bool(output.tool_calls)),
         }
         for index, (completion, output) in enumerate(zip(completions, outputs, strict=True))
@@ -449,14 +466,23 @@ async def _stream_events(
     if chat.sampling.include_usage:
         base["usage"] = None
 
+    want_logprobs = chat.sampling.params.logprobs is not None
+
     def chunk_event(index: int, delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        # The logprobs of the tokens since the last event go with the next one (a chunk whose text the parser
+        # holds back has no event of its own); the finish event takes what is left.
+        logprobs = None
+        if want_logprobs and (pending_logprobs[index] or finish_reason is not None):
+            logprobs = chat_logprobs(engine.tokenizer, pending_logprobs[index])
+            pending_logprobs[index] = []
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return sse_data({**base, "choices": [choice]})
 
     params = choice_params(chat.sampling.params, chat.sampling.n)
     parsers = [plan.parser() for _ in params]
     pending = [first for _, first in parsers]  # what a forced call's opening parsed, sent with the first text
     call_ids: list[list[str]] = [[] for _ in params]
+    pending_logprobs: list[list[TokenLogprob]] = [[] for _ in params]
     last: list[Any] = [None] * len(params)
     for index in range(len(params)):
         yield chunk_event(index, {"role": "assistant", "content": ""})
@@ -464,6 +490,7 @@ async def _stream_events(
     try:
         async for index, out in chunks:
             parser = parsers[index][0]
+            pending_logprobs[index].extend(out.logprobs or ())
             pending[index].extend(parser.feed(out.text))
             if out.finish_reason is not None:
                 pending[index].extend(parser.finish())
@@ -512,4 +539,4 @@ async def chat_completions(request: Request) -> Response:
     params = choice_params(sampling.params, sampling.n)
     completions = await collect(request, engine, prompt_ids, params, request_id)
     outputs = [plan.parse(completion.text) for completion in completions]
-    return JSONResponse(completion_body(request_id, created, model, completions, outputs))
+    return JSONResponse(completion_body(request_id, created, model, completions, outputs, engine.tokenizer))
