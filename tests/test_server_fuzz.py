@@ -516,6 +516,30 @@ def test_found_by_fuzzing(http, raw, param):
     assert response.json()["error"]["param"] == param
 
 
+def test_tiny_temperature_samples_greedily(http):
+    """A temperature just above 0 (found by fuzzing: 4.7e-52) overflowed the logits and failed the engine's step,
+    a 500; below MIN_TEMPERATURE it now samples greedily."""
+    outputs = []
+    for temperature in (0, 4.7278972267409074e-52, 1e-6):
+        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
+                "temperature": temperature}
+        response = http.post(CHAT, json=body)
+        assert response.status_code == 200, response.text
+        outputs.append(response.json()["choices"][0]["message"]["content"])
+    assert outputs[1] == outputs[2] == outputs[0]
+    assert http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_empty_completions_prompt_is_400(http, stream):
+    """An empty prompt string (found by fuzzing) was refused by the engine mid-stream, after a 200."""
+    for prompt in ("", [""]):
+        response = http.post(COMPLETIONS, json={"model": "m", "prompt": prompt, "max_tokens": 2, "stream": stream})
+        assert response.status_code == 400, response.text
+        assert_openai_error_shape(response)
+        assert response.json()["error"]["param"] == "prompt"
+
+
 def test_healthy_after_fuzzing(http, openai_client, anthropic_client):
     """Runs after the fuzz tests (file order): the server answers and serves each API normally."""
     health = http.get("/health")

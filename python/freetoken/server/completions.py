@@ -52,10 +52,12 @@ DEFAULT_MAX_TOKENS = 16
 def _prompt_ids(body: dict[str, Any], tokenizer: Any) -> tuple[str, list[int]]:
     """``prompt`` -> (its text, its token ids)."""
     prompt = get_field(body, "prompt", (str, list), required=True)
-    if isinstance(prompt, str):
-        return prompt, tokenizer.encode(prompt)
-    if len(prompt) == 1 and isinstance(prompt[0], str):
-        return prompt[0], tokenizer.encode(prompt[0])
+    if isinstance(prompt, str) or (len(prompt) == 1 and isinstance(prompt[0], str)):
+        text = prompt if isinstance(prompt, str) else prompt[0]
+        ids = tokenizer.encode(text)
+        if not ids:
+            raise invalid_request(ErrorCode.INVALID_VALUE, "prompt is empty; send some text", "prompt")
+        return text, ids
     if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         bad = next((t for t in prompt if not 0 <= t < tokenizer.vocab_size), None)
         if bad is not None:

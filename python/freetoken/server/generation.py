@@ -209,14 +209,22 @@ def fit_context(
     return max_tokens
 
 
+# A positive temperature below this samples greedily: dividing the logits by a smaller one overflows them to
+# inf and the engine's sampling step fails (vLLM draws the same line).
+MIN_TEMPERATURE = 1e-5
+
+
 def check_params(params: SamplingParams) -> None:
-    """Run the engine's own range checks; a failure is a 400 naming the field."""
+    """Run the engine's own range checks; a failure is a 400 naming the field. A temperature in
+    (0, MIN_TEMPERATURE) becomes 0 (greedy)."""
     try:
         params.validate()
     except ValueError as exc:
         message = str(exc)
         field = message.split(" ", 1)[0]
         raise invalid_request(ErrorCode.INVALID_VALUE, message, field) from None
+    if 0.0 < params.temperature < MIN_TEMPERATURE:
+        params.temperature = 0.0
 
 
 async def aclose_shielded(chunks: AsyncIterator[Any]) -> None:
