@@ -114,3 +114,12 @@ def test_top_k_with_ties_keeps_exactly_k():
     logits = torch.tensor([[1.0, 2.0, 2.0, 2.0, 2.0, 0.0]])
     draws = _draws(logits, SamplingParams(temperature=1.0, top_k=2))
     assert len(set(draws)) == 2 and set(draws) <= {1, 2, 3, 4}
+
+
+@pytest.mark.parametrize("temperature", [2.2250738585e-313, 5e-324, 1e-6])
+def test_tiny_temperature_is_greedy(temperature):
+    # logits / a subnormal temperature overflow to inf (softmax NaN): such temperatures decode as argmax.
+    logits = torch.tensor([[0.5, 2.0, -1.0, 1.9]])
+    params = SamplingParams(temperature=temperature)
+    assert params.greedy
+    assert sample(logits, [params], [torch.Generator().manual_seed(0)]) == [1]

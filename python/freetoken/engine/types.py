@@ -7,6 +7,8 @@ from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort"]
 
+# Temperatures below this decode greedily (vLLM's sampling epsilon): logits / 1e-313 are inf, whose softmax is NaN.
+MIN_TEMPERATURE = 1e-5
 # Most top alternatives per token a request may ask for (`SamplingParams.logprobs`), as in the OpenAI API.
 MAX_LOGPROBS = 20
 
@@ -17,7 +19,8 @@ class SamplingParams:
 
     Attributes:
         max_tokens: most new tokens to generate (>= 1).
-        temperature: softmax temperature; 0 means greedy (argmax).
+        temperature: softmax temperature; 0 means greedy (argmax), and so does any value below
+            `MIN_TEMPERATURE` (dividing the logits by a subnormal one overflows them to inf).
         top_p: nucleus sampling mass in (0, 1]; 1 disables it.
         top_k: keep the k most likely tokens; 0 disables it.
         seed: per-request RNG seed; the same seed and prompt give the same tokens.
@@ -72,8 +75,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when decoding is argmax (temperature 0 or top_k 1)."""
-        return self.temperature == 0.0 or self.top_k == 1
+        """True when decoding is argmax (temperature below `MIN_TEMPERATURE`, 0 included, or top_k 1)."""
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
 
 def _is_int(value: object) -> bool:
