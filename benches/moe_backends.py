@@ -35,7 +35,7 @@ from freetoken.engine.types import SamplingParams
 from freetoken.models.loader import init_dummy_weights
 from freetoken.models.presets import preset_config_path
 from freetoken.moe.budget import plan_expert_slots
-from freetoken.moe.compute import grouped_swiglu
+from freetoken.moe.compute import expert_views, grouped_swiglu
 from freetoken.moe.expert_cache import ExpertCacheBackend, pin_host_memory
 from freetoken.moe.fused import FusedExperts
 
@@ -71,17 +71,15 @@ class StaticLayers:
 
     def __init__(self, pool: ExpertPool, gpu_arena: torch.Tensor, num_gpu_layers: int, cpu: CpuExperts):
         self.pool, self.cpu, self.num_gpu_layers = pool, cpu, num_gpu_layers
-        h, i = pool.hidden_size, pool.intermediate_size
-        words = gpu_arena.view(torch.bfloat16).view(num_gpu_layers, pool.num_experts, -1) if num_gpu_layers else None
-        self.gate_up = [words[li, :, : 2 * i * h].view(-1, 2 * i, h) for li in range(num_gpu_layers)]
-        self.down = [words[li, :, 2 * i * h : 3 * i * h].view(-1, h, i) for li in range(num_gpu_layers)]
+        per_layer = gpu_arena.view(num_gpu_layers, pool.num_experts, -1) if num_gpu_layers else []
+        self.weights = [expert_views(layer, pool.hidden_size, pool.intermediate_size) for layer in per_layer]
         self.pool_layer = {layer: n for n, layer in enumerate(pool.moe_layers)}
         self.bytes_cpu = 0
 
     def forward(self, layer, hidden, topk_ids, topk_weights):
         li = self.pool_layer[layer]
         if li < self.num_gpu_layers:
-            return grouped_swiglu(hidden, self.gate_up[li], self.down[li], topk_ids, topk_weights)
+            return grouped_swiglu(hidden, *self.weights[li], topk_ids, topk_weights)
         x = hidden.float().cpu().numpy()
         ids = topk_ids.cpu().numpy()
         out = np.zeros_like(x)
@@ -193,11 +191,9 @@ def main() -> None:
                     if backend_name == "fused":
                         gpu_arena = arena[: len(layers) * per_layer].to(device)
                         inner = FusedExperts()
-                        words = gpu_arena.view(torch.bfloat16).view(len(layers), cfg.num_experts, -1)
-                        h, i = cfg.hidden_size, cfg.moe_intermediate_size
+                        per_layer = gpu_arena.view(len(layers), cfg.num_experts, -1)
                         for li, layer in enumerate(layers):
-                            inner.load_layer(layer, words[li, :, : 2 * i * h].view(-1, 2 * i, h),
-                                             words[li, :, 2 * i * h : 3 * i * h].view(-1, h, i))
+                            inner.load_layer(layer, *expert_views(per_layer[li], cfg.hidden_size, cfg.moe_intermediate_size))
                     elif backend_name == "static":
                         slots = plan_expert_slots(engine_cfg, cfg, torch.bfloat16, pool.expert_stride, "offload")
                         n_layers = min(len(layers), slots // cfg.num_experts)

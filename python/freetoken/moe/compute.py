@@ -7,6 +7,25 @@ import torch
 import torch.nn.functional as F
 
 
+def expert_views(experts: torch.Tensor, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of packed experts as the stacked weights `grouped_swiglu` takes, without a copy.
+
+    Args:
+        experts: [E, stride] uint8, one expert per row in the pool's layout {gate_up [2I, H], down [H, I], padding}
+            of bf16 (`freetoken._core.ExpertPool`, `expert_stride` bytes apart), on any device.
+        hidden: H.
+        inter: I, the expert intermediate size.
+
+    Returns:
+        (gate_up [E, 2I, H], down [E, H, I]) bf16 views of `experts`.
+    """
+    words = experts.view(torch.bfloat16)
+    return (
+        words[:, : 2 * inter * hidden].view(-1, 2 * inter, hidden),
+        words[:, 2 * inter * hidden : 3 * inter * hidden].view(-1, hidden, inter),
+    )
+
+
 def grouped_swiglu(
     hidden: torch.Tensor,
     gate_up: torch.Tensor,

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from freetoken._core import CpuExperts, ExpertPool, Planner
-from freetoken.moe.compute import grouped_swiglu
+from freetoken.moe.compute import expert_views, grouped_swiglu
 from freetoken.moe.profile import interpolate
 
 log = logging.getLogger(__name__)
@@ -163,9 +163,7 @@ class ExpertCacheBackend:
         if device.type == "cuda":
             pin_host_memory(pool.ptr, pool.nbytes)
         self.slots = torch.empty(max(num_slots, 1), pool.expert_stride, dtype=torch.uint8, device=device)
-        words = self.slots.view(torch.bfloat16)
-        self.gate_up = words[:, : 2 * inter * hidden].view(-1, 2 * inter, hidden)
-        self.down = words[:, 2 * inter * hidden : 3 * inter * hidden].view(-1, hidden, inter)
+        self.gate_up, self.down = expert_views(self.slots, hidden, inter)
         self.planner = Planner(
             pool.num_layers,
             pool.num_experts,
