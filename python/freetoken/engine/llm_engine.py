@@ -97,14 +97,14 @@ class LLMEngine:
         model_cfg = ModelConfig.from_dir(model_dir)
         device = torch.device(engine_cfg.device)
         dtype = resolve_dtype(engine_cfg.dtype, device)
-        if not engine_cfg.dummy_weights:
-            TensorIndex.scan(model_dir)  # missing files fail here, with the loader's messages, before any loading
+        # Missing files fail here, with the loader's messages, before anything is allocated.
+        index = None if engine_cfg.dummy_weights else TensorIndex.scan(model_dir)
         check_host_memory(engine_cfg, model_cfg, dtype, resolve_backend(engine_cfg.moe_backend, device))
         experts = make_expert_backend(engine_cfg, model_cfg, None if engine_cfg.dummy_weights else model_dir, dtype)
         if engine_cfg.dummy_weights:
             model = init_dummy_weights(model_cfg, experts, device, dtype, seed=engine_cfg.seed)
         else:
-            model = load_checkpoint(model_dir, experts, device, dtype, cfg=model_cfg)
+            model = load_checkpoint(model_dir, experts, device, dtype, cfg=model_cfg, index=index)
         tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         return cls(model, model_cfg, engine_cfg, tokenizer)
 

@@ -162,8 +162,10 @@ def load_checkpoint(
     device: torch.device,
     dtype: torch.dtype,
     cfg: ModelConfig | None = None,
+    index: TensorIndex | None = None,
 ) -> Qwen3MoeForCausalLM:
-    """Load `model_dir` into a new model on `device`; routed experts go to `experts`.
+    """Load `model_dir` into a new model on `device`; routed experts go to `experts`. `index` is the directory's
+    `TensorIndex.scan`, when the caller already has it.
 
     Raises:
         FileNotFoundError: config.json, the safetensors file or a shard of the index is missing.
@@ -172,7 +174,7 @@ def load_checkpoint(
     """
     model_dir = Path(model_dir)
     cfg = cfg or ModelConfig.from_dir(model_dir)
-    reader = CheckpointReader(TensorIndex.scan(model_dir))
+    reader = CheckpointReader(index or TensorIndex.scan(model_dir))
     model = _empty_model(cfg, device, dtype)
     expected = set()
     for name, param in model.named_parameters():
