@@ -7,6 +7,9 @@ import json
 import time
 
 import httpx
+import jsonschema
+import pydantic
+import pytest
 from conftest import MAX_MODEL_LEN, SERVED_MODEL_NAME
 
 HELLO = [{"role": "user", "content": "Say hello."}]
@@ -359,3 +362,105 @@ def test_response_format_instructs(openai_client, demo_tokenizer, http):
         bad = http.post("/v1/chat/completions", json={"model": "m", "messages": HELLO, "max_tokens": 1,
                                                       "response_format": response_format})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+
+
+# Bounded, so that even the demo model's random weights reach the end within max_tokens: strings have a
+# maxLength, numbers a range. Any decoding that is not constrained writes garbage here.
+CARD_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "ok": {"type": "boolean"},
+        "name": {"type": "string", "maxLength": 6},
+        "color": {"enum": ["red", "green", "blue"]},
+        "count": {"type": "integer", "minimum": 0, "maximum": 99},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
+    },
+    "required": ["ok", "name", "color", "count", "tags"],
+    "additionalProperties": False,
+}
+# The demo model, when its template leaves thinking on, opens a reasoning block and never closes it (random
+# weights); the grammar allows that block before the JSON, so these tests turn thinking off.
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
+
+
+@pytest.mark.parametrize("strict", [True, False, None])
+def test_response_format_json_schema_is_enforced(openai_client, strict):
+    spec = {"name": "card", "schema": CARD_SCHEMA}
+    if strict is not None:
+        spec["strict"] = strict
+    fmt = {"type": "json_schema", "json_schema": spec}
+    for kwargs in ({"temperature": 0}, {"temperature": 1.0, "seed": 7, "n": 3}):
+        response = openai_client.chat.completions.create(
+            model="m", messages=HELLO, max_tokens=200, response_format=fmt, extra_body=NO_THINKING, **kwargs
+        )
+        for choice in response.choices:
+            assert choice.finish_reason == "stop", choice
+            jsonschema.validate(json.loads(choice.message.content), CARD_SCHEMA)
+    stream = openai_client.chat.completions.create(
+        model="m", messages=HELLO, max_tokens=200, response_format=fmt, extra_body=NO_THINKING, stream=True,
+        temperature=1.0, seed=11, n=2,
+    )
+    texts = ["", ""]
+    finishes = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            if choice.finish_reason:
+                finishes[choice.index] = choice.finish_reason
+    assert finishes == {0: "stop", 1: "stop"}
+    for text in texts:
+        jsonschema.validate(json.loads(text), CARD_SCHEMA)
+
+
+class Card(pydantic.BaseModel):
+    ok: bool
+    name: str = pydantic.Field(max_length=6)
+    count: int = pydantic.Field(ge=0, le=99)
+
+
+def test_sdk_parse_helper(openai_client):
+    """The SDK's ``parse`` sends a strict schema made from a pydantic model and validates the reply with it."""
+    completion = openai_client.chat.completions.parse(
+        model="m", messages=HELLO, max_tokens=200, response_format=Card, temperature=1.0, seed=5,
+        extra_body=NO_THINKING,
+    )
+    card = completion.choices[0].message.parsed
+    assert isinstance(card, Card) and 0 <= card.count <= 99
+
+
+def test_response_format_json_object(openai_client):
+    """Any object: unbounded, so the random demo model may run out of tokens; what it wrote is still the
+    start of one JSON object, and a finished one parses."""
+    response = openai_client.chat.completions.create(
+        model="m", messages=HELLO, max_tokens=24, response_format={"type": "json_object"}, extra_body=NO_THINKING,
+        temperature=0,
+    )
+    content = response.choices[0].message.content
+    assert content.startswith("{")
+    if response.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(content), dict)
+    else:
+        assert response.usage.completion_tokens == 24
+
+
+def test_response_format_errors(http):
+    def post(response_format, **extra):
+        return http.post("/v1/chat/completions", json={"model": "m", "messages": HELLO, "max_tokens": 4,
+                                                       "response_format": response_format, **extra})
+
+    for response_format, param in [
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}},
+         "response_format.json_schema.schema"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}},
+         "response_format.json_schema.schema"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": "object"}},
+         "response_format.json_schema.schema"),
+        ("json", "response_format"),
+    ]:
+        bad = post(response_format)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+        assert "x-guidance" not in bad.text  # the message names the problem, not the generated grammar
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    bad = post({"type": "json_object"}, tools=tools, tool_choice="required")
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice", bad.text
+    assert http.get("/health").status_code == 200

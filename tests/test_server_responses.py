@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 from conftest import SERVED_MODEL_NAME
+from test_server_openai import CARD_SCHEMA
 
 TOOLS = [{
     "type": "function",
@@ -115,3 +119,23 @@ def test_reasoning_and_calls_validate_as_sdk_events():
     strip = [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in items.items]
     assert strip == [{k: v for k, v in item.items() if k not in ("id", "call_id")} for item in whole]
     assert [item["type"] for item in whole] == ["reasoning", "message", "function_call"]
+
+
+def test_text_format_json_schema(openai_client, http):
+    """``text.format`` constrains the output as chat completions' response_format does (reasoning effort
+    "none" turns the demo template's thinking off), and the response echoes the format."""
+    fmt = {"type": "json_schema", "name": "card", "schema": CARD_SCHEMA, "strict": True}
+    kwargs = {"model": "m", "input": "Make a card.", "max_output_tokens": 200, "text": {"format": fmt},
+              "reasoning": {"effort": "none"}}
+    response = openai_client.responses.create(**kwargs, temperature=0)
+    assert response.status == "completed"
+    jsonschema.validate(json.loads(response.output_text), CARD_SCHEMA)
+    assert response.text.format.type == "json_schema"
+    events = list(openai_client.responses.create(**kwargs, temperature=1.0, stream=True))
+    text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    jsonschema.validate(json.loads(text), CARD_SCHEMA)
+    assert events[-1].type == "response.completed"
+    bad = http.post("/v1/responses", json={**kwargs, "text": {"format": {**fmt, "schema": {"type": "strin"}}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format.schema", bad.text
+    bad = http.post("/v1/responses", json={**kwargs, "text": {"format": {"type": "yaml"}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format.type", bad.text

@@ -204,6 +204,11 @@ class Tokenizer:
         ids = self._tokenizer.encode(text, add_special_tokens=False).ids
         return [self.bos_token_id, *ids] if self._add_bos_token else ids
 
+    def to_json(self) -> str:
+        """The `tokenizers` model serialized as tokenizer.json text (what grammar libraries such as llguidance take
+        to build their token tries)."""
+        return self._tokenizer.to_str()
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         """Text of `ids`; incomplete UTF-8 sequences come out as U+FFFD."""
         return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)

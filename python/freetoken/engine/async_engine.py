@@ -46,6 +46,8 @@ class AsyncEngine:
         tokenizer: the model's tokenizer (None when the directory has none).
         model_name: the name served in the APIs.
         max_model_len: context length in tokens.
+        grammars: compiles grammars into matchers for `SamplingParams.grammar` (None without a tokenizer);
+            thread-safe, blocking: call it off the event loop.
     """
 
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
@@ -53,6 +55,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
+        self.grammars = engine.grammars
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Add] = {}
         self._thread: threading.Thread | None = None

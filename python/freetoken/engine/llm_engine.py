@@ -18,6 +18,7 @@ from freetoken.engine.model_runner import ModelRunner
 from freetoken.engine.scheduler import Scheduler
 from freetoken.engine.sequence import Sequence
 from freetoken.engine.stop import OutputText
+from freetoken.engine.structured import GrammarBackend
 from freetoken.engine.types import FinishReason, GenerationChunk, SamplingParams, TokenLogprob
 from freetoken.models.loader import TensorIndex, init_dummy_weights, load_checkpoint, resolve_dtype
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -85,6 +86,11 @@ class LLMEngine:
             piecewise=not getattr(self.experts, "graph_safe", False),
         )
         self.eos_ids = set(tokenizer.eos_token_ids if tokenizer else ()) | set(model_cfg.eos_token_ids)
+        # Compiles response formats into per-sequence grammar matchers (`SamplingParams.grammar`); its token trie is
+        # built on the first constrained request, so serving free text costs nothing.
+        self.grammars = (
+            GrammarBackend(tokenizer, model_cfg.vocab_size, sorted(self.eos_ids)) if tokenizer is not None else None
+        )
         self._seqs: dict[str, Sequence] = {}
         self._rng = random.Random(engine_cfg.seed)
         self.num_steps = 0

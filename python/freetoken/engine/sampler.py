@@ -1,10 +1,12 @@
 """Next-token sampling: greedy, temperature, top-k, top-p (nucleus, Holtzman et al. 2020), per-request seeds;
-the sampled tokens' log-probabilities for requests that ask (`token_logprobs`)."""
+grammar-constrained rows (`SamplingParams.grammar`, see `freetoken.engine.structured`); the sampled tokens'
+log-probabilities for requests that ask (`token_logprobs`)."""
 
 from __future__ import annotations
 
 import torch
 
+from freetoken.engine.structured import accept_tokens, apply_grammar_masks
 from freetoken.engine.types import SamplingParams, TokenLogprob
 
 
@@ -86,6 +88,21 @@ def token_logprobs(
 def sample_with_logprobs(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> tuple[list[int], list[TokenLogprob | None]]:
-    """`sample`, plus `token_logprobs` of the sampled tokens for the rows that ask (None for the others)."""
-    tokens = sample(logits, params, generators)
+    """`sample`, plus `token_logprobs` of the sampled tokens for the rows that ask (None for the others).
+
+    Rows with a `grammar` sample from their masked logits (only the tokens the grammar allows), and their
+    matchers advance past the sampled tokens; log-probabilities stay those of the raw logits. Without any
+    grammar in the batch this is `sample` on the raw logits, at no extra cost.
+
+    Args:
+        logits: [N, V] float32 logits on the compute device; not written.
+        params: N sampling parameter sets, row by row.
+        generators: N RNGs on the logits' device (None for greedy rows).
+    """
+    matchers = [p.grammar for p in params]
+    if any(m is not None for m in matchers):
+        tokens = sample(apply_grammar_masks(logits, matchers), params, generators)
+        accept_tokens(matchers, tokens)
+    else:
+        tokens = sample(logits, params, generators)
     return tokens, token_logprobs(logits, params, tokens)

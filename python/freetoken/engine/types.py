@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from freetoken.engine.structured import GrammarMatcher
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -31,6 +34,10 @@ class SamplingParams:
             its log-probability and that many most likely alternatives (`TokenLogprob`). They are those of the
             model's own distribution: log_softmax of the raw logits in float32, before temperature, top-k and
             top-p (as vLLM and the OpenAI API report them), so they do not depend on the sampling settings.
+            With a `grammar` too, they are still the unconstrained model's.
+        grammar: None (free text), or this sequence's `GrammarMatcher`: the sampler allows only the tokens it
+            allows and advances it with each sampled token, so the output matches its grammar and EOS comes only
+            once it is complete. It holds state: each sequence needs its own (`GrammarMatcher.fork`).
     """
 
     max_tokens: int = 256
@@ -42,6 +49,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    grammar: GrammarMatcher | None = field(default=None, repr=False, compare=False)
 
     def validate(self) -> None:
         """Raise ValueError naming the field when a value is out of range or of the wrong type.
@@ -64,6 +72,11 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if self.grammar is not None:
+            from freetoken.engine.structured import GrammarMatcher  # llguidance loads only for requests that use it
+
+            if not isinstance(self.grammar, GrammarMatcher):
+                raise ValueError(f"grammar must be null or a GrammarMatcher, got {type(self.grammar).__name__}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:

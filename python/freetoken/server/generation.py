@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import re
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
 from freetoken.engine import RequestError
+from freetoken.engine.structured import GrammarError, GrammarMatcher, json_grammar
 from freetoken.engine.types import GenerationChunk, SamplingParams, TokenLogprob
 from freetoken.server.errors import ApiError, ErrorCode, invalid_request
 from freetoken.server.parsers import (
@@ -171,6 +173,54 @@ def plan_output(engine: Any, prompt: Prompt, tools_offered: bool, tool_choice: T
     return OutputPlan(engine.tokenizer, options, prefix)
 
 
+@dataclass(frozen=True)
+class JsonFormat:
+    """A JSON output the client asked for (``response_format`` / ``text.format``), enforced by a grammar.
+
+    Attributes:
+        schema: the JSON schema the output must match (``{"type": "object"}`` for ``json_object``).
+        param: the request field holding it, for errors.
+    """
+
+    schema: dict[str, Any]
+    param: str
+
+
+async def format_grammar(engine: Any, fmt: JsonFormat, plan: OutputPlan) -> GrammarMatcher:
+    """Compile `fmt` into a grammar matcher for one choice (`GrammarMatcher.fork` for more), off the event loop.
+
+    The grammar lets the model's reasoning block (its parser's `reasoning_grammar`) come first, then one JSON
+    value matching the schema, then EOS.
+
+    Raises:
+        ApiError: 400 naming `fmt.param` when the schema is invalid or uses what the grammar library does not
+            support; 400 on ``response_format`` when the model has no tokenizer; 400 when a tool call is forced
+            (its opening is already in the prompt, so the output cannot also be the JSON).
+    """
+    if engine.grammars is None:
+        raise invalid_request(
+            ErrorCode.UNSUPPORTED, "structured output needs the model's tokenizer.json", fmt.param.split(".")[0]
+        )
+    if plan.prefix:
+        raise invalid_request(
+            ErrorCode.UNSUPPORTED,
+            f"{fmt.param.split('.')[0]} cannot be combined with a forced tool call (tool_choice 'required' or a "
+            "named function); use tool_choice 'auto' or 'none'",
+            "tool_choice",
+        )
+    parser, _ = plan.parser()
+    grammar = json_grammar(fmt.schema, parser.reasoning_grammar())
+    try:
+        return await run_in_threadpool(engine.grammars.matcher, grammar)
+    except GrammarError as exc:
+        # llguidance's first line says what is wrong; it starts with a position in the generated grammar text,
+        # which means nothing to the client, and goes on with that text.
+        detail = re.sub(r"^at \d+\(\d+\): ", "", str(exc).strip().splitlines()[0])
+        raise invalid_request(
+            ErrorCode.INVALID_VALUE, f"{fmt.param} is not a JSON schema this server can enforce: {detail}", fmt.param
+        ) from None
+
+
 def fit_context(
     num_prompt_tokens: int,
     max_tokens: int | None,
@@ -264,11 +314,17 @@ async def closing_chunks(
 
 def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
     """The parameters of `n` choices of one request: copies of `params`, the i-th seeded ``seed + i`` (when
-    seeded), so that choices differ yet a seeded request is reproducible."""
+    seeded), so that choices differ yet a seeded request is reproducible; each gets its own fork of a grammar
+    matcher (it holds the sequence's state)."""
     if n == 1:
         return [params]
     seeds = [None] * n if params.seed is None else [params.seed + i for i in range(n)]
-    return [dataclasses.replace(params, seed=seed, stop=list(params.stop)) for seed in seeds]
+    return [
+        dataclasses.replace(
+            params, seed=seed, stop=list(params.stop), grammar=params.grammar.fork() if params.grammar else None
+        )
+        for seed in seeds
+    ]
 
 
 async def merged_chunks(

@@ -7,8 +7,12 @@ seed, stop (string or array), stream, stream_options.include_usage, tools, tool_
 ``top_k``, ``ignore_eos`` and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``, as in vLLM).
 Accepted and ignored for now: parallel_tool_calls, frequency/presence_penalty, user, metadata, store.
 ``n`` (up to 16 choices, each its own engine request; seeded choices use seed + index).
-``response_format`` ``json_object`` / ``json_schema`` add a system instruction (the schema included) to the
-prompt; decoding is not constrained, so the output is JSON only as far as the model follows it.
+``response_format`` ``json_object`` / ``json_schema`` (``strict`` or not) constrain decoding with a grammar
+(`freetoken.engine.structured`): the content is one compact JSON value matching the schema (an object for
+json_object), after the model's reasoning when it thinks, and the request ends when it is complete (or is cut
+by max_tokens: finish_reason length). A system instruction with the schema is added to the prompt too, so the
+model knows what to write. A schema the grammar library cannot enforce is a 400 on
+``response_format.json_schema.schema``; a forced tool call with a response format is a 400.
 ``logprobs: true`` with ``top_logprobs`` (0..20) gives ``choices[i].logprobs.content`` (per chunk when
 streaming; see `freetoken.server.logprobs` for the values, ``token`` and ``bytes``); ``top_logprobs``
 without ``logprobs: true`` is a 400.
@@ -47,6 +51,7 @@ from freetoken.server.errors import (
 )
 from freetoken.server.generation import (
     Completion,
+    JsonFormat,
     OutputPlan,
     ToolChoice,
     aclose_shielded,
@@ -54,6 +59,7 @@ from freetoken.server.generation import (
     choice_params,
     collect,
     fit_context,
+    format_grammar,
     merged_chunks,
     plan_output,
     render_prompt,
@@ -117,6 +123,7 @@ class ChatRequest:
         tool_choice: how the model may use `tools`.
         template_kwargs: extra chat template variables (``chat_template_kwargs``).
         sampling: sampling and streaming.
+        response_format: the JSON the output is constrained to, or None for free text.
     """
 
     messages: list[dict[str, Any]]
@@ -124,6 +131,7 @@ class ChatRequest:
     tool_choice: ToolChoice
     template_kwargs: dict[str, Any]
     sampling: Sampling
+    response_format: JsonFormat | None = None
 
 
 def _content_text(message: dict[str, Any], path: str, *, required: bool) -> str:
@@ -298,28 +306,37 @@ def parse_sampling(body: dict[str, Any]) -> Sampling:
 JSON_OBJECT_INSTRUCTION = "Respond with one JSON object and nothing else: no prose, no code fences."
 
 
-def _format_instruction(body: dict[str, Any]) -> str | None:
-    """The system instruction that ``response_format`` asks for (None for text)."""
-    response_format = get_field(body, "response_format", dict)
-    if response_format is None:
+def parse_response_format(value: Any, param: str, *, nested: bool = True) -> tuple[str, JsonFormat] | None:
+    """A ``response_format`` (chat completions) or ``text.format`` (Responses, `nested` false: the schema's
+    fields sit beside ``type``) object: None for text, else the system instruction to add to the prompt and
+    the `JsonFormat` the output is constrained to.
+
+    The instruction tells the model what to write (the schema with its descriptions); the grammar makes sure
+    the output parses and matches the schema whatever the model prefers.
+    """
+    if value is None:
         return None
-    kind = get_field(response_format, "type", str, parent="response_format", required=True)
+    if not isinstance(value, dict):
+        raise wrong_type(param, "an object", value)
+    kind = get_field(value, "type", str, parent=param, required=True)
     if kind == "text":
         return None
     if kind == "json_object":
-        return JSON_OBJECT_INSTRUCTION
+        return JSON_OBJECT_INSTRUCTION, JsonFormat({"type": "object"}, param)
     if kind != "json_schema":
         raise invalid_request(
             ErrorCode.INVALID_VALUE,
-            f"response_format.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-            "response_format.type",
+            f"{param}.type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+            join_path(param, "type"),
         )
-    spec = get_field(response_format, "json_schema", dict, parent="response_format", required=True)
-    name = get_field(spec, "name", str, parent="response_format.json_schema", required=True)
-    get_field(spec, "strict", bool, parent="response_format.json_schema")
-    schema = get_field(spec, "schema", dict, parent="response_format.json_schema", default={"type": "object"})
-    return (f"{JSON_OBJECT_INSTRUCTION} It must match this JSON schema (named {name!r}):\n"
-            f"{json.dumps(schema, ensure_ascii=False)}")
+    spec_path = join_path(param, "json_schema") if nested else param
+    spec = get_field(value, "json_schema", dict, parent=param, required=True) if nested else value
+    name = get_field(spec, "name", str, parent=spec_path, required=True)
+    get_field(spec, "strict", bool, parent=spec_path)
+    schema = get_field(spec, "schema", dict, parent=spec_path, default={"type": "object"})
+    instruction = (f"{JSON_OBJECT_INSTRUCTION} It must match this JSON schema (named {name!r}):\n"
+                   f"{json.dumps(schema, ensure_ascii=False)}")
+    return instruction, JsonFormat(schema, join_path(spec_path, "schema"))
 
 
 def with_system_instruction(messages: list[dict[str, Any]], instruction: str) -> list[dict[str, Any]]:
@@ -344,9 +361,9 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         raise invalid_request(
             ErrorCode.INVALID_VALUE, "top_logprobs is only allowed when logprobs is true", "top_logprobs"
         )
-    instruction = _format_instruction(body)
-    if instruction:
-        messages = with_system_instruction(messages, instruction)
+    response_format = parse_response_format(body.get("response_format"), "response_format")
+    if response_format is not None:
+        messages = with_system_instruction(messages, response_format[0])
     template_kwargs = get_field(body, "chat_template_kwargs", dict, default={})
     sampling = parse_sampling(body)
     if logprobs:
@@ -357,6 +374,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         tool_choice=tool_choice,
         template_kwargs=template_kwargs,
         sampling=sampling,
+        response_format=response_format[1] if response_format is not None else None,
     )
 
 
@@ -530,6 +548,8 @@ async def chat_completions(request: Request) -> Response:
     sampling.params.max_tokens = fit_context(
         len(prompt_ids), sampling.max_tokens, engine.max_model_len, max_tokens_param=sampling.max_tokens_param
     )
+    if chat.response_format is not None:
+        sampling.params.grammar = await format_grammar(engine, chat.response_format, plan)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = state.served_model_name

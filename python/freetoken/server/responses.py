@@ -7,8 +7,9 @@ Accepted: ``instructions`` (a system message); ``input`` as a string or an array
 types this server does not know are skipped. ``tools`` of type function (other tool types are skipped:
 this server runs no hosted tools), ``tool_choice`` (auto, none, required, {"type": "function", "name"},
 enforced as in chat completions), ``max_output_tokens``, temperature, top_p, stream, ``reasoning.effort``
-("none" or "minimal" turn the template's thinking off). Accepted and ignored: parallel_tool_calls, store,
-include, metadata, user, truncation, text. Rejected with 400 (code unsupported): previous_response_id
+("none" or "minimal" turn the template's thinking off), ``text.format`` (``json_object`` or ``json_schema``
+with name, schema, strict beside type: decoding constrained as for chat completions' response_format).
+Accepted and ignored: parallel_tool_calls, store, include, metadata, user, truncation. Rejected with 400 (code unsupported): previous_response_id
 (nothing is stored), images and files.
 
 Output items: ``reasoning`` (content: one reasoning_text), ``message`` (one output_text), one
@@ -44,11 +45,12 @@ from freetoken.server.generation import (
     check_params,
     collect,
     fit_context,
+    format_grammar,
     parsed_chunks,
     plan_output,
     render_prompt,
 )
-from freetoken.server.openai import parse_tool_choice
+from freetoken.server.openai import parse_response_format, parse_tool_choice, with_system_instruction
 from freetoken.server.parsers import ParsedDelta, ParsedOutput
 from freetoken.server.schema import (
     get_field,
@@ -227,7 +229,7 @@ class _Response:
             "top_p": params.top_p,
             "tool_choice": body.get("tool_choice", "auto"),
             "tools": body.get("tools") or [],
-            "text": {"format": {"type": "text"}},
+            "text": {"format": (body.get("text") or {}).get("format") or {"type": "text"}},
             "truncation": "disabled",
             "metadata": body.get("metadata") or {},
             "error": None,
@@ -364,6 +366,10 @@ async def responses(request: Request) -> Response:
             "send the whole conversation in input", "previous_response_id",
         )
     messages = convert_input(body)
+    text = get_field(body, "text", dict, default={})
+    response_format = parse_response_format(text.get("format"), "text.format", nested=False)
+    if response_format is not None:
+        messages = with_system_instruction(messages, response_format[0])
     tools = _tools(body)
     tool_choice = parse_tool_choice(body, tools, nested=False)
     max_output_tokens = get_int(body, "max_output_tokens", lo=1)
@@ -381,6 +387,8 @@ async def responses(request: Request) -> Response:
         len(prompt.ids), max_output_tokens, engine.max_model_len, max_tokens_param="max_output_tokens",
         messages_param="input",
     )
+    if response_format is not None:
+        params.grammar = await format_grammar(engine, response_format[1], plan)
     response = _Response(body, state.served_model_name, params)
     if stream:
         events = _stream_events(engine, prompt.ids, params, plan, response)

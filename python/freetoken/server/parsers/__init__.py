@@ -94,6 +94,12 @@ class OutputParser(Protocol):
         this model or prompt cannot be made to call a tool that way. Called before any `feed`."""
         ...
 
+    def reasoning_grammar(self) -> str:
+        """A Lark expression (llguidance's dialect) for the reasoning this output may start with, "" for none:
+        a constrained output (`freetoken.engine.structured.json_grammar`) lets the model think first. Called
+        before any `feed`."""
+        ...
+
 
 @dataclass(frozen=True)
 class ParserOptions:
@@ -125,6 +131,10 @@ class PlainTextParser:
     def tool_call_prefix(self, name: str | None) -> None:
         """No markup for tool calls is known."""
         del name
+
+    def reasoning_grammar(self) -> str:
+        """No markup for reasoning is known."""
+        return ""
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,8 @@ class Qwen3Parser:
         else:
             self._mode = _START
             self._segment = _Segment(strip_leading=False)
+        # The template closed an (empty) reasoning block at the end of the prompt: thinking is off for this turn.
+        self._thinking_off = options.prompt_text.rstrip().endswith(THINK_CLOSE)
         self._num_calls = 0
         self._call_started = False  # the current call's name has been sent
         self._args_start = 0  # where the current call's arguments begin in `_buf`
@@ -166,6 +168,17 @@ class Qwen3Parser:
         if name is None:
             return TOOL_OPEN + "\n"
         return f'{TOOL_OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {{'
+
+    def reasoning_grammar(self) -> str:
+        """The rest of the reasoning block the prompt opened, or an optional whole one; then at most a few
+        blank characters (Qwen3 writes two newlines after ``</think>``; a bound, so they cannot loop). Nothing
+        when the prompt closed the block (``enable_thinking=False``)."""
+        body = f"/(?s:.*)/ {THINK_CLOSE} /[ \\n]{{0,4}}/"
+        if self._mode == _REASONING:
+            return body
+        if self._thinking_off:
+            return ""
+        return f"({THINK_OPEN} {body})?"
 
     def _emit(self, out: ParsedDelta, text: str) -> None:
         if self._mode == _REASONING:

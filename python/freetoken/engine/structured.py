@@ -1,0 +1,185 @@
+"""Structured output: grammar-constrained decoding with llguidance.
+
+A request that must produce JSON (OpenAI ``response_format``, Responses ``text.format``) carries a
+`GrammarMatcher` in its `SamplingParams`. Before each sample the sampler asks the matchers of the rows that have
+one for the set of tokens the grammar allows next (a bitmask over the vocabulary, computed by llguidance in Rust
+with the GIL released), sets every other logit to -inf, and after the sample advances each matcher with its
+token. The grammar allows an EOS token only once it is complete, and nothing else after that, so a constrained
+request ends exactly when its output is whole (or when it runs out of tokens).
+
+`GrammarBackend` holds the one llguidance tokenizer of the served model (its token trie; built on first use,
+about 2 s for Qwen3's 152k tokens) and compiles grammars into matchers. Grammars are Lark text (llguidance's
+dialect): `json_grammar` embeds a JSON schema, after an optional reasoning prefix of the model's family.
+
+Rows without a matcher cost nothing: `apply_grammar_masks` returns the logits untouched when no row has one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from typing import Any
+
+import llguidance
+import torch
+
+from freetoken.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+# JSON compile options forced on every schema. Fixed separators, no free whitespace: with free whitespace a model
+# can loop on blank tokens inside an object until it runs out of tokens (vLLM's guided decoding has a switch for
+# the same failure); the compact form is also what OpenAI's structured outputs return.
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
+
+
+class GrammarError(ValueError):
+    """A grammar or JSON schema llguidance cannot compile; the message says what is wrong."""
+
+
+def json_grammar(schema: dict[str, Any], reasoning_prefix: str = "") -> str:
+    """A Lark grammar (llguidance's dialect) for one JSON value matching `schema`.
+
+    Args:
+        schema: a JSON schema (``{"type": "object"}`` for any object). An ``x-guidance`` key in it is replaced
+            by this module's JSON options.
+        reasoning_prefix: a Lark expression for what may come before the JSON (a model's reasoning block,
+            see `OutputParser.reasoning_grammar`), or "".
+
+    Returns:
+        The grammar text, for `GrammarBackend.matcher`.
+    """
+    schema = {**schema, "x-guidance": _JSON_OPTIONS}
+    return f"start: {reasoning_prefix} answer\nanswer: %json {json.dumps(schema, ensure_ascii=False)}\n"
+
+
+class GrammarMatcher:
+    """The grammar state of one sequence: which tokens may come next, advanced by each sampled token.
+
+    Not thread-safe; owned by one sequence. Use `fork` for another sequence of the same request.
+    """
+
+    def __init__(self, matcher: llguidance.LLMatcher, eos_token_ids: list[int]) -> None:
+        self.matcher = matcher
+        self.eos_token_ids = eos_token_ids
+
+    def fork(self) -> GrammarMatcher:
+        """An independent copy in the same state (one per choice of an ``n > 1`` request)."""
+        return GrammarMatcher(self.matcher.deep_copy(), self.eos_token_ids)
+
+    def accept(self, token_id: int) -> None:
+        """Advance past `token_id` (a token the mask allowed). A token the grammar refuses puts the matcher in
+        its error state, which `apply_grammar_masks` then turns into "EOS only" (logged, never raised: the
+        engine step must not fail for one request)."""
+        if not self.matcher.consume_token(token_id):
+            log.warning("grammar matcher refused token %d: %s", token_id, self.matcher.get_error())
+
+    @property
+    def is_accepting(self) -> bool:
+        """True when the output so far is a complete match (EOS may come)."""
+        return self.matcher.is_accepting()
+
+
+class GrammarBackend:
+    """The served model's llguidance tokenizer, and a factory of matchers over it.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        vocab_size: the logits' width (the model's vocabulary, which may be padded past the tokenizer's).
+        eos_token_ids: the ids that end generation (the grammar allows them once complete).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, eos_token_ids: list[int]) -> None:
+        self._tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self._lock = threading.Lock()
+        self._ll_tokenizer: llguidance.LLTokenizer | None = None
+
+    def ll_tokenizer(self) -> llguidance.LLTokenizer:
+        """The llguidance tokenizer, built on first use (seconds for a 150k vocabulary; call it off the event
+        loop). Thread-safe."""
+        with self._lock:
+            if self._ll_tokenizer is None:
+                self._ll_tokenizer = llguidance.LLTokenizer(
+                    self._tokenizer.to_json(), n_vocab=self.vocab_size, eos_token=self.eos_token_ids
+                )
+            return self._ll_tokenizer
+
+    def matcher(self, grammar: str) -> GrammarMatcher:
+        """Compile `grammar` (Lark text, e.g. from `json_grammar`) into a fresh matcher.
+
+        Blocking (the tokenizer on first use, then the grammar: milliseconds, up to a second for huge
+        schemas); call it off the event loop.
+
+        Raises:
+            GrammarError: the grammar (or the schema inside it) is invalid or uses what llguidance does not
+                support; the message is llguidance's.
+        """
+        matcher = llguidance.LLMatcher(self.ll_tokenizer(), grammar, log_level=0)
+        if matcher.is_error():
+            raise GrammarError(matcher.get_error())
+        return GrammarMatcher(matcher, self.eos_token_ids)
+
+
+_executor: llguidance.LLExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _get_executor() -> llguidance.LLExecutor:
+    """One llguidance thread pool for the process (masks of several rows are computed in parallel)."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+        return _executor
+
+
+def apply_grammar_masks(logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> torch.Tensor:
+    """The logits with every token the row's grammar forbids set to -inf.
+
+    Args:
+        logits: [N, V] float logits on the compute device; not written (the raw values stay for logprobs).
+        matchers: N entries, a row's matcher or None for an unconstrained row.
+
+    Returns:
+        `logits` itself when no row has a matcher; else a new [N, V] tensor, the constrained rows masked. A
+        matcher in its error state allows only EOS, so its sequence ends instead of failing the step.
+    """
+    rows = [row for row, m in enumerate(matchers) if m is not None]
+    if not rows:
+        return logits
+    num_rows, vocab = len(rows), logits.shape[-1]
+    # (k, ceil(V/32)) int32: bit b of word w allows token 32*w + b. Filled on the host while the device may still
+    # be computing `logits` (nothing here waits for them until the masked_fill below).
+    # (llguidance.torch wraps this call, but importing it imports torch._dynamo: seconds at startup.)
+    num_words = (vocab + 31) // 32
+    bitmask = torch.empty((num_rows, num_words), dtype=torch.int32)
+    constrained = [matchers[row] for row in rows]
+    _get_executor().unsafe_compute_mask_ptr(
+        [(m.matcher, i) for i, m in enumerate(constrained)], bitmask.data_ptr(), num_words * 4, num_rows
+    )
+    for i, m in enumerate(constrained):
+        if m.matcher.is_error():
+            bitmask[i] = 0
+            for eos in m.eos_token_ids:
+                bitmask[i, eos // 32] |= _bit(eos % 32)
+    words = bitmask.to(logits.device, non_blocking=True)
+    shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
+    allowed = ((words.unsqueeze(-1) >> shifts) & 1).view(num_rows, -1)[:, :vocab].bool()  # (k, V)
+    index = torch.tensor(rows, device=logits.device)
+    masked = logits.index_select(0, index).masked_fill(~allowed, float("-inf"))
+    return logits.index_put((index,), masked)
+
+
+def _bit(position: int) -> int:
+    """The int32 word with only bit `position` set (bit 31 is the sign bit)."""
+    return -(2**31) if position == 31 else 1 << position
+
+
+def accept_tokens(matchers: list[GrammarMatcher | None], tokens: list[int]) -> None:
+    """Advance each row's matcher (if any) past the token sampled for that row."""
+    for matcher, token in zip(matchers, tokens, strict=True):
+        if matcher is not None:
+            matcher.accept(token)
