@@ -17,6 +17,7 @@ measured bandwidths, achieved/bound, peak GPU memory) and a final JSON line. Nee
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -54,13 +55,32 @@ class TraceReplay:
         self.num_steps = num_steps
         self.step = 0
 
-    def forward(self, layer, hidden, topk_ids, topk_weights):
+    def begin_step(self, num_tokens, num_prefill_tokens, top_k):
+        self.inner.begin_step(num_tokens, num_prefill_tokens, top_k)
+
+    def _ids(self, layer: int, shape: tuple[int, ...]) -> np.ndarray | None:
         ids = self.trace.get((self.step % self.num_steps, self.pool_layer[layer]))
-        if ids is not None and ids.shape == tuple(topk_ids.shape):
-            topk_ids = torch.from_numpy(ids.astype(np.int64)).to(hidden.device)
         if layer == self.last_layer:
             self.step += 1
+        return ids.astype(np.int64) if ids is not None and ids.shape == shape else None
+
+    def forward(self, layer, hidden, topk_ids, topk_weights):
+        ids = self._ids(layer, tuple(topk_ids.shape))
+        if ids is not None:
+            topk_ids = torch.from_numpy(ids).to(hidden.device)
         return self.inner.forward(layer, hidden, topk_ids, topk_weights)
+
+    def forward_staged(self, layer, hidden, topk_weights, host_ids, host_weights, host_hidden, out, cpu_out):
+        """The piecewise decode runner's path: the trace's ids are written over the staged host copy (after a
+        sync, so the queued copy cannot overwrite them)."""
+        ids = self._ids(layer, tuple(host_ids.shape))
+        torch.cuda.current_stream().synchronize()
+        if ids is not None:
+            host_ids.numpy()[:] = ids
+        if hasattr(self.inner, "forward_staged"):
+            self.inner.forward_staged(layer, hidden, topk_weights, host_ids, host_weights, host_hidden, out, cpu_out)
+        else:
+            out.copy_(self.inner.forward(layer, hidden, host_ids.to(hidden.device), topk_weights))
 
 
 class StaticLayers:
@@ -75,6 +95,9 @@ class StaticLayers:
         self.weights = [expert_views(layer, pool.hidden_size, pool.intermediate_size) for layer in per_layer]
         self.pool_layer = {layer: n for n, layer in enumerate(pool.moe_layers)}
         self.bytes_cpu = 0
+
+    def begin_step(self, num_tokens, num_prefill_tokens, top_k):
+        pass
 
     def forward(self, layer, hidden, topk_ids, topk_weights):
         li = self.pool_layer[layer]
@@ -114,9 +137,13 @@ def run_decode(
     return times, start_stats
 
 
-def profile_steps(engine: LLMEngine, replay: TraceReplay, batch: int, log) -> None:
-    """Where 4 warm decode steps spend their time: the profiler's top ops by CPU and by GPU time."""
-    from torch.profiler import ProfilerActivity, profile
+def profile_steps(engine: LLMEngine, replay: TraceReplay, batch: int, log) -> float | None:
+    """Where 4 warm decode steps spend their time: the profiler's top ops by CPU and by GPU time (logged), and the
+    share of the steps' wall time outside every device kernel and copy and the host expert kernels
+    (`cpu_experts` ranges): the union of those intervals against each step's span. The profiler's own cost per
+    op counts as outside, so the share is an upper bound. None when the trace has no device events."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     for i in range(batch):
@@ -125,12 +152,29 @@ def profile_steps(engine: LLMEngine, replay: TraceReplay, batch: int, log) -> No
         engine.step()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(4):
-            engine.step()
-        torch.cuda.synchronize()
+            with record_function("decode_step"):
+                engine.step()
+                torch.cuda.synchronize()
     while engine.has_work():
         engine.step()
     for key in ("self_cpu_time_total", "self_cuda_time_total"):
         log(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=40))
+    events = prof.events()
+    steps = [(e.time_range.start, e.time_range.end) for e in events if e.name == "decode_step"]
+    busy = sorted((e.time_range.start, e.time_range.end) for e in events
+                  if e.device_type == DeviceType.CUDA or e.name == "cpu_experts")
+    if not steps or not any(e.device_type == DeviceType.CUDA for e in events):
+        return None
+    covered = 0.0
+    for lo, hi in steps:
+        end = lo
+        for start, stop in busy:
+            start, stop = max(start, end), min(stop, hi)
+            if stop > start:
+                covered += stop - start
+                end = stop
+    total = sum(hi - lo for lo, hi in steps)
+    return 1.0 - covered / total
 
 
 def snapshot(backend) -> dict:
@@ -151,7 +195,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--backends", nargs="+", default=["fused", "static", "offload", "cpu", "hybrid"])
     ap.add_argument("--profile", action="store_true",
-                    help="print the torch profiler's top ops (CPU and GPU time) of 4 decode steps per row, to stderr")
+                    help="print the torch profiler's top ops (CPU and GPU time) of 4 decode steps per row, to stderr, "
+                    "and add the share of the step outside kernels, copies and CPU expert work (outside_share)")
     args = ap.parse_args()
     cfg = ModelConfig.from_dict(json.loads(preset_config_path(args.preset).read_text()), source=args.preset)
     device = torch.device("cuda")
@@ -195,22 +240,26 @@ def main() -> None:
                         for li, layer in enumerate(layers):
                             inner.load_layer(layer, *expert_views(per_layer[li], cfg.hidden_size, cfg.moe_intermediate_size))
                     elif backend_name == "static":
-                        slots = plan_expert_slots(engine_cfg, cfg, torch.bfloat16, pool.expert_stride, "offload")
+                        # No prefill layer buffers: llama.cpp's placement keeps whole layers, nothing else.
+                        static_cfg = dataclasses.replace(engine_cfg, prefill_strategy="fill")
+                        slots, _ = plan_expert_slots(static_cfg, cfg, torch.bfloat16, pool.expert_stride, "offload")
                         n_layers = min(len(layers), slots // cfg.num_experts)
                         gpu_arena = arena[: n_layers * per_layer].to(device) if n_layers else None
                         inner = StaticLayers(pool, gpu_arena, n_layers, cpu)
                     else:
-                        slots = 0 if backend_name == "cpu" else plan_expert_slots(
+                        slots, buffers = plan_expert_slots(
                             engine_cfg, cfg, torch.bfloat16, pool.expert_stride, backend_name)
                         inner = ExpertCacheBackend(
                             backend_name, pool, device, slots, pcie_bytes_per_s=b_pcie, cpu_bytes_per_s=b_cpu,
+                            layer_buffers=buffers,
                         )
                     replay = TraceReplay(inner, trace, layers, total)
                     model.attach_experts(replay)
                     torch.cuda.reset_peak_memory_stats()
                     engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
+                    outside = None
                     if args.profile:
-                        profile_steps(engine, replay, batch, log)
+                        outside = profile_steps(engine, replay, batch, log)
                         engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
                     times, before = run_decode(engine, replay, batch, args.warmup, args.steps)
                     after = snapshot(inner)
@@ -231,6 +280,8 @@ def main() -> None:
                         "achieved_over_bound": round(bound_s / step_s, 2) if bound_s else None,
                         "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
                     }
+                    if outside is not None:
+                        row["outside_share"] = round(outside, 3)
                     rows.append(row)
                     print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
                     del engine, inner, replay, gpu_arena

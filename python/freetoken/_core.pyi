@@ -376,6 +376,13 @@ class Planner:
     def slot_of(self, layer: int, expert: int) -> int | None:
         """The slot holding ``(layer, expert)``, or None."""
 
+    def layer_slots(self, layer: int) -> npt.NDArray[np.int32]:
+        """The slot of every expert of ``layer``, -1 where it is not resident: ``[num_experts]``.
+
+        Raises:
+            OutOfRangeError: Bad ``layer``.
+        """
+
     @property
     def capacity(self) -> int:
         """expert_cache slots."""

@@ -14,6 +14,7 @@ from typing import Any
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 MOE_BACKENDS = ("auto", "fused", "offload", "cpu", "hybrid")
 EXPERT_CACHE_POLICIES = ("lru", "layer_lru", "lfu")
+PREFILL_STRATEGIES = ("auto", "stream", "fill", "cpu", "hybrid")
 
 
 class ConfigError(ValueError):
@@ -197,6 +198,11 @@ class EngineConfig:
         dummy_weights: random weights (seeded) instead of reading safetensors.
         seed: seed of the dummy weights and the default sampling RNG.
         enforce_eager: no CUDA graphs (decode steps launch their kernels one by one).
+        prefill_strategy: how prefill chunks reach experts that are not in the cache: "auto" (the cheapest by the
+            cost model of `freetoken.moe.prefill`), "stream" (whole layers into double buffers, overlapped with
+            compute), "fill" (copy the routed misses into slots), "cpu" (run them on the host), "hybrid" (q*).
+        no_prefill_overlap: one layer buffer instead of two: each layer's copy waits for the previous layer's
+            compute (for comparison).
     """
 
     device: str = "cpu"
@@ -215,6 +221,8 @@ class EngineConfig:
     dummy_weights: bool = False
     seed: int = 0
     enforce_eager: bool = False
+    prefill_strategy: str = "auto"
+    no_prefill_overlap: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the flag when a setting is out of range (a zero `max_num_seqs` would hang) or
@@ -242,6 +250,10 @@ class EngineConfig:
         if self.expert_cache_policy not in EXPERT_CACHE_POLICIES:
             raise ValueError(
                 f"--expert-cache-policy {self.expert_cache_policy!r}: choose from {', '.join(EXPERT_CACHE_POLICIES)}"
+            )
+        if self.prefill_strategy not in PREFILL_STRATEGIES:
+            raise ValueError(
+                f"--prefill-strategy {self.prefill_strategy!r}: choose from {', '.join(PREFILL_STRATEGIES)}"
             )
         for name in ("gpu_memory_gb", "expert_slots", "cpu_threads"):
             if getattr(self, name) < 0:

@@ -32,6 +32,9 @@ _HELP = {
     "dummy_weights": "random weights (seeded) from config.json instead of the safetensors files",
     "seed": "seed of dummy weights and of requests that give no seed",
     "enforce_eager": "no CUDA graphs for decode steps (slower; for debugging)",
+    "prefill_strategy": "how prefill chunks reach uncached experts: auto (cheapest by the cost model), stream "
+    "(whole layers, double-buffered), fill (copy routed misses), cpu, hybrid",
+    "no_prefill_overlap": "one prefill layer buffer: each layer's copy waits for the previous layer's compute",
 }
 
 

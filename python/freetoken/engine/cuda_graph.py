@@ -10,7 +10,9 @@ replay. Rows that pad a batch up to its size write their K/V into the KV cache's
 Expert-cache backends sync with the host in every MoE layer (routing decides copies and CPU work), so their
 step is captured piecewise (as vLLM's piecewise CUDA graphs): one graph per span from one MoE layer's experts to
 the next one's router (residual add, attention, norms, router), and the routed experts run eagerly between
-replays on the real rows only.
+replays on the real rows only. Each span ends by packing what the host needs (top-k ids, routing weights and the
+hidden states in float32) into one row per token of a device "mailbox", so one copy brings it all to pinned host
+memory; the next span adds both expert sums (slots and CPU) to the residual itself.
 """
 
 from __future__ import annotations
@@ -75,6 +77,10 @@ class DecodeRunner:
             self.cos = torch.zeros(n, cfg.head_dim, dtype=dtype, device=device)
             self.sin = torch.zeros(n, cfg.head_dim, dtype=dtype, device=device)
             self.logits = torch.zeros(n, cfg.vocab_size, dtype=torch.float32, device=device)
+            self.cpu_out = torch.zeros(n, hidden, dtype=torch.float32, device=device)
+            self.mail_row = 12 * k + 4 * hidden  # bytes per token: int64 ids, float32 weights and hidden states
+            self.mail = torch.zeros(n * self.mail_row, dtype=torch.uint8, device=device)
+            self.mail_host = torch.zeros(n * self.mail_row, dtype=torch.uint8, pin_memory=device.type == "cuda")
             moe = cfg.moe_layers
             # (first layer, MoE layer that ends the span or -1): spans run between the MoE layers' experts.
             self.spans = list(zip([0] + [m + 1 for m in moe], moe + [-1]))
@@ -101,6 +107,15 @@ class DecodeRunner:
         hidden = self.model(self.input_ids[:size], self._meta(size), self.kv.layers)
         return self.model.compute_logits(hidden)
 
+    def _mail(self, buf: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of mailbox `buf` for a padded batch of `size`: ids [size, k] int64, weights [size, k] and hidden
+        [size, H] float32, packed one after the other in the first `size * mail_row` bytes (so one copy moves
+        them, and the leading rows of each are contiguous)."""
+        k, hidden = self.topk_ids.shape[1], self.h_moe.shape[1]
+        a, b, c = size * 8 * k, size * 12 * k, size * self.mail_row
+        return buf[:a].view(torch.int64).view(size, k), buf[a:b].view(torch.float32).view(size, k), \
+            buf[b:c].view(torch.float32).view(size, hidden)
+
     def _span(self, size: int, index: int) -> None:
         """Run span `index` on the static buffers: from the previous MoE layer's output (or the embeddings) to
         the next MoE layer's router outputs (or the logits)."""
@@ -113,7 +128,7 @@ class DecodeRunner:
             self.cos[:size].copy_(cos)
             self.sin[:size].copy_(sin)
         else:
-            x = self.x_resid[:size] + self.moe_out[:size]
+            x = self.x_resid[:size] + self.moe_out[:size] + self.cpu_out[:size].to(self.x_resid.dtype)
         x, _ = model.run_until_moe(x, start, (self.cos[:size], self.sin[:size]), self.kv.layers, meta)
         if moe_layer < 0:
             self.logits[:size].copy_(model.compute_logits(model.model.norm(x)))
@@ -125,19 +140,32 @@ class DecodeRunner:
         self.h_moe[:size].copy_(h)
         self.topk_ids[:size].copy_(ids)
         self.topk_weights[:size].copy_(weights)
+        mail_ids, mail_weights, mail_hidden = self._mail(self.mail, size)
+        mail_ids.copy_(ids)
+        mail_weights.copy_(weights)
+        mail_hidden.copy_(h)
 
     def _run_piecewise(self, size: int, batch: int) -> torch.Tensor:
         graphs = self.span_graphs.get(size)
+        mail_bytes = size * self.mail_row
         for index, (_, moe_layer) in enumerate(self.spans):
             if graphs is not None:
                 graphs[index].replay()
             else:
                 self._span(size, index)
-            if moe_layer >= 0:  # the routed experts of the real rows, eagerly (host sync, copies, CPU work)
-                experts = self.model.model.layers[moe_layer].mlp.experts
-                y = experts.forward(
-                    moe_layer, self.h_moe[:batch], self.topk_ids[:batch], self.topk_weights[:batch]
+            if moe_layer < 0:
+                continue
+            # The routed experts of the real rows, eagerly (host sync, copies, CPU work).
+            experts = self.model.model.layers[moe_layer].mlp.experts
+            if hasattr(experts, "forward_staged"):
+                self.mail_host[:mail_bytes].copy_(self.mail[:mail_bytes], non_blocking=True)
+                ids, weights, hidden = (v[:batch] for v in self._mail(self.mail_host, size))
+                experts.forward_staged(
+                    moe_layer, self.h_moe[:batch], self.topk_weights[:batch], ids, weights, hidden,
+                    out=self.moe_out[:batch], cpu_out=self.cpu_out,
                 )
+            else:
+                y = experts.forward(moe_layer, self.h_moe[:batch], self.topk_ids[:batch], self.topk_weights[:batch])
                 self.moe_out[:batch].copy_(y)
         return self.logits[:batch]
 

@@ -52,7 +52,10 @@ class ModelRunner:
             Per sequence of the step, the sampled next token, or None for a prompt chunk that is not the last;
             and per sequence its token's `TokenLogprob` when its params ask for logprobs, else None.
         """
+        experts = self.model.experts
         if self.decode is not None and all(q == 1 for q in step.query_lens) and len(step.seqs) <= self.decode.max_batch:
+            if experts is not None:
+                experts.begin_step(len(step.seqs), 0, self.model.config.num_experts_per_tok)
             logits = self.decode.run(step.seqs)
             for seq in step.seqs:
                 seq.num_computed += 1
@@ -69,6 +72,9 @@ class ModelRunner:
             step.query_lens, context_lens, [s.block_table for s in step.seqs], self.kv.block_size, self.device
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
+        if experts is not None:
+            prefill = sum(q for s, q in zip(step.seqs, step.query_lens) if q > 1 or s.num_computed < s.prompt_len)
+            experts.begin_step(len(input_ids), prefill, self.model.config.num_experts_per_tok)
         hidden = self.model(ids, meta, self.kv.layers)
         rows: list[int] = []
         sampled_seqs = []

@@ -173,6 +173,7 @@ def fused_moe(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     alignment: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weighted sum of the routed SwiGLU experts of each token.
 
@@ -184,6 +185,7 @@ def fused_moe(
         topk_weights: [M, k] routing weights.
         alignment: (sorted_pairs, block_expert) of `align_pairs` for these ids with block_m_for(M * k), already on
             the device (e.g. from `align_pairs_host`); computed here when None.
+        out: [M, K] buffer for the result (hidden's dtype), e.g. a CUDA graph's static input; None allocates.
 
     Returns:
         [M, K] in hidden's dtype: sum_j topk_weights[m, j] * down_e(silu(gate_e h) * up_e h), e = topk_ids[m, j].
@@ -210,16 +212,16 @@ def fused_moe(
         hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
         BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block_k, num_warps=4, num_stages=3,
     )
-    out = torch.zeros(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)  # skipped pairs stay 0
+    pairs = torch.zeros(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)  # skipped pairs stay 0
     weights = topk_weights.reshape(-1).contiguous()
     grid = (num_rows // block_m, triton.cdiv(hidden_size, block_n))
     _down_kernel[grid](
-        h, w_down, out, weights, sorted_pairs, block_expert,
+        h, w_down, pairs, weights, sorted_pairs, block_expert,
         num_pairs, hidden_size, inter,
-        h.stride(0), w_down.stride(0), w_down.stride(1), out.stride(0),
+        h.stride(0), w_down.stride(0), w_down.stride(1), pairs.stride(0),
         BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block_k, num_warps=4, num_stages=3,
     )
-    return out.view(num_tokens, top_k, hidden_size).sum(dim=1)
+    return torch.sum(pairs.view(num_tokens, top_k, hidden_size), dim=1, out=out)
 
 
 def fused_moe_reference(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 
 # cuDNN attention rebuilds an execution plan per masked call (~1 ms of CPU each on an H200 host, measured with
 # benches/decode_fused.py --profile), which would dominate an eager decode step; the other backends do not.
@@ -146,9 +147,9 @@ def paged_attention(
         if ctx == qlen:
             op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
         else:
-            # Query i sits at position ctx - qlen + i and sees keys 0..that position.
-            qpos = torch.arange(ctx - qlen, ctx, device=q.device)[:, None]
-            mask = torch.arange(ctx, device=q.device)[None, :] <= qpos
+            # Query i sits at position ctx - qlen + i and sees keys 0..that position: the causal mask aligned to the
+            # lower right, which flash attention takes without materialising a [qlen, ctx] mask (long prefixes).
+            mask = causal_lower_right(qlen, ctx)
             op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
         out[row : row + qlen] = op.squeeze(0).transpose(0, 1)
     return out

@@ -98,7 +98,7 @@ def make_expert_backend(
         )
     else:
         pool = ExpertPool.from_checkpoint(model_dir)
-    num_slots = cfg.expert_slots or plan_expert_slots(cfg, model_cfg, dtype, pool.expert_stride, name)
+    num_slots, layer_buffers = plan_expert_slots(cfg, model_cfg, dtype, pool.expert_stride, name)
     log.info(
         "expert cache (%s): %d slots x %.1f MB = %.2f GB, %.0f%% of the %.1f GB pool",
         name,
@@ -118,4 +118,6 @@ def make_expert_backend(
         pcie_bytes_per_s=pcie_bytes_per_s,
         cpu_bytes_per_s=cpu_bytes_per_s,
         cpu_threads=cfg.cpu_threads or None,
+        layer_buffers=layer_buffers,
+        prefill_strategy=cfg.prefill_strategy,
     )

@@ -36,6 +36,12 @@ class ExpertBackend(Protocol):
         """
         ...
 
+    def begin_step(self, num_tokens: int, num_prefill_tokens: int, top_k: int) -> None:
+        """Called before each forward pass with the step's size: `num_tokens` in all, `num_prefill_tokens` of them
+        from prompts (0 for a decode step), `top_k` experts per token. Backends that serve prefill and decode
+        differently (`freetoken.moe.prefill`) choose here; others ignore it."""
+        ...
+
     def forward(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """How many expert slots fit the device memory budget.
 
 Order of claims on the budget (`shared/DESIGN.md`, "Where the weights live"): the non-expert weights, the KV
-cache, a reserve for activations, then expert slots with what is left, never more than the whole pool.
+cache, a reserve for activations, the prefill layer buffers (`freetoken.moe.prefill`), then expert slots with
+what is left, never more than the whole pool.
 """
 
 from __future__ import annotations
@@ -30,34 +31,63 @@ def non_expert_nbytes(model_cfg: ModelConfig, dtype: torch.dtype) -> int:
     return sum(p.numel() for p in model.parameters()) * size
 
 
+def wanted_layer_buffers(cfg: EngineConfig, backend: str) -> int:
+    """Full-layer prefill buffers the settings ask for: 2 (double-buffered), 1 with `--no-prefill-overlap`, none
+    for the `cpu` backend or an on-demand `--prefill-strategy`."""
+    if backend == "cpu" or cfg.prefill_strategy not in ("auto", "stream"):
+        return 0
+    return 1 if cfg.no_prefill_overlap else 2
+
+
 def plan_expert_slots(
     cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, expert_stride: int, backend: str
-) -> int:
-    """Expert slots for the budget `cfg.gpu_memory_gb` (0: 90 % of the device's free memory).
+) -> tuple[int, int]:
+    """(expert slots, prefill layer buffers) for the budget `cfg.gpu_memory_gb` (0: 90 % of free device memory).
 
-    On a CPU device the "device" is host memory and the whole pool is cached unless `--expert-slots` says
+    The layer buffers (`wanted_layer_buffers`, each a whole layer's experts) are taken before the slots when they
+    leave at least as much for slots as they take; otherwise there are none, prefill fills on demand, and the log
+    says so (`--prefill-strategy stream` then raises). `--expert-slots` sets the slots; buffers come on top.
+    On a CPU device the "device" is host memory: the whole pool is cached unless `--expert-slots` says
     otherwise; `cpu` needs no slots at all.
 
     Raises:
-        ValueError: the budget does not even hold the non-expert weights and the KV cache (names the flags).
+        ValueError: the budget does not even hold the non-expert weights and the KV cache, or the layer buffers
+            that `--prefill-strategy stream` needs (names the flags).
     """
     from freetoken.engine.kv_cache import plan_kv_cache
 
     num_experts = len(model_cfg.moe_layers) * model_cfg.num_experts
     device = torch.device(cfg.device)
+    buffers = wanted_layer_buffers(cfg, backend)
+    layer_nbytes = model_cfg.num_experts * expert_stride
     if backend == "cpu":
-        return 0
+        return 0, 0
+    if cfg.expert_slots:
+        return cfg.expert_slots, buffers
     if device.type != "cuda":
-        return num_experts
+        return num_experts, buffers
     free, _total = torch.cuda.mem_get_info(device)
     budget = int(cfg.gpu_memory_gb * 1e9) if cfg.gpu_memory_gb else int(0.9 * free)
     weights = non_expert_nbytes(model_cfg, dtype)
     kv = plan_kv_cache(model_cfg, cfg, dtype).nbytes
     activations = RESERVE_BYTES + ACTIVATION_TENSORS * cfg.max_prefill_tokens * model_cfg.hidden_size * 4
     left = budget - weights - kv - activations
+    if buffers and left - buffers * layer_nbytes < buffers * layer_nbytes:
+        if cfg.prefill_strategy == "stream":
+            raise ValueError(
+                f"--prefill-strategy stream: {buffers} layer buffer(s) of {layer_nbytes / 1e9:.2f} GB do not fit "
+                f"beside the expert cache in {left / 1e9:.1f} GB; raise --gpu-memory-gb or use --prefill-strategy auto"
+            )
+        log.warning(
+            "GPU budget: no room for %d prefill layer buffers (%.2f GB each) beside the expert cache; "
+            "prefill fills the routed experts on demand", buffers, layer_nbytes / 1e9,
+        )
+        buffers = 0
+    left -= buffers * layer_nbytes
     log.info(
-        "GPU budget %.1f GB: non-expert weights %.2f GB, KV cache %.2f GB, activations %.2f GB, expert slots %.2f GB",
-        budget / 1e9, weights / 1e9, kv / 1e9, activations / 1e9, max(left, 0) / 1e9,
+        "GPU budget %.1f GB: non-expert weights %.2f GB, KV cache %.2f GB, activations %.2f GB, "
+        "prefill layer buffers %d x %.2f GB, expert slots %.2f GB",
+        budget / 1e9, weights / 1e9, kv / 1e9, activations / 1e9, buffers, layer_nbytes / 1e9, max(left, 0) / 1e9,
     )
     if left < expert_stride:
         raise ValueError(
@@ -65,7 +95,7 @@ def plan_expert_slots(
             f"({kv / 1e9:.1f} GB) and activations ({activations / 1e9:.1f} GB) leave no room for an expert slot; "
             "raise --gpu-memory-gb or lower --kv-cache-gb / --max-prefill-tokens"
         )
-    return min(left // expert_stride, num_experts)
+    return min(left // expert_stride, num_experts), buffers
 
 
 def host_available_bytes() -> int | None:

@@ -15,11 +15,15 @@ planning and bookkeeping of every backend.
 
 Online refinement of q*: the backend times what it actually does, never adding a sync. CPU runs are timed with
 `perf_counter` around `CpuExperts.forward` (bytes = experts run x `expert_nbytes`, at b = mean tokens per expert);
-fills with CUDA events recorded on the copy stream around the step's copies and read (`Event.query`, non-blocking)
+fills with CUDA events recorded on the copy stream around one layer step's copies in `TIME_FILLS_EVERY`, read (`Event.query`, non-blocking)
 at later layer steps (on the CPU device, the memcpy is timed with `perf_counter`). Each path keeps an exponential
 moving average of measured / profiled bandwidth (`BandwidthTracker`); every `REFINE_EVERY` layer steps the
 planner gets the profile scaled by those ratios, each bounded to [1/4, 4] (`set_profile`), so q* follows the box
 when another process loads the PCIe or memory bus. `stats()["bandwidth"]` shows profiled against measured.
+
+Prefill chunks (`begin_step` says how many prompt tokens a step has) take the strategy that `freetoken.moe.prefill`
+prices cheapest: whole-layer streaming into the layer buffers (`LayerStreamer`, no host sync, the slot cache left
+as it is) or one of the on-demand plans above.
 """
 
 from __future__ import annotations
@@ -30,9 +34,18 @@ from collections import deque
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from freetoken._core import CpuExperts, ExpertPool, Planner
 from freetoken.moe.compute import expert_views, grouped_swiglu
+from freetoken.moe.prefill import (
+    DEFAULT_PCIE_BYTES_PER_S,
+    DEMAND_MODES,
+    LayerStreamer,
+    PrefillCosts,
+    choose_strategy,
+    measure_gpu_flops,
+)
 from freetoken.moe.profile import interpolate
 
 log = logging.getLogger(__name__)
@@ -40,6 +53,7 @@ log = logging.getLogger(__name__)
 MODES = ("offload", "cpu", "hybrid")
 REFINE_EVERY = 16  # layer steps between planner.set_profile calls with the refined bandwidths
 MAX_PENDING_FILLS = 8  # timed fill groups awaiting their events; older ones are dropped unread
+TIME_FILLS_EVERY = 4  # time one layer step's fills in this many (two event records each on the CUDA API path)
 
 
 class BandwidthTracker:
@@ -96,6 +110,27 @@ class BandwidthTracker:
         }
 
 
+class PinnedBuffers:
+    """Host buffers reused across layer steps (page-locked on CUDA), one per name, grown on demand.
+
+    Reuse is safe because every on-demand layer step syncs the compute stream before it writes them again, so the
+    copies that last read or wrote them have completed; no allocation (and none of its CUDA calls) per step.
+    """
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous `shape` view of buffer `name` (contents undefined)."""
+        numel = int(np.prod(shape))
+        buf = self._buffers.get(name)
+        if buf is None or buf.dtype != dtype or buf.numel() < numel:
+            size = max(numel, 2 * buf.numel() if buf is not None and buf.dtype == dtype else 0)
+            buf = self._buffers[name] = torch.empty(size, dtype=dtype, pin_memory=self.pin)
+        return buf[:numel].view(shape)
+
+
 _PINNED: set[int] = set()
 
 
@@ -127,9 +162,14 @@ class ExpertCacheBackend:
         pcie_bytes_per_s: B_pcie, host->device expert copy bandwidth (bytes/s); needed by `hybrid`.
         cpu_bytes_per_s: B_cpu(b) as {batch: weight bytes/s}; needed by `hybrid`.
         cpu_threads: threads of the host expert kernels (default: all CPUs).
+        layer_buffers: full-layer buffers for streaming prefill (`LayerStreamer`): 0 (none), 1 (copy, then
+            compute) or 2 (double-buffered: the next layer's copy overlaps this layer's compute).
+        prefill_strategy: "auto" (the cheapest by `freetoken.moe.prefill.choose_strategy`, among streaming when
+            there are buffers and the backend's own on-demand plan), or always "stream", "fill", "cpu" or "hybrid".
 
     Raises:
-        ValueError: unknown mode, no slots for a mode that fills, or `hybrid` without a bandwidth profile.
+        ValueError: unknown mode or strategy, no slots for a mode that fills, `hybrid` without a bandwidth
+            profile, or a prefill strategy that lacks what it needs (buffers, slots, a profile).
     """
 
     graph_safe = False  # one host sync per layer step: the decode step cannot be captured
@@ -145,6 +185,8 @@ class ExpertCacheBackend:
         pcie_bytes_per_s: float | None = None,
         cpu_bytes_per_s: dict[int, float] | None = None,
         cpu_threads: int | None = None,
+        layer_buffers: int = 0,
+        prefill_strategy: str = "auto",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"--moe-backend {mode!r}: expected one of {', '.join(MODES)}")
@@ -152,6 +194,7 @@ class ExpertCacheBackend:
             raise ValueError(f"--moe-backend {mode} needs at least one expert slot, got {num_slots}")
         if mode == "hybrid" and (pcie_bytes_per_s is None or not cpu_bytes_per_s):
             raise ValueError("--moe-backend hybrid needs a bandwidth profile (run `ft bench bw`)")
+        self._check_prefill(mode, num_slots, layer_buffers, prefill_strategy, pcie_bytes_per_s, cpu_bytes_per_s)
         self.mode = mode
         self.pool = pool
         self.device = device
@@ -162,7 +205,9 @@ class ExpertCacheBackend:
         self.arena = torch.frombuffer(pool.arena_view(), dtype=torch.uint8)
         if device.type == "cuda":
             pin_host_memory(pool.ptr, pool.nbytes)
-        self.slots = torch.empty(max(num_slots, 1), pool.expert_stride, dtype=torch.uint8, device=device)
+        # The cache's slots, then the prefill layer buffers: one weight tensor, so one kernel reads both.
+        rows = max(num_slots, 1) + layer_buffers * pool.num_experts
+        self.slots = torch.empty(rows, pool.expert_stride, dtype=torch.uint8, device=device)
         self.gate_up, self.down = expert_views(self.slots, hidden, inter)
         self.planner = Planner(
             pool.num_layers,
@@ -176,12 +221,70 @@ class ExpertCacheBackend:
         self.cpu = CpuExperts(pool, num_threads=cpu_threads)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.pool_layer = {model_layer: i for i, model_layer in enumerate(pool.moe_layers)}
-        self._host_hidden = torch.empty(0)
-        self._host_out = torch.empty(0)
+        self.host = PinnedBuffers(pin=device.type == "cuda")
+        self._cpu_out_dirty = True  # forward_staged's cpu_out buffer may hold a sum (unknown at first)
         self.pcie = BandwidthTracker(None if pcie_bytes_per_s is None else {1: pcie_bytes_per_s})
         self.cpu_bw = BandwidthTracker(dict(cpu_bytes_per_s) if cpu_bytes_per_s else None)
         self._pending_fills: deque[tuple[torch.cuda.Event, torch.cuda.Event, int]] = deque()
         self._num_steps = 0
+        self._num_fill_groups = 0
+        self.streamer = None
+        if layer_buffers:
+            self.streamer = LayerStreamer(
+                pool, self.arena, self.slots, max(num_slots, 1), layer_buffers, self.planner, self.copy_stream
+            )
+        self.prefill_strategy = prefill_strategy
+        self.gpu_flops_per_s = measure_gpu_flops(device) if device.type == "cuda" and layer_buffers else None
+        self.demand = {"offload": "fill", "cpu": "cpu", "hybrid": "hybrid"}[mode]
+        self.strategy = self.demand  # of the current step
+        self.strategy_steps = {name: 0 for name in ("stream", "fill", "cpu", "hybrid")}
+
+    @staticmethod
+    def _check_prefill(mode, num_slots, layer_buffers, strategy, pcie, cpu) -> None:
+        if strategy not in ("auto", "stream", *DEMAND_MODES):
+            raise ValueError(f"--prefill-strategy {strategy!r}: expected auto, stream, fill, cpu or hybrid")
+        if layer_buffers not in (0, 1, 2):
+            raise ValueError(f"layer buffers: 0, 1 or 2, got {layer_buffers}")
+        if strategy == "stream" and not layer_buffers:
+            raise ValueError("--prefill-strategy stream needs layer buffers, which the GPU budget does not leave")
+        if strategy in ("fill", "hybrid") and num_slots < 1:
+            raise ValueError(f"--prefill-strategy {strategy} needs expert slots (--moe-backend {mode} has none)")
+        if strategy == "hybrid" and (pcie is None or not cpu):
+            raise ValueError("--prefill-strategy hybrid needs a bandwidth profile (run `ft bench bw`)")
+
+    def begin_step(self, num_tokens: int, num_prefill_tokens: int, top_k: int) -> None:
+        """Choose how this step's misses are served: steps without prompt tokens (decode) use the backend's own
+        plan; prefill steps the fixed `prefill_strategy`, or under "auto" the cheapest by the cost model.
+
+        Args:
+            num_tokens: tokens of the step (prompt chunks and decodes).
+            num_prefill_tokens: those that are prompt tokens.
+            top_k: experts per token (the model's `num_experts_per_tok`).
+        """
+        if num_prefill_tokens == 0:
+            self.strategy = self.demand
+        elif self.prefill_strategy != "auto":
+            self.strategy = self.prefill_strategy
+        else:
+            candidates = (["stream"] if self.streamer is not None else []) + [self.demand]
+            self.strategy = choose_strategy(self.prefill_costs(top_k), num_tokens, candidates)
+        self.strategy_steps[self.strategy] += 1
+
+    def prefill_costs(self, top_k: int) -> PrefillCosts:
+        """The cost model's inputs now: residency, and the refined bandwidths (a nominal PCIe rate without a
+        profile or measurement)."""
+        pcie = self.pcie.refined()
+        pcie_bytes_per_s = pcie[1] if pcie else (self.pcie.bytes_per_s or DEFAULT_PCIE_BYTES_PER_S)
+        return PrefillCosts(
+            num_experts=self.pool.num_experts,
+            top_k=top_k,
+            expert_nbytes=self.expert_nbytes,
+            resident=self.planner.num_resident / self.pool.num_layers,
+            pcie_bytes_per_s=pcie_bytes_per_s,
+            cpu_bytes_per_s=self.cpu_bw.refined(),
+            gpu_flops_per_s=self.gpu_flops_per_s,
+            overlap=self.streamer is not None and self.streamer.num_buffers == 2,
+        )
 
     def load_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """Not used: the pool read the experts from the checkpoint (`wants_weights` is False)."""
@@ -192,31 +295,25 @@ class ExpertCacheBackend:
         """Device bytes of the slot cache."""
         return self.slots.numel()
 
-    def _host_buffers(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pinned (on CUDA) float32 [num_tokens, H] buffers for the CPU path's input and output, grown on demand."""
-        if self._host_hidden.shape[0] < num_tokens:
-            pin = self.device.type == "cuda"
-            shape = (max(num_tokens, 2 * self._host_hidden.shape[0]), self.pool.hidden_size)
-            self._host_hidden = torch.empty(shape, dtype=torch.float32, pin_memory=pin)
-            self._host_out = torch.empty(shape, dtype=torch.float32, pin_memory=pin)
-        return self._host_hidden[:num_tokens], self._host_out[:num_tokens]
-
-    def _slot_experts(self, hidden: torch.Tensor, topk_slots: np.ndarray, topk_weights: torch.Tensor) -> torch.Tensor:
-        """The grouped SwiGLU over the picks resident in slots (`topk_slots` [T, k], -1 where the CPU runs it).
+    def _slot_experts(
+        self, hidden: torch.Tensor, topk_slots: np.ndarray, topk_weights: torch.Tensor, out: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The grouped SwiGLU over the picks resident in slots (`topk_slots` [T, k], -1 where the CPU runs it),
+        written into `out` when given.
 
         On CUDA the slot ids and the kernel's tile alignment are made on the host (they are known there already)
-        and sent in one copy through pinned memory: no alignment kernels, and no copy from pageable memory,
-        which would block the host until the fills end.
+        and sent in one copy through a reused pinned buffer: no alignment kernels, and no copy from pageable
+        memory, which would block the host until the fills end.
         """
         if not hidden.is_cuda:
             slots = torch.from_numpy(topk_slots.astype(np.int64))
-            return grouped_swiglu(hidden, self.gate_up, self.down, slots, topk_weights)
+            y = grouped_swiglu(hidden, self.gate_up, self.down, slots, topk_weights)
+            return y if out is None else out.copy_(y)
         from freetoken.kernels.fused_moe import align_pairs_host, block_m_for, fused_moe
 
         sorted_pairs, block_expert = align_pairs_host(topk_slots, self.gate_up.shape[0], block_m_for(topk_slots.size))
         n_slots, n_pairs = topk_slots.size, sorted_pairs.size
-        # Fresh each call (the caching host allocator recycles it): the previous one may still be in flight.
-        staging = torch.empty(n_slots + n_pairs + block_expert.size, dtype=torch.int64, pin_memory=True)
+        staging = self.host.get("slots", (n_slots + n_pairs + block_expert.size,), torch.int64)
         host = staging.numpy()
         host[:n_slots] = topk_slots.reshape(-1)
         host[n_slots : n_slots + n_pairs] = sorted_pairs
@@ -224,47 +321,118 @@ class ExpertCacheBackend:
         dev = staging.to(self.device, non_blocking=True)
         slots = dev[:n_slots].view(topk_slots.shape)
         alignment = (dev[n_slots : n_slots + n_pairs], dev[n_slots + n_pairs :])
-        return fused_moe(hidden, self.gate_up, self.down, slots, topk_weights, alignment=alignment)
+        return fused_moe(hidden, self.gate_up, self.down, slots, topk_weights, alignment=alignment, out=out)
 
     def forward(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """See `ExpertBackend.forward`: [T, H] hidden, [T, k] ids and weights -> [T, H]."""
         pool_layer = self.pool_layer[layer]
-        num_tokens = hidden.shape[0]
-        host_hidden = host_out = None
-        if self.mode != "offload":
-            host_hidden, host_out = self._host_buffers(num_tokens)
-            host_hidden.copy_(hidden, non_blocking=True)
-        ids = topk_ids.to("cpu", non_blocking=True)
-        # offload needs the weights on the host only when every slot is pinned (rare): fetched then.
-        weights = None if self.mode == "offload" else topk_weights.to("cpu", torch.float32, non_blocking=True)
+        if self.strategy == "stream":
+            return self._stream(pool_layer, hidden, topk_ids, topk_weights)
+        num_tokens, k = topk_ids.shape
+        host_ids = self.host.get("ids", (num_tokens, k), torch.int64)
+        host_weights = self.host.get("weights", (num_tokens, k), torch.float32)
+        host_hidden = self.host.get("hidden", (num_tokens, hidden.shape[1]), torch.float32)
+        cuda = hidden.is_cuda
+        host_ids.copy_(topk_ids, non_blocking=cuda)
+        if DEMAND_MODES[self.strategy] != "offload" or not cuda:
+            host_weights.copy_(topk_weights, non_blocking=cuda)
+            host_hidden.copy_(hidden, non_blocking=cuda)
+        else:  # offload needs them only when every slot is pinned (rare): fetched then
+            host_weights = host_hidden = None
+        out, host_out = self._serve(pool_layer, hidden, topk_weights, host_ids, host_weights, host_hidden, None)
+        if host_out is None:
+            return out if out is not None else torch.zeros_like(hidden)
+        cpu_out = host_out.to(self.device, hidden.dtype, non_blocking=True)
+        return cpu_out if out is None else out + cpu_out
+
+    def forward_staged(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        host_ids: torch.Tensor,
+        host_weights: torch.Tensor,
+        host_hidden: torch.Tensor,
+        out: torch.Tensor,
+        cpu_out: torch.Tensor,
+    ) -> None:
+        """`forward` for the piecewise CUDA-graph decode step, whose captured span already queued the copies of
+        the routing and the hidden states into pinned host buffers (no copy calls here).
+
+        Args:
+            layer: decoder layer.
+            hidden: [B, H] device hidden states (model dtype); topk_weights: [B, k] on the device.
+            host_ids: [B, k] int64, host_weights: [B, k] float32, host_hidden: [B, H] float32: pinned host copies
+                of the ids, weights and hidden states, queued on the current stream before this call.
+            out: [B, H] device buffer for the slot experts' sum (zeros when none ran).
+            cpu_out: [N >= B, H] float32 device buffer whose first B rows get the CPU experts' sum; all of it is
+                zero when none ran (it is added to every row of the next captured span).
+        """
+        pool_layer = self.pool_layer[layer]
+        _, host_out = self._serve(pool_layer, hidden, topk_weights, host_ids, host_weights, host_hidden, out)
+        if host_out is not None:
+            cpu_out[: host_out.shape[0]].copy_(host_out, non_blocking=True)
+            self._cpu_out_dirty = True
+        elif self._cpu_out_dirty:
+            cpu_out.zero_()
+            self._cpu_out_dirty = False
+
+    def _serve(
+        self,
+        pool_layer: int,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        host_ids: torch.Tensor,
+        host_weights: torch.Tensor | None,
+        host_hidden: torch.Tensor | None,
+        out: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """One on-demand layer step once its inputs' host copies are queued: sync, plan, fills and the slot
+        kernel on the device, then the CPU experts here (overlapping them). Returns (the slot experts' sum, or
+        None when no slot ran and no `out` was given; the pinned float32 host sum of the CPU experts, or None)."""
         if hidden.is_cuda:
             torch.cuda.current_stream(self.device).synchronize()  # ids, weights and hidden are on the host now
-        ids_np = ids.numpy()
+        ids_np = host_ids.numpy()
         self._refine()
-        plan = self.planner.plan(pool_layer, ids_np, self.mode)
+        plan = self.planner.plan(pool_layer, ids_np, DEMAND_MODES[self.strategy])
         if plan.num_fills:
+            if self.streamer is not None:
+                self.streamer.invalidate()  # evictions: the buffers' row tables may point at stale slots
             self._fill(pool_layer, plan.fill_experts, plan.fill_slots)
-        out = None
         if plan.num_hits or plan.num_fills:
-            out = self._slot_experts(hidden, plan.topk_slots, topk_weights)
-        if plan.num_cpu:
-            if host_hidden is None:  # offload with every slot pinned: the rest of the misses run here
-                host_hidden, host_out = self._host_buffers(num_tokens)
-                host_hidden.copy_(hidden)
-                weights = topk_weights.to("cpu", torch.float32)
-            host_out.zero_()
-            t0 = time.perf_counter()
+            out = self._slot_experts(hidden, plan.topk_slots, topk_weights, out)
+        elif out is not None:
+            out.zero_()
+        if not plan.num_cpu:
+            return out, None
+        if host_hidden is None:  # offload with every slot pinned: the rest of the misses run here
+            host_hidden = self.host.get("hidden", tuple(hidden.shape), torch.float32)
+            host_hidden.copy_(hidden)
+            host_weights = self.host.get("weights", tuple(topk_weights.shape), torch.float32)
+            host_weights.copy_(topk_weights)
+        host_out = self.host.get("out", tuple(host_hidden.shape), torch.float32)
+        host_out.zero_()
+        t0 = time.perf_counter()
+        with record_function("cpu_experts"):  # a named range in profiles (benches/moe_backends.py --profile)
             self.cpu.forward(
-                pool_layer, host_hidden.numpy(), ids_np, weights.numpy(), plan.cpu_experts, host_out.numpy()
+                pool_layer, host_hidden.numpy(), ids_np, host_weights.numpy(), plan.cpu_experts, host_out.numpy()
             )
-            seconds = time.perf_counter() - t0
-            tokens_per_expert = np.isin(ids_np, plan.cpu_experts).sum() / plan.num_cpu
-            self.cpu_bw.add(plan.num_cpu * self.expert_nbytes, seconds, tokens_per_expert)
-            cpu_out = host_out.to(self.device, hidden.dtype, non_blocking=True)
-            out = cpu_out if out is None else out + cpu_out
-        return out if out is not None else torch.zeros_like(hidden)
+        seconds = time.perf_counter() - t0
+        tokens_per_expert = np.isin(ids_np, plan.cpu_experts).sum() / plan.num_cpu
+        self.cpu_bw.add(plan.num_cpu * self.expert_nbytes, seconds, tokens_per_expert)
+        return out, host_out
+
+    def _stream(
+        self, pool_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """Every expert of the layer from its slot or its layer buffer (copied ahead by the streamer); no host sync."""
+        last = pool_layer + 1 == self.pool.num_layers
+        rows = self.streamer.rows(pool_layer, None if last else pool_layer + 1)
+        out = grouped_swiglu(hidden, self.gate_up, self.down, rows[topk_ids], topk_weights)
+        self.streamer.done(pool_layer)
+        return out
 
     def _fill(self, pool_layer: int, experts: np.ndarray, slots: np.ndarray) -> None:
         """Copy experts from the pinned arena into their slots; later device work waits for the copies."""
@@ -276,17 +444,23 @@ class ExpertCacheBackend:
                 self.slots[slot, :n].copy_(self.arena[offset : offset + n])
             self.pcie.add(len(experts) * n, time.perf_counter() - t0)
             return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._num_fill_groups += 1
+        timed = self._num_fill_groups % TIME_FILLS_EVERY == 1
+        if timed:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self.copy_stream):
-            start.record(self.copy_stream)
+            if timed:
+                start.record(self.copy_stream)
             for expert, slot in zip(experts.tolist(), slots.tolist()):
                 offset = self.pool.expert_offset(pool_layer, expert)
                 self.slots[slot, :n].copy_(self.arena[offset : offset + n], non_blocking=True)
-            end.record(self.copy_stream)
+            if timed:
+                end.record(self.copy_stream)
         torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-        if len(self._pending_fills) == MAX_PENDING_FILLS:
-            self._pending_fills.popleft()
-        self._pending_fills.append((start, end, len(experts) * n))
+        if timed:
+            if len(self._pending_fills) == MAX_PENDING_FILLS:
+                self._pending_fills.popleft()
+            self._pending_fills.append((start, end, len(experts) * n))
 
     def _refine(self) -> None:
         """Read the copy events that have fired (non-blocking), and every `REFINE_EVERY` layer steps hand the
@@ -308,5 +482,12 @@ class ExpertCacheBackend:
             "num_resident": self.planner.num_resident,
             "expert_nbytes": self.expert_nbytes,
             "bandwidth": {"pcie": self.pcie.stats(), "cpu": self.cpu_bw.stats()},
+            "prefill": {
+                "strategy": self.prefill_strategy,
+                "layer_buffers": 0 if self.streamer is None else self.streamer.num_buffers,
+                "steps_by_strategy": dict(self.strategy_steps),
+                "layers_streamed": 0 if self.streamer is None else self.streamer.layers_streamed,
+                "bytes_streamed": 0 if self.streamer is None else self.streamer.bytes_copied,
+            },
             "layers": counters,
         }

@@ -26,6 +26,9 @@ class FusedExperts:
         self.gate_up[layer] = gate_up
         self.down[layer] = down
 
+    def begin_step(self, num_tokens: int, num_prefill_tokens: int, top_k: int) -> None:
+        """Nothing to choose: every expert is resident."""
+
     @property
     def nbytes(self) -> int:
         """Bytes held by all experts."""

@@ -211,6 +211,17 @@ impl PyPlanner {
         lock(&self.inner).slots().get(layer, expert).py()
     }
 
+    /// The slot of every expert of `layer`, -1 where it is not resident: int32 `[num_experts]`.
+    fn layer_slots<'py>(&self, py: Python<'py>, layer: i64) -> PyResult<Bound<'py, PyArray1<i32>>> {
+        let g = lock(&self.inner);
+        let slots = g.slots();
+        let out = (0..slots.num_experts() as i64)
+            .map(|e| Ok(slots.get(layer, e)?.map_or(-1, |s| s as i32)))
+            .collect::<Result<Vec<i32>, freetoken_core::error::CacheError>>()
+            .py()?;
+        Ok(PyArray1::from_vec(py, out))
+    }
+
     #[getter]
     fn capacity(&self) -> usize {
         lock(&self.inner).slots().capacity()

@@ -1,0 +1,212 @@
+"""Prefill through the expert cache: whole-layer streaming into double buffers, and the strategy of each chunk.
+
+A long chunk routes to nearly every expert of every layer, so on-demand fills would stall the GPU on each layer's
+copies after its routing is known. `LayerStreamer` keeps one or two full-layer buffers on the device (rows after
+the cache's slots in one weight tensor): while layer n's experts compute from buffer n % 2, the copy stream loads
+layer n+1's experts into the other one (its routing is not known yet, so every expert that is not already in a
+slot). Events order each copy after the last kernel that read its buffer, and each kernel after its copy; nothing
+waits on the host, so the forward pass of a chunk queues ahead of the GPU. Resident experts are read from their
+slots and the slot cache is left as it is: decode-hot experts survive a prefill (`shared/DESIGN.md`, "Prefill").
+
+`choose_strategy` prices each chunk (per MoE layer, `PrefillCosts`) from the bandwidth profile and the GPU's
+measured matmul rate F (`measure_gpu_flops`); t_gpu = T·k·S / F (a bf16 SwiGLU expert of S bytes does S FLOPs per
+token: 2 per weight):
+    stream: max(N·S / B_pcie, t_gpu)   N experts not resident; the copy overlaps the previous layer's compute
+            (N·S / B_pcie + t_gpu with one buffer)
+    fill:   M·S / B_pcie + t_gpu + t_sync   M = D·N/E misses among D = E·(1 - (1 - k/E)^T) routed experts
+            (uniform routing, an upper bound for real, skewed routers); copies start after the routing is on
+            the host (one sync) and the kernel waits for them
+    cpu:    M·S / B_cpu(b) + t_gpu + t_sync   b = T·k / D tokens per expert; past the profile's largest batch the
+            CPU is compute-bound, so bytes/s falls as b_max / b
+    hybrid: M·S / (B_pcie + B_cpu(b)) + t_gpu + t_sync   both miss paths end together at q* (the planner's split)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from freetoken.moe.profile import interpolate
+
+# Planner backend of each on-demand strategy.
+DEMAND_MODES = {"fill": "offload", "cpu": "cpu", "hybrid": "hybrid"}
+# One host round trip per MoE layer (routing to the host, planning, copies queued): ~0.6 ms measured on the lent
+# H200 box (benches/moe_backends.py --profile); streaming has none.
+SYNC_SECONDS = 0.6e-3
+# Without a bandwidth profile: PCIe 4.0 x16's practical host->device rate. Only ratios of copy costs use it.
+DEFAULT_PCIE_BYTES_PER_S = 25e9
+# Decode batches (at most 64 sequences) never stream: their routed experts go through the cache, which learns.
+MIN_STREAM_TOKENS = 65
+
+
+@dataclass(frozen=True)
+class PrefillCosts:
+    """Inputs of the per-chunk cost model, for one MoE layer.
+
+    Attributes:
+        num_experts: E, routed experts per layer.
+        top_k: k.
+        expert_nbytes: S, bytes of one expert.
+        resident: mean experts per layer resident in slots.
+        pcie_bytes_per_s: B_pcie (bytes/s).
+        cpu_bytes_per_s: B_cpu(b) as {batch: bytes/s}, or None without a profile.
+        gpu_flops_per_s: F, the device's bf16 matmul rate (FLOP/s); None: compute time not counted (CPU device).
+        overlap: two layer buffers (the copy of layer n+1 overlaps layer n's compute).
+    """
+
+    num_experts: int
+    top_k: int
+    expert_nbytes: int
+    resident: float
+    pcie_bytes_per_s: float
+    cpu_bytes_per_s: dict[int, float] | None
+    gpu_flops_per_s: float | None = None
+    overlap: bool = True
+
+    def seconds(self, strategy: str, num_tokens: int) -> float:
+        """Estimated seconds per MoE layer of a `num_tokens` chunk with `strategy` ("stream", "fill", "cpu",
+        "hybrid"); inf for "cpu"/"hybrid" without a CPU profile."""
+        e, s = self.num_experts, self.expert_nbytes
+        absent = e - min(self.resident, e)
+        gpu = num_tokens * self.top_k * s / self.gpu_flops_per_s if self.gpu_flops_per_s else 0.0
+        if strategy == "stream":
+            copy = absent * s / self.pcie_bytes_per_s
+            return max(copy, gpu) if self.overlap else copy + gpu
+        routed = e * (1.0 - (1.0 - self.top_k / e) ** num_tokens)
+        miss_bytes = routed * absent / e * s
+        if strategy == "fill":
+            return miss_bytes / self.pcie_bytes_per_s + gpu + SYNC_SECONDS
+        if not self.cpu_bytes_per_s:
+            return float("inf")
+        per_expert = num_tokens * self.top_k / max(routed, 1.0)
+        b_max = max(self.cpu_bytes_per_s)
+        cpu = interpolate(self.cpu_bytes_per_s, min(per_expert, b_max)) * min(1.0, b_max / per_expert)
+        if strategy == "cpu":
+            return miss_bytes / cpu + gpu + SYNC_SECONDS
+        return miss_bytes / (self.pcie_bytes_per_s + cpu) + gpu + SYNC_SECONDS
+
+
+def choose_strategy(costs: PrefillCosts, num_tokens: int, candidates: list[str]) -> str:
+    """The cheapest of `candidates` for a chunk of `num_tokens` (ties: the first); "stream" only for chunks of
+    more than a decode batch (`MIN_STREAM_TOKENS`)."""
+    usable = [c for c in candidates if c != "stream" or num_tokens >= MIN_STREAM_TOKENS] or candidates[-1:]
+    return min(usable, key=lambda c: costs.seconds(c, num_tokens))
+
+
+def measure_gpu_flops(device: torch.device, tokens: int = 4096, hidden: int = 2048, inter: int = 1536) -> float:
+    """The device's bf16 matmul rate (FLOP/s): the median of 5 timed [tokens, hidden] x [hidden, inter] products
+    after a warm-up (a few ms in all); a stand-in for the grouped expert kernel at prefill sizes."""
+    a = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
+    b = torch.randn(hidden, inter, device=device, dtype=torch.bfloat16)
+    times = []
+    for i in range(6):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.matmul(a, b)
+        end.record()
+        end.synchronize()
+        if i:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * tokens * hidden * inter / sorted(times)[len(times) // 2]
+
+
+class LayerStreamer:
+    """One or two full-layer expert buffers and the copies that fill them, ahead of the layer that reads them.
+
+    Args:
+        pool: the host `ExpertPool` (experts of a layer `expert_stride` bytes apart).
+        arena: uint8 view of the (pinned, on CUDA) pool arena.
+        weights: [num_slots + num_buffers * E, stride] uint8 device tensor: the cache's slots, then the buffers.
+        num_slots: rows of `weights` that are cache slots.
+        num_buffers: 2 overlaps each layer's copy with the previous layer's compute; 1 copies, then computes.
+        planner: the cache's `Planner` (read for residency, never changed here).
+        copy_stream: the transfer stream (None on the CPU device, where copies are memcpy in order).
+
+    Raises:
+        ValueError: `num_buffers` not 1 or 2, or `weights` too small.
+    """
+
+    def __init__(self, pool, arena: torch.Tensor, weights: torch.Tensor, num_slots: int, num_buffers: int,
+                 planner, copy_stream: torch.cuda.Stream | None) -> None:
+        if num_buffers not in (1, 2):
+            raise ValueError(f"layer buffers: 1 or 2, got {num_buffers}")
+        e = pool.num_experts
+        if weights.shape[0] < num_slots + num_buffers * e:
+            raise ValueError(f"{weights.shape[0]} weight rows cannot hold {num_slots} slots and {num_buffers} layers")
+        if e > 1 and pool.expert_offset(0, 1) - pool.expert_offset(0, 0) != pool.expert_stride:
+            raise ValueError("the pool's experts of a layer are not expert_stride bytes apart")
+        self.pool, self.arena, self.weights, self.planner = pool, arena, weights, planner
+        self.num_slots, self.num_buffers, self.num_experts = num_slots, num_buffers, e
+        self.copy_stream = copy_stream
+        device = weights.device
+        self.tables = torch.empty(num_buffers, e, dtype=torch.int64, device=device)
+        self.layer: list[int | None] = [None] * num_buffers  # the pool layer each buffer holds (or is receiving)
+        cuda = copy_stream is not None
+        self.ready = [torch.cuda.Event() if cuda else None for _ in range(num_buffers)]
+        self.free = [torch.cuda.Event() if cuda else None for _ in range(num_buffers)]
+        self._free_recorded = [False] * num_buffers
+        self.bytes_copied = 0
+        self.layers_streamed = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of the buffers."""
+        return self.num_buffers * self.num_experts * self.weights.shape[1]
+
+    def invalidate(self) -> None:
+        """Forget what the buffers hold: the slot map may have changed (their row tables point into slots)."""
+        self.layer = [None] * self.num_buffers
+
+    def _issue(self, layer: int) -> None:
+        """Queue the copy of `layer`'s non-resident experts into its buffer, and its row table."""
+        b = layer % self.num_buffers
+        e, stride = self.num_experts, self.pool.expert_stride
+        base = self.num_slots + b * e
+        slots = self.planner.layer_slots(layer).astype(np.int64)
+        absent = slots < 0
+        rows = np.where(absent, base + np.arange(e), slots)
+        # Runs of consecutive absent experts: one copy each (the pool and the buffer share the layout).
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], absent.astype(np.int8), [0]))))
+        runs = edges.reshape(-1, 2)
+        first = self.pool.expert_offset(layer, 0)
+        cuda = self.copy_stream is not None
+        host_rows = torch.from_numpy(rows)
+        if cuda:
+            host_rows = host_rows.pin_memory()  # the caching host allocator keeps it until the copy is done
+            ctx = torch.cuda.stream(self.copy_stream)
+        else:
+            ctx = torch.no_grad()
+        with ctx:
+            if cuda and self._free_recorded[b]:
+                self.copy_stream.wait_event(self.free[b])  # the last kernel that read this buffer is done
+            self.tables[b].copy_(host_rows, non_blocking=cuda)
+            dst = self.weights[base : base + e].view(-1)
+            for start, end in runs.tolist():
+                src = self.arena[first + start * stride : first + end * stride]
+                dst[start * stride : end * stride].copy_(src, non_blocking=cuda)
+            if cuda:
+                self.ready[b].record(self.copy_stream)
+        self.layer[b] = layer
+        self.bytes_copied += int(absent.sum()) * self.pool.expert_nbytes
+        self.layers_streamed += 1
+
+    def rows(self, layer: int, next_layer: int | None) -> torch.Tensor:
+        """The weight row of every expert of `layer` ([E] int64 on the device: its slot, or its buffer row), once
+        the current stream may read them; queues `next_layer`'s copy first when there are two buffers."""
+        b = layer % self.num_buffers
+        if self.layer[b] != layer:
+            self._issue(layer)
+        if next_layer is not None and self.num_buffers == 2 and self.layer[next_layer % 2] != next_layer:
+            self._issue(next_layer)
+        if self.copy_stream is not None:
+            torch.cuda.current_stream(self.weights.device).wait_event(self.ready[b])
+        return self.tables[b]
+
+    def done(self, layer: int) -> None:
+        """Mark `layer`'s buffer free once the kernels queued so far (its readers) have run."""
+        b = layer % self.num_buffers
+        if self.copy_stream is not None:
+            self.free[b].record(torch.cuda.current_stream(self.weights.device))
+            self._free_recorded[b] = True
