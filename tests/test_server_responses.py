@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 
 import jsonschema
+import openai
+import pytest
 from conftest import SERVED_MODEL_NAME
 from test_server_openai import CARD_SCHEMA
 
@@ -85,6 +87,8 @@ def test_multi_turn_items(openai_client, http):
     assert response.status in ("completed", "incomplete")
     for body, param in [
         ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+        ({"input": "x", "previous_response_id": 7}, "previous_response_id"),
+        ({"input": "x", "store": "yes"}, "store"),
         ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
          "input[0].content[0].type"),
         ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
@@ -139,3 +143,65 @@ def test_text_format_json_schema(openai_client, http):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format.schema", bad.text
     bad = http.post("/v1/responses", json={**kwargs, "text": {"format": {"type": "yaml"}}})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "text.format.type", bad.text
+
+
+def test_previous_response_id_continues_the_conversation(openai_client, demo_tokenizer):
+    no_thinking = {"reasoning": {"effort": "none"}, "max_output_tokens": 6, "temperature": 0}
+    first = openai_client.responses.create(model="m", input="Say hi.", instructions="Be terse.", **no_thinking)
+    assert first.store is True
+    second = openai_client.responses.create(
+        model="m", input="Again.", previous_response_id=first.id, **no_thinking
+    )
+    assert second.previous_response_id == first.id
+    # The prompt is the first input and output, then the new input; the first's instructions are not carried over.
+    history = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": first.output_text},
+               {"role": "user", "content": "Again."}]
+    prompt = demo_tokenizer.apply_chat_template(history, add_generation_prompt=True, enable_thinking=False)
+    assert second.usage.input_tokens == len(demo_tokenizer.encode(prompt))
+
+    # A chain, streamed: the third continues the second (and so the first); what it streamed is what is stored.
+    events = list(openai_client.responses.create(
+        model="m", input=[{"role": "user", "content": "Once more."}], previous_response_id=second.id, stream=True,
+        **no_thinking,
+    ))
+    third = events[-1].response
+    assert third.previous_response_id == second.id
+    assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
+    assert openai_client.responses.retrieve(third.id).output == third.output
+
+    stored = openai_client.responses.retrieve(first.id)
+    assert stored.id == first.id and stored.output_text == first.output_text and stored.usage == first.usage
+
+
+def test_previous_response_id_errors_and_store_false(openai_client, http):
+    with pytest.raises(openai.BadRequestError) as info:
+        openai_client.responses.create(model="m", input="x", max_output_tokens=1, previous_response_id="resp_nope")
+    error = info.value.body
+    assert error["param"] == "previous_response_id" and error["code"] == "previous_response_not_found"
+
+    unsaved = openai_client.responses.create(model="m", input="x", max_output_tokens=1, store=False)
+    assert unsaved.store is False
+    with pytest.raises(openai.NotFoundError):
+        openai_client.responses.retrieve(unsaved.id)
+    bad = http.post("/v1/responses", json={"model": "m", "input": "y", "max_output_tokens": 1,
+                                           "previous_response_id": unsaved.id})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "previous_response_id"
+
+    kept = openai_client.responses.create(model="m", input="x", max_output_tokens=1)
+    openai_client.responses.delete(kept.id)
+    with pytest.raises(openai.NotFoundError):
+        openai_client.responses.retrieve(kept.id)
+    bad = http.post("/v1/responses", json={"model": "m", "input": "y", "previous_response_id": kept.id})
+    assert bad.status_code == 400, bad.text
+
+
+def test_response_store_is_a_bounded_lru():
+    from freetoken.server.responses import ResponseStore, StoredResponse
+
+    store = ResponseStore(capacity=2)
+    for name in ("a", "b"):
+        store.put(name, StoredResponse({"id": name}, []))
+    assert store.get("a") is not None  # a is now the most recently used
+    store.put("c", StoredResponse({"id": "c"}, []))
+    assert len(store) == 2 and store.get("b") is None and store.get("a") and store.get("c")
+    assert store.delete("a") and not store.delete("a")

@@ -7,6 +7,7 @@ Routes:
     POST /v1/chat/completions       OpenAI (see `openai.py`).
     POST /v1/completions            OpenAI text completions (see `completions.py`).
     POST /v1/responses              OpenAI Responses (see `responses.py`).
+    GET  /v1/responses/{id}         a stored response, or 404; DELETE forgets it.
     POST /v1/messages               Anthropic (see `anthropic.py`).
     POST /v1/messages/count_tokens  Anthropic token count.
 
@@ -253,6 +254,8 @@ def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
         Route("/v1/completions", completions.completions, methods=["POST"]),
         Route("/v1/responses", responses.responses, methods=["POST"]),
+        Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
+        Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
         Route("/v1/messages", anthropic.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
     ]
@@ -264,6 +267,7 @@ def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None
     )
     app.state.engine = engine
     app.state.served_model_name = served_model_name
+    app.state.response_store = responses.ResponseStore()
     app.state.created = int(time.time())
     return app
 

@@ -38,6 +38,8 @@ class ErrorCode(str, enum.Enum):
     INVALID_API_KEY = "invalid_api_key"
     UNKNOWN_URL = "unknown_url"
     MODEL_NOT_FOUND = "model_not_found"
+    PREVIOUS_RESPONSE_NOT_FOUND = "previous_response_not_found"
+    RESPONSE_NOT_FOUND = "response_not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     REQUEST_ABORTED = "request_aborted"
     INTERNAL_ERROR = "internal_error"

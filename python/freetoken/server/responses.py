@@ -9,8 +9,11 @@ this server runs no hosted tools), ``tool_choice`` (auto, none, required, {"type
 enforced as in chat completions), ``max_output_tokens``, temperature, top_p, stream, ``reasoning.effort``
 ("none" or "minimal" turn the template's thinking off), ``text.format`` (``json_object`` or ``json_schema``
 with name, schema, strict beside type: decoding constrained as for chat completions' response_format).
-Accepted and ignored: parallel_tool_calls, store, include, metadata, user, truncation. Rejected with 400 (code unsupported): previous_response_id
-(nothing is stored), images and files.
+``store`` (default true) keeps the finished response in a bounded in-memory LRU (`ResponseStore`, the last 256),
+so ``previous_response_id`` continues from its input and output items (its instructions are not carried over;
+an id not stored is a 400, code previous_response_not_found), and ``GET``/``DELETE /v1/responses/{id}``
+retrieve or forget it. Accepted and ignored: parallel_tool_calls, include, metadata, user, truncation.
+Rejected with 400 (code unsupported): images and files.
 
 Output items: ``reasoning`` (content: one reasoning_text), ``message`` (one output_text), one
 ``function_call`` per tool call; status ``incomplete`` (reason max_output_tokens) when the budget ran out.
@@ -26,7 +29,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections import OrderedDict
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import Request
@@ -64,6 +69,9 @@ from freetoken.server.schema import (
 )
 from freetoken.server.sse import EventStreamResponse, guard_stream, sse_event
 
+# Most responses `ResponseStore` keeps (least recently used dropped first).
+RESPONSE_STORE_CAPACITY = 256
+
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 _REFUSED_PARTS = frozenset({"input_image", "input_file", "input_audio"})
 
@@ -89,18 +97,26 @@ def _text(value: Any, path: str) -> str:
     return "\n".join(texts)
 
 
-def convert_input(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """``instructions`` + ``input`` -> the Hugging Face chat format."""
+def input_items(body: dict[str, Any]) -> list[Any]:
+    """``input`` as a list of items (a string is one user message); the items are checked by `convert_input`."""
+    raw = get_field(body, "input", (str, list), required=True)
+    if isinstance(raw, str):
+        return [{"type": "message", "role": "user", "content": raw}]
+    return raw
+
+
+def convert_input(body: dict[str, Any], history: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """``instructions`` + the `history` items (a previous response's input and output, see `ResponseStore`) +
+    ``input`` -> the Hugging Face chat format. The previous response's instructions are not carried over."""
     messages: list[dict[str, Any]] = []
     instructions = get_field(body, "instructions", str)
     if instructions:
         messages.append({"role": "system", "content": instructions})
-    raw = get_field(body, "input", (str, list), required=True)
-    if isinstance(raw, str):
-        return [*messages, {"role": "user", "content": raw}]
+    history = history or []
     reasoning: list[str] = []
-    for i, item in enumerate(raw):
-        path = join_path("input", i)
+    for i, item in enumerate([*history, *input_items(body)]):
+        # The history was checked when it was input (or made here, as output); an error can only be in input.
+        path = join_path("input", i - len(history)) if i >= len(history) else "previous_response_id"
         if not isinstance(item, dict):
             raise wrong_type(path, "an object", item)
         kind = get_field(item, "type", str, parent=path, default="message")
@@ -211,6 +227,54 @@ def output_items(output: ParsedOutput) -> list[dict[str, Any]]:
     return items
 
 
+@dataclass
+class StoredResponse:
+    """A finished response kept for ``previous_response_id`` and ``GET /v1/responses/{id}``.
+
+    Attributes:
+        body: the response object as it was returned.
+        items: the conversation so far as Responses items: the previous response's items (when this one
+            continued one), this request's input items, then its output items.
+    """
+
+    body: dict[str, Any]
+    items: list[dict[str, Any]]
+
+
+class ResponseStore:
+    """The responses stored with ``store`` (the default), most recently used last, at most `capacity` of them: the
+    least recently used is dropped to make room. In memory only; touched only from the event loop.
+
+    Args:
+        capacity: most responses kept (>= 1).
+    """
+
+    def __init__(self, capacity: int = RESPONSE_STORE_CAPACITY) -> None:
+        self.capacity = max(1, capacity)
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def put(self, response_id: str, entry: StoredResponse) -> None:
+        """Keep `entry` under `response_id`, dropping the least recently used beyond `capacity`."""
+        self._entries[response_id] = entry
+        self._entries.move_to_end(response_id)
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        """The stored response (now the most recently used), or None when unknown or dropped."""
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries.move_to_end(response_id)
+        return entry
+
+    def delete(self, response_id: str) -> bool:
+        """Forget `response_id`; False when it was not stored."""
+        return self._entries.pop(response_id, None) is not None
+
+
 class _Response:
     """The response object's fields, filled in as the request runs."""
 
@@ -224,7 +288,8 @@ class _Response:
             "instructions": body.get("instructions"),
             "max_output_tokens": body.get("max_output_tokens"),
             "parallel_tool_calls": bool(body.get("parallel_tool_calls", True)),
-            "previous_response_id": None,
+            "previous_response_id": body.get("previous_response_id"),
+            "store": body.get("store", True) is not False,
             "temperature": params.temperature,
             "top_p": params.top_p,
             "tool_choice": body.get("tool_choice", "auto"),
@@ -327,9 +392,15 @@ class _ItemStream:
 
 
 async def _stream_events(
-    engine: Any, prompt_ids: list[int], params: SamplingParams, plan: OutputPlan, response: _Response
+    engine: Any,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    plan: OutputPlan,
+    response: _Response,
+    on_done: Callable[[dict[str, Any]], None],
 ) -> AsyncGenerator[bytes, None]:
-    """The SSE events of one streamed response; raises on failure (`guard_stream`)."""
+    """The SSE events of one streamed response; `on_done` gets the final response object before the last
+    event; raises on failure (`guard_stream`)."""
     items = _ItemStream()
     yield items.event("response.created", response=response.body("in_progress", [], None, None))
     yield items.event("response.in_progress", response=response.body("in_progress", [], None, None))
@@ -345,6 +416,7 @@ async def _stream_events(
     usage = _usage(last.num_prompt_tokens or len(prompt_ids), last.num_output_tokens)
     final = response.body("completed", items.items, usage, last.finish_reason)
     kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+    on_done(final)
     yield items.event(kind, response=final)
 
 
@@ -360,12 +432,22 @@ async def responses(request: Request) -> Response:
     engine = state.engine
     body = parse_json_object(await read_body(request))
     get_field(body, "model", str, required=True)
-    if get_field(body, "previous_response_id", str) is not None:
-        raise invalid_request(
-            ErrorCode.UNSUPPORTED, "previous_response_id is not supported: this server stores no responses; "
-            "send the whole conversation in input", "previous_response_id",
-        )
-    messages = convert_input(body)
+    store: ResponseStore = state.response_store
+    history: list[dict[str, Any]] = []
+    previous_id = get_field(body, "previous_response_id", str)
+    if previous_id is not None:
+        previous = store.get(previous_id)
+        if previous is None:
+            raise invalid_request(
+                ErrorCode.PREVIOUS_RESPONSE_NOT_FOUND,
+                f"previous_response_id {previous_id!r} is not found: it was never stored here (store false), or "
+                f"it was dropped (this server keeps the last {store.capacity} responses in memory) or the "
+                "server restarted; send the whole conversation in input instead",
+                "previous_response_id",
+            )
+        history = previous.items
+    keep = get_field(body, "store", bool, default=True)
+    messages = convert_input(body, history)
     text = get_field(body, "text", dict, default={})
     response_format = parse_response_format(text.get("format"), "text.format", nested=False)
     if response_format is not None:
@@ -390,10 +472,41 @@ async def responses(request: Request) -> Response:
     if response_format is not None:
         params.grammar = await format_grammar(engine, response_format[1], plan)
     response = _Response(body, state.served_model_name, params)
+    conversation = [*history, *input_items(body)]
+
+    def on_done(final: dict[str, Any]) -> None:
+        if keep:
+            store.put(final["id"], StoredResponse(final, [*conversation, *final["output"]]))
+
     if stream:
-        events = _stream_events(engine, prompt.ids, params, plan, response)
+        events = _stream_events(engine, prompt.ids, params, plan, response, on_done)
         return EventStreamResponse(guard_stream(events, response.id, _error_events))
     [completion] = await collect(request, engine, prompt.ids, [params], response.id)
     output = plan.parse(completion.text)
     usage = _usage(completion.num_prompt_tokens, completion.num_output_tokens)
-    return JSONResponse(response.body("completed", output_items(output), usage, completion.finish_reason))
+    final = response.body("completed", output_items(output), usage, completion.finish_reason)
+    on_done(final)
+    return JSONResponse(final)
+
+
+def _stored(request: Request) -> tuple[ResponseStore, str, StoredResponse]:
+    store: ResponseStore = request.app.state.response_store
+    response_id = request.path_params["response_id"]
+    entry = store.get(response_id)
+    if entry is None:
+        raise ApiError(404, ErrorCode.RESPONSE_NOT_FOUND, f"no stored response with id {response_id!r} (responses "
+                       f"created with store false are not kept; this server keeps the last {store.capacity})")
+    return store, response_id, entry
+
+
+async def get_response(request: Request) -> Response:
+    """``GET /v1/responses/{response_id}``: a stored response as it was returned, or 404."""
+    _, _, entry = _stored(request)
+    return JSONResponse(entry.body)
+
+
+async def delete_response(request: Request) -> Response:
+    """``DELETE /v1/responses/{response_id}``: forget a stored response (later continuations of it are 400s)."""
+    store, response_id, _ = _stored(request)
+    store.delete(response_id)
+    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
