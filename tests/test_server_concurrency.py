@@ -12,6 +12,7 @@ import threading
 import time
 
 import httpx
+import pytest
 from conftest import MAX_MODEL_LEN
 
 CHAT = "/v1/chat/completions"
@@ -130,3 +131,47 @@ def test_concurrent_streams_match_sequential_and_disconnect_frees_slot(server, h
         assert time.monotonic() < deadline, f"the engine did not free the leaver's slot: {engine}"
         time.sleep(0.05)
     assert f"request {left[0]}: closed before it finished" in server.log_tail(1_000_000)
+
+
+# A prompt big enough that tokenizing it takes seconds (about 2 s per 4 MB here), within the 32 MiB body limit.
+HUGE_PROMPT_BYTES = 8 * 1024 * 1024
+# How long /health may take while that prompt is rendered and tokenized (it takes milliseconds when idle).
+HEALTH_BOUND_S = 0.5
+
+
+@pytest.mark.parametrize(
+    ("path", "field"), [(CHAT, "messages"), ("/v1/completions", "prompt"), ("/v1/messages/count_tokens", None)]
+)
+def test_health_answers_while_a_huge_prompt_is_tokenized(server, http, path, field):
+    """The prompt is rendered and tokenized off the event loop (and the tokenizer releases the GIL), so other
+    requests are served meanwhile; the huge one then gets its answer (here a 400: too long for the context)."""
+    text = "lorem ipsum dolor sit amet, " * (HUGE_PROMPT_BYTES // 28)
+    if path == "/v1/completions":
+        body = {"model": "m", "prompt": text, "max_tokens": 1}
+    else:
+        body = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 1}
+    result: dict = {}
+
+    def post() -> None:
+        with httpx.Client(base_url=server.base_url, timeout=300.0) as client:
+            result["response"] = client.post(path, json=body)
+
+    thread = threading.Thread(target=post)
+    thread.start()
+    latencies = []
+    while thread.is_alive():
+        start = time.perf_counter()
+        assert http.get("/health").status_code == 200
+        latencies.append(time.perf_counter() - start)
+        time.sleep(0.05)
+    thread.join()
+    response = result["response"]
+    if field is None:  # count_tokens counts it
+        assert response.status_code == 200 and response.json()["input_tokens"] > MAX_MODEL_LEN, response.text
+    else:
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["code"] == "context_length_exceeded"
+        assert response.json()["error"]["param"] == field
+    assert len(latencies) >= 5, "the huge request finished too soon to measure anything"
+    print(f"{path}: {len(latencies)} /health calls during the huge request, max {max(latencies) * 1e3:.0f} ms")
+    assert max(latencies) < HEALTH_BOUND_S, sorted(latencies)[-5:]

@@ -18,6 +18,7 @@ import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
@@ -128,7 +129,8 @@ async def completions(request: Request) -> Response:
     body = parse_json_object(await read_body(request))
     sampling = _sampling(body)
     echo = get_field(body, "echo", bool, default=False)
-    prompt_text, prompt_ids = _prompt_ids(body, engine.tokenizer)
+    # Off the event loop: tokenizing (or decoding) a prompt of megabytes takes seconds.
+    prompt_text, prompt_ids = await run_in_threadpool(_prompt_ids, body, engine.tokenizer)
     sampling.params.max_tokens = fit_context(
         len(prompt_ids), sampling.max_tokens, engine.max_model_len,
         max_tokens_param=sampling.max_tokens_param, messages_param="prompt",
