@@ -10,7 +10,12 @@ import jsonschema
 import pytest
 import torch
 from freetoken.engine.sampler import sample_with_logprobs
-from freetoken.engine.structured import GrammarBackend, GrammarError, apply_grammar_masks, json_grammar
+from freetoken.engine.structured import (
+    GrammarBackend,
+    GrammarError,
+    apply_grammar_masks,
+    json_grammar,
+)
 from freetoken.engine.types import SamplingParams
 
 SCHEMA = {
@@ -82,7 +87,7 @@ def test_random_logits_give_schema_valid_json(grammars):
 def test_mask_cost_per_token(grammars):
     """The grammar's cost on one row, per token of a whole generation: the mask (llguidance) plus applying it
     to the logits (on the CPU here). Printed; the bound only catches a pathological regression."""
-    backend, tokenizer = grammars
+    backend, _ = grammars
     matcher = backend.matcher(json_grammar(SCHEMA))
     gen = torch.Generator().manual_seed(3)
     times = []

@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
-if TYPE_CHECKING:
-    from freetoken.engine.structured import GrammarMatcher
+from freetoken.engine.structured import GrammarMatcher
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -72,11 +71,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
-        if self.grammar is not None:
-            from freetoken.engine.structured import GrammarMatcher  # llguidance loads only for requests that use it
-
-            if not isinstance(self.grammar, GrammarMatcher):
-                raise ValueError(f"grammar must be null or a GrammarMatcher, got {type(self.grammar).__name__}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarMatcher):
+            raise ValueError(f"grammar must be null or a GrammarMatcher, got {type(self.grammar).__name__}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:

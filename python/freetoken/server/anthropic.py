@@ -36,7 +36,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from freetoken.engine.types import SamplingParams
+from freetoken.engine.types import GenerationChunk, SamplingParams
 from freetoken.server.errors import (
     ApiError,
     ErrorCode,
@@ -47,11 +47,10 @@ from freetoken.server.generation import (
     Completion,
     OutputPlan,
     ToolChoice,
-    aclose_shielded,
     check_params,
     collect,
+    converted_events,
     fit_context,
-    parsed_chunks,
     plan_output,
     render_prompt,
 )
@@ -412,7 +411,7 @@ class _BlockStream:
         return events + self._stop()
 
 
-async def _stream_events(
+def _stream_events(
     engine: Any, prompt_ids: list[int], req: MessagesRequest, plan: OutputPlan, message_id: str, model: str
 ) -> AsyncGenerator[bytes, None]:
     """The SSE events of one streamed message; raises on failure (`guard_stream`)."""
@@ -427,21 +426,16 @@ async def _stream_events(
         "stop_sequence": None,
         "usage": _usage(num_prompt_tokens, 0),
     }
-    yield sse_event("message_start", {"type": "message_start", "message": start})
     blocks = _BlockStream()
-    chunks = parsed_chunks(engine, prompt_ids, req.params, plan, message_id)
-    try:
-        async for parsed, last in chunks:
-            for event in blocks.events(parsed):
-                yield event
-    finally:
-        await aclose_shielded(chunks)
-    for event in blocks.close():
-        yield event
-    usage = {"input_tokens": last.num_prompt_tokens or num_prompt_tokens, "output_tokens": last.num_output_tokens}
-    delta = stop_fields(last.finish_reason, last.stop_reason, req.stop_sequences, blocks.used_tools)
-    yield sse_event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage})
-    yield sse_event("message_stop", {"type": "message_stop"})
+
+    def tail(last: GenerationChunk) -> list[bytes]:
+        usage = {"input_tokens": last.num_prompt_tokens or num_prompt_tokens, "output_tokens": last.num_output_tokens}
+        delta = stop_fields(last.finish_reason, last.stop_reason, req.stop_sequences, blocks.used_tools)
+        return [sse_event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}),
+                sse_event("message_stop", {"type": "message_stop"})]
+
+    head = [sse_event("message_start", {"type": "message_start", "message": start})]
+    return converted_events(engine, prompt_ids, req.params, plan, message_id, blocks, head, tail)
 
 
 def _error_events(err: ApiError) -> list[bytes]:

@@ -19,9 +19,9 @@ import asyncio
 import dataclasses
 import logging
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 from starlette.concurrency import run_in_threadpool
@@ -387,6 +387,51 @@ async def parsed_chunks(
         await aclose_shielded(chunks)
     if last is None or last.finish_reason is None:
         raise ApiError(500, ErrorCode.INTERNAL_ERROR, "the engine ended the request without a finish reason")
+
+
+class EventConverter(Protocol):
+    """Turns one request's parsed output into an API's stream events (Anthropic blocks, Responses items)."""
+
+    def events(self, parsed: ParsedDelta) -> list[bytes]:
+        """The events of one parsed delta (possibly none)."""
+        ...
+
+    def close(self) -> list[bytes]:
+        """The events that end the output (the open block or item closes)."""
+        ...
+
+
+async def converted_events(
+    engine: Any,
+    prompt_ids: list[int],
+    params: SamplingParams,
+    plan: OutputPlan,
+    request_id: str,
+    converter: EventConverter,
+    head: list[bytes],
+    tail: Callable[[GenerationChunk], list[bytes]],
+) -> AsyncGenerator[bytes, None]:
+    """The events of one streamed request: `head`, then `converter`'s events of each parsed chunk and of its
+    close, then `tail` of the last chunk (it has the finish reason and the token counts).
+
+    The engine request is closed (aborted if unfinished) on any exit, this generator's early close included.
+    Raises what `parsed_chunks` raises (for `guard_stream`).
+    """
+    for event in head:
+        yield event
+    chunks = parsed_chunks(engine, prompt_ids, params, plan, request_id)
+    last: GenerationChunk | None = None
+    try:
+        async for parsed, last in chunks:
+            for event in converter.events(parsed):
+                yield event
+    finally:
+        await aclose_shielded(chunks)
+    assert last is not None  # parsed_chunks raises when the engine sent nothing
+    for event in converter.close():
+        yield event
+    for event in tail(last):
+        yield event
 
 
 async def _drain(

@@ -37,7 +37,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from freetoken.engine.types import SamplingParams
+from freetoken.engine.types import GenerationChunk, SamplingParams
 from freetoken.server.errors import (
     ApiError,
     ErrorCode,
@@ -46,16 +46,19 @@ from freetoken.server.errors import (
 )
 from freetoken.server.generation import (
     OutputPlan,
-    aclose_shielded,
     check_params,
     collect,
+    converted_events,
     fit_context,
     format_grammar,
-    parsed_chunks,
     plan_output,
     render_prompt,
 )
-from freetoken.server.openai import parse_response_format, parse_tool_choice, with_system_instruction
+from freetoken.server.openai import (
+    parse_response_format,
+    parse_tool_choice,
+    with_system_instruction,
+)
 from freetoken.server.parsers import ParsedDelta, ParsedOutput
 from freetoken.server.schema import (
     get_field,
@@ -391,7 +394,7 @@ class _ItemStream:
         return events + self._stop()
 
 
-async def _stream_events(
+def _stream_events(
     engine: Any,
     prompt_ids: list[int],
     params: SamplingParams,
@@ -402,22 +405,17 @@ async def _stream_events(
     """The SSE events of one streamed response; `on_done` gets the final response object before the last
     event; raises on failure (`guard_stream`)."""
     items = _ItemStream()
-    yield items.event("response.created", response=response.body("in_progress", [], None, None))
-    yield items.event("response.in_progress", response=response.body("in_progress", [], None, None))
-    chunks = parsed_chunks(engine, prompt_ids, params, plan, response.id)
-    try:
-        async for parsed, last in chunks:
-            for event in items.events(parsed):
-                yield event
-    finally:
-        await aclose_shielded(chunks)
-    for event in items.close():
-        yield event
-    usage = _usage(last.num_prompt_tokens or len(prompt_ids), last.num_output_tokens)
-    final = response.body("completed", items.items, usage, last.finish_reason)
-    kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
-    on_done(final)
-    yield items.event(kind, response=final)
+    head = [items.event("response.created", response=response.body("in_progress", [], None, None)),
+            items.event("response.in_progress", response=response.body("in_progress", [], None, None))]
+
+    def tail(last: GenerationChunk) -> list[bytes]:
+        usage = _usage(last.num_prompt_tokens or len(prompt_ids), last.num_output_tokens)
+        final = response.body("completed", items.items, usage, last.finish_reason)
+        kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
+        on_done(final)
+        return [items.event(kind, response=final)]
+
+    return converted_events(engine, prompt_ids, params, plan, response.id, items, head, tail)
 
 
 def _error_events(err: ApiError) -> list[bytes]:
