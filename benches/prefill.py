@@ -37,7 +37,8 @@ from freetoken.models.loader import init_dummy_weights
 from freetoken.models.presets import preset_config_path
 from freetoken.moe.budget import plan_expert_slots
 from freetoken.moe.compute import expert_views
-from freetoken.moe.expert_cache import ExpertCacheBackend, pin_host_memory
+from freetoken.moe.expert_cache import ExpertCacheBackend
+from freetoken.moe.pinned import pin_host_memory
 from freetoken.moe.fused import FusedExperts
 
 CHUNK = 8192
@@ -82,6 +83,26 @@ def prefill(model, kv: KVCache, length: int, seed: int = 0) -> list[float]:
     return [run_chunk(model, kv, tokens[s : s + CHUNK], s) for s in range(0, length, CHUNK)]
 
 
+def counters(backend: ExpertCacheBackend) -> dict[str, float]:
+    """Cumulative planner counters summed over layers, streamed bytes, and steps by prefill strategy."""
+    stats = {name: float(v.sum()) for name, v in backend.planner.stats().items()}
+    prefill_stats = backend.stats()["prefill"]
+    stats["bytes_streamed"] = float(prefill_stats["bytes_streamed"])
+    stats.update({name: float(v) for name, v in prefill_stats["steps_by_strategy"].items()})
+    return stats
+
+
+def profile_extend(model, kv: KVCache, routed: Routed, ids: np.ndarray, start: int, log) -> None:
+    """The torch profiler's top ops (by host and by device time) of one extend, logged."""
+    from torch.profiler import ProfilerActivity, profile
+
+    routed.ids = ids
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_chunk(model, kv, list(range(1, ids.shape[1] + 1)), start)
+    for key in ("self_cpu_time_total", "self_cuda_time_total"):
+        log(prof.key_averages().table(sort_by=key, row_limit=10, max_name_column_width=40))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen3-30b-a3b")
@@ -89,6 +110,9 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, nargs="+", default=[512, 2048, 8192, 32768])
     ap.add_argument("--extends", type=int, nargs="+", default=[16, 64, 256])
     ap.add_argument("--repeats", type=int, default=3, help="extends timed per row (median)")
+    ap.add_argument("--parts", nargs="+", default=["prompt", "extend"], choices=["prompt", "extend"])
+    ap.add_argument("--profile", action="store_true",
+                    help="log the torch profiler's top ops of one 64-token extend per strategy, to stderr")
     args = ap.parse_args()
     log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
     cfg = ModelConfig.from_dict(json.loads(preset_config_path(args.preset).read_text()), source=args.preset)
@@ -114,7 +138,8 @@ def main() -> None:
     max_len = max(args.prompts + [CHUNK + max(args.extends)])
     engine_cfg = EngineConfig(device="cuda", dtype="bfloat16", gpu_memory_gb=args.budget, max_model_len=max_len,
                               kv_cache_tokens=max_len, kv_cache_gb=8.0, max_num_seqs=1)
-    model = init_dummy_weights(cfg, ExpertCacheBackend("cpu", pool, device, 0), device, torch.bfloat16)
+    host_only = ExpertCacheBackend("cpu", pool, device, 0)  # holds no device memory: attached between rows
+    model = init_dummy_weights(cfg, host_only, device, torch.bfloat16)
     kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_len // 16 + 2, 16,
                  torch.bfloat16, device)
     rows = []
@@ -124,21 +149,25 @@ def main() -> None:
         print(" ".join(f"{key}={v}" for key, v in row.items()), flush=True)
 
     # The GPU compute time: every expert resident.
-    gpu_arena = arena.to(device)
-    fused = FusedExperts()
-    per_layer = gpu_arena.view(len(layers), cfg.num_experts, -1)
-    for li, layer in enumerate(layers):
-        fused.load_layer(layer, *expert_views(per_layer[li], cfg.hidden_size, cfg.moe_intermediate_size))
-    model.attach_experts(fused)
-    prefill(model, kv, CHUNK)  # compiles the kernels
     compute = {}
-    for length in args.prompts:
-        times = prefill(model, kv, length)
-        compute[length] = times
-        emit({"part": "prompt", "prompt": length, "strategy": "fused", "overlap": None,
-              "total_s": round(sum(times), 3), "chunk_s": round(max(times), 3)})
-    del fused, gpu_arena, per_layer
-    torch.cuda.empty_cache()
+    if "prompt" not in args.parts:
+        args.prompts = []
+    if args.prompts:
+        gpu_arena = arena.to(device)
+        fused = FusedExperts()
+        per_layer = gpu_arena.view(len(layers), cfg.num_experts, -1)
+        for li, layer in enumerate(layers):
+            fused.load_layer(layer, *expert_views(per_layer[li], cfg.hidden_size, cfg.moe_intermediate_size))
+        model.attach_experts(fused)
+        prefill(model, kv, CHUNK)  # compiles the kernels
+        for length in args.prompts:
+            times = prefill(model, kv, length)
+            compute[length] = times
+            emit({"part": "prompt", "prompt": length, "strategy": "fused", "overlap": None,
+                  "total_s": round(sum(times), 3), "chunk_s": round(max(times), 3)})
+        model.attach_experts(host_only)
+        del fused, gpu_arena, per_layer
+        torch.cuda.empty_cache()
 
     def cache_backend(strategy: str, overlap: bool) -> ExpertCacheBackend:
         ecfg = EngineConfig(**{**engine_cfg.__dict__, "prefill_strategy": strategy, "no_prefill_overlap": not overlap})
@@ -146,7 +175,7 @@ def main() -> None:
         return ExpertCacheBackend("hybrid", pool, device, slots, pcie_bytes_per_s=b_pcie, cpu_bytes_per_s=b_cpu,
                                   layer_buffers=buffers, prefill_strategy=strategy)
 
-    for strategy, overlap in (("stream", True), ("stream", False), ("auto", True)):
+    for strategy, overlap in (("stream", True), ("stream", False), ("auto", True)) if args.prompts else ():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         backend = cache_backend(strategy, overlap)
@@ -167,6 +196,7 @@ def main() -> None:
                 "steps_by_strategy": backend.stats()["prefill"]["steps_by_strategy"],
                 "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
             })
+        model.attach_experts(host_only)
         del backend
 
     # Part 2: short extends after a long prefix, the cache warmed by decode steps.
@@ -180,7 +210,7 @@ def main() -> None:
             return [np.stack(by_step[s]) for s in sorted(by_step)]
 
         decode_ids = trace_ids(1, 16, seed=1)
-        for strategy in ("stream", "fill", "cpu", "hybrid", "auto"):
+        for strategy in ("stream", "fill", "cpu", "hybrid", "auto") if "extend" in args.parts else ():
             torch.cuda.empty_cache()
             backend = cache_backend("auto", True)
             routed = Routed(backend, layers)
@@ -192,15 +222,23 @@ def main() -> None:
             backend.prefill_strategy = strategy
             for n in args.extends:
                 times = []
+                before = counters(backend)
                 for rep in range(args.repeats):
                     routed.ids = trace_ids(n, 1, seed=100 + 10 * n + rep)[0]
-                    before = backend.stats()["prefill"]["steps_by_strategy"]
                     times.append(run_chunk(model, kv, list(range(1, n + 1)), CHUNK + len(decode_ids)))
-                after = backend.stats()["prefill"]["steps_by_strategy"]
-                chosen = [name for name in after if after[name] > before[name]]
+                after = counters(backend)
+                per = {key: (after[key] - before[key]) / args.repeats for key in after}
+                chosen = [name for name in ("stream", "fill", "cpu", "hybrid") if per[name] > 0]
+                lookups = per["hits"] + per["fills"] + per["cpu_runs"]
                 emit({"part": "extend", "prefix": CHUNK, "extend": n, "strategy": strategy, "chosen": chosen,
-                      "extend_s": round(statistics.median(times), 4)})
+                      "extend_s": round(statistics.median(times), 4),
+                      "hit_rate": round(per["hits"] / lookups, 3) if lookups else None,
+                      "pcie_gb": round((per["bytes_h2d"] + per["bytes_streamed"]) / 1e9, 3),
+                      "cpu_gb": round(per["bytes_cpu"] / 1e9, 3)})
+                if args.profile and n == 64:
+                    profile_extend(model, kv, routed, trace_ids(n, 1, seed=7)[0], CHUNK + len(decode_ids), log)
             routed.ids = None
+            model.attach_experts(host_only)
             del backend, routed
 
     stream = {r["extend"]: r["extend_s"] for r in rows if r["part"] == "extend" and r["strategy"] == "stream"}

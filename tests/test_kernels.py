@@ -7,10 +7,12 @@ so CI checks their indexing and masking.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from freetoken.kernels.fused_moe import align_pairs, align_pairs_host, fused_moe, fused_moe_reference
+from freetoken._core import InvalidArgumentError, align_slots, aligned_len
+from freetoken.kernels.fused_moe import align_pairs, fused_moe, fused_moe_reference
 from freetoken.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -38,13 +40,24 @@ def test_align_pairs_groups_by_expert(num_tokens, top_k):
 
 
 @pytest.mark.parametrize("num_tokens,top_k,block_m", [(1, 8, 16), (7, 3, 16), (40, 8, 64)])
-def test_align_pairs_host_equals_device(num_tokens, top_k, block_m):
+def test_host_alignment_equals_device(num_tokens, top_k, block_m):
+    """The Rust alignment the expert cache sends with its slot ids (`freetoken._core.align_slots`) equals the
+    device one."""
     gen = torch.Generator().manual_seed(num_tokens)
     ids = torch.randint(-1, 20, (num_tokens, top_k), generator=gen)
     expected = align_pairs(ids.to(DEVICE), 20, block_m)
-    got = align_pairs_host(ids.numpy(), 20, block_m)
-    for g, e in zip(got, expected):
-        assert g.tolist() == e.tolist()
+    out = np.full(ids.numel() + 4096, -7, dtype=np.int64)
+    rows, tiles = align_slots(ids.numpy().astype(np.int32), 20, block_m, out)
+    assert (rows, tiles) == aligned_len(ids.numel(), 20, block_m)
+    n = ids.numel()
+    assert out[:n].tolist() == ids.reshape(-1).tolist()
+    assert out[n : n + rows].tolist() == expected[0].tolist()
+    assert out[n + rows : n + rows + tiles].tolist() == expected[1].tolist()
+    assert (out[n + rows + tiles :] == -7).all()  # nothing written past the layout
+    with pytest.raises(InvalidArgumentError, match="out holds"):
+        align_slots(ids.numpy(), 20, block_m, np.zeros(n, dtype=np.int64))
+    with pytest.raises(InvalidArgumentError, match="out of range"):
+        align_slots(np.array([[20]]), 20, block_m, out)
 
 
 @pytest.mark.parametrize(

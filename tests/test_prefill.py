@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import pytest
 import torch
@@ -24,7 +25,7 @@ from freetoken.models.loader import load_checkpoint
 from freetoken.moe.budget import plan_expert_slots
 from freetoken.moe.expert_cache import ExpertCacheBackend
 from freetoken.moe.fused import FusedExperts
-from freetoken.moe.prefill import MIN_STREAM_TOKENS, PrefillCosts, choose_strategy
+from freetoken.moe.prefill import MIN_STREAM_TOKENS, Calibration, PrefillCosts, choose_strategy
 from test_moe_backends import DEVICES, PROFILE, bf16_checkpoint  # noqa: F401 (a fixture)
 
 PROMPT = [(7 * i + 3) % 500 + 1 for i in range(37)]
@@ -103,6 +104,7 @@ def test_streaming_leaves_the_slot_cache_as_it_was(bf16_checkpoint):  # noqa: F8
     assert [backend.planner.layer_slots(layer).tolist() for layer in range(pool.num_layers)] == before
     absent = pool.num_layers * pool.num_experts - resident
     assert backend.stats()["prefill"]["bytes_streamed"] == absent * pool.expert_nbytes
+    assert backend.calibration.samples["stream"] == 1  # the chunk was timed against its prediction
 
 
 def _costs(resident: float = 30.0, cpu: bool = True) -> PrefillCosts:
@@ -136,6 +138,21 @@ def test_cost_model_streams_long_chunks_and_serves_short_extends_on_demand():
     assert _costs(resident=100).seconds("stream", 8192) < costs.seconds("stream", 8192)
     # The CPU slows past the profiled batches (compute-bound), so a long chunk on the CPU costs more per byte.
     assert costs.seconds("cpu", 8192) > costs.seconds("cpu", 64)
+
+
+def test_measured_chunks_recalibrate_the_choice():
+    """A strategy whose chunks run slower than predicted loses to the other: the scale is measured / predicted."""
+    costs = _costs()
+    assert choose_strategy(costs, 128, ["stream", "hybrid"]) == "hybrid"
+    calibration = Calibration(cuda=False)
+    calibration.start("hybrid", predicted_s=1e-6)
+    time.sleep(0.01)
+    calibration.end()  # the "chunk" took far longer than 1 us: the scale hits its bound
+    assert calibration.scale["hybrid"] == calibration.max_scale and calibration.samples["hybrid"] == 1
+    assert choose_strategy(costs, 128, ["stream", "hybrid"], calibration.scale) == "stream"
+    calibration.start("stream", predicted_s=1e3)
+    calibration.end()
+    assert calibration.scale["stream"] == calibration.min_scale
 
 
 def test_budget_makes_room_for_layer_buffers_or_says_why_not(monkeypatch, caplog):

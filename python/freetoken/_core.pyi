@@ -404,6 +404,33 @@ IsaName = Literal["scalar", "avx2", "avx512_bf16", "amx_bf16"]
 def supported_isas() -> list[IsaName]:
     """Kernel paths this CPU supports, slowest first."""
 
+def aligned_len(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, int]:
+    """``(num_rows, num_tiles)`` of the grouped kernel's aligned layout for ``num_pairs`` (token, expert) pairs:
+    ``num_pairs + min(num_pairs, num_experts + 1) * (block_m - 1)`` rounded up to ``block_m``, and that over
+    ``block_m``.
+
+    Raises:
+        InvalidArgumentError: ``block_m`` is 0.
+    """
+
+def align_slots(
+    topk_slots: npt.ArrayLike, num_experts: int, block_m: int, out: npt.NDArray[np.int64]
+) -> tuple[int, int]:
+    """Sorts (token, slot) pairs by slot and pads each group to ``block_m`` rows, for the grouped kernel.
+
+    Writes ``[topk_slots (T*k) | sorted_pairs (num_rows) | tile_expert (num_tiles)]`` into the front of ``out``
+    (int64, C-contiguous; e.g. a pinned staging buffer sent to the device in one copy): ``sorted_pairs`` is the
+    pair ``t * k + j`` of each row, ``T*k`` on padding rows; ``tile_expert`` the slot of each tile, -1 for tiles
+    of skipped pairs (negative ids: run elsewhere) or past the end. The layout of vLLM's ``moe_align_block_size``;
+    equal to ``freetoken.kernels.fused_moe.align_pairs`` on the device.
+
+    Returns:
+        ``(num_rows, num_tiles)``, as ``aligned_len``.
+
+    Raises:
+        InvalidArgumentError: an id ``>= num_experts``, ``out`` too small, not int64 or not contiguous.
+    """
+
 class CpuExperts:
     """SwiGLU experts on the host: bf16 weights from the pool, fp32 accumulation.
 

@@ -140,7 +140,7 @@ def run_bw(args: argparse.Namespace) -> int:
     from freetoken._core import CpuExperts, ExpertPool
     from freetoken.bench import bandwidth as bw
     from freetoken.cli.logs import stderr_console
-    from freetoken.moe.expert_cache import pin_host_memory
+    from freetoken.moe.pinned import pin_host_memory
     from freetoken.moe.profile import (
         BATCHES, HYBRID_MIN_Q_STAR, SCHEMA_VERSION, ExpertShape, profile_dir, profile_path, verdict, write_profile,
     )  # fmt: skip

@@ -25,6 +25,7 @@ from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.sequence import Sequence
 from freetoken.models.attention import AttentionMetadata
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
+from freetoken.moe.pinned import PinnedBuffers
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +81,8 @@ class DecodeRunner:
             self.cpu_out = torch.zeros(n, hidden, dtype=torch.float32, device=device)
             self.mail_row = 12 * k + 4 * hidden  # bytes per token: int64 ids, float32 weights and hidden states
             self.mail = torch.zeros(n * self.mail_row, dtype=torch.uint8, device=device)
-            self.mail_host = torch.zeros(n * self.mail_row, dtype=torch.uint8, pin_memory=device.type == "cuda")
+            self.host = PinnedBuffers(pin=device.type == "cuda")
+            self.mail_host = self.host.get("mail", (n * self.mail_row,), torch.uint8)
             moe = cfg.moe_layers
             # (first layer, MoE layer that ends the span or -1): spans run between the MoE layers' experts.
             self.spans = list(zip([0] + [m + 1 for m in moe], moe + [-1]))
@@ -147,7 +149,12 @@ class DecodeRunner:
 
     def _run_piecewise(self, size: int, batch: int) -> torch.Tensor:
         graphs = self.span_graphs.get(size)
-        mail_bytes = size * self.mail_row
+        experts = self.model.experts  # one backend serves every MoE layer
+        staged = hasattr(experts, "forward_staged")
+        h, weights, out = self.h_moe[:batch], self.topk_weights[:batch], self.moe_out[:batch]
+        if staged:
+            mail, mail_host = self.mail[: size * self.mail_row], self.mail_host[: size * self.mail_row]
+            host_ids, host_weights, host_hidden = (v[:batch] for v in self._mail(self.mail_host, size))
         for index, (_, moe_layer) in enumerate(self.spans):
             if graphs is not None:
                 graphs[index].replay()
@@ -156,17 +163,13 @@ class DecodeRunner:
             if moe_layer < 0:
                 continue
             # The routed experts of the real rows, eagerly (host sync, copies, CPU work).
-            experts = self.model.model.layers[moe_layer].mlp.experts
-            if hasattr(experts, "forward_staged"):
-                self.mail_host[:mail_bytes].copy_(self.mail[:mail_bytes], non_blocking=True)
-                ids, weights, hidden = (v[:batch] for v in self._mail(self.mail_host, size))
+            if staged:
+                mail_host.copy_(mail, non_blocking=True)
                 experts.forward_staged(
-                    moe_layer, self.h_moe[:batch], self.topk_weights[:batch], ids, weights, hidden,
-                    out=self.moe_out[:batch], cpu_out=self.cpu_out,
+                    moe_layer, h, weights, host_ids, host_weights, host_hidden, out=out, cpu_out=self.cpu_out
                 )
             else:
-                y = experts.forward(moe_layer, self.h_moe[:batch], self.topk_ids[:batch], self.topk_weights[:batch])
-                self.moe_out[:batch].copy_(y)
+                out.copy_(experts.forward(moe_layer, h, self.topk_ids[:batch], weights))
         return self.logits[:batch]
 
     @torch.inference_mode()

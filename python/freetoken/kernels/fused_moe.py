@@ -15,7 +15,6 @@ Test: python -m pytest tests/test_kernels.py     Bench: python benches/decode_fu
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 import triton
@@ -141,26 +140,6 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
     return sorted_pairs, block_expert
 
 
-def align_pairs_host(topk_ids: np.ndarray, num_experts: int, block_m: int) -> tuple[np.ndarray, np.ndarray]:
-    """`align_pairs` in numpy, for ids already on the host (the expert cache's planned slot ids): the same two
-    int64 arrays, so that the device runs no alignment kernels. Same arguments and results as `align_pairs`."""
-    flat = topk_ids.reshape(-1).astype(np.int64)
-    flat = np.where(flat < 0, num_experts, flat)
-    num_pairs = flat.size
-    num_rows = num_pairs + min(num_pairs, num_experts + 1) * (block_m - 1)
-    num_rows = -(-num_rows // block_m) * block_m
-    counts = np.bincount(flat, minlength=num_experts + 1)
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded_end = np.cumsum(padded)
-    order = np.argsort(flat, kind="stable")
-    sorted_ids = flat[order]
-    rank = np.arange(num_pairs) - (np.cumsum(counts) - counts)[sorted_ids]
-    sorted_pairs = np.full(num_rows, num_pairs, dtype=np.int64)
-    sorted_pairs[padded_end[sorted_ids] - padded[sorted_ids] + rank] = order
-    block_expert = np.searchsorted(padded_end, np.arange(0, num_rows, block_m), side="right")
-    return sorted_pairs, np.where(block_expert < num_experts, block_expert, -1).astype(np.int64)
-
-
 def block_m_for(num_pairs: int) -> int:
     """Rows per M tile: 16 for decode-sized batches (<= 512 token-expert pairs), 64 for prefill chunks."""
     return 16 if num_pairs <= 512 else 64
@@ -184,7 +163,7 @@ def fused_moe(
         topk_ids: [M, k] int64 indices into the first dim of the weights; negative: skip that pair.
         topk_weights: [M, k] routing weights.
         alignment: (sorted_pairs, block_expert) of `align_pairs` for these ids with block_m_for(M * k), already on
-            the device (e.g. from `align_pairs_host`); computed here when None.
+            the device (e.g. from `freetoken._core.align_slots`); computed here when None.
         out: [M, K] buffer for the result (hidden's dtype), e.g. a CUDA graph's static input; None allocates.
 
     Returns:

@@ -36,11 +36,13 @@ import numpy as np
 import torch
 from torch.profiler import record_function
 
-from freetoken._core import CpuExperts, ExpertPool, Planner
+from freetoken._core import CpuExperts, ExpertPool, Planner, align_slots, aligned_len
 from freetoken.moe.compute import expert_views, grouped_swiglu
+from freetoken.moe.pinned import PinnedBuffers, pin_host_memory
 from freetoken.moe.prefill import (
     DEFAULT_PCIE_BYTES_PER_S,
     DEMAND_MODES,
+    Calibration,
     LayerStreamer,
     PrefillCosts,
     choose_strategy,
@@ -110,46 +112,6 @@ class BandwidthTracker:
         }
 
 
-class PinnedBuffers:
-    """Host buffers reused across layer steps (page-locked on CUDA), one per name, grown on demand.
-
-    Reuse is safe because every on-demand layer step syncs the compute stream before it writes them again, so the
-    copies that last read or wrote them have completed; no allocation (and none of its CUDA calls) per step.
-    """
-
-    def __init__(self, pin: bool) -> None:
-        self.pin = pin
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A contiguous `shape` view of buffer `name` (contents undefined)."""
-        numel = int(np.prod(shape))
-        buf = self._buffers.get(name)
-        if buf is None or buf.dtype != dtype or buf.numel() < numel:
-            size = max(numel, 2 * buf.numel() if buf is not None and buf.dtype == dtype else 0)
-            buf = self._buffers[name] = torch.empty(size, dtype=dtype, pin_memory=self.pin)
-        return buf[:numel].view(shape)
-
-
-_PINNED: set[int] = set()
-
-
-def pin_host_memory(ptr: int, nbytes: int) -> None:
-    """Page-lock `nbytes` at `ptr` for CUDA (cudaHostRegister), so copies from it run as DMA at PCIe line rate.
-    Idempotent per pointer (several backends may share one pool). Raises RuntimeError with the CUDA error and
-    what to change."""
-    if ptr in _PINNED:
-        return
-    err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
-    code = getattr(err, "value", err)
-    if code != 0:
-        raise RuntimeError(
-            f"cudaHostRegister of the {nbytes / 1e9:.1f} GB expert pool failed (CUDA error {code}); "
-            "raise RLIMIT_MEMLOCK (ulimit -l) or free host memory"
-        )
-    _PINNED.add(ptr)
-
-
 class ExpertCacheBackend:
     """Experts in the host `ExpertPool`, a device cache of `num_slots` expert slots, planned per layer step.
 
@@ -203,6 +165,10 @@ class ExpertCacheBackend:
         self.expert_nbytes = pool.expert_nbytes
         # Zero-copy view of the arena; the pool object stays alive as the buffer's owner.
         self.arena = torch.frombuffer(pool.arena_view(), dtype=torch.uint8)
+        num_experts = pool.num_layers * pool.num_experts
+        if pool.expert_offset(pool.num_layers - 1, pool.num_experts - 1) != (num_experts - 1) * pool.expert_stride:
+            raise ValueError("the pool's experts are not laid out [layer][expert] at expert_stride")
+        self.pool_experts = self.arena[: num_experts * pool.expert_stride].view(num_experts, pool.expert_stride)
         if device.type == "cuda":
             pin_host_memory(pool.ptr, pool.nbytes)
         # The cache's slots, then the prefill layer buffers: one weight tensor, so one kernel reads both.
@@ -220,6 +186,7 @@ class ExpertCacheBackend:
         )
         self.cpu = CpuExperts(pool, num_threads=cpu_threads)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._fills_done = torch.cuda.Event() if device.type == "cuda" else None  # reused: one record per step
         self.pool_layer = {model_layer: i for i, model_layer in enumerate(pool.moe_layers)}
         self.host = PinnedBuffers(pin=device.type == "cuda")
         self._cpu_out_dirty = True  # forward_staged's cpu_out buffer may hold a sum (unknown at first)
@@ -238,6 +205,7 @@ class ExpertCacheBackend:
         self.demand = {"offload": "fill", "cpu": "cpu", "hybrid": "hybrid"}[mode]
         self.strategy = self.demand  # of the current step
         self.strategy_steps = {name: 0 for name in ("stream", "fill", "cpu", "hybrid")}
+        self.calibration = Calibration(cuda=device.type == "cuda")
 
     @staticmethod
     def _check_prefill(mode, num_slots, layer_buffers, strategy, pcie, cpu) -> None:
@@ -261,14 +229,19 @@ class ExpertCacheBackend:
             num_prefill_tokens: those that are prompt tokens.
             top_k: experts per token (the model's `num_experts_per_tok`).
         """
+        self.calibration.poll()
         if num_prefill_tokens == 0:
             self.strategy = self.demand
-        elif self.prefill_strategy != "auto":
+            self.strategy_steps[self.strategy] += 1
+            return
+        costs = self.prefill_costs(top_k)
+        if self.prefill_strategy != "auto":
             self.strategy = self.prefill_strategy
         else:
             candidates = (["stream"] if self.streamer is not None else []) + [self.demand]
-            self.strategy = choose_strategy(self.prefill_costs(top_k), num_tokens, candidates)
+            self.strategy = choose_strategy(costs, num_tokens, candidates, self.calibration.scale)
         self.strategy_steps[self.strategy] += 1
+        self.calibration.start(self.strategy, costs.seconds(self.strategy, num_tokens) * self.pool.num_layers)
 
     def prefill_costs(self, top_k: int) -> PrefillCosts:
         """The cost model's inputs now: residency, and the refined bandwidths (a nominal PCIe rate without a
@@ -309,15 +282,13 @@ class ExpertCacheBackend:
             slots = torch.from_numpy(topk_slots.astype(np.int64))
             y = grouped_swiglu(hidden, self.gate_up, self.down, slots, topk_weights)
             return y if out is None else out.copy_(y)
-        from freetoken.kernels.fused_moe import align_pairs_host, block_m_for, fused_moe
+        from freetoken.kernels.fused_moe import block_m_for, fused_moe
 
-        sorted_pairs, block_expert = align_pairs_host(topk_slots, self.gate_up.shape[0], block_m_for(topk_slots.size))
-        n_slots, n_pairs = topk_slots.size, sorted_pairs.size
-        staging = self.host.get("slots", (n_slots + n_pairs + block_expert.size,), torch.int64)
-        host = staging.numpy()
-        host[:n_slots] = topk_slots.reshape(-1)
-        host[n_slots : n_slots + n_pairs] = sorted_pairs
-        host[n_slots + n_pairs :] = block_expert
+        n_slots, rows = topk_slots.size, self.gate_up.shape[0]
+        block_m = block_m_for(n_slots)
+        n_pairs, n_tiles = aligned_len(n_slots, rows, block_m)
+        staging = self.host.get("slots", (n_slots + n_pairs + n_tiles,), torch.int64)
+        align_slots(topk_slots, rows, block_m, staging.numpy())
         dev = staging.to(self.device, non_blocking=True)
         slots = dev[:n_slots].view(topk_slots.shape)
         alignment = (dev[n_slots : n_slots + n_pairs], dev[n_slots + n_pairs :])
@@ -328,6 +299,14 @@ class ExpertCacheBackend:
     ) -> torch.Tensor:
         """See `ExpertBackend.forward`: [T, H] hidden, [T, k] ids and weights -> [T, H]."""
         pool_layer = self.pool_layer[layer]
+        out = self._forward(pool_layer, hidden, topk_ids, topk_weights)
+        if pool_layer == self.pool.num_layers - 1:
+            self.calibration.end()
+        return out
+
+    def _forward(
+        self, pool_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+    ) -> torch.Tensor:
         if self.strategy == "stream":
             return self._stream(pool_layer, hidden, topk_ids, topk_weights)
         num_tokens, k = topk_ids.shape
@@ -392,17 +371,19 @@ class ExpertCacheBackend:
         """One on-demand layer step once its inputs' host copies are queued: sync, plan, fills and the slot
         kernel on the device, then the CPU experts here (overlapping them). Returns (the slot experts' sum, or
         None when no slot ran and no `out` was given; the pinned float32 host sum of the CPU experts, or None)."""
-        if hidden.is_cuda:
-            torch.cuda.current_stream(self.device).synchronize()  # ids, weights and hidden are on the host now
+        stream = torch.cuda.current_stream() if hidden.is_cuda else None
+        if stream is not None:
+            stream.synchronize()  # ids, weights and hidden are on the host now
         ids_np = host_ids.numpy()
         self._refine()
         plan = self.planner.plan(pool_layer, ids_np, DEMAND_MODES[self.strategy])
+        topk_slots = plan.topk_slots
         if plan.num_fills:
             if self.streamer is not None:
                 self.streamer.invalidate()  # evictions: the buffers' row tables may point at stale slots
-            self._fill(pool_layer, plan.fill_experts, plan.fill_slots)
+            self._fill(pool_layer, plan.fill_experts, plan.fill_slots, stream)
         if plan.num_hits or plan.num_fills:
-            out = self._slot_experts(hidden, plan.topk_slots, topk_weights, out)
+            out = self._slot_experts(hidden, topk_slots, topk_weights, out)
         elif out is not None:
             out.zero_()
         if not plan.num_cpu:
@@ -415,12 +396,14 @@ class ExpertCacheBackend:
         host_out = self.host.get("out", tuple(host_hidden.shape), torch.float32)
         host_out.zero_()
         t0 = time.perf_counter()
-        with record_function("cpu_experts"):  # a named range in profiles (benches/moe_backends.py --profile)
-            self.cpu.forward(
-                pool_layer, host_hidden.numpy(), ids_np, host_weights.numpy(), plan.cpu_experts, host_out.numpy()
-            )
+        args = (pool_layer, host_hidden.numpy(), ids_np, host_weights.numpy(), plan.cpu_experts, host_out.numpy())
+        if torch.autograd._profiler_enabled():  # a named range in profiles (benches/moe_backends.py --profile)
+            with record_function("cpu_experts"):
+                self.cpu.forward(*args)
+        else:
+            self.cpu.forward(*args)
         seconds = time.perf_counter() - t0
-        tokens_per_expert = np.isin(ids_np, plan.cpu_experts).sum() / plan.num_cpu
+        tokens_per_expert = np.count_nonzero(topk_slots < 0) / plan.num_cpu  # -1: the picks the CPU ran
         self.cpu_bw.add(plan.num_cpu * self.expert_nbytes, seconds, tokens_per_expert)
         return out, host_out
 
@@ -434,14 +417,17 @@ class ExpertCacheBackend:
         self.streamer.done(pool_layer)
         return out
 
-    def _fill(self, pool_layer: int, experts: np.ndarray, slots: np.ndarray) -> None:
-        """Copy experts from the pinned arena into their slots; later device work waits for the copies."""
+    def _fill(
+        self, pool_layer: int, experts: np.ndarray, slots: np.ndarray, stream: torch.cuda.Stream | None
+    ) -> None:
+        """Copy experts from the pinned arena into their slots; later work on `stream` (the compute stream)
+        waits for the copies."""
         n = self.expert_nbytes
+        first = pool_layer * self.pool.num_experts
         if self.copy_stream is None:
             t0 = time.perf_counter()
             for expert, slot in zip(experts.tolist(), slots.tolist()):
-                offset = self.pool.expert_offset(pool_layer, expert)
-                self.slots[slot, :n].copy_(self.arena[offset : offset + n])
+                self.slots[slot].copy_(self.pool_experts[first + expert])
             self.pcie.add(len(experts) * n, time.perf_counter() - t0)
             return
         self._num_fill_groups += 1
@@ -452,11 +438,11 @@ class ExpertCacheBackend:
             if timed:
                 start.record(self.copy_stream)
             for expert, slot in zip(experts.tolist(), slots.tolist()):
-                offset = self.pool.expert_offset(pool_layer, expert)
-                self.slots[slot, :n].copy_(self.arena[offset : offset + n], non_blocking=True)
+                self.slots[slot].copy_(self.pool_experts[first + expert], non_blocking=True)
             if timed:
                 end.record(self.copy_stream)
-        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        self._fills_done.record(self.copy_stream)
+        stream.wait_event(self._fills_done)
         if timed:
             if len(self._pending_fills) == MAX_PENDING_FILLS:
                 self._pending_fills.popleft()
@@ -486,6 +472,7 @@ class ExpertCacheBackend:
                 "strategy": self.prefill_strategy,
                 "layer_buffers": 0 if self.streamer is None else self.streamer.num_buffers,
                 "steps_by_strategy": dict(self.strategy_steps),
+                "measured_over_predicted": {name: round(v, 3) for name, v in self.calibration.scale.items()},
                 "layers_streamed": 0 if self.streamer is None else self.streamer.layers_streamed,
                 "bytes_streamed": 0 if self.streamer is None else self.streamer.bytes_copied,
             },

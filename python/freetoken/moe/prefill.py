@@ -19,11 +19,16 @@ token: 2 per weight):
     cpu:    M·S / B_cpu(b) + t_gpu + t_sync   b = T·k / D tokens per expert; past the profile's largest batch the
             CPU is compute-bound, so bytes/s falls as b_max / b
     hybrid: M·S / (B_pcie + B_cpu(b)) + t_gpu + t_sync   both miss paths end together at q* (the planner's split)
+The model leaves out what it cannot see (per-copy call costs, the CPU kernels' speed on uneven routing, attention),
+so each chunk's wall time is measured against its prediction and the ratio's running average per strategy
+(`Calibration`) scales that strategy's later predictions.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import time
 
 import numpy as np
 import torch
@@ -88,11 +93,78 @@ class PrefillCosts:
         return miss_bytes / (self.pcie_bytes_per_s + cpu) + gpu + SYNC_SECONDS
 
 
-def choose_strategy(costs: PrefillCosts, num_tokens: int, candidates: list[str]) -> str:
-    """The cheapest of `candidates` for a chunk of `num_tokens` (ties: the first); "stream" only for chunks of
-    more than a decode batch (`MIN_STREAM_TOKENS`)."""
+def choose_strategy(
+    costs: PrefillCosts, num_tokens: int, candidates: list[str], scale: dict[str, float] | None = None
+) -> str:
+    """The cheapest of `candidates` for a chunk of `num_tokens` (ties: the first), each prediction times its
+    `scale` (measured / predicted, `Calibration`); "stream" only for chunks of more than a decode batch
+    (`MIN_STREAM_TOKENS`)."""
     usable = [c for c in candidates if c != "stream" or num_tokens >= MIN_STREAM_TOKENS] or candidates[-1:]
-    return min(usable, key=lambda c: costs.seconds(c, num_tokens))
+    scale = scale or {}
+    return min(usable, key=lambda c: costs.seconds(c, num_tokens) * scale.get(c, 1.0))
+
+
+class Calibration:
+    """Running average, per strategy, of a prefill chunk's measured time over the cost model's prediction.
+
+    `start` and `end` bracket a chunk's forward pass with CUDA events (perf_counter on the CPU device); `poll`
+    reads a finished one without waiting. Each sample moves the strategy's scale by `alpha` towards
+    measured / predicted, bounded to [`min_scale`, `max_scale`].
+
+    Args:
+        cuda: time with CUDA events on the current stream.
+        alpha: weight of a new sample (chunks are few, so it is large).
+    """
+
+    def __init__(self, cuda: bool, alpha: float = 0.3, min_scale: float = 0.25, max_scale: float = 8.0) -> None:
+        self.cuda, self.alpha, self.min_scale, self.max_scale = cuda, alpha, min_scale, max_scale
+        self.scale = {name: 1.0 for name in ("stream", *DEMAND_MODES)}
+        self.samples = {name: 0 for name in self.scale}
+        self._pending: tuple | None = None  # (strategy, predicted seconds, start, end or None)
+
+    def start(self, strategy: str, predicted_s: float) -> None:
+        """A chunk run with `strategy`, predicted to take `predicted_s`, starts now."""
+        self.poll()
+        if self._pending is not None:  # the last one has not finished: skip this one
+            return
+        if self.cuda:
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
+        else:
+            begin = time.perf_counter()
+        self._pending = (strategy, predicted_s, begin, None)
+
+    def end(self) -> None:
+        """The chunk's last MoE layer is queued."""
+        if self._pending is None or self._pending[3] is not None:
+            return
+        if self.cuda:
+            stop = torch.cuda.Event(enable_timing=True)
+            stop.record()
+        else:
+            stop = time.perf_counter()
+        self._pending = (*self._pending[:3], stop)
+        if not self.cuda:
+            self.poll()
+
+    def poll(self) -> None:
+        """Fold in the pending chunk if it has finished."""
+        if self._pending is None or self._pending[3] is None:
+            return
+        strategy, predicted, begin, stop = self._pending
+        if self.cuda:
+            if not stop.query():
+                return
+            seconds = begin.elapsed_time(stop) / 1e3
+        else:
+            seconds = stop - begin
+        self._pending = None
+        if predicted <= 0:
+            return
+        ratio = min(max(seconds / predicted, self.min_scale), self.max_scale)
+        old = self.scale[strategy]
+        self.scale[strategy] = ratio if self.samples[strategy] == 0 else old + self.alpha * (ratio - old)
+        self.samples[strategy] += 1
 
 
 def measure_gpu_flops(device: torch.device, tokens: int = 4096, hidden: int = 2048, inter: int = 1536) -> float:

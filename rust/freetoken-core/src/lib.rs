@@ -13,6 +13,7 @@
 //! buffer ([`cache`]); *layer* in this crate = pool layer, an index into the pool's MoE layers.
 #![deny(missing_docs)]
 
+pub mod align;
 pub mod bf16;
 pub mod cache;
 pub mod cpu;

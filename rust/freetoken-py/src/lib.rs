@@ -23,6 +23,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<cpu::PyCpuExperts>()?;
     m.add_class::<trace::PyTraceWriter>()?;
     m.add_function(wrap_pyfunction!(cpu::supported_isas, m)?)?;
+    m.add_function(wrap_pyfunction!(planner::aligned_len, m)?)?;
+    m.add_function(wrap_pyfunction!(planner::align_slots, m)?)?;
     m.add_function(wrap_pyfunction!(trace::read_trace, m)?)?;
     m.add_function(wrap_pyfunction!(trace::simulate_trace, m)?)?;
     m.add_function(wrap_pyfunction!(trace::synthetic_trace, m)?)?;

@@ -243,3 +243,44 @@ impl PyPlanner {
         lock(&self.inner).config().num_experts
     }
 }
+
+/// Rows and tiles of the kernel's aligned layout for `num_pairs` pairs: `(num_rows, num_tiles)`.
+#[pyfunction]
+pub fn aligned_len(num_pairs: usize, num_experts: usize, block_m: usize) -> PyResult<(usize, usize)> {
+    if block_m == 0 {
+        return Err(invalid("block_m must be >= 1"));
+    }
+    Ok(freetoken_core::align::aligned_len(num_pairs, num_experts, block_m))
+}
+
+/// Writes `[slot ids (T*k) | sorted_pairs (num_rows) | tile_expert (num_tiles)]` as int64 into the
+/// front of `out` (a C-contiguous int64 array, e.g. a pinned staging buffer) and returns
+/// `(num_rows, num_tiles)`; see `freetoken_core::align::align_pairs`.
+#[pyfunction]
+pub fn align_slots(
+    topk_slots: &Bound<'_, PyAny>,
+    num_experts: usize,
+    block_m: usize,
+    out: &Bound<'_, PyAny>,
+) -> PyResult<(usize, usize)> {
+    let (ids, _) = int_array(topk_slots, "topk_slots")?;
+    let (rows, tiles) = aligned_len(ids.len(), num_experts, block_m)?;
+    if let Some(bad) = ids.iter().find(|&&id| id >= num_experts as i64) {
+        return Err(invalid(format!("slot id {bad} out of range for {num_experts} rows")));
+    }
+    let out = out.cast::<numpy::PyArrayDyn<i64>>().map_err(|_| {
+        invalid(format!("out must be a writable int64 numpy array, got {}", crate::arrays::describe(out)))
+    })?;
+    let mut out = out.try_readwrite().map_err(|e| invalid(format!("out: {e}")))?;
+    let out = out
+        .as_slice_mut()
+        .map_err(|e| invalid(format!("out must be C-contiguous: {e}")))?;
+    let n = ids.len();
+    if out.len() < n + rows + tiles {
+        return Err(invalid(format!("out holds {} values, {} needed", out.len(), n + rows + tiles)));
+    }
+    out[..n].copy_from_slice(&ids);
+    let (pairs, rest) = out[n..].split_at_mut(rows);
+    freetoken_core::align::align_pairs(&ids, num_experts, block_m, pairs, &mut rest[..tiles]);
+    Ok((rows, tiles))
+}
