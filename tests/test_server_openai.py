@@ -443,6 +443,32 @@ def test_response_format_json_object(openai_client):
         assert response.usage.completion_tokens == 24
 
 
+def test_response_format_with_tools(openai_client, http):
+    """Tools offered with a response format: the reply is the JSON or tool calls whose arguments match the
+    tool's schema (the demo model takes either, by seed), never anything else."""
+    parameters = {"type": "object", "properties": {"cmd": {"type": "string", "maxLength": 8}}, "required": ["cmd"],
+                  "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "shell", "parameters": parameters}}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "card", "schema": CARD_SCHEMA}}
+    response = openai_client.chat.completions.create(
+        model="m", messages=HELLO, max_tokens=200, response_format=fmt, tools=tools, extra_body=NO_THINKING,
+        temperature=1.0, seed=2, n=4,
+    )
+    for choice in response.choices:
+        if choice.finish_reason == "tool_calls":
+            assert not choice.message.content
+            for call in choice.message.tool_calls:
+                assert call.function.name == "shell"
+                jsonschema.validate(json.loads(call.function.arguments), parameters)
+        else:
+            assert choice.finish_reason == "stop", choice
+            jsonschema.validate(json.loads(choice.message.content), CARD_SCHEMA)
+    bad_tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]
+    bad = http.post("/v1/chat/completions", json={"model": "m", "messages": HELLO, "max_tokens": 4, "tools": bad_tools,
+                                                  "response_format": {"type": "json_object"}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools", bad.text
+
+
 def test_response_format_errors(http):
     def post(response_format, **extra):
         return http.post("/v1/chat/completions", json={"model": "m", "messages": HELLO, "max_tokens": 4,

@@ -149,3 +149,46 @@ def test_error_state_allows_only_eos(grammars):
     assert matcher.matcher.is_error()
     masked = apply_grammar_masks(torch.zeros(1, backend.vocab_size), [matcher])
     assert set(torch.nonzero(torch.isfinite(masked[0])).flatten().tolist()) == set(backend.eos_token_ids)
+
+
+SHELL_TOOL = {"type": "function", "function": {"name": "shell", "parameters": {
+    "type": "object", "properties": {"cmd": {"type": "string", "maxLength": 8}}, "required": ["cmd"],
+    "additionalProperties": False}}}
+
+
+def test_tool_calls_or_answer(grammars):
+    """With tools offered, the output is the JSON answer or Qwen3 tool calls whose arguments match the tool's
+    schema; the first token is pushed towards ``<tool_call>`` in one run and away in the other, so both branches
+    are taken."""
+    from freetoken.server.parsers import ParserOptions, parse_text
+    from freetoken.server.parsers.qwen3 import TOOL_OPEN, Qwen3Parser
+
+    backend, tokenizer = grammars
+    options = ParserOptions(prompt_text="<think>\n\n</think>\n\n", parse_tools=True)
+    grammar = json_grammar(SCHEMA, Qwen3Parser(options).reasoning_grammar(),
+                           Qwen3Parser(options).tool_calls_grammar([SHELL_TOOL]))
+    tool_open = tokenizer.token_to_id(TOOL_OPEN)
+    for push_call in (False, True):
+        matcher = backend.matcher(grammar)
+        gen = torch.Generator().manual_seed(4)
+        tokens: list[int] = []
+        for _ in range(300):
+            logits = torch.randn(1, backend.vocab_size, generator=gen) * 4
+            if not tokens:
+                logits[0, tool_open] += 100 if push_call else -100
+            (token,), _ = sample_with_logprobs(logits, [SamplingParams(seed=1, grammar=matcher)],
+                                               [torch.Generator().manual_seed(len(tokens))])
+            if token in backend.eos_token_ids:
+                break
+            tokens.append(token)
+        else:
+            pytest.fail("no EOS within 300 tokens")
+        output = parse_text(Qwen3Parser(options), tokenizer.decode(tokens))
+        if push_call:
+            assert output.tool_calls and not output.content.strip(), output
+            for call in output.tool_calls:
+                assert call.name == "shell"
+                jsonschema.validate(json.loads(call.arguments), SHELL_TOOL["function"]["parameters"])
+        else:
+            assert not output.tool_calls
+            jsonschema.validate(json.loads(output.content), SCHEMA)

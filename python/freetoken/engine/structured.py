@@ -38,20 +38,27 @@ class GrammarError(ValueError):
     """A grammar or JSON schema llguidance cannot compile; the message says what is wrong."""
 
 
-def json_grammar(schema: dict[str, Any], reasoning_prefix: str = "") -> str:
+def json_expression(schema: dict[str, Any]) -> str:
+    """A Lark expression (llguidance's ``%json``) for one JSON value matching `schema`, in this module's compact
+    form (an ``x-guidance`` key in the schema is replaced by it)."""
+    return f"%json {json.dumps({**schema, 'x-guidance': _JSON_OPTIONS}, ensure_ascii=False)}"
+
+
+def json_grammar(schema: dict[str, Any], reasoning_prefix: str = "", tool_calls: str = "") -> str:
     """A Lark grammar (llguidance's dialect) for one JSON value matching `schema`.
 
     Args:
-        schema: a JSON schema (``{"type": "object"}`` for any object). An ``x-guidance`` key in it is replaced
-            by this module's JSON options.
+        schema: a JSON schema (``{"type": "object"}`` for any object).
         reasoning_prefix: a Lark expression for what may come before the JSON (a model's reasoning block,
             see `OutputParser.reasoning_grammar`), or "".
+        tool_calls: a Lark expression for tool calls the model may make instead of answering (see
+            `OutputParser.tool_calls_grammar`), or "".
 
     Returns:
         The grammar text, for `GrammarBackend.matcher`.
     """
-    schema = {**schema, "x-guidance": _JSON_OPTIONS}
-    return f"start: {reasoning_prefix} answer\nanswer: %json {json.dumps(schema, ensure_ascii=False)}\n"
+    body = f"answer | {tool_calls}" if tool_calls else "answer"
+    return f"start: {reasoning_prefix} reply\nreply: {body}\nanswer: {json_expression(schema)}\n"
 
 
 class GrammarMatcher:

@@ -186,16 +186,19 @@ class JsonFormat:
     param: str
 
 
-async def format_grammar(engine: Any, fmt: JsonFormat, plan: OutputPlan) -> GrammarMatcher:
+async def format_grammar(
+    engine: Any, fmt: JsonFormat, plan: OutputPlan, tools: list[dict[str, Any]] | None = None
+) -> GrammarMatcher:
     """Compile `fmt` into a grammar matcher for one choice (`GrammarMatcher.fork` for more), off the event loop.
 
-    The grammar lets the model's reasoning block (its parser's `reasoning_grammar`) come first, then one JSON
-    value matching the schema, then EOS.
+    The grammar lets the model's reasoning block (its parser's `reasoning_grammar`) come first, then either one
+    JSON value matching the schema or, when `tools` are offered and parsed, tool calls in the family's markup
+    (`tool_calls_grammar`; their arguments then match the tools' parameter schemas), then EOS.
 
     Raises:
         ApiError: 400 naming `fmt.param` when the schema is invalid or uses what the grammar library does not
-            support; 400 on ``response_format`` when the model has no tokenizer; 400 when a tool call is forced
-            (its opening is already in the prompt, so the output cannot also be the JSON).
+            support (``tools`` when it is a tool's parameters); 400 on the format when the model has no
+            tokenizer; 400 on tool_choice when a tool call is forced (its opening is already in the prompt).
     """
     if engine.grammars is None:
         raise invalid_request(
@@ -209,16 +212,23 @@ async def format_grammar(engine: Any, fmt: JsonFormat, plan: OutputPlan) -> Gram
             "tool_choice",
         )
     parser, _ = plan.parser()
-    grammar = json_grammar(fmt.schema, parser.reasoning_grammar())
+    reasoning = parser.reasoning_grammar()
+    tool_calls = parser.tool_calls_grammar(tools) if tools and plan.options.parse_tools else ""
     try:
-        return await run_in_threadpool(engine.grammars.matcher, grammar)
+        return await run_in_threadpool(engine.grammars.matcher, json_grammar(fmt.schema, reasoning, tool_calls))
     except GrammarError as exc:
-        # llguidance's first line says what is wrong; it starts with a position in the generated grammar text,
-        # which means nothing to the client, and goes on with that text.
-        detail = re.sub(r"^at \d+\(\d+\): ", "", str(exc).strip().splitlines()[0])
-        raise invalid_request(
-            ErrorCode.INVALID_VALUE, f"{fmt.param} is not a JSON schema this server can enforce: {detail}", fmt.param
-        ) from None
+        error, param = exc, fmt.param
+    if tool_calls:  # whose schema is it? the format's alone decides
+        try:
+            await run_in_threadpool(engine.grammars.matcher, json_grammar(fmt.schema, reasoning))
+            param = "tools"
+        except GrammarError as exc:
+            error = exc
+    # llguidance's first line says what is wrong; it starts with a position in the generated grammar text, which
+    # means nothing to the client, and goes on with that text.
+    detail = re.sub(r"^at \d+\(\d+\): ", "", str(error).strip().splitlines()[0])
+    what = "a tool's parameters are not a JSON schema" if param == "tools" else f"{param} is not a JSON schema"
+    raise invalid_request(ErrorCode.INVALID_VALUE, f"{what} this server can enforce: {detail}", param)
 
 
 def fit_context(

@@ -11,8 +11,9 @@ Accepted and ignored for now: parallel_tool_calls, frequency/presence_penalty, u
 (`freetoken.engine.structured`): the content is one compact JSON value matching the schema (an object for
 json_object), after the model's reasoning when it thinks, and the request ends when it is complete (or is cut
 by max_tokens: finish_reason length). A system instruction with the schema is added to the prompt too, so the
-model knows what to write. A schema the grammar library cannot enforce is a 400 on
-``response_format.json_schema.schema``; a forced tool call with a response format is a 400.
+model knows what to write. With tools offered (tool_choice auto) the model may call them instead, and then the
+calls' arguments match the tools' parameter schemas. A schema the grammar library cannot enforce is a 400 on
+``response_format.json_schema.schema`` (or ``tools``); a forced tool call with a response format is a 400.
 ``logprobs: true`` with ``top_logprobs`` (0..20) gives ``choices[i].logprobs.content`` (per chunk when
 streaming; see `freetoken.server.logprobs` for the values, ``token`` and ``bytes``); ``top_logprobs``
 without ``logprobs: true`` is a 400.
@@ -549,7 +550,7 @@ async def chat_completions(request: Request) -> Response:
         len(prompt_ids), sampling.max_tokens, engine.max_model_len, max_tokens_param=sampling.max_tokens_param
     )
     if chat.response_format is not None:
-        sampling.params.grammar = await format_grammar(engine, chat.response_format, plan)
+        sampling.params.grammar = await format_grammar(engine, chat.response_format, plan, tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = state.served_model_name

@@ -468,7 +468,7 @@ async def responses(request: Request) -> Response:
         messages_param="input",
     )
     if response_format is not None:
-        params.grammar = await format_grammar(engine, response_format[1], plan)
+        params.grammar = await format_grammar(engine, response_format[1], plan, offered)
     response = _Response(body, state.served_model_name, params)
     conversation = [*history, *input_items(body)]
 

@@ -100,6 +100,12 @@ class OutputParser(Protocol):
         before any `feed`."""
         ...
 
+    def tool_calls_grammar(self, tools: list[dict[str, Any]]) -> str:
+        """A Lark expression for one or more calls of `tools` (chat template format, each with its parameters'
+        schema) in this family's markup, "" when it has none: a constrained output may be tool calls instead
+        of the answer, their arguments matching the tools' schemas."""
+        ...
+
 
 @dataclass(frozen=True)
 class ParserOptions:
@@ -134,6 +140,11 @@ class PlainTextParser:
 
     def reasoning_grammar(self) -> str:
         """No markup for reasoning is known."""
+        return ""
+
+    def tool_calls_grammar(self, tools: list[dict[str, Any]]) -> str:
+        """No markup for tool calls is known."""
+        del tools
         return ""
 
 

@@ -31,6 +31,7 @@ import json
 import re
 from typing import Any
 
+from freetoken.engine.structured import json_expression
 from freetoken.server.parsers import (
     ParsedDelta,
     ParserFamily,
@@ -179,6 +180,24 @@ class Qwen3Parser:
         if self._thinking_off:
             return ""
         return f"({THINK_OPEN} {body})?"
+
+    def tool_calls_grammar(self, tools: list[dict[str, Any]]) -> str:
+        """Calls as the template shows them, one ``<tool_call>`` block each: a newline, the call's JSON (the
+        name one of `tools`, the arguments its parameters' schema), a newline, the closing tag."""
+        calls = [
+            {
+                "type": "object",
+                "properties": {
+                    "name": {"const": tool["function"]["name"]},
+                    "arguments": tool["function"].get("parameters") or {"type": "object"},
+                },
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for tool in tools
+        ]
+        call = f'{TOOL_OPEN} "\\n" {json_expression({"anyOf": calls})} "\\n" {TOOL_CLOSE}'
+        return f'({call} /\\n?/)+'
 
     def _emit(self, out: ParsedDelta, text: str) -> None:
         if self._mode == _REASONING:
