@@ -139,7 +139,8 @@ def test_unreadable_profile(tmp_path, caplog):
 
 def test_q_star_and_verdict():
     assert prof.q_star(50e9, {1: 50e9, 16: 25e9}, 1) == pytest.approx(0.5)
-    assert prof.q_star(50e9, {1: 50e9, 16: 25e9}, 32) == pytest.approx(1 / 3)  # clamped beyond the last point
+    # Beyond the last point the CPU is compute-bound: B_cpu(32) = 25e9 * 16 / 32.
+    assert prof.q_star(50e9, {1: 50e9, 16: 25e9}, 32) == pytest.approx(12.5 / 62.5)
     assert prof.verdict(54e9, {1: 49e9}) == ("hybrid", pytest.approx(49 / 103))
     assert prof.verdict(54e9, {1: 5e9})[0] == "offload"  # q* 0.085 < 0.15
 

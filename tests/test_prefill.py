@@ -104,7 +104,8 @@ def test_streaming_leaves_the_slot_cache_as_it_was(bf16_checkpoint):  # noqa: F8
     assert [backend.planner.layer_slots(layer).tolist() for layer in range(pool.num_layers)] == before
     absent = pool.num_layers * pool.num_experts - resident
     assert backend.stats()["prefill"]["bytes_streamed"] == absent * pool.expert_nbytes
-    assert backend.calibration.samples["stream"] == 1  # the chunk was timed against its prediction
+    # The chunk was timed against its prediction.
+    assert backend.calibration.samples[("stream", backend.calibration.size_class(len(prompt)))] == 1
 
 
 def _costs(resident: float = 30.0, cpu: bool = True) -> PrefillCosts:
@@ -141,18 +142,22 @@ def test_cost_model_streams_long_chunks_and_serves_short_extends_on_demand():
 
 
 def test_measured_chunks_recalibrate_the_choice():
-    """A strategy whose chunks run slower than predicted loses to the other: the scale is measured / predicted."""
+    """A strategy whose chunks run slower than predicted loses to the other at that chunk size: the scale is
+    measured / predicted, per size class."""
     costs = _costs()
     assert choose_strategy(costs, 128, ["stream", "hybrid"]) == "hybrid"
     calibration = Calibration(cuda=False)
-    calibration.start("hybrid", predicted_s=1e-6)
+    calibration.start("hybrid", 128, predicted_s=1e-6)
     time.sleep(0.01)
     calibration.end()  # the "chunk" took far longer than 1 us: the scale hits its bound
-    assert calibration.scale["hybrid"] == calibration.max_scale and calibration.samples["hybrid"] == 1
-    assert choose_strategy(costs, 128, ["stream", "hybrid"], calibration.scale) == "stream"
-    calibration.start("stream", predicted_s=1e3)
+    assert calibration.scale("hybrid", 128) == calibration.max_scale
+    assert calibration.samples[("hybrid", Calibration.size_class(128))] == 1
+    assert choose_strategy(costs, 128, ["stream", "hybrid"], calibration) == "stream"
+    assert calibration.scale("hybrid", 8192) == 1.0  # another size class: not measured yet
+    calibration.start("stream", 8192, predicted_s=1e3)
     calibration.end()
-    assert calibration.scale["stream"] == calibration.min_scale
+    assert calibration.scale("stream", 8192) == calibration.min_scale
+    assert calibration.stats() == {"hybrid": {"tokens>=64": 8.0}, "stream": {"tokens>=4096": 0.25}}
 
 
 def test_budget_makes_room_for_layer_buffers_or_says_why_not(monkeypatch, caplog):

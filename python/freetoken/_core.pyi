@@ -329,7 +329,8 @@ class Planner:
             capacity: expert_cache slots.
             policy: Slot replacement policy.
             pcie_bytes_per_s: ``B_pcie``, host -> device expert copy bandwidth (bytes/s).
-            cpu_bytes_per_s: ``B_cpu(b)`` as ``{batch: weight bytes/s}``; linear between points.
+            cpu_bytes_per_s: ``B_cpu(b)`` as ``{batch: weight bytes/s}``; linear between points, the first
+                value below them, falling as ``b_max / b`` above the largest (compute-bound).
                 Both bandwidths are needed by the ``hybrid`` backend.
             reuse_weight: Weight of the future-hit credit of a fill (0 = pure q*).
             reuse_decay: Per-layer-step decay of ``p_e``, in ``[0, 1)``.

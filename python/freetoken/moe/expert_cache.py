@@ -239,9 +239,10 @@ class ExpertCacheBackend:
             self.strategy = self.prefill_strategy
         else:
             candidates = (["stream"] if self.streamer is not None else []) + [self.demand]
-            self.strategy = choose_strategy(costs, num_tokens, candidates, self.calibration.scale)
+            self.strategy = choose_strategy(costs, num_tokens, candidates, self.calibration)
         self.strategy_steps[self.strategy] += 1
-        self.calibration.start(self.strategy, costs.seconds(self.strategy, num_tokens) * self.pool.num_layers)
+        predicted = costs.seconds(self.strategy, num_tokens) * self.pool.num_layers
+        self.calibration.start(self.strategy, num_tokens, predicted)
 
     def prefill_costs(self, top_k: int) -> PrefillCosts:
         """The cost model's inputs now: residency, and the refined bandwidths (a nominal PCIe rate without a
@@ -472,7 +473,7 @@ class ExpertCacheBackend:
                 "strategy": self.prefill_strategy,
                 "layer_buffers": 0 if self.streamer is None else self.streamer.num_buffers,
                 "steps_by_strategy": dict(self.strategy_steps),
-                "measured_over_predicted": {name: round(v, 3) for name, v in self.calibration.scale.items()},
+                "measured_over_predicted": self.calibration.stats(),
                 "layers_streamed": 0 if self.streamer is None else self.streamer.layers_streamed,
                 "bytes_streamed": 0 if self.streamer is None else self.streamer.bytes_copied,
             },

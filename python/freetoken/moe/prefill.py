@@ -16,12 +16,12 @@ token: 2 per weight):
     fill:   M·S / B_pcie + t_gpu + t_sync   M = D·N/E misses among D = E·(1 - (1 - k/E)^T) routed experts
             (uniform routing, an upper bound for real, skewed routers); copies start after the routing is on
             the host (one sync) and the kernel waits for them
-    cpu:    M·S / B_cpu(b) + t_gpu + t_sync   b = T·k / D tokens per expert; past the profile's largest batch the
-            CPU is compute-bound, so bytes/s falls as b_max / b
+    cpu:    M·S / B_cpu(b) + t_gpu + t_sync   b = T·k / D tokens per expert (`interpolate`: past the profile's
+            largest batch the CPU is compute-bound, so bytes/s falls as b_max / b)
     hybrid: M·S / (B_pcie + B_cpu(b)) + t_gpu + t_sync   both miss paths end together at q* (the planner's split)
 The model leaves out what it cannot see (per-copy call costs, the CPU kernels' speed on uneven routing, attention),
-so each chunk's wall time is measured against its prediction and the ratio's running average per strategy
-(`Calibration`) scales that strategy's later predictions.
+so each chunk's wall time is measured against its prediction and the ratio's running average per strategy and
+chunk size class (`Calibration`) scales that strategy's later predictions at that size.
 """
 
 from __future__ import annotations
@@ -85,31 +85,34 @@ class PrefillCosts:
             return miss_bytes / self.pcie_bytes_per_s + gpu + SYNC_SECONDS
         if not self.cpu_bytes_per_s:
             return float("inf")
-        per_expert = num_tokens * self.top_k / max(routed, 1.0)
-        b_max = max(self.cpu_bytes_per_s)
-        cpu = interpolate(self.cpu_bytes_per_s, min(per_expert, b_max)) * min(1.0, b_max / per_expert)
+        cpu = interpolate(self.cpu_bytes_per_s, num_tokens * self.top_k / max(routed, 1.0))
         if strategy == "cpu":
             return miss_bytes / cpu + gpu + SYNC_SECONDS
         return miss_bytes / (self.pcie_bytes_per_s + cpu) + gpu + SYNC_SECONDS
 
 
 def choose_strategy(
-    costs: PrefillCosts, num_tokens: int, candidates: list[str], scale: dict[str, float] | None = None
+    costs: PrefillCosts, num_tokens: int, candidates: list[str], calibration: Calibration | None = None
 ) -> str:
     """The cheapest of `candidates` for a chunk of `num_tokens` (ties: the first), each prediction times its
-    `scale` (measured / predicted, `Calibration`); "stream" only for chunks of more than a decode batch
-    (`MIN_STREAM_TOKENS`)."""
+    measured / predicted scale at this size (`Calibration`); "stream" only for chunks of more than a decode
+    batch (`MIN_STREAM_TOKENS`)."""
     usable = [c for c in candidates if c != "stream" or num_tokens >= MIN_STREAM_TOKENS] or candidates[-1:]
-    scale = scale or {}
-    return min(usable, key=lambda c: costs.seconds(c, num_tokens) * scale.get(c, 1.0))
+
+    def price(c: str) -> float:
+        return costs.seconds(c, num_tokens) * (calibration.scale(c, num_tokens) if calibration else 1.0)
+
+    return min(usable, key=price)
 
 
 class Calibration:
-    """Running average, per strategy, of a prefill chunk's measured time over the cost model's prediction.
+    """Running average, per strategy and chunk size class, of a prefill chunk's measured time over the cost
+    model's prediction.
 
     `start` and `end` bracket a chunk's forward pass with CUDA events (perf_counter on the CPU device); `poll`
-    reads a finished one without waiting. Each sample moves the strategy's scale by `alpha` towards
-    measured / predicted, bounded to [`min_scale`, `max_scale`].
+    reads a finished one without waiting. Each sample moves its (strategy, class) scale by `alpha` towards
+    measured / predicted, bounded to [`min_scale`, `max_scale`]. Classes are powers of 4 of the chunk's tokens
+    (what the model misses differs between a 64-token extend and an 8192-token chunk).
 
     Args:
         cuda: time with CUDA events on the current stream.
@@ -118,12 +121,21 @@ class Calibration:
 
     def __init__(self, cuda: bool, alpha: float = 0.3, min_scale: float = 0.25, max_scale: float = 8.0) -> None:
         self.cuda, self.alpha, self.min_scale, self.max_scale = cuda, alpha, min_scale, max_scale
-        self.scale = {name: 1.0 for name in ("stream", *DEMAND_MODES)}
-        self.samples = {name: 0 for name in self.scale}
-        self._pending: tuple | None = None  # (strategy, predicted seconds, start, end or None)
+        self.scales: dict[tuple[str, int], float] = {}
+        self.samples: dict[tuple[str, int], int] = {}
+        self._pending: tuple | None = None  # ((strategy, class), predicted seconds, start, end or None)
 
-    def start(self, strategy: str, predicted_s: float) -> None:
-        """A chunk run with `strategy`, predicted to take `predicted_s`, starts now."""
+    @staticmethod
+    def size_class(num_tokens: int) -> int:
+        """floor(log4(num_tokens))."""
+        return (max(num_tokens, 1).bit_length() - 1) // 2
+
+    def scale(self, strategy: str, num_tokens: int) -> float:
+        """Measured / predicted for `strategy` at chunks of this size (1.0 before any sample)."""
+        return self.scales.get((strategy, self.size_class(num_tokens)), 1.0)
+
+    def start(self, strategy: str, num_tokens: int, predicted_s: float) -> None:
+        """A chunk of `num_tokens` run with `strategy`, predicted to take `predicted_s`, starts now."""
         self.poll()
         if self._pending is not None:  # the last one has not finished: skip this one
             return
@@ -132,7 +144,7 @@ class Calibration:
             begin.record()
         else:
             begin = time.perf_counter()
-        self._pending = (strategy, predicted_s, begin, None)
+        self._pending = ((strategy, self.size_class(num_tokens)), predicted_s, begin, None)
 
     def end(self) -> None:
         """The chunk's last MoE layer is queued."""
@@ -151,7 +163,7 @@ class Calibration:
         """Fold in the pending chunk if it has finished."""
         if self._pending is None or self._pending[3] is None:
             return
-        strategy, predicted, begin, stop = self._pending
+        key, predicted, begin, stop = self._pending
         if self.cuda:
             if not stop.query():
                 return
@@ -162,9 +174,16 @@ class Calibration:
         if predicted <= 0:
             return
         ratio = min(max(seconds / predicted, self.min_scale), self.max_scale)
-        old = self.scale[strategy]
-        self.scale[strategy] = ratio if self.samples[strategy] == 0 else old + self.alpha * (ratio - old)
-        self.samples[strategy] += 1
+        old = self.scales.get(key)
+        self.scales[key] = ratio if old is None else old + self.alpha * (ratio - old)
+        self.samples[key] = self.samples.get(key, 0) + 1
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """{strategy: {"tokens>=4^c": scale}}, JSON-able."""
+        out: dict[str, dict[str, float]] = {}
+        for (strategy, size), value in sorted(self.scales.items()):
+            out.setdefault(strategy, {})[f"tokens>={4**size}"] = round(value, 3)
+        return out
 
 
 def measure_gpu_flops(device: torch.device, tokens: int = 4096, hidden: int = 2048, inter: int = 1536) -> float:

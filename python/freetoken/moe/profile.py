@@ -165,15 +165,19 @@ def read_profile(path: Path, now_s: float | None = None) -> dict[str, Any]:
 
 
 def q_star(pcie_bytes_per_s: float, cpu_bytes_per_s: dict[int, float], batch: float) -> float:
-    """q* = B_cpu(b) / (B_cpu(b) + B_pcie), B_cpu linear between batch points and clamped outside (as the
-    Rust planner does), without the planner's future-hit credit."""
+    """q* = B_cpu(b) / (B_cpu(b) + B_pcie), B_cpu by `interpolate` (as the Rust planner does), without the
+    planner's future-hit credit."""
     cpu = interpolate(cpu_bytes_per_s, batch)
     return cpu / (cpu + pcie_bytes_per_s)
 
 
 def interpolate(curve: dict[int, float], batch: float) -> float:
-    """`curve` at `batch`: linear between points, clamped outside (the Rust planner's rule)."""
+    """`curve` (bytes/s by tokens per expert) at `batch`: linear between points, the first value below them, and
+    `curve[b_max] * b_max / batch` above the largest (compute-bound: constant time per token and expert), the Rust
+    planner's rule (`BandwidthProfile::cpu_at`)."""
     points = sorted(curve)
+    if batch > points[-1]:
+        return curve[points[-1]] * points[-1] / batch
     return float(np.interp(batch, points, [curve[b] for b in points]))
 
 

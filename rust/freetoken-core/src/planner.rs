@@ -61,7 +61,8 @@ pub struct BandwidthProfile {
     /// Host -> device expert copy bandwidth, bytes/s.
     pub pcie_bytes_per_s: f64,
     /// CPU expert kernel throughput in weight bytes/s at each batch size: `(batch, bytes/s)`,
-    /// sorted by batch; linear interpolation between points, clamped outside.
+    /// sorted by batch; linear interpolation between points, the first point's value below them,
+    /// and `B(b_max) · b_max / b` above the largest (see [`BandwidthProfile::cpu_at`]).
     pub cpu_bytes_per_s: Vec<(f64, f64)>,
 }
 
@@ -87,7 +88,10 @@ impl BandwidthProfile {
         })
     }
 
-    /// `B_cpu(b)`, bytes/s.
+    /// `B_cpu(b)`, bytes/s. Above the largest measured batch `b_max` the kernels are compute-bound
+    /// (a prefill chunk gives each expert hundreds of tokens): the time per (token, expert) stays
+    /// that of `b_max`, so weight bytes/s fall as `b_max / b`. Clamping there instead would send a
+    /// long chunk's experts to the CPU at memory speed, many times slower than planned.
     pub fn cpu_at(&self, b: f64) -> f64 {
         let p = &self.cpu_bytes_per_s;
         if b <= p[0].0 {
@@ -99,7 +103,8 @@ impl BandwidthProfile {
                 return w[0].1 + t * (w[1].1 - w[0].1);
             }
         }
-        p[p.len() - 1].1
+        let (b_max, v) = p[p.len() - 1];
+        v * b_max / b
     }
 
     /// `q* = B_cpu(b) / (B_cpu(b) + B_pcie · (1 + reuse_credit))`.
@@ -462,6 +467,8 @@ mod tests {
         let prof = BandwidthProfile::new(1e9, vec![(1.0, 1e9), (16.0, 4e9)]).unwrap();
         assert!((prof.q(1.0, 0.0) - 0.5).abs() < 1e-12);
         assert!((prof.cpu_at(8.5) - 2.5e9).abs() < 1.0);
+        assert!((prof.cpu_at(0.5) - 1e9).abs() < 1.0);
+        assert!((prof.cpu_at(64.0) - 1e9).abs() < 1.0); // compute-bound: 4e9 * 16 / 64
         let mut p = planner(16, Some(prof));
         let plan = p
             .plan(0, &[0, 1, 2, 3, 4, 5, 6, 7], 8, Backend::Hybrid)
