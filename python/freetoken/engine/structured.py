@@ -9,7 +9,9 @@ request ends exactly when its output is whole (or when it runs out of tokens).
 
 `GrammarBackend` holds the one llguidance tokenizer of the served model (its token trie; built on first use,
 about 2 s for Qwen3's 152k tokens) and compiles grammars into matchers. Grammars are Lark text (llguidance's
-dialect): `json_grammar` embeds a JSON schema, after an optional reasoning prefix of the model's family.
+dialect): `json_grammar` embeds a JSON schema, after an optional reasoning prefix of the model's family, with
+the family's tool calls as the alternative to the JSON when tools are offered (the parsers in
+`freetoken.server.parsers` write those pieces).
 
 Rows without a matcher cost nothing: `apply_grammar_masks` returns the logits untouched when no row has one.
 """
