@@ -17,19 +17,7 @@ from freetoken.engine.structured import (
     json_grammar,
 )
 from freetoken.engine.types import SamplingParams
-
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "ok": {"type": "boolean"},
-        "name": {"type": "string", "maxLength": 6},
-        "color": {"enum": ["red", "green", "blue"]},
-        "count": {"type": "integer", "minimum": 0, "maximum": 99},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
-    },
-    "required": ["ok", "name", "color", "count", "tags"],
-    "additionalProperties": False,
-}
+from test_server_openai import CARD_SCHEMA as SCHEMA
 
 
 @pytest.fixture(scope="module")

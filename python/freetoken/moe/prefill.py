@@ -139,25 +139,23 @@ class Calibration:
         self.poll()
         if self._pending is not None:  # the last one has not finished: skip this one
             return
-        if self.cuda:
-            begin = torch.cuda.Event(enable_timing=True)
-            begin.record()
-        else:
-            begin = time.perf_counter()
-        self._pending = ((strategy, self.size_class(num_tokens)), predicted_s, begin, None)
+        self._pending = ((strategy, self.size_class(num_tokens)), predicted_s, self._now(), None)
 
     def end(self) -> None:
         """The chunk's last MoE layer is queued."""
         if self._pending is None or self._pending[3] is not None:
             return
-        if self.cuda:
-            stop = torch.cuda.Event(enable_timing=True)
-            stop.record()
-        else:
-            stop = time.perf_counter()
-        self._pending = (*self._pending[:3], stop)
+        self._pending = (*self._pending[:3], self._now())
         if not self.cuda:
             self.poll()
+
+    def _now(self) -> torch.cuda.Event | float:
+        """A CUDA event recorded on the current stream, or perf_counter on the CPU device."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
     def poll(self) -> None:
         """Fold in the pending chunk if it has finished."""
