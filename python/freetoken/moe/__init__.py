@@ -100,13 +100,16 @@ def make_expert_backend(
         pool = ExpertPool.from_checkpoint(model_dir)
     num_slots, layer_buffers = plan_expert_slots(cfg, model_cfg, dtype, pool.expert_stride, name)
     log.info(
-        "expert cache (%s): %d slots x %.1f MB = %.2f GB, %.0f%% of the %.1f GB pool",
+        "expert cache (%s): %d slots x %.1f MB = %.2f GB, %.0f%% of the %.1f GB pool; prefill: %s",
         name,
         num_slots,
         pool.expert_stride / 1e6,
         num_slots * pool.expert_stride / 1e9,
         100 * num_slots / (pool.num_layers * pool.num_experts),
         pool.nbytes / 1e9,
+        f"{layer_buffers} layer buffer(s) for streaming, strategy {cfg.prefill_strategy}"
+        if layer_buffers
+        else f"on demand ({cfg.prefill_strategy})",
     )
     pcie_bytes_per_s, cpu_bytes_per_s = planner_bandwidths(profile) if profile is not None else (None, None)
     return ExpertCacheBackend(
