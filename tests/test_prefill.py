@@ -186,6 +186,23 @@ def test_budget_makes_room_for_layer_buffers_or_says_why_not(monkeypatch, caplog
                           stride, "offload")
 
 
+def test_budget_that_holds_the_whole_pool_takes_no_layer_buffers(monkeypatch):
+    """Under auto, a budget whose slots can hold every expert keeps them all resident rather than evicting some
+    for layer buffers that would have nothing to stream; a forced `stream` still gets its buffers."""
+    from freetoken.models.presets import preset_config_path
+
+    cfg = ModelConfig.from_dict(json.loads(preset_config_path("qwen3-30b-a3b").read_text()), source="preset")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (200e9, 200e9))
+    stride = 3 * 768 * 2048 * 2
+    num_experts = len(cfg.moe_layers) * cfg.num_experts
+    base = dict(device="cuda", dtype="bfloat16", kv_cache_gb=0.5, max_model_len=1024, gpu_memory_gb=65)
+    # 65 GB leaves room for the 58 GB pool, but not for it and two 1.2 GB layer buffers.
+    assert plan_expert_slots(EngineConfig(**base), cfg, torch.bfloat16, stride, "offload") == (num_experts, 0)
+    slots, buffers = plan_expert_slots(EngineConfig(prefill_strategy="stream", **base), cfg, torch.bfloat16, stride,
+                                       "offload")
+    assert buffers == 2 and slots < num_experts
+
+
 def test_bad_prefill_settings_are_refused(bf16_checkpoint):  # noqa: F811
     pool = ExpertPool.from_checkpoint(bf16_checkpoint)
     cpu = torch.device("cpu")
@@ -193,6 +210,8 @@ def test_bad_prefill_settings_are_refused(bf16_checkpoint):  # noqa: F811
         ExpertCacheBackend("offload", pool, cpu, 8, prefill_strategy="stream")
     with pytest.raises(ValueError, match="--prefill-strategy hybrid needs a bandwidth profile"):
         ExpertCacheBackend("offload", pool, cpu, 8, prefill_strategy="hybrid")
+    with pytest.raises(ValueError, match="needs the offload or hybrid backend: --moe-backend cpu"):
+        ExpertCacheBackend("cpu", pool, cpu, 0, prefill_strategy="stream")
     with pytest.raises(ValueError, match="--prefill-strategy fill needs expert slots"):
         ExpertCacheBackend("cpu", pool, cpu, 0, prefill_strategy="fill")
     with pytest.raises(ValueError, match="expected auto, stream"):

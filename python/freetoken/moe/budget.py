@@ -46,7 +46,8 @@ def plan_expert_slots(
 
     The layer buffers (`wanted_layer_buffers`, each a whole layer's experts) are taken before the slots when they
     leave at least as much for slots as they take; otherwise there are none, prefill fills on demand, and the log
-    says so (`--prefill-strategy stream` then raises). `--expert-slots` sets the slots; buffers come on top.
+    says so (`--prefill-strategy stream` then raises). Under `auto` there are none either when the whole pool fits
+    in slots (every expert resident: nothing to stream). `--expert-slots` sets the slots; buffers come on top.
     On a CPU device the "device" is host memory: the whole pool is cached unless `--expert-slots` says
     otherwise; `cpu` needs no slots at all.
 
@@ -72,6 +73,8 @@ def plan_expert_slots(
     kv = plan_kv_cache(model_cfg, cfg, dtype).nbytes
     activations = RESERVE_BYTES + ACTIVATION_TENSORS * cfg.max_prefill_tokens * model_cfg.hidden_size * 4
     left = budget - weights - kv - activations
+    if buffers and cfg.prefill_strategy != "stream" and left >= num_experts * expert_stride:
+        buffers = 0  # every expert fits in a slot: nothing would stream, and the buffers would evict experts
     if buffers and left - buffers * layer_nbytes < buffers * layer_nbytes:
         if cfg.prefill_strategy == "stream":
             raise ValueError(

@@ -213,6 +213,11 @@ class ExpertCacheBackend:
             raise ValueError(f"--prefill-strategy {strategy!r}: expected auto, stream, fill, cpu or hybrid")
         if layer_buffers not in (0, 1, 2):
             raise ValueError(f"layer buffers: 0, 1 or 2, got {layer_buffers}")
+        if strategy == "stream" and not layer_buffers and mode == "cpu":
+            raise ValueError(
+                "--prefill-strategy stream needs the offload or hybrid backend: --moe-backend cpu (what auto is on a "
+                "CPU device) keeps no layer buffers"
+            )
         if strategy == "stream" and not layer_buffers:
             raise ValueError("--prefill-strategy stream needs layer buffers, which the GPU budget does not leave")
         if strategy in ("fill", "hybrid") and num_slots < 1:
