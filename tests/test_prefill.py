@@ -158,6 +158,10 @@ def test_measured_chunks_recalibrate_the_choice():
     calibration.end()
     assert calibration.scale("stream", 8192) == calibration.min_scale
     assert calibration.stats() == {"hybrid": {"tokens>=64": 8.0}, "stream": {"tokens>=4096": 0.25}}
+    # A prediction of inf (the CPU path without a CPU profile) has no scale: no sample, not a ratio of 0.
+    calibration.start("cpu", 128, predicted_s=float("inf"))
+    calibration.end()
+    assert ("cpu", Calibration.size_class(128)) not in calibration.samples and "cpu" not in calibration.stats()
 
 
 def test_budget_makes_room_for_layer_buffers_or_says_why_not(monkeypatch, caplog):

@@ -169,7 +169,7 @@ class Calibration:
         else:
             seconds = stop - begin
         self._pending = None
-        if predicted <= 0:
+        if not 0 < predicted < float("inf"):  # nothing to scale (a CPU path without a CPU profile costs inf)
             return
         ratio = min(max(seconds / predicted, self.min_scale), self.max_scale)
         old = self.scales.get(key)
