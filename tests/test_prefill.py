@@ -162,6 +162,13 @@ def test_measured_chunks_recalibrate_the_choice():
     calibration.start("cpu", 128, predicted_s=float("inf"))
     calibration.end()
     assert ("cpu", Calibration.size_class(128)) not in calibration.samples and "cpu" not in calibration.stats()
+    # A chunk whose step failed before its last MoE layer (no `end`) does not block the samples after it.
+    calibration.start("fill", 128, predicted_s=1.0)
+    calibration.start("fill", 128, predicted_s=1e-6)
+    time.sleep(0.01)
+    calibration.end()
+    assert calibration.samples[("fill", Calibration.size_class(128))] == 1
+    assert calibration.scale("fill", 128) == calibration.max_scale
 
 
 def test_budget_makes_room_for_layer_buffers_or_says_why_not(monkeypatch, caplog):

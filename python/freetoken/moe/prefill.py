@@ -137,6 +137,8 @@ class Calibration:
     def start(self, strategy: str, num_tokens: int, predicted_s: float) -> None:
         """A chunk of `num_tokens` run with `strategy`, predicted to take `predicted_s`, starts now."""
         self.poll()
+        if self._pending is not None and self._pending[3] is None:
+            self._pending = None  # that chunk never reached its last MoE layer (its step failed): drop it
         if self._pending is not None:  # the last one has not finished: skip this one
             return
         self._pending = ((strategy, self.size_class(num_tokens)), predicted_s, self._now(), None)
