@@ -182,9 +182,9 @@ def main() -> None:
         model.attach_experts(backend)
         prefill(model, kv, 512)  # warm-up: kernels at these shapes
         for length in args.prompts:
-            before = backend.streamer.bytes_copied
+            before = backend.stats()["prefill"]["bytes_streamed"]
             times = prefill(model, kv, length)
-            streamed = backend.streamer.bytes_copied - before
+            streamed = backend.stats()["prefill"]["bytes_streamed"] - before
             full = times[: length // CHUNK] or times  # whole chunks (or the one short one)
             chunk_s = statistics.median(full)
             gpu_s = statistics.median(compute[length][: len(full)])
