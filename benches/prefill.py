@@ -27,7 +27,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from freetoken._core import CpuExperts, ExpertPool, read_trace, synthetic_trace
 from freetoken.bench.bandwidth import measure_cpu, measure_pcie
 from freetoken.config import EngineConfig, ModelConfig
@@ -38,8 +37,8 @@ from freetoken.models.presets import preset_config_path
 from freetoken.moe.budget import plan_expert_slots
 from freetoken.moe.compute import expert_views
 from freetoken.moe.expert_cache import ExpertCacheBackend
-from freetoken.moe.pinned import pin_host_memory
 from freetoken.moe.fused import FusedExperts
+from freetoken.moe.pinned import pin_host_memory
 
 CHUNK = 8192
 

@@ -11,8 +11,8 @@ Expert-cache backends sync with the host in every MoE layer (routing decides cop
 step is captured piecewise (as vLLM's piecewise CUDA graphs): one graph per span from one MoE layer's experts to
 the next one's router (residual add, attention, norms, router), and the routed experts run eagerly between
 replays on the real rows only. Each span ends by packing what the host needs (top-k ids, routing weights and the
-hidden states in float32) into one row per token of a device "mailbox", so one copy brings it all to pinned host
-memory; the next span adds both expert sums (slots and CPU) to the residual itself.
+hidden states in float32) into a device "mailbox", three blocks one after the other, so one copy brings it all to
+pinned host memory; the next span adds both expert sums (slots and CPU) to the residual itself.
 """
 
 from __future__ import annotations

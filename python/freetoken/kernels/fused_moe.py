@@ -115,7 +115,7 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
 
     Returns:
         sorted_pairs: [R] int64, pair index (token * k + j) of each row, `M * k` on padding rows;
-            R = M*k + min(M*k, E) * (block_m - 1) rounded up to block_m, an upper bound of the padded total.
+            R = M*k + min(M*k, E + 1) * (block_m - 1) rounded up to block_m, an upper bound of the padded total.
         block_expert: [R / block_m] int64, the expert of each M tile, -1 for tiles past the end.
     """
     # Skipped pairs go to one extra bucket, number num_experts, whose tiles are marked -1 below.

@@ -83,7 +83,11 @@ def make_expert_backend(
     shape = ExpertShape(model_cfg.hidden_size, model_cfg.moe_intermediate_size)
     name, profile = choose_backend(cfg.moe_backend, device, shape)
     if name == "fused":
+        if cfg.prefill_strategy != "auto" or cfg.no_prefill_overlap:
+            log.warning("--prefill-strategy / --no-prefill-overlap: ignored, --moe-backend fused keeps every expert")
         return FusedExperts()
+    if cfg.no_prefill_overlap and cfg.prefill_strategy in ("fill", "cpu", "hybrid"):
+        log.warning("--no-prefill-overlap: ignored, --prefill-strategy %s streams no layers", cfg.prefill_strategy)
     from freetoken._core import ExpertPool
     from freetoken.moe.expert_cache import ExpertCacheBackend
 

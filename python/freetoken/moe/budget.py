@@ -45,11 +45,11 @@ def plan_expert_slots(
     """(expert slots, prefill layer buffers) for the budget `cfg.gpu_memory_gb` (0: 90 % of free device memory).
 
     The layer buffers (`wanted_layer_buffers`, each a whole layer's experts) are taken before the slots when they
-    leave at least as much for slots as they take; otherwise there are none, prefill fills on demand, and the log
-    says so (`--prefill-strategy stream` then raises). Under `auto` there are none either when the whole pool fits
-    in slots (every expert resident: nothing to stream). `--expert-slots` sets the slots; buffers come on top.
-    On a CPU device the "device" is host memory: the whole pool is cached unless `--expert-slots` says
-    otherwise; `cpu` needs no slots at all.
+    leave at least as much for slots as they take; else one buffer (no overlap) when that does; else none, prefill
+    fills on demand (`--prefill-strategy stream` then raises); the log says which. Under `auto` there are none
+    either when the whole pool fits in slots (every expert resident: nothing to stream). `--expert-slots` sets the
+    slots; buffers come on top. On a CPU device the "device" is host memory: the whole pool is cached unless
+    `--expert-slots` says otherwise; `cpu` needs no slots at all.
 
     Raises:
         ValueError: the budget does not even hold the non-expert weights and the KV cache, or the layer buffers
@@ -63,10 +63,9 @@ def plan_expert_slots(
     layer_nbytes = model_cfg.num_experts * expert_stride
     if backend == "cpu":
         return 0, 0
-    if cfg.expert_slots:
-        return cfg.expert_slots, buffers
-    if device.type != "cuda":
-        return num_experts, buffers
+    if device.type != "cuda" or cfg.expert_slots:
+        slots = cfg.expert_slots or num_experts
+        return slots, 0 if cfg.prefill_strategy != "stream" and slots >= num_experts else buffers
     free, _total = torch.cuda.mem_get_info(device)
     budget = int(cfg.gpu_memory_gb * 1e9) if cfg.gpu_memory_gb else int(0.9 * free)
     weights = non_expert_nbytes(model_cfg, dtype)
@@ -75,15 +74,22 @@ def plan_expert_slots(
     left = budget - weights - kv - activations
     if buffers and cfg.prefill_strategy != "stream" and left >= num_experts * expert_stride:
         buffers = 0  # every expert fits in a slot: nothing would stream, and the buffers would evict experts
-    if buffers and left - buffers * layer_nbytes < buffers * layer_nbytes:
+    fits = lambda n: left - n * layer_nbytes >= n * layer_nbytes  # noqa: E731 (the slots keep as much)
+    if buffers == 2 and not fits(2) and fits(1):
+        log.warning(
+            "GPU budget: no room for 2 prefill layer buffers (%.2f GB each) beside the expert cache; one buffer, "
+            "so each layer's copy waits for the previous layer's compute", layer_nbytes / 1e9,
+        )
+        buffers = 1
+    if buffers and not fits(buffers):
         if cfg.prefill_strategy == "stream":
             raise ValueError(
-                f"--prefill-strategy stream: {buffers} layer buffer(s) of {layer_nbytes / 1e9:.2f} GB do not fit "
-                f"beside the expert cache in {left / 1e9:.1f} GB; raise --gpu-memory-gb or use --prefill-strategy auto"
+                f"--prefill-strategy stream: a layer buffer of {layer_nbytes / 1e9:.2f} GB does not fit beside "
+                f"the expert cache in {left / 1e9:.1f} GB; raise --gpu-memory-gb or use --prefill-strategy auto"
             )
         log.warning(
-            "GPU budget: no room for %d prefill layer buffers (%.2f GB each) beside the expert cache; "
-            "prefill fills the routed experts on demand", buffers, layer_nbytes / 1e9,
+            "GPU budget: no room for a prefill layer buffer (%.2f GB) beside the expert cache; "
+            "prefill fills the routed experts on demand", layer_nbytes / 1e9,
         )
         buffers = 0
     left -= buffers * layer_nbytes

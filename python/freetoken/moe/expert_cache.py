@@ -28,7 +28,6 @@ as it is) or one of the on-demand plans above.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections import deque
 
@@ -50,7 +49,6 @@ from freetoken.moe.prefill import (
 )
 from freetoken.moe.profile import interpolate
 
-log = logging.getLogger(__name__)
 
 MODES = ("offload", "cpu", "hybrid")
 REFINE_EVERY = 16  # layer steps between planner.set_profile calls with the refined bandwidths
@@ -202,10 +200,10 @@ class ExpertCacheBackend:
             )
         self.prefill_strategy = prefill_strategy
         self.gpu_flops_per_s = measure_gpu_flops(device) if device.type == "cuda" and layer_buffers else None
-        self.demand = {"offload": "fill", "cpu": "cpu", "hybrid": "hybrid"}[mode]
+        self.demand = next(name for name, planner_mode in DEMAND_MODES.items() if planner_mode == mode)
         self.strategy = self.demand  # of the current step
-        self.strategy_steps = {name: 0 for name in ("stream", "fill", "cpu", "hybrid")}
-        self.calibration = Calibration(cuda=device.type == "cuda")
+        self.strategy_steps = {name: 0 for name in ("stream", *DEMAND_MODES)}  # prefill steps only
+        self.calibration = Calibration(device)
 
     @staticmethod
     def _check_prefill(mode, num_slots, layer_buffers, strategy, pcie, cpu) -> None:
@@ -237,7 +235,6 @@ class ExpertCacheBackend:
         self.calibration.poll()
         if num_prefill_tokens == 0:
             self.strategy = self.demand
-            self.strategy_steps[self.strategy] += 1
             return
         costs = self.prefill_costs(top_k)
         if self.prefill_strategy != "auto":
@@ -268,11 +265,6 @@ class ExpertCacheBackend:
     def load_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """Not used: the pool read the experts from the checkpoint (`wants_weights` is False)."""
         raise TypeError("ExpertCacheBackend takes its experts from its ExpertPool, not from the torch loader")
-
-    @property
-    def nbytes(self) -> int:
-        """Device bytes of the slot cache."""
-        return self.slots.numel()
 
     def _slot_experts(
         self, hidden: torch.Tensor, topk_slots: np.ndarray, topk_weights: torch.Tensor, out: torch.Tensor | None
@@ -316,16 +308,15 @@ class ExpertCacheBackend:
         if self.strategy == "stream":
             return self._stream(pool_layer, hidden, topk_ids, topk_weights)
         num_tokens, k = topk_ids.shape
-        host_ids = self.host.get("ids", (num_tokens, k), torch.int64)
-        host_weights = self.host.get("weights", (num_tokens, k), torch.float32)
-        host_hidden = self.host.get("hidden", (num_tokens, hidden.shape[1]), torch.float32)
         cuda = hidden.is_cuda
+        host_ids = self.host.get("ids", (num_tokens, k), torch.int64)
         host_ids.copy_(topk_ids, non_blocking=cuda)
+        host_weights = host_hidden = None  # offload needs them only when every slot is pinned (rare): fetched then
         if DEMAND_MODES[self.strategy] != "offload" or not cuda:
+            host_weights = self.host.get("weights", (num_tokens, k), torch.float32)
+            host_hidden = self.host.get("hidden", (num_tokens, hidden.shape[1]), torch.float32)
             host_weights.copy_(topk_weights, non_blocking=cuda)
             host_hidden.copy_(hidden, non_blocking=cuda)
-        else:  # offload needs them only when every slot is pinned (rare): fetched then
-            host_weights = host_hidden = None
         out, host_out = self._serve(pool_layer, hidden, topk_weights, host_ids, host_weights, host_hidden, None)
         if host_out is None:
             return out if out is not None else torch.zeros_like(hidden)
@@ -377,7 +368,7 @@ class ExpertCacheBackend:
         """One on-demand layer step once its inputs' host copies are queued: sync, plan, fills and the slot
         kernel on the device, then the CPU experts here (overlapping them). Returns (the slot experts' sum, or
         None when no slot ran and no `out` was given; the pinned float32 host sum of the CPU experts, or None)."""
-        stream = torch.cuda.current_stream() if hidden.is_cuda else None
+        stream = torch.cuda.current_stream(self.device) if hidden.is_cuda else None
         if stream is not None:
             stream.synchronize()  # ids, weights and hidden are on the host now
         ids_np = host_ids.numpy()
@@ -419,7 +410,16 @@ class ExpertCacheBackend:
         """Every expert of the layer from its slot or its layer buffer (copied ahead by the streamer); no host sync."""
         last = pool_layer + 1 == self.pool.num_layers
         rows = self.streamer.rows(pool_layer, None if last else pool_layer + 1)
-        out = grouped_swiglu(hidden, self.gate_up, self.down, rows[topk_ids], topk_weights)
+        if hidden.is_cuda:
+            from freetoken.kernels.fused_moe import align_pairs, block_m_for, fused_moe
+
+            # Tiles aligned over the layer's E experts, then each tile's expert mapped to its weight row: aligning
+            # over every row (slots and buffers) would size the kernel's tiles and scratch for ~15x more groups.
+            pairs, tiles = align_pairs(topk_ids, self.pool.num_experts, block_m_for(topk_ids.numel()))
+            tiles = torch.where(tiles >= 0, rows[tiles.clamp(min=0)], tiles)
+            out = fused_moe(hidden, self.gate_up, self.down, topk_ids, topk_weights, alignment=(pairs, tiles))
+        else:
+            out = grouped_swiglu(hidden, self.gate_up, self.down, rows[topk_ids], topk_weights)
         self.streamer.done(pool_layer)
         return out
 

@@ -26,9 +26,8 @@ chunk size class (`Calibration`) scales that strategy's later predictions at tha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -111,16 +110,22 @@ class Calibration:
 
     `start` and `end` bracket a chunk's forward pass with CUDA events (perf_counter on the CPU device); `poll`
     reads a finished one without waiting. Each sample moves its (strategy, class) scale by `alpha` towards
-    measured / predicted, bounded to [`min_scale`, `max_scale`]. Classes are powers of 4 of the chunk's tokens
+    measured / predicted, bounded to [`min_scale`, `max_scale`]. The first timing of each (strategy, class) is
+    not a sample: it includes compiling that chunk size's kernels, and one inflated first sample would rule the
+    strategy out for good (a strategy that loses is not run, so not measured, again). Classes are powers of 4 of the chunk's tokens
     (what the model misses differs between a 64-token extend and an 8192-token chunk).
 
     Args:
-        cuda: time with CUDA events on the current stream.
+        device: the compute device; CUDA events on its current stream, perf_counter on the CPU.
         alpha: weight of a new sample (chunks are few, so it is large).
     """
 
-    def __init__(self, cuda: bool, alpha: float = 0.3, min_scale: float = 0.25, max_scale: float = 8.0) -> None:
-        self.cuda, self.alpha, self.min_scale, self.max_scale = cuda, alpha, min_scale, max_scale
+    def __init__(
+        self, device: torch.device, alpha: float = 0.3, min_scale: float = 0.25, max_scale: float = 8.0
+    ) -> None:
+        self.device, self.cuda = device, device.type == "cuda"
+        self.alpha, self.min_scale, self.max_scale = alpha, min_scale, max_scale
+        self.warm: set[tuple[str, int]] = set()  # keys whose first (warm-up) timing has been seen
         self.scales: dict[tuple[str, int], float] = {}
         self.samples: dict[tuple[str, int], int] = {}
         self._pending: tuple | None = None  # ((strategy, class), predicted seconds, start, end or None)
@@ -156,7 +161,7 @@ class Calibration:
         if not self.cuda:
             return time.perf_counter()
         event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def poll(self) -> None:
@@ -172,6 +177,9 @@ class Calibration:
             seconds = stop - begin
         self._pending = None
         if not 0 < predicted < float("inf"):  # nothing to scale (a CPU path without a CPU profile costs inf)
+            return
+        if key not in self.warm:
+            self.warm.add(key)
             return
         ratio = min(max(seconds / predicted, self.min_scale), self.max_scale)
         old = self.scales.get(key)
@@ -240,11 +248,6 @@ class LayerStreamer:
         self._free_recorded = [False] * num_buffers
         self.bytes_copied = 0
         self.layers_streamed = 0
-
-    @property
-    def nbytes(self) -> int:
-        """Device bytes of the buffers."""
-        return self.num_buffers * self.num_experts * self.weights.shape[1]
 
     def invalidate(self) -> None:
         """Forget what the buffers hold: the slot map may have changed (their row tables point into slots)."""

@@ -56,10 +56,8 @@ pub fn align_pairs(
         sorted_pairs[next[b]] = p as i64;
         next[b] += 1;
     }
-    for e in 0..num_experts {
-        for t in start[e] / block_m..start[e + 1] / block_m {
-            tile_expert[t] = e as i64;
-        }
+    for (e, group) in start.windows(2).take(num_experts).enumerate() {
+        tile_expert[group[0] / block_m..group[1] / block_m].fill(e as i64);
     }
 }
 
