@@ -15,6 +15,8 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+import torch
+
 from freetoken.engine.llm_engine import LLMEngine, RequestError
 from freetoken.engine.types import GenerationChunk, SamplingParams
 
@@ -150,6 +152,8 @@ class AsyncEngine:
         return True
 
     def _loop(self) -> None:
+        if self.engine.device.type == "cuda" and self.engine.device.index is not None:
+            torch.cuda.set_device(self.engine.device)  # per thread: Triton launches on the current device
         while True:
             block = not self.engine.has_work()
             try:

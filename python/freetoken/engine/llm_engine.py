@@ -102,6 +102,9 @@ class LLMEngine:
         model_dir = Path(model_dir)
         model_cfg = ModelConfig.from_dir(model_dir)
         device = torch.device(engine_cfg.device)
+        if device.type == "cuda" and device.index is not None:
+            # Triton launches and streams without an explicit device use the thread's current one (cuda:N).
+            torch.cuda.set_device(device)
         dtype = resolve_dtype(engine_cfg.dtype, device)
         # Missing files fail here, with the loader's messages, before anything is allocated.
         index = None if engine_cfg.dummy_weights else TensorIndex.scan(model_dir)
