@@ -118,6 +118,19 @@ def test_bad_port(model_dir):
     assert_user_error(ft("serve", "--model", str(model_dir), "--port", "70000"), "--port")
 
 
+def test_busy_port_is_refused_before_loading(model_dir):
+    """A port another process listens on is refused at once, before the model loads (minutes for a real one)."""
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = ft("serve", "--model", str(model_dir), "--port", str(port))
+    assert_user_error(result, f"127.0.0.1:{port}", "--port")
+    assert "loading" not in result.stderr
+
+
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [

@@ -60,8 +60,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "serve",
         help="serve a model over the OpenAI and Anthropic HTTP APIs",
         description="Load a model directory (Hugging Face layout: config.json, safetensors, tokenizer) and serve "
-        "/v1/chat/completions, /v1/messages and /v1/models. --model demo builds and caches a tiny random-weight "
-        "Qwen3-MoE with Qwen's real tokenizer, without network.",
+        "the OpenAI API (/v1/chat/completions, /v1/responses, /v1/completions, /v1/models), the Anthropic API "
+        "(/v1/messages, /v1/messages/count_tokens), /v1/stats and /health. --model demo builds and caches a tiny "
+        "random-weight Qwen3-MoE with Qwen's real tokenizer, without network.",
     )
     p.add_argument(
         "--model",
@@ -102,6 +103,19 @@ def resolve_model_dir(model: str, dummy_weights: bool) -> Path:
     return path
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise SystemExit naming the flags when `host:port` cannot be bound (in use, or not an address here)."""
+    import socket
+
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, port))
+    except OSError as exc:
+        raise SystemExit(f"ft serve: cannot listen on {host}:{port} ({exc.strerror}); pick another --port or --host")
+
+
 def run(args: argparse.Namespace) -> int:
     """Check the flags and config.json first (no torch import: a typo answers at once), then load and serve."""
     if not 0 < args.port < 65536:
@@ -109,7 +123,13 @@ def run(args: argparse.Namespace) -> int:
     cfg = engine_config(args)
     cfg.validate()  # bad flags answer before anything loads
     model_dir = resolve_model_dir(args.model, cfg.dummy_weights)
-    ModelConfig.from_dir(model_dir)  # raises ConfigError naming config.json and the key
+    model_cfg = ModelConfig.from_dir(model_dir)  # raises ConfigError naming config.json and the key
+    check_port_free(args.host, args.port)  # before minutes of loading, not after
+    if cfg.max_model_len > model_cfg.max_position_embeddings:
+        log.warning(
+            "--max-model-len %d is past the model's max_position_embeddings (%d): quality past it is not assured",
+            cfg.max_model_len, model_cfg.max_position_embeddings,
+        )
 
     from freetoken.engine import AsyncEngine, LLMEngine
     from freetoken.server.app import run_server

@@ -64,7 +64,9 @@ def plan_expert_slots(
     if backend == "cpu":
         return 0, 0
     if device.type != "cuda" or cfg.expert_slots:
-        slots = cfg.expert_slots or num_experts
+        slots = min(cfg.expert_slots or num_experts, num_experts)
+        if cfg.expert_slots > num_experts:
+            log.warning("--expert-slots %d: the pool has %d experts, so %d slots", cfg.expert_slots, num_experts, slots)
         return slots, 0 if cfg.prefill_strategy != "stream" and slots >= num_experts else buffers
     free, _total = torch.cuda.mem_get_info(device)
     budget = int(cfg.gpu_memory_gb * 1e9) if cfg.gpu_memory_gb else int(0.9 * free)
