@@ -486,6 +486,9 @@ def test_response_format_errors(http):
         bad = post(response_format)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
         assert "x-guidance" not in bad.text  # the message names the problem, not the generated grammar
+    # A pattern the grammar library cannot compile: the message says why (its reason is on a line of its own).
+    bad = post({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "[a-"}}})
+    assert bad.status_code == 400 and "unclosed character class" in bad.json()["error"]["message"], bad.text
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
     bad = post({"type": "json_object"}, tools=tools, tool_choice="required")
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice", bad.text

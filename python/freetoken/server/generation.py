@@ -225,8 +225,13 @@ async def format_grammar(
         except GrammarError as exc:
             error = exc
     # llguidance's first line says what is wrong; it starts with a position in the generated grammar text, which
-    # means nothing to the client, and goes on with that text.
-    detail = re.sub(r"^at \d+\(\d+\): ", "", str(error).strip().splitlines()[0])
+    # means nothing to the client, and goes on with that text. A regex error ends that line with ":" and names
+    # the problem on its own "error: ..." line after the pattern.
+    lines = str(error).strip().splitlines()
+    detail = re.sub(r"^at \d+\(\d+\): ", "", lines[0])
+    reason = next((line.removeprefix("error: ") for line in lines if line.startswith("error: ")), None)
+    if detail.endswith(":") and reason:
+        detail = f"{detail} {reason}"
     what = "a tool's parameters are not a JSON schema" if param == "tools" else f"{param} is not a JSON schema"
     raise invalid_request(ErrorCode.INVALID_VALUE, f"{what} this server can enforce: {detail}", param)
 
