@@ -1,5 +1,5 @@
 //! Argument conversion: numpy arrays (or sequences) in, owned or borrowed Rust slices out.
-use numpy::{PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyUntypedArrayMethods};
+use numpy::{PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
 use crate::errors::invalid;
@@ -52,6 +52,27 @@ pub fn readonly<'py, T: numpy::Element>(
         )));
     }
     Ok(r)
+}
+
+/// A writable C-contiguous numpy array of `T`, borrowed (`what` and `dtype` name it in errors).
+pub fn readwrite<'py, T: numpy::Element>(
+    obj: &Bound<'py, PyAny>,
+    what: &str,
+    dtype: &str,
+) -> PyResult<PyReadwriteArrayDyn<'py, T>> {
+    let a = obj.cast::<PyArrayDyn<T>>().map_err(|_| {
+        invalid(format!(
+            "{what} must be a writable numpy array of dtype {dtype}, got {}",
+            describe(obj)
+        ))
+    })?;
+    let w = a
+        .try_readwrite()
+        .map_err(|e| invalid(format!("{what}: {e}")))?;
+    if !w.is_c_contiguous() {
+        return Err(invalid(format!("{what} must be C-contiguous")));
+    }
+    Ok(w)
 }
 
 /// `type(obj)` and, for arrays, the dtype, for error messages.

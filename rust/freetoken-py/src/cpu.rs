@@ -1,9 +1,9 @@
 //! `CpuExperts`: SwiGLU experts on the host, GIL released.
 use freetoken_core::cpu::{CpuExperts, Hidden, Isa};
-use numpy::{PyArrayDyn, PyArrayMethods, PyUntypedArrayMethods};
+use numpy::{PyArrayDyn, PyArrayMethods};
 use pyo3::prelude::*;
 
-use crate::arrays::{copy_as, describe, int_array, readonly};
+use crate::arrays::{copy_as, describe, int_array, readonly, readwrite};
 use crate::errors::{invalid, IntoPyErr};
 use crate::pool::PyExpertPool;
 
@@ -72,18 +72,7 @@ impl PyCpuExperts {
         let w = w
             .as_slice()
             .map_err(|e| invalid(format!("topk_weights: {e}")))?;
-        let out = out.cast::<PyArrayDyn<f32>>().map_err(|_| {
-            invalid(format!(
-                "out must be a writable float32 numpy array [B, H], got {}",
-                describe(out)
-            ))
-        })?;
-        let mut out = out
-            .try_readwrite()
-            .map_err(|e| invalid(format!("out: {e}")))?;
-        if !out.is_c_contiguous() {
-            return Err(invalid("out must be C-contiguous"));
-        }
+        let mut out = readwrite::<f32>(out, "out [B, H]", "float32")?;
         let out = out
             .as_slice_mut()
             .map_err(|e| invalid(format!("out: {e}")))?;

@@ -7,7 +7,7 @@ use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use crate::arrays::int_array;
+use crate::arrays::{int_array, readwrite};
 use crate::cache::{lock, relocations};
 use crate::errors::{invalid, IntoPyErr};
 
@@ -268,10 +268,7 @@ pub fn align_slots(
     if let Some(bad) = ids.iter().find(|&&id| id >= num_experts as i64) {
         return Err(invalid(format!("slot id {bad} out of range for {num_experts} rows")));
     }
-    let out = out.cast::<numpy::PyArrayDyn<i64>>().map_err(|_| {
-        invalid(format!("out must be a writable int64 numpy array, got {}", crate::arrays::describe(out)))
-    })?;
-    let mut out = out.try_readwrite().map_err(|e| invalid(format!("out: {e}")))?;
+    let mut out = readwrite::<i64>(out, "out", "int64")?;
     let out = out
         .as_slice_mut()
         .map_err(|e| invalid(format!("out must be C-contiguous: {e}")))?;
