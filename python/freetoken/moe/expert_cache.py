@@ -36,6 +36,7 @@ import torch
 from torch.profiler import record_function
 
 from freetoken._core import CpuExperts, ExpertPool, Planner, align_slots, aligned_len
+from freetoken.config import PREFILL_STRATEGIES
 from freetoken.moe.compute import expert_views, grouped_swiglu
 from freetoken.moe.pinned import PinnedBuffers, pin_host_memory
 from freetoken.moe.prefill import (
@@ -161,12 +162,12 @@ class ExpertCacheBackend:
         self.num_slots = num_slots
         hidden, inter = pool.hidden_size, pool.intermediate_size
         self.expert_nbytes = pool.expert_nbytes
-        # Zero-copy view of the arena; the pool object stays alive as the buffer's owner.
-        self.arena = torch.frombuffer(pool.arena_view(), dtype=torch.uint8)
+        # Zero-copy view of the arena, one expert per row; the pool object stays alive as the buffer's owner.
+        arena = torch.frombuffer(pool.arena_view(), dtype=torch.uint8)
         num_experts = pool.num_layers * pool.num_experts
         if pool.expert_offset(pool.num_layers - 1, pool.num_experts - 1) != (num_experts - 1) * pool.expert_stride:
             raise ValueError("the pool's experts are not laid out [layer][expert] at expert_stride")
-        self.pool_experts = self.arena[: num_experts * pool.expert_stride].view(num_experts, pool.expert_stride)
+        self.pool_experts = arena[: num_experts * pool.expert_stride].view(num_experts, pool.expert_stride)
         if device.type == "cuda":
             pin_host_memory(pool.ptr, pool.nbytes)
         # The cache's slots, then the prefill layer buffers: one weight tensor, so one kernel reads both.
@@ -196,7 +197,7 @@ class ExpertCacheBackend:
         self.streamer = None
         if layer_buffers:
             self.streamer = LayerStreamer(
-                pool, self.arena, self.slots, max(num_slots, 1), layer_buffers, self.planner, self.copy_stream
+                pool, self.pool_experts, self.slots, max(num_slots, 1), layer_buffers, self.planner, self.copy_stream
             )
         self.prefill_strategy = prefill_strategy
         self.gpu_flops_per_s = measure_gpu_flops(device) if device.type == "cuda" and layer_buffers else None
@@ -207,7 +208,7 @@ class ExpertCacheBackend:
 
     @staticmethod
     def _check_prefill(mode, num_slots, layer_buffers, strategy, pcie, cpu) -> None:
-        if strategy not in ("auto", "stream", *DEMAND_MODES):
+        if strategy not in PREFILL_STRATEGIES:
             raise ValueError(f"--prefill-strategy {strategy!r}: expected auto, stream, fill, cpu or hybrid")
         if layer_buffers not in (0, 1, 2):
             raise ValueError(f"layer buffers: 0, 1 or 2, got {layer_buffers}")

@@ -26,6 +26,7 @@ chunk size class (`Calibration`) scales that strategy's later predictions at tha
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 
@@ -215,8 +216,9 @@ class LayerStreamer:
     """One or two full-layer expert buffers and the copies that fill them, ahead of the layer that reads them.
 
     Args:
-        pool: the host `ExpertPool` (experts of a layer `expert_stride` bytes apart).
-        arena: uint8 view of the (pinned, on CUDA) pool arena.
+        pool: the host `ExpertPool`.
+        pool_experts: [num_layers * E, stride] uint8 view of its (pinned, on CUDA) arena, one expert per row,
+            `[layer][expert]` (`ExpertCacheBackend.pool_experts`, which checks that layout).
         weights: [num_slots + num_buffers * E, stride] uint8 device tensor: the cache's slots, then the buffers.
         num_slots: rows of `weights` that are cache slots.
         num_buffers: 2 overlaps each layer's copy with the previous layer's compute; 1 copies, then computes.
@@ -227,16 +229,14 @@ class LayerStreamer:
         ValueError: `num_buffers` not 1 or 2, or `weights` too small.
     """
 
-    def __init__(self, pool, arena: torch.Tensor, weights: torch.Tensor, num_slots: int, num_buffers: int,
+    def __init__(self, pool, pool_experts: torch.Tensor, weights: torch.Tensor, num_slots: int, num_buffers: int,
                  planner, copy_stream: torch.cuda.Stream | None) -> None:
         if num_buffers not in (1, 2):
             raise ValueError(f"layer buffers: 1 or 2, got {num_buffers}")
         e = pool.num_experts
         if weights.shape[0] < num_slots + num_buffers * e:
             raise ValueError(f"{weights.shape[0]} weight rows cannot hold {num_slots} slots and {num_buffers} layers")
-        if e > 1 and pool.expert_offset(0, 1) - pool.expert_offset(0, 0) != pool.expert_stride:
-            raise ValueError("the pool's experts of a layer are not expert_stride bytes apart")
-        self.pool, self.arena, self.weights, self.planner = pool, arena, weights, planner
+        self.pool, self.pool_experts, self.weights, self.planner = pool, pool_experts, weights, planner
         self.num_slots, self.num_buffers, self.num_experts = num_slots, num_buffers, e
         self.copy_stream = copy_stream
         device = weights.device
@@ -256,7 +256,7 @@ class LayerStreamer:
     def _issue(self, layer: int) -> None:
         """Queue the copy of `layer`'s non-resident experts into its buffer, and its row table."""
         b = layer % self.num_buffers
-        e, stride = self.num_experts, self.pool.expert_stride
+        e = self.num_experts
         base = self.num_slots + b * e
         slots = self.planner.layer_slots(layer).astype(np.int64)
         absent = slots < 0
@@ -264,22 +264,18 @@ class LayerStreamer:
         # Runs of consecutive absent experts: one copy each (the pool and the buffer share the layout).
         edges = np.flatnonzero(np.diff(np.concatenate(([0], absent.astype(np.int8), [0]))))
         runs = edges.reshape(-1, 2)
-        first = self.pool.expert_offset(layer, 0)
+        first = layer * e
         cuda = self.copy_stream is not None
         host_rows = torch.from_numpy(rows)
         if cuda:
             host_rows = host_rows.pin_memory()  # the caching host allocator keeps it until the copy is done
-            ctx = torch.cuda.stream(self.copy_stream)
-        else:
-            ctx = torch.no_grad()
-        with ctx:
+        with torch.cuda.stream(self.copy_stream) if cuda else contextlib.nullcontext():
             if cuda and self._free_recorded[b]:
                 self.copy_stream.wait_event(self.free[b])  # the last kernel that read this buffer is done
             self.tables[b].copy_(host_rows, non_blocking=cuda)
-            dst = self.weights[base : base + e].view(-1)
             for start, end in runs.tolist():
-                src = self.arena[first + start * stride : first + end * stride]
-                dst[start * stride : end * stride].copy_(src, non_blocking=cuda)
+                src = self.pool_experts[first + start : first + end]
+                self.weights[base + start : base + end].copy_(src, non_blocking=cuda)
             if cuda:
                 self.ready[b].record(self.copy_stream)
         self.layer[b] = layer
