@@ -41,7 +41,10 @@ pub fn align_pairs(
     let mut start = vec![0usize; num_experts + 2];
     for &id in ids {
         let b = bucket(id);
-        assert!(b <= num_experts, "id {id} out of range for {num_experts} experts");
+        assert!(
+            b <= num_experts,
+            "id {id} out of range for {num_experts} experts"
+        );
         start[b + 1] += 1;
     }
     // Padded group sizes, then their running starts.
@@ -78,7 +81,10 @@ mod tests {
             let padded = group.len().div_ceil(bm) * bm;
             rows_out.extend(group.iter().copied());
             rows_out.extend(std::iter::repeat_n(ids.len() as i64, padded - group.len()));
-            tiles_out.extend(std::iter::repeat_n(if x < e { x as i64 } else { -1 }, padded / bm));
+            tiles_out.extend(std::iter::repeat_n(
+                if x < e { x as i64 } else { -1 },
+                padded / bm,
+            ));
         }
         rows_out.resize(rows, ids.len() as i64);
         tiles_out.resize(tiles, -1);
@@ -88,10 +94,18 @@ mod tests {
     #[test]
     fn matches_the_reference() {
         let mut seed = 7u64;
-        for &(n, e, bm) in &[(1, 4, 16), (8, 128, 16), (37, 9, 4), (512, 300, 64), (3, 1, 1)] {
+        for &(n, e, bm) in &[
+            (1, 4, 16),
+            (8, 128, 16),
+            (37, 9, 4),
+            (512, 300, 64),
+            (3, 1, 1),
+        ] {
             let ids: Vec<i64> = (0..n)
                 .map(|_| {
-                    seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    seed = seed
+                        .wrapping_mul(6364136223846793005)
+                        .wrapping_add(1442695040888963407);
                     (seed >> 33) as i64 % (e as i64 + 1) - 1
                 })
                 .collect();

@@ -283,3 +283,35 @@ impl TraceError {
         }
     }
 }
+
+/// Errors of the decode driver ([`crate::driver`]).
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError {
+    /// A bad argument (buffer sizes, batch, mode).
+    #[error("{0}")]
+    Invalid(String),
+    /// The device did not post a layer's routing in time.
+    #[error("{0}")]
+    Timeout(String),
+    /// A CUDA driver call failed, or the CUDA driver library could not be loaded.
+    #[error("{0}")]
+    Cuda(String),
+    /// Planning a layer step failed.
+    #[error(transparent)]
+    Plan(#[from] PlanError),
+    /// The CPU experts failed.
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+}
+
+impl DriverError {
+    /// The broad class of this error.
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::Invalid(_) => ErrorKind::Value,
+            Self::Timeout(_) | Self::Cuda(_) => ErrorKind::Internal,
+            Self::Plan(e) => e.kind(),
+            Self::Kernel(e) => e.kind(),
+        }
+    }
+}

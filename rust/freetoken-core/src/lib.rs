@@ -1,6 +1,7 @@
 //! freetoken-core: what runs on every decode step on the host side.
 //!
-//! Pure Rust (no PyO3, no CUDA), so `cargo test` and `cargo bench` run alone.
+//! Pure Rust (no PyO3; CUDA only through the driver library loaded at run time by
+//! [`driver::cuda`]), so `cargo test` and `cargo bench` run alone.
 //!
 //! ```text
 //! router top-k ids [B,k] ──> planner (q*) ──> hits: slot ids        ──> GPU grouped kernel
@@ -17,6 +18,7 @@ pub mod align;
 pub mod bf16;
 pub mod cache;
 pub mod cpu;
+pub mod driver;
 pub mod error;
 pub mod numa;
 pub mod planner;

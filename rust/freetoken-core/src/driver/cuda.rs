@@ -1,0 +1,211 @@
+//! Fills through the CUDA driver API, loaded at run time (`libcuda.so.1`), so the crate builds and
+//! tests without CUDA.
+//!
+//! The copies go on the caller's copy stream (a `CUstream`, e.g. torch's `Stream.cuda_stream`)
+//! as `cuMemcpyHtoDAsync` from the pinned pool arena: copy engines, not SMs. The driver thread
+//! binds the device's primary context (the one the CUDA runtime, and so torch, uses) and waits on
+//! one event recorded after a layer's copies.
+use std::ffi::c_void;
+
+use libloading::Library;
+
+use super::SlotCopier;
+use crate::error::DriverError;
+
+type CuResult = i32;
+type CuDevice = i32;
+type CuContext = *mut c_void;
+type CuStream = *mut c_void;
+type CuEvent = *mut c_void;
+
+/// CUDA_ERROR_NOT_READY: an event query before the work is done.
+const CUDA_ERROR_NOT_READY: CuResult = 600;
+/// CU_EVENT_DISABLE_TIMING: the cheapest event.
+const CU_EVENT_DISABLE_TIMING: u32 = 2;
+
+struct Api {
+    _lib: Library,
+    device_get: unsafe extern "C" fn(*mut CuDevice, i32) -> CuResult,
+    primary_ctx_retain: unsafe extern "C" fn(*mut CuContext, CuDevice) -> CuResult,
+    primary_ctx_release: unsafe extern "C" fn(CuDevice) -> CuResult,
+    ctx_set_current: unsafe extern "C" fn(CuContext) -> CuResult,
+    memcpy_htod_async: unsafe extern "C" fn(u64, *const c_void, usize, CuStream) -> CuResult,
+    event_create: unsafe extern "C" fn(*mut CuEvent, u32) -> CuResult,
+    event_record: unsafe extern "C" fn(CuEvent, CuStream) -> CuResult,
+    event_query: unsafe extern "C" fn(CuEvent) -> CuResult,
+    event_destroy: unsafe extern "C" fn(CuEvent) -> CuResult,
+}
+
+fn check(what: &str, r: CuResult) -> Result<(), DriverError> {
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(DriverError::Cuda(format!(
+            "{what} failed with CUDA error {r}"
+        )))
+    }
+}
+
+impl Api {
+    fn load() -> Result<Self, DriverError> {
+        // SAFETY: loading the system's CUDA driver library, whose initialisers are sound.
+        let lib = unsafe { Library::new("libcuda.so.1") }.map_err(|e| {
+            DriverError::Cuda(format!("cannot load the CUDA driver (libcuda.so.1): {e}"))
+        })?;
+        macro_rules! sym {
+            ($name:literal) => {
+                // SAFETY: the symbol has this C signature in the CUDA driver API (cuda.h).
+                *unsafe { lib.get(concat!($name, "\0").as_bytes()) }
+                    .map_err(|e| DriverError::Cuda(format!("libcuda.so.1 lacks {}: {e}", $name)))?
+            };
+        }
+        Ok(Self {
+            device_get: sym!("cuDeviceGet"),
+            primary_ctx_retain: sym!("cuDevicePrimaryCtxRetain"),
+            primary_ctx_release: sym!("cuDevicePrimaryCtxRelease_v2"),
+            ctx_set_current: sym!("cuCtxSetCurrent"),
+            memcpy_htod_async: sym!("cuMemcpyHtoDAsync_v2"),
+            event_create: sym!("cuEventCreate"),
+            event_record: sym!("cuEventRecord"),
+            event_query: sym!("cuEventQuery"),
+            event_destroy: sym!("cuEventDestroy_v2"),
+            _lib: lib,
+        })
+    }
+}
+
+/// Copies pool experts into device slots on a CUDA stream.
+pub struct CudaCopier {
+    api: Api,
+    device: CuDevice,
+    ctx: CuContext,
+    stream: CuStream,
+    event: CuEvent,
+    slots: u64,
+    stride: usize,
+    num_slots: usize,
+    pending: bool,
+}
+
+// SAFETY: the CUDA handles are process-wide driver objects, usable from any thread that binds
+// the context (`attach`); the copier is used by one thread at a time.
+unsafe impl Send for CudaCopier {}
+
+impl CudaCopier {
+    /// A copier into `num_slots` slots of `stride` bytes at device address `slots` of device
+    /// `ordinal`, on stream `stream` (a `CUstream` handle; 0 is the legacy default stream).
+    ///
+    /// # Errors
+    /// `Cuda` if the driver library cannot be loaded or the device's context not retained.
+    ///
+    /// # Safety
+    /// `slots` must be a device allocation of `num_slots * stride` bytes on that device, and
+    /// `stream` a live stream of its primary context, both outliving the copier.
+    pub unsafe fn new(
+        ordinal: i32,
+        stream: usize,
+        slots: u64,
+        stride: usize,
+        num_slots: usize,
+    ) -> Result<Self, DriverError> {
+        let api = Api::load()?;
+        let mut device = 0;
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: out-pointers to locals.
+        unsafe {
+            check("cuDeviceGet", (api.device_get)(&mut device, ordinal))?;
+            check(
+                "cuDevicePrimaryCtxRetain",
+                (api.primary_ctx_retain)(&mut ctx, device),
+            )?;
+        }
+        Ok(Self {
+            api,
+            device,
+            ctx,
+            stream: stream as CuStream,
+            event: std::ptr::null_mut(),
+            slots,
+            stride,
+            num_slots,
+            pending: false,
+        })
+    }
+}
+
+impl SlotCopier for CudaCopier {
+    fn attach(&mut self) -> Result<(), DriverError> {
+        // SAFETY: a retained primary context; out-pointer to a field.
+        unsafe {
+            check("cuCtxSetCurrent", (self.api.ctx_set_current)(self.ctx))?;
+            check(
+                "cuEventCreate",
+                (self.api.event_create)(&mut self.event, CU_EVENT_DISABLE_TIMING),
+            )
+        }
+    }
+
+    unsafe fn copy(
+        &mut self,
+        slot: usize,
+        src: *const u8,
+        nbytes: usize,
+    ) -> Result<(), DriverError> {
+        if slot >= self.num_slots || nbytes > self.stride {
+            return Err(DriverError::Invalid(format!(
+                "fill of {nbytes} bytes into slot {slot} of {} slots of {} bytes",
+                self.num_slots, self.stride
+            )));
+        }
+        let dst = self.slots + (slot * self.stride) as u64;
+        // SAFETY: destination in bounds (checked); `src` per the trait's contract.
+        let r =
+            unsafe { (self.api.memcpy_htod_async)(dst, src as *const c_void, nbytes, self.stream) };
+        check("cuMemcpyHtoDAsync", r)?;
+        self.pending = true;
+        Ok(())
+    }
+
+    fn wait(&mut self) -> Result<(), DriverError> {
+        if !self.pending {
+            return Ok(());
+        }
+        self.pending = false;
+        // SAFETY: event created in `attach`, stream live (constructor contract).
+        unsafe {
+            check(
+                "cuEventRecord",
+                (self.api.event_record)(self.event, self.stream),
+            )?;
+            let mut spins = 0u32;
+            loop {
+                match (self.api.event_query)(self.event) {
+                    0 => return Ok(()),
+                    CUDA_ERROR_NOT_READY => {
+                        // Each query is a driver call (microseconds); spin between them.
+                        spins = spins.wrapping_add(1);
+                        for _ in 0..64 {
+                            std::hint::spin_loop();
+                        }
+                        if spins > 1 << 20 {
+                            std::thread::yield_now();
+                        }
+                    }
+                    r => return check("cuEventQuery", r),
+                }
+            }
+        }
+    }
+}
+
+impl Drop for CudaCopier {
+    fn drop(&mut self) {
+        // SAFETY: handles created by this copier.
+        unsafe {
+            if !self.event.is_null() {
+                (self.api.event_destroy)(self.event);
+            }
+            (self.api.primary_ctx_release)(self.device);
+        }
+    }
+}

@@ -1,0 +1,557 @@
+//! The decode driver: serves every MoE layer of a decode step from a host thread while the whole
+//! step runs on the device as one captured CUDA graph, with no Python between layers.
+//!
+//! Owns: the driver thread and the host side of a flag handshake through page-locked host memory
+//! that the device reads and writes directly (mapped, `cudaHostRegister`). Per MoE layer `l` of a
+//! step with generation `g` (`shared/DESIGN.md`, "One decode step, one MoE layer"):
+//!
+//! ```text
+//! device (graph)                               driver thread (here)
+//! router -> mail (ids, weights, hidden f32)
+//! DMA mail to host, then mail_flag[l] = g  ──> sees mail_flag[l] == g, plans (q*), issues the
+//!                                              fills on the copy stream, runs the CPU experts,
+//!                                              writes topk slots + tile alignment and cpu_out,
+//! spins until plan_flag[l] == g, fetches the   waits for the fills, then
+//! plan; slot kernel; spins until              plan_flag[l] = g, cpu_flag[l] = g
+//! cpu_flag[l] == g, fetches cpu_out, adds it
+//! ```
+//! One mailbox, plan and cpu_out buffer serve every layer: the device posts layer `l + 1` only
+//! after it fetched layer `l`'s plan and CPU output, and the driver writes them only after that
+//! post. Fills are ordered after every earlier kernel that may read their victim slots, because
+//! the device posts layer `l` only after layer `l - 1`'s slot kernel ran.
+//!
+//! A step that fails here (plan error, a device that never posts) still publishes every remaining
+//! flag over an empty plan, so the device finishes the step instead of spinning, and
+//! [`DecodeDriver::finish`] returns the error.
+pub mod cuda;
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use crossbeam_channel::{Receiver, Sender};
+
+use crate::align::{align_pairs, aligned_len};
+use crate::cpu::{CpuExperts, Hidden};
+use crate::error::DriverError;
+use crate::planner::{Backend, Planner};
+
+/// Copies experts from the host pool into device slots for the driver thread.
+pub trait SlotCopier: Send {
+    /// Called once on the driver thread before any copy (binds a CUDA context there).
+    fn attach(&mut self) -> Result<(), DriverError> {
+        Ok(())
+    }
+    /// Queues a copy of `nbytes` from host address `src` into slot `slot`.
+    ///
+    /// # Safety
+    /// `src` must be valid for reads of `nbytes` until [`wait`](Self::wait) returns.
+    unsafe fn copy(
+        &mut self,
+        slot: usize,
+        src: *const u8,
+        nbytes: usize,
+    ) -> Result<(), DriverError>;
+    /// Blocks until every queued copy has landed.
+    fn wait(&mut self) -> Result<(), DriverError>;
+}
+
+/// Slots in host memory (the CPU device): a copy is a `memcpy`, done at once.
+pub struct HostCopier {
+    slots: *mut u8,
+    stride: usize,
+    num_slots: usize,
+}
+
+// SAFETY: the slot memory is only written by the driver thread while a step runs; the owner
+// keeps it alive for the copier's lifetime (see `HostCopier::new`).
+unsafe impl Send for HostCopier {}
+
+impl HostCopier {
+    /// Slots of `stride` bytes at `slots`, `num_slots` of them.
+    ///
+    /// # Safety
+    /// `slots` must stay valid for `num_slots * stride` bytes while the copier lives, and no one
+    /// else may write it during a step.
+    pub unsafe fn new(slots: *mut u8, stride: usize, num_slots: usize) -> Self {
+        Self {
+            slots,
+            stride,
+            num_slots,
+        }
+    }
+}
+
+impl SlotCopier for HostCopier {
+    unsafe fn copy(
+        &mut self,
+        slot: usize,
+        src: *const u8,
+        nbytes: usize,
+    ) -> Result<(), DriverError> {
+        if slot >= self.num_slots || nbytes > self.stride {
+            return Err(DriverError::Invalid(format!(
+                "fill of {nbytes} bytes into slot {slot} of {} slots of {} bytes",
+                self.num_slots, self.stride
+            )));
+        }
+        // SAFETY: destination bounds checked above; `src` per the trait's contract.
+        unsafe { std::ptr::copy_nonoverlapping(src, self.slots.add(slot * self.stride), nbytes) };
+        Ok(())
+    }
+    fn wait(&mut self) -> Result<(), DriverError> {
+        Ok(())
+    }
+}
+
+/// Host memory shared with the device, page-locked and mapped, owned by the caller.
+///
+/// Layouts, for a padded batch of `size` rows (`k` = top-k, `H` = hidden size):
+/// - `mail`: ids `[size, k]` int64, then routing weights `[size, k]` float32, then hidden states
+///   `[size, H]` float32, packed one after the other;
+/// - `plan`: topk slots `[size * k]` int64 (-1 where the CPU runs the pick), then the tile
+///   alignment of [`align_pairs`] over `slot_rows` rows: sorted pairs `[rows]` and tile slots
+///   `[tiles]` (sizes by [`aligned_len`]);
+/// - `cpu_out`: the CPU experts' weighted sum `[size, H]` float32.
+#[derive(Clone, Copy, Debug)]
+pub struct Handshake {
+    /// `[num_layers]` u32: generation of the last routing the device posted per layer.
+    pub mail_flag: *mut u32,
+    /// `[num_layers]` u32: generation of the last plan published per layer.
+    pub plan_flag: *mut u32,
+    /// `[num_layers]` u32: generation of the last CPU output published per layer.
+    pub cpu_flag: *mut u32,
+    /// The mailbox, `mail_len` bytes.
+    pub mail: *const u8,
+    /// Capacity of `mail` in bytes.
+    pub mail_len: usize,
+    /// The plan, `plan_len` int64.
+    pub plan: *mut i64,
+    /// Capacity of `plan` in int64.
+    pub plan_len: usize,
+    /// The CPU output, `cpu_out_len` float32.
+    pub cpu_out: *mut f32,
+    /// Capacity of `cpu_out` in float32.
+    pub cpu_out_len: usize,
+}
+
+// SAFETY: the buffers are plain host memory that outlives the driver (the caller's contract in
+// `DecodeDriver::new`); the driver thread is their only host-side user while a step runs.
+unsafe impl Send for Handshake {}
+
+/// What does not change between steps.
+#[derive(Clone, Debug)]
+pub struct DriverConfig {
+    /// How misses are served.
+    pub backend: Backend,
+    /// Experts per token (k).
+    pub top_k: usize,
+    /// Rows of the device weight tensor the slot kernel indexes (slots and any layer buffers):
+    /// the id range of the tile alignment.
+    pub slot_rows: usize,
+    /// How long to wait for the device to post a layer before failing the step.
+    pub timeout: Duration,
+}
+
+/// One decode step for the driver.
+#[derive(Clone, Copy, Debug)]
+pub struct StepJob {
+    /// Real rows of the batch (the planner sees only these).
+    pub batch: usize,
+    /// Padded rows of the captured graph (>= batch); padding rows get no experts.
+    pub size: usize,
+    /// Generation of this step: the value the device writes to the flags (non-zero, new per step).
+    pub generation: u32,
+    /// Rows per M tile of the slot kernel at this size.
+    pub block_m: usize,
+    /// Answer every layer with an empty plan, touching neither the planner nor the slots (the
+    /// warm-up run before a graph is captured).
+    pub idle: bool,
+}
+
+/// What one step did, for the bandwidth refinement and the counters.
+#[derive(Clone, Debug, Default)]
+pub struct StepReport {
+    /// Experts copied into slots, and their bytes.
+    pub fills: usize,
+    /// Bytes copied host -> device.
+    pub fill_bytes: usize,
+    /// Seconds from the first fill of a layer to its copies' completion, summed over layers.
+    pub fill_seconds: f64,
+    /// Experts run on the CPU.
+    pub cpu_experts: usize,
+    /// Routed picks those experts served (tokens per expert = picks / experts).
+    pub cpu_picks: usize,
+    /// Seconds in the CPU experts, summed over layers.
+    pub cpu_seconds: f64,
+    /// Seconds the driver waited for the device to post routing, summed over layers.
+    pub wait_seconds: f64,
+    /// Why the step failed, if it did.
+    pub error: Option<String>,
+}
+
+struct Worker {
+    planner: Arc<Mutex<Planner>>,
+    cpu: Arc<CpuExperts>,
+    copier: Box<dyn SlotCopier>,
+    hs: Handshake,
+    cfg: DriverConfig,
+    cpu_out_dirty: bool,
+}
+
+/// The driver thread's handle: [`start`](Self::start) a step, replay the graph, then
+/// [`finish`](Self::finish).
+pub struct DecodeDriver {
+    jobs: Option<Sender<StepJob>>,
+    reports: Receiver<StepReport>,
+    handle: Option<JoinHandle<()>>,
+    running: bool,
+}
+
+/// Sizes of the plan for `size` rows: `(topk slots, sorted pairs, tile slots)`, in int64.
+pub fn plan_layout(
+    size: usize,
+    top_k: usize,
+    slot_rows: usize,
+    block_m: usize,
+) -> (usize, usize, usize) {
+    let (rows, tiles) = aligned_len(size * top_k, slot_rows, block_m);
+    (size * top_k, rows, tiles)
+}
+
+/// Bytes of the mailbox for `size` rows: ids int64 and weights float32 `[size, k]`, hidden
+/// float32 `[size, H]`.
+pub fn mail_len(size: usize, top_k: usize, hidden: usize) -> usize {
+    size * (12 * top_k + 4 * hidden)
+}
+
+impl DecodeDriver {
+    /// Starts the driver thread.
+    ///
+    /// # Errors
+    /// `Invalid` if `cfg` is inconsistent with the planner or the CPU experts' pool.
+    ///
+    /// # Safety
+    /// Every pointer of `hs` must stay valid for its stated length until the driver is dropped,
+    /// and be page-locked and mapped for the device when the device takes part.
+    pub unsafe fn new(
+        planner: Arc<Mutex<Planner>>,
+        cpu: Arc<CpuExperts>,
+        copier: Box<dyn SlotCopier>,
+        hs: Handshake,
+        cfg: DriverConfig,
+    ) -> Result<Self, DriverError> {
+        {
+            let p = planner.lock().unwrap_or_else(|e| e.into_inner());
+            let pc = p.config();
+            let pool = cpu.pool();
+            if pc.num_layers != pool.num_layers() || pc.num_experts != pool.num_experts() {
+                return Err(DriverError::Invalid(format!(
+                    "the planner covers {} layers x {} experts, the pool {} x {}",
+                    pc.num_layers,
+                    pc.num_experts,
+                    pool.num_layers(),
+                    pool.num_experts()
+                )));
+            }
+            if cfg.top_k == 0 || cfg.slot_rows == 0 {
+                return Err(DriverError::Invalid(
+                    "top_k and slot_rows must be positive".into(),
+                ));
+            }
+        }
+        let (job_tx, job_rx) = crossbeam_channel::bounded::<StepJob>(1);
+        let (rep_tx, rep_rx) = crossbeam_channel::bounded::<StepReport>(1);
+        let mut worker = Worker {
+            planner,
+            cpu,
+            copier,
+            hs,
+            cfg,
+            cpu_out_dirty: true,
+        };
+        let handle = std::thread::Builder::new()
+            .name("ft-decode-driver".into())
+            .spawn(move || {
+                let attached = worker.copier.attach();
+                while let Ok(job) = job_rx.recv() {
+                    let report = match &attached {
+                        Ok(()) => worker.step(job),
+                        Err(e) => {
+                            let mut r = StepReport::default();
+                            worker.abort(&job, 0, &mut r, e.to_string());
+                            r
+                        }
+                    };
+                    if rep_tx.send(report).is_err() {
+                        break;
+                    }
+                }
+            })
+            .map_err(|e| DriverError::Invalid(format!("spawning the decode driver thread: {e}")))?;
+        Ok(Self {
+            jobs: Some(job_tx),
+            reports: rep_rx,
+            handle: Some(handle),
+            running: false,
+        })
+    }
+
+    /// Hands a step to the driver thread (returns at once). Start it before the device runs the
+    /// step's graph.
+    ///
+    /// # Errors
+    /// `Invalid` if a step is already running, or the job does not fit the handshake buffers.
+    pub fn start(&mut self, job: StepJob) -> Result<(), DriverError> {
+        if self.running {
+            return Err(DriverError::Invalid(
+                "a step is already running: finish() it first".into(),
+            ));
+        }
+        if job.batch == 0 || job.batch > job.size || job.generation == 0 || job.block_m == 0 {
+            return Err(DriverError::Invalid(format!(
+                "bad step: batch {} of size {}, generation {}, block_m {}",
+                job.batch, job.size, job.generation, job.block_m
+            )));
+        }
+        let tx = self.jobs.as_ref().expect("jobs sender lives until drop");
+        tx.send(job)
+            .map_err(|_| DriverError::Invalid("the decode driver thread has stopped".into()))?;
+        self.running = true;
+        Ok(())
+    }
+
+    /// Waits for the running step to end and returns its report (with `error` set if it failed).
+    ///
+    /// # Errors
+    /// `Invalid` if no step is running or the thread has stopped.
+    pub fn finish(&mut self) -> Result<StepReport, DriverError> {
+        if !self.running {
+            return Err(DriverError::Invalid("no step is running".into()));
+        }
+        self.running = false;
+        self.reports
+            .recv()
+            .map_err(|_| DriverError::Invalid("the decode driver thread has stopped".into()))
+    }
+}
+
+impl Drop for DecodeDriver {
+    fn drop(&mut self) {
+        self.jobs = None; // closes the channel: the thread's recv fails and it exits
+        if let Some(h) = self.handle.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+/// `AtomicU32` view of one flag.
+///
+/// # Safety
+/// `p` must be valid, 4-byte aligned, and only accessed atomically (or by the device) meanwhile.
+unsafe fn flag<'a>(p: *mut u32) -> &'a AtomicU32 {
+    // SAFETY: per the caller's contract.
+    unsafe { AtomicU32::from_ptr(p) }
+}
+
+impl Worker {
+    fn layers(&self) -> usize {
+        self.cpu.pool().num_layers()
+    }
+
+    fn hidden(&self) -> usize {
+        self.cpu.pool().hidden_size()
+    }
+
+    fn check(&self, job: &StepJob) -> Result<(), DriverError> {
+        let (k, h) = (self.cfg.top_k, self.hidden());
+        let (a, b, c) = plan_layout(job.size, k, self.cfg.slot_rows, job.block_m);
+        if mail_len(job.size, k, h) > self.hs.mail_len
+            || a + b + c > self.hs.plan_len
+            || job.size * h > self.hs.cpu_out_len
+        {
+            return Err(DriverError::Invalid(format!(
+                "a step of {} rows needs mail {} B, plan {} and cpu_out {} elements; the buffers hold {}, {} and {}",
+                job.size,
+                mail_len(job.size, k, h),
+                a + b + c,
+                job.size * h,
+                self.hs.mail_len,
+                self.hs.plan_len,
+                self.hs.cpu_out_len
+            )));
+        }
+        Ok(())
+    }
+
+    fn step(&mut self, job: StepJob) -> StepReport {
+        let mut report = StepReport::default();
+        if let Err(e) = self.check(&job) {
+            self.abort(&job, 0, &mut report, e.to_string());
+            return report;
+        }
+        for layer in 0..self.layers() {
+            let t0 = Instant::now();
+            // SAFETY: flags are `[num_layers]` (Handshake contract).
+            let posted = unsafe { flag(self.hs.mail_flag.add(layer)) };
+            if !wait_for(posted, job.generation, self.cfg.timeout) {
+                let msg = format!(
+                    "decode step {}: the device did not post MoE layer {layer}'s routing within {:?}",
+                    job.generation, self.cfg.timeout
+                );
+                self.abort(&job, layer, &mut report, msg);
+                return report;
+            }
+            report.wait_seconds += t0.elapsed().as_secs_f64();
+            let served = if job.idle {
+                self.write_empty(&job);
+                Ok(())
+            } else {
+                self.serve(layer, &job, &mut report)
+            };
+            if let Err(e) = served {
+                self.abort(&job, layer, &mut report, format!("MoE layer {layer}: {e}"));
+                return report;
+            }
+            // SAFETY: as above. ORDERING: Release publishes the plan and cpu_out written above
+            // (x86 keeps store order, so the device, reading over PCIe, sees them first).
+            unsafe {
+                flag(self.hs.plan_flag.add(layer)).store(job.generation, Ordering::Release);
+                flag(self.hs.cpu_flag.add(layer)).store(job.generation, Ordering::Release);
+            }
+        }
+        report
+    }
+
+    /// Plans one layer step and does the host's part of it; returns once fills have landed and
+    /// the plan and CPU output are written.
+    fn serve(
+        &mut self,
+        layer: usize,
+        job: &StepJob,
+        report: &mut StepReport,
+    ) -> Result<(), DriverError> {
+        let (k, h) = (self.cfg.top_k, self.hidden());
+        let (b, size) = (job.batch, job.size);
+        // SAFETY: the mailbox holds a step of `size` rows (checked in `check`), posted and
+        // visible since the Acquire load of its flag.
+        let (ids, weights, hidden) = unsafe {
+            let base = self.hs.mail;
+            (
+                std::slice::from_raw_parts(base as *const i64, b * k),
+                std::slice::from_raw_parts(base.add(8 * size * k) as *const f32, b * k),
+                std::slice::from_raw_parts(base.add(12 * size * k) as *const f32, b * h),
+            )
+        };
+        let plan = {
+            let mut planner = self.planner.lock().unwrap_or_else(|e| e.into_inner());
+            planner.plan(layer as i64, ids, k, self.cfg.backend)?
+        };
+        let pool = self.cpu.pool().clone();
+        let t_fill = Instant::now();
+        for (&e, &slot) in plan.fill_experts.iter().zip(&plan.fill_slots) {
+            let (src, nbytes) = pool
+                .expert_ptr(layer as i64, e as i64)
+                .map_err(crate::error::KernelError::from)?;
+            // SAFETY: `src` is a pool expert of `nbytes`, and the pool outlives the step.
+            unsafe { self.copier.copy(slot as usize, src, nbytes)? };
+        }
+        report.fills += plan.fill_experts.len();
+        report.fill_bytes += plan.fill_experts.len() * pool.expert_nbytes();
+        // The plan: slots of the real rows, -1 for padding rows, then the tile alignment.
+        let (ns, nr, nt) = plan_layout(size, k, self.cfg.slot_rows, job.block_m);
+        // SAFETY: the plan buffer holds ns + nr + nt int64 (checked in `check`).
+        let buf = unsafe { std::slice::from_raw_parts_mut(self.hs.plan, ns + nr + nt) };
+        let (slots, rest) = buf.split_at_mut(ns);
+        let (pairs, tiles) = rest.split_at_mut(nr);
+        for (dst, &s) in slots.iter_mut().zip(&plan.topk_slots) {
+            *dst = s as i64;
+        }
+        slots[b * k..].fill(-1);
+        align_pairs(slots, self.cfg.slot_rows, job.block_m, pairs, tiles);
+        // SAFETY: cpu_out holds size * h float32 (checked in `check`).
+        let cpu_out = unsafe { std::slice::from_raw_parts_mut(self.hs.cpu_out, size * h) };
+        if !plan.cpu_experts.is_empty() {
+            cpu_out.fill(0.0);
+            let experts: Vec<i64> = plan.cpu_experts.iter().map(|&e| e as i64).collect();
+            let t0 = Instant::now();
+            self.cpu.forward(
+                layer as i64,
+                Hidden::F32(hidden),
+                ids,
+                weights,
+                k,
+                &experts,
+                &mut cpu_out[..b * h],
+            )?;
+            report.cpu_seconds += t0.elapsed().as_secs_f64();
+            report.cpu_experts += experts.len();
+            report.cpu_picks += plan.topk_slots.iter().filter(|&&s| s < 0).count();
+            self.cpu_out_dirty = true;
+        } else if self.cpu_out_dirty {
+            cpu_out.fill(0.0);
+            self.cpu_out_dirty = false;
+        }
+        if !plan.fill_experts.is_empty() {
+            self.copier.wait()?;
+            report.fill_seconds += t_fill.elapsed().as_secs_f64();
+        }
+        Ok(())
+    }
+
+    /// An empty plan for `job.size` rows (every pick skipped) and a zero CPU output.
+    fn write_empty(&mut self, job: &StepJob) {
+        let (k, h) = (self.cfg.top_k, self.hidden());
+        let (ns, nr, nt) = plan_layout(job.size, k, self.cfg.slot_rows, job.block_m);
+        if ns + nr + nt <= self.hs.plan_len {
+            // SAFETY: length checked against the plan buffer's capacity.
+            let buf = unsafe { std::slice::from_raw_parts_mut(self.hs.plan, ns + nr + nt) };
+            let (slots, rest) = buf.split_at_mut(ns);
+            let (pairs, tiles) = rest.split_at_mut(nr);
+            slots.fill(-1);
+            align_pairs(slots, self.cfg.slot_rows, job.block_m, pairs, tiles);
+        }
+        let n = (job.size * h).min(self.hs.cpu_out_len);
+        // SAFETY: n <= the cpu_out buffer's capacity.
+        unsafe { std::slice::from_raw_parts_mut(self.hs.cpu_out, n) }.fill(0.0);
+        self.cpu_out_dirty = false;
+    }
+
+    /// Fails the step at `layer`: publishes an empty plan for it and every later layer so the
+    /// device runs to the end of its graph, and records `msg`.
+    fn abort(&mut self, job: &StepJob, layer: usize, report: &mut StepReport, msg: String) {
+        self.write_empty(job);
+        for l in layer..self.layers() {
+            // SAFETY: flags are `[num_layers]`. ORDERING: Release after the empty plan.
+            unsafe {
+                flag(self.hs.plan_flag.add(l)).store(job.generation, Ordering::Release);
+                flag(self.hs.cpu_flag.add(l)).store(job.generation, Ordering::Release);
+            }
+        }
+        report.error = Some(msg);
+    }
+}
+
+/// Spins (then yields) until `f == want`; false after `timeout`.
+fn wait_for(f: &AtomicU32, want: u32, timeout: Duration) -> bool {
+    let start = Instant::now();
+    let mut spins = 0u32;
+    // ORDERING: Acquire pairs with the device's post (a DMA of the mailbox, then of the flag, in
+    // stream order): the mailbox is read only after the flag is seen.
+    while f.load(Ordering::Acquire) != want {
+        spins = spins.wrapping_add(1);
+        if spins.is_multiple_of(1024) && start.elapsed() > timeout {
+            return false;
+        }
+        if spins < 1 << 16 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,299 @@
+//! The driver against a test thread that plays the device's side of the handshake: it posts
+//! routing, waits for each plan, and checks the plan, the slots' bytes and the CPU output against
+//! the pool and the reference expert.
+use super::*;
+use crate::align::align_pairs;
+use crate::cpu::reference_expert;
+use crate::planner::{BandwidthProfile, PlannerConfig};
+use crate::pool::{ExpertPool, PoolShape};
+
+const L: usize = 3;
+const E: usize = 8;
+const H: usize = 32;
+const I: usize = 16;
+const K: usize = 2;
+const SLOTS: usize = 3;
+const MAX_ROWS: usize = 4;
+const BLOCK_M: usize = 4;
+
+/// The handshake buffers, owned by the test.
+struct Shared {
+    mail_flag: Vec<u32>,
+    plan_flag: Vec<u32>,
+    cpu_flag: Vec<u32>,
+    mail: Vec<u64>,
+    plan: Vec<i64>,
+    cpu_out: Vec<f32>,
+    slots: Vec<u8>,
+}
+
+struct Rig {
+    pool: Arc<ExpertPool>,
+    shared: Box<Shared>,
+    driver: DecodeDriver,
+}
+
+fn rig(backend: Backend, timeout: Duration) -> Rig {
+    let shape = PoolShape {
+        moe_layers: (0..L).collect(),
+        num_experts: E,
+        hidden_size: H,
+        intermediate_size: I,
+    };
+    let pool = Arc::new(ExpertPool::random(shape, 7, Some(1)).unwrap());
+    let stride = pool.shape().expert_stride();
+    let (a, b, c) = plan_layout(MAX_ROWS, K, SLOTS, BLOCK_M);
+    let mut shared = Box::new(Shared {
+        mail_flag: vec![0; L],
+        plan_flag: vec![0; L],
+        cpu_flag: vec![0; L],
+        mail: vec![0; mail_len(MAX_ROWS, K, H).div_ceil(8)],
+        plan: vec![0; a + b + c],
+        cpu_out: vec![0.0; MAX_ROWS * H],
+        slots: vec![0; SLOTS * stride],
+    });
+    let hs = Handshake {
+        mail_flag: shared.mail_flag.as_mut_ptr(),
+        plan_flag: shared.plan_flag.as_mut_ptr(),
+        cpu_flag: shared.cpu_flag.as_mut_ptr(),
+        mail: shared.mail.as_ptr() as *const u8,
+        mail_len: shared.mail.len() * 8,
+        plan: shared.plan.as_mut_ptr(),
+        plan_len: shared.plan.len(),
+        cpu_out: shared.cpu_out.as_mut_ptr(),
+        cpu_out_len: shared.cpu_out.len(),
+    };
+    let planner = Planner::new(PlannerConfig {
+        num_layers: L,
+        num_experts: E,
+        expert_nbytes: pool.expert_nbytes(),
+        capacity: SLOTS,
+        policy: "lru".into(),
+        profile: Some(BandwidthProfile::new(1e9, vec![(1.0, 1e9)]).unwrap()),
+        reuse_weight: 0.0,
+        reuse_decay: 0.9,
+    })
+    .unwrap();
+    let cpu = Arc::new(CpuExperts::new(pool.clone(), Some(2), None).unwrap());
+    // SAFETY: the slots and handshake buffers live in `shared`, boxed (stable addresses) and
+    // dropped after the driver (field order of `Rig` is irrelevant: tests drop the driver first).
+    let copier = unsafe { HostCopier::new(shared.slots.as_mut_ptr(), stride, SLOTS) };
+    let cfg = DriverConfig {
+        backend,
+        top_k: K,
+        slot_rows: SLOTS,
+        timeout,
+    };
+    let driver = unsafe {
+        DecodeDriver::new(
+            Arc::new(Mutex::new(planner)),
+            cpu,
+            Box::new(copier),
+            hs,
+            cfg,
+        )
+        .unwrap()
+    };
+    Rig {
+        pool,
+        shared,
+        driver,
+    }
+}
+
+fn atomic(v: &mut [u32], i: usize) -> &AtomicU32 {
+    // SAFETY: in bounds; the driver thread accesses the flags only atomically.
+    unsafe { AtomicU32::from_ptr(v.as_mut_ptr().add(i)) }
+}
+
+/// Plays the device for one step: per layer, posts `ids` (and weights 1/(j+1), hidden from a
+/// formula), waits for the plan and checks it. Returns the picks the CPU ran (offload runs picks
+/// there too when a layer routes to more experts than there are slots).
+fn device_step(r: &mut Rig, generation: u32, batch: usize, size: usize, ids: &[[i64; K]]) -> usize {
+    let stride = r.pool.shape().expert_stride();
+    let nbytes = r.pool.expert_nbytes();
+    let mut cpu_picks = 0;
+    for layer in 0..L {
+        let sh = &mut *r.shared;
+        let mail = sh.mail.as_mut_ptr() as *mut u8;
+        let hidden: Vec<f32> = (0..size * H)
+            .map(|i| ((i * 7 + layer) % 13) as f32 / 13.0 - 0.5)
+            .collect();
+        let weights: Vec<f32> = (0..size * K).map(|p| 1.0 / (p % K + 1) as f32).collect();
+        // SAFETY: writes within the mailbox's size-row layout (the driver reads it after the flag).
+        unsafe {
+            for t in 0..size {
+                for j in 0..K {
+                    *(mail as *mut i64).add(t * K + j) = ids[t][j];
+                }
+            }
+            std::ptr::copy_nonoverlapping(
+                weights.as_ptr(),
+                mail.add(8 * size * K) as *mut f32,
+                size * K,
+            );
+            std::ptr::copy_nonoverlapping(
+                hidden.as_ptr(),
+                mail.add(12 * size * K) as *mut f32,
+                size * H,
+            );
+        }
+        atomic(&mut sh.mail_flag, layer).store(generation, Ordering::Release);
+        while atomic(&mut sh.cpu_flag, layer).load(Ordering::Acquire) != generation {
+            std::hint::spin_loop();
+        }
+        assert_eq!(
+            atomic(&mut sh.plan_flag, layer).load(Ordering::Acquire),
+            generation
+        );
+        let (ns, nr, nt) = plan_layout(size, K, SLOTS, BLOCK_M);
+        let slots = &sh.plan[..ns];
+        // Padding rows are skipped; every real pick has a slot holding its expert, or -1.
+        assert!(slots[batch * K..].iter().all(|&s| s == -1));
+        let mut expected = vec![0.0f32; size * H];
+        for t in 0..batch {
+            for j in 0..K {
+                let (e, s) = (ids[t][j] as usize, slots[t * K + j]);
+                if s >= 0 {
+                    let s = s as usize;
+                    assert!(s < SLOTS);
+                    let (src, _) = r.pool.expert_ptr(layer as i64, e as i64).unwrap();
+                    // SAFETY: a pool expert of `nbytes`.
+                    let want = unsafe { std::slice::from_raw_parts(src, nbytes) };
+                    assert_eq!(
+                        &sh.slots[s * stride..s * stride + nbytes],
+                        want,
+                        "slot {s} holds expert {e}"
+                    );
+                } else {
+                    cpu_picks += 1;
+                    let y = reference_expert(&r.pool, layer, e, &hidden[t * H..(t + 1) * H]);
+                    for (o, v) in expected[t * H..(t + 1) * H].iter_mut().zip(y) {
+                        *o += weights[t * K + j] * v;
+                    }
+                }
+            }
+        }
+        for (got, want) in sh.cpu_out[..size * H].iter().zip(&expected) {
+            assert!(
+                (got - want).abs() <= 1e-3 + 1e-2 * want.abs(),
+                "cpu_out {got} vs {want}"
+            );
+        }
+        let (mut pairs, mut tiles) = (vec![0; nr], vec![0; nt]);
+        align_pairs(slots, SLOTS, BLOCK_M, &mut pairs, &mut tiles);
+        assert_eq!(&sh.plan[ns..ns + nr], &pairs[..]);
+        assert_eq!(&sh.plan[ns + nr..ns + nr + nt], &tiles[..]);
+    }
+    cpu_picks
+}
+
+fn job(generation: u32, batch: usize, size: usize) -> StepJob {
+    StepJob {
+        batch,
+        size,
+        generation,
+        block_m: BLOCK_M,
+        idle: false,
+    }
+}
+
+#[test]
+fn every_backend_serves_steps_through_the_handshake() {
+    let routing: [[i64; K]; MAX_ROWS] = [[0, 1], [2, 3], [1, 4], [7, 0]];
+    for backend in [Backend::Offload, Backend::Cpu, Backend::Hybrid] {
+        let mut r = rig(backend, Duration::from_secs(20));
+        let mut total_cpu = 0;
+        for generation in 1..=4u32 {
+            let (batch, size) = if generation % 2 == 0 { (3, 4) } else { (1, 2) };
+            let ids: Vec<[i64; K]> = (0..size)
+                .map(|t| routing[(t + generation as usize) % MAX_ROWS])
+                .collect();
+            r.driver.start(job(generation, batch, size)).unwrap();
+            let cpu_picks = device_step(&mut r, generation, batch, size, &ids);
+            let report = r.driver.finish().unwrap();
+            assert_eq!(report.error, None);
+            assert_eq!(report.cpu_picks, cpu_picks);
+            total_cpu += cpu_picks;
+            if backend == Backend::Cpu {
+                assert_eq!(report.fills, 0);
+            }
+        }
+        if backend != Backend::Offload {
+            assert!(total_cpu > 0, "{backend:?} ran nothing on the CPU");
+        }
+    }
+}
+
+#[test]
+fn a_device_that_never_posts_fails_the_step_and_releases_every_layer() {
+    let mut r = rig(Backend::Offload, Duration::from_millis(50));
+    r.driver.start(job(1, 1, 1)).unwrap();
+    let report = r.driver.finish().unwrap();
+    let msg = report.error.expect("a timeout");
+    assert!(msg.contains("did not post MoE layer 0"), "{msg}");
+    let sh = &mut *r.shared;
+    for l in 0..L {
+        assert_eq!(atomic(&mut sh.plan_flag, l).load(Ordering::Acquire), 1);
+        assert_eq!(atomic(&mut sh.cpu_flag, l).load(Ordering::Acquire), 1);
+    }
+    let (ns, nr, nt) = plan_layout(1, K, SLOTS, BLOCK_M);
+    assert!(sh.plan[..ns].iter().all(|&s| s == -1));
+    assert!(sh.plan[ns + nr..ns + nr + nt].iter().all(|&t| t == -1));
+    // The driver still serves the next step.
+    r.driver.start(job(2, 1, 1)).unwrap();
+    device_step(&mut r, 2, 1, 1, &[[3, 5]]);
+    assert_eq!(r.driver.finish().unwrap().error, None);
+}
+
+#[test]
+fn bad_routing_and_oversized_steps_are_errors_not_hangs() {
+    let mut r = rig(Backend::Hybrid, Duration::from_secs(20));
+    r.driver.start(job(1, 1, 1)).unwrap();
+    // An expert id out of range: the planner refuses, every layer is released.
+    let sh = &mut *r.shared;
+    // SAFETY: the mailbox holds at least one row.
+    unsafe { *(sh.mail.as_mut_ptr() as *mut i64) = E as i64 };
+    for l in 0..L {
+        atomic(&mut sh.mail_flag, l).store(1, Ordering::Release);
+    }
+    let msg = r.driver.finish().unwrap().error.expect("a plan error");
+    assert!(msg.contains("out of range"), "{msg}");
+    r.driver.start(job(2, 5, 5)).unwrap();
+    let msg = r
+        .driver
+        .finish()
+        .unwrap()
+        .error
+        .expect("too large for the buffers");
+    assert!(msg.contains("the buffers hold"), "{msg}");
+    assert!(r.driver.start(job(3, 2, 1)).is_err(), "batch above size");
+    assert!(r.driver.finish().is_err(), "nothing running");
+}
+
+#[test]
+fn an_idle_step_answers_empty_plans_without_planning() {
+    let mut r = rig(Backend::Offload, Duration::from_secs(20));
+    r.driver
+        .start(StepJob {
+            idle: true,
+            ..job(1, 2, 2)
+        })
+        .unwrap();
+    let sh = &mut *r.shared;
+    for l in 0..L {
+        atomic(&mut sh.mail_flag, l).store(1, Ordering::Release);
+        while atomic(&mut sh.cpu_flag, l).load(Ordering::Acquire) != 1 {
+            std::hint::spin_loop();
+        }
+    }
+    let report = r.driver.finish().unwrap();
+    assert_eq!(
+        (report.error, report.fills, report.cpu_experts),
+        (None, 0, 0)
+    );
+    assert!(sh.plan[..2 * K].iter().all(|&s| s == -1));
+    r.driver.start(job(2, 1, 1)).unwrap();
+    device_step(&mut r, 2, 1, 1, &[[6, 2]]);
+    assert_eq!(r.driver.finish().unwrap().error, None);
+}
