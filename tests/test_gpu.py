@@ -91,3 +91,43 @@ def test_offload_piecewise_graphs_equal_fused(tmp_path, slots):
     )
     assert engine.runner.decode is not None and engine.runner.decode.span_graphs
     assert greedy_tokens(engine, PROMPTS, 16) == fused
+
+
+@pytest.mark.parametrize("backend", ["fused", "offload"])
+def test_constrained_decoding_on_cuda_graph_path(tmp_path, backend):
+    """response_format's grammar mask on CUDA logits, through the captured decode step (whole-step graphs for
+    fused, piecewise for offload): constrained rows of a random model give schema-valid JSON and end with EOS
+    (sampled and greedy), beside an unconstrained row in the same batch."""
+    import json
+
+    import jsonschema
+
+    from freetoken.engine.structured import json_grammar
+    from freetoken.engine.types import SamplingParams
+    from test_server_openai import CARD_SCHEMA
+
+    path = build_demo_checkpoint(tmp_path / "demo", seed=8)
+    engine = LLMEngine.from_dir(
+        path, EngineConfig(device="cuda", dtype="bfloat16", kv_cache_gb=0.5, moe_backend=backend, expert_slots=16)
+    )
+    assert engine.runner.decode is not None
+    grammar = json_grammar(CARD_SCHEMA)
+    batch = {
+        "sampled": SamplingParams(max_tokens=400, temperature=1.0, seed=3, grammar=engine.grammars.matcher(grammar)),
+        "greedy": SamplingParams(max_tokens=400, temperature=0.0, grammar=engine.grammars.matcher(grammar)),
+        "free": SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True),
+    }
+    for name, params in batch.items():
+        engine.add_request(name, PROMPTS[0], params)
+    out: dict[str, list[int]] = {name: [] for name in batch}
+    finish: dict[str, str | None] = {}
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id].extend(o.chunk.token_ids)
+            if o.chunk.finish_reason is not None:
+                finish[o.request_id] = o.chunk.finish_reason
+    for name in ("sampled", "greedy"):
+        assert finish[name] == "stop", (name, finish[name])
+        text = engine.tokenizer.decode([t for t in out[name] if t not in engine.eos_ids])
+        jsonschema.validate(json.loads(text), CARD_SCHEMA)
+    assert len(out["free"]) == 24

@@ -122,11 +122,8 @@ fn device_step(r: &mut Rig, generation: u32, batch: usize, size: usize, ids: &[[
         let weights: Vec<f32> = (0..size * K).map(|p| 1.0 / (p % K + 1) as f32).collect();
         // SAFETY: writes within the mailbox's size-row layout (the driver reads it after the flag).
         unsafe {
-            for t in 0..size {
-                for j in 0..K {
-                    *(mail as *mut i64).add(t * K + j) = ids[t][j];
-                }
-            }
+            let flat: Vec<i64> = ids[..size].iter().flatten().copied().collect();
+            std::ptr::copy_nonoverlapping(flat.as_ptr(), mail as *mut i64, size * K);
             std::ptr::copy_nonoverlapping(
                 weights.as_ptr(),
                 mail.add(8 * size * K) as *mut f32,
