@@ -6,7 +6,8 @@ CPU with the same Rust kernels). Budgets (`--budgets`, GB: non-expert weights + 
 batch sizes (`--batch`). Weights are seeded random (`ExpertPool.random`, 58 GB of bf16 experts); routing is
 replayed from a synthetic trace calibrated to published statistics (`freetoken._core.synthetic_trace`: Zipf
 skew 0.45 (busiest expert ~4.4x the uniform share), reuse 0.35 within a 16-step window), because random
-routers route almost uniformly, which would understate locality.
+routers route almost uniformly, which would understate locality. The trace replaces the routers' ids on the
+device (`TraceRouter`), so every row, captured graphs included, sees the same routing.
 
     python benches/moe_backends.py [--budgets 16 24 32] [--batch 1 4] [--steps 32] [--warmup 16]
 
@@ -42,46 +43,44 @@ from freetoken.moe.pinned import pin_host_memory
 from freetoken.moe.fused import FusedExperts
 
 
-class TraceReplay:
-    """Wraps a backend and replaces the router's ids of decode steps with the trace's (step, layer) ids."""
+class TraceRouter(torch.nn.Module):
+    """A MoE layer's router for decode steps: the router's own weights, the trace's expert ids.
 
-    graph_safe = False
-    wants_weights = False
+    The ids come from a device table indexed by a device step counter, so a captured decode step replays the
+    trace too; the last MoE layer advances the counter. Steps with more rows than the trace has (the prefill),
+    and any step while `active` is False, keep the router's ids.
+    """
 
-    def __init__(self, inner, trace: dict[tuple[int, int], np.ndarray], moe_layers: list[int], num_steps: int):
-        self.inner = inner
-        self.trace = trace
-        self.pool_layer = {layer: i for i, layer in enumerate(moe_layers)}
-        self.last_layer = moe_layers[-1]
-        self.num_steps = num_steps
-        self.step = 0
+    def __init__(self, router: torch.nn.Module, table: torch.Tensor, clock: torch.Tensor, tick: bool) -> None:
+        super().__init__()
+        self.router, self.table, self.clock, self.tick = router, table, clock, tick
+        self.active = True
 
-    def begin_step(self, num_tokens, num_prefill_tokens, top_k):
-        self.inner.begin_step(num_tokens, num_prefill_tokens, top_k)
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, weights = self.router(x)
+        rows = x.shape[0]
+        if not self.active or rows > self.table.shape[1]:
+            return ids, weights
+        step = torch.remainder(self.clock, self.table.shape[0])
+        ids = self.table.index_select(0, step)[0, :rows]
+        if self.tick:
+            self.clock.add_(1)
+        return ids, weights
 
-    def _ids(self, layer: int, shape: tuple[int, ...]) -> np.ndarray | None:
-        ids = self.trace.get((self.step % self.num_steps, self.pool_layer[layer]))
-        if layer == self.last_layer:
-            self.step += 1
-        return ids.astype(np.int64) if ids is not None and ids.shape == shape else None
 
-    def forward(self, layer, hidden, topk_ids, topk_weights):
-        ids = self._ids(layer, tuple(topk_ids.shape))
-        if ids is not None:
-            topk_ids = torch.from_numpy(ids).to(hidden.device)
-        return self.inner.forward(layer, hidden, topk_ids, topk_weights)
-
-    def forward_staged(self, layer, hidden, topk_weights, host_ids, host_weights, host_hidden, out, cpu_out):
-        """The piecewise decode runner's path: the trace's ids are written over the staged host copy (after a
-        sync, so the queued copy cannot overwrite them)."""
-        ids = self._ids(layer, tuple(host_ids.shape))
-        torch.cuda.current_stream().synchronize()
-        if ids is not None:
-            host_ids.numpy()[:] = ids
-        if hasattr(self.inner, "forward_staged"):
-            self.inner.forward_staged(layer, hidden, topk_weights, host_ids, host_weights, host_hidden, out, cpu_out)
-        else:
-            out.copy_(self.inner.forward(layer, hidden, host_ids.to(hidden.device), topk_weights))
+def install_trace(model, trace: dict[tuple[int, int], np.ndarray], moe_layers: list[int], num_steps: int,
+                  batch: int, top_k: int, device: torch.device) -> list[TraceRouter]:
+    """Put a `TraceRouter` in front of every MoE layer's router (or swap its table): decode ids from the trace's
+    (step, pool layer) records of `batch` rows."""
+    clock = torch.zeros(1, dtype=torch.int64, device=device)
+    routers = []
+    for pool_layer, layer in enumerate(moe_layers):
+        table = np.stack([trace[(s, pool_layer)].reshape(batch, top_k) for s in range(num_steps)]).astype(np.int64)
+        mlp = model.model.layers[layer].mlp
+        router = mlp.gate.router if isinstance(mlp.gate, TraceRouter) else mlp.gate
+        mlp.gate = TraceRouter(router, torch.from_numpy(table).to(device), clock, tick=layer == moe_layers[-1])
+        routers.append(mlp.gate)
+    return routers
 
 
 class StaticLayers:
@@ -114,15 +113,19 @@ class StaticLayers:
 
 
 def run_decode(
-    engine: LLMEngine, replay: TraceReplay, batch: int, warmup: int, steps: int
+    engine: LLMEngine, routers: list[TraceRouter], backend, batch: int, warmup: int, steps: int
 ) -> tuple[list[float], dict]:
     """Step times (s) of `steps` decode steps after a prefill and `warmup` steps, and the backend's counters
     at the start of the measured steps."""
     params = SamplingParams(max_tokens=warmup + steps + 1, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"r{i}", list(range(1 + i, 33 + i)), params)
-    engine.step()  # prefill
-    replay.step = 0
+    for r in routers:
+        r.active = False
+    engine.step()  # prefill, routed by the model's own router
+    for r in routers:
+        r.active = True
+    routers[0].clock.zero_()
     times = []
     for n in range(warmup + steps):
         torch.cuda.synchronize()
@@ -130,7 +133,7 @@ def run_decode(
         engine.step()
         torch.cuda.synchronize()
         if n == warmup - 1:
-            start_stats = snapshot(replay.inner)
+            start_stats = snapshot(backend)
         if n >= warmup:
             times.append(time.perf_counter() - t0)
     while engine.has_work():
@@ -138,11 +141,13 @@ def run_decode(
     return times, start_stats
 
 
-def profile_steps(engine: LLMEngine, replay: TraceReplay, batch: int, log) -> float | None:
+def profile_steps(engine: LLMEngine, batch: int, log) -> float | None:
     """Where 4 warm decode steps spend their time: the profiler's top ops by CPU and by GPU time (logged), and the
     share of the steps' wall time outside every device kernel and copy and the host expert kernels
     (`cpu_experts` ranges): the union of those intervals against each step's span. The profiler's own cost per
-    op counts as outside, so the share is an upper bound. None when the trace has no device events."""
+    op counts as outside, so the share is an upper bound; so do, in a driven step, the decode driver's CPU experts
+    (a Rust thread, unseen by the profiler) and the device's waits for the driver (`_wait_fetch`, not counted
+    as kernel time). None when the trace has no device events."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -163,7 +168,7 @@ def profile_steps(engine: LLMEngine, replay: TraceReplay, batch: int, log) -> fl
     events = prof.events()
     steps = [(e.time_range.start, e.time_range.end) for e in events if e.name == "decode_step"]
     busy = sorted((e.time_range.start, e.time_range.end) for e in events if e.name != "decode_step"
-                  and (e.device_type == DeviceType.CUDA or e.name == "cpu_experts"))
+                  and "_wait_fetch" not in e.name and (e.device_type == DeviceType.CUDA or e.name == "cpu_experts"))
     if not steps or not any(e.device_type == DeviceType.CUDA for e in events):
         return None
     covered = 0.0
@@ -281,18 +286,21 @@ def main() -> None:
                             backend_name, pool, device, slots, pcie_bytes_per_s=b_pcie, cpu_bytes_per_s=b_cpu,
                             layer_buffers=buffers,
                         )
-                    replay = TraceReplay(inner, trace, layers, total)
-                    model.attach_experts(replay)
+                    model.attach_experts(inner)
+                    routers = install_trace(model, trace, layers, total, batch, cfg.num_experts_per_tok, device)
                     torch.cuda.reset_peak_memory_stats()
+                    t_row = time.perf_counter()
                     engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
+                    log(f"{backend_name} b={batch} {budget} GB: engine ready (graphs captured) in "
+                        f"{time.perf_counter() - t_row:.0f} s")
                     outside = None
                     if args.profile:
-                        outside = profile_steps(engine, replay, batch, log)
+                        outside = profile_steps(engine, batch, log)
                         engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
                     if args.cprofile:
                         cprofile_steps(engine, batch, log)
                         engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
-                    times, before = run_decode(engine, replay, batch, args.warmup, args.steps)
+                    times, before = run_decode(engine, routers, inner, batch, args.warmup, args.steps)
                     after = snapshot(inner)
                     tokens = batch * args.steps
                     step_s = statistics.median(times)
@@ -315,7 +323,7 @@ def main() -> None:
                         row["outside_share"] = round(outside, 3)
                     rows.append(row)
                     print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-                    del engine, inner, replay, gpu_arena
+                    del engine, inner, gpu_arena
     static = {(r["budget_gb"], r["batch"]): r["tok_per_s"] for r in rows if r["backend"] == "static"}
     for r in rows:
         if r["backend"] == "hybrid" and (r["budget_gb"], r["batch"]) in static:

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from freetoken.config import EngineConfig
 from freetoken.engine.llm_engine import LLMEngine
+from freetoken.engine.types import SamplingParams
 from freetoken.models.demo import build_demo_checkpoint
-
 from greedy import greedy_tokens
 from reference import make_reference_checkpoint
 
@@ -81,16 +80,65 @@ def test_bfloat16_greedy_follows_transformers(tmp_path):
 
 
 @pytest.mark.parametrize("slots", [64, 5])
-def test_offload_piecewise_graphs_equal_fused(tmp_path, slots):
-    """bfloat16 on CUDA: offload (host pool, slot cache, piecewise CUDA graphs) gives fused's greedy tokens; its
-    slot runs use the same Triton kernel on the same bf16 weights, so the tokens are the same bits."""
+def test_offload_driven_graphs_equal_fused(tmp_path, slots):
+    """bfloat16 on CUDA: offload (host pool, slot cache, the whole decode step one CUDA graph served by the decode
+    driver thread) gives fused's greedy tokens; its slot runs use the same Triton kernel on the same bf16 weights,
+    so the tokens are the same bits. 5 slots: fewer than one token's experts, so picks also run on the CPU."""
     path = build_demo_checkpoint(tmp_path / "demo", seed=6)
     fused = _greedy(path, "cuda", "bfloat16", PROMPTS, 16)
     engine = LLMEngine.from_dir(
         path, EngineConfig(device="cuda", dtype="bfloat16", kv_cache_gb=0.5, moe_backend="offload", expert_slots=slots)
     )
-    assert engine.runner.decode is not None and engine.runner.decode.span_graphs
+    assert engine.runner.decode is not None and engine.runner.decode.handshake is not None
     assert greedy_tokens(engine, PROMPTS, 16) == fused
+    stats = engine.experts.stats()["layers"]
+    assert sum(stats["steps"]) >= 16 * len(engine.experts.pool_layer)
+
+
+def _chosen_logprobs(engine: LLMEngine, prompts, max_tokens: int) -> list[list[tuple[int, float]]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    out: dict[str, list[tuple[int, float]]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_work():
+        for o in engine.step():
+            out[o.request_id].extend((lp.token_id, lp.logprob) for lp in o.chunk.logprobs)
+    return [out[str(i)] for i in range(len(prompts))]
+
+
+@pytest.mark.parametrize("mode,slots", [("hybrid", 9), ("cpu", 0)])
+def test_driven_host_experts_follow_fused(tmp_path, mode, slots):
+    """bfloat16 on CUDA: hybrid and cpu decode through the driver thread's CPU experts (bf16 inputs, float32
+    sums) follow fused: the chosen tokens' log-probabilities agree to bf16 rounding until the first token that
+    differs (a near-tie flipped by rounding), and the first 4 tokens of every sequence are fused's."""
+    from freetoken._core import ExpertPool
+    from freetoken.models.loader import load_checkpoint
+    from freetoken.moe.expert_cache import ExpertCacheBackend
+    from freetoken.moe.fused import FusedExperts
+
+    path = build_demo_checkpoint(tmp_path / "demo", seed=9)
+    device = torch.device("cuda")
+    cfg = EngineConfig(device="cuda", dtype="bfloat16", kv_cache_gb=0.5)
+    model = load_checkpoint(path, FusedExperts(), device, torch.bfloat16)
+    want = _chosen_logprobs(LLMEngine(model, model.config, cfg, tokenizer=None), PROMPTS, 12)
+    backend = ExpertCacheBackend(
+        mode, ExpertPool.from_checkpoint(path), device, slots, cpu_threads=4,
+        pcie_bytes_per_s=50e9, cpu_bytes_per_s={1: 20e9, 4: 40e9},
+    )
+    model.attach_experts(backend)
+    engine = LLMEngine(model, model.config, cfg, tokenizer=None)
+    assert engine.runner.decode.handshake is not None
+    got = _chosen_logprobs(engine, PROMPTS, 12)
+    for g, w in zip(got, want):
+        assert [t for t, _ in g[:4]] == [t for t, _ in w[:4]]
+        for (tg, lg), (tw, lw) in zip(g, w):
+            if tg != tw:
+                break
+            assert abs(lg - lw) <= 0.05 + 0.02 * abs(lw), (lg, lw)
+    stats = backend.stats()["layers"]
+    assert sum(stats["cpu_runs"]) > 0
+    if mode == "hybrid":
+        assert sum(stats["fills"]) > 0
 
 
 @pytest.mark.parametrize("backend", ["fused", "offload"])
@@ -101,10 +149,8 @@ def test_constrained_decoding_on_cuda_graph_path(tmp_path, backend):
     import json
 
     import jsonschema
-
     from freetoken.engine.structured import json_grammar
-    from freetoken.engine.types import SamplingParams
-    from test_server_openai import CARD_SCHEMA
+    from schemas import CARD_SCHEMA
 
     path = build_demo_checkpoint(tmp_path / "demo", seed=8)
     engine = LLMEngine.from_dir(

@@ -11,6 +11,7 @@ import jsonschema
 import pydantic
 import pytest
 from conftest import MAX_MODEL_LEN, SERVED_MODEL_NAME
+from schemas import CARD_SCHEMA
 
 HELLO = [{"role": "user", "content": "Say hello."}]
 
@@ -366,18 +367,6 @@ def test_response_format_instructs(openai_client, demo_tokenizer, http):
 
 # Bounded, so that even the demo model's random weights reach the end within max_tokens: strings have a
 # maxLength, numbers a range. Any decoding that is not constrained writes garbage here.
-CARD_SCHEMA = {
-    "type": "object",
-    "properties": {
-        "ok": {"type": "boolean"},
-        "name": {"type": "string", "maxLength": 6},
-        "color": {"enum": ["red", "green", "blue"]},
-        "count": {"type": "integer", "minimum": 0, "maximum": 99},
-        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2},
-    },
-    "required": ["ok", "name", "color", "count", "tags"],
-    "additionalProperties": False,
-}
 # The demo model, when its template leaves thinking on, opens a reasoning block and never closes it (random
 # weights); the grammar allows that block before the JSON, so these tests turn thinking off.
 NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}

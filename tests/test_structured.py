@@ -17,7 +17,7 @@ from freetoken.engine.structured import (
     json_grammar,
 )
 from freetoken.engine.types import SamplingParams
-from test_server_openai import CARD_SCHEMA as SCHEMA
+from schemas import CARD_SCHEMA as SCHEMA
 
 
 @pytest.fixture(scope="module")

@@ -494,6 +494,77 @@ class CpuExperts:
             InternalError: A worker failed (``out`` may be partly updated).
         """
 
+class DecodeDriver:
+    """Serves every MoE layer of a decode step from a host thread while the whole step runs on the device as
+    one CUDA graph (``freetoken.moe.handshake`` is the device side).
+
+    Per layer the device copies its routing (the mailbox) to host memory and sets ``mail_flag[l]`` to the
+    step's generation; the driver plans with the shared ``planner`` (q*), copies fills into the slots (on the
+    CUDA stream given, through the CUDA driver API, or ``memcpy`` into host ``slots``), runs the CPU experts,
+    writes the plan (slot ids and their tile alignment) and the CPU sum, then sets ``plan_flag[l]`` and
+    ``cpu_flag[l]``. Layouts are in ``freetoken_core::driver::Handshake``. All buffers must be page-locked
+    and mapped for the device when it takes part.
+    """
+
+    def __init__(
+        self,
+        planner: Planner,
+        cpu: CpuExperts,
+        backend: Backend,
+        top_k: int,
+        slot_rows: int,
+        mail_flag: npt.NDArray[np.uint32],
+        plan_flag: npt.NDArray[np.uint32],
+        cpu_flag: npt.NDArray[np.uint32],
+        mail: npt.NDArray[np.uint8],
+        plan: npt.NDArray[np.int64],
+        cpu_out: npt.NDArray[np.float32],
+        slots: npt.NDArray[np.uint8] | None = None,
+        cuda: tuple[int, int, int, int, int] | None = None,
+        timeout_s: float = 10.0,
+    ) -> None:
+        """Starts the driver thread.
+
+        Args:
+            planner: The planner (shared: the driver plans on its thread).
+            cpu: The CPU experts (shared), whose pool holds the experts.
+            backend: How misses are served.
+            top_k: Experts per token.
+            slot_rows: Rows of the device weight tensor the slot kernel indexes (slots and layer buffers).
+            mail_flag, plan_flag, cpu_flag: ``[num_layers]`` uint32 flags.
+            mail: The mailbox: ids ``[size, k]`` int64, weights ``[size, k]`` float32, hidden ``[size, H]``
+                float32, packed.
+            plan: int64: slot ids ``[size * k]``, sorted pairs, tile slots (``aligned_len`` sizes).
+            cpu_out: float32 ``[size, H]`` capacity.
+            slots: Host slots ``[rows, expert_stride]`` uint8 (the CPU device), or None with ``cuda``.
+            cuda: ``(device ordinal, CUstream handle, slots device address, row stride in bytes, rows)``.
+            timeout_s: How long to wait for the device to post a layer before failing the step.
+
+        Raises:
+            InvalidArgumentError: Bad buffers (dtype, size, contiguity), backend or timeout.
+            InternalError: The CUDA driver library cannot be loaded or the device's context retained.
+        """
+
+    def start(self, batch: int, size: int, generation: int, block_m: int, idle: bool = False) -> None:
+        """Hands a step of ``batch`` real rows, padded to ``size``, to the driver thread; returns at once.
+        ``generation``: the value the device writes to the flags this step (non-zero, new per step);
+        ``block_m``: rows per tile of the slot kernel at this size; ``idle``: answer every layer with an
+        empty plan without planning (a warm-up run).
+
+        Raises:
+            InvalidArgumentError: A step is running, or the job is malformed.
+        """
+
+    def finish(self) -> dict[str, float]:
+        """Waits (GIL released) for the step to end: ``fills``, ``fill_bytes``, ``fill_seconds``,
+        ``cpu_experts``, ``cpu_picks``, ``cpu_seconds``, ``wait_seconds`` (waiting for the device's posts).
+
+        Raises:
+            InternalError: The step failed (a plan error, a device that never posted); every layer was
+                still released to the device with an empty plan.
+            InvalidArgumentError: No step is running.
+        """
+
 class TraceWriter:
     """Appends routing records ``(step, layer, ids)`` to a compact trace file (``.fttrace``).
 

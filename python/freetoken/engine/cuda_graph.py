@@ -7,8 +7,10 @@ memory) and the experts the Triton grouped kernel (no host sync), so the whole f
 captured per batch size in {1, 2, 4, 8, 16, 32, 64} up to max_num_seqs, and a step is a few copies and one
 replay. Rows that pad a batch up to its size write their K/V into the KV cache's reserved null block.
 
-Expert-cache backends sync with the host in every MoE layer (routing decides copies and CPU work), so their
-step is captured piecewise (as vLLM's piecewise CUDA graphs): one graph per span from one MoE layer's experts to
+Expert-cache backends on CUDA serve the routed experts from a host driver thread through a handshake in mapped
+pinned memory (`freetoken.moe.handshake`), so their whole step is one graph too, with no Python between layers.
+Backends that sync with the host in every MoE layer otherwise (routing decides copies and CPU work) have their
+step captured piecewise (as vLLM's piecewise CUDA graphs): one graph per span from one MoE layer's experts to
 the next one's router (residual add, attention, norms, router), and the routed experts run eagerly between
 replays on the real rows only. Each span ends by packing what the host needs (top-k ids, routing weights and the
 hidden states in float32) into a device "mailbox", three blocks one after the other, so one copy brings it all to
@@ -66,6 +68,7 @@ class DecodeRunner:
         self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.handshake = None  # set when the expert backend serves a whole-step graph from its driver thread
         if piecewise:
             cfg = model.config
             dtype = model.lm_head.weight.dtype
@@ -87,6 +90,9 @@ class DecodeRunner:
             # (first layer, MoE layer that ends the span or -1): spans run between the MoE layers' experts.
             self.spans = list(zip([0] + [m + 1 for m in moe], moe + [-1]))
             self.span_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
+            make = getattr(model.experts, "device_handshake", None)
+            if use_graphs and make is not None:
+                self.handshake = make(k, self.sizes)
         if use_graphs:
             self._capture()
 
@@ -147,6 +153,22 @@ class DecodeRunner:
         mail_weights.copy_(weights)
         mail_hidden.copy_(h)
 
+    def _forward_driven(self, size: int) -> None:
+        """The whole decode step with the routed experts served through the backend's handshake (its driver
+        thread plans, fills and runs CPU experts while this runs on the device): spans, and per MoE layer the
+        mailbox post, the plan fetch, the slot kernel and the CPU sum's fetch (`freetoken.moe.handshake`)."""
+        hs = self.handshake
+        experts = self.model.experts
+        hs.begin()
+        for index, (_, moe_layer) in enumerate(self.spans):
+            self._span(size, index)
+            if moe_layer < 0:
+                break
+            hs.post(moe_layer, self.mail[: size * self.mail_row])
+            slots, pairs, tiles = hs.fetch_plan(moe_layer, size)
+            experts.run_slots(self.h_moe[:size], slots, self.topk_weights[:size], (pairs, tiles), self.moe_out[:size])
+            hs.fetch_cpu(moe_layer, size, self.cpu_out[:size])
+
     def _run_piecewise(self, size: int, batch: int) -> torch.Tensor:
         graphs = self.span_graphs.get(size)
         experts = self.model.experts  # one backend serves every MoE layer
@@ -177,6 +199,18 @@ class DecodeRunner:
         self._pad_from(0)
         pool = None
         for size in reversed(self.sizes):  # largest first, so smaller graphs reuse its memory pool
+            if self.handshake is not None:
+                # Warm-up (compiles the kernels): the driver answers every layer with an empty plan.
+                self.handshake.start(size, size, idle=True)
+                self._forward_driven(size)
+                torch.cuda.synchronize()
+                self.handshake.finish()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self._forward_driven(size)
+                pool = graph.pool()
+                self.graphs[size] = (graph, self.logits)
+                continue
             if self.piecewise:
                 graphs = []
                 for index in range(len(self.spans)):
@@ -196,7 +230,10 @@ class DecodeRunner:
                 logits = self._forward(size)
             pool = graph.pool()
             self.graphs[size] = (graph, logits)
-        kind = "piecewise (one graph per span between MoE layers)" if self.piecewise else "whole-step"
+        kind = (
+            "whole-step, experts served by the decode driver" if self.handshake is not None
+            else "piecewise (one graph per span between MoE layers)" if self.piecewise else "whole-step"
+        )
         log.info("captured %s CUDA graphs of the decode step for batch sizes %s", kind, self.sizes)
 
     def _pad_from(self, start: int) -> None:
@@ -233,6 +270,13 @@ class DecodeRunner:
         self.seq_lens[:batch].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
         self.block_tables[:batch, :width].copy_(tables, non_blocking=True)
         self._pad_from(batch)
+        if self.handshake is not None:
+            self.handshake.start(batch, size)
+            try:
+                self.graphs[size][0].replay()
+            finally:
+                self.handshake.finish()  # the driver's report; raises its error after the device ran to the end
+            return self.logits[:batch]
         if self.piecewise:
             return self._run_piecewise(size, batch)
         if size in self.graphs:

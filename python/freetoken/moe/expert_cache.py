@@ -455,6 +455,41 @@ class ExpertCacheBackend:
                 self._pending_fills.popleft()
             self._pending_fills.append((start, end, len(experts) * n))
 
+    def device_handshake(self, top_k: int, sizes: list[int]):
+        """The handshake through which a decode step captured whole in one CUDA graph is served by the Rust
+        driver thread (`freetoken.moe.handshake`), for padded batch sizes `sizes`; None on the CPU device, which
+        has no graphs."""
+        if self.copy_stream is None:
+            return None
+        from freetoken.moe.handshake import DeviceHandshake
+
+        return DeviceHandshake(self, top_k, sizes)
+
+    def run_slots(
+        self, hidden: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor,
+        alignment: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor,
+    ) -> None:
+        """The grouped SwiGLU over slot ids already on the device (the driven graph's plan; -1 skips a pick) into
+        `out` [T, H]."""
+        from freetoken.kernels.fused_moe import fused_moe
+
+        fused_moe(hidden, self.gate_up, self.down, topk_slots, topk_weights, alignment=alignment, out=out)
+
+    def after_driven_step(self, report: dict) -> None:
+        """Book a driven decode step's report: bandwidth samples of both miss paths, the planner's refined
+        profile, and invalidated layer-buffer tables when slots changed."""
+        if report["fills"]:
+            if self.streamer is not None:
+                self.streamer.invalidate()
+            self.pcie.add(report["fill_bytes"], report["fill_seconds"])
+        if report["cpu_experts"]:
+            self.cpu_bw.add(
+                report["cpu_experts"] * self.expert_nbytes, report["cpu_seconds"],
+                report["cpu_picks"] / report["cpu_experts"],
+            )
+        if self.pcie.profile and self.cpu_bw.profile:
+            self.planner.set_profile(self.pcie.refined()[1], self.cpu_bw.refined())
+
     def _refine(self) -> None:
         """Read the copy events that have fired (non-blocking), and every `REFINE_EVERY` layer steps hand the
         planner the refined bandwidths (only when there is a profile to refine)."""

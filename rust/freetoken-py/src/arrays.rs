@@ -1,5 +1,7 @@
 //! Argument conversion: numpy arrays (or sequences) in, owned or borrowed Rust slices out.
-use numpy::{PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArrayMethods};
+use numpy::{
+    PyArrayDyn, PyArrayMethods, PyReadonlyArrayDyn, PyReadwriteArrayDyn, PyUntypedArrayMethods,
+};
 use pyo3::prelude::*;
 
 use crate::errors::invalid;

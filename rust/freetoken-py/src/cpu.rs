@@ -1,4 +1,6 @@
 //! `CpuExperts`: SwiGLU experts on the host, GIL released.
+use std::sync::Arc;
+
 use freetoken_core::cpu::{CpuExperts, Hidden, Isa};
 use numpy::{PyArrayDyn, PyArrayMethods};
 use pyo3::prelude::*;
@@ -10,7 +12,8 @@ use crate::pool::PyExpertPool;
 /// Runs routed experts on the CPU with a persistent pinned worker pool.
 #[pyclass(frozen, name = "CpuExperts", module = "freetoken._core")]
 pub struct PyCpuExperts {
-    inner: CpuExperts,
+    /// Shared with a `DecodeDriver`, which runs experts on its own thread.
+    pub(crate) inner: Arc<CpuExperts>,
     pool: Py<PyExpertPool>,
 }
 
@@ -31,7 +34,7 @@ impl PyCpuExperts {
                 ))
             })?),
         };
-        let inner = CpuExperts::new(pool.get().inner.clone(), num_threads, isa).py()?;
+        let inner = Arc::new(CpuExperts::new(pool.get().inner.clone(), num_threads, isa).py()?);
         Ok(Self {
             inner,
             pool: pool.unbind(),

@@ -121,7 +121,8 @@ impl_into!(
     freetoken_core::error::CacheError,
     freetoken_core::error::PlanError,
     freetoken_core::error::KernelError,
-    freetoken_core::error::TraceError
+    freetoken_core::error::TraceError,
+    freetoken_core::error::DriverError
 );
 
 /// An `InvalidArgumentError` with `msg`.

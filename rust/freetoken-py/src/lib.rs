@@ -6,6 +6,7 @@ use pyo3::prelude::*;
 mod arrays;
 mod cache;
 mod cpu;
+mod driver;
 mod errors;
 mod planner;
 mod pool;
@@ -21,6 +22,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<planner::PyPlanner>()?;
     m.add_class::<planner::PyPlan>()?;
     m.add_class::<cpu::PyCpuExperts>()?;
+    m.add_class::<driver::PyDecodeDriver>()?;
     m.add_class::<trace::PyTraceWriter>()?;
     m.add_function(wrap_pyfunction!(cpu::supported_isas, m)?)?;
     m.add_function(wrap_pyfunction!(planner::aligned_len, m)?)?;

@@ -1,6 +1,6 @@
 //! `Planner` and `Plan`: the q* decision per layer step, and per-layer counters.
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 
 use freetoken_core::planner::{Backend, BandwidthProfile, Plan, Planner, PlannerConfig};
 use numpy::{PyArray1, PyArray2, PyArrayMethods};
@@ -109,7 +109,8 @@ fn profile(
 /// Decides, per layer step, hits, fills and CPU runs (q*), and counts them per layer.
 #[pyclass(frozen, name = "Planner", module = "freetoken._core")]
 pub struct PyPlanner {
-    inner: Mutex<Planner>,
+    /// Shared with a `DecodeDriver`, which plans on its own thread.
+    pub(crate) inner: Arc<Mutex<Planner>>,
 }
 
 #[pymethods]
@@ -139,7 +140,7 @@ impl PyPlanner {
             reuse_decay,
         };
         Ok(Self {
-            inner: Mutex::new(Planner::new(cfg).py()?),
+            inner: Arc::new(Mutex::new(Planner::new(cfg).py()?)),
         })
     }
 
@@ -246,11 +247,19 @@ impl PyPlanner {
 
 /// Rows and tiles of the kernel's aligned layout for `num_pairs` pairs: `(num_rows, num_tiles)`.
 #[pyfunction]
-pub fn aligned_len(num_pairs: usize, num_experts: usize, block_m: usize) -> PyResult<(usize, usize)> {
+pub fn aligned_len(
+    num_pairs: usize,
+    num_experts: usize,
+    block_m: usize,
+) -> PyResult<(usize, usize)> {
     if block_m == 0 {
         return Err(invalid("block_m must be >= 1"));
     }
-    Ok(freetoken_core::align::aligned_len(num_pairs, num_experts, block_m))
+    Ok(freetoken_core::align::aligned_len(
+        num_pairs,
+        num_experts,
+        block_m,
+    ))
 }
 
 /// Writes `[slot ids (T*k) | sorted_pairs (num_rows) | tile_expert (num_tiles)]` as int64 into the
@@ -266,7 +275,9 @@ pub fn align_slots(
     let (ids, _) = int_array(topk_slots, "topk_slots")?;
     let (rows, tiles) = aligned_len(ids.len(), num_experts, block_m)?;
     if let Some(bad) = ids.iter().find(|&&id| id >= num_experts as i64) {
-        return Err(invalid(format!("slot id {bad} out of range for {num_experts} rows")));
+        return Err(invalid(format!(
+            "slot id {bad} out of range for {num_experts} rows"
+        )));
     }
     let mut out = readwrite::<i64>(out, "out", "int64")?;
     let out = out
@@ -274,7 +285,11 @@ pub fn align_slots(
         .map_err(|e| invalid(format!("out must be C-contiguous: {e}")))?;
     let n = ids.len();
     if out.len() < n + rows + tiles {
-        return Err(invalid(format!("out holds {} values, {} needed", out.len(), n + rows + tiles)));
+        return Err(invalid(format!(
+            "out holds {} values, {} needed",
+            out.len(),
+            n + rows + tiles
+        )));
     }
     out[..n].copy_from_slice(&ids);
     let (pairs, rest) = out[n..].split_at_mut(rows);

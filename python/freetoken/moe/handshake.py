@@ -1,0 +1,144 @@
+"""The device side of the decode driver's handshake: a decode step's MoE layers served from a host thread while
+the whole step runs as one CUDA graph.
+
+The Rust `DecodeDriver` (`rust/freetoken-core/src/driver/mod.rs` has the protocol) plans each layer, issues its
+fills on the copy stream and runs its CPU experts, with no Python between layers. The graph talks to it through
+page-locked host memory that the GPU reads and writes directly (registered with `cudaHostRegister`, so mapped
+into the device's address space): per MoE layer it copies the router's outputs to the host mailbox and then the
+step's generation number to the layer's mail flag (two DMA copies in stream order), then `_wait_fetch` spins on
+the plan flag and copies the plan (slot ids and tile alignment) into device memory, the slot kernel runs, and a
+second `_wait_fetch` brings the CPU experts' sum. Compared with a host sync per layer (the piecewise graphs) this
+removes, per layer, a graph launch, a stream synchronisation and the Python of the plan, the fills and the
+kernel launches (~0.5 ms on the H200 box's CUDA API path).
+
+A spin that outlasts `MAX_SPINS` polls (seconds) gives up so a wedged driver cannot hang the GPU; the driver
+then reports the failure and the step raises.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import triton
+import triton.language as tl
+
+from freetoken._core import DecodeDriver, aligned_len
+from freetoken.moe.pinned import PinnedBuffers
+
+MAX_SPINS = 20_000_000  # polls of a host flag over PCIe (~1 us each): the device gives up after seconds
+FETCH_BLOCK = 1024
+
+
+@triton.jit
+def _wait_fetch(flag_ptr, gen_ptr, src_ptr, dst_ptr, n, max_spins, BLOCK: tl.constexpr):
+    """Spin until the host flag equals this step's generation, then copy n elements host -> device.
+
+    Every program polls the flag itself (volatile loads go to host memory each time), so no grid-wide barrier
+    is needed; the copy is split over the programs."""
+    want = tl.load(gen_ptr)
+    seen = tl.load(flag_ptr, volatile=True)
+    spins = 0
+    while (seen != want) & (spins < max_spins):
+        seen = tl.load(flag_ptr, volatile=True)
+        spins += 1
+    pid = tl.program_id(0)
+    for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        ok = offs < n
+        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=ok, volatile=True), mask=ok)
+
+
+def _fetch(flag: torch.Tensor, gen: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+    n = dst.numel()
+    grid = (max(1, min(64, triton.cdiv(n, 4 * FETCH_BLOCK))),)
+    _wait_fetch[grid](flag, gen, src, dst, n, MAX_SPINS, BLOCK=FETCH_BLOCK)
+
+
+class DeviceHandshake:
+    """Buffers, driver and device-side calls of the handshake, for decode batches of up to `max(sizes)` rows.
+
+    Args:
+        backend: the `ExpertCacheBackend` on CUDA (its planner, CPU experts, slots and copy stream).
+        top_k: experts per token.
+        sizes: padded batch sizes that will be captured (each gets its plan layout); the largest sizes the
+            buffers.
+        timeout_s: how long the driver waits for the device to post a layer before failing the step.
+    """
+
+    def __init__(self, backend, top_k: int, sizes: list[int], timeout_s: float = 10.0):
+        from freetoken.kernels.fused_moe import block_m_for
+
+        pool = backend.pool
+        self.backend = backend
+        self.top_k = top_k
+        self.hidden = pool.hidden_size
+        self.block_m = {s: block_m_for(s * top_k) for s in sizes}
+        max_batch = max(sizes)
+        self.slot_rows = backend.gate_up.shape[0]
+        self.pool_layer = backend.pool_layer
+        device = backend.device
+        k, layers = self.top_k, pool.num_layers
+        self.layout = {s: self._layout(s) for s in sizes}
+        plan_len = max(sum(v) for v in self.layout.values())
+        self.host = PinnedBuffers(pin=True)
+        self.flags = self.host.get("flags", (3, layers), torch.int32)
+        self.flags.zero_()
+        self.mail = self.host.get("mail", (max_batch * (12 * k + 4 * self.hidden),), torch.uint8)
+        self.plan = self.host.get("plan", (plan_len,), torch.int64)
+        self.cpu_out = self.host.get("cpu_out", (max_batch * self.hidden,), torch.float32)
+        self.plan_dev = torch.zeros(plan_len, dtype=torch.int64, device=device)
+        self.gen = torch.zeros(1, dtype=torch.int32, device=device)
+        self.generation = 0
+        flags = self.flags.numpy().view(np.uint32)
+        self.driver = DecodeDriver(
+            backend.planner, backend.cpu, backend.mode, k, self.slot_rows,
+            flags[0], flags[1], flags[2], self.mail.numpy(), self.plan.numpy(), self.cpu_out.numpy(),
+            cuda=(device.index or 0, backend.copy_stream.cuda_stream, backend.slots.data_ptr(),
+                  backend.slots.stride(0), backend.slots.shape[0]),
+            timeout_s=timeout_s,
+        )
+
+    def _layout(self, size: int) -> tuple[int, int, int]:
+        rows, tiles = aligned_len(size * self.top_k, self.slot_rows, self.block_m[size])
+        return size * self.top_k, rows, tiles
+
+    # -- host side, around one replay -------------------------------------------------------------------------
+
+    def start(self, batch: int, size: int, idle: bool = False) -> None:
+        """Hand the step to the driver thread; then run the graph (or the eager step) of `size` rows."""
+        self.generation += 1
+        self.driver.start(batch, size, self.generation, self.block_m[size], idle)
+
+    def finish(self) -> dict:
+        """Wait for the driver to serve every layer (GIL released); its report. Raises the driver's error (a
+        plan that failed, a device that never posted) after letting the device run the step to its end."""
+        report = self.driver.finish()
+        self.backend.after_driven_step(report)
+        return report
+
+    # -- device side, recorded into the graph ---------------------------------------------------------------
+
+    def begin(self) -> None:
+        """First op of the step: a new generation."""
+        self.gen.add_(1)
+
+    def post(self, layer: int, mail: torch.Tensor) -> None:
+        """Queue the layer's mailbox (`mail`, uint8, the runner's packed ids/weights/hidden) to the host, then its
+        flag."""
+        index = self.pool_layer[layer]
+        self.mail[: mail.numel()].copy_(mail, non_blocking=True)
+        self.flags[0, index : index + 1].copy_(self.gen, non_blocking=True)
+
+    def fetch_plan(self, layer: int, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Wait for the layer's plan and bring it to the device: (topk slots [size, k], sorted pairs, tile slots),
+        int64 views of a device buffer, what `fused_moe`'s ids and alignment take."""
+        index = self.pool_layer[layer]
+        ns, nr, nt = self.layout[size]
+        dev = self.plan_dev[: ns + nr + nt]
+        _fetch(self.flags[1, index:], self.gen, self.plan, dev)
+        return dev[:ns].view(size, self.top_k), dev[ns : ns + nr], dev[ns + nr :]
+
+    def fetch_cpu(self, layer: int, size: int, out: torch.Tensor) -> None:
+        """Wait for the layer's CPU experts and copy their float32 sum [size, H] into `out` (device)."""
+        index = self.pool_layer[layer]
+        _fetch(self.flags[2, index:], self.gen, self.cpu_out, out.view(-1)[: size * self.hidden])
