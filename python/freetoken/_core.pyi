@@ -556,7 +556,8 @@ class DecodeDriver:
         """
 
     def finish(self) -> dict[str, float]:
-        """Waits (GIL released) for the step to end: ``fills``, ``fill_bytes``, ``fill_seconds``,
+        """Waits (GIL released) for the step to end: ``fills``, ``fill_bytes``, ``timed_fill_bytes`` and
+        ``timed_fill_seconds`` (the fills timed on the copy engine, one group in a few),
         ``cpu_experts``, ``cpu_picks``, ``cpu_seconds``, ``wait_seconds`` (waiting for the device's posts).
 
         Raises:

@@ -32,6 +32,12 @@ from freetoken.moe.pinned import PinnedBuffers
 log = logging.getLogger(__name__)
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+# MoE layers per graph of a driven decode step. A graph's launch returns only once its work is queued, and work
+# queued behind a kernel that spins on the driver is not consumed; if a launch waited for queue space while the
+# device spun on a layer whose fills the driver cannot issue until the launch returns (one CUDA context), neither
+# would move. So the step is launched in parts, each part once nothing queued ahead of it waits on the driver,
+# and small enough to queue whole: 4 layers (what the tests' 4-layer model runs in one graph) per part.
+LAYERS_PER_GRAPH = 4
 
 
 class DecodeRunner:
@@ -93,6 +99,11 @@ class DecodeRunner:
             make = getattr(model.experts, "device_handshake", None)
             if use_graphs and make is not None:
                 self.handshake = make(k, self.sizes)
+                # Spans in graphs of LAYERS_PER_GRAPH MoE layers each (the last span, the LM head, in the last).
+                n = len(self.spans)
+                self.parts = [range(a, min(a + LAYERS_PER_GRAPH, n)) for a in range(0, n, LAYERS_PER_GRAPH)]
+                if len(self.parts) > 1 and len(self.parts[-1]) == 1:  # no graph of the LM head alone
+                    self.parts[-2:] = [range(self.parts[-2].start, n)]
         if use_graphs:
             self._capture()
 
@@ -153,14 +164,17 @@ class DecodeRunner:
         mail_weights.copy_(weights)
         mail_hidden.copy_(h)
 
-    def _forward_driven(self, size: int) -> None:
-        """The whole decode step with the routed experts served through the backend's handshake (its driver
-        thread plans, fills and runs CPU experts while this runs on the device): spans, and per MoE layer the
-        mailbox post, the plan fetch, the slot kernel and the CPU sum's fetch (`freetoken.moe.handshake`)."""
+    def _forward_driven(self, size: int, spans: range) -> None:
+        """Part of the decode step with the routed experts served through the backend's handshake (its driver
+        thread plans, fills and runs CPU experts while this runs on the device): the spans in `spans`, and after
+        each the MoE layer's mailbox post, plan fetch, slot kernel and CPU sum's fetch (`freetoken.moe.handshake`).
+        """
         hs = self.handshake
         experts = self.model.experts
-        hs.begin()
-        for index, (_, moe_layer) in enumerate(self.spans):
+        if spans.start == 0:
+            hs.begin()
+        for index in spans:
+            moe_layer = self.spans[index][1]
             self._span(size, index)
             if moe_layer < 0:
                 break
@@ -168,6 +182,19 @@ class DecodeRunner:
             slots, pairs, tiles = hs.fetch_plan(moe_layer, size)
             experts.run_slots(self.h_moe[:size], slots, self.topk_weights[:size], (pairs, tiles), self.moe_out[:size])
             hs.fetch_cpu(moe_layer, size, self.cpu_out[:size])
+
+    def _run_driven(self, size: int, batch: int) -> None:
+        """Replay the parts of a driven step, each once the driver has served the last MoE layer of the part
+        before (see `LAYERS_PER_GRAPH`)."""
+        hs = self.handshake
+        hs.start(batch, size)
+        try:
+            for i, graph in enumerate(self.span_graphs[size]):
+                if i:
+                    hs.wait_served(self.spans[self.parts[i - 1][-1]][1])
+                graph.replay()
+        finally:
+            hs.finish()  # the driver's report; raises its error after the device ran to the end
 
     def _run_piecewise(self, size: int, batch: int) -> torch.Tensor:
         graphs = self.span_graphs.get(size)
@@ -202,14 +229,18 @@ class DecodeRunner:
             if self.handshake is not None:
                 # Warm-up (compiles the kernels): the driver answers every layer with an empty plan.
                 self.handshake.start(size, size, idle=True)
-                self._forward_driven(size)
+                for part in self.parts:
+                    self._forward_driven(size, part)
                 torch.cuda.synchronize()
                 self.handshake.finish()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self._forward_driven(size)
-                pool = graph.pool()
-                self.graphs[size] = (graph, self.logits)
+                graphs = []
+                for part in self.parts:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        self._forward_driven(size, part)
+                    pool = graph.pool()
+                    graphs.append(graph)
+                self.span_graphs[size] = graphs
                 continue
             if self.piecewise:
                 graphs = []
@@ -271,11 +302,7 @@ class DecodeRunner:
         self.block_tables[:batch, :width].copy_(tables, non_blocking=True)
         self._pad_from(batch)
         if self.handshake is not None:
-            self.handshake.start(batch, size)
-            try:
-                self.graphs[size][0].replay()
-            finally:
-                self.handshake.finish()  # the driver's report; raises its error after the device ran to the end
+            self._run_driven(size, batch)
             return self.logits[:batch]
         if self.piecewise:
             return self._run_piecewise(size, batch)

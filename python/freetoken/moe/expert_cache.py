@@ -481,7 +481,7 @@ class ExpertCacheBackend:
         if report["fills"]:
             if self.streamer is not None:
                 self.streamer.invalidate()
-            self.pcie.add(report["fill_bytes"], report["fill_seconds"])
+            self.pcie.add(report["timed_fill_bytes"], report["timed_fill_seconds"])
         if report["cpu_experts"]:
             self.cpu_bw.add(
                 report["cpu_experts"] * self.expert_nbytes, report["cpu_seconds"],

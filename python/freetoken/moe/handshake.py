@@ -109,6 +109,10 @@ class DeviceHandshake:
         self.generation += 1
         self.driver.start(batch, size, self.generation, self.block_m[size], idle)
 
+    def wait_served(self, layer: int) -> None:
+        """Block (GIL released) until the driver has served model layer `layer` of the running step."""
+        self.driver.wait_served(self.pool_layer[layer], self.generation)
+
     def finish(self) -> dict:
         """Wait for the driver to serve every layer (GIL released); its report. Raises the driver's error (a
         plan that failed, a device that never posted) after letting the device run the step to its end."""

@@ -161,6 +161,13 @@ impl PyDecodeDriver {
             .py()
     }
 
+    /// Blocks (GIL released) until `layer` (pool layer) of step `generation` is served.
+    fn wait_served(&self, py: Python<'_>, layer: usize, generation: u32) -> PyResult<()> {
+        let inner = &self.inner;
+        py.detach(|| lock(inner).wait_served(layer, generation))
+            .py()
+    }
+
     fn finish<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let report = py.detach(|| lock(&self.inner).finish()).py()?;
         if let Some(msg) = report.error {
@@ -169,7 +176,8 @@ impl PyDecodeDriver {
         let d = PyDict::new(py);
         d.set_item("fills", report.fills)?;
         d.set_item("fill_bytes", report.fill_bytes)?;
-        d.set_item("fill_seconds", report.fill_seconds)?;
+        d.set_item("timed_fill_bytes", report.timed_fill_bytes)?;
+        d.set_item("timed_fill_seconds", report.timed_fill_seconds)?;
         d.set_item("cpu_experts", report.cpu_experts)?;
         d.set_item("cpu_picks", report.cpu_picks)?;
         d.set_item("cpu_seconds", report.cpu_seconds)?;

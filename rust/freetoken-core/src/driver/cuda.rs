@@ -20,8 +20,14 @@ type CuEvent = *mut c_void;
 
 /// CUDA_ERROR_NOT_READY: an event query before the work is done.
 const CUDA_ERROR_NOT_READY: CuResult = 600;
+/// How long one layer's fills may take before the step fails (a wedged copy stream).
+const FILL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// CU_EVENT_DISABLE_TIMING: the cheapest event.
 const CU_EVENT_DISABLE_TIMING: u32 = 2;
+/// CU_EVENT_DEFAULT: an event that records a timestamp.
+const CU_EVENT_DEFAULT: u32 = 0;
+/// One group of fills in this many is timed (two more event records on the driver's CUDA path).
+const TIME_FILLS_EVERY: u32 = 4;
 
 struct Api {
     _lib: Library,
@@ -34,6 +40,7 @@ struct Api {
     event_record: unsafe extern "C" fn(CuEvent, CuStream) -> CuResult,
     event_query: unsafe extern "C" fn(CuEvent) -> CuResult,
     event_destroy: unsafe extern "C" fn(CuEvent) -> CuResult,
+    event_elapsed: unsafe extern "C" fn(*mut f32, CuEvent, CuEvent) -> CuResult,
 }
 
 fn check(what: &str, r: CuResult) -> Result<(), DriverError> {
@@ -69,6 +76,7 @@ impl Api {
             event_record: sym!("cuEventRecord"),
             event_query: sym!("cuEventQuery"),
             event_destroy: sym!("cuEventDestroy_v2"),
+            event_elapsed: sym!("cuEventElapsedTime"),
             _lib: lib,
         })
     }
@@ -81,6 +89,9 @@ pub struct CudaCopier {
     ctx: CuContext,
     stream: CuStream,
     event: CuEvent,
+    /// Timing events around one group of fills in `TIME_FILLS_EVERY`.
+    timed: [CuEvent; 2],
+    groups: u32,
     slots: u64,
     stride: usize,
     num_slots: usize,
@@ -125,6 +136,8 @@ impl CudaCopier {
             ctx,
             stream: stream as CuStream,
             event: std::ptr::null_mut(),
+            timed: [std::ptr::null_mut(); 2],
+            groups: 0,
             slots,
             stride,
             num_slots,
@@ -133,11 +146,24 @@ impl CudaCopier {
     }
 }
 
+impl CudaCopier {
+    /// Whether the current group of fills is timed.
+    fn timing(&self) -> bool {
+        self.groups % TIME_FILLS_EVERY == 1
+    }
+}
+
 impl SlotCopier for CudaCopier {
     fn attach(&mut self) -> Result<(), DriverError> {
         // SAFETY: a retained primary context; out-pointer to a field.
         unsafe {
             check("cuCtxSetCurrent", (self.api.ctx_set_current)(self.ctx))?;
+            for e in &mut self.timed {
+                check(
+                    "cuEventCreate",
+                    (self.api.event_create)(e, CU_EVENT_DEFAULT),
+                )?;
+            }
             check(
                 "cuEventCreate",
                 (self.api.event_create)(&mut self.event, CU_EVENT_DISABLE_TIMING),
@@ -158,6 +184,14 @@ impl SlotCopier for CudaCopier {
             )));
         }
         let dst = self.slots + (slot * self.stride) as u64;
+        if !self.pending {
+            self.groups = self.groups.wrapping_add(1);
+            if self.timing() {
+                // SAFETY: event created in `attach`, stream live (constructor contract).
+                let r = unsafe { (self.api.event_record)(self.timed[0], self.stream) };
+                check("cuEventRecord", r)?;
+            }
+        }
         // SAFETY: destination in bounds (checked); `src` per the trait's contract.
         let r =
             unsafe { (self.api.memcpy_htod_async)(dst, src as *const c_void, nbytes, self.stream) };
@@ -166,32 +200,38 @@ impl SlotCopier for CudaCopier {
         Ok(())
     }
 
-    fn wait(&mut self) -> Result<(), DriverError> {
+    fn wait(&mut self) -> Result<Option<f64>, DriverError> {
         if !self.pending {
-            return Ok(());
+            return Ok(None);
         }
         self.pending = false;
-        // SAFETY: event created in `attach`, stream live (constructor contract).
+        let timed = self.timing();
+        let done = if timed { self.timed[1] } else { self.event };
+        // SAFETY: events created in `attach`, stream live (constructor contract).
         unsafe {
-            check(
-                "cuEventRecord",
-                (self.api.event_record)(self.event, self.stream),
-            )?;
-            let mut spins = 0u32;
+            check("cuEventRecord", (self.api.event_record)(done, self.stream))?;
+            let start = std::time::Instant::now();
             loop {
-                match (self.api.event_query)(self.event) {
-                    0 => return Ok(()),
+                match (self.api.event_query)(done) {
+                    0 if timed => {
+                        let mut ms = 0f32;
+                        let r = (self.api.event_elapsed)(&mut ms, self.timed[0], done);
+                        check("cuEventElapsedTime", r)?;
+                        return Ok(Some(f64::from(ms) / 1e3));
+                    }
+                    0 => return Ok(None),
                     CUDA_ERROR_NOT_READY => {
+                        if start.elapsed() > FILL_TIMEOUT {
+                            return Err(DriverError::Timeout(format!(
+                                "fills on the copy stream did not complete within {FILL_TIMEOUT:?}"
+                            )));
+                        }
                         // Each query is a driver call (microseconds); spin between them.
-                        spins = spins.wrapping_add(1);
                         for _ in 0..64 {
                             std::hint::spin_loop();
                         }
-                        if spins > 1 << 20 {
-                            std::thread::yield_now();
-                        }
                     }
-                    r => return check("cuEventQuery", r),
+                    r => return check("cuEventQuery", r).map(|()| None),
                 }
             }
         }
@@ -202,8 +242,10 @@ impl Drop for CudaCopier {
     fn drop(&mut self) {
         // SAFETY: handles created by this copier.
         unsafe {
-            if !self.event.is_null() {
-                (self.api.event_destroy)(self.event);
+            for e in [self.event, self.timed[0], self.timed[1]] {
+                if !e.is_null() {
+                    (self.api.event_destroy)(e);
+                }
             }
             (self.api.primary_ctx_release)(self.device);
         }

@@ -53,8 +53,9 @@ pub trait SlotCopier: Send {
         src: *const u8,
         nbytes: usize,
     ) -> Result<(), DriverError>;
-    /// Blocks until every queued copy has landed.
-    fn wait(&mut self) -> Result<(), DriverError>;
+    /// Blocks until every queued copy has landed. Returns the copies' own duration in seconds
+    /// when they were timed (every few groups: timing costs driver calls), else None.
+    fn wait(&mut self) -> Result<Option<f64>, DriverError>;
 }
 
 /// Slots in host memory (the CPU device): a copy is a `memcpy`, done at once.
@@ -62,6 +63,8 @@ pub struct HostCopier {
     slots: *mut u8,
     stride: usize,
     num_slots: usize,
+    /// Seconds in the copies since the last `wait`.
+    seconds: f64,
 }
 
 // SAFETY: the slot memory is only written by the driver thread while a step runs; the owner
@@ -79,6 +82,7 @@ impl HostCopier {
             slots,
             stride,
             num_slots,
+            seconds: 0.0,
         }
     }
 }
@@ -96,12 +100,14 @@ impl SlotCopier for HostCopier {
                 self.num_slots, self.stride
             )));
         }
+        let t0 = Instant::now();
         // SAFETY: destination bounds checked above; `src` per the trait's contract.
         unsafe { std::ptr::copy_nonoverlapping(src, self.slots.add(slot * self.stride), nbytes) };
+        self.seconds += t0.elapsed().as_secs_f64();
         Ok(())
     }
-    fn wait(&mut self) -> Result<(), DriverError> {
-        Ok(())
+    fn wait(&mut self) -> Result<Option<f64>, DriverError> {
+        Ok(Some(std::mem::take(&mut self.seconds)))
     }
 }
 
@@ -137,8 +143,12 @@ pub struct Handshake {
 }
 
 // SAFETY: the buffers are plain host memory that outlives the driver (the caller's contract in
-// `DecodeDriver::new`); the driver thread is their only host-side user while a step runs.
+// `DecodeDriver::new`); the driver thread is their only host-side writer while a step runs.
 unsafe impl Send for Handshake {}
+
+// SAFETY: the only pointer the handle keeps is `cpu_flag`, read atomically (`wait_served`).
+unsafe impl Send for DecodeDriver {}
+unsafe impl Sync for DecodeDriver {}
 
 /// What does not change between steps.
 #[derive(Clone, Debug)]
@@ -177,8 +187,10 @@ pub struct StepReport {
     pub fills: usize,
     /// Bytes copied host -> device.
     pub fill_bytes: usize,
-    /// Seconds from the first fill of a layer to its copies' completion, summed over layers.
-    pub fill_seconds: f64,
+    /// Bytes of the fills that were timed (see [`SlotCopier::wait`]).
+    pub timed_fill_bytes: usize,
+    /// Seconds the timed fills took on the copy engine, summed over layers.
+    pub timed_fill_seconds: f64,
     /// Experts run on the CPU.
     pub cpu_experts: usize,
     /// Routed picks those experts served (tokens per expert = picks / experts).
@@ -203,6 +215,10 @@ struct Worker {
 /// The driver thread's handle: [`start`](Self::start) a step, replay the graph, then
 /// [`finish`](Self::finish).
 pub struct DecodeDriver {
+    /// `Handshake::cpu_flag` and its length, for [`wait_served`](Self::wait_served).
+    cpu_flag: *mut u32,
+    num_layers: usize,
+    timeout: Duration,
     jobs: Option<Sender<StepJob>>,
     reports: Receiver<StepReport>,
     handle: Option<JoinHandle<()>>,
@@ -261,6 +277,7 @@ impl DecodeDriver {
                 ));
             }
         }
+        let (cpu_flag, num_layers, timeout) = (hs.cpu_flag, cpu.pool().num_layers(), cfg.timeout);
         let (job_tx, job_rx) = crossbeam_channel::bounded::<StepJob>(1);
         let (rep_tx, rep_rx) = crossbeam_channel::bounded::<StepReport>(1);
         let mut worker = Worker {
@@ -291,6 +308,9 @@ impl DecodeDriver {
             })
             .map_err(|e| DriverError::Invalid(format!("spawning the decode driver thread: {e}")))?;
         Ok(Self {
+            cpu_flag,
+            num_layers,
+            timeout,
             jobs: Some(job_tx),
             reports: rep_rx,
             handle: Some(handle),
@@ -320,6 +340,31 @@ impl DecodeDriver {
             .map_err(|_| DriverError::Invalid("the decode driver thread has stopped".into()))?;
         self.running = true;
         Ok(())
+    }
+
+    /// Blocks until the driver has served `layer` of the step with `generation` (its CPU output
+    /// published), or failed it. Lets the caller launch the next part of a step only once nothing
+    /// queued ahead of it waits on the driver.
+    ///
+    /// # Errors
+    /// `Invalid` for a layer out of range; `Timeout` after the driver's timeout.
+    pub fn wait_served(&self, layer: usize, generation: u32) -> Result<(), DriverError> {
+        if layer >= self.num_layers {
+            return Err(DriverError::Invalid(format!(
+                "layer {layer} out of range for {} MoE layers",
+                self.num_layers
+            )));
+        }
+        // SAFETY: `cpu_flag` is `[num_layers]` and lives as long as the driver (see `new`).
+        let f = unsafe { flag(self.cpu_flag.add(layer)) };
+        if wait_for(f, generation, self.timeout) {
+            Ok(())
+        } else {
+            Err(DriverError::Timeout(format!(
+                "decode step {generation}: MoE layer {layer} was not served within {:?}",
+                self.timeout
+            )))
+        }
     }
 
     /// Waits for the running step to end and returns its report (with `error` set if it failed).
@@ -449,7 +494,6 @@ impl Worker {
             planner.plan(layer as i64, ids, k, self.cfg.backend)?
         };
         let pool = self.cpu.pool().clone();
-        let t_fill = Instant::now();
         for (&e, &slot) in plan.fill_experts.iter().zip(&plan.fill_slots) {
             let (src, nbytes) = pool
                 .expert_ptr(layer as i64, e as i64)
@@ -494,8 +538,10 @@ impl Worker {
             self.cpu_out_dirty = false;
         }
         if !plan.fill_experts.is_empty() {
-            self.copier.wait()?;
-            report.fill_seconds += t_fill.elapsed().as_secs_f64();
+            if let Some(seconds) = self.copier.wait()? {
+                report.timed_fill_bytes += plan.fill_experts.len() * pool.expert_nbytes();
+                report.timed_fill_seconds += seconds;
+            }
         }
         Ok(())
     }

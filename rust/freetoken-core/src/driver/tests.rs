@@ -208,6 +208,7 @@ fn every_backend_serves_steps_through_the_handshake() {
                 .collect();
             r.driver.start(job(generation, batch, size)).unwrap();
             let cpu_picks = device_step(&mut r, generation, batch, size, &ids);
+            r.driver.wait_served(L - 1, generation).unwrap();
             let report = r.driver.finish().unwrap();
             assert_eq!(report.error, None);
             assert_eq!(report.cpu_picks, cpu_picks);
@@ -227,6 +228,11 @@ fn a_device_that_never_posts_fails_the_step_and_releases_every_layer() {
     let mut r = rig(Backend::Offload, Duration::from_millis(50));
     r.driver.start(job(1, 1, 1)).unwrap();
     let report = r.driver.finish().unwrap();
+    assert!(
+        r.driver.wait_served(L - 1, 1).is_ok(),
+        "an aborted step releases every layer"
+    );
+    assert!(r.driver.wait_served(L, 1).is_err());
     let msg = report.error.expect("a timeout");
     assert!(msg.contains("did not post MoE layer 0"), "{msg}");
     let sh = &mut *r.shared;
