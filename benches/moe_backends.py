@@ -272,9 +272,11 @@ def main() -> None:
                     if backend_name == "fused":
                         gpu_arena = arena[: len(layers) * per_layer].to(device)
                         inner = FusedExperts()
-                        per_layer = gpu_arena.view(len(layers), cfg.num_experts, -1)
+                        fused_layers = gpu_arena.view(len(layers), cfg.num_experts, -1)
                         for li, layer in enumerate(layers):
-                            inner.load_layer(layer, *expert_views(per_layer[li], cfg.hidden_size, cfg.moe_intermediate_size))
+                            inner.load_layer(
+                                layer, *expert_views(fused_layers[li], cfg.hidden_size, cfg.moe_intermediate_size))
+                        del fused_layers
                     elif backend_name == "static":
                         # No prefill layer buffers: llama.cpp's placement keeps whole layers, nothing else.
                         static_cfg = dataclasses.replace(engine_cfg, prefill_strategy="fill")

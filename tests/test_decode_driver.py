@@ -1,0 +1,132 @@
+"""`freetoken._core.DecodeDriver` from Python, on host memory: this test plays the device's side of the handshake
+(posts routing, waits for each layer's flags) and checks the plans and CPU sums against the pool and
+`CpuExperts`; bad buffers and a device that never posts are errors, not hangs. (On CUDA the graph plays the device:
+tests/test_gpu.py.)"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+from freetoken._core import (
+    CpuExperts,
+    DecodeDriver,
+    ExpertPool,
+    InternalError,
+    InvalidArgumentError,
+    Planner,
+    align_slots,
+    aligned_len,
+)
+
+L, E, H, I, K = 3, 8, 32, 16, 2
+SLOTS, MAX_ROWS, BLOCK_M = 3, 4, 4
+
+
+class Rig:
+    def __init__(self, mode: str, timeout_s: float = 10.0) -> None:
+        self.pool = ExpertPool.random(L, E, H, I, seed=3)
+        self.cpu = CpuExperts(self.pool, num_threads=2)
+        self.planner = Planner(L, E, self.pool.expert_nbytes, SLOTS, pcie_bytes_per_s=1e9, cpu_bytes_per_s={1: 1e9})
+        rows, tiles = aligned_len(MAX_ROWS * K, SLOTS, BLOCK_M)
+        self.flags = np.zeros((3, L), dtype=np.uint32)
+        self.mail = np.zeros(MAX_ROWS * (12 * K + 4 * H), dtype=np.uint8)
+        self.plan = np.zeros(MAX_ROWS * K + rows + tiles, dtype=np.int64)
+        self.cpu_out = np.zeros(MAX_ROWS * H, dtype=np.float32)
+        self.slots = np.zeros((SLOTS, self.pool.expert_stride), dtype=np.uint8)
+        self.arena = np.frombuffer(self.pool.arena_view(), dtype=np.uint8)
+        self.driver = DecodeDriver(
+            self.planner, self.cpu, mode, K, SLOTS, self.flags[0], self.flags[1], self.flags[2],
+            self.mail, self.plan, self.cpu_out, slots=self.slots, timeout_s=timeout_s,
+        )
+
+    def device_step(self, generation: int, ids: np.ndarray, batch: int) -> int:
+        """Post every layer's routing (`ids` [size, k]) and check what comes back; the picks the CPU ran."""
+        size = ids.shape[0]
+        rng = np.random.default_rng(generation)
+        cpu_picks = 0
+        for layer in range(L):
+            weights = rng.random((size, K), dtype=np.float32)
+            hidden = rng.standard_normal((size, H), dtype=np.float32)
+            mail = self.mail[: size * (12 * K + 4 * H)]
+            mail[: 8 * size * K].view(np.int64)[:] = ids.reshape(-1)
+            mail[8 * size * K : 12 * size * K].view(np.float32)[:] = weights.reshape(-1)
+            mail[12 * size * K :].view(np.float32)[:] = hidden.reshape(-1)
+            self.flags[0, layer] = generation
+            deadline = time.monotonic() + 10
+            while self.flags[2, layer] != generation:
+                assert time.monotonic() < deadline, "the driver never served the layer"
+            assert self.flags[1, layer] == generation
+            slots = self.plan[: size * K].reshape(size, K)
+            assert (slots[batch:] == -1).all()
+            expected = np.zeros((batch, H), dtype=np.float32)
+            cpu_experts = sorted({int(e) for e, s in zip(ids[:batch].ravel(), slots[:batch].ravel()) if s < 0})
+            for e, s in zip(ids[:batch].ravel(), slots[:batch].ravel()):
+                if s >= 0:  # the slot holds the expert's bytes
+                    start = self.pool.expert_offset(layer, int(e))
+                    n = self.pool.expert_nbytes
+                    np.testing.assert_array_equal(self.slots[s, :n], self.arena[start : start + n])
+            if cpu_experts:
+                cpu_picks += int((slots[:batch] < 0).sum())
+                self.cpu.forward(layer, hidden[:batch], ids[:batch], weights[:batch], cpu_experts, expected)
+            np.testing.assert_allclose(self.cpu_out[: batch * H].reshape(batch, H), expected, rtol=1e-5, atol=1e-6)
+            want = np.zeros(len(self.plan), dtype=np.int64)
+            rows, tiles = align_slots(np.ascontiguousarray(slots), SLOTS, BLOCK_M, want)
+            np.testing.assert_array_equal(self.plan[: size * K + rows + tiles], want[: size * K + rows + tiles])
+        return cpu_picks
+
+
+@pytest.mark.parametrize("mode", ["offload", "cpu", "hybrid"])
+def test_driver_serves_steps_through_host_memory(mode):
+    rig = Rig(mode)
+    routing = np.array([[0, 1], [2, 3], [1, 4], [7, 0]], dtype=np.int64)
+    total_cpu = 0
+    for generation in range(1, 5):
+        batch, size = (3, 4) if generation % 2 == 0 else (1, 2)
+        ids = np.roll(routing, generation, axis=0)[:size]
+        rig.driver.start(batch, size, generation, BLOCK_M)
+        cpu_picks = rig.device_step(generation, ids, batch)
+        rig.driver.wait_served(L - 1, generation)
+        report = rig.driver.finish()
+        assert report["cpu_picks"] == cpu_picks
+        total_cpu += cpu_picks
+        if mode == "cpu":
+            assert report["fills"] == 0
+    stats = rig.planner.stats()
+    assert int(stats["steps"].sum()) == 4 * L
+    if mode != "offload":
+        assert total_cpu > 0
+
+
+def test_a_device_that_never_posts_raises_and_releases_every_layer():
+    rig = Rig("offload", timeout_s=0.05)
+    rig.driver.start(1, 1, 1, BLOCK_M)
+    with pytest.raises(InternalError, match="did not post MoE layer 0"):
+        rig.driver.finish()
+    assert (rig.flags[1:] == 1).all()  # the device would run to the end of its step
+    rig.driver.start(1, 1, 2, BLOCK_M)  # and the driver serves the next step
+    rig.device_step(2, np.array([[5, 6]], dtype=np.int64), 1)
+    rig.driver.finish()
+
+
+def test_bad_buffers_and_calls_are_clear_errors():
+    rig = Rig("hybrid")
+    args = dict(slots=rig.slots)
+    buffers = [rig.flags[0], rig.flags[1], rig.flags[2], rig.mail, rig.plan, rig.cpu_out]
+    with pytest.raises(InvalidArgumentError, match="one per MoE layer"):
+        DecodeDriver(rig.planner, rig.cpu, "hybrid", K, SLOTS, rig.flags[0, :2], *buffers[1:], **args)
+    with pytest.raises(InvalidArgumentError, match="dtype float32"):
+        DecodeDriver(rig.planner, rig.cpu, "hybrid", K, SLOTS, *buffers[:5], rig.cpu_out.astype(np.float64), **args)
+    with pytest.raises(InvalidArgumentError, match="either slots"):
+        DecodeDriver(rig.planner, rig.cpu, "hybrid", K, SLOTS, *buffers)
+    with pytest.raises(ValueError, match="backend"):
+        DecodeDriver(rig.planner, rig.cpu, "magic", K, SLOTS, *buffers, **args)
+    with pytest.raises(InvalidArgumentError, match="no step is running"):
+        rig.driver.finish()
+    with pytest.raises(InvalidArgumentError, match="bad step"):
+        rig.driver.start(3, 2, 1, BLOCK_M)
+    rig.driver.start(5, 5, 1, BLOCK_M)  # more rows than the buffers hold: the step fails, nothing hangs
+    with pytest.raises(InternalError, match="the buffers hold"):
+        rig.driver.finish()
