@@ -29,7 +29,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from freetoken._core import CpuExperts, ExpertPool, read_trace, synthetic_trace
 from freetoken.bench.bandwidth import measure_cpu, measure_pcie
 from freetoken.config import EngineConfig, ModelConfig
@@ -40,8 +39,8 @@ from freetoken.models.presets import preset_config_path
 from freetoken.moe.budget import plan_expert_slots
 from freetoken.moe.compute import expert_views, grouped_swiglu
 from freetoken.moe.expert_cache import ExpertCacheBackend
-from freetoken.moe.pinned import pin_host_memory
 from freetoken.moe.fused import FusedExperts
+from freetoken.moe.pinned import pin_host_memory
 
 
 class TraceRouter(torch.nn.Module):
@@ -235,7 +234,7 @@ def main() -> None:
     cfg = ModelConfig.from_dict(json.loads(preset_config_path(args.preset).read_text()), source=args.preset)
     device = torch.device("cuda")
     layers = cfg.moe_layers
-    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
     pool = ExpertPool.random(len(layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, moe_layers=layers)

@@ -9,7 +9,6 @@ import time
 
 import numpy as np
 import pytest
-
 from freetoken._core import (
     CpuExperts,
     DecodeDriver,
@@ -113,7 +112,7 @@ def test_a_device_that_never_posts_raises_and_releases_every_layer():
 
 def test_bad_buffers_and_calls_are_clear_errors():
     rig = Rig("hybrid")
-    args = dict(slots=rig.slots)
+    args = {"slots": rig.slots}
     buffers = [rig.flags[0], rig.flags[1], rig.flags[2], rig.mail, rig.plan, rig.cpu_out]
     with pytest.raises(InvalidArgumentError, match="one per MoE layer"):
         DecodeDriver(rig.planner, rig.cpu, "hybrid", K, SLOTS, rig.flags[0, :2], *buffers[1:], **args)

@@ -50,7 +50,6 @@ from freetoken.moe.prefill import (
 )
 from freetoken.moe.profile import interpolate
 
-
 MODES = ("offload", "cpu", "hybrid")
 REFINE_EVERY = 16  # layer steps between planner.set_profile calls with the refined bandwidths
 MAX_PENDING_FILLS = 8  # timed fill groups awaiting their events; older ones are dropped unread
