@@ -20,6 +20,7 @@ pinned host memory; the next span adds both expert sums (slots and CPU) to the r
 from __future__ import annotations
 
 import logging
+from functools import partial
 
 import torch
 
@@ -38,6 +39,15 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # would move. So the step is launched in parts, each part once nothing queued ahead of it waits on the driver,
 # and small enough to queue whole: 4 layers (what the tests' 4-layer model runs in one graph) per part.
 LAYERS_PER_GRAPH = 4
+
+
+def _capture(run, pool):
+    """Capture `run()` in a new CUDA graph sharing memory pool `pool` (None: a new one); (graph, its pool, what
+    `run` returned)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = run()
+    return graph, graph.pool(), out
 
 
 class DecodeRunner:
@@ -235,10 +245,7 @@ class DecodeRunner:
                 self.handshake.finish()
                 graphs = []
                 for part in self.parts:
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self._forward_driven(size, part)
-                    pool = graph.pool()
+                    graph, pool, _ = _capture(partial(self._forward_driven, size, part), pool)
                     graphs.append(graph)
                 self.span_graphs[size] = graphs
                 continue
@@ -247,19 +254,13 @@ class DecodeRunner:
                 for index in range(len(self.spans)):
                     self._span(size, index)  # compiles kernels and warms the allocator outside the capture
                     torch.cuda.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph, pool=pool):
-                        self._span(size, index)
-                    pool = graph.pool()
+                    graph, pool, _ = _capture(partial(self._span, size, index), pool)
                     graphs.append(graph)
                 self.span_graphs[size] = graphs
                 continue
             self._forward(size)  # compiles the Triton kernels and warms the allocator outside the capture
             torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                logits = self._forward(size)
-            pool = graph.pool()
+            graph, pool, logits = _capture(partial(self._forward, size), pool)
             self.graphs[size] = (graph, logits)
         kind = (
             "whole-step, experts served by the decode driver" if self.handshake is not None

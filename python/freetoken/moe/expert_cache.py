@@ -21,6 +21,10 @@ moving average of measured / profiled bandwidth (`BandwidthTracker`); every `REF
 planner gets the profile scaled by those ratios, each bounded to [1/4, 4] (`set_profile`), so q* follows the box
 when another process loads the PCIe or memory bus. `stats()["bandwidth"]` shows profiled against measured.
 
+Decode steps captured in CUDA graphs do the same per layer without Python: the Rust decode driver thread plans,
+fills and runs the CPU experts while the graph runs (`device_handshake`, `freetoken.moe.handshake`); its reports
+feed the same bandwidth refinement (`after_driven_step`).
+
 Prefill chunks (`begin_step` says how many prompt tokens a step has) take the strategy that `freetoken.moe.prefill`
 prices cheapest: whole-layer streaming into the layer buffers (`LayerStreamer`, no host sync, the slot cache left
 as it is) or one of the on-demand plans above.
@@ -132,7 +136,7 @@ class ExpertCacheBackend:
             profile, or a prefill strategy that lacks what it needs (buffers, slots, a profile).
     """
 
-    graph_safe = False  # one host sync per layer step: the decode step cannot be captured
+    graph_safe = False  # `forward` syncs with the host per layer; captured decode steps use `device_handshake`
     wants_weights = False  # the pool read the checkpoint itself
 
     def __init__(

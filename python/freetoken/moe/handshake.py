@@ -9,7 +9,8 @@ step's generation number to the layer's mail flag (two DMA copies in stream orde
 the plan flag and copies the plan (slot ids and tile alignment) into device memory, the slot kernel runs, and a
 second `_wait_fetch` brings the CPU experts' sum. Compared with a host sync per layer (the piecewise graphs) this
 removes, per layer, a graph launch, a stream synchronisation and the Python of the plan, the fills and the
-kernel launches (~0.5 ms on the H200 box's CUDA API path).
+kernel launches: on the H200 box, Qwen3-30B-A3B at a 24 GB budget, batch 1, a hybrid decode step went from
+47-66 ms (piecewise, earlier runs) to 36.5 ms (benches/moe_backends.py).
 
 A spin that outlasts `MAX_SPINS` polls (seconds) gives up so a wedged driver cannot hang the GPU; the driver
 then reports the failure and the step raises.

@@ -9,7 +9,7 @@ use std::ffi::c_void;
 
 use libloading::Library;
 
-use super::SlotCopier;
+use super::{check_fill, SlotCopier};
 use crate::error::DriverError;
 
 type CuResult = i32;
@@ -177,12 +177,7 @@ impl SlotCopier for CudaCopier {
         src: *const u8,
         nbytes: usize,
     ) -> Result<(), DriverError> {
-        if slot >= self.num_slots || nbytes > self.stride {
-            return Err(DriverError::Invalid(format!(
-                "fill of {nbytes} bytes into slot {slot} of {} slots of {} bytes",
-                self.num_slots, self.stride
-            )));
-        }
+        check_fill(slot, nbytes, self.num_slots, self.stride)?;
         let dst = self.slots + (slot * self.stride) as u64;
         if !self.pending {
             self.groups = self.groups.wrapping_add(1);

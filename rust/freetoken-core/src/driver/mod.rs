@@ -58,6 +58,21 @@ pub trait SlotCopier: Send {
     fn wait(&mut self) -> Result<Option<f64>, DriverError>;
 }
 
+/// A fill's destination must be one of `num_slots` slots of `stride` bytes.
+fn check_fill(
+    slot: usize,
+    nbytes: usize,
+    num_slots: usize,
+    stride: usize,
+) -> Result<(), DriverError> {
+    if slot >= num_slots || nbytes > stride {
+        return Err(DriverError::Invalid(format!(
+            "fill of {nbytes} bytes into slot {slot} of {num_slots} slots of {stride} bytes"
+        )));
+    }
+    Ok(())
+}
+
 /// Slots in host memory (the CPU device): a copy is a `memcpy`, done at once.
 pub struct HostCopier {
     slots: *mut u8,
@@ -94,12 +109,7 @@ impl SlotCopier for HostCopier {
         src: *const u8,
         nbytes: usize,
     ) -> Result<(), DriverError> {
-        if slot >= self.num_slots || nbytes > self.stride {
-            return Err(DriverError::Invalid(format!(
-                "fill of {nbytes} bytes into slot {slot} of {} slots of {} bytes",
-                self.num_slots, self.stride
-            )));
-        }
+        check_fill(slot, nbytes, self.num_slots, self.stride)?;
         let t0 = Instant::now();
         // SAFETY: destination bounds checked above; `src` per the trait's contract.
         unsafe { std::ptr::copy_nonoverlapping(src, self.slots.add(slot * self.stride), nbytes) };
