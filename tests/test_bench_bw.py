@@ -200,6 +200,19 @@ def test_tracker_ema_is_bounded():
     assert absolute.refined() is None and absolute.stats()["measured_gbps"] == 3.0
 
 
+def test_tracker_weighs_a_summed_run_as_its_samples():
+    """A driven decode step reports its layers' timings summed: weighted as that many runs of the same rate."""
+    one, many = BandwidthTracker({1: 10e9}, alpha=0.1), BandwidthTracker({1: 10e9}, alpha=0.1)
+    for t in (one, many):
+        t.add(10_000_000_000, 1.0)
+    for _ in range(12):
+        one.add(2_000_000_000, 1.0)
+    many.add(24_000_000_000, 12.0, samples=12)
+    assert many.ratio == pytest.approx(one.ratio) and many.num_samples == one.num_samples == 13
+    many.add(1, 1.0, samples=0)  # no samples, no change
+    assert many.num_samples == 13
+
+
 def test_expert_cache_refines_the_planner_online():
     """CPU device, hybrid: fills (memcpy) and CPU runs (the Rust kernels) are timed, and every REFINE_EVERY layer
     steps the planner's profile becomes the bounded EMA; stats() shows profiled against measured."""

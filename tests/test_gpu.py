@@ -144,7 +144,7 @@ def test_driven_host_experts_follow_fused(tmp_path, mode, slots):
 @pytest.mark.parametrize("backend", ["fused", "offload"])
 def test_constrained_decoding_on_cuda_graph_path(tmp_path, backend):
     """response_format's grammar mask on CUDA logits, through the captured decode step (whole-step graphs for
-    fused, piecewise for offload): constrained rows of a random model give schema-valid JSON and end with EOS
+    fused, the driven graphs for offload): constrained rows of a random model give schema-valid JSON and end with EOS
     (sampled and greedy), beside an unconstrained row in the same batch."""
     import json
 

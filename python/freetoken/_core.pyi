@@ -555,9 +555,19 @@ class DecodeDriver:
             InvalidArgumentError: A step is running, or the job is malformed.
         """
 
+    def wait_served(self, layer: int, generation: int) -> None:
+        """Blocks (GIL released) until pool layer ``layer`` of step ``generation`` is served (its CPU output
+        published) or released by a failure: the device has nothing left to wait for up to that layer.
+
+        Raises:
+            OutOfRangeError / InvalidArgumentError: ``layer`` out of range.
+            InternalError: Not served within the driver's timeout.
+        """
+
     def finish(self) -> dict[str, float]:
-        """Waits (GIL released) for the step to end: ``fills``, ``fill_bytes``, ``timed_fill_bytes`` and
-        ``timed_fill_seconds`` (the fills timed on the copy engine, one group in a few),
+        """Waits (GIL released) for the step to end: ``fills``, ``fill_bytes``, ``timed_fill_bytes``,
+        ``timed_fill_seconds`` and ``timed_fill_layers`` (the fills timed on the copy engine, one layer in a
+        few), ``cpu_layers`` (layers that ran CPU experts),
         ``cpu_experts``, ``cpu_picks``, ``cpu_seconds``, ``wait_seconds`` (waiting for the device's posts).
 
         Raises:

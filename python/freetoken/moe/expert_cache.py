@@ -84,16 +84,18 @@ class BandwidthTracker:
         self.bytes_per_s: float | None = None  # EMA of measured bytes/s
         self.num_samples = 0
 
-    def add(self, nbytes: int, seconds: float, batch: float = 1.0) -> None:
-        """One timed run: `nbytes` moved or read in `seconds` at `batch` tokens per expert."""
-        if seconds <= 0 or nbytes <= 0:
+    def add(self, nbytes: int, seconds: float, batch: float = 1.0, samples: int = 1) -> None:
+        """A timed run: `nbytes` moved or read in `seconds` at `batch` tokens per expert; `samples` timed runs
+        summed into one (weighted as that many, each with weight `alpha`)."""
+        if seconds <= 0 or nbytes <= 0 or samples < 1:
             return
         measured = nbytes / seconds
-        ema = lambda old, new: new if old is None else old + self.alpha * (new - old)
+        alpha = 1.0 - (1.0 - self.alpha) ** samples
+        ema = lambda old, new: new if old is None else old + alpha * (new - old)
         self.bytes_per_s = ema(self.bytes_per_s, measured)
         if self.profile:
             self.ratio = ema(self.ratio, measured / interpolate(self.profile, batch))
-        self.num_samples += 1
+        self.num_samples += samples
 
     def refined(self) -> dict[int, float] | None:
         """The profile scaled by the bounded ratio (the profile itself before any sample); None without one."""
@@ -479,19 +481,25 @@ class ExpertCacheBackend:
         fused_moe(hidden, self.gate_up, self.down, topk_slots, topk_weights, alignment=alignment, out=out)
 
     def after_driven_step(self, report: dict) -> None:
-        """Book a driven decode step's report: bandwidth samples of both miss paths, the planner's refined
-        profile, and invalidated layer-buffer tables when slots changed."""
+        """Book a driven decode step's report: bandwidth samples of both miss paths (weighted as the layer steps
+        they sum), the planner's refined profile, and invalidated layer-buffer tables when slots changed."""
         if report["fills"]:
             if self.streamer is not None:
                 self.streamer.invalidate()
-            self.pcie.add(report["timed_fill_bytes"], report["timed_fill_seconds"])
+            self.pcie.add(report["timed_fill_bytes"], report["timed_fill_seconds"], samples=report["timed_fill_layers"])
         if report["cpu_experts"]:
             self.cpu_bw.add(
                 report["cpu_experts"] * self.expert_nbytes, report["cpu_seconds"],
-                report["cpu_picks"] / report["cpu_experts"],
+                report["cpu_picks"] / report["cpu_experts"], samples=report["cpu_layers"],
             )
         if self.pcie.profile and self.cpu_bw.profile:
             self.planner.set_profile(self.pcie.refined()[1], self.cpu_bw.refined())
+
+    def after_failed_driven_step(self) -> None:
+        """A driven decode step failed part way: its fills may have moved slots, so the layer buffers' row tables
+        are stale."""
+        if self.streamer is not None:
+            self.streamer.invalidate()
 
     def _refine(self) -> None:
         """Read the copy events that have fired (non-blocking), and every `REFINE_EVERY` layer steps hand the

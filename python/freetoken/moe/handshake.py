@@ -12,8 +12,8 @@ removes, per layer, a graph launch, a stream synchronisation and the Python of t
 kernel launches: on the H200 box, Qwen3-30B-A3B at a 24 GB budget, batch 1, a hybrid decode step went from
 47-66 ms (piecewise, earlier runs) to 36.5 ms (benches/moe_backends.py).
 
-A spin that outlasts `MAX_SPINS` polls (seconds) gives up so a wedged driver cannot hang the GPU; the driver
-then reports the failure and the step raises.
+A spin that outlasts `MAX_SPINS` polls (seconds) gives up so a wedged driver cannot hang the GPU: it marks the
+layer in a fourth flag row, and `finish` raises for the step (whose output is then wrong).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ FETCH_BLOCK = 1024
 
 
 @triton.jit
-def _wait_fetch(flag_ptr, gen_ptr, src_ptr, dst_ptr, n, max_spins, BLOCK: tl.constexpr):
-    """Spin until the host flag equals this step's generation, then copy n elements host -> device.
+def _wait_fetch(flag_ptr, gen_ptr, src_ptr, dst_ptr, gave_up_ptr, n, max_spins, BLOCK: tl.constexpr):
+    """Spin until the host flag equals this step's generation, then copy n elements host -> device; a program
+    that gives up after `max_spins` polls writes the generation to `gave_up_ptr` (host).
 
     Every program polls the flag itself (volatile loads go to host memory each time), so no grid-wide barrier
     is needed; the copy is split over the programs."""
@@ -42,6 +43,8 @@ def _wait_fetch(flag_ptr, gen_ptr, src_ptr, dst_ptr, n, max_spins, BLOCK: tl.con
     while (seen != want) & (spins < max_spins):
         seen = tl.load(flag_ptr, volatile=True)
         spins += 1
+    if seen != want:
+        tl.store(gave_up_ptr, want)
     pid = tl.program_id(0)
     for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -49,10 +52,10 @@ def _wait_fetch(flag_ptr, gen_ptr, src_ptr, dst_ptr, n, max_spins, BLOCK: tl.con
         tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=ok, volatile=True), mask=ok)
 
 
-def _fetch(flag: torch.Tensor, gen: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
+def _fetch(flag: torch.Tensor, gen: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, gave_up: torch.Tensor):
     n = dst.numel()
     grid = (max(1, min(64, triton.cdiv(n, 4 * FETCH_BLOCK))),)
-    _wait_fetch[grid](flag, gen, src, dst, n, MAX_SPINS, BLOCK=FETCH_BLOCK)
+    _wait_fetch[grid](flag, gen, src, dst, gave_up, n, MAX_SPINS, BLOCK=FETCH_BLOCK)
 
 
 class DeviceHandshake:
@@ -82,7 +85,8 @@ class DeviceHandshake:
         self.layout = {s: self._layout(s) for s in sizes}
         plan_len = max(sum(v) for v in self.layout.values())
         self.host = PinnedBuffers(pin=True)
-        self.flags = self.host.get("flags", (3, layers), torch.int32)
+        # Rows: mail (device -> driver), plan and cpu (driver -> device), gave up (device, on a failed wait).
+        self.flags = self.host.get("flags", (4, layers), torch.int32)
         self.flags.zero_()
         self.mail = self.host.get("mail", (max_batch * (12 * k + 4 * self.hidden),), torch.uint8)
         self.plan = self.host.get("plan", (plan_len,), torch.int64)
@@ -90,11 +94,12 @@ class DeviceHandshake:
         self.plan_dev = torch.zeros(plan_len, dtype=torch.int64, device=device)
         self.gen = torch.zeros(1, dtype=torch.int32, device=device)
         self.generation = 0
+        self._in_step = False  # between start and a successful finish; the device's counter may be off
         flags = self.flags.numpy().view(np.uint32)
         self.driver = DecodeDriver(
             backend.planner, backend.cpu, backend.mode, k, self.slot_rows,
             flags[0], flags[1], flags[2], self.mail.numpy(), self.plan.numpy(), self.cpu_out.numpy(),
-            cuda=(device.index or 0, backend.copy_stream.cuda_stream, backend.slots.data_ptr(),
+            cuda=(backend.slots.device.index, backend.copy_stream.cuda_stream, backend.slots.data_ptr(),
                   backend.slots.stride(0), backend.slots.shape[0]),
             timeout_s=timeout_s,
         )
@@ -107,8 +112,11 @@ class DeviceHandshake:
 
     def start(self, batch: int, size: int, idle: bool = False) -> None:
         """Hand the step to the driver thread; then run the graph (or the eager step) of `size` rows."""
+        if self._in_step:  # the last step failed somewhere: set the device's counter to the host's again
+            self.gen.fill_(self.generation)
+        self._in_step = True
+        self.driver.start(batch, size, self.generation + 1, self.block_m[size], idle)
         self.generation += 1
-        self.driver.start(batch, size, self.generation, self.block_m[size], idle)
 
     def wait_served(self, layer: int) -> None:
         """Block (GIL released) until the driver has served model layer `layer` of the running step."""
@@ -116,8 +124,21 @@ class DeviceHandshake:
 
     def finish(self) -> dict:
         """Wait for the driver to serve every layer (GIL released); its report. Raises the driver's error (a
-        plan that failed, a device that never posted) after letting the device run the step to its end."""
-        report = self.driver.finish()
+        plan that failed, a device that never posted; the driver has released every layer, so the device runs
+        the step to its end) or, when the device gave up waiting for a layer, a RuntimeError."""
+        try:
+            report = self.driver.finish()
+        except Exception:
+            self.backend.after_failed_driven_step()
+            raise
+        gave_up = np.flatnonzero(self.flags[3].numpy() == self.generation)
+        if gave_up.size:
+            self.backend.after_failed_driven_step()
+            raise RuntimeError(
+                f"decode step {self.generation}: the device stopped waiting for the driver at pool layer(s) "
+                f"{gave_up.tolist()} after {MAX_SPINS} polls; the step's output is wrong"
+            )
+        self._in_step = False
         self.backend.after_driven_step(report)
         return report
 
@@ -140,10 +161,10 @@ class DeviceHandshake:
         index = self.pool_layer[layer]
         ns, nr, nt = self.layout[size]
         dev = self.plan_dev[: ns + nr + nt]
-        _fetch(self.flags[1, index:], self.gen, self.plan, dev)
+        _fetch(self.flags[1, index:], self.gen, self.plan, dev, self.flags[3, index:])
         return dev[:ns].view(size, self.top_k), dev[ns : ns + nr], dev[ns + nr :]
 
     def fetch_cpu(self, layer: int, size: int, out: torch.Tensor) -> None:
         """Wait for the layer's CPU experts and copy their float32 sum [size, H] into `out` (device)."""
         index = self.pool_layer[layer]
-        _fetch(self.flags[2, index:], self.gen, self.cpu_out, out.view(-1)[: size * self.hidden])
+        _fetch(self.flags[2, index:], self.gen, self.cpu_out, out.view(-1)[: size * self.hidden], self.flags[3, index:])

@@ -74,6 +74,9 @@ impl PyDecodeDriver {
             flags.push(p);
         }
         let (mail_p, mail_len) = buffer::<u8>(mail, "mail", "uint8")?;
+        if !(mail_p as usize).is_multiple_of(8) {
+            return Err(invalid("mail must be 8-byte aligned (it holds int64 ids)"));
+        }
         let (plan_p, plan_len) = buffer::<i64>(plan, "plan", "int64")?;
         let (out_p, out_len) = buffer::<f32>(cpu_out, "cpu_out", "float32")?;
         let hs = Handshake {
@@ -178,6 +181,8 @@ impl PyDecodeDriver {
         d.set_item("fill_bytes", report.fill_bytes)?;
         d.set_item("timed_fill_bytes", report.timed_fill_bytes)?;
         d.set_item("timed_fill_seconds", report.timed_fill_seconds)?;
+        d.set_item("timed_fill_layers", report.timed_fill_layers)?;
+        d.set_item("cpu_layers", report.cpu_layers)?;
         d.set_item("cpu_experts", report.cpu_experts)?;
         d.set_item("cpu_picks", report.cpu_picks)?;
         d.set_item("cpu_seconds", report.cpu_seconds)?;

@@ -3,7 +3,7 @@
 //!
 //! Owns: the driver thread and the host side of a flag handshake through page-locked host memory
 //! that the device reads and writes directly (mapped, `cudaHostRegister`). Per MoE layer `l` of a
-//! step with generation `g` (`shared/DESIGN.md`, "One decode step, one MoE layer"):
+//! step with generation `g` (docs/architecture.md, the decode step):
 //!
 //! ```text
 //! device (graph)                               driver thread (here)
@@ -201,12 +201,16 @@ pub struct StepReport {
     pub timed_fill_bytes: usize,
     /// Seconds the timed fills took on the copy engine, summed over layers.
     pub timed_fill_seconds: f64,
+    /// Layers whose fills were timed.
+    pub timed_fill_layers: usize,
     /// Experts run on the CPU.
     pub cpu_experts: usize,
     /// Routed picks those experts served (tokens per expert = picks / experts).
     pub cpu_picks: usize,
     /// Seconds in the CPU experts, summed over layers.
     pub cpu_seconds: f64,
+    /// Layers that ran CPU experts.
+    pub cpu_layers: usize,
     /// Seconds the driver waited for the device to post routing, summed over layers.
     pub wait_seconds: f64,
     /// Why the step failed, if it did.
@@ -219,7 +223,11 @@ struct Worker {
     copier: Box<dyn SlotCopier>,
     hs: Handshake,
     cfg: DriverConfig,
-    cpu_out_dirty: bool,
+    /// Leading float32 of `cpu_out` that may be non-zero (from any earlier step, of any size).
+    cpu_out_dirty: usize,
+    /// The posted routing, copied out of the mailbox (the device may write the mailbox again if it
+    /// gave up waiting; the CPU kernels must not read memory that can change under them).
+    mail_copy: Vec<u64>,
 }
 
 /// The driver thread's handle: [`start`](Self::start) a step, replay the graph, then
@@ -295,8 +303,9 @@ impl DecodeDriver {
             cpu,
             copier,
             hs,
+            cpu_out_dirty: hs.cpu_out_len,
+            mail_copy: Vec::new(),
             cfg,
-            cpu_out_dirty: true,
         };
         let handle = std::thread::Builder::new()
             .name("ft-decode-driver".into())
@@ -304,7 +313,15 @@ impl DecodeDriver {
                 let attached = worker.copier.attach();
                 while let Ok(job) = job_rx.recv() {
                     let report = match &attached {
-                        Ok(()) => worker.step(job),
+                        Ok(()) => {
+                            let run = std::panic::AssertUnwindSafe(|| worker.step(job));
+                            std::panic::catch_unwind(run).unwrap_or_else(|_| {
+                                // A bug: still release every layer so the device finishes.
+                                let mut r = StepReport::default();
+                                worker.abort(&job, 0, &mut r, "the decode driver panicked".into());
+                                r
+                            })
+                        }
                         Err(e) => {
                             let mut r = StepReport::default();
                             worker.abort(&job, 0, &mut r, e.to_string());
@@ -470,7 +487,7 @@ impl Worker {
                 return report;
             }
             // SAFETY: as above. ORDERING: Release publishes the plan and cpu_out written above
-            // (x86 keeps store order, so the device, reading over PCIe, sees them first).
+            // before the flag (the device reads host memory coherently, over PCIe or C2C).
             unsafe {
                 flag(self.hs.plan_flag.add(layer)).store(job.generation, Ordering::Release);
                 flag(self.hs.cpu_flag.add(layer)).store(job.generation, Ordering::Release);
@@ -489,10 +506,17 @@ impl Worker {
     ) -> Result<(), DriverError> {
         let (k, h) = (self.cfg.top_k, self.hidden());
         let (b, size) = (job.batch, job.size);
+        let n = mail_len(size, k, h);
+        self.mail_copy.resize(n.div_ceil(8), 0);
         // SAFETY: the mailbox holds a step of `size` rows (checked in `check`), posted and
-        // visible since the Acquire load of its flag.
+        // visible since the Acquire load of its flag; `mail_copy` holds at least `n` bytes.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.hs.mail, self.mail_copy.as_mut_ptr() as *mut u8, n)
+        };
+        // SAFETY: offsets within the `n` bytes copied into an 8-byte aligned buffer: the int64
+        // ids first, the float32 blocks at multiples of 4 bytes.
         let (ids, weights, hidden) = unsafe {
-            let base = self.hs.mail;
+            let base = self.mail_copy.as_ptr() as *const u8;
             (
                 std::slice::from_raw_parts(base as *const i64, b * k),
                 std::slice::from_raw_parts(base.add(8 * size * k) as *const f32, b * k),
@@ -524,10 +548,12 @@ impl Worker {
         }
         slots[b * k..].fill(-1);
         align_pairs(slots, self.cfg.slot_rows, job.block_m, pairs, tiles);
-        // SAFETY: cpu_out holds size * h float32 (checked in `check`).
-        let cpu_out = unsafe { std::slice::from_raw_parts_mut(self.hs.cpu_out, size * h) };
+        // The device reads `size * h`; earlier steps may have left more non-zero.
+        let n = (size * h).max(self.cpu_out_dirty);
+        // SAFETY: n <= cpu_out_len (`check`, and `cpu_out_dirty` never exceeds it).
+        let cpu_out = unsafe { std::slice::from_raw_parts_mut(self.hs.cpu_out, n) };
         if !plan.cpu_experts.is_empty() {
-            cpu_out.fill(0.0);
+            cpu_out[..size * h].fill(0.0);
             let experts: Vec<i64> = plan.cpu_experts.iter().map(|&e| e as i64).collect();
             let t0 = Instant::now();
             self.cpu.forward(
@@ -542,15 +568,17 @@ impl Worker {
             report.cpu_seconds += t0.elapsed().as_secs_f64();
             report.cpu_experts += experts.len();
             report.cpu_picks += plan.topk_slots.iter().filter(|&&s| s < 0).count();
-            self.cpu_out_dirty = true;
-        } else if self.cpu_out_dirty {
-            cpu_out.fill(0.0);
-            self.cpu_out_dirty = false;
+            report.cpu_layers += 1;
+            self.cpu_out_dirty = self.cpu_out_dirty.max(b * h);
+        } else if self.cpu_out_dirty > 0 {
+            cpu_out[..self.cpu_out_dirty].fill(0.0);
+            self.cpu_out_dirty = 0;
         }
         if !plan.fill_experts.is_empty() {
             if let Some(seconds) = self.copier.wait()? {
                 report.timed_fill_bytes += plan.fill_experts.len() * pool.expert_nbytes();
                 report.timed_fill_seconds += seconds;
+                report.timed_fill_layers += 1;
             }
         }
         Ok(())
@@ -568,15 +596,19 @@ impl Worker {
             slots.fill(-1);
             align_pairs(slots, self.cfg.slot_rows, job.block_m, pairs, tiles);
         }
-        let n = (job.size * h).min(self.hs.cpu_out_len);
+        let n = (job.size * h)
+            .max(self.cpu_out_dirty)
+            .min(self.hs.cpu_out_len);
         // SAFETY: n <= the cpu_out buffer's capacity.
         unsafe { std::slice::from_raw_parts_mut(self.hs.cpu_out, n) }.fill(0.0);
-        self.cpu_out_dirty = false;
+        self.cpu_out_dirty = 0;
     }
 
     /// Fails the step at `layer`: publishes an empty plan for it and every later layer so the
     /// device runs to the end of its graph, and records `msg`.
     fn abort(&mut self, job: &StepJob, layer: usize, report: &mut StepReport, msg: String) {
+        // Copies already queued must land (or time out) before their slots count as resident.
+        let _ = self.copier.wait();
         self.write_empty(job);
         for l in layer..self.layers() {
             // SAFETY: flags are `[num_layers]`. ORDERING: Release after the empty plan.

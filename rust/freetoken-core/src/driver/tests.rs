@@ -300,3 +300,22 @@ fn an_idle_step_answers_empty_plans_without_planning() {
     device_step(&mut r, 2, 1, 1, &[[6, 2]]);
     assert_eq!(r.driver.finish().unwrap().error, None);
 }
+
+#[test]
+fn cpu_output_of_a_bigger_earlier_step_never_leaks_into_a_later_one() {
+    // 3 slots: 8 distinct experts run 5 on the CPU (4 rows dirty); then steps whose experts all fit
+    // in the slots run nothing there, and every row the device reads must be zero again.
+    let mut r = rig(Backend::Offload, Duration::from_secs(20));
+    let steps: [(usize, Vec<[i64; K]>); 3] = [
+        (4, vec![[0, 1], [2, 3], [4, 5], [6, 7]]),
+        (2, vec![[0, 1], [0, 1]]),
+        (4, vec![[0, 1], [1, 0], [0, 1], [1, 0]]),
+    ];
+    for (generation, (size, ids)) in (1u32..).zip(steps) {
+        r.driver.start(job(generation, size, size)).unwrap();
+        let cpu_picks = device_step(&mut r, generation, size, size, &ids);
+        assert_eq!(cpu_picks > 0, generation == 1);
+        assert_eq!(r.driver.finish().unwrap().error, None);
+    }
+}
+
