@@ -64,6 +64,25 @@ pub fn align_pairs(
     }
 }
 
+/// The plan layout the GPU kernel reads in one piece: `buf` holds `num_pairs` ids (as for
+/// [`align_pairs`]), followed here by their sorted pairs and tile experts. Returns
+/// `(num_rows, num_tiles)`.
+///
+/// # Panics
+/// If `buf` is shorter than `num_pairs + num_rows + num_tiles`, or as [`align_pairs`].
+pub fn align_after(
+    buf: &mut [i64],
+    num_pairs: usize,
+    num_experts: usize,
+    block_m: usize,
+) -> (usize, usize) {
+    let (rows, tiles) = aligned_len(num_pairs, num_experts, block_m);
+    let (ids, rest) = buf.split_at_mut(num_pairs);
+    let (pairs, rest) = rest.split_at_mut(rows);
+    align_pairs(ids, num_experts, block_m, pairs, &mut rest[..tiles]);
+    (rows, tiles)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -292,7 +292,10 @@ pub fn align_slots(
         )));
     }
     out[..n].copy_from_slice(&ids);
-    let (pairs, rest) = out[n..].split_at_mut(rows);
-    freetoken_core::align::align_pairs(&ids, num_experts, block_m, pairs, &mut rest[..tiles]);
-    Ok((rows, tiles))
+    Ok(freetoken_core::align::align_after(
+        out,
+        n,
+        num_experts,
+        block_m,
+    ))
 }

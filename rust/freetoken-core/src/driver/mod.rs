@@ -32,7 +32,7 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
-use crate::align::{align_pairs, aligned_len};
+use crate::align::{align_after, aligned_len};
 use crate::cpu::{CpuExperts, Hidden};
 use crate::error::DriverError;
 use crate::planner::{Backend, Planner};
@@ -127,7 +127,7 @@ impl SlotCopier for HostCopier {
 /// - `mail`: ids `[size, k]` int64, then routing weights `[size, k]` float32, then hidden states
 ///   `[size, H]` float32, packed one after the other;
 /// - `plan`: topk slots `[size * k]` int64 (-1 where the CPU runs the pick), then the tile
-///   alignment of [`align_pairs`] over `slot_rows` rows: sorted pairs `[rows]` and tile slots
+///   alignment of [`crate::align::align_after`] over `slot_rows` rows: sorted pairs `[rows]` and tile slots
 ///   `[tiles]` (sizes by [`aligned_len`]);
 /// - `cpu_out`: the CPU experts' weighted sum `[size, H]` float32.
 #[derive(Clone, Copy, Debug)]
@@ -541,13 +541,11 @@ impl Worker {
         let (ns, nr, nt) = plan_layout(size, k, self.cfg.slot_rows, job.block_m);
         // SAFETY: the plan buffer holds ns + nr + nt int64 (checked in `check`).
         let buf = unsafe { std::slice::from_raw_parts_mut(self.hs.plan, ns + nr + nt) };
-        let (slots, rest) = buf.split_at_mut(ns);
-        let (pairs, tiles) = rest.split_at_mut(nr);
-        for (dst, &s) in slots.iter_mut().zip(&plan.topk_slots) {
+        for (dst, &s) in buf.iter_mut().zip(&plan.topk_slots) {
             *dst = s as i64;
         }
-        slots[b * k..].fill(-1);
-        align_pairs(slots, self.cfg.slot_rows, job.block_m, pairs, tiles);
+        buf[b * k..ns].fill(-1);
+        align_after(buf, ns, self.cfg.slot_rows, job.block_m);
         // The device reads `size * h`; earlier steps may have left more non-zero.
         let n = (size * h).max(self.cpu_out_dirty);
         // SAFETY: n <= cpu_out_len (`check`, and `cpu_out_dirty` never exceeds it).
@@ -591,10 +589,8 @@ impl Worker {
         if ns + nr + nt <= self.hs.plan_len {
             // SAFETY: length checked against the plan buffer's capacity.
             let buf = unsafe { std::slice::from_raw_parts_mut(self.hs.plan, ns + nr + nt) };
-            let (slots, rest) = buf.split_at_mut(ns);
-            let (pairs, tiles) = rest.split_at_mut(nr);
-            slots.fill(-1);
-            align_pairs(slots, self.cfg.slot_rows, job.block_m, pairs, tiles);
+            buf[..ns].fill(-1);
+            align_after(buf, ns, self.cfg.slot_rows, job.block_m);
         }
         let n = (job.size * h)
             .max(self.cpu_out_dirty)

@@ -318,4 +318,3 @@ fn cpu_output_of_a_bigger_earlier_step_never_leaks_into_a_later_one() {
         assert_eq!(r.driver.finish().unwrap().error, None);
     }
 }
-
