@@ -47,19 +47,18 @@ class TraceRouter(torch.nn.Module):
     """A MoE layer's router for decode steps: the router's own weights, the trace's expert ids.
 
     The ids come from a device table indexed by a device step counter, so a captured decode step replays the
-    trace too; the last MoE layer advances the counter. Steps with more rows than the trace has (the prefill),
-    and any step while `active` is False, keep the router's ids.
+    trace too; the last MoE layer advances the counter. Steps with more rows than the trace has (every prefill
+    here: 32-token prompts) keep the router's ids.
     """
 
     def __init__(self, router: torch.nn.Module, table: torch.Tensor, clock: torch.Tensor, tick: bool) -> None:
         super().__init__()
         self.router, self.table, self.clock, self.tick = router, table, clock, tick
-        self.active = True
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ids, weights = self.router(x)
         rows = x.shape[0]
-        if not self.active or rows > self.table.shape[1]:
+        if rows > self.table.shape[1]:
             return ids, weights
         step = torch.remainder(self.clock, self.table.shape[0])
         ids = self.table.index_select(0, step)[0, :rows]
@@ -120,11 +119,7 @@ def run_decode(
     params = SamplingParams(max_tokens=warmup + steps + 1, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"r{i}", list(range(1 + i, 33 + i)), params)
-    for r in routers:
-        r.active = False
     engine.step()  # prefill, routed by the model's own router
-    for r in routers:
-        r.active = True
     routers[0].clock.zero_()
     times = []
     for n in range(warmup + steps):

@@ -100,20 +100,24 @@ class DecodeRunner:
             self.cpu_out = torch.zeros(n, hidden, dtype=torch.float32, device=device)
             self.mail_row = 12 * k + 4 * hidden  # bytes per token: int64 ids, float32 weights and hidden states
             self.mail = torch.zeros(n * self.mail_row, dtype=torch.uint8, device=device)
-            self.host = PinnedBuffers(pin=device.type == "cuda")
-            self.mail_host = self.host.get("mail", (n * self.mail_row,), torch.uint8)
             moe = cfg.moe_layers
             # (first layer, MoE layer that ends the span or -1): spans run between the MoE layers' experts.
             self.spans = list(zip([0] + [m + 1 for m in moe], moe + [-1]))
             self.span_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
             make = getattr(model.experts, "device_handshake", None)
             if use_graphs and make is not None:
-                self.handshake = make(k, self.sizes)
+                self.handshake = make(k, self.sizes)  # None where the backend cannot; it has its own host mailbox
+            if self.handshake is not None:
                 # Spans in graphs of LAYERS_PER_GRAPH MoE layers each (the last span, the LM head, in the last).
-                n = len(self.spans)
-                self.parts = [range(a, min(a + LAYERS_PER_GRAPH, n)) for a in range(0, n, LAYERS_PER_GRAPH)]
+                num_spans = len(self.spans)
+                self.parts = [
+                    range(a, min(a + LAYERS_PER_GRAPH, num_spans)) for a in range(0, num_spans, LAYERS_PER_GRAPH)
+                ]
                 if len(self.parts) > 1 and len(self.parts[-1]) == 1:  # no graph of the LM head alone
-                    self.parts[-2:] = [range(self.parts[-2].start, n)]
+                    self.parts[-2:] = [range(self.parts[-2].start, num_spans)]
+            else:  # the mailbox's host side for `forward_staged`
+                self.host = PinnedBuffers(pin=device.type == "cuda")
+                self.mail_host = self.host.get("mail", (n * self.mail_row,), torch.uint8)
         if use_graphs:
             self._capture()
 

@@ -286,7 +286,7 @@ class ExpertCacheBackend:
             slots = torch.from_numpy(topk_slots.astype(np.int64))
             y = grouped_swiglu(hidden, self.gate_up, self.down, slots, topk_weights)
             return y if out is None else out.copy_(y)
-        from freetoken.kernels.fused_moe import block_m_for, fused_moe
+        from freetoken.kernels.fused_moe import block_m_for
 
         n_slots, rows = topk_slots.size, self.gate_up.shape[0]
         block_m = block_m_for(n_slots)
@@ -296,7 +296,7 @@ class ExpertCacheBackend:
         dev = staging.to(self.device, non_blocking=True)
         slots = dev[:n_slots].view(topk_slots.shape)
         alignment = (dev[n_slots : n_slots + n_pairs], dev[n_slots + n_pairs :])
-        return fused_moe(hidden, self.gate_up, self.down, slots, topk_weights, alignment=alignment, out=out)
+        return self.run_slots(hidden, slots, topk_weights, alignment, out)
 
     def forward(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -472,13 +472,13 @@ class ExpertCacheBackend:
 
     def run_slots(
         self, hidden: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor,
-        alignment: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor,
-    ) -> None:
-        """The grouped SwiGLU over slot ids already on the device (the driven graph's plan; -1 skips a pick) into
-        `out` [T, H]."""
+        alignment: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """The grouped SwiGLU (Triton) over slot ids and their tile alignment already on the device (-1 skips a
+        pick): [T, H], written into `out` when given."""
         from freetoken.kernels.fused_moe import fused_moe
 
-        fused_moe(hidden, self.gate_up, self.down, topk_slots, topk_weights, alignment=alignment, out=out)
+        return fused_moe(hidden, self.gate_up, self.down, topk_slots, topk_weights, alignment=alignment, out=out)
 
     def after_driven_step(self, report: dict) -> None:
         """Book a driven decode step's report: bandwidth samples of both miss paths (weighted as the layer steps
@@ -492,8 +492,7 @@ class ExpertCacheBackend:
                 report["cpu_experts"] * self.expert_nbytes, report["cpu_seconds"],
                 report["cpu_picks"] / report["cpu_experts"], samples=report["cpu_layers"],
             )
-        if self.pcie.profile and self.cpu_bw.profile:
-            self.planner.set_profile(self.pcie.refined()[1], self.cpu_bw.refined())
+        self._push_profile()
 
     def after_failed_driven_step(self) -> None:
         """A driven decode step failed part way: its fills may have moved slots, so the layer buffers' row tables
@@ -508,7 +507,12 @@ class ExpertCacheBackend:
             start, end, nbytes = self._pending_fills.popleft()
             self.pcie.add(nbytes, start.elapsed_time(end) / 1e3)
         self._num_steps += 1
-        if self._num_steps % REFINE_EVERY == 0 and self.pcie.profile and self.cpu_bw.profile:
+        if self._num_steps % REFINE_EVERY == 0:
+            self._push_profile()
+
+    def _push_profile(self) -> None:
+        """Hand the planner the refined bandwidths (only when there is a profile to refine)."""
+        if self.pcie.profile and self.cpu_bw.profile:
             self.planner.set_profile(self.pcie.refined()[1], self.cpu_bw.refined())
 
     def stats(self) -> dict:
