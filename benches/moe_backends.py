@@ -136,13 +136,14 @@ def run_decode(
     return times, start_stats
 
 
-def profile_steps(engine: LLMEngine, batch: int, log) -> float | None:
+def profile_steps(engine: LLMEngine, backend, batch: int, log) -> float | None:
     """Where 4 warm decode steps spend their time: the profiler's top ops by CPU and by GPU time (logged), and the
     share of the steps' wall time outside every device kernel and copy and the host expert kernels
-    (`cpu_experts` ranges): the union of those intervals against each step's span. The profiler's own cost per
-    op counts as outside, so the share is an upper bound; so do, in a driven step, the decode driver's CPU experts
-    (a Rust thread, unseen by the profiler) and the device's waits for the driver (`_wait_fetch`, not counted
-    as kernel time). None when the trace has no device events."""
+    (`cpu_experts` ranges): the union of those intervals against each step's span. In a driven step the device's
+    waits for the driver (`_wait_fetch`) do not count as kernel time, and the driver's CPU experts and its exposed
+    waits for fills (a Rust thread, unseen by the profiler: its own timings) count as covered; the device idles
+    then, so they do not overlap the kernels. The profiler's own cost per op counts as outside, so the share is an
+    upper bound. None when the trace has no device events."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -151,15 +152,18 @@ def profile_steps(engine: LLMEngine, batch: int, log) -> float | None:
         engine.add_request(f"p{i}", list(range(1 + i, 33 + i)), params)
     for _ in range(7):  # prefill and warm-up
         engine.step()
+    before = snapshot(backend)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(4):
             with record_function("decode_step"):
                 engine.step()
                 torch.cuda.synchronize()
+    after = snapshot(backend)
+    driver_busy_us = 1e6 * sum(after.get(k, 0.0) - before.get(k, 0.0) for k in ("driver_cpu", "driver_fill_wait"))
     while engine.has_work():
         engine.step()
     for key in ("self_cpu_time_total", "self_cuda_time_total"):
-        log(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=40))
+        log(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=50))
     events = prof.events()
     steps = [(e.time_range.start, e.time_range.end) for e in events if e.name == "decode_step"]
     busy = sorted((e.time_range.start, e.time_range.end) for e in events if e.name != "decode_step"
@@ -175,7 +179,7 @@ def profile_steps(engine: LLMEngine, batch: int, log) -> float | None:
                 covered += stop - start
                 end = stop
     total = sum(hi - lo for lo, hi in steps)
-    return 1.0 - covered / total
+    return 1.0 - (covered + driver_busy_us) / total
 
 
 def cprofile_steps(engine: LLMEngine, batch: int, log) -> None:
@@ -206,7 +210,10 @@ def cprofile_steps(engine: LLMEngine, batch: int, log) -> None:
 def snapshot(backend) -> dict:
     if isinstance(backend, ExpertCacheBackend):
         s = backend.planner.stats()
-        return {k: int(v.sum()) for k, v in s.items()}
+        counters = {k: int(v.sum()) for k, v in s.items()}
+        counters["driven_steps"] = backend.driven_steps
+        counters.update({f"driver_{k}": v for k, v in backend.driver_seconds.items()})
+        return counters
     if isinstance(backend, StaticLayers):
         return {"bytes_cpu": backend.bytes_cpu}
     return {}
@@ -220,6 +227,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--backends", nargs="+", default=["fused", "static", "offload", "cpu", "hybrid"])
+    ap.add_argument("--cpu-threads", type=int, default=0,
+                    help="threads of the expert cache's host kernels (0: all CPUs; ft serve's --cpu-threads)")
     ap.add_argument("--profile", action="store_true",
                     help="print the torch profiler's top ops (CPU and GPU time) of 4 decode steps per row, to stderr, "
                     "and add the share of the step outside kernels, copies and CPU expert work (outside_share)")
@@ -283,7 +292,7 @@ def main() -> None:
                             engine_cfg, cfg, torch.bfloat16, pool.expert_stride, backend_name)
                         inner = ExpertCacheBackend(
                             backend_name, pool, device, slots, pcie_bytes_per_s=b_pcie, cpu_bytes_per_s=b_cpu,
-                            layer_buffers=buffers,
+                            layer_buffers=buffers, cpu_threads=args.cpu_threads or None,
                         )
                     model.attach_experts(inner)
                     routers = install_trace(model, trace, layers, total, batch, cfg.num_experts_per_tok, device)
@@ -294,7 +303,7 @@ def main() -> None:
                         f"{time.perf_counter() - t_row:.0f} s")
                     outside = None
                     if args.profile:
-                        outside = profile_steps(engine, batch, log)
+                        outside = profile_steps(engine, inner, batch, log)
                         engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
                     if args.cprofile:
                         cprofile_steps(engine, batch, log)
@@ -323,6 +332,12 @@ def main() -> None:
                     if isinstance(inner, ExpertCacheBackend):  # what the miss paths ran at, as the backend measured
                         bw = inner.stats()["bandwidth"]
                         row["measured_gbps"] = {path: bw[path]["measured_gbps"] for path in ("pcie", "cpu")}
+                        steps = after["driven_steps"] - before["driven_steps"]
+                        if steps:  # where the driver thread's time went, ms per step (mean of the measured steps)
+                            row["driver_ms"] = {
+                                k: round(1e3 * (after[f"driver_{k}"] - before[f"driver_{k}"]) / steps, 2)
+                                for k in inner.driver_seconds
+                            }
                     rows.append(row)
                     print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
                     del engine, inner, gpu_arena

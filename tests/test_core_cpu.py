@@ -134,3 +134,26 @@ def test_forward_from_threads() -> None:
         t.join()
     for o in outs:
         assert np.array_equal(o, want)
+
+
+def test_idle_spin_keeps_results_and_rejects_bad_values() -> None:
+    """Workers that poll between calls (`idle_spin_us`) give the same sums as parked ones; bad values are refused."""
+    pool = _core.ExpertPool.random(2, 8, 64, 32, seed=3)
+    cpu = _core.CpuExperts(pool, num_threads=3)
+    assert cpu.idle_spin_us == 0.0
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 64), dtype=np.float32)
+    ids = np.array([[0, 5], [2, 5], [7, 1]])
+    w = np.full((3, 2), 0.5, np.float32)
+    want = np.zeros((3, 64), np.float32)
+    cpu.forward(1, x, ids, w, np.arange(8), want)
+    cpu.idle_spin_us = 3000.0
+    assert cpu.idle_spin_us == pytest.approx(3000.0)
+    for _ in range(30):
+        out = np.zeros_like(want)
+        cpu.forward(1, x, ids, w, np.arange(8), out)
+        assert np.array_equal(out, want)
+    for bad in (-1.0, 2e6, float("nan")):
+        with pytest.raises(ValueError, match="idle_spin_us"):
+            cpu.idle_spin_us = bad
+    cpu.idle_spin_us = 0.0

@@ -462,6 +462,14 @@ class CpuExperts:
     def num_threads(self) -> int:
         """Threads per call, including the caller."""
     @property
+    def idle_spin_us(self) -> float:
+        """Microseconds a worker polls for the next call before it parks (default 0: parks at once).
+        Polling keeps its core busy but saves the wake-up (tens of microseconds) of calls that come in
+        quick succession, as a decode step's MoE layers do. Settable, within 0..=1e6 (else
+        InvalidArgumentError)."""
+    @idle_spin_us.setter
+    def idle_spin_us(self, us: float) -> None: ...
+    @property
     def pool(self) -> ExpertPool:
         """The pool."""
 
@@ -568,7 +576,10 @@ class DecodeDriver:
         """Waits (GIL released) for the step to end: ``fills``, ``fill_bytes``, ``timed_fill_bytes``,
         ``timed_fill_seconds`` and ``timed_fill_layers`` (the fills timed on the copy engine, one layer in a
         few), ``cpu_layers`` (layers that ran CPU experts),
-        ``cpu_experts``, ``cpu_picks``, ``cpu_seconds``, ``wait_seconds`` (waiting for the device's posts).
+        ``cpu_experts``, ``cpu_picks``, ``cpu_seconds`` (the fills are queued meanwhile), ``wait_seconds``
+        (waiting for the device's posts), ``serve_seconds`` (from a post seen to its flags raised), and within it
+        ``plan_seconds``, ``issue_seconds`` (queueing fills) and ``fill_wait_seconds`` (blocked on fills after
+        the CPU experts); seconds summed over layers.
 
         Raises:
             InternalError: The step failed (a plan error, a device that never posted); every layer was

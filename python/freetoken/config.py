@@ -194,7 +194,8 @@ class EngineConfig:
         expert_cache_policy: slot replacement policy: "lfu" (per-layer quotas with aged frequencies; the best
             hit rate of the three on routing traces at small caches, `cargo bench --bench policies`), "lru" or
             "layer_lru" (per-layer quotas).
-        cpu_threads: threads of the host expert kernels; 0 means all CPUs.
+        cpu_threads: threads of the host expert kernels; 0 means all CPUs, one fewer on CUDA
+            (`freetoken.moe.expert_cache.default_cpu_threads`).
         dummy_weights: random weights (seeded) instead of reading safetensors.
         seed: seed of the dummy weights and the default sampling RNG.
         enforce_eager: no CUDA graphs (decode steps launch their kernels one by one).

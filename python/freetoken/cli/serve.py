@@ -28,7 +28,7 @@ _HELP = {
     "gpu_memory_gb": "GPU memory budget in GB for weights, KV cache and expert slots; 0 = 90%% of free memory",
     "expert_slots": "expert slots in the GPU cache; 0 = as many as the budget leaves",
     "expert_cache_policy": "slot replacement policy: lfu, lru, layer_lru",
-    "cpu_threads": "threads of the host expert kernels; 0 = all CPUs",
+    "cpu_threads": "threads of the host expert kernels; 0 = all CPUs (one fewer on CUDA)",
     "dummy_weights": "random weights (seeded) from config.json instead of the safetensors files",
     "seed": "seed of dummy weights and of requests that give no seed",
     "enforce_eager": "no CUDA graphs for decode steps (slower; for debugging)",

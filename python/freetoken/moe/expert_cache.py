@@ -32,6 +32,7 @@ as it is) or one of the on-demand plans above.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 
@@ -57,7 +58,20 @@ from freetoken.moe.profile import interpolate
 MODES = ("offload", "cpu", "hybrid")
 REFINE_EVERY = 16  # layer steps between planner.set_profile calls with the refined bandwidths
 MAX_PENDING_FILLS = 8  # timed fill groups awaiting their events; older ones are dropped unread
+# Parts of a driven decode step as the driver thread saw them (`DecodeDriver.finish`): waiting for the device's
+# posts (its span of kernels), serving the posts, and within serving the plan, queueing the fills, the CPU experts
+# and the fills' exposed wait.
+DRIVER_PHASES = ("wait", "serve", "plan", "issue", "cpu", "fill_wait")
 TIME_FILLS_EVERY = 4  # time one layer step's fills in this many (two event records each on the CUDA API path)
+
+
+def default_cpu_threads(device: torch.device) -> int:
+    """Threads of the host expert kernels by default: every allowed CPU on the CPU device; on CUDA one fewer, because
+    while the decode driver thread and its workers run a layer's CPU experts, the thread that launches the step's
+    graphs waits in a spin of its own, and a worker time-sliced with it holds up the whole layer (on the 16-core H200
+    box, 16 threads ran a hybrid step's CPU experts at 39 GB/s, `benches/cpu_experts.py` measures 70-90 GB/s)."""
+    cpus = len(os.sched_getaffinity(0))
+    return max(1, cpus - 1) if device.type == "cuda" else cpus
 
 
 class BandwidthTracker:
@@ -127,7 +141,8 @@ class ExpertCacheBackend:
         policy: slot replacement policy of the planner ("lru", "layer_lru", "lfu").
         pcie_bytes_per_s: B_pcie, host->device expert copy bandwidth (bytes/s); needed by `hybrid`.
         cpu_bytes_per_s: B_cpu(b) as {batch: weight bytes/s}; needed by `hybrid`.
-        cpu_threads: threads of the host expert kernels (default: all CPUs).
+        cpu_threads: threads of the host expert kernels, the calling thread included (default:
+            `default_cpu_threads`).
         layer_buffers: full-layer buffers for streaming prefill (`LayerStreamer`): 0 (none), 1 (copy, then
             compute) or 2 (double-buffered: the next layer's copy overlaps this layer's compute).
         prefill_strategy: "auto" (the cheapest by `freetoken.moe.prefill.choose_strategy`, among streaming when
@@ -188,7 +203,7 @@ class ExpertCacheBackend:
             pcie_bytes_per_s=pcie_bytes_per_s,
             cpu_bytes_per_s=cpu_bytes_per_s,
         )
-        self.cpu = CpuExperts(pool, num_threads=cpu_threads)
+        self.cpu = CpuExperts(pool, num_threads=cpu_threads or default_cpu_threads(device))
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._fills_done = torch.cuda.Event() if device.type == "cuda" else None  # reused: one record per step
         self.pool_layer = {model_layer: i for i, model_layer in enumerate(pool.moe_layers)}
@@ -210,6 +225,9 @@ class ExpertCacheBackend:
         self.strategy = self.demand  # of the current step
         self.strategy_steps = {name: 0 for name in ("stream", *DEMAND_MODES)}  # prefill steps only
         self.calibration = Calibration(device)
+        # Driven decode steps and the driver's seconds summed over them, by part (`DecodeDriver.finish`).
+        self.driven_steps = 0
+        self.driver_seconds = dict.fromkeys(DRIVER_PHASES, 0.0)
 
     @staticmethod
     def _check_prefill(mode, num_slots, layer_buffers, strategy, pcie, cpu) -> None:
@@ -483,6 +501,9 @@ class ExpertCacheBackend:
     def after_driven_step(self, report: dict) -> None:
         """Book a driven decode step's report: bandwidth samples of both miss paths (weighted as the layer steps
         they sum), the planner's refined profile, and invalidated layer-buffer tables when slots changed."""
+        self.driven_steps += 1
+        for phase in DRIVER_PHASES:
+            self.driver_seconds[phase] += report[f"{phase}_seconds"]
         if report["fills"]:
             if self.streamer is not None:
                 self.streamer.invalidate()
@@ -525,6 +546,12 @@ class ExpertCacheBackend:
             "num_resident": self.planner.num_resident,
             "expert_nbytes": self.expert_nbytes,
             "bandwidth": {"pcie": self.pcie.stats(), "cpu": self.cpu_bw.stats()},
+            "decode_driver": {
+                "steps": self.driven_steps,
+                "ms_per_step": {
+                    phase: round(1e3 * v / max(1, self.driven_steps), 3) for phase, v in self.driver_seconds.items()
+                },
+            },
             "prefill": {
                 "strategy": self.prefill_strategy,
                 "layer_buffers": 0 if self.streamer is None else self.streamer.num_buffers,

@@ -18,6 +18,8 @@ layer in a fourth flag row, and `finish` raises for the step (whose output is th
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import torch
 import triton
@@ -26,6 +28,11 @@ import triton.language as tl
 from freetoken._core import DecodeDriver, aligned_len
 from freetoken.moe.pinned import PinnedBuffers
 
+# How long the CPU experts' workers poll for the next layer before they park: longer than the span between two MoE
+# layers of a decode step (0.3-1 ms on the H200 box), so a step's CPU experts start without waking threads (20-30 us
+# of a 130-300 us call, benches/cpu_experts.py). Only where the workers leave a core to the launching thread: a
+# polling worker sharing its core would hold up every layer.
+WORKER_IDLE_SPIN_US = 2000.0
 MAX_SPINS = 20_000_000  # polls of a host flag over PCIe (~1 us each): the device gives up after seconds
 FETCH_BLOCK = 1024
 
@@ -95,6 +102,8 @@ class DeviceHandshake:
         self.gen = torch.zeros(1, dtype=torch.int32, device=device)
         self.generation = 0
         self._in_step = False  # between start and a successful finish; the device's counter may be off
+        if backend.cpu.num_threads < len(os.sched_getaffinity(0)):  # a core each for the workers, driver and launcher
+            backend.cpu.idle_spin_us = WORKER_IDLE_SPIN_US
         flags = self.flags.numpy().view(np.uint32)
         self.driver = DecodeDriver(
             backend.planner, backend.cpu, backend.mode, k, self.slot_rows,

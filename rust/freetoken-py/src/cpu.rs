@@ -50,6 +50,21 @@ impl PyCpuExperts {
         self.inner.num_threads()
     }
     #[getter]
+    fn idle_spin_us(&self) -> f64 {
+        self.inner.idle_spin().as_secs_f64() * 1e6
+    }
+    #[setter]
+    fn set_idle_spin_us(&self, us: f64) -> PyResult<()> {
+        if !(0.0..=1e6).contains(&us) {
+            return Err(invalid(format!(
+                "idle_spin_us must be within 0..=1e6 (one second), got {us}"
+            )));
+        }
+        self.inner
+            .set_idle_spin(std::time::Duration::from_secs_f64(us / 1e6));
+        Ok(())
+    }
+    #[getter]
     fn pool(&self, py: Python<'_>) -> Py<PyExpertPool> {
         self.pool.clone_ref(py)
     }

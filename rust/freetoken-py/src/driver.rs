@@ -187,6 +187,10 @@ impl PyDecodeDriver {
         d.set_item("cpu_picks", report.cpu_picks)?;
         d.set_item("cpu_seconds", report.cpu_seconds)?;
         d.set_item("wait_seconds", report.wait_seconds)?;
+        d.set_item("serve_seconds", report.serve_seconds)?;
+        d.set_item("plan_seconds", report.plan_seconds)?;
+        d.set_item("issue_seconds", report.issue_seconds)?;
+        d.set_item("fill_wait_seconds", report.fill_wait_seconds)?;
         Ok(d)
     }
 }

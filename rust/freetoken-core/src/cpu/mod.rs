@@ -155,6 +155,45 @@ impl CpuExperts {
         experts: &[i64],
         out: &mut [f32],
     ) -> Result<(), KernelError> {
+        self.forward_with(
+            layer,
+            hidden,
+            topk_ids,
+            topk_weights,
+            k,
+            experts,
+            out,
+            &mut || {},
+        )
+    }
+
+    /// How long the worker threads poll for the next call before they park (see
+    /// [`WorkerPool::set_idle_spin`]); 0 by default.
+    pub fn set_idle_spin(&self, spin: std::time::Duration) {
+        self.workers.set_idle_spin(spin)
+    }
+
+    /// The idle spin in effect.
+    pub fn idle_spin(&self) -> std::time::Duration {
+        self.workers.idle_spin()
+    }
+
+    /// As [`forward`](Self::forward), and the calling thread runs `alongside` once the workers
+    /// have started (the decode driver queues its fills there, so they do not delay the CPU
+    /// experts). `alongside` runs exactly once when the arguments are valid, also when no listed
+    /// expert has tokens; not at all when they are invalid.
+    #[allow(clippy::too_many_arguments)]
+    pub fn forward_with(
+        &self,
+        layer: i64,
+        hidden: Hidden<'_>,
+        topk_ids: &[i64],
+        topk_weights: &[f32],
+        k: usize,
+        experts: &[i64],
+        out: &mut [f32],
+        alongside: &mut dyn FnMut(),
+    ) -> Result<(), KernelError> {
         let (h, i_sz, ne) = (
             self.pool.hidden_size(),
             self.pool.intermediate_size(),
@@ -201,6 +240,7 @@ impl CpuExperts {
             }
         }
         if list.is_empty() {
+            alongside();
             return Ok(());
         }
         // Per expert, its tokens' rows in the scratch buffers start at tok_off[e].
@@ -420,7 +460,7 @@ impl CpuExperts {
             }
         };
         // ORDERING: `run` has joined every participant (Acquire inside), so Relaxed suffices.
-        if !self.workers.run(&guarded) || failed.load(Ordering::Relaxed) {
+        if !self.workers.run_with(&guarded, alongside) || failed.load(Ordering::Relaxed) {
             return Err(KernelError::Worker(
                 "a task panicked; out may be partly updated".into(),
             ));

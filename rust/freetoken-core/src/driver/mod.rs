@@ -207,12 +207,23 @@ pub struct StepReport {
     pub cpu_experts: usize,
     /// Routed picks those experts served (tokens per expert = picks / experts).
     pub cpu_picks: usize,
-    /// Seconds in the CPU experts, summed over layers.
+    /// Seconds in the CPU experts (from handing them to the workers until all are done, the
+    /// fills queued meanwhile), summed over layers.
     pub cpu_seconds: f64,
     /// Layers that ran CPU experts.
     pub cpu_layers: usize,
     /// Seconds the driver waited for the device to post routing, summed over layers.
     pub wait_seconds: f64,
+    /// Seconds from a post seen to its flags raised, summed over layers: the plan, the fills'
+    /// queueing and waiting, the CPU experts (the parts below, and what lies between them).
+    pub serve_seconds: f64,
+    /// Seconds copying the routing out of the mailbox, planning and writing the plan.
+    pub plan_seconds: f64,
+    /// Seconds queueing fills (driver API calls), on the driver thread while the CPU workers
+    /// run (so inside `cpu_seconds` in layers that ran CPU experts).
+    pub issue_seconds: f64,
+    /// Seconds blocked on fills after the CPU experts were done (the copies' exposed time).
+    pub fill_wait_seconds: f64,
     /// Why the step failed, if it did.
     pub error: Option<String>,
 }
@@ -476,6 +487,7 @@ impl Worker {
                 return report;
             }
             report.wait_seconds += t0.elapsed().as_secs_f64();
+            let t1 = Instant::now();
             let served = if job.idle {
                 self.write_empty(&job);
                 Ok(())
@@ -492,6 +504,7 @@ impl Worker {
                 flag(self.hs.plan_flag.add(layer)).store(job.generation, Ordering::Release);
                 flag(self.hs.cpu_flag.add(layer)).store(job.generation, Ordering::Release);
             }
+            report.serve_seconds += t1.elapsed().as_secs_f64();
         }
         report
     }
@@ -504,6 +517,7 @@ impl Worker {
         job: &StepJob,
         report: &mut StepReport,
     ) -> Result<(), DriverError> {
+        let t0 = Instant::now();
         let (k, h) = (self.cfg.top_k, self.hidden());
         let (b, size) = (job.batch, job.size);
         let n = mail_len(size, k, h);
@@ -527,16 +541,6 @@ impl Worker {
             let mut planner = self.planner.lock().unwrap_or_else(|e| e.into_inner());
             planner.plan(layer as i64, ids, k, self.cfg.backend)?
         };
-        let pool = self.cpu.pool().clone();
-        for (&e, &slot) in plan.fill_experts.iter().zip(&plan.fill_slots) {
-            let (src, nbytes) = pool
-                .expert_ptr(layer as i64, e as i64)
-                .map_err(crate::error::KernelError::from)?;
-            // SAFETY: `src` is a pool expert of `nbytes`, and the pool outlives the step.
-            unsafe { self.copier.copy(slot as usize, src, nbytes)? };
-        }
-        report.fills += plan.fill_experts.len();
-        report.fill_bytes += plan.fill_experts.len() * pool.expert_nbytes();
         // The plan: slots of the real rows, -1 for padding rows, then the tile alignment.
         let (ns, nr, nt) = plan_layout(size, k, self.cfg.slot_rows, job.block_m);
         // SAFETY: the plan buffer holds ns + nr + nt int64 (checked in `check`).
@@ -546,6 +550,26 @@ impl Worker {
         }
         buf[b * k..ns].fill(-1);
         align_after(buf, ns, self.cfg.slot_rows, job.block_m);
+        report.plan_seconds += t0.elapsed().as_secs_f64();
+        let pool = self.cpu.pool().clone();
+        let copier = &mut self.copier;
+        let mut issued: Result<(), DriverError> = Ok(());
+        let mut issue_seconds = 0.0;
+        let mut issue = || {
+            let t = Instant::now();
+            issued = plan
+                .fill_experts
+                .iter()
+                .zip(&plan.fill_slots)
+                .try_for_each(|(&e, &slot)| {
+                    let (src, nbytes) = pool
+                        .expert_ptr(layer as i64, e as i64)
+                        .map_err(crate::error::KernelError::from)?;
+                    // SAFETY: `src` is a pool expert of `nbytes`, and the pool outlives the step.
+                    unsafe { copier.copy(slot as usize, src, nbytes) }
+                });
+            issue_seconds = t.elapsed().as_secs_f64();
+        };
         // The device reads `size * h`; earlier steps may have left more non-zero.
         let n = (size * h).max(self.cpu_out_dirty);
         // SAFETY: n <= cpu_out_len (`check`, and `cpu_out_dirty` never exceeds it).
@@ -554,7 +578,8 @@ impl Worker {
             cpu_out[..size * h].fill(0.0);
             let experts: Vec<i64> = plan.cpu_experts.iter().map(|&e| e as i64).collect();
             let t0 = Instant::now();
-            self.cpu.forward(
+            // The fills are queued while the workers start on the CPU experts.
+            let ran = self.cpu.forward_with(
                 layer as i64,
                 Hidden::F32(hidden),
                 ids,
@@ -562,18 +587,30 @@ impl Worker {
                 k,
                 &experts,
                 &mut cpu_out[..b * h],
-            )?;
+                &mut issue,
+            );
             report.cpu_seconds += t0.elapsed().as_secs_f64();
+            ran?;
             report.cpu_experts += experts.len();
             report.cpu_picks += plan.topk_slots.iter().filter(|&&s| s < 0).count();
             report.cpu_layers += 1;
             self.cpu_out_dirty = self.cpu_out_dirty.max(b * h);
-        } else if self.cpu_out_dirty > 0 {
-            cpu_out[..self.cpu_out_dirty].fill(0.0);
-            self.cpu_out_dirty = 0;
+        } else {
+            issue();
+            if self.cpu_out_dirty > 0 {
+                cpu_out[..self.cpu_out_dirty].fill(0.0);
+                self.cpu_out_dirty = 0;
+            }
         }
+        report.issue_seconds += issue_seconds;
+        issued?;
+        report.fills += plan.fill_experts.len();
+        report.fill_bytes += plan.fill_experts.len() * pool.expert_nbytes();
         if !plan.fill_experts.is_empty() {
-            if let Some(seconds) = self.copier.wait()? {
+            let t0 = Instant::now();
+            let timed = self.copier.wait()?;
+            report.fill_wait_seconds += t0.elapsed().as_secs_f64();
+            if let Some(seconds) = timed {
                 report.timed_fill_bytes += plan.fill_experts.len() * pool.expert_nbytes();
                 report.timed_fill_seconds += seconds;
                 report.timed_fill_layers += 1;
