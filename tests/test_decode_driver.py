@@ -129,3 +129,42 @@ def test_bad_buffers_and_calls_are_clear_errors():
     rig.driver.start(5, 5, 1, BLOCK_M)  # more rows than the buffers hold: the step fails, nothing hangs
     with pytest.raises(InternalError, match="the buffers hold"):
         rig.driver.finish()
+
+
+@pytest.mark.skipif(
+    __import__("os").environ.get("TRITON_INTERPRET") != "1",
+    reason="CPU tensors need Triton's interpreter (conftest sets it without a GPU)",
+)
+def test_device_kernels_of_the_handshake_in_the_interpreter():
+    """The device side's kernels on CPU tensors: `_pack_mail` writes the layout the driver reads (`mail_len`,
+    `mail_views`) from strided router outputs; `_wait_fetch` copies once the flag holds the generation, adds into
+    the destination with `accumulate`, and marks a layer it gave up on."""
+    import torch
+    from freetoken.moe.handshake import _fetch, _pack_mail, _wait_fetch, mail_views
+
+    size = 3
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, E, (size, K + 1), generator=gen)[:, :K]  # row stride K + 1, as a slice would have
+    weights = torch.rand(size, K, generator=gen, dtype=torch.float64).to(torch.bfloat16)
+    hidden = torch.randn(size, H + 5, generator=gen).to(torch.bfloat16)[:, :H]
+    buf = torch.zeros(size * (12 * K + 4 * H), dtype=torch.uint8)  # the driver's `mail_len`
+    views = mail_views(buf, size, K, H)
+    _pack_mail[(size,)](ids, weights, hidden, *views, H, ids.stride(0), weights.stride(0), hidden.stride(0),
+                        TOP_K=K, BLOCK_K=2, BLOCK_H=16)
+    assert torch.equal(views[0], ids)
+    assert torch.equal(views[1], weights.float())
+    assert torch.equal(views[2], hidden.float())
+
+    flags = torch.zeros(2, dtype=torch.int32)
+    gen_dev = torch.tensor([7], dtype=torch.int32)
+    src = torch.randn(10, generator=gen)
+    dst = torch.ones(10, dtype=torch.bfloat16)
+    flags[0] = 7
+    _fetch(flags[0:], gen_dev, src, dst, flags[1:], accumulate=True)
+    torch.testing.assert_close(dst.float(), 1 + src, atol=0, rtol=2**-7)  # to bf16 (the interpreter truncates)
+    plan = torch.zeros(10, dtype=torch.int64)
+    _fetch(flags[0:], gen_dev, torch.arange(10), plan, flags[1:])
+    assert plan.tolist() == list(range(10)) and flags[1] == 0
+    flags[0] = 6  # an old generation: the kernel gives up after its polls and marks the layer
+    _wait_fetch[(1,)](flags[0:], gen_dev, src, dst, flags[1:], 10, 3, BLOCK=16, ACCUMULATE=False)
+    assert flags[1] == 7

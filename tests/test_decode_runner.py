@@ -40,3 +40,35 @@ def test_decode_runner_equals_torch_path(checkpoint, backend, piecewise):
         runner.model, engine.kv, cfg.max_num_seqs, engine.max_model_len, use_graphs=False, piecewise=piecewise
     )
     assert _greedy(engine) == expected
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need Triton's interpreter (conftest sets it without a GPU)"
+)
+def test_fused_layer_kernels_give_the_torch_path_logprobs(checkpoint, monkeypatch):
+    """The model's CUDA path (one GEMM for q/k/v, the fused RMSNorm, norm+RoPE and router kernels of
+    `freetoken.kernels.layer_ops`) run on the CPU in the interpreter: the same tokens and log-probabilities as the
+    torch ops, prefill and decode."""
+    from freetoken.engine.types import SamplingParams
+    from freetoken.models import qwen3_moe
+
+    cfg = EngineConfig(device="cpu", dtype="float32", moe_backend="fused", max_num_seqs=3, kv_block_size=4)
+
+    def run() -> list[tuple[list[int], list[float]]]:
+        engine = LLMEngine.from_dir(checkpoint, cfg)
+        params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True, logprobs=0)
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"r{i}", prompt, params)
+        out = {f"r{i}": ([], []) for i in range(len(PROMPTS))}
+        while engine.has_work():
+            for o in engine.step():
+                out[o.request_id][0].extend(o.chunk.token_ids)
+                out[o.request_id][1].extend(lp.logprob for lp in o.chunk.logprobs)
+        return [out[f"r{i}"] for i in range(len(PROMPTS))]
+
+    expected = run()
+    monkeypatch.setattr(qwen3_moe, "KERNEL_DEVICES", {"cuda", "cpu"})
+    got = run()
+    for (ids, lps), (want_ids, want_lps) in zip(got, expected, strict=True):
+        assert ids == want_ids
+        assert lps == pytest.approx(want_lps, abs=1e-4)

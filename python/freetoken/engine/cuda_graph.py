@@ -36,8 +36,9 @@ BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 # MoE layers per graph of a driven decode step. A graph's launch returns only once its work is queued, and work
 # queued behind a kernel that spins on the driver is not consumed; if a launch waited for queue space while the
 # device spun on a layer whose fills the driver cannot issue until the launch returns (one CUDA context), neither
-# would move. So the step is launched in parts, each part once nothing queued ahead of it waits on the driver,
-# and small enough to queue whole: 4 layers (what the tests' 4-layer model runs in one graph) per part.
+# would move (one graph of all 48 layers of Qwen3-30B-A3B did, on the H200). So the step is launched in parts
+# small enough that two of them queue whole, each part once the driver has served the first layer of the part
+# before: 4 layers (what the tests' 4-layer model runs in one graph) per part.
 LAYERS_PER_GRAPH = 4
 
 
@@ -98,8 +99,6 @@ class DecodeRunner:
             self.sin = torch.zeros(n, cfg.head_dim, dtype=dtype, device=device)
             self.logits = torch.zeros(n, cfg.vocab_size, dtype=torch.float32, device=device)
             self.cpu_out = torch.zeros(n, hidden, dtype=torch.float32, device=device)
-            self.mail_row = 12 * k + 4 * hidden  # bytes per token: int64 ids, float32 weights and hidden states
-            self.mail = torch.zeros(n * self.mail_row, dtype=torch.uint8, device=device)
             moe = cfg.moe_layers
             # (first layer, MoE layer that ends the span or -1): spans run between the MoE layers' experts.
             self.spans = list(zip([0] + [m + 1 for m in moe], moe + [-1]))
@@ -115,7 +114,9 @@ class DecodeRunner:
                 ]
                 if len(self.parts) > 1 and len(self.parts[-1]) == 1:  # no graph of the LM head alone
                     self.parts[-2:] = [range(self.parts[-2].start, num_spans)]
-            else:  # the mailbox's host side for `forward_staged`
+            else:  # the mailbox for `forward_staged` (the handshake has its own), on both sides
+                self.mail_row = 12 * k + 4 * hidden  # bytes per token: int64 ids, float32 weights and hidden states
+                self.mail = torch.zeros(n * self.mail_row, dtype=torch.uint8, device=device)
                 self.host = PinnedBuffers(pin=device.type == "cuda")
                 self.mail_host = self.host.get("mail", (n * self.mail_row,), torch.uint8)
         if use_graphs:
@@ -141,17 +142,17 @@ class DecodeRunner:
         return self.model.compute_logits(hidden)
 
     def _mail(self, buf: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Views of mailbox `buf` for a padded batch of `size`: ids [size, k] int64, weights [size, k] and hidden
-        [size, H] float32, packed one after the other in the first `size * mail_row` bytes (so one copy moves
-        them, and the leading rows of each are contiguous)."""
-        k, hidden = self.topk_ids.shape[1], self.h_moe.shape[1]
-        a, b, c = size * 8 * k, size * 12 * k, size * self.mail_row
-        return buf[:a].view(torch.int64).view(size, k), buf[a:b].view(torch.float32).view(size, k), \
-            buf[b:c].view(torch.float32).view(size, hidden)
+        """Views of mailbox `buf` for a padded batch of `size` (`freetoken.moe.handshake.mail_views`)."""
+        from freetoken.moe.handshake import mail_views
 
-    def _span(self, size: int, index: int) -> None:
+        return mail_views(buf, size, self.topk_ids.shape[1], self.h_moe.shape[1])
+
+    def _span(self, size: int, index: int, driven: bool = False):
         """Run span `index` on the static buffers: from the previous MoE layer's output (or the embeddings) to
-        the next MoE layer's router outputs (or the logits)."""
+        the next MoE layer's router outputs (or the logits). Piecewise, the router's outputs go to the static
+        buffers and the mailbox; `driven`, where the handshake packs the mailbox and the slot kernel follows in
+        the same graph, only the residual is kept, and (hidden, ids, weights) are returned; the CPU experts' sum
+        is then already in `moe_out` (`DeviceHandshake.fetch_cpu` adds it there)."""
         start, moe_layer = self.spans[index]
         meta = self._meta(size)
         model = self.model
@@ -160,16 +161,20 @@ class DecodeRunner:
             cos, sin = model.model.rotary(meta.positions, x.dtype)
             self.cos[:size].copy_(cos)
             self.sin[:size].copy_(sin)
+        elif driven:
+            x = self.x_resid[:size] + self.moe_out[:size]
         else:
             x = self.x_resid[:size] + self.moe_out[:size] + self.cpu_out[:size].to(self.x_resid.dtype)
         x, _ = model.run_until_moe(x, start, (self.cos[:size], self.sin[:size]), self.kv.layers, meta)
         if moe_layer < 0:
             self.logits[:size].copy_(model.compute_logits(model.model.norm(x)))
-            return
+            return None
         layer = model.model.layers[moe_layer]
         h = layer.post_attention_layernorm(x)
         ids, weights = layer.mlp.gate(h)
         self.x_resid[:size].copy_(x)
+        if driven:
+            return h, ids, weights
         self.h_moe[:size].copy_(h)
         self.topk_ids[:size].copy_(ids)
         self.topk_weights[:size].copy_(weights)
@@ -177,6 +182,7 @@ class DecodeRunner:
         mail_ids.copy_(ids)
         mail_weights.copy_(weights)
         mail_hidden.copy_(h)
+        return None
 
     def _forward_driven(self, size: int, spans: range) -> None:
         """Part of the decode step with the routed experts served through the backend's handshake (its driver
@@ -189,23 +195,25 @@ class DecodeRunner:
             hs.begin()
         for index in spans:
             moe_layer = self.spans[index][1]
-            self._span(size, index)
-            if moe_layer < 0:
+            routed = self._span(size, index, driven=True)
+            if routed is None:
                 break
-            hs.post(moe_layer, self.mail[: size * self.mail_row])
+            h, ids, weights = routed
+            hs.post(moe_layer, ids, weights, h)
             slots, pairs, tiles = hs.fetch_plan(moe_layer, size)
-            experts.run_slots(self.h_moe[:size], slots, self.topk_weights[:size], (pairs, tiles), self.moe_out[:size])
-            hs.fetch_cpu(moe_layer, size, self.cpu_out[:size])
+            experts.run_slots(h, slots, weights, (pairs, tiles), self.moe_out[:size])
+            hs.fetch_cpu(moe_layer, size, self.moe_out[:size])
 
     def _run_driven(self, size: int, batch: int) -> None:
-        """Replay the parts of a driven step, each once the driver has served the last MoE layer of the part
-        before (see `LAYERS_PER_GRAPH`)."""
+        """Replay the parts of a driven step, each once the driver has served the first MoE layer of the part
+        before: then at most two parts are queued (see `LAYERS_PER_GRAPH`), and the next part is in the queue
+        before the device reaches it, so no launch latency shows between parts."""
         hs = self.handshake
         hs.start(batch, size)
         try:
             for i, graph in enumerate(self.span_graphs[size]):
                 if i:
-                    hs.wait_served(self.spans[self.parts[i - 1][-1]][1])
+                    hs.wait_served(self.spans[self.parts[i - 1][0]][1])
                 graph.replay()
         finally:
             hs.finish()  # the driver's report; raises its error after the device ran to the end

@@ -128,6 +128,8 @@ def _empty_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> 
     if cfg.tie_word_embeddings:  # to_empty replaces each module's parameters one by one, which unties them
         model.lm_head.weight = model.model.embed_tokens.weight
     model.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(device)  # float32 buffer, not a weight
+    for layer in model.model.layers:
+        layer.self_attn.fuse_qkv()
     return model.eval().requires_grad_(False)
 
 

@@ -15,12 +15,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.config import ModelConfig
+from freetoken.kernels.layer_ops import norm_rope, rms_norm, router_topk
 from freetoken.models.attention import AttentionMetadata, paged_attention
 from freetoken.moe.backend import ExpertBackend
 
+# Devices whose tensors take the fused Triton kernels (`freetoken.kernels.layer_ops`, one GEMM for q/k/v); elsewhere
+# the torch ops that follow transformers run. Tests add "cpu" to run the kernels in Triton's interpreter.
+KERNEL_DEVICES = {"cuda"}
+
 
 class RMSNorm(nn.Module):
-    """RMSNorm (Zhang & Sennrich 2019), computed in float32 and cast back, as transformers' Qwen3MoeRMSNorm."""
+    """RMSNorm (Zhang & Sennrich 2019), computed in float32 and cast back, as transformers' Qwen3MoeRMSNorm; on CUDA
+    one fused kernel (`freetoken.kernels.layer_ops.rms_norm`), the torch ops below elsewhere."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -28,6 +34,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type in KERNEL_DEVICES:
+            return rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -72,6 +80,37 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, cfg.hidden_size, bias=bias)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # see `fuse_qkv`
+
+    def fuse_qkv(self) -> None:
+        """Re-seat q_proj, k_proj and v_proj's weights (and biases) as row views of one stacked tensor, so that on
+        CUDA one GEMM projects all three (two kernel launches fewer per layer at decode). Call before the weights
+        are loaded or after: the values are kept, and loading copies into the views in place."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        weight = torch.cat([p.weight.detach() for p in projs])
+        bias = torch.cat([p.bias.detach() for p in projs]) if self.q_proj.bias is not None else None
+        start = 0
+        for p in projs:
+            rows = p.weight.shape[0]
+            p.weight = nn.Parameter(weight[start : start + rows], requires_grad=False)
+            if bias is not None:
+                p.bias = nn.Parameter(bias[start : start + rows], requires_grad=False)
+            start += rows
+        self.qkv = (weight, bias)
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, D], k and v [T, kv_heads, D]: one GEMM on CUDA when the weights are still views of the
+        stacked tensor of `fuse_qkv` (a `.to()` since would have replaced them), else three."""
+        num_tokens = x.shape[0]
+        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        if x.device.type in KERNEL_DEVICES and self.qkv is not None and self.q_proj.weight.data_ptr() == self.qkv[0].data_ptr() \
+                and self.v_proj.weight.data_ptr() == self.qkv[0][nq + nkv :].data_ptr():
+            qkv = F.linear(x, *self.qkv)
+            q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return (q.view(num_tokens, self.num_heads, self.head_dim), k.view(num_tokens, self.num_kv_heads, self.head_dim),
+                v.view(num_tokens, self.num_kv_heads, self.head_dim))
 
     def forward(
         self,
@@ -82,11 +121,13 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         """x [T, H] -> [T, H]; writes this step's K/V into `kv` (each [num_slots, num_kv_heads, head_dim])."""
         num_tokens = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k, v = self._project(x)
         cos, sin = rope
-        q, k = _apply_rope(q, cos, sin), _apply_rope(k, cos, sin)
+        if x.device.type in KERNEL_DEVICES:  # norm and RoPE in one kernel each
+            q = norm_rope(q, self.q_norm.weight, cos, sin, self.q_norm.eps)
+            k = norm_rope(k, self.k_norm.weight, cos, sin, self.k_norm.eps)
+        else:
+            q, k = _apply_rope(self.q_norm(q), cos, sin), _apply_rope(self.k_norm(k), cos, sin)
         out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
@@ -114,7 +155,10 @@ class Router(nn.Module):
         self.norm_topk_prob = cfg.norm_topk_prob
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] in x's dtype)."""
+        """x [T, H] -> (topk_ids [T, k] int64, topk_weights [T, k] in x's dtype). On CUDA the softmax, top-k and
+        renormalisation are one kernel (`freetoken.kernels.layer_ops.router_topk`)."""
+        if x.device.type in KERNEL_DEVICES:
+            return router_topk(F.linear(x, self.weight), self.top_k, self.norm_topk_prob, x.dtype)
         probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -37,10 +37,38 @@ MAX_SPINS = 20_000_000  # polls of a host flag over PCIe (~1 us each): the devic
 FETCH_BLOCK = 1024
 
 
+def mail_views(buf: torch.Tensor, size: int, top_k: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views of mailbox `buf` (uint8) for a padded batch of `size` rows: ids [size, k] int64, routing weights
+    [size, k] float32 and hidden states [size, H] float32, packed one after the other from byte 0 (the layout the
+    driver reads, `freetoken._core.mail_len`), so one copy moves them all."""
+    a, b, c = size * 8 * top_k, size * 12 * top_k, size * (12 * top_k + 4 * hidden)
+    return (buf[:a].view(torch.int64).view(size, top_k), buf[a:b].view(torch.float32).view(size, top_k),
+            buf[b:c].view(torch.float32).view(size, hidden))
+
+
 @triton.jit
-def _wait_fetch(flag_ptr, gen_ptr, src_ptr, dst_ptr, gave_up_ptr, n, max_spins, BLOCK: tl.constexpr):
-    """Spin until the host flag equals this step's generation, then copy n elements host -> device; a program
-    that gives up after `max_spins` polls writes the generation to `gave_up_ptr` (host).
+def _pack_mail(ids_ptr, w_ptr, h_ptr, mail_ids_ptr, mail_w_ptr, mail_h_ptr, hidden, stride_ids, stride_w, stride_h,
+               TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One row of the mailbox: its ids, routing weights and hidden state (as float32)."""
+    row = tl.program_id(0)
+    kk = tl.arange(0, BLOCK_K)
+    ok = kk < TOP_K
+    tl.store(mail_ids_ptr + row * TOP_K + kk, tl.load(ids_ptr + row * stride_ids + kk, mask=ok), mask=ok)
+    weights = tl.load(w_ptr + row * stride_w + kk, mask=ok).to(tl.float32)
+    tl.store(mail_w_ptr + row * TOP_K + kk, weights, mask=ok)
+    for start in range(0, hidden, BLOCK_H):
+        offs = start + tl.arange(0, BLOCK_H)
+        okh = offs < hidden
+        h = tl.load(h_ptr + row * stride_h + offs, mask=okh).to(tl.float32)
+        tl.store(mail_h_ptr + row * hidden + offs, h, mask=okh)
+
+
+@triton.jit
+def _wait_fetch(flag_ptr, gen_ptr, src_ptr, dst_ptr, gave_up_ptr, n, max_spins, BLOCK: tl.constexpr,
+                ACCUMULATE: tl.constexpr):
+    """Spin until the host flag equals this step's generation, then copy n elements host -> device (or, with
+    ACCUMULATE, add them to the destination, in float32, rounded to its dtype); a program that gives up after
+    `max_spins` polls writes the generation to `gave_up_ptr` (host).
 
     Every program polls the flag itself (volatile loads go to host memory each time), so no grid-wide barrier
     is needed; the copy is split over the programs."""
@@ -56,13 +84,17 @@ def _wait_fetch(flag_ptr, gen_ptr, src_ptr, dst_ptr, gave_up_ptr, n, max_spins, 
     for start in range(pid * BLOCK, n, tl.num_programs(0) * BLOCK):
         offs = start + tl.arange(0, BLOCK)
         ok = offs < n
-        tl.store(dst_ptr + offs, tl.load(src_ptr + offs, mask=ok, volatile=True), mask=ok)
+        val = tl.load(src_ptr + offs, mask=ok, volatile=True)
+        if ACCUMULATE:
+            val = tl.load(dst_ptr + offs, mask=ok).to(tl.float32) + val.to(tl.float32)
+        tl.store(dst_ptr + offs, val.to(dst_ptr.dtype.element_ty), mask=ok)
 
 
-def _fetch(flag: torch.Tensor, gen: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, gave_up: torch.Tensor):
+def _fetch(flag: torch.Tensor, gen: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, gave_up: torch.Tensor,
+           accumulate: bool = False):
     n = dst.numel()
     grid = (max(1, min(64, triton.cdiv(n, 4 * FETCH_BLOCK))),)
-    _wait_fetch[grid](flag, gen, src, dst, gave_up, n, MAX_SPINS, BLOCK=FETCH_BLOCK)
+    _wait_fetch[grid](flag, gen, src, dst, gave_up, n, MAX_SPINS, BLOCK=FETCH_BLOCK, ACCUMULATE=accumulate)
 
 
 class DeviceHandshake:
@@ -99,6 +131,7 @@ class DeviceHandshake:
         self.plan = self.host.get("plan", (plan_len,), torch.int64)
         self.cpu_out = self.host.get("cpu_out", (max_batch * self.hidden,), torch.float32)
         self.plan_dev = torch.zeros(plan_len, dtype=torch.int64, device=device)
+        self.mail_dev = torch.zeros(self.mail.numel(), dtype=torch.uint8, device=device)
         self.gen = torch.zeros(1, dtype=torch.int32, device=device)
         self.generation = 0
         self._in_step = False  # between start and a successful finish; the device's counter may be off
@@ -157,11 +190,19 @@ class DeviceHandshake:
         """First op of the step: a new generation."""
         self.gen.add_(1)
 
-    def post(self, layer: int, mail: torch.Tensor) -> None:
-        """Queue the layer's mailbox (`mail`, uint8, the runner's packed ids/weights/hidden) to the host, then its
-        flag."""
+    def post(self, layer: int, ids: torch.Tensor, weights: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Pack the layer's routing (ids [size, k] int64, weights [size, k] and hidden states [size, H], rows
+        contiguous in the last dim) into the device mailbox in one kernel, queue it to the host, then its flag."""
         index = self.pool_layer[layer]
-        self.mail[: mail.numel()].copy_(mail, non_blocking=True)
+        size = ids.shape[0]
+        mail_ids, mail_weights, mail_hidden = mail_views(self.mail_dev, size, self.top_k, self.hidden)
+        _pack_mail[(size,)](
+            ids, weights, hidden, mail_ids, mail_weights, mail_hidden, self.hidden, ids.stride(0), weights.stride(0),
+            hidden.stride(0), TOP_K=self.top_k, BLOCK_K=triton.next_power_of_2(self.top_k),
+            BLOCK_H=min(triton.next_power_of_2(self.hidden), 4096),
+        )
+        n = size * (12 * self.top_k + 4 * self.hidden)
+        self.mail[:n].copy_(self.mail_dev[:n], non_blocking=True)
         self.flags[0, index : index + 1].copy_(self.gen, non_blocking=True)
 
     def fetch_plan(self, layer: int, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -174,6 +215,7 @@ class DeviceHandshake:
         return dev[:ns].view(size, self.top_k), dev[ns : ns + nr], dev[ns + nr :]
 
     def fetch_cpu(self, layer: int, size: int, out: torch.Tensor) -> None:
-        """Wait for the layer's CPU experts and copy their float32 sum [size, H] into `out` (device)."""
+        """Wait for the layer's CPU experts and add their float32 sum [size, H] into `out` (device, contiguous)."""
         index = self.pool_layer[layer]
-        _fetch(self.flags[2, index:], self.gen, self.cpu_out, out.view(-1)[: size * self.hidden], self.flags[3, index:])
+        _fetch(self.flags[2, index:], self.gen, self.cpu_out, out.view(-1)[: size * self.hidden], self.flags[3, index:],
+               accumulate=True)
