@@ -46,7 +46,7 @@ def test_decode_runner_equals_torch_path(checkpoint, backend, piecewise):
     os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need Triton's interpreter (conftest sets it without a GPU)"
 )
 def test_fused_layer_kernels_give_the_torch_path_logprobs(checkpoint, monkeypatch):
-    """The model's CUDA path (one GEMM for q/k/v, the fused RMSNorm, norm+RoPE and router kernels of
+    """The model's CUDA path (one GEMM for q/k/v, the fused RMSNorm and router kernels of
     `freetoken.kernels.layer_ops`) run on the CPU in the interpreter: the same tokens and log-probabilities as the
     torch ops, prefill and decode."""
     from freetoken.engine.types import SamplingParams

@@ -1,12 +1,14 @@
-"""The small ops of a decoder layer, each fused into one Triton kernel: RMSNorm, q/k RMSNorm + RoPE, router top-k.
+"""The small ops of a decoder layer, each fused into one Triton kernel: RMSNorm and the router's softmax + top-k.
 
 At decode batch sizes these ops move a few KB each, so their cost is kernel count: torch runs an RMSNorm as ~8
-elementwise and reduction kernels, a rotate-half RoPE as ~5, a softmax router's top-k and renormalisation as ~6,
-about 45 kernels of a Qwen3-MoE layer's ~75 (torch profiler of a decode step, benches/moe_backends.py --profile).
-Here each is one kernel, with the same maths as the torch modules in `freetoken.models.qwen3_moe` (which follow
-transformers' Qwen3-MoE): statistics in float32, the normalised value rounded to the input dtype before the weight
-multiplies it (as `Qwen3MoeRMSNorm`), RoPE in float32 on the normed values with one rounding at the end (torch
-rounds each product; the difference is within bf16 rounding), router softmax in float32.
+elementwise and reduction kernels and a softmax router's top-k and renormalisation as ~6, about 40 kernels of a
+Qwen3-MoE layer's ~75 (two hidden-state norms, the per-head q and k norms, the router; torch profiler of a decode
+step, benches/moe_backends.py --profile). Here each is one kernel, with the same maths and roundings as the torch
+modules in `freetoken.models.qwen3_moe` (which follow transformers' Qwen3-MoE): statistics in float32, the
+normalised value rounded to the input dtype before the weight multiplies it (as `Qwen3MoeRMSNorm`; bit for bit
+the torch result on the H200), router softmax in float32. RoPE stays in torch: a fused norm + RoPE kernel with the
+same formula gave different last bits on ~17% of q/k elements there, and bf16 greedy decoding then left
+transformers' tokens at more near-ties (2 of 8 sequences whole against 6 of 8).
 
 Shapes: T tokens, H hidden, D head dim (even), E experts, k top-k.
 Test: python -m pytest tests/test_kernels.py (interpreted on the CPU in CI, compiled on CUDA in tests/test_gpu.py).
@@ -20,11 +22,12 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n, stride_x, stride_out, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n, inner, stride_xa, stride_xb, stride_out, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < n
-    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + (row // inner) * stride_xa + (row % inner) * stride_xb + offs, mask=ok, other=0.0)
+    x = x.to(tl.float32)
     r = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
     y = (x * r).to(out_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -35,72 +38,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm (Zhang & Sennrich 2019) over the last dim: `weight * (x * rsqrt(mean(x^2) + eps)).to(x.dtype)`.
 
     Args:
-        x: [..., n], rows contiguous in the last dim.
+        x: [..., n] with at most 3 dims, the last one contiguous (any strides before it: a per-head norm reads q
+            straight out of the stacked q/k/v projection).
         weight: [n].
         eps: added to the mean square.
 
     Returns:
-        [..., n] in x's dtype, a new tensor.
+        [..., n] in x's dtype, a new contiguous tensor.
     """
-    n = x.shape[-1]
-    rows = x.reshape(-1, n)
-    out = torch.empty_like(rows)
-    if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, n, rows.stride(0), out.stride(0), eps,
-                                           BLOCK=triton.next_power_of_2(n))
+    if x.dim() > 3 or x.stride(-1) != 1:
+        raise ValueError(f"rms_norm: needs at most 3 dims and a contiguous last dim, got {x.shape} {x.stride()}")
+    x3 = x.view(1, 1, -1) if x.dim() == 1 else x.unsqueeze(1) if x.dim() == 2 else x
+    outer, inner, n = x3.shape
+    out = torch.empty(outer * inner, n, dtype=x.dtype, device=x.device)
+    if out.shape[0]:
+        _rms_norm_kernel[(out.shape[0],)](x3, weight, out, n, inner, x3.stride(0), x3.stride(1), out.stride(0), eps,
+                                          BLOCK=triton.next_power_of_2(n))
     return out.view(x.shape)
-
-
-@triton.jit
-def _norm_rope_kernel(x_ptr, w_ptr, cos_ptr, sin_ptr, out_ptr, heads, half,
-                      stride_xt, stride_xh, stride_ot, stride_oh, stride_ct, eps, BLOCK: tl.constexpr):
-    pid = tl.program_id(0)
-    t, h = pid // heads, pid % heads
-    offs = tl.arange(0, BLOCK)
-    ok = offs < half
-    base = x_ptr + t * stride_xt + h * stride_xh
-    x1 = tl.load(base + offs, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(base + half + offs, mask=ok, other=0.0).to(tl.float32)
-    r = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * half) + eps)
-    dt = out_ptr.dtype.element_ty
-    w1 = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    w2 = tl.load(w_ptr + half + offs, mask=ok, other=0.0).to(tl.float32)
-    n1 = (w1 * (x1 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)  # the norm's output, in x's dtype
-    n2 = (w2 * (x2 * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-    c1 = tl.load(cos_ptr + t * stride_ct + offs, mask=ok, other=0.0).to(tl.float32)
-    c2 = tl.load(cos_ptr + t * stride_ct + half + offs, mask=ok, other=0.0).to(tl.float32)
-    s1 = tl.load(sin_ptr + t * stride_ct + offs, mask=ok, other=0.0).to(tl.float32)
-    s2 = tl.load(sin_ptr + t * stride_ct + half + offs, mask=ok, other=0.0).to(tl.float32)
-    out = out_ptr + t * stride_ot + h * stride_oh
-    tl.store(out + offs, (n1 * c1 - n2 * s1).to(dt), mask=ok)
-    tl.store(out + half + offs, (n2 * c2 + n1 * s2).to(dt), mask=ok)
-
-
-def norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, eps: float) -> torch.Tensor:
-    """Per-head RMSNorm then rotate-half RoPE (Su et al. 2021, the Hugging Face Llama/Qwen layout), as Qwen3's
-    q_norm/k_norm followed by `apply_rotary_pos_emb`.
-
-    Args:
-        x: [T, heads, D], the last dim contiguous.
-        weight: [D], the norm's weight.
-        cos, sin: [T, D] (each half repeated), rows contiguous, same stride.
-        eps: the norm's eps.
-
-    Returns:
-        [T, heads, D] in x's dtype, a new contiguous tensor.
-    """
-    tokens, heads, dim = x.shape
-    if dim % 2 or x.stride(-1) != 1 or cos.stride() != sin.stride() or cos.stride(-1) != 1:
-        raise ValueError(f"norm_rope: needs an even, contiguous last dim and cos/sin of one layout, got x {x.shape} "
-                         f"strides {x.stride()}, cos {cos.stride()}, sin {sin.stride()}")
-    out = torch.empty(tokens, heads, dim, dtype=x.dtype, device=x.device)
-    if tokens:
-        half = dim // 2
-        _norm_rope_kernel[(tokens * heads,)](
-            x, weight, cos, sin, out, heads, half, x.stride(0), x.stride(1), out.stride(0), out.stride(1),
-            cos.stride(0), eps, BLOCK=triton.next_power_of_2(half),
-        )
-    return out
 
 
 @triton.jit

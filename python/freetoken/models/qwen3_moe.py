@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.config import ModelConfig
-from freetoken.kernels.layer_ops import norm_rope, rms_norm, router_topk
+from freetoken.kernels.layer_ops import rms_norm, router_topk
 from freetoken.models.attention import AttentionMetadata, paged_attention
 from freetoken.moe.backend import ExpertBackend
 
@@ -123,11 +123,7 @@ class Attention(nn.Module):
         num_tokens = x.shape[0]
         q, k, v = self._project(x)
         cos, sin = rope
-        if x.device.type in KERNEL_DEVICES:  # norm and RoPE in one kernel each
-            q = norm_rope(q, self.q_norm.weight, cos, sin, self.q_norm.eps)
-            k = norm_rope(k, self.k_norm.weight, cos, sin, self.k_norm.eps)
-        else:
-            q, k = _apply_rope(self.q_norm(q), cos, sin), _apply_rope(self.k_norm(k), cos, sin)
+        q, k = _apply_rope(self.q_norm(q), cos, sin), _apply_rope(self.k_norm(k), cos, sin)
         out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
