@@ -227,6 +227,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--backends", nargs="+", default=["fused", "static", "offload", "cpu", "hybrid"])
+    ap.add_argument("--policy", default=EngineConfig.expert_cache_policy, choices=["lfu", "lru", "layer_lru"],
+                    help="slot replacement policy of the expert cache (default: ft serve's)")
     ap.add_argument("--cpu-threads", type=int, default=0,
                     help="threads of the expert cache's host kernels (0: all CPUs; ft serve's --cpu-threads)")
     ap.add_argument("--profile", action="store_true",
@@ -292,7 +294,7 @@ def main() -> None:
                             engine_cfg, cfg, torch.bfloat16, pool.expert_stride, backend_name)
                         inner = ExpertCacheBackend(
                             backend_name, pool, device, slots, pcie_bytes_per_s=b_pcie, cpu_bytes_per_s=b_cpu,
-                            layer_buffers=buffers, cpu_threads=args.cpu_threads or None,
+                            layer_buffers=buffers, cpu_threads=args.cpu_threads or None, policy=args.policy,
                         )
                     model.attach_experts(inner)
                     routers = install_trace(model, trace, layers, total, batch, cfg.num_experts_per_tok, device)
@@ -347,7 +349,7 @@ def main() -> None:
             r["vs_static"] = round(r["tok_per_s"] / static[(r["budget_gb"], r["batch"])], 2)
     print(json.dumps({"bench": "moe_backends", "model": args.preset, "b_pcie_gbps": round(b_pcie / 1e9, 1),
                       "b_cpu_gbps": {b: round(v / 1e9, 1) for b, v in b_cpu.items()},
-                      "trace": "synthetic skew=0.45 reuse=0.35 window=16", "rows": rows}))
+                      "trace": "synthetic skew=0.45 reuse=0.35 window=16", "policy": args.policy, "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 //!
 //! The copies go on the caller's copy stream (a `CUstream`, e.g. torch's `Stream.cuda_stream`)
 //! as `cuMemcpyHtoDAsync` from the pinned pool arena: copy engines, not SMs. The driver thread
-//! binds the device's primary context (the one the CUDA runtime, and so torch, uses) and waits on
-//! one event recorded after a layer's copies.
+//! binds the device's primary context (the one the CUDA runtime, and so torch, uses), queues a
+//! write of the layer's plan flag after its copies (`cuStreamWriteValue32`), and waits on one
+//! event recorded after them.
 use std::ffi::c_void;
 
 use libloading::Library;
@@ -24,6 +25,8 @@ const CUDA_ERROR_NOT_READY: CuResult = 600;
 const FILL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// CU_EVENT_DISABLE_TIMING: the cheapest event.
 const CU_EVENT_DISABLE_TIMING: u32 = 2;
+/// CU_STREAM_WRITE_VALUE_DEFAULT: the write waits for earlier writes to be visible (a fence).
+const CU_STREAM_WRITE_VALUE_DEFAULT: u32 = 0;
 /// CU_EVENT_DEFAULT: an event that records a timestamp.
 const CU_EVENT_DEFAULT: u32 = 0;
 /// One group of fills in this many is timed (two more event records on the driver's CUDA path).
@@ -41,6 +44,8 @@ struct Api {
     event_query: unsafe extern "C" fn(CuEvent) -> CuResult,
     event_destroy: unsafe extern "C" fn(CuEvent) -> CuResult,
     event_elapsed: unsafe extern "C" fn(*mut f32, CuEvent, CuEvent) -> CuResult,
+    /// `cuStreamWriteValue32_v2` (stream memory operations, CUDA 11.7+), where the driver has it.
+    write_value32: Option<unsafe extern "C" fn(CuStream, u64, u32, u32) -> CuResult>,
 }
 
 fn check(what: &str, r: CuResult) -> Result<(), DriverError> {
@@ -77,6 +82,10 @@ impl Api {
             event_query: sym!("cuEventQuery"),
             event_destroy: sym!("cuEventDestroy_v2"),
             event_elapsed: sym!("cuEventElapsedTime"),
+            // SAFETY: as `sym!`; optional.
+            write_value32: unsafe { lib.get(b"cuStreamWriteValue32_v2\0") }
+                .ok()
+                .map(|f| *f),
             _lib: lib,
         })
     }
@@ -230,6 +239,37 @@ impl SlotCopier for CudaCopier {
                 }
             }
         }
+    }
+
+    unsafe fn publish(&mut self, flag: *mut u32, value: u32) -> Result<bool, DriverError> {
+        // SAFETY: per the trait's contract.
+        Ok(unsafe { self.write_flag(flag, value) })
+    }
+}
+
+impl CudaCopier {
+    /// `SlotCopier::publish` through a stream memory operation on the copy stream. The flag's
+    /// host address is its device address (registered host memory under unified addressing,
+    /// which is how the device's kernels read the handshake too). A driver that refuses it
+    /// turns publishing off: the host raises the flags after the fills' wait instead.
+    unsafe fn write_flag(&mut self, flag: *mut u32, value: u32) -> bool {
+        let Some(write) = self.api.write_value32 else {
+            return false;
+        };
+        // SAFETY: stream live (constructor contract); `flag` per `SlotCopier::publish`.
+        let r = unsafe {
+            write(
+                self.stream,
+                flag as u64,
+                value,
+                CU_STREAM_WRITE_VALUE_DEFAULT,
+            )
+        };
+        if r != 0 {
+            self.api.write_value32 = None;
+            return false;
+        }
+        true
     }
 }
 

@@ -8,13 +8,16 @@
 //! ```text
 //! device (graph)                               driver thread (here)
 //! router -> mail (ids, weights, hidden f32)
-//! DMA mail to host, then mail_flag[l] = g  ──> sees mail_flag[l] == g, plans (q*), issues the
-//!                                              fills on the copy stream, runs the CPU experts,
-//!                                              writes topk slots + tile alignment and cpu_out,
-//! spins until plan_flag[l] == g, fetches the   waits for the fills, then
-//! plan; slot kernel; spins until              plan_flag[l] = g, cpu_flag[l] = g
-//! cpu_flag[l] == g, fetches cpu_out, adds it
+//! DMA mail to host, then mail_flag[l] = g  ──> sees mail_flag[l] == g, plans (q*), writes topk
+//!                                              slots + tile alignment; hands the CPU experts to
+//!                                              the workers, queues the fills on the copy stream
+//!                                              and after them plan_flag[l] = g (a stream write;
+//!                                              without fills the host sets it at once), joins
+//! spins until plan_flag[l] == g, fetches the   the CPU experts (cpu_out), waits for the fills,
+//! plan; slot kernel; spins until              then cpu_flag[l] = g
+//! cpu_flag[l] == g, adds cpu_out
 //! ```
+//! So the slot kernel (hits and fills) runs while the CPU experts do.
 //! One mailbox, plan and cpu_out buffer serve every layer: the device posts layer `l + 1` only
 //! after it fetched layer `l`'s plan and CPU output, and the driver writes them only after that
 //! post. Fills are ordered after every earlier kernel that may read their victim slots, because
@@ -56,6 +59,14 @@ pub trait SlotCopier: Send {
     /// Blocks until every queued copy has landed. Returns the copies' own duration in seconds
     /// when they were timed (every few groups: timing costs driver calls), else None.
     fn wait(&mut self) -> Result<Option<f64>, DriverError>;
+    /// Sets host flag `flag` to `value` as soon as every copy queued so far has landed, without
+    /// blocking (the device writes it, in stream order after the copies). Returns false where the
+    /// copier cannot, and the caller sets it after [`wait`](Self::wait).
+    ///
+    /// # Safety
+    /// `flag` must be a 4-byte aligned host word that the device can write (mapped, page-locked)
+    /// and that outlives the queued work.
+    unsafe fn publish(&mut self, flag: *mut u32, value: u32) -> Result<bool, DriverError>;
 }
 
 /// A fill's destination must be one of `num_slots` slots of `stride` bytes.
@@ -118,6 +129,12 @@ impl SlotCopier for HostCopier {
     }
     fn wait(&mut self) -> Result<Option<f64>, DriverError> {
         Ok(Some(std::mem::take(&mut self.seconds)))
+    }
+    unsafe fn publish(&mut self, f: *mut u32, value: u32) -> Result<bool, DriverError> {
+        // The copies are done already. SAFETY: per the trait's contract.
+        // ORDERING: Release publishes the copied slots before the flag.
+        unsafe { flag(f) }.store(value, Ordering::Release);
+        Ok(true)
     }
 }
 
@@ -551,6 +568,14 @@ impl Worker {
         buf[b * k..ns].fill(-1);
         align_after(buf, ns, self.cfg.slot_rows, job.block_m);
         report.plan_seconds += t0.elapsed().as_secs_f64();
+        // The plan is published as soon as its slots hold their experts, so the slot kernel runs
+        // while the CPU experts do: at once without fills, else by the copy stream after them
+        // (where the copier cannot, `step` raises the flag after the fills' wait).
+        let plan_flag = self.hs.plan_flag.wrapping_add(layer);
+        if plan.fill_experts.is_empty() {
+            // SAFETY: flags are `[num_layers]` (Handshake contract). ORDERING: Release after the plan.
+            unsafe { flag(plan_flag) }.store(job.generation, Ordering::Release);
+        }
         let pool = self.cpu.pool().clone();
         let copier = &mut self.copier;
         let mut issued: Result<(), DriverError> = Ok(());
@@ -568,6 +593,10 @@ impl Worker {
                     // SAFETY: `src` is a pool expert of `nbytes`, and the pool outlives the step.
                     unsafe { copier.copy(slot as usize, src, nbytes) }
                 });
+            if issued.is_ok() && !plan.fill_experts.is_empty() {
+                // SAFETY: a mapped host flag of the handshake, alive as long as the driver.
+                issued = unsafe { copier.publish(plan_flag, job.generation) }.map(|_| ());
+            }
             issue_seconds = t.elapsed().as_secs_f64();
         };
         // The device reads `size * h`; earlier steps may have left more non-zero.
