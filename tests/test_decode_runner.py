@@ -72,3 +72,27 @@ def test_fused_layer_kernels_give_the_torch_path_logprobs(checkpoint, monkeypatc
     for (ids, lps), (want_ids, want_lps) in zip(got, expected, strict=True):
         assert ids == want_ids
         assert lps == pytest.approx(want_lps, abs=1e-4)
+
+
+def test_fuse_qkv_keeps_values_and_notices_replaced_weights(checkpoint, monkeypatch):
+    """`fuse_qkv` re-seats q/k/v as views of one stacked weight (values kept, one GEMM); a projection replaced
+    afterwards turns the stacked path off instead of computing with the stale copy."""
+    import torch
+    from freetoken.config import ModelConfig
+    from freetoken.models import qwen3_moe
+
+    cfg = ModelConfig.from_dir(checkpoint)
+    attn = qwen3_moe.Attention(cfg)
+    x = torch.randn(3, cfg.hidden_size)
+    before = [p(x) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    attn.fuse_qkv()
+    assert attn.q_proj.weight.data_ptr() == attn.qkv[0].data_ptr() and attn._stacked()
+    monkeypatch.setattr(qwen3_moe, "KERNEL_DEVICES", {"cuda", "cpu"})
+    q, k, v = attn._project(x)
+    for got, want in zip((q, k, v), before, strict=True):
+        torch.testing.assert_close(got.reshape(3, -1), want)
+    attn.k_proj.weight = torch.nn.Parameter(2 * attn.k_proj.weight.detach().clone(), requires_grad=False)
+    assert not attn._stacked()
+    _, k, _ = attn._project(x)
+    torch.testing.assert_close(k.reshape(3, -1), 2 * before[1])
+    assert attn.qkv is None

@@ -79,18 +79,24 @@ def test_bfloat16_greedy_follows_transformers(tmp_path):
     assert full >= total - 2, f"only {full} of {total} sequences matched all 16 steps"
 
 
-@pytest.mark.parametrize("slots", [64])
-def test_offload_driven_graphs_equal_fused(tmp_path, slots):
-    """bfloat16 on CUDA: offload (host pool, slot cache, the whole decode step one CUDA graph served by the decode
+@pytest.mark.parametrize("layers_per_graph", [4, 1])
+def test_offload_driven_graphs_equal_fused(tmp_path, monkeypatch, layers_per_graph):
+    """bfloat16 on CUDA: offload (host pool, slot cache, the whole decode step in CUDA graphs served by the decode
     driver thread) gives fused's greedy tokens; its slot runs use the same Triton kernel on the same bf16 weights,
-    so the tokens are the same bits. (With fewer slots than a token's experts, picks also run on the CPU: see
-    `test_driven_host_experts_follow_fused`.)"""
+    so the tokens are the same bits. The demo's 4 MoE layers make one graph part, or four with one layer per part
+    (the next part launched while the one before still waits on the driver). (With fewer slots than a token's
+    experts, picks also run on the CPU: see `test_driven_host_experts_follow_fused`.)"""
+    from freetoken.engine import cuda_graph
+
+    monkeypatch.setattr(cuda_graph, "LAYERS_PER_GRAPH", layers_per_graph)
+    slots = 64
     path = build_demo_checkpoint(tmp_path / "demo", seed=6)
     fused = _greedy(path, "cuda", "bfloat16", PROMPTS, 16)
     engine = LLMEngine.from_dir(
         path, EngineConfig(device="cuda", dtype="bfloat16", kv_cache_gb=0.5, moe_backend="offload", expert_slots=slots)
     )
     assert engine.runner.decode is not None and engine.runner.decode.handshake is not None
+    assert len(engine.runner.decode.parts) == (1 if layers_per_graph == 4 else 4)
     assert greedy_tokens(engine, PROMPTS, 16) == fused
     stats = engine.experts.stats()["layers"]
     assert sum(stats["steps"]) >= 16 * len(engine.experts.pool_layer)

@@ -150,3 +150,6 @@ def test_router_topk_matches_softmax_topk(tokens, experts, top_k, renorm):
     assert tie_ids.tolist() == [list(range(top_k))]
     with pytest.raises(ValueError, match="top_k"):
         router_topk(logits.to(DEVICE), experts + 1, renorm, DTYPE)
+    # A diverged row (NaN logits) must not send the expert kernels out of bounds.
+    nan_ids, _ = router_topk(torch.full((2, experts), float("nan"), dtype=DTYPE, device=DEVICE), top_k, renorm, DTYPE)
+    assert ((nan_ids >= 0) & (nan_ids < experts)).all()

@@ -579,7 +579,8 @@ class DecodeDriver:
         ``cpu_experts``, ``cpu_picks``, ``cpu_seconds`` (the fills are queued meanwhile), ``wait_seconds``
         (waiting for the device's posts), ``serve_seconds`` (from a post seen to its flags raised), and within it
         ``plan_seconds``, ``issue_seconds`` (queueing fills) and ``fill_wait_seconds`` (blocked on fills after
-        the CPU experts); seconds summed over layers.
+        the CPU experts); seconds summed over layers; ``stream_flags``, the layers whose plan flag the copy
+        stream wrote after their fills (0 where the driver cannot: the host then raises it after waiting for them).
 
         Raises:
             InternalError: The step failed (a plan error, a device that never posted); every layer was

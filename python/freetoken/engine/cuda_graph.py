@@ -90,15 +90,12 @@ class DecodeRunner:
             cfg = model.config
             dtype = model.lm_head.weight.dtype
             hidden, k = cfg.hidden_size, cfg.num_experts_per_tok
+            self.top_k, self.hidden_size = k, hidden
             self.x_resid = torch.zeros(n, hidden, dtype=dtype, device=device)
-            self.h_moe = torch.zeros(n, hidden, dtype=dtype, device=device)
             self.moe_out = torch.zeros(n, hidden, dtype=dtype, device=device)
-            self.topk_ids = torch.zeros(n, k, dtype=torch.int64, device=device)
-            self.topk_weights = torch.zeros(n, k, dtype=dtype, device=device)
             self.cos = torch.zeros(n, cfg.head_dim, dtype=dtype, device=device)
             self.sin = torch.zeros(n, cfg.head_dim, dtype=dtype, device=device)
             self.logits = torch.zeros(n, cfg.vocab_size, dtype=torch.float32, device=device)
-            self.cpu_out = torch.zeros(n, hidden, dtype=torch.float32, device=device)
             moe = cfg.moe_layers
             # (first layer, MoE layer that ends the span or -1): spans run between the MoE layers' experts.
             self.spans = list(zip([0] + [m + 1 for m in moe], moe + [-1]))
@@ -114,7 +111,11 @@ class DecodeRunner:
                 ]
                 if len(self.parts) > 1 and len(self.parts[-1]) == 1:  # no graph of the LM head alone
                     self.parts[-2:] = [range(self.parts[-2].start, num_spans)]
-            else:  # the mailbox for `forward_staged` (the handshake has its own), on both sides
+            else:  # the router's outputs and the CPU sum between replays, and the mailbox for `forward_staged`
+                self.h_moe = torch.zeros(n, hidden, dtype=dtype, device=device)
+                self.topk_ids = torch.zeros(n, k, dtype=torch.int64, device=device)
+                self.topk_weights = torch.zeros(n, k, dtype=dtype, device=device)
+                self.cpu_out = torch.zeros(n, hidden, dtype=torch.float32, device=device)
                 self.mail_row = 12 * k + 4 * hidden  # bytes per token: int64 ids, float32 weights and hidden states
                 self.mail = torch.zeros(n * self.mail_row, dtype=torch.uint8, device=device)
                 self.host = PinnedBuffers(pin=device.type == "cuda")
@@ -145,7 +146,7 @@ class DecodeRunner:
         """Views of mailbox `buf` for a padded batch of `size` (`freetoken.moe.handshake.mail_views`)."""
         from freetoken.moe.handshake import mail_views
 
-        return mail_views(buf, size, self.topk_ids.shape[1], self.h_moe.shape[1])
+        return mail_views(buf, size, self.top_k, self.hidden_size)
 
     def _span(self, size: int, index: int, driven: bool = False):
         """Run span `index` on the static buffers: from the previous MoE layer's output (or the embeddings) to

@@ -71,7 +71,8 @@ def _router_topk_kernel(logits_ptr, ids_ptr, w_ptr, num_experts, stride_l,
     vals = tl.zeros([BLOCK_K], dtype=tl.float32)
     for j in tl.static_range(TOP_K):
         best = tl.max(p, axis=0)
-        pick = tl.min(tl.where(p == best, offs, BLOCK_E), axis=0)  # the lowest index among ties
+        # The lowest index among ties; clamped so NaN logits (no lane equals the max) still give a valid id.
+        pick = tl.minimum(tl.min(tl.where(p == best, offs, BLOCK_E), axis=0), num_experts - 1)
         ids = tl.where(kk == j, pick.to(tl.int64), ids)
         vals = tl.where(kk == j, best, vals)
         p = tl.where(offs == pick, -1.0, p)
@@ -92,7 +93,8 @@ def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torc
         dtype: dtype of the returned weights.
 
     Returns:
-        (ids [T, k] int64, highest probability first; weights [T, k] in `dtype`). Ties go to the lower expert id.
+        (ids [T, k] int64, highest probability first; weights [T, k] in `dtype`). Ties go to the lower expert id;
+        a row of NaN logits gets ids in range (and NaN weights), never an id past the experts.
     """
     tokens, num_experts = logits.shape
     if not 0 < top_k <= num_experts or logits.stride(-1) != 1:

@@ -98,13 +98,28 @@ class Attention(nn.Module):
             start += rows
         self.qkv = (weight, bias)
 
+    def _stacked(self) -> bool:
+        """Whether every q/k/v weight and bias is still its row view of the `fuse_qkv` tensors."""
+        start = 0
+        for p in (self.q_proj, self.k_proj, self.v_proj):
+            for param, stacked in ((p.weight, self.qkv[0]), (p.bias, self.qkv[1])):
+                if (param is None) != (stacked is None):
+                    return False
+                if param is not None:
+                    offset = start * stacked.stride(0) * stacked.element_size()
+                    if param.data_ptr() != stacked.data_ptr() + offset:
+                        return False
+            start += p.weight.shape[0]
+        return True
+
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, heads, D], k and v [T, kv_heads, D]: one GEMM on CUDA when the weights are still views of the
-        stacked tensor of `fuse_qkv` (a `.to()` since would have replaced them), else three."""
+        """q [T, heads, D], k and v [T, kv_heads, D]: one GEMM on CUDA while the weights are still views of the
+        stacked tensors of `fuse_qkv` (a `.to()` or an assignment since replaces them), else three."""
         num_tokens = x.shape[0]
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if x.device.type in KERNEL_DEVICES and self.qkv is not None and self.q_proj.weight.data_ptr() == self.qkv[0].data_ptr() \
-                and self.v_proj.weight.data_ptr() == self.qkv[0][nq + nkv :].data_ptr():
+        if x.device.type in KERNEL_DEVICES and self.qkv is not None and not self._stacked():
+            self.qkv = None  # the parameters were replaced: drop the stale stacked copy
+        if x.device.type in KERNEL_DEVICES and self.qkv is not None:
             qkv = F.linear(x, *self.qkv)
             q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
         else:

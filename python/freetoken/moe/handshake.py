@@ -7,7 +7,7 @@ page-locked host memory that the GPU reads and writes directly (registered with 
 into the device's address space): per MoE layer it copies the router's outputs to the host mailbox and then the
 step's generation number to the layer's mail flag (two DMA copies in stream order), then `_wait_fetch` spins on
 the plan flag and copies the plan (slot ids and tile alignment) into device memory, the slot kernel runs, and a
-second `_wait_fetch` brings the CPU experts' sum. Compared with a host sync per layer (the piecewise graphs) this
+second `_wait_fetch` adds the CPU experts' sum into the slot kernel's output. Compared with a host sync per layer (the piecewise graphs) this
 removes, per layer, a graph launch, a stream synchronisation and the Python of the plan, the fills and the
 kernel launches: on the H200 box, Qwen3-30B-A3B at a 24 GB budget, batch 1, a hybrid decode step went from
 47-66 ms (piecewise, earlier runs) to 36.5 ms (benches/moe_backends.py).

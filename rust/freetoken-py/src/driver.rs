@@ -191,6 +191,7 @@ impl PyDecodeDriver {
         d.set_item("plan_seconds", report.plan_seconds)?;
         d.set_item("issue_seconds", report.issue_seconds)?;
         d.set_item("fill_wait_seconds", report.fill_wait_seconds)?;
+        d.set_item("stream_flags", report.stream_flags)?;
         Ok(d)
     }
 }

@@ -241,6 +241,9 @@ pub struct StepReport {
     pub issue_seconds: f64,
     /// Seconds blocked on fills after the CPU experts were done (the copies' exposed time).
     pub fill_wait_seconds: f64,
+    /// Layers whose plan flag the copy stream wrote after their fills (the rest of the layers
+    /// with fills had it raised by the host after waiting for them).
+    pub stream_flags: usize,
     /// Why the step failed, if it did.
     pub error: Option<String>,
 }
@@ -580,7 +583,10 @@ impl Worker {
         let copier = &mut self.copier;
         let mut issued: Result<(), DriverError> = Ok(());
         let mut issue_seconds = 0.0;
+        let mut published = false;
+        let issue_ran = std::cell::Cell::new(false);
         let mut issue = || {
+            issue_ran.set(true);
             let t = Instant::now();
             issued = plan
                 .fill_experts
@@ -595,7 +601,10 @@ impl Worker {
                 });
             if issued.is_ok() && !plan.fill_experts.is_empty() {
                 // SAFETY: a mapped host flag of the handshake, alive as long as the driver.
-                issued = unsafe { copier.publish(plan_flag, job.generation) }.map(|_| ());
+                match unsafe { copier.publish(plan_flag, job.generation) } {
+                    Ok(p) => published = p,
+                    Err(e) => issued = Err(e),
+                }
             }
             issue_seconds = t.elapsed().as_secs_f64();
         };
@@ -619,6 +628,10 @@ impl Worker {
                 &mut issue,
             );
             report.cpu_seconds += t0.elapsed().as_secs_f64();
+            if !issue_ran.get() {
+                // The planner counts the fills as resident: queue them even if the CPU part failed.
+                issue();
+            }
             ran?;
             report.cpu_experts += experts.len();
             report.cpu_picks += plan.topk_slots.iter().filter(|&&s| s < 0).count();
@@ -632,6 +645,7 @@ impl Worker {
             }
         }
         report.issue_seconds += issue_seconds;
+        report.stream_flags += usize::from(published);
         issued?;
         report.fills += plan.fill_experts.len();
         report.fill_bytes += plan.fill_experts.len() * pool.expert_nbytes();
@@ -671,6 +685,9 @@ impl Worker {
     fn abort(&mut self, job: &StepJob, layer: usize, report: &mut StepReport, msg: String) {
         // Copies already queued must land (or time out) before their slots count as resident.
         let _ = self.copier.wait();
+        // The device may be fetching the failed layer's plan, published already, while the empty
+        // one replaces it: a mix of both layouts for the same rows, so every index stays in range
+        // and only the failed step's output is wrong.
         self.write_empty(job);
         for l in layer..self.layers() {
             // SAFETY: flags are `[num_layers]`. ORDERING: Release after the empty plan.

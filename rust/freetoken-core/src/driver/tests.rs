@@ -136,13 +136,11 @@ fn device_step(r: &mut Rig, generation: u32, batch: usize, size: usize, ids: &[[
             );
         }
         atomic(&mut sh.mail_flag, layer).store(generation, Ordering::Release);
-        while atomic(&mut sh.cpu_flag, layer).load(Ordering::Acquire) != generation {
+        // The plan and the slots must be complete as soon as the plan flag is up (the device's
+        // slot kernel runs then, while the CPU experts may still be running).
+        while atomic(&mut sh.plan_flag, layer).load(Ordering::Acquire) != generation {
             std::hint::spin_loop();
         }
-        assert_eq!(
-            atomic(&mut sh.plan_flag, layer).load(Ordering::Acquire),
-            generation
-        );
         let (ns, nr, nt) = plan_layout(size, K, SLOTS, BLOCK_M);
         let slots = &sh.plan[..ns];
         // Padding rows are skipped; every real pick has a slot holding its expert, or -1.
@@ -171,16 +169,19 @@ fn device_step(r: &mut Rig, generation: u32, batch: usize, size: usize, ids: &[[
                 }
             }
         }
+        let (mut pairs, mut tiles) = (vec![0; nr], vec![0; nt]);
+        align_pairs(slots, SLOTS, BLOCK_M, &mut pairs, &mut tiles);
+        assert_eq!(&sh.plan[ns..ns + nr], &pairs[..]);
+        assert_eq!(&sh.plan[ns + nr..ns + nr + nt], &tiles[..]);
+        while atomic(&mut sh.cpu_flag, layer).load(Ordering::Acquire) != generation {
+            std::hint::spin_loop();
+        }
         for (got, want) in sh.cpu_out[..size * H].iter().zip(&expected) {
             assert!(
                 (got - want).abs() <= 1e-3 + 1e-2 * want.abs(),
                 "cpu_out {got} vs {want}"
             );
         }
-        let (mut pairs, mut tiles) = (vec![0; nr], vec![0; nt]);
-        align_pairs(slots, SLOTS, BLOCK_M, &mut pairs, &mut tiles);
-        assert_eq!(&sh.plan[ns..ns + nr], &pairs[..]);
-        assert_eq!(&sh.plan[ns + nr..ns + nr + nt], &tiles[..]);
     }
     cpu_picks
 }
