@@ -12,7 +12,9 @@ device (`TraceRouter`), so every row, captured graphs included, sees the same ro
     python benches/moe_backends.py [--budgets 16 24 32] [--batch 1 4] [--steps 32] [--warmup 16]
 
 Prints a table (decode tok/s, hit rate, PCIe and CPU bytes per token, the bound from those bytes over the
-measured bandwidths, achieved/bound, peak GPU memory) and a final JSON line. Needs CUDA.
+measured bandwidths, achieved/bound, peak GPU memory; for the expert cache also the bandwidths it measured, where
+the decode driver's time went per step, and the host-overhead share of the step) and a final JSON line. Needs
+CUDA.
 """
 
 from __future__ import annotations
@@ -343,6 +345,10 @@ def main() -> None:
                                 for k in inner.driver_seconds
                             }
                             row["stream_flags_per_step"] = round((after["stream_flags"] - before["stream_flags"]) / steps, 1)
+                            # Host overhead: the step less the device's spans (the driver's wait: kernels, and the
+                            # handshake's latencies, so this is a lower bound), the CPU experts and the exposed fills.
+                            busy = sum(row["driver_ms"][k] for k in ("wait", "cpu", "fill_wait"))
+                            row["host_overhead_share"] = round(max(0.0, 1.0 - busy / row["step_ms"]), 3)
                     rows.append(row)
                     print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
                     del engine, inner, gpu_arena
