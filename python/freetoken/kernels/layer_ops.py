@@ -83,7 +83,9 @@ def _router_topk_kernel(logits_ptr, ids_ptr, w_ptr, num_experts, stride_l,
     tl.store(w_ptr + row * TOP_K + kk, vals.to(w_ptr.dtype.element_ty), mask=keep)
 
 
-def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def router_topk(
+    logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts in float32, the top-k, optionally renormalised to sum 1 (Qwen3-MoE's `norm_topk_prob`).
 
     Args:

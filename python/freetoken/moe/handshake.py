@@ -7,10 +7,12 @@ page-locked host memory that the GPU reads and writes directly (registered with 
 into the device's address space): per MoE layer it copies the router's outputs to the host mailbox and then the
 step's generation number to the layer's mail flag (two DMA copies in stream order), then `_wait_fetch` spins on
 the plan flag and copies the plan (slot ids and tile alignment) into device memory, the slot kernel runs, and a
-second `_wait_fetch` adds the CPU experts' sum into the slot kernel's output. Compared with a host sync per layer (the piecewise graphs) this
-removes, per layer, a graph launch, a stream synchronisation and the Python of the plan, the fills and the
-kernel launches: on the H200 box, Qwen3-30B-A3B at a 24 GB budget, batch 1, a hybrid decode step went from
-47-66 ms (piecewise, earlier runs) to 36.5 ms (benches/moe_backends.py).
+second `_wait_fetch` adds the CPU experts' sum into the slot kernel's output. Compared with a host sync per layer
+(the piecewise graphs) this removes, per layer, a graph launch, a stream synchronisation and the Python of the
+plan, the fills and the kernel launches: on the H200 box, Qwen3-30B-A3B at a 24 GB budget, batch 1, a hybrid
+decode step went from 47-66 ms (piecewise) to 36.5 ms, and to 25-27 ms once the CPU experts started before the
+fills on workers that keep a core free, the plan flag followed the fills and the layer's small ops were fused
+(benches/moe_backends.py).
 
 A spin that outlasts `MAX_SPINS` polls (seconds) gives up so a wedged driver cannot hang the GPU: it marks the
 layer in a fourth flag row, and `finish` raises for the step (whose output is then wrong).
@@ -37,10 +39,12 @@ MAX_SPINS = 20_000_000  # polls of a host flag over PCIe (~1 us each): the devic
 FETCH_BLOCK = 1024
 
 
-def mail_views(buf: torch.Tensor, size: int, top_k: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def mail_views(
+    buf: torch.Tensor, size: int, top_k: int, hidden: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Views of mailbox `buf` (uint8) for a padded batch of `size` rows: ids [size, k] int64, routing weights
     [size, k] float32 and hidden states [size, H] float32, packed one after the other from byte 0 (the layout the
-    driver reads, `freetoken._core.mail_len`), so one copy moves them all."""
+    driver reads: `mail_len` in rust/freetoken-core/src/driver/mod.rs), so one copy moves them all."""
     a, b, c = size * 8 * top_k, size * 12 * top_k, size * (12 * top_k + 4 * hidden)
     return (buf[:a].view(torch.int64).view(size, top_k), buf[a:b].view(torch.float32).view(size, top_k),
             buf[b:c].view(torch.float32).view(size, hidden))
