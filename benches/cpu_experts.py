@@ -67,8 +67,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=768)
     args = ap.parse_args()
-    if min(args.threads) < 1 or min(args.experts) < 1 or args.batch < 1 or args.seconds <= 0:
-        ap.error("--threads, --experts and --batch must be positive, --seconds > 0")
+    for name, bad in (("--threads", min(args.threads) < 1), ("--experts", min(args.experts) < 1),
+                      ("--batch", args.batch < 1), ("--seconds", args.seconds <= 0)):
+        if bad:
+            ap.error(f"{name} must be positive")
     log = lambda *a: print(*a, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     pool = ExpertPool.random(args.layers, args.num_experts, args.hidden, args.intermediate)

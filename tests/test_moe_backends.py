@@ -93,3 +93,20 @@ def test_bad_backend_arguments(bf16_checkpoint):
         ExpertCacheBackend("offload", pool, cpu, 0)
     with pytest.raises(ValueError, match="expected one of"):
         ExpertCacheBackend("magic", pool, cpu, 8)
+
+
+def test_cpu_backend_says_what_it_ignores_and_runs_with(bf16_checkpoint, caplog):
+    """`--moe-backend cpu` keeps no slots: an `--expert-slots` is warned about, and the start-up log and the stats
+    name the host kernels' threads and instruction set."""
+    import logging
+
+    from freetoken.config import EngineConfig, ModelConfig
+    from freetoken.moe import make_expert_backend
+
+    cfg = EngineConfig(device="cpu", dtype="float32", moe_backend="cpu", expert_slots=4, cpu_threads=2)
+    with caplog.at_level(logging.INFO, logger="freetoken"):
+        backend = make_expert_backend(cfg, ModelConfig.from_dir(bf16_checkpoint), bf16_checkpoint, torch.float32)
+    assert "--expert-slots 4: ignored" in caplog.text
+    assert "host expert kernels: 2 threads" in caplog.text
+    stats = backend.stats()
+    assert stats["num_slots"] == 0 and stats["cpu_threads"] == 2 and stats["cpu_isa"] == backend.cpu.isa

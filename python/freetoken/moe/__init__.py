@@ -115,8 +115,10 @@ def make_expert_backend(
         if layer_buffers
         else f"on demand ({cfg.prefill_strategy})",
     )
+    if name == "cpu" and cfg.expert_slots:
+        log.warning("--expert-slots %d: ignored, --moe-backend cpu keeps no expert slots", cfg.expert_slots)
     pcie_bytes_per_s, cpu_bytes_per_s = planner_bandwidths(profile) if profile is not None else (None, None)
-    return ExpertCacheBackend(
+    backend = ExpertCacheBackend(
         name,
         pool,
         device,
@@ -128,3 +130,5 @@ def make_expert_backend(
         layer_buffers=layer_buffers,
         prefill_strategy=cfg.prefill_strategy,
     )
+    log.info("host expert kernels: %d threads (%s)", backend.cpu.num_threads, backend.cpu.isa)
+    return backend

@@ -539,14 +539,17 @@ class ExpertCacheBackend:
             self.planner.set_profile(self.pcie.refined()[1], self.cpu_bw.refined())
 
     def stats(self) -> dict:
-        """Per-layer planner counters (lists over pool layers), the cache's size, and the bandwidths of both miss
-        paths, profiled against measured (`BandwidthTracker.stats`), JSON-able."""
+        """Per-layer planner counters (lists over pool layers), the cache's size, the host kernels' threads and
+        instruction set, the bandwidths of both miss paths, profiled against measured (`BandwidthTracker.stats`),
+        and the decode driver's time per step by phase, JSON-able."""
         counters = {name: values.tolist() for name, values in self.planner.stats().items()}
         return {
             "backend": self.mode,
             "num_slots": self.num_slots,
             "num_resident": self.planner.num_resident,
             "expert_nbytes": self.expert_nbytes,
+            "cpu_threads": self.cpu.num_threads,
+            "cpu_isa": self.cpu.isa,
             "bandwidth": {"pcie": self.pcie.stats(), "cpu": self.cpu_bw.stats()},
             "decode_driver": {
                 "steps": self.driven_steps,
