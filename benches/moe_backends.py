@@ -33,7 +33,7 @@ import numpy as np
 import torch
 from freetoken._core import CpuExperts, ExpertPool, read_trace, synthetic_trace
 from freetoken.bench.bandwidth import measure_cpu, measure_pcie
-from freetoken.config import EngineConfig, ModelConfig
+from freetoken.config import EXPERT_CACHE_POLICIES, EngineConfig, ModelConfig
 from freetoken.engine.llm_engine import LLMEngine
 from freetoken.engine.types import SamplingParams
 from freetoken.models.loader import init_dummy_weights
@@ -231,7 +231,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--backends", nargs="+", default=["fused", "static", "offload", "cpu", "hybrid"])
-    ap.add_argument("--policy", default=EngineConfig.expert_cache_policy, choices=["lfu", "lru", "layer_lru"],
+    ap.add_argument("--policy", default=EngineConfig.expert_cache_policy, choices=EXPERT_CACHE_POLICIES,
                     help="slot replacement policy of the expert cache (default: ft serve's)")
     ap.add_argument("--cpu-threads", type=int, default=0,
                     help="threads of the expert cache's host kernels (0: ft serve's default, all CPUs but one on CUDA)")

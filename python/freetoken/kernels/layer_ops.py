@@ -10,7 +10,7 @@ the torch result on the H200), router softmax in float32. RoPE stays in torch: a
 same formula gave different last bits on ~17% of q/k elements there, and bf16 greedy decoding then left
 transformers' tokens at more near-ties (2 of 8 sequences whole against 6 of 8).
 
-Shapes: T tokens, H hidden, D head dim (even), E experts, k top-k.
+Shapes: T tokens, H hidden, D head dim, E experts, k top-k.
 Test: python -m pytest tests/test_kernels.py (interpreted on the CPU in CI, compiled on CUDA in tests/test_gpu.py).
 """
 

@@ -117,9 +117,10 @@ class Attention(nn.Module):
         stacked tensors of `fuse_qkv` (a `.to()` or an assignment since replaces them), else three."""
         num_tokens = x.shape[0]
         nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        if x.device.type in KERNEL_DEVICES and self.qkv is not None and not self._stacked():
-            self.qkv = None  # the parameters were replaced: drop the stale stacked copy
-        if x.device.type in KERNEL_DEVICES and self.qkv is not None:
+        stacked = x.device.type in KERNEL_DEVICES and self.qkv is not None
+        if stacked and not self._stacked():
+            self.qkv, stacked = None, False  # the parameters were replaced: drop the stale stacked copy
+        if stacked:
             qkv = F.linear(x, *self.qkv)
             q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
         else:
