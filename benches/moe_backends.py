@@ -15,6 +15,14 @@ Prints a table (decode tok/s, hit rate, PCIe and CPU bytes per token, the bound 
 measured bandwidths, achieved/bound, peak GPU memory; for the expert cache also the bandwidths it measured, where
 the decode driver's time went per step, and the host-overhead share of the step) and a final JSON line. Needs
 CUDA.
+
+The bound of a row is the longest of three times, each the row's miss bytes per step over a measured capacity:
+PCIe bytes over B_pcie (copies alone), CPU bytes over B_cpu(b) (host kernel alone), and both together over
+B_both(b), what the two paths moved per second when run at once (`measure_overlapped`); each capacity is the best of
+`BANDWIDTH_RUNS` runs at the start (the box is shared and its figures vary run to run). The copies and the host
+kernel read the same host DRAM, so on a box whose memory bus is narrower than the two paths' sum the third term
+binds. `bound_by` names the term that binds; `achieved_over_paths_bound` is the ratio against the first two alone
+(the paths as if independent).
 """
 
 from __future__ import annotations
@@ -32,7 +40,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from freetoken._core import CpuExperts, ExpertPool, read_trace, synthetic_trace
-from freetoken.bench.bandwidth import measure_cpu, measure_pcie
+from freetoken.bench.bandwidth import measure_cpu, measure_overlapped, measure_pcie
 from freetoken.config import EXPERT_CACHE_POLICIES, EngineConfig, ModelConfig
 from freetoken.engine.llm_engine import LLMEngine
 from freetoken.engine.types import SamplingParams
@@ -43,6 +51,9 @@ from freetoken.moe.compute import expert_views, grouped_swiglu
 from freetoken.moe.expert_cache import ExpertCacheBackend
 from freetoken.moe.fused import FusedExperts
 from freetoken.moe.pinned import pin_host_memory
+
+
+BANDWIDTH_RUNS = 3  # each bandwidth of the bound is the best of this many ~1 s runs
 
 
 class TraceRouter(torch.nn.Module):
@@ -255,10 +266,15 @@ def main() -> None:
     log(f"pool: {pool.nbytes / 1e9:.1f} GB built and pinned in {time.perf_counter() - t0:.0f} s")
     cpu = CpuExperts(pool)
     scratch = torch.empty(64, pool.expert_stride, dtype=torch.uint8, device=device)
-    b_pcie = measure_pcie(pool, arena, scratch, torch.cuda.Stream())
-    b_cpu = {b: measure_cpu(cpu, pool, b) for b in (1, 2, 4, 8, 16)}
+    # Best of a few runs each: the box is shared, and a bound must use the most the box was seen to do.
+    best = lambda measure: max(measure() for _ in range(BANDWIDTH_RUNS))
+    b_pcie = best(lambda: measure_pcie(pool, arena, scratch, torch.cuda.Stream()))
+    b_cpu = {b: best(lambda: measure_cpu(cpu, pool, b)) for b in (1, 2, 4, 8, 16)}
+    b_both = {b: best(lambda: sum(measure_overlapped(cpu, pool, arena, scratch, torch.cuda.Stream(), b)))
+              for b in args.batch}
     del scratch
-    log(f"B_pcie {b_pcie / 1e9:.1f} GB/s; B_cpu " + ", ".join(f"b={b}: {v / 1e9:.1f} GB/s" for b, v in b_cpu.items()))
+    log(f"B_pcie {b_pcie / 1e9:.1f} GB/s; B_cpu " + ", ".join(f"b={b}: {v / 1e9:.1f} GB/s" for b, v in b_cpu.items())
+        + "; B_both " + ", ".join(f"b={b}: {v / 1e9:.1f} GB/s" for b, v in b_both.items()))
 
     model = init_dummy_weights(cfg, ExpertCacheBackend("cpu", pool, device, 0, cpu_threads=None), device, torch.bfloat16)
     rows = []
@@ -323,7 +339,10 @@ def main() -> None:
                     hits = after.get("hits", 0) - before.get("hits", 0)
                     lookups = hits + after.get("fills", 0) - before.get("fills", 0) + after.get("cpu_runs", 0) - before.get("cpu_runs", 0)
                     b_cpu_b = b_cpu[min(b_cpu, key=lambda b: abs(b - batch))]
-                    bound_s = max(h2d / b_pcie, cpu_b / b_cpu_b) * batch  # per step; both paths overlap
+                    # Per step; the paths overlap, and share the host memory bus (see the module docstring).
+                    terms = {"pcie": h2d / b_pcie, "cpu": cpu_b / b_cpu_b, "host memory": (h2d + cpu_b) / b_both[batch]}
+                    paths_s = max(terms["pcie"], terms["cpu"]) * batch
+                    bound_s = max(terms.values()) * batch
                     row = {
                         "backend": backend_name, "budget_gb": budget, "batch": batch,
                         "tok_per_s": round(batch / step_s, 2), "step_ms": round(step_s * 1e3, 2),
@@ -331,6 +350,8 @@ def main() -> None:
                         "pcie_mb_per_tok": round(h2d / 1e6, 1), "cpu_mb_per_tok": round(cpu_b / 1e6, 1),
                         "bound_ms": round(bound_s * 1e3, 2),
                         "achieved_over_bound": round(bound_s / step_s, 2) if bound_s else None,
+                        "bound_by": max(terms, key=terms.get) if bound_s else None,
+                        "achieved_over_paths_bound": round(paths_s / step_s, 2) if paths_s else None,
                         "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
                     }
                     if outside is not None:
@@ -358,6 +379,7 @@ def main() -> None:
             r["vs_static"] = round(r["tok_per_s"] / static[(r["budget_gb"], r["batch"])], 2)
     print(json.dumps({"bench": "moe_backends", "model": args.preset, "b_pcie_gbps": round(b_pcie / 1e9, 1),
                       "b_cpu_gbps": {b: round(v / 1e9, 1) for b, v in b_cpu.items()},
+                      "b_both_gbps": {b: round(v / 1e9, 1) for b, v in b_both.items()},
                       "trace": "synthetic skew=0.45 reuse=0.35 window=16", "policy": args.policy, "rows": rows}))
 
 

@@ -75,24 +75,36 @@ def test_fused_layer_kernels_give_the_torch_path_logprobs(checkpoint, monkeypatc
 
 
 def test_fuse_qkv_keeps_values_and_notices_replaced_weights(checkpoint, monkeypatch):
-    """`fuse_qkv` re-seats q/k/v as views of one stacked weight (values kept, one GEMM); a projection replaced
-    afterwards turns the stacked path off instead of computing with the stale copy."""
+    """`fuse_qkv` re-seats q/k/v as views of one stacked weight (values kept): the fused path (one GEMM, then the
+    q/k norm + RoPE + KV-write kernel) gives the torch path's output and KV cache; a projection replaced afterwards
+    turns the fused path off instead of computing with the stale copy."""
     import torch
     from freetoken.config import ModelConfig
     from freetoken.models import qwen3_moe
+    from freetoken.models.attention import AttentionMetadata
 
     cfg = ModelConfig.from_dir(checkpoint)
+    torch.manual_seed(3)
     attn = qwen3_moe.Attention(cfg)
+    for norm in (attn.q_norm, attn.k_norm):
+        norm.weight.data = 1 + 0.1 * torch.randn_like(norm.weight)
     x = torch.randn(3, cfg.hidden_size)
-    before = [p(x) for p in (attn.q_proj, attn.k_proj, attn.v_proj)]
+    meta = AttentionMetadata.build([3], [3], [[1]], 4, torch.device("cpu"))
+    rope = qwen3_moe.RotaryEmbedding(cfg.head_dim, cfg.rope_theta)(meta.positions, x.dtype)
+
+    def run() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        kv = tuple(torch.zeros(8, cfg.num_key_value_heads, cfg.head_dim) for _ in range(2))
+        return attn(x, rope, kv, meta), *kv
+
+    expected = run()
     attn.fuse_qkv()
     assert attn.q_proj.weight.data_ptr() == attn.qkv[0].data_ptr() and attn._stacked()
     monkeypatch.setattr(qwen3_moe, "KERNEL_DEVICES", {"cuda", "cpu"})
-    q, k, v = attn._project(x)
-    for got, want in zip((q, k, v), before, strict=True):
-        torch.testing.assert_close(got.reshape(3, -1), want)
-    attn.k_proj.weight = torch.nn.Parameter(2 * attn.k_proj.weight.detach().clone(), requires_grad=False)
-    assert not attn._stacked()
-    _, k, _ = attn._project(x)
-    torch.testing.assert_close(k.reshape(3, -1), 2 * before[1])
-    assert attn.qkv is None
+    assert attn._stacked_on(x.device)
+    for got, want in zip(run(), expected, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    attn.v_proj.weight = torch.nn.Parameter(2 * attn.v_proj.weight.detach().clone(), requires_grad=False)
+    assert not attn._stacked_on(x.device) and attn.qkv is None
+    _, k_cache, v_cache = run()
+    torch.testing.assert_close(k_cache, expected[1])
+    torch.testing.assert_close(v_cache, 2 * expected[2])  # the new v weights, not the stacked copy

@@ -185,3 +185,32 @@ def test_constrained_decoding_on_cuda_graph_path(tmp_path, backend):
         text = engine.tokenizer.decode([t for t in out[name] if t not in engine.eos_ids])
         jsonschema.validate(json.loads(text), CARD_SCHEMA)
     assert len(out["free"]) == 24
+
+
+def test_fused_layer_ops_are_bitwise_the_torch_ops():
+    """bf16 on the GPU: the fused add + RMSNorm and q/k norm + RoPE + KV-write kernels give exactly what the ops
+    they replace give (torch's add, RoPE and index_put around the RMSNorm kernel), so no backend's tokens move."""
+    from freetoken.kernels.layer_ops import add_rms_norm, qk_norm_rope, rms_norm
+    from freetoken.models.qwen3_moe import RotaryEmbedding, _apply_rope
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    bf16 = torch.bfloat16
+    tokens, nq, nkv, d, hidden = 7, 32, 4, 128, 2048
+    x, residual = ((3 * torch.randn(tokens, hidden, device="cuda", generator=gen)).to(bf16) for _ in range(2))
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).to(bf16)
+    got, got_sum = add_rms_norm(x, residual, w, 1e-6)
+    want_sum = residual + x
+    assert torch.equal(got_sum, want_sum) and torch.equal(got, rms_norm(want_sum, w, 1e-6))
+
+    qkv = (3 * torch.randn(tokens, (nq + 2 * nkv) * d, device="cuda", generator=gen)).to(bf16)
+    q_w, k_w = ((1 + 0.1 * torch.randn(d, device="cuda", generator=gen)).to(bf16) for _ in range(2))
+    positions = torch.randint(0, 30000, (tokens,), device="cuda", generator=gen)
+    cos, sin = RotaryEmbedding(d, 1e6).to("cuda")(positions, bf16)
+    slots = torch.randperm(4 * tokens, device="cuda", generator=gen)[:tokens]
+    k_cache, v_cache = (torch.zeros(4 * tokens, nkv, d, dtype=bf16, device="cuda") for _ in range(2))
+    q = qk_norm_rope(qkv, nq, nkv, q_w, k_w, 1e-6, cos, sin, k_cache, v_cache, slots)
+    q_in, k_in, v_in = qkv.split([nq * d, nkv * d, nkv * d], dim=1)
+    want_q = _apply_rope(rms_norm(q_in.view(tokens, nq, d), q_w, 1e-6), cos, sin)
+    want_k = _apply_rope(rms_norm(k_in.view(tokens, nkv, d), k_w, 1e-6), cos, sin)
+    assert torch.equal(q, want_q)
+    assert torch.equal(k_cache[slots], want_k) and torch.equal(v_cache[slots], v_in.view(tokens, nkv, d))

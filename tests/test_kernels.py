@@ -154,3 +154,68 @@ def test_router_topk_matches_softmax_topk(tokens, experts, top_k, renorm):
     # A diverged row (NaN logits) must not send the expert kernels out of bounds.
     nan_ids, _ = router_topk(torch.full((2, experts), float("nan"), dtype=DTYPE, device=DEVICE), top_k, renorm, DTYPE)
     assert ((nan_ids >= 0) & (nan_ids < experts)).all()
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (5, 67), (0, 16)])
+def test_add_rms_norm_is_the_add_then_the_torch_module(shape):
+    from freetoken.kernels.layer_ops import add_rms_norm
+    from freetoken.models.qwen3_moe import RMSNorm
+
+    gen = torch.Generator().manual_seed(shape[-1])
+    norm = RMSNorm(shape[-1], 1e-6)
+    norm.weight.data = 1 + 0.1 * torch.randn(shape[-1], generator=gen)
+    x, residual = (3 * torch.randn(*shape, generator=gen).to(DTYPE) for _ in range(2))
+    want_sum = residual + x
+    want = _torch_module(norm, "cpu")(want_sum).float()
+    weight = norm.weight.to(DEVICE, DTYPE)
+    got, got_sum = add_rms_norm(x.to(DEVICE), residual.to(DEVICE), weight, norm.eps)
+    torch.testing.assert_close(got_sum.cpu(), want_sum, atol=0, rtol=0)
+    torch.testing.assert_close(got.float().cpu(), want, atol=ATOL, rtol=ATOL)
+    in_place = residual.to(DEVICE)
+    _, s = add_rms_norm(x.to(DEVICE), in_place, weight, norm.eps, out_sum=in_place)
+    assert s.data_ptr() == in_place.data_ptr()
+    torch.testing.assert_close(in_place.cpu(), want_sum, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        add_rms_norm(x.to(DEVICE).t(), residual.to(DEVICE).t(), weight, norm.eps)
+
+
+def _qk_norm_rope_reference(qkv, nq, nkv, q_norm, k_norm, cos, sin, slots, num_slots):
+    """The torch modules' path: split q/k/v, per-head RMSNorm, RoPE, index_put into the caches."""
+    from freetoken.models.qwen3_moe import _apply_rope
+
+    d = q_norm.weight.shape[0]
+    t = qkv.shape[0]
+    q, k, v = qkv[:, : nq * d].view(t, nq, d), qkv[:, nq * d : (nq + nkv) * d].view(t, nkv, d), qkv[:, (nq + nkv) * d :]
+    q, k = _apply_rope(q_norm(q), cos, sin), _apply_rope(k_norm(k), cos, sin)
+    k_cache = torch.zeros(num_slots, nkv, d, dtype=qkv.dtype)
+    v_cache = torch.zeros(num_slots, nkv, d, dtype=qkv.dtype)
+    k_cache[slots] = k
+    v_cache[slots] = v.reshape(t, nkv, d)
+    return q, k_cache, v_cache
+
+
+@pytest.mark.parametrize("tokens,nq,nkv,head_dim", [(1, 32, 4, 128), (5, 4, 2, 64), (3, 2, 1, 12)])
+def test_qk_norm_rope_is_the_torch_norms_rope_and_cache_write(tokens, nq, nkv, head_dim):
+    from freetoken.kernels.layer_ops import qk_norm_rope
+    from freetoken.models.qwen3_moe import RMSNorm, RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(tokens * head_dim)
+    q_norm, k_norm = RMSNorm(head_dim, 1e-6), RMSNorm(head_dim, 1e-6)
+    for norm in (q_norm, k_norm):
+        norm.weight.data = (1 + 0.1 * torch.randn(head_dim, generator=gen)).to(DTYPE)
+    qkv = (3 * torch.randn(tokens, (nq + 2 * nkv) * head_dim, generator=gen)).to(DTYPE)
+    positions = torch.randint(0, 4000, (tokens,), generator=gen)
+    cos, sin = RotaryEmbedding(head_dim, 1e6)(positions, DTYPE)
+    num_slots = 2 * tokens + 1
+    slots = torch.randperm(num_slots, generator=gen)[:tokens]
+    want_q, want_k, want_v = _qk_norm_rope_reference(qkv, nq, nkv, q_norm, k_norm, cos, sin, slots, num_slots)
+    k_cache = torch.zeros(num_slots, nkv, head_dim, dtype=DTYPE, device=DEVICE)
+    v_cache = torch.zeros_like(k_cache)
+    q = qk_norm_rope(qkv.to(DEVICE), nq, nkv, q_norm.weight.to(DEVICE), k_norm.weight.to(DEVICE), 1e-6,
+                     cos.to(DEVICE), sin.to(DEVICE), k_cache, v_cache, slots.to(DEVICE))
+    torch.testing.assert_close(v_cache.cpu(), want_v, atol=0, rtol=0)  # copied, untouched rows stay zero
+    torch.testing.assert_close(q.cpu(), want_q, atol=ATOL, rtol=ATOL)
+    torch.testing.assert_close(k_cache.cpu(), want_k, atol=ATOL, rtol=ATOL)
+    with pytest.raises(ValueError, match="qk_norm_rope"):
+        qk_norm_rope(qkv.to(DEVICE), nq + 1, nkv, q_norm.weight.to(DEVICE), k_norm.weight.to(DEVICE), 1e-6,
+                     cos.to(DEVICE), sin.to(DEVICE), k_cache, v_cache, slots.to(DEVICE))

@@ -157,23 +157,23 @@ class DecodeRunner:
         start, moe_layer = self.spans[index]
         meta = self._meta(size)
         model = self.model
+        residual = self.x_resid[:size]
         if index == 0:
-            x = model.model.embed_tokens(self.input_ids[:size])
+            x, residual = model.model.embed_tokens(self.input_ids[:size]), None
             cos, sin = model.model.rotary(meta.positions, x.dtype)
             self.cos[:size].copy_(cos)
             self.sin[:size].copy_(sin)
         elif driven:
-            x = self.x_resid[:size] + self.moe_out[:size]
+            x = self.moe_out[:size]
         else:
-            x = self.x_resid[:size] + self.moe_out[:size] + self.cpu_out[:size].to(self.x_resid.dtype)
-        x, _ = model.run_until_moe(x, start, (self.cos[:size], self.sin[:size]), self.kv.layers, meta)
+            x = self.moe_out[:size] + self.cpu_out[:size].to(self.x_resid.dtype)
+        # The MoE layer's residual stream goes straight into x_resid (the next span's residual).
+        h, _, _ = model.run_until_moe(
+            x, residual, start, (self.cos[:size], self.sin[:size]), self.kv.layers, meta, self.x_resid[:size])
         if moe_layer < 0:
-            self.logits[:size].copy_(model.compute_logits(model.model.norm(x)))
+            self.logits[:size].copy_(model.compute_logits(h))
             return None
-        layer = model.model.layers[moe_layer]
-        h = layer.post_attention_layernorm(x)
-        ids, weights = layer.mlp.gate(h)
-        self.x_resid[:size].copy_(x)
+        ids, weights = model.model.layers[moe_layer].mlp.gate(h)
         if driven:
             return h, ids, weights
         self.h_moe[:size].copy_(h)

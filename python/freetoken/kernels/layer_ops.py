@@ -1,16 +1,18 @@
-"""The small ops of a decoder layer, each fused into one Triton kernel: RMSNorm and the router's softmax + top-k.
+"""The small ops of a decoder layer, fused into few Triton kernels: the residual add with RMSNorm, the per-head
+q/k RMSNorm with RoPE and the KV-cache write, and the router's softmax + top-k.
 
 At decode batch sizes these ops move a few KB each, so their cost is kernel count: torch runs an RMSNorm as ~8
-elementwise and reduction kernels and a softmax router's top-k and renormalisation as ~6, about 40 kernels of a
-Qwen3-MoE layer's ~75 (two hidden-state norms, the per-head q and k norms, the router; torch profiler of a decode
-step, benches/moe_backends.py --profile). Here each is one kernel, with the same maths and roundings as the torch
-modules in `freetoken.models.qwen3_moe` (which follow transformers' Qwen3-MoE): statistics in float32, the
-normalised value rounded to the input dtype before the weight multiplies it (as `Qwen3MoeRMSNorm`; bit for bit
-the torch result on the H200), router softmax in float32. RoPE stays in torch: a fused norm + RoPE kernel with the
-same formula gave different last bits on ~17% of q/k elements there, and bf16 greedy decoding then left
-transformers' tokens at more near-ties (2 of 8 sequences whole against 6 of 8).
+elementwise and reduction kernels, RoPE on q and k as 10 (negate, concatenate, two products and a sum, each), the
+KV-cache write as 2 and a softmax router's top-k and renormalisation as ~6 (torch profiler of a decode step,
+benches/moe_backends.py --profile). Here each group is one kernel that repeats the torch modules' roundings in
+`freetoken.models.qwen3_moe` (which follow transformers' Qwen3-MoE) one by one, so the result is bit for bit
+torch's on the GPU: RMSNorm statistics in float32 and the normalised value rounded to the input dtype before the
+weight multiplies it (as `Qwen3MoeRMSNorm`), the residual sum rounded before it is normalised, RoPE's two products
+and their sum each rounded (three bf16 ops in torch: where the compiled kernel skipped one of those roundings, the
+last bit of ~20% of q/k elements moved, and bf16 greedy decoding left transformers' tokens at more near-ties, 2 of
+8 sequences whole against 6 of 8; `_round_to`), the router softmax in float32.
 
-Shapes: T tokens, H hidden, D head dim, E experts, k top-k.
+Shapes: T tokens, H hidden, D head dim, E experts, k top-k, Nq / Nkv query / KV heads, S KV-cache slots.
 Test: python -m pytest tests/test_kernels.py (interpreted on the CPU in CI, compiled on CUDA in tests/test_gpu.py).
 """
 
@@ -55,6 +57,146 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         _rms_norm_kernel[(out.shape[0],)](x3, weight, out, n, inner, x3.stride(0), x3.stride(1), out.stride(0), eps,
                                           BLOCK=triton.next_power_of_2(n))
     return out.view(x.shape)
+
+
+@triton.jit
+def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, n, stride_x, stride_r, stride_sum, stride_out, eps,
+                         BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n
+    x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0).to(tl.float32)
+    r = tl.load(r_ptr + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
+    s = (x + r).to(sum_ptr.dtype.element_ty)
+    tl.store(sum_ptr + row * stride_sum + offs, s, mask=ok)  # may be r's memory: this program read its row already
+    s = s.to(tl.float32)
+    inv = tl.rsqrt(tl.sum(s * s, axis=0) / n + eps)
+    y = (s * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + offs, (w * y).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, out_sum: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pre-norm block's residual add and the next RMSNorm in one kernel: `s = x + residual` (rounded to the
+    dtype, as torch's add), then `rms_norm(s)`.
+
+    Args:
+        x, residual: [T, n], the last dim contiguous, same dtype.
+        weight: [n].
+        eps: added to the mean square.
+        out_sum: [T, n] where the sum goes (may be `residual` itself: in place); None allocates.
+
+    Returns:
+        (normed [T, n], s [T, n]), both in x's dtype.
+    """
+    if x.dim() != 2 or x.shape != residual.shape or x.stride(-1) != 1 or residual.stride(-1) != 1:
+        raise ValueError(f"add_rms_norm: needs two [T, n] tensors with a contiguous last dim, got {x.shape} "
+                         f"{x.stride()} and {residual.shape} {residual.stride()}")
+    s = torch.empty_like(x) if out_sum is None else out_sum
+    out = torch.empty_like(x)
+    tokens, n = x.shape
+    if tokens:
+        _add_rms_norm_kernel[(tokens,)](x, residual, weight, s, out, n, x.stride(0), residual.stride(0), s.stride(0),
+                                        out.stride(0), eps, BLOCK=triton.next_power_of_2(n))
+    return out, s
+
+
+@triton.jit
+def _round_to(v, dt: tl.constexpr):
+    """float32 `v` rounded to `dt` (to nearest, ties to even) and widened back. For bfloat16 by integer ops on the
+    bits: `v.to(dt).to(tl.float32)` there left RoPE's sum of two rounded products off torch's in the last bit for
+    ~21% of elements on the H200 (each product alone was exact), so the compiled code did not round where written."""
+    if dt == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        return v.to(dt).to(tl.float32)
+
+
+@triton.jit
+def _qk_norm_rope_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                         head_dim, num_q_heads, num_kv_heads, stride_qkv, stride_cos, stride_sin, stride_q,
+                         stride_cache, eps, BLOCK: tl.constexpr):
+    t = tl.program_id(0)
+    head = tl.program_id(1)  # query heads first, then KV heads
+    offs = tl.arange(0, BLOCK)
+    ok = offs < head_dim
+    half = head_dim // 2
+    partner = tl.where(offs < half, offs + half, offs - half)  # rotate-half: out = x cos + [-x2, x1] sin
+    sign = tl.where(offs < half, -1.0, 1.0)
+    src = qkv_ptr + t * stride_qkv + head * head_dim
+    x = tl.load(src + offs, mask=ok, other=0.0).to(tl.float32)
+    xp = tl.load(src + partner, mask=ok, other=0.0).to(tl.float32)
+    is_q = head < num_q_heads
+    if is_q:
+        w = tl.load(q_w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        wp = tl.load(q_w_ptr + partner, mask=ok, other=0.0).to(tl.float32)
+    else:
+        w = tl.load(k_w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        wp = tl.load(k_w_ptr + partner, mask=ok, other=0.0).to(tl.float32)
+    dt = q_ptr.dtype.element_ty
+    inv = tl.rsqrt(tl.sum(x * x, axis=0) / head_dim + eps)
+    y = _round_to(w * _round_to(x * inv, dt), dt)
+    yp = _round_to(wp * _round_to(xp * inv, dt), dt) * sign
+    c = tl.load(cos_ptr + t * stride_cos + offs, mask=ok, other=0.0).to(tl.float32)
+    s = tl.load(sin_ptr + t * stride_sin + offs, mask=ok, other=0.0).to(tl.float32)
+    out = _round_to(_round_to(y * c, dt) + _round_to(yp * s, dt), dt).to(dt)
+    if is_q:
+        tl.store(q_ptr + t * stride_q + head * head_dim + offs, out, mask=ok)
+    else:
+        kv_head = head - num_q_heads
+        dst = tl.load(slot_ptr + t) * stride_cache + kv_head * head_dim
+        tl.store(k_cache_ptr + dst + offs, out, mask=ok)
+        v = tl.load(src + num_kv_heads * head_dim + offs, mask=ok)
+        tl.store(v_cache_ptr + dst + offs, v, mask=ok)
+
+
+def qk_norm_rope(
+    qkv: torch.Tensor,
+    num_q_heads: int,
+    num_kv_heads: int,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> torch.Tensor:
+    """Qwen3 attention's input side in one kernel: per-head RMSNorm of q and k, RoPE (rotate-half layout, Su et al.
+    2021) on both, and this step's K and V written into the paged KV cache.
+
+    Args:
+        qkv: [T, (Nq + 2 Nkv) D], the stacked q/k/v projection (q heads, then k heads, then v heads), the last dim
+            contiguous.
+        num_q_heads, num_kv_heads: Nq and Nkv; D is the norm weights' length (even).
+        q_weight, k_weight: [D] the q and k RMSNorm weights.
+        eps: added to the mean square (both norms).
+        cos, sin: [T, D] the rotary tables of the tokens' positions, in qkv's dtype.
+        k_cache, v_cache: [S, Nkv, D], contiguous; row `slot_mapping[t]` takes token t's K and V.
+        slot_mapping: [T] int64 KV-cache slots.
+
+    Returns:
+        q [T, Nq, D] with RoPE applied, in qkv's dtype.
+    """
+    tokens = qkv.shape[0]
+    head_dim = q_weight.shape[0]
+    if (qkv.dim() != 2 or qkv.stride(-1) != 1 or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim
+            or head_dim % 2 or k_cache.shape[1:] != (num_kv_heads, head_dim) or not k_cache.is_contiguous()
+            or v_cache.shape != k_cache.shape or not v_cache.is_contiguous()):
+        raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)} for {num_q_heads} + 2 x {num_kv_heads} heads of "
+                         f"{head_dim}, caches {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    q = torch.empty(tokens, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    if tokens:
+        _qk_norm_rope_kernel[(tokens, num_q_heads + num_kv_heads)](
+            qkv, q_weight, k_weight, cos, sin, q, k_cache, v_cache, slot_mapping, head_dim, num_q_heads,
+            num_kv_heads, qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), k_cache.stride(0), eps,
+            BLOCK=triton.next_power_of_2(head_dim),
+        )
+    return q
 
 
 @triton.jit

@@ -105,8 +105,8 @@ class AttentionMetadata:
 
 def paged_attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    k: torch.Tensor | None,
+    v: torch.Tensor | None,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
@@ -116,7 +116,8 @@ def paged_attention(
 
     Args:
         q: [T, num_heads, head_dim] queries (RoPE applied).
-        k, v: [T, num_kv_heads, head_dim] this step's keys (RoPE applied) and values; written into the cache.
+        k, v: [T, num_kv_heads, head_dim] this step's keys (RoPE applied) and values, written into the cache; None
+            where the caller wrote them already (`freetoken.kernels.layer_ops.qk_norm_rope`).
         k_cache, v_cache: [num_slots, num_kv_heads, head_dim], written in place at `meta.slot_mapping`.
         meta: the step's metadata.
         scale: softmax scale, head_dim ** -0.5 for Qwen3.
@@ -124,8 +125,9 @@ def paged_attention(
     Returns:
         [T, num_heads, head_dim] attention output, dtype of q.
     """
-    k_cache[meta.slot_mapping] = k
-    v_cache[meta.slot_mapping] = v
+    if k is not None:
+        k_cache[meta.slot_mapping] = k
+        v_cache[meta.slot_mapping] = v
     if meta.block_tables is not None:
         from freetoken.kernels.paged_attention import paged_decode_attention
 

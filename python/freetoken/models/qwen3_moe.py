@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from freetoken.config import ModelConfig
-from freetoken.kernels.layer_ops import rms_norm, router_topk
+from freetoken.kernels.layer_ops import add_rms_norm, qk_norm_rope, rms_norm, router_topk
 from freetoken.models.attention import AttentionMetadata, paged_attention
 from freetoken.moe.backend import ExpertBackend
 
@@ -26,14 +26,24 @@ KERNEL_DEVICES = {"cuda"}
 
 class RMSNorm(nn.Module):
     """RMSNorm (Zhang & Sennrich 2019), computed in float32 and cast back, as transformers' Qwen3MoeRMSNorm; on CUDA
-    one fused kernel (`freetoken.kernels.layer_ops.rms_norm`), the torch ops below elsewhere."""
+    one fused kernel (`freetoken.kernels.layer_ops`), the torch ops below elsewhere."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, out_sum: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """x [..., n] -> normed x. With `residual` ([T, n], as x): the pre-norm block's residual add first, as
+        vLLM's fused add-norm: (normed s, s) with s = residual + x (rounded as torch's add), written into `out_sum`
+        when given (may be `residual`: in place)."""
+        if residual is not None:
+            if x.device.type in KERNEL_DEVICES:
+                return add_rms_norm(x, residual, self.weight, self.eps, out_sum)
+            s = torch.add(residual, x, out=out_sum)
+            return self(s), s
         if x.device.type in KERNEL_DEVICES:
             return rms_norm(x, self.weight, self.eps)
         dtype = x.dtype
@@ -112,19 +122,20 @@ class Attention(nn.Module):
             start += p.weight.shape[0]
         return True
 
+    def _stacked_on(self, device: torch.device) -> bool:
+        """Whether this step takes the fused path: a kernel device, and the weights still views of the stacked
+        tensors of `fuse_qkv` (a `.to()` or an assignment since replaces them, and the stale copy is dropped)."""
+        if device.type not in KERNEL_DEVICES or self.qkv is None:
+            return False
+        if not self._stacked():
+            self.qkv = None
+            return False
+        return True
+
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [T, heads, D], k and v [T, kv_heads, D]: one GEMM on CUDA while the weights are still views of the
-        stacked tensors of `fuse_qkv` (a `.to()` or an assignment since replaces them), else three."""
+        """q [T, heads, D], k and v [T, kv_heads, D], by three GEMMs."""
         num_tokens = x.shape[0]
-        nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        stacked = x.device.type in KERNEL_DEVICES and self.qkv is not None
-        if stacked and not self._stacked():
-            self.qkv, stacked = None, False  # the parameters were replaced: drop the stale stacked copy
-        if stacked:
-            qkv = F.linear(x, *self.qkv)
-            q, k, v = qkv[:, :nq], qkv[:, nq : nq + nkv], qkv[:, nq + nkv :]
-        else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         return (q.view(num_tokens, self.num_heads, self.head_dim), k.view(num_tokens, self.num_kv_heads, self.head_dim),
                 v.view(num_tokens, self.num_kv_heads, self.head_dim))
 
@@ -135,12 +146,20 @@ class Attention(nn.Module):
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        """x [T, H] -> [T, H]; writes this step's K/V into `kv` (each [num_slots, num_kv_heads, head_dim])."""
+        """x [T, H] -> [T, H]; writes this step's K/V into `kv` (each [num_slots, num_kv_heads, head_dim]). On CUDA,
+        while q/k/v are stacked (`fuse_qkv`), the q/k norms, RoPE and the KV write are one kernel
+        (`freetoken.kernels.layer_ops.qk_norm_rope`)."""
         num_tokens = x.shape[0]
-        q, k, v = self._project(x)
         cos, sin = rope
-        q, k = _apply_rope(self.q_norm(q), cos, sin), _apply_rope(self.k_norm(k), cos, sin)
-        out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        if self._stacked_on(x.device):
+            qkv = F.linear(x, *self.qkv)
+            q = qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight, self.k_norm.weight,
+                             self.q_norm.eps, cos, sin, kv[0], kv[1], meta.slot_mapping)
+            out = paged_attention(q, None, None, kv[0], kv[1], meta, self.scale)
+        else:
+            q, k, v = self._project(x)
+            q, k = _apply_rope(self.q_norm(q), cos, sin), _apply_rope(self.k_norm(k), cos, sin)
+            out = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
         return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
 
 
@@ -195,7 +214,9 @@ class SparseMoeBlock(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x))."""
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); each residual add is fused into the norm after it
+    (vLLM's convention): a layer takes and returns (branch output, residual stream), whose sum is the hidden state.
+    """
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
@@ -209,22 +230,32 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = self.attend(x, rope, kv, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H]: the last layer's branch output (the embeddings for the first layer, with `residual` None).
+        Returns (this layer's MLP output, the residual stream before it)."""
+        h, residual = self.attend(x, residual, rope, kv, meta)
+        return self.mlp(h), residual
 
     def attend(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """The attention half of the block: x + attn(norm(x))."""
-        return x + self.self_attn(self.input_layernorm(x), rope, kv, meta)
+        out_residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The attention half of the block and the MLP's norm: (post_attention_layernorm(s), s), with s = the
+        residual stream after attention, written into `out_residual` when given."""
+        if residual is None:
+            h, residual = self.input_layernorm(x), x
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        return self.post_attention_layernorm(self.self_attn(h, rope, kv, meta), residual, out_residual)
 
 
 class Qwen3MoeModel(nn.Module):
@@ -286,31 +317,36 @@ class Qwen3MoeForCausalLM(nn.Module):
         """
         x = self.model.embed_tokens(input_ids)
         rope = self.model.rotary(meta.positions, x.dtype)
+        residual = None
         for layer, kv in zip(self.model.layers, kv_caches, strict=True):
-            x = layer(x, rope, kv, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, kv, meta)
+        return self.model.norm(x, residual)[0]
 
     def run_until_moe(
         self,
         x: torch.Tensor,
+        residual: torch.Tensor | None,
         start: int,
         rope: tuple[torch.Tensor, torch.Tensor],
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, int]:
+        out_residual: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """Run decoder layers from `start` up to the next MoE layer's routed experts (for piecewise CUDA graphs:
-        everything but the experts can be captured).
+        everything but the experts can be captured). x and residual as `DecoderLayer.forward` takes them.
 
         Returns:
-            (x after that MoE layer's attention residual, its index), or (x after every layer, -1).
+            (that MoE layer's normed expert input, its residual stream (in `out_residual` when given), its index),
+            or (the final norm's output, the residual stream, -1) after the last layer.
         """
         for i in range(start, len(self.model.layers)):
             layer = self.model.layers[i]
-            x = layer.attend(x, rope, kv_caches[i], meta)
             if isinstance(layer.mlp, SparseMoeBlock):
-                return x, i
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return x, -1
+                h, residual = layer.attend(x, residual, rope, kv_caches[i], meta, out_residual)
+                return h, residual, i
+            x, residual = layer(x, residual, rope, kv_caches[i], meta)
+        h, residual = self.model.norm(x, residual)
+        return h, residual, -1
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, H] hidden -> [N, vocab_size] float32 logits."""
