@@ -10,9 +10,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from freetoken._core import InvalidArgumentError, align_slots, aligned_len
 from freetoken.kernels.fused_moe import align_pairs, fused_moe, fused_moe_reference
+from freetoken.kernels.layer_ops import _round_to
 from freetoken.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -219,3 +222,50 @@ def test_qk_norm_rope_is_the_torch_norms_rope_and_cache_write(tokens, nq, nkv, h
     with pytest.raises(ValueError, match="qk_norm_rope"):
         qk_norm_rope(qkv.to(DEVICE), nq + 1, nkv, q_norm.weight.to(DEVICE), k_norm.weight.to(DEVICE), 1e-6,
                      cos.to(DEVICE), sin.to(DEVICE), k_cache, v_cache, slots.to(DEVICE))
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's bf16; tests/test_gpu.py checks the compiled kernel")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the NaN head, in Triton's numpy interpreter
+def test_qk_norm_rope_rounds_bf16_as_torch_and_keeps_nan():
+    """bf16 in the interpreter: the kernel's own rounding (`_round_to`, integer ops) gives torch's bf16 ops bit for
+    bit, and a head holding a NaN stays NaN (neither zero nor inf)."""
+    from freetoken.kernels.layer_ops import qk_norm_rope
+    from freetoken.models.qwen3_moe import RMSNorm, RotaryEmbedding
+
+    tokens, nq, nkv, d = 3, 4, 2, 64
+    gen = torch.Generator().manual_seed(7)
+    q_norm, k_norm = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6)
+    for norm in (q_norm, k_norm):
+        norm.weight.data = (1 + 0.1 * torch.randn(d, generator=gen)).to(torch.bfloat16)
+    qkv = (3 * torch.randn(tokens, (nq + 2 * nkv) * d, generator=gen)).to(torch.bfloat16)
+    qkv[1, 5] = float("nan")  # q head 0 of token 1
+    cos, sin = RotaryEmbedding(d, 1e6)(torch.tensor([0, 17, 4000]), torch.bfloat16)
+    slots = torch.tensor([4, 0, 2])
+    want_q, want_k, want_v = _qk_norm_rope_reference(qkv, nq, nkv, q_norm, k_norm, cos, sin, slots, 5)
+    k_cache, v_cache = torch.zeros_like(want_k), torch.zeros_like(want_v)
+    q = qk_norm_rope(qkv, nq, nkv, q_norm.weight, k_norm.weight, 1e-6, cos, sin, k_cache, v_cache, slots)
+    assert q[1, 0].isnan().all() and not q[1, 1:].isnan().any()
+    torch.testing.assert_close(q, want_q, atol=0, rtol=0, equal_nan=True)
+    torch.testing.assert_close(k_cache, want_k, atol=0, rtol=0)
+    torch.testing.assert_close(v_cache, want_v, atol=0, rtol=0)
+
+
+@triton.jit
+def _round_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    ok = offs < n
+    tl.store(out_ptr + offs, _round_to(tl.load(x_ptr + offs, mask=ok), tl.bfloat16), mask=ok)
+
+
+def test_round_to_bf16_is_torchs_cast():
+    """`_round_to` (integer ops) rounds float32 to bf16 as torch's cast does: ties to even, overflow to inf, and
+    every NaN kept NaN (the device's canonical NaN is 0x7FFFFFFF, whose low half would carry into the sign)."""
+    bits = [0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0x7FC00000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x3F808000,
+            0x3F818000, 0x3F80C000, 0x00000001, 0x80000000]
+    special = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.cat([special, 1e3 * torch.randn(500, generator=torch.Generator().manual_seed(1))]).to(DEVICE)
+    out = torch.empty_like(x)
+    _round_kernel[(1,)](x, out, x.numel(), BLOCK=triton.next_power_of_2(x.numel()))
+    want = x.to(torch.bfloat16).float()
+    assert out[:4].isnan().all()
+    torch.testing.assert_close(out, want, atol=0, rtol=0, equal_nan=True)

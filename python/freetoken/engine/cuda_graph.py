@@ -157,16 +157,14 @@ class DecodeRunner:
         start, moe_layer = self.spans[index]
         meta = self._meta(size)
         model = self.model
-        residual = self.x_resid[:size]
         if index == 0:
             x, residual = model.model.embed_tokens(self.input_ids[:size]), None
             cos, sin = model.model.rotary(meta.positions, x.dtype)
             self.cos[:size].copy_(cos)
             self.sin[:size].copy_(sin)
-        elif driven:
-            x = self.moe_out[:size]
-        else:
-            x = self.moe_out[:size] + self.cpu_out[:size].to(self.x_resid.dtype)
+        else:  # the last MoE layer's expert sum (the CPU's added in `fetch_cpu` when driven), and its residual
+            residual = self.x_resid[:size]
+            x = self.moe_out[:size] if driven else self.moe_out[:size] + self.cpu_out[:size].to(residual.dtype)
         # The MoE layer's residual stream goes straight into x_resid (the next span's residual).
         h, _, _ = model.run_until_moe(
             x, residual, start, (self.cos[:size], self.sin[:size]), self.kv.layers, meta, self.x_resid[:size])

@@ -6,7 +6,7 @@ elementwise and reduction kernels, RoPE on q and k as 10 (negate, concatenate, t
 KV-cache write as 2 and a softmax router's top-k and renormalisation as ~6 (torch profiler of a decode step,
 benches/moe_backends.py --profile). Here each group is one kernel that repeats the torch modules' roundings in
 `freetoken.models.qwen3_moe` (which follow transformers' Qwen3-MoE) one by one, so the result is bit for bit
-torch's on the GPU: RMSNorm statistics in float32 and the normalised value rounded to the input dtype before the
+torch's on the GPU (checked in bfloat16 on the H200, tests/test_gpu.py): RMSNorm statistics in float32 and the normalised value rounded to the input dtype before the
 weight multiplies it (as `Qwen3MoeRMSNorm`), the residual sum rounded before it is normalised, RoPE's two products
 and their sum each rounded (three bf16 ops in torch: where the compiled kernel skipped one of those roundings, the
 last bit of ~20% of q/k elements moved, and bf16 greedy decoding left transformers' tokens at more near-ties, 2 of
@@ -91,9 +91,11 @@ def add_rms_norm(
     Returns:
         (normed [T, n], s [T, n]), both in x's dtype.
     """
-    if x.dim() != 2 or x.shape != residual.shape or x.stride(-1) != 1 or residual.stride(-1) != 1:
-        raise ValueError(f"add_rms_norm: needs two [T, n] tensors with a contiguous last dim, got {x.shape} "
-                         f"{x.stride()} and {residual.shape} {residual.stride()}")
+    tensors = (x, residual) if out_sum is None else (x, residual, out_sum)
+    if (x.dim() != 2 or any(t.shape != x.shape or t.dtype != x.dtype or t.stride(-1) != 1 for t in tensors)
+            or weight.shape != (x.shape[1],) or not weight.is_contiguous()):
+        raise ValueError("add_rms_norm: needs [T, n] tensors of one dtype with a contiguous last dim and a [n] weight, "
+                         f"got {[(tuple(t.shape), t.stride(), t.dtype) for t in tensors]} and {tuple(weight.shape)}")
     s = torch.empty_like(x) if out_sum is None else out_sum
     out = torch.empty_like(x)
     tokens, n = x.shape
@@ -106,11 +108,13 @@ def add_rms_norm(
 @triton.jit
 def _round_to(v, dt: tl.constexpr):
     """float32 `v` rounded to `dt` (to nearest, ties to even) and widened back. For bfloat16 by integer ops on the
-    bits: `v.to(dt).to(tl.float32)` there left RoPE's sum of two rounded products off torch's in the last bit for
-    ~21% of elements on the H200 (each product alone was exact), so the compiled code did not round where written."""
+    bits (NaN kept as is): `v.to(dt).to(tl.float32)` there left RoPE's sum of two rounded products off torch's in
+    the last bit for ~21% of elements on the H200 (each product alone was exact), so the compiled code did not round
+    where written."""
     if dt == tl.bfloat16:
         bits = v.to(tl.uint32, bitcast=True)
-        return ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        return tl.where(v != v, v, rounded)
     else:
         return v.to(dt).to(tl.float32)
 
@@ -185,10 +189,14 @@ def qk_norm_rope(
     tokens = qkv.shape[0]
     head_dim = q_weight.shape[0]
     if (qkv.dim() != 2 or qkv.stride(-1) != 1 or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim
-            or head_dim % 2 or k_cache.shape[1:] != (num_kv_heads, head_dim) or not k_cache.is_contiguous()
-            or v_cache.shape != k_cache.shape or not v_cache.is_contiguous()):
+            or head_dim % 2 or k_weight.shape != q_weight.shape or not (q_weight.is_contiguous() and k_weight.is_contiguous())
+            or any(t.shape != (tokens, head_dim) or t.stride(-1) != 1 for t in (cos, sin))
+            or slot_mapping.shape != (tokens,) or k_cache.shape[1:] != (num_kv_heads, head_dim)
+            or any(t.shape != k_cache.shape or not t.is_contiguous() or t.dtype != qkv.dtype for t in (k_cache, v_cache))):
         raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)} for {num_q_heads} + 2 x {num_kv_heads} heads of "
-                         f"{head_dim}, caches {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+                         f"{head_dim}, norm weights {tuple(q_weight.shape)} and {tuple(k_weight.shape)}, cos/sin "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}, slots {tuple(slot_mapping.shape)}, caches "
+                         f"{tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}")
     q = torch.empty(tokens, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if tokens:
         _qk_norm_rope_kernel[(tokens, num_q_heads + num_kv_heads)](
