@@ -24,16 +24,22 @@ import triton.language as tl
 
 
 @triton.jit
+def _store_rms_norm(x, w_ptr, out_row_ptr, offs, ok, n, eps):
+    """Normalise float32 row `x` (masked lanes 0) and store `weight * normed` at `out_row_ptr`, in its dtype."""
+    dt = out_row_ptr.dtype.element_ty
+    r = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+    y = (x * r).to(dt).to(tl.float32)
+    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_row_ptr + offs, (w * y).to(dt), mask=ok)
+
+
+@triton.jit
 def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, n, inner, stride_xa, stride_xb, stride_out, eps, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < n
     x = tl.load(x_ptr + (row // inner) * stride_xa + (row % inner) * stride_xb + offs, mask=ok, other=0.0)
-    x = x.to(tl.float32)
-    r = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
-    y = (x * r).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, (w * y).to(out_ptr.dtype.element_ty), mask=ok)
+    _store_rms_norm(x.to(tl.float32), w_ptr, out_ptr + row * stride_out, offs, ok, n, eps)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -69,11 +75,7 @@ def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, n, stride_x, str
     r = tl.load(r_ptr + row * stride_r + offs, mask=ok, other=0.0).to(tl.float32)
     s = (x + r).to(sum_ptr.dtype.element_ty)
     tl.store(sum_ptr + row * stride_sum + offs, s, mask=ok)  # may be r's memory: this program read its row already
-    s = s.to(tl.float32)
-    inv = tl.rsqrt(tl.sum(s * s, axis=0) / n + eps)
-    y = (s * inv).to(out_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + offs, (w * y).to(out_ptr.dtype.element_ty), mask=ok)
+    _store_rms_norm(s.to(tl.float32), w_ptr, out_ptr + row * stride_out, offs, ok, n, eps)
 
 
 def add_rms_norm(
