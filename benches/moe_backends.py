@@ -20,11 +20,15 @@ The bound of a row is the longest of three times, each the row's miss bytes per 
 PCIe bytes over B_pcie (copies alone), CPU bytes over B_cpu(b) (host kernel alone), and both together over the
 host memory bus: B_both(b), what the two paths moved per second when run at once (`measure_overlapped`), or either
 path's own figure where that is more. b is the trace's mean tokens per routed expert of a layer step (about 1 at
-batch 1 to 4), rounded to a measured b; each capacity is the best of `BANDWIDTH_RUNS` runs at the start (the box is
-shared and its figures vary run to run). The copies and the host kernel read the same host DRAM, so on a box whose
+batch 1 to 4), rounded to a measured b. The copies and the host kernel read the same host DRAM, so on a box whose
 memory bus is narrower than the two paths' sum the third term binds; it is an estimate, from one mix of the two.
 `bound_by` names the term that binds; `achieved_over_paths_bound` is the ratio against the first two alone (the
 paths as if independent).
+
+The box is shared, and its memory bandwidth drifts by tens of percent within a run, so the three capacities of a
+row's bound are measured side by side with the row: just before its timed steps and just after them, the larger
+of the two (`row_gbps`). The figures measured at the start, each the best of `BANDWIDTH_RUNS` runs, give the
+planner its profile and the JSON header, and `achieved_over_start_bound` is the ratio against a bound from them.
 """
 
 from __future__ import annotations
@@ -55,7 +59,9 @@ from freetoken.moe.fused import FusedExperts
 from freetoken.moe.pinned import pin_host_memory
 
 
-BANDWIDTH_RUNS = 3  # each bandwidth of the bound is the best of this many ~1 s runs
+BANDWIDTH_RUNS = 3  # each bandwidth measured at the start is the best of this many ~1 s runs
+ROW_BANDWIDTH_S = 0.5  # seconds of each bandwidth run beside a row (three before its timed steps, three after)
+ROW_SCRATCH_SLOTS = 16  # device expert slots the PCIe runs beside a row copy into
 
 
 class TraceRouter(torch.nn.Module):
@@ -75,10 +81,9 @@ class TraceRouter(torch.nn.Module):
         rows = x.shape[0]
         if rows > self.table.shape[1]:
             return ids, weights
-        step = torch.remainder(self.clock, self.table.shape[0])
-        ids = self.table.index_select(0, step)[0, :rows]
-        if self.tick:
-            self.clock.add_(1)
+        ids = self.table.index_select(0, self.clock)[0, :rows]
+        if self.tick:  # the clock stays in range, so the other layers index with it as it is (one kernel)
+            self.clock.add_(1).remainder_(self.table.shape[0])
         return ids, weights
 
 
@@ -223,6 +228,29 @@ def cprofile_steps(engine: LLMEngine, batch: int, log) -> None:
     log(out.getvalue())
 
 
+def bandwidths_now(cpu: CpuExperts, pool: ExpertPool, arena: torch.Tensor, device: torch.device, b: int) -> dict:
+    """The three capacities of a bound, measured now (bytes/s): B_pcie, B_cpu(b) and B_both(b), one run of
+    `ROW_BANDWIDTH_S` each, through a scratch of `ROW_SCRATCH_SLOTS` device slots freed afterwards."""
+    scratch = torch.empty(ROW_SCRATCH_SLOTS, pool.expert_stride, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream()
+    now = {
+        "pcie": measure_pcie(pool, arena, scratch, stream, seconds=ROW_BANDWIDTH_S),
+        "cpu": measure_cpu(cpu, pool, b, seconds=ROW_BANDWIDTH_S),
+        "both": sum(measure_overlapped(cpu, pool, arena, scratch, stream, b, seconds=ROW_BANDWIDTH_S)),
+    }
+    del scratch
+    torch.cuda.empty_cache()
+    return now
+
+
+def bound_terms(h2d: float, cpu_b: float, bw: dict) -> dict[str, float]:
+    """Seconds per token of each term of the bound (module docstring) for `h2d` PCIe and `cpu_b` CPU bytes per
+    token, over capacities `bw` (bytes/s: pcie, cpu, both). The shared bus moves at least what either path alone
+    was seen to move."""
+    bus = max(bw["both"], bw["pcie"], bw["cpu"])
+    return {"pcie": h2d / bw["pcie"], "cpu": cpu_b / bw["cpu"], "host_memory": (h2d + cpu_b) / bus}
+
+
 def snapshot(backend) -> dict:
     if isinstance(backend, ExpertCacheBackend):
         s = backend.planner.stats()
@@ -335,8 +363,14 @@ def main() -> None:
                     if args.cprofile:
                         cprofile_steps(engine, batch, log)
                         engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
+                    built_peak = torch.cuda.max_memory_allocated()
+                    bw_before = bandwidths_now(cpu, pool, arena, device, b_near)
+                    torch.cuda.reset_peak_memory_stats()  # the bandwidth runs' scratch is not the backend's
                     times, before = run_decode(engine, routers, inner, batch, args.warmup, args.steps)
                     after = snapshot(inner)
+                    peak_gb = max(built_peak, torch.cuda.max_memory_allocated()) / 1e9
+                    bw_after = bandwidths_now(cpu, pool, arena, device, b_near)
+                    row_bw = {k: max(bw_before[k], bw_after[k]) for k in bw_before}
                     tokens = batch * args.steps
                     step_s = statistics.median(times)
                     h2d = (after.get("bytes_h2d", 0) - before.get("bytes_h2d", 0)) / tokens
@@ -344,11 +378,11 @@ def main() -> None:
                     hits = after.get("hits", 0) - before.get("hits", 0)
                     lookups = hits + after.get("fills", 0) - before.get("fills", 0) + after.get("cpu_runs", 0) - before.get("cpu_runs", 0)
                     # Per step; the paths overlap, and share the host memory bus (see the module docstring).
-                    # The shared bus moves at least what either path alone was seen to move.
-                    bus = max(b_both[b_near], b_pcie, b_cpu[b_near])
-                    terms = {"pcie": h2d / b_pcie, "cpu": cpu_b / b_cpu[b_near], "host_memory": (h2d + cpu_b) / bus}
+                    terms = bound_terms(h2d, cpu_b, row_bw)
                     paths_s = max(terms["pcie"], terms["cpu"]) * batch
                     bound_s = max(terms.values()) * batch
+                    start_bw = {"pcie": b_pcie, "cpu": b_cpu[b_near], "both": b_both[b_near]}
+                    start_s = max(bound_terms(h2d, cpu_b, start_bw).values()) * batch
                     row = {
                         "backend": backend_name, "budget_gb": budget, "batch": batch,
                         "tok_per_s": round(batch / step_s, 2), "step_ms": round(step_s * 1e3, 2),
@@ -358,7 +392,9 @@ def main() -> None:
                         "achieved_over_bound": round(bound_s / step_s, 2) if bound_s else None,
                         "bound_by": max(terms, key=terms.get) if bound_s else None,
                         "achieved_over_paths_bound": round(paths_s / step_s, 2) if paths_s else None,
-                        "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
+                        "achieved_over_start_bound": round(start_s / step_s, 2) if start_s else None,
+                        "row_gbps": {k: round(v / 1e9, 1) for k, v in row_bw.items()},
+                        "peak_gpu_gb": round(peak_gb, 2),
                     }
                     if outside is not None:
                         row["outside_share"] = round(outside, 3)

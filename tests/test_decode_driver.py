@@ -136,11 +136,12 @@ def test_bad_buffers_and_calls_are_clear_errors():
     reason="CPU tensors need Triton's interpreter (conftest sets it without a GPU)",
 )
 def test_device_kernels_of_the_handshake_in_the_interpreter():
-    """The device side's kernels on CPU tensors: `_pack_mail` writes the layout the driver reads (`mail_len`,
-    `mail_views`) from strided router outputs; `_wait_fetch` copies once the flag holds the generation, adds into
+    """The device side's kernels on CPU tensors: `_post_mail` writes the layout the driver reads (`mail_len`,
+    `mail_views`) from strided router outputs, then the generation into the mail flag, and leaves its row counter
+    at zero for the next layer; `_wait_fetch` copies once the flag holds the generation, adds into
     the destination with `accumulate`, and marks a layer it gave up on."""
     import torch
-    from freetoken.moe.handshake import _fetch, _pack_mail, _wait_fetch, mail_views
+    from freetoken.moe.handshake import _fetch, _post_mail, _wait_fetch, mail_views
 
     size = 3
     gen = torch.Generator().manual_seed(0)
@@ -149,14 +150,16 @@ def test_device_kernels_of_the_handshake_in_the_interpreter():
     hidden = torch.randn(size, H + 5, generator=gen).to(torch.bfloat16)[:, :H]
     buf = torch.zeros(size * (12 * K + 4 * H), dtype=torch.uint8)  # the driver's `mail_len`
     views = mail_views(buf, size, K, H)
-    _pack_mail[(size,)](ids, weights, hidden, *views, H, ids.stride(0), weights.stride(0), hidden.stride(0),
-                        TOP_K=K, BLOCK_K=2, BLOCK_H=16)
+    arrived, mail_flag = torch.zeros(1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    gen_dev = torch.tensor([7], dtype=torch.int32)
+    _post_mail[(size,)](ids, weights, hidden, *views, arrived, mail_flag[1:], gen_dev, H, ids.stride(0),
+                        weights.stride(0), hidden.stride(0), TOP_K=K, BLOCK_K=2, BLOCK_H=16)
+    assert mail_flag.tolist() == [0, 7] and arrived.item() == 0
     assert torch.equal(views[0], ids)
     assert torch.equal(views[1], weights.float())
     assert torch.equal(views[2], hidden.float())
 
     flags = torch.zeros(2, dtype=torch.int32)
-    gen_dev = torch.tensor([7], dtype=torch.int32)
     src = torch.randn(10, generator=gen)
     dst = torch.ones(10, dtype=torch.bfloat16)
     flags[0] = 7

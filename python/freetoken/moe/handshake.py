@@ -4,8 +4,8 @@ the whole step runs as one CUDA graph.
 The Rust `DecodeDriver` (`rust/freetoken-core/src/driver/mod.rs` has the protocol) plans each layer, issues its
 fills on the copy stream and runs its CPU experts, with no Python between layers. The graph talks to it through
 page-locked host memory that the GPU reads and writes directly (registered with `cudaHostRegister`, so mapped
-into the device's address space): per MoE layer it copies the router's outputs to the host mailbox and then the
-step's generation number to the layer's mail flag (two DMA copies in stream order), then `_wait_fetch` spins on
+into the device's address space): per MoE layer one kernel writes the router's outputs into the host mailbox and
+then the step's generation number into the layer's mail flag (`_post_mail`), then `_wait_fetch` spins on
 the plan flag and copies the plan (slot ids and tile alignment) into device memory, the slot kernel runs, and a
 second `_wait_fetch` adds the CPU experts' sum into the slot kernel's output. Compared with a host sync per layer
 (the piecewise graphs) this removes, per layer, a graph launch, a stream synchronisation and the Python of the
@@ -52,9 +52,16 @@ def mail_views(
 
 
 @triton.jit
-def _pack_mail(ids_ptr, w_ptr, h_ptr, mail_ids_ptr, mail_w_ptr, mail_h_ptr, hidden, stride_ids, stride_w, stride_h,
-               TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
-    """One row of the mailbox: its ids, routing weights and hidden state (as float32)."""
+def _post_mail(ids_ptr, w_ptr, h_ptr, mail_ids_ptr, mail_w_ptr, mail_h_ptr, arrived_ptr, flag_ptr, gen_ptr, hidden,
+               stride_ids, stride_w, stride_h, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+    """One row of the mailbox, written straight into mapped host memory: its ids, routing weights and hidden state
+    (as float32). The last program to finish raises the layer's mail flag to this step's generation.
+
+    Ordering: each program's stores come before its arrival (a CTA barrier, then an acquire-release atomic at
+    system scope on the device counter `arrived_ptr`); the last to arrive has acquired every row, resets the
+    counter for the next layer and writes the flag with a system-scope release, so a host that sees the flag
+    (an Acquire load) sees the whole mailbox: the last-block pattern of the CUDA programming guide's
+    `__threadfence` example, with the fence at system scope as for any host-visible flag."""
     row = tl.program_id(0)
     kk = tl.arange(0, BLOCK_K)
     ok = kk < TOP_K
@@ -66,6 +73,10 @@ def _pack_mail(ids_ptr, w_ptr, h_ptr, mail_ids_ptr, mail_w_ptr, mail_h_ptr, hidd
         okh = offs < hidden
         h = tl.load(h_ptr + row * stride_h + offs, mask=okh).to(tl.float32)
         tl.store(mail_h_ptr + row * hidden + offs, h, mask=okh)
+    tl.debug_barrier()
+    if tl.atomic_add(arrived_ptr, 1, sem="acq_rel", scope="sys") == tl.num_programs(0) - 1:
+        tl.store(arrived_ptr, 0)
+        tl.atomic_xchg(flag_ptr, tl.load(gen_ptr), sem="release", scope="sys")
 
 
 @triton.jit
@@ -98,7 +109,8 @@ def _wait_fetch(flag_ptr, gen_ptr, src_ptr, dst_ptr, gave_up_ptr, n, max_spins, 
 def _fetch(flag: torch.Tensor, gen: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, gave_up: torch.Tensor,
            accumulate: bool = False):
     n = dst.numel()
-    grid = (max(1, min(64, triton.cdiv(n, 4 * FETCH_BLOCK))),)
+    # A program per block: each block's loads cross PCIe once, in parallel (the sum of batch 1 is two blocks).
+    grid = (max(1, min(64, triton.cdiv(n, FETCH_BLOCK))),)
     _wait_fetch[grid](flag, gen, src, dst, gave_up, n, MAX_SPINS, BLOCK=FETCH_BLOCK, ACCUMULATE=accumulate)
 
 
@@ -136,7 +148,7 @@ class DeviceHandshake:
         self.plan = self.host.get("plan", (plan_len,), torch.int64)
         self.cpu_out = self.host.get("cpu_out", (max_batch * self.hidden,), torch.float32)
         self.plan_dev = torch.zeros(plan_len, dtype=torch.int64, device=device)
-        self.mail_dev = torch.zeros(self.mail.numel(), dtype=torch.uint8, device=device)
+        self.arrived = torch.zeros(1, dtype=torch.int32, device=device)  # rows of the mailbox written (`_post_mail`)
         self.gen = torch.zeros(1, dtype=torch.int32, device=device)
         self.generation = 0
         self._in_step = False  # between start and a successful finish; the device's counter may be off
@@ -196,19 +208,16 @@ class DeviceHandshake:
         self.gen.add_(1)
 
     def post(self, layer: int, ids: torch.Tensor, weights: torch.Tensor, hidden: torch.Tensor) -> None:
-        """Pack the layer's routing (ids [size, k] int64, weights [size, k] and hidden states [size, H], rows
-        contiguous in the last dim) into the device mailbox in one kernel, queue it to the host, then its flag."""
+        """Write the layer's routing (ids [size, k] int64, weights [size, k] and hidden states [size, H], rows
+        contiguous in the last dim) into the host mailbox and raise its flag, in one kernel (`_post_mail`)."""
         index = self.pool_layer[layer]
         size = ids.shape[0]
-        mail_ids, mail_weights, mail_hidden = mail_views(self.mail_dev, size, self.top_k, self.hidden)
-        _pack_mail[(size,)](
-            ids, weights, hidden, mail_ids, mail_weights, mail_hidden, self.hidden, ids.stride(0), weights.stride(0),
-            hidden.stride(0), TOP_K=self.top_k, BLOCK_K=triton.next_power_of_2(self.top_k),
-            BLOCK_H=min(triton.next_power_of_2(self.hidden), 4096),
+        mail_ids, mail_weights, mail_hidden = mail_views(self.mail, size, self.top_k, self.hidden)
+        _post_mail[(size,)](
+            ids, weights, hidden, mail_ids, mail_weights, mail_hidden, self.arrived, self.flags[0, index:], self.gen,
+            self.hidden, ids.stride(0), weights.stride(0), hidden.stride(0), TOP_K=self.top_k,
+            BLOCK_K=triton.next_power_of_2(self.top_k), BLOCK_H=min(triton.next_power_of_2(self.hidden), 4096),
         )
-        n = size * (12 * self.top_k + 4 * self.hidden)
-        self.mail[:n].copy_(self.mail_dev[:n], non_blocking=True)
-        self.flags[0, index : index + 1].copy_(self.gen, non_blocking=True)
 
     def fetch_plan(self, layer: int, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Wait for the layer's plan and bring it to the device: (topk slots [size, k], sorted pairs, tile slots),

@@ -7,8 +7,9 @@
 //!
 //! ```text
 //! device (graph)                               driver thread (here)
-//! router -> mail (ids, weights, hidden f32)
-//! DMA mail to host, then mail_flag[l] = g  ──> sees mail_flag[l] == g, plans (q*), writes topk
+//! router -> one kernel writes the mail (ids,
+//! weights, hidden f32) into host memory, then
+//! mail_flag[l] = g (system-scope release)  ──> sees mail_flag[l] == g, plans (q*), writes topk
 //!                                              slots + tile alignment; hands the CPU experts to
 //!                                              the workers, queues the fills on the copy stream
 //!                                              and after them plan_flag[l] = g (a stream write;
@@ -704,8 +705,8 @@ impl Worker {
 fn wait_for(f: &AtomicU32, want: u32, timeout: Duration) -> bool {
     let start = Instant::now();
     let mut spins = 0u32;
-    // ORDERING: Acquire pairs with the device's post (a DMA of the mailbox, then of the flag, in
-    // stream order): the mailbox is read only after the flag is seen.
+    // ORDERING: Acquire pairs with the device's post (its stores of the mailbox, then a
+    // system-scope release of the flag): the mailbox is read only after the flag is seen.
     while f.load(Ordering::Acquire) != want {
         spins = spins.wrapping_add(1);
         if spins.is_multiple_of(1024) && start.elapsed() > timeout {
