@@ -6,11 +6,12 @@ elementwise and reduction kernels, RoPE on q and k as 10 (negate, concatenate, t
 KV-cache write as 2 and a softmax router's top-k and renormalisation as ~6 (torch profiler of a decode step,
 benches/moe_backends.py --profile). Here each group is one kernel that repeats the torch modules' roundings in
 `freetoken.models.qwen3_moe` (which follow transformers' Qwen3-MoE) one by one, so the result is bit for bit
-torch's on the GPU (checked in bfloat16 on the H200, tests/test_gpu.py): RMSNorm statistics in float32 and the normalised value rounded to the input dtype before the
-weight multiplies it (as `Qwen3MoeRMSNorm`), the residual sum rounded before it is normalised, RoPE's two products
-and their sum each rounded (three bf16 ops in torch: where the compiled kernel skipped one of those roundings, the
-last bit of ~20% of q/k elements moved, and bf16 greedy decoding left transformers' tokens at more near-ties, 2 of
-8 sequences whole against 6 of 8; `_round_to`), the router softmax in float32.
+torch's on the GPU (checked in bfloat16 on the H200, tests/test_gpu.py): RMSNorm statistics in float32 and the
+normalised value rounded to the input dtype before the weight multiplies it (as `Qwen3MoeRMSNorm`), the residual
+sum rounded before it is normalised, RoPE's two products and their sum each rounded (three bf16 ops in torch:
+where the compiled kernel skipped one of those roundings, the last bit of ~20% of q/k elements moved, and bf16
+greedy decoding left transformers' tokens at more near-ties, 2 of 8 sequences whole against 6 of 8;
+`_round_to`), the router softmax in float32.
 
 Shapes: T tokens, H hidden, D head dim, E experts, k top-k, Nq / Nkv query / KV heads, S KV-cache slots.
 Test: python -m pytest tests/test_kernels.py (interpreted on the CPU in CI, compiled on CUDA in tests/test_gpu.py).
@@ -191,10 +192,12 @@ def qk_norm_rope(
     tokens = qkv.shape[0]
     head_dim = q_weight.shape[0]
     if (qkv.dim() != 2 or qkv.stride(-1) != 1 or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim
-            or head_dim % 2 or k_weight.shape != q_weight.shape or not (q_weight.is_contiguous() and k_weight.is_contiguous())
+            or head_dim % 2 or k_weight.shape != q_weight.shape
+            or not (q_weight.is_contiguous() and k_weight.is_contiguous())
             or any(t.shape != (tokens, head_dim) or t.stride(-1) != 1 for t in (cos, sin))
             or slot_mapping.shape != (tokens,) or k_cache.shape[1:] != (num_kv_heads, head_dim)
-            or any(t.shape != k_cache.shape or not t.is_contiguous() or t.dtype != qkv.dtype for t in (k_cache, v_cache))):
+            or any(t.shape != k_cache.shape or not t.is_contiguous() or t.dtype != qkv.dtype
+                   for t in (k_cache, v_cache))):
         raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)} for {num_q_heads} + 2 x {num_kv_heads} heads of "
                          f"{head_dim}, norm weights {tuple(q_weight.shape)} and {tuple(k_weight.shape)}, cos/sin "
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}, slots {tuple(slot_mapping.shape)}, caches "
