@@ -30,22 +30,22 @@ class Rig:
         self.cpu = CpuExperts(self.pool, num_threads=2)
         self.planner = Planner(L, E, self.pool.expert_nbytes, SLOTS, pcie_bytes_per_s=1e9, cpu_bytes_per_s={1: 1e9})
         rows, tiles = aligned_len(MAX_ROWS * K, SLOTS, BLOCK_M)
-        self.flags = np.zeros((3, L), dtype=np.uint32)
+        self.flags = np.zeros((4, L), dtype=np.uint32)  # mail, plan, fill, cpu
         self.mail = np.zeros(MAX_ROWS * (12 * K + 4 * H), dtype=np.uint8)
-        self.plan = np.zeros(MAX_ROWS * K + rows + tiles, dtype=np.int64)
+        self.plan = np.zeros(MAX_ROWS * K + rows + 2 * tiles, dtype=np.int64)
         self.cpu_out = np.zeros(MAX_ROWS * H, dtype=np.float32)
         self.slots = np.zeros((SLOTS, self.pool.expert_stride), dtype=np.uint8)
         self.arena = np.frombuffer(self.pool.arena_view(), dtype=np.uint8)
         self.driver = DecodeDriver(
-            self.planner, self.cpu, mode, K, SLOTS, self.flags[0], self.flags[1], self.flags[2],
-            self.mail, self.plan, self.cpu_out, slots=self.slots, timeout_s=timeout_s,
+            self.planner, self.cpu, mode, K, SLOTS, *self.flags, self.mail, self.plan, self.cpu_out, slots=self.slots, timeout_s=timeout_s,
         )
 
-    def device_step(self, generation: int, ids: np.ndarray, batch: int) -> int:
-        """Post every layer's routing (`ids` [size, k]) and check what comes back; the picks the CPU ran."""
+    def device_step(self, generation: int, ids: np.ndarray, batch: int) -> tuple[int, int]:
+        """Post every layer's routing (`ids` [size, k]) and check what comes back; the picks the CPU ran and the
+        tiles of filled slots."""
         size = ids.shape[0]
         rng = np.random.default_rng(generation)
-        cpu_picks = 0
+        cpu_picks = filled_tiles = 0
         for layer in range(L):
             weights = rng.random((size, K), dtype=np.float32)
             hidden = rng.standard_normal((size, H), dtype=np.float32)
@@ -55,9 +55,9 @@ class Rig:
             mail[12 * size * K :].view(np.float32)[:] = hidden.reshape(-1)
             self.flags[0, layer] = generation
             deadline = time.monotonic() + 10
-            while self.flags[2, layer] != generation:
+            while self.flags[3, layer] != generation:
                 assert time.monotonic() < deadline, "the driver never served the layer"
-            assert self.flags[1, layer] == generation
+            assert self.flags[1, layer] == self.flags[2, layer] == generation
             slots = self.plan[: size * K].reshape(size, K)
             assert (slots[batch:] == -1).all()
             expected = np.zeros((batch, H), dtype=np.float32)
@@ -73,20 +73,27 @@ class Rig:
             np.testing.assert_allclose(self.cpu_out[: batch * H].reshape(batch, H), expected, rtol=1e-5, atol=1e-6)
             want = np.zeros(len(self.plan), dtype=np.int64)
             rows, tiles = align_slots(np.ascontiguousarray(slots), SLOTS, BLOCK_M, want)
-            np.testing.assert_array_equal(self.plan[: size * K + rows + tiles], want[: size * K + rows + tiles])
-        return cpu_picks
+            np.testing.assert_array_equal(self.plan[: size * K + rows], want[: size * K + rows])
+            # The tiles apart: hits' (run at once) and filled slots' (after the fill flag); each in one row.
+            ready, later = self.plan[size * K + rows :][: 2 * tiles].reshape(2, tiles)
+            assert ((ready < 0) | (later < 0)).all()
+            np.testing.assert_array_equal(np.maximum(ready, later), want[size * K + rows :][:tiles])
+            assert not set(ready[ready >= 0].tolist()) & set(later[later >= 0].tolist())
+            filled_tiles += int((later >= 0).sum())
+        return cpu_picks, filled_tiles
 
 
 @pytest.mark.parametrize("mode", ["offload", "cpu", "hybrid"])
 def test_driver_serves_steps_through_host_memory(mode):
     rig = Rig(mode)
     routing = np.array([[0, 1], [2, 3], [1, 4], [7, 0]], dtype=np.int64)
-    total_cpu = 0
+    total_cpu = total_filled = 0
     for generation in range(1, 5):
         batch, size = (3, 4) if generation % 2 == 0 else (1, 2)
         ids = np.roll(routing, generation, axis=0)[:size]
         rig.driver.start(batch, size, generation, BLOCK_M)
-        cpu_picks = rig.device_step(generation, ids, batch)
+        cpu_picks, filled = rig.device_step(generation, ids, batch)
+        total_filled += filled
         rig.driver.wait_served(L - 1, generation)
         report = rig.driver.finish()
         assert report["cpu_picks"] == cpu_picks
@@ -97,6 +104,8 @@ def test_driver_serves_steps_through_host_memory(mode):
     assert int(stats["steps"].sum()) == 4 * L
     if mode != "offload":
         assert total_cpu > 0
+    if mode != "cpu":
+        assert total_filled > 0
 
 
 def test_a_device_that_never_posts_raises_and_releases_every_layer():
@@ -113,11 +122,11 @@ def test_a_device_that_never_posts_raises_and_releases_every_layer():
 def test_bad_buffers_and_calls_are_clear_errors():
     rig = Rig("hybrid")
     args = {"slots": rig.slots}
-    buffers = [rig.flags[0], rig.flags[1], rig.flags[2], rig.mail, rig.plan, rig.cpu_out]
+    buffers = [*rig.flags, rig.mail, rig.plan, rig.cpu_out]
     with pytest.raises(InvalidArgumentError, match="one per MoE layer"):
         DecodeDriver(rig.planner, rig.cpu, "hybrid", K, SLOTS, rig.flags[0, :2], *buffers[1:], **args)
     with pytest.raises(InvalidArgumentError, match="dtype float32"):
-        DecodeDriver(rig.planner, rig.cpu, "hybrid", K, SLOTS, *buffers[:5], rig.cpu_out.astype(np.float64), **args)
+        DecodeDriver(rig.planner, rig.cpu, "hybrid", K, SLOTS, *buffers[:6], rig.cpu_out.astype(np.float64), **args)
     with pytest.raises(InvalidArgumentError, match="either slots"):
         DecodeDriver(rig.planner, rig.cpu, "hybrid", K, SLOTS, *buffers)
     with pytest.raises(ValueError, match="backend"):

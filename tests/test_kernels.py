@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from freetoken._core import InvalidArgumentError, align_slots, aligned_len
-from freetoken.kernels.fused_moe import align_pairs, fused_moe, fused_moe_reference
+from freetoken.kernels.fused_moe import align_pairs, block_m_for, fused_moe, fused_moe_reference, fused_moe_tiles
 from freetoken.kernels.layer_ops import _round_to
 from freetoken.kernels.paged_attention import (
     paged_decode_attention,
@@ -83,6 +83,31 @@ def test_fused_moe_matches_reference(num_tokens, hidden, inter, num_experts, top
     got = fused_moe(x, w13, w2, ids, weights).float()
     expected = fused_moe_reference(x, w13, w2, ids, weights)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=ATOL)
+
+
+def test_fused_moe_in_stages_is_fused_moe_bit_for_bit():
+    """The decode driver's split: tiles of hits in stage 0, of filled slots in stage 1 (after `before_stage(1)`);
+    every tile is in one stage, so the sum is `fused_moe`'s exactly."""
+    num_tokens, hidden, inter, num_experts, top_k = 5, 64, 48, 16, 4
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, DTYPE)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).to(DEVICE, DTYPE)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) * inter**-0.5).to(DEVICE, DTYPE)
+    weights, ids = torch.topk(torch.softmax(torch.randn(num_tokens, num_experts, generator=gen), -1), top_k)
+    ids[::2, 1] = -1  # run elsewhere (the CPU)
+    ids, weights = ids.to(DEVICE), weights.to(DEVICE, DTYPE)
+    pairs, tiles = align_pairs(ids, num_experts, block_m_for(ids.numel()))
+    later = (tiles >= 0) & (tiles % 3 == 0)  # "filled" slots
+    stages = torch.stack([torch.where(later, -1, tiles), torch.where(later, tiles, -1)])
+    assert (stages[1] >= 0).any() and (stages[0] >= 0).any()
+    called = []
+    got = fused_moe_tiles(x, w13, w2, weights, pairs, stages, before_stage=called.append)
+    assert called == [1]
+    assert torch.equal(got, fused_moe(x, w13, w2, ids, weights))
+    # A stage left out leaves its picks out.
+    only_hits = fused_moe_tiles(x, w13, w2, weights, pairs, stages[:1])
+    kept = torch.where(torch.isin(ids, stages[1][stages[1] >= 0]), -1, ids)
+    assert torch.equal(only_hits, fused_moe(x, w13, w2, kept, weights))
 
 
 @pytest.mark.parametrize("seq_lens,num_heads,num_kv_heads,head_dim", [([1, 17, 70], 4, 2, 16), ([5, 130], 32, 4, 128)])

@@ -507,10 +507,11 @@ class DecodeDriver:
     one CUDA graph (``freetoken.moe.handshake`` is the device side).
 
     Per layer the device copies its routing (the mailbox) to host memory and sets ``mail_flag[l]`` to the
-    step's generation; the driver plans with the shared ``planner`` (q*), copies fills into the slots (on the
-    CUDA stream given, through the CUDA driver API, or ``memcpy`` into host ``slots``), runs the CPU experts,
-    writes the plan (slot ids and their tile alignment) and the CPU sum, then sets ``plan_flag[l]`` and
-    ``cpu_flag[l]``. Layouts are in ``freetoken_core::driver::Handshake``. All buffers must be page-locked
+    step's generation; the driver plans with the shared ``planner`` (q*), writes the plan (slot ids and their
+    tile alignment, the tiles of hits and of fills apart) and sets ``plan_flag[l]``; it copies fills into the
+    slots (on the CUDA stream given, through the CUDA driver API, or ``memcpy`` into host ``slots``) and sets
+    ``fill_flag[l]`` once they have landed (by a write on that stream after them where it can), runs the CPU
+    experts, writes their sum, then sets ``cpu_flag[l]``. Layouts are in ``freetoken_core::driver::Handshake``. All buffers must be page-locked
     and mapped for the device when it takes part.
     """
 
@@ -523,6 +524,7 @@ class DecodeDriver:
         slot_rows: int,
         mail_flag: npt.NDArray[np.uint32],
         plan_flag: npt.NDArray[np.uint32],
+        fill_flag: npt.NDArray[np.uint32],
         cpu_flag: npt.NDArray[np.uint32],
         mail: npt.NDArray[np.uint8],
         plan: npt.NDArray[np.int64],
@@ -539,10 +541,11 @@ class DecodeDriver:
             backend: How misses are served.
             top_k: Experts per token.
             slot_rows: Rows of the device weight tensor the slot kernel indexes (slots and layer buffers).
-            mail_flag, plan_flag, cpu_flag: ``[num_layers]`` uint32 flags.
+            mail_flag, plan_flag, fill_flag, cpu_flag: ``[num_layers]`` uint32 flags.
             mail: The mailbox: ids ``[size, k]`` int64, weights ``[size, k]`` float32, hidden ``[size, H]``
                 float32, packed.
-            plan: int64: slot ids ``[size * k]``, sorted pairs, tile slots (``aligned_len`` sizes).
+            plan: int64: slot ids ``[size * k]``, sorted pairs ``[rows]``, tile slots ``[2, tiles]`` (``aligned_len``
+                sizes; row 0 the tiles of hits, row 1 those of slots filled in the layer, -1 elsewhere).
             cpu_out: float32 ``[size, H]`` capacity.
             slots: Host slots ``[rows, expert_stride]`` uint8 (the CPU device), or None with ``cuda``.
             cuda: ``(device ordinal, CUstream handle, slots device address, row stride in bytes, rows)``.
@@ -579,7 +582,7 @@ class DecodeDriver:
         ``cpu_experts``, ``cpu_picks``, ``cpu_seconds`` (the fills are queued meanwhile), ``wait_seconds``
         (waiting for the device's posts), ``serve_seconds`` (from a post seen to its flags raised), and within it
         ``plan_seconds``, ``issue_seconds`` (queueing fills) and ``fill_wait_seconds`` (blocked on fills after
-        the CPU experts); seconds summed over layers; ``stream_flags``, the layers whose plan flag the copy
+        the CPU experts); seconds summed over layers; ``stream_flags``, the layers whose fill flag the copy
         stream wrote after their fills (0 where the driver cannot: the host then raises it after waiting for them).
 
         Raises:

@@ -186,7 +186,8 @@ class DecodeRunner:
     def _forward_driven(self, size: int, spans: range) -> None:
         """Part of the decode step with the routed experts served through the backend's handshake (its driver
         thread plans, fills and runs CPU experts while this runs on the device): the spans in `spans`, and after
-        each the MoE layer's mailbox post, plan fetch, slot kernel and CPU sum's fetch (`freetoken.moe.handshake`).
+        each the MoE layer's mailbox post, plan fetch, slot kernel (the hits' tiles, then the fills' once they have
+        landed) and CPU sum's fetch (`freetoken.moe.handshake`).
         """
         hs = self.handshake
         experts = self.model.experts
@@ -199,8 +200,9 @@ class DecodeRunner:
                 break
             h, ids, weights = routed
             hs.post(moe_layer, ids, weights, h)
-            slots, pairs, tiles = hs.fetch_plan(moe_layer, size)
-            experts.run_slots(h, slots, weights, (pairs, tiles), self.moe_out[:size])
+            _, pairs, tiles = hs.fetch_plan(moe_layer, size)
+            experts.run_slots(h, weights, pairs, tiles, self.moe_out[:size],
+                              before_stage=lambda _, layer=moe_layer: hs.wait_fills(layer))
             hs.fetch_cpu(moe_layer, size, self.moe_out[:size])
 
     def _run_driven(self, size: int, batch: int) -> None:

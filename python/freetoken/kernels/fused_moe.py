@@ -7,6 +7,8 @@ Variants:
     each expert's weights through its index into a stacked weight tensor (E experts, or S cache slots).
     The launch grid has a fixed upper bound and no step syncs with the host, so a decode step can be captured in
     a CUDA graph.
+  - `fused_moe_tiles`: the same over tiles split in stages run one after the other (the decode driver's hits,
+    then its fills once they land).
   - `fused_moe_reference`: the same maths in plain torch, the correctness reference.
 
 Shapes (project letters): M tokens, K hidden, N expert intermediate, E experts (or slots), k top-k.
@@ -14,6 +16,8 @@ Test: python -m pytest tests/test_kernels.py     Bench: python benches/decode_fu
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -172,34 +176,65 @@ def fused_moe(
         a token are summed in float32 and rounded once (transformers adds them one by one in the model dtype,
         in expert order; the two agree for k <= 2).
     """
+    if alignment is None:
+        alignment = align_pairs(topk_ids, w_gate_up.shape[0], block_m_for(topk_ids.numel()))
+    sorted_pairs, block_expert = alignment
+    return fused_moe_tiles(hidden, w_gate_up, w_down, topk_weights, sorted_pairs, block_expert[None], out=out)
+
+
+def fused_moe_tiles(
+    hidden: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    topk_weights: torch.Tensor,
+    sorted_pairs: torch.Tensor,
+    tile_stages: torch.Tensor,
+    out: torch.Tensor | None = None,
+    before_stage: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """`fused_moe` over an alignment whose tiles are split in stages that run one after the other: stage s runs
+    the gate/up and down kernels over the tiles of row s, after `before_stage(s)` has queued what it must wait
+    for (s > 0). The decode driver runs the tiles of hits while the fills cross PCIe, and the tiles of the filled
+    slots once they have landed (`freetoken.moe.handshake`). Each tile is computed by the same kernels as in one
+    stage, so the result is bit for bit `fused_moe`'s.
+
+    Args:
+        hidden, w_gate_up, w_down, topk_weights, out: as `fused_moe`.
+        sorted_pairs: [R] int64 of `align_pairs` (block_m_for(M * k) rows per tile).
+        tile_stages: [S, R / block_m] int64: the expert (or slot) of each tile in the stage that runs it, -1 in
+            the others (each tile in at most one stage).
+        before_stage: called with s before stage s > 0 is queued.
+
+    Returns:
+        [M, K] as `fused_moe`.
+    """
     num_tokens, hidden_size = hidden.shape
-    num_experts, two_n, _ = w_gate_up.shape  # experts or slots: any first-dim stride (slot padding) works
-    inter = two_n // 2
-    top_k = topk_ids.shape[1]
+    inter = w_gate_up.shape[1] // 2  # experts or slots: any first-dim stride (slot padding) works
+    top_k = topk_weights.shape[1]
     num_pairs = num_tokens * top_k
     block_m = block_m_for(num_pairs)
-    if alignment is None:
-        alignment = align_pairs(topk_ids, num_experts, block_m)
-    sorted_pairs, block_expert = alignment
     num_rows = sorted_pairs.numel()
     h = torch.empty(num_rows, inter, dtype=hidden.dtype, device=hidden.device)
-    block_n, block_k = 64, 64
-    grid = (num_rows // block_m, triton.cdiv(inter, block_n))
-    _gate_up_kernel[grid](
-        hidden, w_gate_up, h, sorted_pairs, block_expert,
-        num_pairs, inter, hidden_size, top_k,
-        hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
-        BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block_k, num_warps=4, num_stages=3,
-    )
     pairs = torch.zeros(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)  # skipped pairs stay 0
     weights = topk_weights.reshape(-1).contiguous()
-    grid = (num_rows // block_m, triton.cdiv(hidden_size, block_n))
-    _down_kernel[grid](
-        h, w_down, pairs, weights, sorted_pairs, block_expert,
-        num_pairs, hidden_size, inter,
-        h.stride(0), w_down.stride(0), w_down.stride(1), pairs.stride(0),
-        BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block_k, num_warps=4, num_stages=3,
-    )
+    block_n, block_k = 64, 64
+    for stage, block_expert in enumerate(tile_stages):
+        if stage and before_stage is not None:
+            before_stage(stage)
+        grid = (num_rows // block_m, triton.cdiv(inter, block_n))
+        _gate_up_kernel[grid](
+            hidden, w_gate_up, h, sorted_pairs, block_expert,
+            num_pairs, inter, hidden_size, top_k,
+            hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
+            BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block_k, num_warps=4, num_stages=3,
+        )
+        grid = (num_rows // block_m, triton.cdiv(hidden_size, block_n))
+        _down_kernel[grid](
+            h, w_down, pairs, weights, sorted_pairs, block_expert,
+            num_pairs, hidden_size, inter,
+            h.stride(0), w_down.stride(0), w_down.stride(1), pairs.stride(0),
+            BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block_k, num_warps=4, num_stages=3,
+        )
     return torch.sum(pairs.view(num_tokens, top_k, hidden_size), dim=1, out=out)
 
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -305,7 +306,7 @@ class ExpertCacheBackend:
             slots = torch.from_numpy(topk_slots.astype(np.int64))
             y = grouped_swiglu(hidden, self.gate_up, self.down, slots, topk_weights)
             return y if out is None else out.copy_(y)
-        from freetoken.kernels.fused_moe import block_m_for
+        from freetoken.kernels.fused_moe import block_m_for, fused_moe
 
         n_slots, rows = topk_slots.size, self.gate_up.shape[0]
         block_m = block_m_for(n_slots)
@@ -315,7 +316,7 @@ class ExpertCacheBackend:
         dev = staging.to(self.device, non_blocking=True)
         slots = dev[:n_slots].view(topk_slots.shape)
         alignment = (dev[n_slots : n_slots + n_pairs], dev[n_slots + n_pairs :])
-        return self.run_slots(hidden, slots, topk_weights, alignment, out)
+        return fused_moe(hidden, self.gate_up, self.down, slots, topk_weights, alignment=alignment, out=out)
 
     def forward(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -490,14 +491,17 @@ class ExpertCacheBackend:
         return DeviceHandshake(self, top_k, sizes)
 
     def run_slots(
-        self, hidden: torch.Tensor, topk_slots: torch.Tensor, topk_weights: torch.Tensor,
-        alignment: tuple[torch.Tensor, torch.Tensor], out: torch.Tensor | None,
+        self, hidden: torch.Tensor, topk_weights: torch.Tensor, sorted_pairs: torch.Tensor, tile_stages: torch.Tensor,
+        out: torch.Tensor | None, before_stage: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
-        """The grouped SwiGLU (Triton) over slot ids and their tile alignment already on the device (-1 skips a
-        pick): [T, H], written into `out` when given."""
-        from freetoken.kernels.fused_moe import fused_moe
+        """The grouped SwiGLU (Triton) over slot ids already aligned on the device, their tiles in stages run in
+        turn (`fused_moe_tiles`; the decode driver's hits, then its fills after `before_stage(1)`): [T, H],
+        written into `out` when given."""
+        from freetoken.kernels.fused_moe import fused_moe_tiles
 
-        return fused_moe(hidden, self.gate_up, self.down, topk_slots, topk_weights, alignment=alignment, out=out)
+        return fused_moe_tiles(
+            hidden, self.gate_up, self.down, topk_weights, sorted_pairs, tile_stages, out=out, before_stage=before_stage
+        )
 
     def after_driven_step(self, report: dict) -> None:
         """Book a driven decode step's report: bandwidth samples of both miss paths (weighted as the layer steps

@@ -6,19 +6,22 @@ fills on the copy stream and runs its CPU experts, with no Python between layers
 page-locked host memory that the GPU reads and writes directly (registered with `cudaHostRegister`, so mapped
 into the device's address space): per MoE layer one kernel writes the router's outputs into the host mailbox and
 then the step's generation number into the layer's mail flag (`_post_mail`), then `_wait_fetch` spins on
-the plan flag and copies the plan (slot ids and tile alignment) into device memory, the slot kernel runs, and a
-second `_wait_fetch` adds the CPU experts' sum into the slot kernel's output. Compared with a host sync per layer
-(the piecewise graphs) this removes, per layer, a graph launch, a stream synchronisation and the Python of the
-plan, the fills and the kernel launches: on the H200 box, Qwen3-30B-A3B at a 24 GB budget, batch 1, a hybrid
-decode step went from 47-66 ms (piecewise) to 36.5 ms, and to 25-27 ms once the CPU experts started before the
-fills on workers that keep a core free, the plan flag followed the fills and the layer's small ops were fused,
-and 23.5 ms with the q/k norms, RoPE and the KV write in one kernel and the residual adds in the norms
-(benches/moe_backends.py). Writing the mailbox from the kernel, instead of packing it on the device and copying
-it and then the flag, takes two copy nodes (about 10 us of latency between the router and the host seeing the
-flag, in a profile) off each MoE layer.
+the plan flag and copies the plan (slot ids and tile alignment) into device memory, the slot kernel runs the tiles of
+hits, a third `_wait_fetch` spins on the fill flag (which the copy stream raises after the layer's fills) and the
+slot kernel runs the tiles of the filled slots, and a last `_wait_fetch` adds the CPU experts' sum into the slot
+kernel's output. Compared with a host sync per layer (the piecewise graphs) this removes, per layer, a graph
+launch, a stream synchronisation and the Python of the plan, the fills and the kernel launches: on the H200 box,
+Qwen3-30B-A3B at a 24 GB budget, batch 1, a hybrid decode step went from 47-66 ms (piecewise) to 36.5 ms, and to
+25-27 ms once the CPU experts started before the fills on workers that keep a core free, the plan flag followed the
+fills and the layer's small ops were fused, and 23.5 ms with the q/k norms, RoPE and the KV write in one kernel and
+the residual adds in the norms (benches/moe_backends.py). Writing the mailbox from the kernel, instead of packing it
+on the device and copying it and then the flag, takes two copy nodes (about 10 us of latency between the router and
+the host seeing the flag, in a profile) off each MoE layer. Running the hits' tiles while the fills cross PCIe
+leaves only the filled experts' share of the slot kernel after the last fill lands (in a profile the whole slot
+kernel took about 30 us there, and 20 us more passed from the fill landing to its start).
 
 A spin that outlasts `MAX_SPINS` polls (seconds) gives up so a wedged driver cannot hang the GPU: it marks the
-layer in a fourth flag row, and `finish` raises for the step (whose output is then wrong).
+layer in a fifth flag row, and `finish` raises for the step (whose output is then wrong).
 """
 
 from __future__ import annotations
@@ -141,10 +144,10 @@ class DeviceHandshake:
         device = backend.device
         k, layers = self.top_k, pool.num_layers
         self.layout = {s: self._layout(s) for s in sizes}
-        plan_len = max(sum(v) for v in self.layout.values())
+        plan_len = max(ns + nr + 2 * nt for ns, nr, nt in self.layout.values())
         self.host = PinnedBuffers(pin=True)
-        # Rows: mail (device -> driver), plan and cpu (driver -> device), gave up (device, on a failed wait).
-        self.flags = self.host.get("flags", (4, layers), torch.int32)
+        # Rows: mail (device -> driver), plan, fill and cpu (driver -> device), gave up (device, on a failed wait).
+        self.flags = self.host.get("flags", (5, layers), torch.int32)
         self.flags.zero_()
         self.mail = self.host.get("mail", (max_batch * (12 * k + 4 * self.hidden),), torch.uint8)
         self.plan = self.host.get("plan", (plan_len,), torch.int64)
@@ -159,7 +162,7 @@ class DeviceHandshake:
         flags = self.flags.numpy().view(np.uint32)
         self.driver = DecodeDriver(
             backend.planner, backend.cpu, backend.mode, k, self.slot_rows,
-            flags[0], flags[1], flags[2], self.mail.numpy(), self.plan.numpy(), self.cpu_out.numpy(),
+            *flags[:4], self.mail.numpy(), self.plan.numpy(), self.cpu_out.numpy(),
             cuda=(backend.slots.device.index, backend.copy_stream.cuda_stream, backend.slots.data_ptr(),
                   backend.slots.stride(0), backend.slots.shape[0]),
             timeout_s=timeout_s,
@@ -192,7 +195,7 @@ class DeviceHandshake:
         except Exception:
             self.backend.after_failed_driven_step()
             raise
-        gave_up = np.flatnonzero(self.flags[3].numpy() == self.generation)
+        gave_up = np.flatnonzero(self.flags[4].numpy() == self.generation)
         if gave_up.size:
             self.backend.after_failed_driven_step()
             raise RuntimeError(
@@ -222,16 +225,22 @@ class DeviceHandshake:
         )
 
     def fetch_plan(self, layer: int, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Wait for the layer's plan and bring it to the device: (topk slots [size, k], sorted pairs, tile slots),
-        int64 views of a device buffer, what `fused_moe`'s ids and alignment take."""
+        """Wait for the layer's plan and bring it to the device: (topk slots [size, k], sorted pairs, tile slots
+        [2, tiles]: row 0 the hits' tiles, row 1 the filled slots', -1 elsewhere), int64 views of a device buffer,
+        what `fused_moe_tiles` takes. Row 1 may be run only after `wait_fills`."""
         index = self.pool_layer[layer]
         ns, nr, nt = self.layout[size]
-        dev = self.plan_dev[: ns + nr + nt]
-        _fetch(self.flags[1, index:], self.gen, self.plan, dev, self.flags[3, index:])
-        return dev[:ns].view(size, self.top_k), dev[ns : ns + nr], dev[ns + nr :]
+        dev = self.plan_dev[: ns + nr + 2 * nt]
+        _fetch(self.flags[1, index:], self.gen, self.plan, dev, self.flags[4, index:])
+        return dev[:ns].view(size, self.top_k), dev[ns : ns + nr], dev[ns + nr :].view(2, nt)
+
+    def wait_fills(self, layer: int) -> None:
+        """Wait until the layer's fills have landed in their slots (the fill flag)."""
+        index = self.pool_layer[layer]
+        _fetch(self.flags[2, index:], self.gen, self.plan, self.plan_dev[:0], self.flags[4, index:])
 
     def fetch_cpu(self, layer: int, size: int, out: torch.Tensor) -> None:
         """Wait for the layer's CPU experts and add their float32 sum [size, H] into `out` (device, contiguous)."""
         index = self.pool_layer[layer]
-        _fetch(self.flags[2, index:], self.gen, self.cpu_out, out.view(-1)[: size * self.hidden], self.flags[3, index:],
+        _fetch(self.flags[3, index:], self.gen, self.cpu_out, out.view(-1)[: size * self.hidden], self.flags[4, index:],
                accumulate=True)

@@ -39,7 +39,7 @@ pub struct PyDecodeDriver {
 #[pymethods]
 impl PyDecodeDriver {
     #[new]
-    #[pyo3(signature = (planner, cpu, backend, top_k, slot_rows, mail_flag, plan_flag, cpu_flag, mail, plan, cpu_out, slots=None, cuda=None, timeout_s=10.0))]
+    #[pyo3(signature = (planner, cpu, backend, top_k, slot_rows, mail_flag, plan_flag, fill_flag, cpu_flag, mail, plan, cpu_out, slots=None, cuda=None, timeout_s=10.0))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         planner: &Bound<'_, PyPlanner>,
@@ -49,6 +49,7 @@ impl PyDecodeDriver {
         slot_rows: usize,
         mail_flag: &Bound<'_, PyAny>,
         plan_flag: &Bound<'_, PyAny>,
+        fill_flag: &Bound<'_, PyAny>,
         cpu_flag: &Bound<'_, PyAny>,
         mail: &Bound<'_, PyAny>,
         plan: &Bound<'_, PyAny>,
@@ -63,6 +64,7 @@ impl PyDecodeDriver {
         for (obj, what) in [
             (mail_flag, "mail_flag"),
             (plan_flag, "plan_flag"),
+            (fill_flag, "fill_flag"),
             (cpu_flag, "cpu_flag"),
         ] {
             let (p, n) = buffer::<u32>(obj, what, "uint32")?;
@@ -82,7 +84,8 @@ impl PyDecodeDriver {
         let hs = Handshake {
             mail_flag: flags[0],
             plan_flag: flags[1],
-            cpu_flag: flags[2],
+            fill_flag: flags[2],
+            cpu_flag: flags[3],
             mail: mail_p,
             mail_len,
             plan: plan_p,
@@ -91,10 +94,12 @@ impl PyDecodeDriver {
             cpu_out_len: out_len,
         };
         let stride = cpu.get().inner.pool().shape().expert_stride();
-        let mut keep: Vec<Py<PyAny>> = [mail_flag, plan_flag, cpu_flag, mail, plan, cpu_out]
-            .iter()
-            .map(|o| (*o).clone().unbind())
-            .collect();
+        let mut keep: Vec<Py<PyAny>> = [
+            mail_flag, plan_flag, fill_flag, cpu_flag, mail, plan, cpu_out,
+        ]
+        .iter()
+        .map(|o| (*o).clone().unbind())
+        .collect();
         let copier: Box<dyn SlotCopier> = match (slots, cuda) {
             (Some(s), None) => {
                 let (p, n) = buffer::<u8>(s, "slots", "uint8")?;

@@ -4,7 +4,7 @@
 //! The copies go on the caller's copy stream (a `CUstream`, e.g. torch's `Stream.cuda_stream`)
 //! as `cuMemcpyHtoDAsync` from the pinned pool arena: copy engines, not SMs. The driver thread
 //! binds the device's primary context (the one the CUDA runtime, and so torch, uses), queues a
-//! write of the layer's plan flag after its copies (`cuStreamWriteValue32`), and waits on one
+//! write of the layer's fill flag after its copies (`cuStreamWriteValue32`), and waits on one
 //! event recorded after them.
 use std::ffi::c_void;
 

@@ -10,19 +10,21 @@
 //! router -> one kernel writes the mail (ids,
 //! weights, hidden f32) into host memory, then
 //! mail_flag[l] = g (system-scope release)  ──> sees mail_flag[l] == g, plans (q*), writes topk
-//!                                              slots + tile alignment; hands the CPU experts to
-//!                                              the workers, queues the fills on the copy stream
-//!                                              and after them plan_flag[l] = g (a stream write;
-//!                                              without fills the host sets it at once), joins
-//! spins until plan_flag[l] == g, fetches the   the CPU experts (cpu_out), waits for the fills,
-//! plan; slot kernel; spins until              then cpu_flag[l] = g
-//! cpu_flag[l] == g, adds cpu_out
+//!                                              slots + tile alignment, plan_flag[l] = g; hands
+//! spins until plan_flag[l] == g, fetches the   the CPU experts to the workers, queues the fills
+//! plan; slot kernel over the hits' tiles;      on the copy stream and after them fill_flag[l] = g
+//! spins until fill_flag[l] == g; slot kernel   (a stream write; without fills, or where the
+//! over the filled slots' tiles; spins until    copier cannot, the host sets it), joins the CPU
+//! cpu_flag[l] == g, adds cpu_out               experts (cpu_out), waits for the fills, then
+//!                                              cpu_flag[l] = g
 //! ```
-//! So the slot kernel (hits and fills) runs while the CPU experts do.
+//! So the hits run on the GPU while the fills cross PCIe and the CPU experts run, and only the
+//! filled experts' share of the slot kernel is left after the last fill lands. A hit's slot is
+//! never a fill's victim in the same layer (the planner pins it first).
 //! One mailbox, plan and cpu_out buffer serve every layer: the device posts layer `l + 1` only
 //! after it fetched layer `l`'s plan and CPU output, and the driver writes them only after that
 //! post. Fills are ordered after every earlier kernel that may read their victim slots, because
-//! the device posts layer `l` only after layer `l - 1`'s slot kernel ran.
+//! the device posts layer `l` only after layer `l - 1`'s slot kernels ran.
 //!
 //! A step that fails here (plan error, a device that never posts) still publishes every remaining
 //! flag over an empty plan, so the device finishes the step instead of spinning, and
@@ -145,8 +147,9 @@ impl SlotCopier for HostCopier {
 /// - `mail`: ids `[size, k]` int64, then routing weights `[size, k]` float32, then hidden states
 ///   `[size, H]` float32, packed one after the other;
 /// - `plan`: topk slots `[size * k]` int64 (-1 where the CPU runs the pick), then the tile
-///   alignment of [`crate::align::align_after`] over `slot_rows` rows: sorted pairs `[rows]` and tile slots
-///   `[tiles]` (sizes by [`aligned_len`]);
+///   alignment of [`crate::align::align_after`] over `slot_rows` rows: sorted pairs `[rows]`, then
+///   tile slots `[2, tiles]` (sizes by [`plan_layout`]): row 0 holds the tiles of hits, row 1 those
+///   of slots filled in this layer, -1 elsewhere (see [`split_tiles`]);
 /// - `cpu_out`: the CPU experts' weighted sum `[size, H]` float32.
 #[derive(Clone, Copy, Debug)]
 pub struct Handshake {
@@ -154,6 +157,8 @@ pub struct Handshake {
     pub mail_flag: *mut u32,
     /// `[num_layers]` u32: generation of the last plan published per layer.
     pub plan_flag: *mut u32,
+    /// `[num_layers]` u32: generation of the last layer step whose fills have all landed.
+    pub fill_flag: *mut u32,
     /// `[num_layers]` u32: generation of the last CPU output published per layer.
     pub cpu_flag: *mut u32,
     /// The mailbox, `mail_len` bytes.
@@ -242,7 +247,7 @@ pub struct StepReport {
     pub issue_seconds: f64,
     /// Seconds blocked on fills after the CPU experts were done (the copies' exposed time).
     pub fill_wait_seconds: f64,
-    /// Layers whose plan flag the copy stream wrote after their fills (the rest of the layers
+    /// Layers whose fill flag the copy stream wrote after their fills (the rest of the layers
     /// with fills had it raised by the host after waiting for them).
     pub stream_flags: usize,
     /// Why the step failed, if it did.
@@ -275,7 +280,8 @@ pub struct DecodeDriver {
     running: bool,
 }
 
-/// Sizes of the plan for `size` rows: `(topk slots, sorted pairs, tile slots)`, in int64.
+/// Sizes of the plan's parts for `size` rows: `(topk slots, sorted pairs, tiles)`, in int64; the
+/// tile slots take `2 * tiles` (hits, then fills), so the plan is `a + b + 2 * c` long.
 pub fn plan_layout(
     size: usize,
     top_k: usize,
@@ -472,14 +478,14 @@ impl Worker {
         let (k, h) = (self.cfg.top_k, self.hidden());
         let (a, b, c) = plan_layout(job.size, k, self.cfg.slot_rows, job.block_m);
         if mail_len(job.size, k, h) > self.hs.mail_len
-            || a + b + c > self.hs.plan_len
+            || a + b + 2 * c > self.hs.plan_len
             || job.size * h > self.hs.cpu_out_len
         {
             return Err(DriverError::Invalid(format!(
                 "a step of {} rows needs mail {} B, plan {} and cpu_out {} elements; the buffers hold {}, {} and {}",
                 job.size,
                 mail_len(job.size, k, h),
-                a + b + c,
+                a + b + 2 * c,
                 job.size * h,
                 self.hs.mail_len,
                 self.hs.plan_len,
@@ -519,11 +525,12 @@ impl Worker {
                 self.abort(&job, layer, &mut report, format!("MoE layer {layer}: {e}"));
                 return report;
             }
-            // SAFETY: as above. ORDERING: Release publishes the plan and cpu_out written above
-            // before the flag (the device reads host memory coherently, over PCIe or C2C).
+            // SAFETY: as above. ORDERING: Release publishes the plan, the landed fills and
+            // cpu_out before the flags (the device reads host memory coherently, over PCIe or C2C).
             unsafe {
-                flag(self.hs.plan_flag.add(layer)).store(job.generation, Ordering::Release);
-                flag(self.hs.cpu_flag.add(layer)).store(job.generation, Ordering::Release);
+                for f in [self.hs.plan_flag, self.hs.fill_flag, self.hs.cpu_flag] {
+                    flag(f.add(layer)).store(job.generation, Ordering::Release);
+                }
             }
             report.serve_seconds += t1.elapsed().as_secs_f64();
         }
@@ -531,7 +538,8 @@ impl Worker {
     }
 
     /// Plans one layer step and does the host's part of it; returns once fills have landed and
-    /// the plan and CPU output are written.
+    /// the plan and CPU output are written (the plan flag is up already, the fill flag is up or
+    /// queued behind the fills).
     fn serve(
         &mut self,
         layer: usize,
@@ -564,21 +572,28 @@ impl Worker {
         };
         // The plan: slots of the real rows, -1 for padding rows, then the tile alignment.
         let (ns, nr, nt) = plan_layout(size, k, self.cfg.slot_rows, job.block_m);
-        // SAFETY: the plan buffer holds ns + nr + nt int64 (checked in `check`).
-        let buf = unsafe { std::slice::from_raw_parts_mut(self.hs.plan, ns + nr + nt) };
+        // SAFETY: the plan buffer holds ns + nr + 2 nt int64 (checked in `check`).
+        let buf = unsafe { std::slice::from_raw_parts_mut(self.hs.plan, ns + nr + 2 * nt) };
         for (dst, &s) in buf.iter_mut().zip(&plan.topk_slots) {
             *dst = s as i64;
         }
         buf[b * k..ns].fill(-1);
-        align_after(buf, ns, self.cfg.slot_rows, job.block_m);
+        align_after(
+            &mut buf[..ns + nr + nt],
+            ns,
+            self.cfg.slot_rows,
+            job.block_m,
+        );
+        split_tiles(&mut buf[ns + nr..], &plan.fill_slots);
         report.plan_seconds += t0.elapsed().as_secs_f64();
-        // The plan is published as soon as its slots hold their experts, so the slot kernel runs
-        // while the CPU experts do: at once without fills, else by the copy stream after them
-        // (where the copier cannot, `step` raises the flag after the fills' wait).
-        let plan_flag = self.hs.plan_flag.wrapping_add(layer);
+        // The hits' tiles can run at once; the fills' wait for the fill flag, which the copy
+        // stream raises after them (the host at once when there are none).
+        // SAFETY: flags are `[num_layers]` (Handshake contract). ORDERING: Release after the plan.
+        unsafe { flag(self.hs.plan_flag.add(layer)) }.store(job.generation, Ordering::Release);
+        let fill_flag = self.hs.fill_flag.wrapping_add(layer);
         if plan.fill_experts.is_empty() {
-            // SAFETY: flags are `[num_layers]` (Handshake contract). ORDERING: Release after the plan.
-            unsafe { flag(plan_flag) }.store(job.generation, Ordering::Release);
+            // SAFETY: as above.
+            unsafe { flag(fill_flag) }.store(job.generation, Ordering::Release);
         }
         let pool = self.cpu.pool().clone();
         let copier = &mut self.copier;
@@ -602,7 +617,7 @@ impl Worker {
                 });
             if issued.is_ok() && !plan.fill_experts.is_empty() {
                 // SAFETY: a mapped host flag of the handshake, alive as long as the driver.
-                match unsafe { copier.publish(plan_flag, job.generation) } {
+                match unsafe { copier.publish(fill_flag, job.generation) } {
                     Ok(p) => published = p,
                     Err(e) => issued = Err(e),
                 }
@@ -667,11 +682,17 @@ impl Worker {
     fn write_empty(&mut self, job: &StepJob) {
         let (k, h) = (self.cfg.top_k, self.hidden());
         let (ns, nr, nt) = plan_layout(job.size, k, self.cfg.slot_rows, job.block_m);
-        if ns + nr + nt <= self.hs.plan_len {
+        if ns + nr + 2 * nt <= self.hs.plan_len {
             // SAFETY: length checked against the plan buffer's capacity.
-            let buf = unsafe { std::slice::from_raw_parts_mut(self.hs.plan, ns + nr + nt) };
+            let buf = unsafe { std::slice::from_raw_parts_mut(self.hs.plan, ns + nr + 2 * nt) };
             buf[..ns].fill(-1);
-            align_after(buf, ns, self.cfg.slot_rows, job.block_m);
+            align_after(
+                &mut buf[..ns + nr + nt],
+                ns,
+                self.cfg.slot_rows,
+                job.block_m,
+            );
+            split_tiles(&mut buf[ns + nr..], &[]);
         }
         let n = (job.size * h)
             .max(self.cpu_out_dirty)
@@ -693,11 +714,32 @@ impl Worker {
         for l in layer..self.layers() {
             // SAFETY: flags are `[num_layers]`. ORDERING: Release after the empty plan.
             unsafe {
-                flag(self.hs.plan_flag.add(l)).store(job.generation, Ordering::Release);
-                flag(self.hs.cpu_flag.add(l)).store(job.generation, Ordering::Release);
+                for f in [self.hs.plan_flag, self.hs.fill_flag, self.hs.cpu_flag] {
+                    flag(f.add(l)).store(job.generation, Ordering::Release);
+                }
             }
         }
         report.error = Some(msg);
+    }
+}
+
+/// Splits the tile slots `tiles[2 * n]` (row 0 as [`align_after`] wrote it, row 1 ignored) by
+/// readiness: row 0 keeps the tiles whose slot is not in `filled` (hits, or -1), row 1 gets the
+/// tiles of `filled` slots (-1 elsewhere), so the device runs row 0 at once and row 1 once the
+/// fills have landed. A tile has one slot, so each tile is in exactly one row.
+///
+/// # Panics
+/// If `tiles` has an odd length.
+pub fn split_tiles(tiles: &mut [i64], filled: &[i32]) {
+    assert!(tiles.len().is_multiple_of(2), "tiles must be [2, n]");
+    let (ready, later) = tiles.split_at_mut(tiles.len() / 2);
+    let mut filled: Vec<i64> = filled.iter().map(|&s| i64::from(s)).collect();
+    filled.sort_unstable();
+    for (r, l) in ready.iter_mut().zip(later) {
+        *l = -1;
+        if *r >= 0 && filled.binary_search(r).is_ok() {
+            *l = std::mem::replace(r, -1);
+        }
     }
 }
 

@@ -20,6 +20,7 @@ const BLOCK_M: usize = 4;
 struct Shared {
     mail_flag: Vec<u32>,
     plan_flag: Vec<u32>,
+    fill_flag: Vec<u32>,
     cpu_flag: Vec<u32>,
     mail: Vec<u64>,
     plan: Vec<i64>,
@@ -46,15 +47,17 @@ fn rig(backend: Backend, timeout: Duration) -> Rig {
     let mut shared = Box::new(Shared {
         mail_flag: vec![0; L],
         plan_flag: vec![0; L],
+        fill_flag: vec![0; L],
         cpu_flag: vec![0; L],
         mail: vec![0; mail_len(MAX_ROWS, K, H).div_ceil(8)],
-        plan: vec![0; a + b + c],
+        plan: vec![0; a + b + 2 * c],
         cpu_out: vec![0.0; MAX_ROWS * H],
         slots: vec![0; SLOTS * stride],
     });
     let hs = Handshake {
         mail_flag: shared.mail_flag.as_mut_ptr(),
         plan_flag: shared.plan_flag.as_mut_ptr(),
+        fill_flag: shared.fill_flag.as_mut_ptr(),
         cpu_flag: shared.cpu_flag.as_mut_ptr(),
         mail: shared.mail.as_ptr() as *const u8,
         mail_len: shared.mail.len() * 8,
@@ -108,11 +111,19 @@ fn atomic(v: &mut [u32], i: usize) -> &AtomicU32 {
 
 /// Plays the device for one step: per layer, posts `ids` (and weights 1/(j+1), hidden from a
 /// formula), waits for the plan and checks it. Returns the picks the CPU ran (offload runs picks
-/// there too when a layer routes to more experts than there are slots).
-fn device_step(r: &mut Rig, generation: u32, batch: usize, size: usize, ids: &[[i64; K]]) -> usize {
+/// there too when a layer routes to more experts than there are slots) and the tiles of filled
+/// slots.
+fn device_step(
+    r: &mut Rig,
+    generation: u32,
+    batch: usize,
+    size: usize,
+    ids: &[[i64; K]],
+) -> (usize, usize) {
     let stride = r.pool.shape().expert_stride();
     let nbytes = r.pool.expert_nbytes();
     let mut cpu_picks = 0;
+    let mut filled_tiles = 0;
     for layer in 0..L {
         let sh = &mut *r.shared;
         let mail = sh.mail.as_mut_ptr() as *mut u8;
@@ -136,15 +147,20 @@ fn device_step(r: &mut Rig, generation: u32, batch: usize, size: usize, ids: &[[
             );
         }
         atomic(&mut sh.mail_flag, layer).store(generation, Ordering::Release);
-        // The plan and the slots must be complete as soon as the plan flag is up (the device's
-        // slot kernel runs then, while the CPU experts may still be running).
+        // The plan must be complete as soon as the plan flag is up (the device's slot kernel runs
+        // the hits' tiles then), the filled slots once the fill flag is up (their tiles run then),
+        // while the CPU experts may still be running.
         while atomic(&mut sh.plan_flag, layer).load(Ordering::Acquire) != generation {
             std::hint::spin_loop();
         }
         let (ns, nr, nt) = plan_layout(size, K, SLOTS, BLOCK_M);
-        let slots = &sh.plan[..ns];
+        let plan = sh.plan[..ns + nr + 2 * nt].to_vec();
+        let slots = &plan[..ns];
         // Padding rows are skipped; every real pick has a slot holding its expert, or -1.
         assert!(slots[batch * K..].iter().all(|&s| s == -1));
+        while atomic(&mut sh.fill_flag, layer).load(Ordering::Acquire) != generation {
+            std::hint::spin_loop();
+        }
         let mut expected = vec![0.0f32; size * H];
         for t in 0..batch {
             for j in 0..K {
@@ -171,8 +187,19 @@ fn device_step(r: &mut Rig, generation: u32, batch: usize, size: usize, ids: &[[
         }
         let (mut pairs, mut tiles) = (vec![0; nr], vec![0; nt]);
         align_pairs(slots, SLOTS, BLOCK_M, &mut pairs, &mut tiles);
-        assert_eq!(&sh.plan[ns..ns + nr], &pairs[..]);
-        assert_eq!(&sh.plan[ns + nr..ns + nr + nt], &tiles[..]);
+        assert_eq!(&plan[ns..ns + nr], &pairs[..]);
+        // Each tile is in one row: its slot's, or -1 in both; a slot is in one row only.
+        let (ready, later) = plan[ns + nr..].split_at(nt);
+        for t in 0..nt {
+            let (r, l) = (ready[t], later[t]);
+            assert!(r == -1 || l == -1, "tile {t} in both rows");
+            assert_eq!(r.max(l), tiles[t], "tile {t}");
+            assert!(
+                r == -1 || !later.contains(&r),
+                "slot {r} both ready and filled"
+            );
+        }
+        filled_tiles += later.iter().filter(|&&s| s >= 0).count();
         while atomic(&mut sh.cpu_flag, layer).load(Ordering::Acquire) != generation {
             std::hint::spin_loop();
         }
@@ -183,7 +210,7 @@ fn device_step(r: &mut Rig, generation: u32, batch: usize, size: usize, ids: &[[
             );
         }
     }
-    cpu_picks
+    (cpu_picks, filled_tiles)
 }
 
 fn job(generation: u32, batch: usize, size: usize) -> StepJob {
@@ -201,14 +228,15 @@ fn every_backend_serves_steps_through_the_handshake() {
     let routing: [[i64; K]; MAX_ROWS] = [[0, 1], [2, 3], [1, 4], [7, 0]];
     for backend in [Backend::Offload, Backend::Cpu, Backend::Hybrid] {
         let mut r = rig(backend, Duration::from_secs(20));
-        let mut total_cpu = 0;
+        let (mut total_cpu, mut total_filled) = (0, 0);
         for generation in 1..=4u32 {
             let (batch, size) = if generation % 2 == 0 { (3, 4) } else { (1, 2) };
             let ids: Vec<[i64; K]> = (0..size)
                 .map(|t| routing[(t + generation as usize) % MAX_ROWS])
                 .collect();
             r.driver.start(job(generation, batch, size)).unwrap();
-            let cpu_picks = device_step(&mut r, generation, batch, size, &ids);
+            let (cpu_picks, filled) = device_step(&mut r, generation, batch, size, &ids);
+            total_filled += filled;
             r.driver.wait_served(L - 1, generation).unwrap();
             let report = r.driver.finish().unwrap();
             assert_eq!(report.error, None);
@@ -220,6 +248,9 @@ fn every_backend_serves_steps_through_the_handshake() {
         }
         if backend != Backend::Offload {
             assert!(total_cpu > 0, "{backend:?} ran nothing on the CPU");
+        }
+        if backend != Backend::Cpu {
+            assert!(total_filled > 0, "{backend:?} filled no slot");
         }
     }
 }
@@ -238,12 +269,13 @@ fn a_device_that_never_posts_fails_the_step_and_releases_every_layer() {
     assert!(msg.contains("did not post MoE layer 0"), "{msg}");
     let sh = &mut *r.shared;
     for l in 0..L {
-        assert_eq!(atomic(&mut sh.plan_flag, l).load(Ordering::Acquire), 1);
-        assert_eq!(atomic(&mut sh.cpu_flag, l).load(Ordering::Acquire), 1);
+        for f in [&mut sh.plan_flag, &mut sh.fill_flag, &mut sh.cpu_flag] {
+            assert_eq!(atomic(f, l).load(Ordering::Acquire), 1);
+        }
     }
     let (ns, nr, nt) = plan_layout(1, K, SLOTS, BLOCK_M);
     assert!(sh.plan[..ns].iter().all(|&s| s == -1));
-    assert!(sh.plan[ns + nr..ns + nr + nt].iter().all(|&t| t == -1));
+    assert!(sh.plan[ns + nr..ns + nr + 2 * nt].iter().all(|&t| t == -1));
     // The driver still serves the next step.
     r.driver.start(job(2, 1, 1)).unwrap();
     device_step(&mut r, 2, 1, 1, &[[3, 5]]);
@@ -314,7 +346,7 @@ fn cpu_output_of_a_bigger_earlier_step_never_leaks_into_a_later_one() {
     ];
     for (generation, (size, ids)) in (1u32..).zip(steps) {
         r.driver.start(job(generation, size, size)).unwrap();
-        let cpu_picks = device_step(&mut r, generation, size, size, &ids);
+        let (cpu_picks, _) = device_step(&mut r, generation, size, size, &ids);
         assert_eq!(cpu_picks > 0, generation == 1);
         assert_eq!(r.driver.finish().unwrap().error, None);
     }
