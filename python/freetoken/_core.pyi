@@ -301,8 +301,9 @@ class Planner:
     A fill also buys future hits: each expert keeps ``p_e``, an average (decay ``reuse_decay`` per
     step of its layer) of being used, and the planner uses
     ``q = B_cpu(b) / (B_cpu(b) + B_pcie·(1 + reuse_weight·mean(p_e)))``, sending the
-    ``round(q·n)`` misses with the lowest ``p_e`` to the CPU. A fill that finds every slot
-    pinned runs on the CPU instead.
+    ``min(n, ⌊q·(n+1)⌋)`` misses with the lowest ``p_e`` to the CPU: of the whole-expert splits, the one
+    whose slower path ends first (``freetoken_core::planner``). A fill that finds every slot pinned runs on
+    the CPU instead.
 
     Each ``plan`` releases the previous plan's pins first (layer ``l+1``'s routing depends on
     layer ``l``'s output, so layer ``l``'s slots are no longer read).

@@ -20,9 +20,19 @@
 //! ```text
 //! B_pcie_eff = B_pcie · (1 + w · p̄)        q = B_cpu(b) / (B_cpu(b) + B_pcie_eff)
 //! ```
-//! with `p̄` the mean `p_e` of the missing experts and `w` = `reuse_weight` (0 = pure q*). Then
-//! `round(q·n)` misses go to the CPU: those with the lowest `p_e` (ties: fewer tokens first),
-//! and the rest fill. If a fill finds every slot pinned, that expert runs on the CPU instead.
+//! with `p̄` the mean `p_e` of the missing experts and `w` = `reuse_weight` (0 = pure q*).
+//!
+//! Experts are whole: `k` of the `n` misses go to the CPU. In units of one expert's time on each
+//! path (`t_c ∝ 1/B_cpu(b)`, `t_p ∝ 1/B_pcie_eff`), the layer step ends with the slower path,
+//! `max(k·t_c, (n-k)·t_p)`, which is least at `⌊q·n⌋` or the next integer: the next one exactly
+//! when the fraction of `q·n` exceeds `1 - q` (the two makespans cross there), so
+//! ```text
+//! k = min(n, ⌊q·(n + 1)⌋)
+//! ```
+//! (rounding `q·n` instead costs up to one expert on the PCIe path: with `q` = 0.62 and 4 misses
+//! it sends 2 of them over PCIe, ending at 2 `t_p` = 3.3 `t_c` where 3 on the CPU end at 3 `t_c`).
+//! Those with the lowest `p_e` (ties: fewer tokens first) go to the CPU and the rest fill. If a
+//! fill finds every slot pinned, that expert runs on the CPU instead.
 //!
 //! # Pins
 //! Each `plan` first releases the previous plan's pins: the router of layer `l+1` depends on the
@@ -342,7 +352,7 @@ impl Planner {
                 let mean_tokens = self.misses.iter().map(|m| m.1 as f64).sum::<f64>() / n as f64;
                 let mean_p = self.misses.iter().map(|m| m.0 as f64).sum::<f64>() / n as f64;
                 plan.q = prof.q(mean_tokens, self.cfg.reuse_weight * mean_p);
-                ((plan.q * n as f64).round() as usize).min(n)
+                ((plan.q * (n + 1) as f64).floor() as usize).min(n)
             }
         };
         if n_cpu > 0 && n_cpu < n {
@@ -477,6 +487,26 @@ mod tests {
         assert_eq!(plan.fill_experts.len(), 4);
         assert!((plan.q - 0.5).abs() < 1e-12);
         assert!(BandwidthProfile::new(0.0, vec![(1.0, 1.0)]).is_err());
+    }
+
+    #[test]
+    fn hybrid_split_minimises_the_slower_path() {
+        // An expert takes t_c on the CPU and t_p over PCIe; for every miss count the planner's k
+        // (misses on the CPU) gives the least max(k·t_c, (n-k)·t_p) of any integer split.
+        for (cpu, pcie) in [(71e9, 44e9), (1e9, 1e9), (1e9, 3e9), (90e9, 20e9)] {
+            let prof = BandwidthProfile::new(pcie, vec![(1.0, cpu)]).unwrap();
+            let (t_c, t_p) = (1.0 / cpu, 1.0 / pcie);
+            for n in 1..=8usize {
+                let mut p = planner(16, Some(prof.clone()));
+                let ids: Vec<i64> = (0..n as i64).collect();
+                let plan = p.plan(0, &ids, n, Backend::Hybrid).unwrap();
+                let span = |k: usize| (k as f64 * t_c).max((n - k) as f64 * t_p);
+                let k = plan.cpu_experts.len();
+                let best = (0..=n).map(span).fold(f64::INFINITY, f64::min);
+                assert!(span(k) <= best * (1.0 + 1e-9), "{cpu}/{pcie}, n={n}: k={k}");
+                assert_eq!(plan.fill_experts.len(), n - k);
+            }
+        }
     }
 
     #[test]
