@@ -213,6 +213,10 @@ fn scalar(
 /// Defines `rows` and `gemv` of a SIMD module around its `block::<R, T>` kernel: rows in blocks
 /// of 4 (then 1), tokens in blocks of `$tmax` (then the 3/2/1 remainder); `$xt` is the activation
 /// element type and `$features` the target features of `gemv`.
+///
+/// While a block of rows streams, `block` prefetches the next block of the call's rows into L2
+/// (`pf`, null after the last one): a row of a decode expert is 1.5-4 KiB, so each block starts
+/// new 4 KiB pages, where the hardware prefetchers stop and must find the stream again.
 #[cfg(target_arch = "x86_64")]
 macro_rules! blocked_gemv {
     ($xt:ty, $tmax:literal, $features:literal) => {
@@ -222,20 +226,21 @@ macro_rules! blocked_gemv {
             w: *const u16,
             cols: usize,
             r: usize,
+            pf: *const u16,
             x: *const $xt,
             n_tok: usize,
             out: *mut f32,
             ldo: usize,
             o: usize,
         ) {
-            // SAFETY: forwarded bounds from `gemv`.
+            // SAFETY: forwarded bounds from `gemv`; `pf` is only prefetched, never read.
             unsafe {
                 let wp: [*const u16; R] = std::array::from_fn(|i| w.add((r + i) * cols));
                 let mut t = 0;
                 macro_rules! tok {
                     ($t:literal) => {{
                         let xp: [*const $xt; $t] = std::array::from_fn(|j| x.add((t + j) * cols));
-                        let v = block::<R, $t>(wp, xp, cols);
+                        let v = block::<R, $t>(wp, xp, cols, pf);
                         for j in 0..$t {
                             for i in 0..R {
                                 *out.add((t + j) * ldo + o + i) = v[j][i];
@@ -273,11 +278,16 @@ macro_rules! blocked_gemv {
             // SAFETY: rows r0..r1 of w and n_tok rows of x are in bounds (asserted by the caller).
             unsafe {
                 while r + 4 <= r1 {
-                    rows::<4>(w, cols, r, x, n_tok, out, ldo, r - r0);
+                    let pf = if r + 8 <= r1 {
+                        w.wrapping_add((r + 4) * cols)
+                    } else {
+                        std::ptr::null()
+                    };
+                    rows::<4>(w, cols, r, pf, x, n_tok, out, ldo, r - r0);
                     r += 4;
                 }
                 while r < r1 {
-                    rows::<1>(w, cols, r, x, n_tok, out, ldo, r - r0);
+                    rows::<1>(w, cols, r, std::ptr::null(), x, n_tok, out, ldo, r - r0);
                     r += 1;
                 }
             }
@@ -295,9 +305,10 @@ mod avx512 {
         w: [*const u16; R],
         x: [*const u16; T],
         cols: usize,
+        pf: *const u16,
     ) -> [[f32; R]; T] {
         // SAFETY: the caller guarantees `cols` readable elements behind every pointer; the tail
-        // uses masked loads, which do not touch masked-off bytes.
+        // uses masked loads, which do not touch masked-off bytes; `pf` is only prefetched.
         unsafe {
             let mut acc = [[_mm512_setzero_ps(); R]; T];
             let mut c = 0;
@@ -305,6 +316,12 @@ mod avx512 {
                 let mut wv = [_mm512_setzero_si512(); R];
                 for r in 0..R {
                     wv[r] = _mm512_loadu_si512(w[r].add(c) as *const _);
+                }
+                if !pf.is_null() {
+                    // One 64-byte line of each next row per step (32 bf16).
+                    for r in 0..R {
+                        _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(r * cols + c) as *const i8);
+                    }
                 }
                 for t in 0..T {
                     let xv: __m512bh =
@@ -526,9 +543,10 @@ mod avx2 {
         w: [*const u16; R],
         x: [*const f32; T],
         cols: usize,
+        pf: *const u16,
     ) -> [[f32; R]; T] {
         // SAFETY: `cols` readable elements behind each pointer; the vector loop stops at the
-        // last full 8-element group and the tail is scalar.
+        // last full 8-element group and the tail is scalar; `pf` is only prefetched.
         unsafe {
             let mut acc = [[_mm256_setzero_ps(); R]; T];
             let mut c = 0;
@@ -536,6 +554,12 @@ mod avx2 {
                 let mut wv = [_mm256_setzero_ps(); R];
                 for r in 0..R {
                     wv[r] = widen(w[r].add(c));
+                }
+                if !pf.is_null() && c.is_multiple_of(32) {
+                    // One 64-byte line of each next row per 32 bf16.
+                    for r in 0..R {
+                        _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(r * cols + c) as *const i8);
+                    }
                 }
                 for t in 0..T {
                     let xv = _mm256_loadu_ps(x[t].add(c));
