@@ -28,9 +28,13 @@ pub enum Isa {
     AmxBf16,
 }
 
-/// Fewest tokens per call for which the AMX path is used (below, AVX-512-BF16 is as fast: the
-/// call is bound by memory, and a tile would be mostly padding).
-pub const AMX_MIN_TOKENS: usize = 4;
+/// Fewest tokens per call for which the AMX path is used (below, AVX-512-BF16 is faster: the
+/// call is bound by memory, and a 16-token tile would be mostly padding). Measured on the H200
+/// box (15 threads, Qwen3-30B-A3B experts, every token routed to each of n experts, medians):
+/// at 4 tokens AVX-512-BF16 took 136-139 / 302-309 / 753-814 us for n = 1 / 3 / 8 where AMX took
+/// 239-242 / 380-390 / 781-846; at 8 tokens 181-190 / 381-421 / 965-1094 against 269-273 /
+/// 441-482 / 874-1022 (AMX ahead only at n = 8); at 16 tokens AMX is ahead from n = 2.
+pub const AMX_MIN_TOKENS: usize = 8;
 
 impl Isa {
     /// Name as used by the Python API: `scalar`, `avx2`, `avx512_bf16`.
@@ -370,6 +374,7 @@ mod avx512 {
 #[cfg(target_arch = "x86_64")]
 mod amx {
     use std::arch::asm;
+    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
     use std::sync::OnceLock;
 
     /// Whether the CPU has AMX-TILE + AMX-BF16 and the kernel lets this process use tile data
@@ -465,12 +470,20 @@ mod amx {
                 let mut r = r0;
                 while r < full {
                     let nb = ((full - r) / 16).min(2);
+                    // The next block's rows, prefetched into L2 while this one streams (as in
+                    // `blocked_gemv`: each block starts new 4 KiB pages).
+                    let next = (full - r - nb * 16).min(nb * 16);
                     // SAFETY: every tile load reads 16 rows of 64 bytes: weight rows r..r+16·nb
-                    // (< r1) at columns c..c+32 (< cols), and xv rows c/2..c/2+16 (< cols/2).
+                    // (< r1) at columns c..c+32 (< cols), and xv rows c/2..c/2+16 (< cols/2);
+                    // prefetches read nothing.
                     unsafe {
                         asm!("tilezero tmm0", "tilezero tmm1", options(nostack, nomem));
                         let wr = w.add(r * cols);
+                        let pf = wr.wrapping_add(nb * 16 * cols);
                         for c in (0..cols).step_by(32) {
+                            for i in 0..next {
+                                _mm_prefetch::<_MM_HINT_T1>(pf.wrapping_add(i * cols + c) as *const i8);
+                            }
                             let xb = xv.as_ptr().add(c / 2 * 16);
                             let a = wr.add(c);
                             asm!(
@@ -595,7 +608,7 @@ mod tests {
     #[test]
     fn every_path_matches_scalar() {
         let mut rng = SplitMix64::new(3);
-        // (83, 64, 17) and (40, 96, 5) exercise AMX: 16-row tiles, 4/2/1-tile blocks, row and token tails.
+        // (83, 64, 17) and (40, 96, 9) exercise AMX: 16-row tiles, 4/2/1-tile blocks, row and token tails.
         for &(rows, cols, n_tok) in &[
             (1, 1, 1),
             (7, 33, 5),
@@ -603,7 +616,7 @@ mod tests {
             (8, 64, 9),
             (5, 100, 2),
             (83, 64, 17),
-            (40, 96, 5),
+            (40, 96, 9),
             (128, 256, 33),
         ] {
             let w: Vec<u16> = (0..rows * cols)
