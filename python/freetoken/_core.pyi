@@ -437,7 +437,7 @@ class CpuExperts:
     """SwiGLU experts on the host: bf16 weights from the pool, fp32 accumulation.
 
     Kernel paths, chosen at run time (``supported_isas``): ``amx_bf16`` (AMX tiles for calls of
-    8+ tokens per expert, AVX-512-BF16 below, which is faster there), ``avx512_bf16``, ``avx2`` (AVX2+FMA, fp32
+    4+ tokens per expert, AVX-512-BF16 below), ``avx512_bf16``, ``avx2`` (AVX2+FMA, fp32
     activations) and ``scalar`` (the reference). The bf16 paths round activations to bf16.
 
     A persistent pool of ``num_threads - 1`` worker threads (each pinned to a CPU) plus the
