@@ -229,7 +229,7 @@ class ExpertCacheBackend:
         # Driven decode steps and the driver's seconds summed over them, by part (`DecodeDriver.finish`).
         self.driven_steps = 0
         self.driver_seconds = dict.fromkeys(DRIVER_PHASES, 0.0)
-        self.stream_flags = 0  # layers whose plan flag the copy stream raised after their fills
+        self.stream_flags = 0  # layers whose fill flag the copy stream raised after their fills
 
     @staticmethod
     def _check_prefill(mode, num_slots, layer_buffers, strategy, pcie, cpu) -> None:
@@ -557,7 +557,7 @@ class ExpertCacheBackend:
             "bandwidth": {"pcie": self.pcie.stats(), "cpu": self.cpu_bw.stats()},
             "decode_driver": {
                 "steps": self.driven_steps,
-                "plan_flags_by_copy_stream": self.stream_flags,
+                "fill_flags_by_copy_stream": self.stream_flags,
                 "ms_per_step": {
                     phase: round(1e3 * v / max(1, self.driven_steps), 3) for phase, v in self.driver_seconds.items()
                 },
