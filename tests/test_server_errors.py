@@ -255,6 +255,24 @@ def test_client_disconnect_non_streaming_aborts(server, http):
     _assert_aborted(http, steps_before, BUDGET)
 
 
+def test_client_leaving_mid_body_is_logged_without_a_traceback(server, http):
+    """A client that promises a body and hangs up half way: one info line in the log, no traceback, and the
+    server answers the next request."""
+    import socket
+    from urllib.parse import urlsplit
+
+    url = urlsplit(server.base_url)
+    before = server.log_tail(1_000_000)
+    with socket.create_connection((url.hostname, url.port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"model\": \"m\", ")
+        time.sleep(0.2)
+    _wait_for_log(server, "before its request body was complete", before.count("before its request body was complete"))
+    after = server.log_tail(1_000_000)[len(before):]
+    assert "Traceback" not in after and "unexpected error" not in after
+    assert http.get("/health").status_code == 200
+
+
 class TestApiKey:
     """A server started with --api-key."""
 

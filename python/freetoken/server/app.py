@@ -42,7 +42,7 @@ import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -87,7 +87,8 @@ def _presented_key(scope: Scope) -> str | None:
 class ApiMiddleware:
     """Checks the API key and turns any exception into an API-shaped error response.
 
-    ApiError -> its status; ClientDisconnected -> nothing (no one to answer); anything else is logged
+    ApiError -> its status; ClientDisconnected, or starlette's ClientDisconnect (the client left while sending
+    its body) -> nothing (no one to answer); anything else is logged
     with its traceback and becomes a 500. When the response has already started (a stream), the
     exception is logged and the connection is closed.
     """
@@ -125,6 +126,9 @@ class ApiMiddleware:
         try:
             await self.app(scope, receive, tracking_send)
         except ClientDisconnected:
+            return
+        except ClientDisconnect:
+            logger.info("%s %s: the client left before its request body was complete", scope["method"], scope["path"])
             return
         except ApiError as err:
             if started:
