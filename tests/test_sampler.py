@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from freetoken.engine.sampler import sample
+from freetoken.engine.sampler import apply_logit_bias, sample, sample_with_logprobs
 from freetoken.engine.types import SamplingParams
 
 NUM_DRAWS = 4000
@@ -123,3 +123,31 @@ def test_tiny_temperature_is_greedy(temperature):
     params = SamplingParams(temperature=temperature)
     assert params.greedy
     assert sample(logits, [params], [torch.Generator().manual_seed(0)]) == [1]
+
+
+def test_logit_bias_moves_sampling_not_logprobs():
+    """A bias is added to its token's logit before sampling, greedy rows included, only in its own row; +-100
+    forces or bans a token; the log-probabilities stay those of the raw logits, which are not written."""
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.9], [0.1, 3.0, -1.0, 2.9], [5.0, 1.0, 1.0, 1.0]])
+    raw = logits.clone()
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={1: -100}, logprobs=0),  # ban the argmax: the runner-up
+        SamplingParams(temperature=0.0, logprobs=0),
+        SamplingParams(temperature=1.0, logit_bias={2: 100.0, 0: -0.5}),  # forced even when sampling
+    ]
+    gen = torch.Generator().manual_seed(0)
+    tokens, logprobs = sample_with_logprobs(logits, params, [None, None, gen])
+    assert tokens == [3, 1, 2]
+    assert torch.equal(logits, raw)
+    want = torch.log_softmax(raw, dim=-1)
+    assert logprobs[0].logprob == pytest.approx(want[0, 3].item())
+    assert logprobs[1].logprob == pytest.approx(want[1, 1].item())
+    assert apply_logit_bias(raw, params[1:2] * 3) is raw  # no bias: no copy
+    biased = apply_logit_bias(raw, params)
+    assert biased[2].tolist() == pytest.approx([4.5, 1.0, 101.0, 1.0]) and biased[1].tolist() == raw[1].tolist()
+
+
+@pytest.mark.parametrize("bias", [{1: 100.5}, {1: float("nan")}, {-1: 1.0}, {"1": 1.0}, {1: True}, [1]])
+def test_bad_logit_bias_is_refused(bias):
+    with pytest.raises(ValueError, match="^logit_bias"):
+        SamplingParams(logit_bias=bias).validate()

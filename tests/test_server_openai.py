@@ -271,6 +271,26 @@ def test_bad_tool_choice_is_400(http):
         assert response.json()["error"]["param"] == param
 
 
+def test_logit_bias(openai_client, http, demo_tokenizer):
+    """A +100 bias makes every greedy token the biased one (the sampler's tests cover -100 and the rest); bad maps
+    are a 400 naming the field, ids past the vocabulary included."""
+    token = demo_tokenizer.encode("hello")[0]
+    forced = openai_client.chat.completions.create(
+        model="m", messages=HELLO, max_tokens=3, temperature=0, logit_bias={str(token): 100}, logprobs=True
+    )
+    assert forced.choices[0].message.content == demo_tokenizer.decode([token] * 3)
+    assert len({e.token for e in forced.choices[0].logprobs.content}) == 1
+    base = {"model": "m", "messages": HELLO, "max_tokens": 1}
+    for bias, param in [
+        ([1], "logit_bias"), ({"x": 1}, "logit_bias"), ({"-3": 1}, "logit_bias"), ({"5": 101}, "logit_bias.5"),
+        ({"5": "high"}, "logit_bias.5"), ({str(10**9): 1}, None),
+    ]:
+        response = http.post("/v1/chat/completions", json={**base, "logit_bias": bias})
+        assert response.status_code == 400, (bias, response.text)
+        error = response.json()["error"]
+        assert error["param"] == param and "logit_bias" in error["message"], (bias, error)
+
+
 def test_multi_turn_tool_history(openai_client, http):
     """Arguments in history as a JSON string or as an object render the same prompt; several calls per turn."""
 

@@ -1,5 +1,5 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p (nucleus, Holtzman et al. 2020), per-request seeds;
-grammar-constrained rows (`SamplingParams.grammar`, see `freetoken.engine.structured`); the sampled tokens'
+"""Next-token sampling: greedy, temperature, top-k, top-p (nucleus, Holtzman et al. 2020), per-request seeds and
+logit biases; grammar-constrained rows (`SamplingParams.grammar`, see `freetoken.engine.structured`); the sampled tokens'
 log-probabilities for requests that ask (`token_logprobs`)."""
 
 from __future__ import annotations
@@ -85,24 +85,44 @@ def token_logprobs(
     return out
 
 
+def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """`logits` with each row's `SamplingParams.logit_bias` added: a new tensor when any row has one (the input is
+    not written: log-probabilities come from it), else `logits` itself.
+
+    Args:
+        logits: [N, V] float logits.
+        params: N sampling parameter sets (biased token ids already checked to be < V).
+    """
+    rows = [(row, p.logit_bias) for row, p in enumerate(params) if p.logit_bias]
+    if not rows:
+        return logits
+    device = logits.device
+    row_ids = torch.tensor([row for row, bias in rows for _ in bias], device=device)
+    token_ids = torch.tensor([token for _, bias in rows for token in bias], device=device)
+    values = torch.tensor([value for _, bias in rows for value in bias.values()], dtype=logits.dtype, device=device)
+    return logits.index_put((row_ids, token_ids), values, accumulate=True)
+
+
 def sample_with_logprobs(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """`sample`, plus `token_logprobs` of the sampled tokens for the rows that ask (None for the others).
 
-    Rows with a `grammar` sample from their masked logits (only the tokens the grammar allows), and their
-    matchers advance past the sampled tokens; log-probabilities stay those of the raw logits. Without any
-    grammar in the batch this is `sample` on the raw logits, at no extra cost.
+    Rows with a `logit_bias` sample from their biased logits (`apply_logit_bias`); rows with a `grammar` from their
+    masked logits (only the tokens the grammar allows, after any bias), and their matchers advance past the sampled
+    tokens; log-probabilities stay those of the raw logits. Without any bias or grammar in the batch this is
+    `sample` on the raw logits, at no extra cost.
 
     Args:
         logits: [N, V] float32 logits on the compute device; not written.
         params: N sampling parameter sets, row by row.
         generators: N RNGs on the logits' device (None for greedy rows).
     """
+    scores = apply_logit_bias(logits, params)
     matchers = [p.grammar for p in params]
     if any(m is not None for m in matchers):
-        tokens = sample(apply_grammar_masks(logits, matchers), params, generators)
+        tokens = sample(apply_grammar_masks(scores, matchers), params, generators)
         accept_tokens(matchers, tokens)
     else:
-        tokens = sample(logits, params, generators)
+        tokens = sample(scores, params, generators)
     return tokens, token_logprobs(logits, params, tokens)

@@ -13,6 +13,8 @@ FinishReason = Literal["stop", "length", "abort"]
 MIN_TEMPERATURE = 1e-5
 # Most top alternatives per token a request may ask for (`SamplingParams.logprobs`), as in the OpenAI API.
 MAX_LOGPROBS = 20
+# Largest |bias| per token (`SamplingParams.logit_bias`), as in the OpenAI API.
+MAX_LOGIT_BIAS = 100
 
 
 @dataclass
@@ -37,6 +39,9 @@ class SamplingParams:
         grammar: None (free text), or this sequence's `GrammarMatcher`: the sampler allows only the tokens it
             allows and advances it with each sampled token, so the output matches its grammar and EOS comes only
             once it is complete. It holds state: each sequence needs its own (`GrammarMatcher.fork`).
+        logit_bias: token id -> value in [-100, 100] added to that token's logit before every step's sampling
+            (greedy included, and before a grammar's mask), as OpenAI's ``logit_bias``: +-100 in effect forces or
+            bans a token. Log-probabilities stay those of the raw logits.
     """
 
     max_tokens: int = 256
@@ -49,6 +54,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     grammar: GrammarMatcher | None = field(default=None, repr=False, compare=False)
+    logit_bias: dict[int, float] = field(default_factory=dict)
 
     def validate(self) -> None:
         """Raise ValueError naming the field when a value is out of range or of the wrong type.
@@ -71,6 +77,15 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        if not isinstance(self.logit_bias, dict) or not all(
+            _is_int(t) and t >= 0 and isinstance(v, (int, float)) and not isinstance(v, bool)
+            and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS
+            for t, v in self.logit_bias.items()
+        ):
+            raise ValueError(
+                f"logit_bias must map token ids >= 0 to numbers in [-{MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], "
+                f"got {self.logit_bias!r}"
+            )
         if self.grammar is not None and not isinstance(self.grammar, GrammarMatcher):
             raise ValueError(f"grammar must be null or a GrammarMatcher, got {type(self.grammar).__name__}")
         if self.max_tokens < 1:

@@ -3,7 +3,7 @@
 Accepted: roles system, developer (rendered as system), user, assistant (with ``tool_calls`` whose
 arguments are a JSON string or an object, and ``reasoning_content``), tool; content as a string, an
 array of text parts, or null; max_tokens / max_completion_tokens (the latter wins), temperature, top_p,
-seed, stop (string or array), stream, stream_options.include_usage, tools, tool_choice; non-standard
+seed, stop (string or array), logit_bias, stream, stream_options.include_usage, tools, tool_choice; non-standard
 ``top_k``, ``ignore_eos`` and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``, as in vLLM).
 Accepted and ignored for now: parallel_tool_calls, frequency/presence_penalty, user, metadata, store.
 ``n`` (up to 16 choices, each its own engine request; seeded choices use seed + index).
@@ -43,7 +43,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from freetoken.engine.types import MAX_LOGPROBS, SamplingParams, TokenLogprob
+from freetoken.engine.types import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, TokenLogprob
 from freetoken.server.errors import (
     ApiError,
     ErrorCode,
@@ -267,6 +267,23 @@ def parse_tool_choice(
     return choice
 
 
+def parse_logit_bias(body: dict[str, Any]) -> dict[int, float]:
+    """``logit_bias``: an object mapping token ids (decimal strings, as JSON keys are) to a bias in [-100, 100]
+    added to that token's logit (OpenAI's parameter). Ids past the vocabulary are refused by the engine."""
+    value = get_field(body, "logit_bias", dict, default={})
+    bias: dict[int, float] = {}
+    for key in value:
+        if not (isinstance(key, str) and key.isascii() and key.isdigit()):
+            raise invalid_request(
+                ErrorCode.INVALID_VALUE, f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
+                "logit_bias",
+            )
+        number = get_number(value, key, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS, parent="logit_bias")
+        if number is not None:
+            bias[int(key)] = number
+    return bias
+
+
 def parse_sampling(body: dict[str, Any]) -> Sampling:
     """The sampling and streaming fields of a chat or text completions body."""
     n = get_int(body, "n", lo=1, hi=MAX_CHOICES, default=1)
@@ -281,6 +298,7 @@ def parse_sampling(body: dict[str, Any]) -> Sampling:
     seed = get_int(body, "seed")
     stop = get_string_list(body, "stop", allow_single=True)
     ignore_eos = get_field(body, "ignore_eos", bool, default=False)
+    logit_bias = parse_logit_bias(body)
 
     stream = get_field(body, "stream", bool, default=False)
     stream_options = get_field(body, "stream_options", dict)
@@ -299,6 +317,7 @@ def parse_sampling(body: dict[str, Any]) -> Sampling:
         seed=seed,
         stop=stop,
         ignore_eos=ignore_eos,
+        logit_bias=logit_bias,
     )
     check_params(params)
     return Sampling(params, n, max_tokens, max_tokens_param, stream, include_usage)
