@@ -148,6 +148,13 @@ def test_bad_engine_flags(model_dir, flags, needle):
     assert_user_error(ft("serve", "--model", str(model_dir), *flags), needle)
 
 
+@pytest.mark.parametrize(("argv", "prog"), [(["serve", "--model", "demo"], "ft serve"), (["bench", "bw"], "ft bench bw")])
+def test_unknown_flag_shows_the_verbs_usage(argv, prog):
+    result = ft(*argv, "--bogus")
+    assert_user_error(result, f"{prog}: error: unrecognized arguments: --bogus")
+    assert f"usage: {prog} " in result.stderr
+
+
 def test_unparseable_flag_value(model_dir):
     result = ft("serve", "--model", str(model_dir), "--max-num-seqs", "many")
     assert result.returncode == 2 and "--max-num-seqs" in result.stderr and "Traceback" not in result.stderr

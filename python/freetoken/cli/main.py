@@ -25,7 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `ft`. Known user errors print one line to stderr and exit 2, never a traceback."""
-    args = build_parser().parse_args(argv)
+    args, extra = build_parser().parse_known_args(argv)
+    if extra:  # reported by the verb's own parser, so the usage shown is the verb's
+        args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
     setup_logging(args.log_level)
     # ConfigError and the loader's CheckpointError are ValueErrors; the loader is not imported here, so that a
     # user error found before loading (a bad path, flag or config.json) answers without importing torch.

@@ -75,7 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None, help="model name in the APIs (default: the directory name)")
     p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer or x-api-key)")
     add_engine_args(p)
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, parser=p)
 
 
 def resolve_model_dir(model: str, dummy_weights: bool) -> Path:
