@@ -267,6 +267,15 @@ def test_cli_help_and_errors(tmp_path):
     assert_user_error(ft("bench", "bw", "--seconds", "0"), "--seconds")
 
 
+def test_model_demo_as_serve_takes_it():
+    from freetoken.cli.bench import _model_config
+    from freetoken.cli.main import build_parser
+
+    args = build_parser().parse_args(["bench", "bw", "--model", "demo"])
+    cfg = _model_config(args)
+    assert cfg.num_experts > 0 and cfg.moe_intermediate_size > 0
+
+
 def test_measure_cpu_counts_expert_bytes():
     from freetoken._core import CpuExperts
     from freetoken.bench.bandwidth import measure_cpu, measure_host_read

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from freetoken.cli.serve import DEMO
 from freetoken.config import ModelConfig
 
 log = logging.getLogger("freetoken.cli")
@@ -52,7 +53,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     source = bw.add_mutually_exclusive_group()
-    source.add_argument("--model", type=Path, help="model directory: expert shape and top-k from its config.json")
+    source.add_argument(
+        "--model", type=Path, help="model directory, or 'demo' as ft serve takes it: expert shape and top-k from its config.json"
+    )
     source.add_argument(
         "--preset", choices=preset_names(), help=f"a shipped real config (default: {DEFAULT_PRESET})"
     )
@@ -67,11 +70,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "sends fewer, and the online refinement corrects B_cpu for it)",
     )
     bw.add_argument("--out", type=Path, default=None, help="directory of the profiles (default: see above)")
-    bw.set_defaults(func=run_bw)
+    bw.set_defaults(func=run_bw, parser=bw)
 
 
 def _model_config(args: argparse.Namespace) -> ModelConfig:
     if args.model is not None:
+        if str(args.model) == DEMO and not args.model.exists():
+            from freetoken.models.demo import demo_checkpoint_dir
+
+            return ModelConfig.from_dir(demo_checkpoint_dir())
         return ModelConfig.from_dir(args.model)
     from freetoken.models.presets import preset_config_path
 
