@@ -148,7 +148,9 @@ def test_bad_engine_flags(model_dir, flags, needle):
     assert_user_error(ft("serve", "--model", str(model_dir), *flags), needle)
 
 
-@pytest.mark.parametrize(("argv", "prog"), [(["serve", "--model", "demo"], "ft serve"), (["bench", "bw"], "ft bench bw")])
+@pytest.mark.parametrize(
+    ("argv", "prog"), [(["serve", "--model", "demo"], "ft serve"), (["bench", "bw"], "ft bench bw")]
+)
 def test_unknown_flag_shows_the_verbs_usage(argv, prog):
     result = ft(*argv, "--bogus")
     assert_user_error(result, f"{prog}: error: unrecognized arguments: --bogus")

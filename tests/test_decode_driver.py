@@ -37,7 +37,8 @@ class Rig:
         self.slots = np.zeros((SLOTS, self.pool.expert_stride), dtype=np.uint8)
         self.arena = np.frombuffer(self.pool.arena_view(), dtype=np.uint8)
         self.driver = DecodeDriver(
-            self.planner, self.cpu, mode, K, SLOTS, *self.flags, self.mail, self.plan, self.cpu_out, slots=self.slots, timeout_s=timeout_s,
+            self.planner, self.cpu, mode, K, SLOTS, *self.flags, self.mail, self.plan, self.cpu_out,
+            slots=self.slots, timeout_s=timeout_s,
         )
 
     def device_step(self, generation: int, ids: np.ndarray, batch: int) -> tuple[int, int]:

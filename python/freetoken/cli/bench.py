@@ -54,7 +54,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     source = bw.add_mutually_exclusive_group()
     source.add_argument(
-        "--model", type=Path, help="model directory, or 'demo' as ft serve takes it: expert shape and top-k from its config.json"
+        "--model",
+        type=Path,
+        help="model directory, or 'demo' as ft serve takes it: expert shape and top-k from its config.json",
     )
     source.add_argument(
         "--preset", choices=preset_names(), help=f"a shipped real config (default: {DEFAULT_PRESET})"

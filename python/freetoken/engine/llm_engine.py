@@ -132,7 +132,9 @@ class LLMEngine:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.model_cfg.vocab_size - 1})")
         bad = [t for t in params.logit_bias if t >= self.model_cfg.vocab_size]
         if bad:
-            raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{self.model_cfg.vocab_size - 1})")
+            raise RequestError(
+                f"logit_bias token id {bad[0]} is outside the vocabulary (0..{self.model_cfg.vocab_size - 1})"
+            )
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(
                 f"prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len} (max_model_len), "

@@ -1,6 +1,6 @@
 """Next-token sampling: greedy, temperature, top-k, top-p (nucleus, Holtzman et al. 2020), per-request seeds and
-logit biases; grammar-constrained rows (`SamplingParams.grammar`, see `freetoken.engine.structured`); the sampled tokens'
-log-probabilities for requests that ask (`token_logprobs`)."""
+logit biases; grammar-constrained rows (`SamplingParams.grammar`, see `freetoken.engine.structured`); the sampled
+tokens' log-probabilities for requests that ask (`token_logprobs`)."""
 
 from __future__ import annotations
 
