@@ -578,13 +578,7 @@ impl Worker {
             *dst = s as i64;
         }
         buf[b * k..ns].fill(-1);
-        align_after(
-            &mut buf[..ns + nr + nt],
-            ns,
-            self.cfg.slot_rows,
-            job.block_m,
-        );
-        split_tiles(&mut buf[ns + nr..], &plan.fill_slots);
+        align_plan(buf, ns, self.cfg.slot_rows, job.block_m, &plan.fill_slots);
         report.plan_seconds += t0.elapsed().as_secs_f64();
         // The hits' tiles can run at once; the fills' wait for the fill flag, which the copy
         // stream raises after them (the host at once when there are none).
@@ -686,13 +680,7 @@ impl Worker {
             // SAFETY: length checked against the plan buffer's capacity.
             let buf = unsafe { std::slice::from_raw_parts_mut(self.hs.plan, ns + nr + 2 * nt) };
             buf[..ns].fill(-1);
-            align_after(
-                &mut buf[..ns + nr + nt],
-                ns,
-                self.cfg.slot_rows,
-                job.block_m,
-            );
-            split_tiles(&mut buf[ns + nr..], &[]);
+            align_plan(buf, ns, self.cfg.slot_rows, job.block_m, &[]);
         }
         let n = (job.size * h)
             .max(self.cpu_out_dirty)
@@ -721,6 +709,15 @@ impl Worker {
         }
         report.error = Some(msg);
     }
+}
+
+/// Writes the tile alignment of the plan's first `ns` entries (its topk slots) after them: sorted
+/// pairs by [`align_after`], then the tile slots split by readiness ([`split_tiles`], `filled`:
+/// the slots filled in this layer step). `buf` holds the whole plan (sizes by [`plan_layout`]).
+fn align_plan(buf: &mut [i64], ns: usize, slot_rows: usize, block_m: usize, filled: &[i32]) {
+    let (nr, nt) = aligned_len(ns, slot_rows, block_m);
+    align_after(&mut buf[..ns + nr + nt], ns, slot_rows, block_m);
+    split_tiles(&mut buf[ns + nr..ns + nr + 2 * nt], filled);
 }
 
 /// Splits the tile slots `tiles[2 * n]` (row 0 as [`align_after`] wrote it, row 1 ignored) by
