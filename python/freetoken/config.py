@@ -204,6 +204,8 @@ class EngineConfig:
             compute), "fill" (copy the routed misses into slots), "cpu" (run them on the host), "hybrid" (q*).
         no_prefill_overlap: one layer buffer instead of two: each layer's copy waits for the previous layer's
             compute (for comparison).
+        no_prefix_cache: prefill every prompt in full instead of reusing the K/V blocks of a cached prefix
+            (`freetoken.engine.prefix_cache`; for comparison and debugging).
     """
 
     device: str = "cpu"
@@ -224,6 +226,7 @@ class EngineConfig:
     enforce_eager: bool = False
     prefill_strategy: str = "auto"
     no_prefill_overlap: bool = False
+    no_prefix_cache: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the flag when a setting is out of range (a zero `max_num_seqs` would hang) or

@@ -35,6 +35,7 @@ _HELP = {
     "prefill_strategy": "how prefill chunks reach uncached experts: auto (cheapest by the cost model), stream "
     "(whole layers, double-buffered), fill (copy routed misses), cpu, hybrid",
     "no_prefill_overlap": "one prefill layer buffer: each layer's copy waits for the previous layer's compute",
+    "no_prefix_cache": "prefill every prompt in full: no reuse of the KV blocks of a prompt prefix seen before",
 }
 
 

@@ -80,7 +80,16 @@ class LLMEngine:
             plan.num_blocks, plan.block_size, plan.num_blocks * plan.block_size, plan.nbytes / 1e9,
         )
         self.experts = model.experts
-        self.scheduler = Scheduler(self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens)
+        self.scheduler = Scheduler(
+            self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens, prefix_cache=not engine_cfg.no_prefix_cache
+        )
+        if engine_cfg.no_prefix_cache:
+            log.info("prefix cache: off (--no-prefix-cache); every prompt is prefilled in full")
+        else:
+            log.info(
+                "prefix cache: on; holds up to %d tokens in the KV cache's blocks that no request holds",
+                self.scheduler.prefix_cache.capacity_tokens,
+            )
         self.runner = ModelRunner(
             model, self.kv, self.device, engine_cfg.max_num_seqs, self.max_model_len, engine_cfg.enforce_eager,
             piecewise=not getattr(self.experts, "graph_safe", False),
@@ -160,12 +169,30 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def num_cached_prefix_tokens(self, prompt_ids: list[int]) -> int:
+        """How many leading tokens of `prompt_ids` the prefix cache holds now (at most all but the last).
+
+        Read-only, so another thread may call it while the engine thread steps (each dict read is atomic under
+        the GIL): it is then an estimate, since the engine may index or evict blocks before the request is
+        admitted. `GenerationChunk.num_cached_tokens` has the count at admission.
+        """
+        match = self.scheduler.prefix_cache.match(prompt_ids)
+        return min(match.num_blocks * self.kv.block_size, max(len(prompt_ids) - 1, 0))
+
     def step(self) -> list[StepOutput]:
         """Run one step. Returns an output for every request that sampled a token or finished."""
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
             return []
-        tokens, logprobs = self.runner.run(scheduled)
+        try:
+            tokens, logprobs = self.runner.run(scheduled)
+        except BaseException:
+            # The step may have written part of its K/V, or advanced `num_computed` past K/V it never finished:
+            # its sequences drop their blocks (none of them indexed yet) and would start again from their tokens.
+            for seq in sorted(scheduled.seqs, key=lambda s: s.arrival, reverse=True):
+                self.scheduler.preempt(seq)
+            raise
+        self.scheduler.commit(scheduled)
         self.num_steps += 1
         outputs = []
         for seq, token, logprob in zip(scheduled.seqs, tokens, logprobs, strict=True):
@@ -202,6 +229,8 @@ class LLMEngine:
             stop_reason=stop_reason,
             num_prompt_tokens=seq.prompt_len,
             num_output_tokens=seq.num_output,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            num_cache_write_tokens=seq.num_cache_write_tokens,
             logprobs=[logprob] if logprob is not None else None,
         )
 
@@ -211,7 +240,8 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_blocks_total": self.kv.num_blocks,
-            "kv_blocks_free": self.kv.allocator.num_free,
+            "kv_blocks_free": self.scheduler.prefix_cache.num_free,
+            "prefix_cache": self.scheduler.prefix_cache.stats(),
             "num_steps": self.num_steps,
             "moe_backend": self.experts.stats() if hasattr(self.experts, "stats") else {"backend": "fused"},
         }
