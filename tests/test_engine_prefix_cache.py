@@ -71,7 +71,15 @@ def test_fully_cached_prompt_never_writes_the_shared_block(demo):
     cache = engine.scheduler.prefix_cache
     last = cache.match(prompt).blocks[-1]
     k_before = [k[last * BS : (last + 1) * BS].clone() for k, _ in engine.kv.layers]
-    r = one(engine, prompt)
+
+    def after_step(n):
+        if n == 1:  # position 23 was recomputed into a copy of the last block
+            seq = engine._seqs["x"]
+            assert seq.block_table[:-1] == cache.match(prompt).blocks[:-1] and seq.block_table[-1] != last
+            assert cache.ref_count(last) == 0
+
+    engine.add_request("x", prompt, greedy())
+    r = collect(engine, {}, after_step)["x"]
     assert r.last.num_cached_tokens == 23
     assert all(torch.equal(k[last * BS : (last + 1) * BS], b) for (k, _), b in zip(engine.kv.layers, k_before))
     assert r.token_ids == cold(demo, prompt, kv_block_size=BS).token_ids
