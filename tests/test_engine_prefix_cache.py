@@ -232,14 +232,15 @@ def test_no_prefix_cache_never_reuses(demo):
     assert r.last.num_cached_tokens == 0 and r.last.num_cache_write_tokens == 0
     stats = engine.scheduler.prefix_cache.stats()
     assert not stats["enabled"] and stats["num_cached_blocks"] == 0 and stats["num_hit_tokens"] == 0
-    assert engine.num_cached_prefix_tokens(prompt) == 0
+    assert engine.scheduler.estimate_reuse(prompt) == (0, 0)
 
 
 def test_cached_prefix_estimate(demo):
     engine = demo.engine(kv_block_size=BS)
     prompt = long_prompt(demo, 30)
-    assert engine.num_cached_prefix_tokens(prompt) == 0
-    one(engine, prompt)
-    assert engine.num_cached_prefix_tokens(prompt + [5, 6, 7]) == 28
-    assert engine.num_cached_prefix_tokens(prompt[:28]) == 27
+    assert engine.scheduler.estimate_reuse(prompt) == (0, 28)
+    r = one(engine, prompt)
+    assert (r.last.num_cached_tokens, r.last.num_cache_write_tokens) == (0, 28)
+    assert engine.scheduler.estimate_reuse(prompt + [5, 6, 7]) == (28, 4)
+    assert engine.scheduler.estimate_reuse(prompt[:28]) == (27, 0)
     assert engine.stats()["prefix_cache"]["num_cached_blocks"] == (30 + 12 - 1) // BS  # prompt and output

@@ -169,16 +169,6 @@ class LLMEngine:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
-    def num_cached_prefix_tokens(self, prompt_ids: list[int]) -> int:
-        """How many leading tokens of `prompt_ids` the prefix cache holds now (at most all but the last).
-
-        Read-only, so another thread may call it while the engine thread steps (each dict read is atomic under
-        the GIL): it is then an estimate, since the engine may index or evict blocks before the request is
-        admitted. `GenerationChunk.num_cached_tokens` has the count at admission.
-        """
-        match = self.scheduler.prefix_cache.match(prompt_ids)
-        return min(match.num_blocks * self.kv.block_size, max(len(prompt_ids) - 1, 0))
-
     def step(self) -> list[StepOutput]:
         """Run one step. Returns an output for every request that sampled a token or finished."""
         scheduled = self.scheduler.schedule()

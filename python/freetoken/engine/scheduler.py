@@ -154,10 +154,26 @@ class Scheduler:
             return 0
         self.prefix_cache.count_lookup(num_tokens, seq.num_computed)
         if seq.num_cached_tokens is None:
-            seq.num_cached_tokens = seq.num_computed
-            if self.prefix_cache.enabled:
-                seq.num_cache_write_tokens = max(0, (seq.prompt_len // bs - match.num_blocks) * bs)
+            seq.num_cached_tokens, seq.num_cache_write_tokens = self._reuse(seq.prompt_len, match)
         return chunk
+
+    def _reuse(self, num_tokens: int, match: PrefixMatch) -> tuple[int, int]:
+        """(tokens reused, tokens it adds to the cache) of a prompt of `num_tokens` admitted on `match`: the matched
+        tokens but the last when all match; and the prompt's other full blocks."""
+        bs = self.kv.block_size
+        matched = match.num_blocks * bs
+        reused = num_tokens - 1 if matched == num_tokens else matched
+        written = (num_tokens // bs) * bs - matched if self.prefix_cache.enabled else 0
+        return reused, written
+
+    def estimate_reuse(self, prompt_ids: list[int]) -> tuple[int, int]:
+        """What a request of `prompt_ids` admitted now would report: (tokens reused, tokens added to the cache).
+
+        Read-only, so the event loop may call it while the engine thread steps (each dict read is atomic under
+        the GIL): the engine may index or evict blocks before the request is admitted, so it is an estimate, and
+        `Sequence.num_cached_tokens` has the count at admission.
+        """
+        return self._reuse(len(prompt_ids), self.prefix_cache.match(prompt_ids))
 
     def schedule(self) -> ScheduledStep:
         """Pick the next step's work. Returns an empty step only when there is no work.
