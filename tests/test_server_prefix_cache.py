@@ -122,7 +122,9 @@ def test_anthropic_usage_splits_the_prompt(server, cold, http, parse_sse):
     delta = json.loads(events["message_delta"])["usage"]
     for usage in (start, delta):
         assert usage["cache_read_input_tokens"] == again.usage.cache_read_input_tokens
-        assert usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"] == counted
+        assert usage["input_tokens"] + usage["cache_read_input_tokens"] + usage["cache_creation_input_tokens"] == (
+            counted
+        )
     # The SDK's stream accumulates message_delta's usage.
     with client.messages.stream(model="m", messages=messages, max_tokens=6, extra_body={"temperature": 0}) as stream:
         final = stream.get_final_message()

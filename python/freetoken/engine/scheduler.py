@@ -114,7 +114,11 @@ class Scheduler:
     def _next_block_key(self, seq: Sequence) -> BlockKey | None:
         """The key of the full prompt block a prefilling sequence computes next, or None when it has none left."""
         b = seq.num_hashed_blocks
-        if not self.prefix_cache.enabled or seq.num_computed >= seq.prompt_len or (b + 1) * self.kv.block_size > seq.prompt_len:
+        if (
+            not self.prefix_cache.enabled
+            or seq.num_computed >= seq.prompt_len
+            or (b + 1) * self.kv.block_size > seq.prompt_len
+        ):
             return None
         return self.prefix_cache.key(seq.kv_parent, seq.token_ids, b)
 
