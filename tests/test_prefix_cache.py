@@ -70,12 +70,18 @@ def test_shared_blocks_are_ref_counted_and_never_evicted_while_held():
         pc.allocate(1)
 
 
-def test_eviction_is_least_recently_released_tail_first():
+def two_ended(num_tokens: int) -> tuple[PrefixCache, list[int], list[int]]:
+    """A cache of 4 blocks where sequence a (tokens 0, 1, ...) and then b (100, 101, ...) ran and ended."""
     pc = cache(4)
-    a = fill(pc, list(range(8)))
-    b = fill(pc, list(range(100, 108)))
+    a = fill(pc, list(range(num_tokens)))
+    b = fill(pc, list(range(100, 100 + num_tokens)))
     pc.release(a)
     pc.release(b)
+    return pc, a, b
+
+
+def test_eviction_is_least_recently_released_tail_first():
+    pc, a, b = two_ended(8)
     # a released first: its tail, then its head; b's after.
     assert pc.allocate(1) == [a[1]]
     assert pc.match(list(range(8))).blocks == [a[0]]
@@ -84,11 +90,7 @@ def test_eviction_is_least_recently_released_tail_first():
 
 
 def test_reuse_refreshes_recency():
-    pc = cache(4)
-    a = fill(pc, list(range(4)))
-    b = fill(pc, list(range(100, 104)))
-    pc.release(a)
-    pc.release(b)
+    pc, a, b = two_ended(4)
     again = fill(pc, list(range(4)))  # a's block, taken back and released again: now the most recent
     assert again == a
     pc.release(again)
