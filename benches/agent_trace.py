@@ -338,8 +338,10 @@ def run_turn(client, api: str, model: str, session: Session, turn: int, max_toke
     )
 
 
-def run_sessions(base_url: str, api: str, model: str, variant: str, num_sessions: int, args) -> list[TurnResult]:
-    """`num_sessions` concurrent sessions of `args.turns` turns each (one thread per session)."""
+def run_sessions(base_url: str, api: str, model: str, variant: str, num_sessions: int,
+                 args) -> tuple[list[TurnResult], list[str]]:
+    """`num_sessions` concurrent sessions of `args.turns` turns each (one thread per session): the turns measured,
+    and the errors that ended a session early (an API error: a prompt past the context, a server fault)."""
     import anthropic
     import openai
 
@@ -351,13 +353,20 @@ def run_sessions(base_url: str, api: str, model: str, variant: str, num_sessions
     else:
         client = anthropic.Anthropic(base_url=base_url, api_key=args.api_key, max_retries=0, timeout=timeout)
     results: list[TurnResult] = []
+    errors: list[str] = []
     lock = threading.Lock()
 
     def one(i: int) -> None:
         name = f"s{i}"
         session = new_session(name, variant, args.seed, system, tool_tokens, args.scale)
         for turn in range(args.turns):
-            r = run_turn(client, api, model, session, turn, args.max_tokens, args.seed)
+            try:
+                r = run_turn(client, api, model, session, turn, args.max_tokens, args.seed)
+            except (openai.APIError, anthropic.APIError, RuntimeError) as e:  # the session ends; the run goes on
+                log(f"  {variant} x{num_sessions} {name} turn {turn} failed: {e}")
+                with lock:
+                    errors.append(f"{name} turn {turn}: {e}")
+                return
             with lock:
                 results.append(r)
             log(f"  {variant} x{num_sessions} {name} turn {turn}: prompt {r.prompt_tokens}, cached {r.cached_tokens}, "
@@ -366,7 +375,7 @@ def run_sessions(base_url: str, api: str, model: str, variant: str, num_sessions
     with ThreadPoolExecutor(num_sessions) as pool:
         for future in [pool.submit(one, i) for i in range(num_sessions)]:
             future.result()
-    return sorted(results, key=lambda r: (r.session, r.turn))
+    return sorted(results, key=lambda r: (r.session, r.turn)), errors
 
 
 def summarize(results: list[TurnResult], watchdog_s: float) -> dict:
@@ -481,8 +490,9 @@ def run_all(base_url: str, label: str, variants: list[str], sessions: list[int],
     runs = []
     for variant in variants:
         for n in sessions:
-            results = run_sessions(base_url, args.api, model, variant, n, args)
-            summary = summarize(results, args.watchdog_s)
+            results, errors = run_sessions(base_url, args.api, model, variant, n, args)
+            summary = summarize(results, args.watchdog_s) if results else {"turns": 0}
+            summary["errors"] = errors
             console.print(turn_table(f"{label}: {variant}, {n} session(s)", results, args.watchdog_s))
             runs.append({"server": label, "routing": routing, "variant": variant, "sessions": n, **summary,
                          "per_turn": [{k: v for k, v in r.__dict__.items() if k != "reply"} | {
@@ -530,12 +540,12 @@ def main(argv: list[str] | None = None) -> int:
     for column in ("server", "variant", "sessions", *keys):
         summary.add_column(column, justify="right")
     for run in runs:
-        summary.add_row(run["server"], run["variant"], str(run["sessions"]), *(str(run[k]) for k in keys))
+        summary.add_row(run["server"], run["variant"], str(run["sessions"]), *(str(run.get(k, "-")) for k in keys))
     console.print(summary)
     print(json.dumps({"bench": "agent_trace", "api": args.api, "scale": args.scale, "turns": args.turns,
                       "max_tokens": args.max_tokens, "watchdog_s": args.watchdog_s, "seed": args.seed,
                       "routing": runs[0]["routing"] if runs else None, "runs": runs}), flush=True)
-    return 0
+    return 1 if any(run["errors"] for run in runs) else 0
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ def test_tiny_run_against_the_demo(replay_server, capsys, api, variants, session
     assert record["routing"]["source"] == "replay" and "synthetic" in record["routing"]["trace"]
     assert [(r["variant"], r["sessions"]) for r in record["runs"]] == [(v, n) for v in variants for n in sessions]
     for run in record["runs"]:
+        assert run["errors"] == []
         assert run["turns"] == turns * run["sessions"] and run["watchdog_violations"] == 0
         assert 0 < run["ttft_p50_s"] <= run["ttft_p99_s"] <= run["ttft_max_s"]
         by_session: dict[str, list] = {}
@@ -59,6 +60,15 @@ def test_tiny_run_against_the_demo(replay_server, capsys, api, variants, session
             by_session.setdefault(turn["session"], []).append(turn["prompt_tokens"])
         for prompts in by_session.values():  # each turn resends the conversation, one reply and result longer
             assert prompts == sorted(prompts) and prompts[0] < prompts[-1]
+
+
+def test_a_failed_session_is_reported_and_the_run_goes_on(replay_server, capsys):
+    """A conversation past the server's context (2048 tokens) ends its session with the API's error; exit 1."""
+    code = agent_trace.main(["--server", replay_server.base_url, "--scale", "0.2", "--turns", "2", "--sessions", "1",
+                             "--max-tokens", "2", "--variants", "plain"])
+    assert code == 1
+    run = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"][0]
+    assert run["turns"] == 0 and len(run["errors"]) == 1 and "s0 turn 0" in run["errors"][0]
 
 
 def _session(variant: str, turns: int, scale: float = 0.01):

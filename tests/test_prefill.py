@@ -36,8 +36,9 @@ from test_moe_backends import DEVICES, PROFILE, bf16_checkpoint  # noqa: F401 (a
 PROMPT = [(7 * i + 3) % 500 + 1 for i in range(37)]
 
 
-def _chunked_logits(model, prompt: list[int], chunk: int) -> torch.Tensor:
-    """[len(prompt), vocab] logits of `prompt` prefilled `chunk` tokens per step into a paged KV cache."""
+def _chunked_logits(model, prompt: list[int], chunk: int, prefill: bool = True) -> torch.Tensor:
+    """[len(prompt), vocab] logits of `prompt` prefilled `chunk` tokens per step into a paged KV cache (run as
+    decode steps, which the expert cache serves by its own plan, with `prefill` False)."""
     cfg = model.config
     device, dtype = model.lm_head.weight.device, model.lm_head.weight.dtype
     kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, 8, 16, dtype, device)
@@ -46,7 +47,7 @@ def _chunked_logits(model, prompt: list[int], chunk: int) -> torch.Tensor:
     with torch.no_grad():
         for start in range(0, len(prompt), chunk):
             ids = prompt[start : start + chunk]
-            model.experts.begin_step(len(ids), len(ids), cfg.num_experts_per_tok)
+            model.experts.begin_step(len(ids), len(ids) if prefill else 0, cfg.num_experts_per_tok)
             meta = AttentionMetadata.build([len(ids)], [start + len(ids)], [blocks], kv.block_size, device)
             out.append(model.compute_logits(model(torch.tensor(ids, device=device), meta, kv.layers)))
     return torch.cat(out)
@@ -78,7 +79,7 @@ def test_prefill_strategies_equal_fused(bf16_checkpoint, device, mode, strategy,
     )
     model.attach_experts(backend)
     # A warm-up decode-like pass fills some slots first, so streamed layers mix slot hits and buffer rows.
-    _chunked_logits(model, PROMPT[:3], 1)
+    _chunked_logits(model, PROMPT[:3], 1, prefill=False)
     for chunk in (8, 16):
         got = _chunked_logits(model, PROMPT, chunk)
         cpu_ran = sum(backend.stats()["layers"]["cpu_runs"]) > 0
@@ -99,7 +100,7 @@ def test_streaming_leaves_the_slot_cache_as_it_was(bf16_checkpoint):  # noqa: F8
     pool = ExpertPool.from_checkpoint(bf16_checkpoint)
     backend = ExpertCacheBackend("offload", pool, cpu, 12, layer_buffers=2, prefill_strategy="auto")
     model.attach_experts(backend)
-    _chunked_logits(model, PROMPT[:4], 1)  # decode steps: the cache learns
+    _chunked_logits(model, PROMPT[:4], 1, prefill=False)  # decode steps: the cache learns
     before = [backend.planner.layer_slots(layer).tolist() for layer in range(pool.num_layers)]
     resident = sum(s >= 0 for layer in before for s in layer)
     assert resident == 12
