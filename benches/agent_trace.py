@@ -328,7 +328,8 @@ def run_turn(client, api: str, model: str, session: Session, turn: int, max_toke
             first = first if first is not None else now
             pieces.append(piece)
     if first is None or usage is None:
-        raise RuntimeError(f"{session.name} turn {turn}: the stream ended without {'tokens' if first is None else 'usage'}")
+        missing = "tokens" if first is None else "usage"
+        raise RuntimeError(f"{session.name} turn {turn}: the stream ended without {missing}")
     n = usage["completion"] or 0
     reply = "".join(pieces)
     advance(session, turn, reply)

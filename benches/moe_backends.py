@@ -338,7 +338,7 @@ def main() -> None:
                 h2d = (after.get("bytes_h2d", 0) - before.get("bytes_h2d", 0)) / tokens
                 cpu_b = (after.get("bytes_cpu", 0) - before.get("bytes_cpu", 0)) / tokens
                 hits = after.get("hits", 0) - before.get("hits", 0)
-                lookups = hits + after.get("fills", 0) - before.get("fills", 0) + after.get("cpu_runs", 0) - before.get("cpu_runs", 0)
+                lookups = hits + sum(after.get(k, 0) - before.get(k, 0) for k in ("fills", "cpu_runs"))
                 # Per step; the paths overlap, and share the host memory bus (see the module docstring).
                 terms = bound_terms(h2d, cpu_b, row_bw)
                 paths_s = max(terms["pcie"], terms["cpu"]) * batch
@@ -369,7 +369,8 @@ def main() -> None:
                             k: round(1e3 * (after[f"driver_{k}"] - before[f"driver_{k}"]) / steps, 2)
                             for k in inner.driver_seconds
                         }
-                        row["stream_flags_per_step"] = round((after["stream_flags"] - before["stream_flags"]) / steps, 1)
+                        flags = after["stream_flags"] - before["stream_flags"]
+                        row["stream_flags_per_step"] = round(flags / steps, 1)
                         # Host overhead: the step less the device's spans (the driver's wait: kernels, and the
                         # handshake's latencies, so this is a lower bound), the CPU experts and the exposed fills.
                         busy = sum(row["driver_ms"][k] for k in ("wait", "cpu", "fill_wait"))
