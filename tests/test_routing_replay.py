@@ -24,6 +24,7 @@ from freetoken.moe.routing_replay import (
     synthetic_tables,
     trace_tables,
 )
+from greedy import greedy_tokens
 
 
 class Recorder:
@@ -47,8 +48,9 @@ def demo_dir(tmp_path_factory):
     return build_demo_checkpoint(tmp_path_factory.mktemp("replay"), seed=0)
 
 
-def _engine(demo_dir, **kwargs) -> LLMEngine:
-    cfg = EngineConfig(device="cpu", dtype="float32", dummy_weights=True, seed=3, max_model_len=128, **kwargs)
+def _engine(demo_dir, device_: str = "cpu", dtype: str = "float32", **kwargs) -> LLMEngine:
+    cfg = EngineConfig(device=device_, dtype=dtype, dummy_weights=True, seed=3, max_model_len=128, kv_cache_gb=0.5,
+                       **kwargs)
     return LLMEngine.from_dir(demo_dir, cfg)
 
 
@@ -123,3 +125,31 @@ def test_a_trace_that_does_not_fit_is_refused(demo_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="no such trace"):
         install_replay(model, str(tmp_path / "missing.fttrace"))
     assert describe(model) == {"source": "model"}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("backend", "dtype"), [("fused", "float32"), ("offload", "bfloat16")])
+def test_cuda_graphs_replay_the_trace(demo_dir, backend, dtype):
+    """On CUDA, decode steps in CUDA graphs (the routers captured; offload's piecewise ones served by the decode
+    driver) route as the eager path does: the clock counts every token routed (prompts, then one per sequence per
+    decode step; a batch of 2 is a graph size, so no padding rows), and in float32 the greedy tokens are the eager
+    path's."""
+    prompts = [[3, 17, 100, 42, 7, 8, 9, 200, 13], [5, 6, 400, 401, 402, 1, 2, 3, 4, 5, 6, 7, 8]]
+    max_tokens = 12
+
+    def run(enforce_eager: bool) -> tuple[list[list[int]], int]:
+        slots = {"expert_slots": 6} if backend == "offload" else {}
+        engine = _engine(demo_dir, device_="cuda", dtype=dtype, replay_routing="synthetic", moe_backend=backend,
+                         enforce_eager=enforce_eager, **slots)
+        assert enforce_eager or engine.runner.decode is not None
+        model = engine.runner.model
+        clock = model.model.layers[model.config.moe_layers[0]].mlp.gate.clock
+        clock.zero_()  # capturing the graphs ran the routers
+        tokens = greedy_tokens(engine, prompts, max_tokens)
+        return tokens, int(clock)
+
+    graphs, eager = run(False), run(True)
+    assert graphs[1] == eager[1] == sum(map(len, prompts)) + len(prompts) * (max_tokens - 1)
+    if dtype == "float32":
+        assert graphs[0] == eager[0]
