@@ -526,6 +526,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = []
     if args.server:
         runs += run_all(args.server.rstrip("/"), "as given", args.variants, args.sessions, args, console)
+        console.print("--server: the server's own configuration only (--model starts one with and one without "
+                      "--no-prefix-cache)")
     else:
         serve_args = shlex.split(args.serve_args)
         with Server(args.model, serve_args) as server:
