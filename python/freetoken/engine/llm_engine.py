@@ -24,6 +24,8 @@ from freetoken.models.loader import TensorIndex, init_dummy_weights, load_checkp
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
 from freetoken.moe import make_expert_backend, resolve_backend
 from freetoken.moe.budget import check_host_memory
+from freetoken.moe.routing_replay import describe as describe_routing
+from freetoken.moe.routing_replay import install_replay
 from freetoken.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -103,6 +105,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._rng = random.Random(engine_cfg.seed)
         self.num_steps = 0
+        self.routing = describe_routing(model)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, engine_cfg: EngineConfig) -> LLMEngine:
@@ -121,6 +124,8 @@ class LLMEngine:
         experts = make_expert_backend(engine_cfg, model_cfg, None if engine_cfg.dummy_weights else model_dir, dtype)
         if engine_cfg.dummy_weights:
             model = init_dummy_weights(model_cfg, experts, device, dtype, seed=engine_cfg.seed)
+            if engine_cfg.replay_routing:  # before the engine captures its graphs: they replay the trace too
+                install_replay(model, engine_cfg.replay_routing, seed=engine_cfg.seed)
         else:
             model = load_checkpoint(model_dir, experts, device, dtype, cfg=model_cfg, index=index)
         tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
@@ -233,5 +238,6 @@ class LLMEngine:
             "kv_blocks_free": self.scheduler.prefix_cache.num_free,
             "prefix_cache": self.scheduler.prefix_cache.stats(),
             "num_steps": self.num_steps,
+            "routing": self.routing,
             "moe_backend": self.experts.stats() if hasattr(self.experts, "stats") else {"backend": "fused"},
         }
