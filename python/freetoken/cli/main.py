@@ -7,7 +7,7 @@ import logging
 import sys
 
 from freetoken import __version__
-from freetoken.cli import bench, serve
+from freetoken.cli import bench, ctl, launch, serve, top
 from freetoken.cli.logs import setup_logging
 
 log = logging.getLogger("freetoken.cli")
@@ -20,6 +20,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve.add_parser(sub)
     bench.add_parser(sub)
+    launch.add_parser(sub)
+    top.add_parser(sub)
+    ctl.add_parser(sub)
     return parser
 
 
