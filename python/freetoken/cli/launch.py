@@ -219,7 +219,9 @@ def _dsh(served: ServedModel, args: list[str], config_dir: Path) -> LaunchPlan:
     }
     patch = [{"id": "settings", "config": {"path": str(settings_path)}}]
     files = {settings_path: json.dumps(settings, indent=2) + "\n", patch_path: json.dumps(patch, indent=2) + "\n"}
-    argv = ["dsh", *(args or ["web"]), "--patch", str(patch_path)]
+    # `dsh web` (the Web UI) unless the arguments name another subcommand; --patch goes with either
+    subcommand = [] if args and not args[0].startswith("-") else ["web"]
+    argv = ["dsh", *subcommand, *args, "--patch", str(patch_path)]
     return LaunchPlan(argv, {"FREETOKEN_API_KEY": served.api_key}, files)
 
 
@@ -278,6 +280,7 @@ def describe(plan: LaunchPlan, removed: list[str], executable: str | None) -> st
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "launch",
+        usage="ft launch [-h] [--server SERVER] [--api-key API_KEY] [--dry-run] HARNESS [-- ARGS...]",
         help="start a coding agent pointed at the running server",
         description="Point a coding agent at the running freetoken server and start it: " + ", ".join(
             f"{h.name} ({h.title})" for h in HARNESSES.values()
@@ -287,14 +290,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("harness", choices=sorted(HARNESSES), metavar="HARNESS", help=", ".join(sorted(HARNESSES)))
     add_server_args(p)
     p.add_argument("--dry-run", action="store_true", help="print what would be set, removed, written and run")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the agent (after --)")
-    p.set_defaults(func=run, parser=p)
+    p.set_defaults(func=run, parser=p, takes_passthrough=True)
 
 
 def run(args: argparse.Namespace) -> int:
     """Discover the served model, build the harness's plan, and exec it (or print it with --dry-run)."""
     harness = HARNESSES[args.harness]
-    extra = args.args[1:] if args.args[:1] == ["--"] else args.args
+    extra = args.passthrough  # what followed `--` (split off by `ft`'s main)
     executable = shutil.which(harness.executable)
     if executable is None and not args.dry_run:
         print(f"ft launch: {harness.title} (`{harness.executable}`) is not installed; install it with: "

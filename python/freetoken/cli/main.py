@@ -28,7 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `ft`. Known user errors print one line to stderr and exit 2, never a traceback."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Arguments after `--` belong to the program a verb starts (`ft launch claude -- --resume`), not to ft.
+    passthrough: list[str] = []
+    if "--" in argv:
+        argv, passthrough = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     args, extra = build_parser().parse_known_args(argv)
+    args.passthrough = passthrough
+    if passthrough and not getattr(args, "takes_passthrough", False):
+        extra += ["--", *passthrough]
     if extra:  # reported by the verb's own parser, so the usage shown is the verb's
         args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
     setup_logging(args.log_level)
