@@ -18,11 +18,11 @@ import freetoken
 import httpx
 import pytest
 import yaml
-
-tomllib = pytest.importorskip("tomllib")  # Python >= 3.11: codex's -c values are TOML
 from conftest import API_KEY, MAX_MODEL_LEN, SERVED_MODEL_NAME, free_port
 
 from freetoken.cli.launch import HARNESSES, is_cloud_credential
+
+tomllib = pytest.importorskip("tomllib")  # Python >= 3.11: codex's -c values are TOML
 
 # What a developer's shell may hold: every one must be gone from the harness's environment.
 CLOUD_ENV = {

@@ -51,10 +51,11 @@ class Poller:
         except ServerError as exc:
             if not exc.unreachable:
                 raise
-            self.previous = None  # the next answer may come from a restarted server
             self.status = "server unreachable, retrying…"
         else:
-            self.previous, self.stats, self.status = self.stats, stats, None
+            # after an outage the next answer may come from a restarted server: no interval across it
+            self.previous = self.stats if self.status is None else None
+            self.stats, self.status = stats, None
         return Frame(self.stats, self.previous, self.server, self.status)
 
 
