@@ -290,9 +290,9 @@ def build_app(
     metered = telemetry.Telemetry(engine, served_model_name)
     app = Starlette(
         routes=routes,
-        middleware=[
-            Middleware(ApiMiddleware, api_key=api_key, metrics_open=metrics_open),
+        middleware=[  # telemetry outermost: it records the status ApiMiddleware answers (401, an error's 400)
             Middleware(telemetry.TelemetryMiddleware, telemetry=metered),
+            Middleware(ApiMiddleware, api_key=api_key, metrics_open=metrics_open),
         ],
         exception_handlers={HTTPException: _http_exception},
         lifespan=lifespan,
