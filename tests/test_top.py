@@ -36,8 +36,9 @@ def snapshot(name: str) -> dict:
 
 
 def render(frame: Frame, width: int = 120) -> str:
-    console = Console(record=True, width=width, force_terminal=True, color_system="truecolor", file=open(os.devnull, "w"))
-    console.print(frame)
+    with open(os.devnull, "w") as sink:
+        console = Console(record=True, width=width, force_terminal=True, color_system="truecolor", file=sink)
+        console.print(frame)
     return console.export_text()
 
 

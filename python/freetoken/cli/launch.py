@@ -139,6 +139,17 @@ def _codex(served: ServedModel, args: list[str], _dir: Path) -> LaunchPlan:
     return LaunchPlan([*argv, *args], {"FREETOKEN_API_KEY": served.api_key})
 
 
+def _json(value: object) -> str:
+    """A config file's text; JSON is also YAML 1.2, so YAML configs are written without a YAML library."""
+    return json.dumps(value, indent=2) + "\n"
+
+
+def _with_config_file(argv: list[str], served: ServedModel, env_var: str, path: Path, config: dict) -> LaunchPlan:
+    """Run `argv` with `config` written to `path`, which `env_var` names; the key goes in FREETOKEN_API_KEY (the
+    config refers to it), so it is not written to disk."""
+    return LaunchPlan(argv, {env_var: str(path), "FREETOKEN_API_KEY": served.api_key}, {path: _json(config)})
+
+
 def _opencode(served: ServedModel, args: list[str], config_dir: Path) -> LaunchPlan:
     config = {
         "$schema": "https://opencode.ai/config.json",
@@ -155,9 +166,7 @@ def _opencode(served: ServedModel, args: list[str], config_dir: Path) -> LaunchP
         },
         "model": f"freetoken/{served.model}",
     }
-    path = config_dir / "opencode.json"
-    env = {"OPENCODE_CONFIG": str(path), "FREETOKEN_API_KEY": served.api_key}
-    return LaunchPlan(["opencode", *args], env, {path: json.dumps(config, indent=2) + "\n"})
+    return _with_config_file(["opencode", *args], served, "OPENCODE_CONFIG", config_dir / "opencode.json", config)
 
 
 def _openclaw(served: ServedModel, args: list[str], config_dir: Path) -> LaunchPlan:
@@ -179,13 +188,10 @@ def _openclaw(served: ServedModel, args: list[str], config_dir: Path) -> LaunchP
         },
         "agents": {"defaults": {"model": {"primary": f"freetoken/{served.model}"}}},
     }
-    path = config_dir / "openclaw.json"
-    env = {"OPENCLAW_CONFIG_PATH": str(path), "FREETOKEN_API_KEY": served.api_key}
-    return LaunchPlan(["openclaw", *args], env, {path: json.dumps(config, indent=2) + "\n"})
+    return _with_config_file(["openclaw", *args], served, "OPENCLAW_CONFIG_PATH", config_dir / "openclaw.json", config)
 
 
 def _hermes(served: ServedModel, args: list[str], config_dir: Path) -> LaunchPlan:
-    # JSON is YAML (1.2), so config.yaml is written without a YAML library.
     config = {
         "model": {
             "provider": "custom",
@@ -197,7 +203,7 @@ def _hermes(served: ServedModel, args: list[str], config_dir: Path) -> LaunchPla
     }
     home = config_dir / "home"
     return LaunchPlan(["hermes", *args], {"HERMES_HOME": str(home)},
-                      {home / "config.yaml": json.dumps(config, indent=2) + "\n"})
+                      {home / "config.yaml": _json(config)})
 
 
 def _dsh(served: ServedModel, args: list[str], config_dir: Path) -> LaunchPlan:
@@ -218,7 +224,7 @@ def _dsh(served: ServedModel, args: list[str], config_dir: Path) -> LaunchPlan:
         },
     }
     patch = [{"id": "settings", "config": {"path": str(settings_path)}}]
-    files = {settings_path: json.dumps(settings, indent=2) + "\n", patch_path: json.dumps(patch, indent=2) + "\n"}
+    files = {settings_path: _json(settings), patch_path: _json(patch)}
     # `dsh web` (the Web UI) unless the arguments name another subcommand; --patch goes with either
     subcommand = [] if args and not args[0].startswith("-") else ["web"]
     argv = ["dsh", *subcommand, *args, "--patch", str(patch_path)]
