@@ -34,7 +34,8 @@ def value(metrics: dict, name: str, **labels: str) -> float:
 def test_metrics_follow_requests(http):
     before = scrape(http)
     stats_before = http.get("/v1/stats").json()["server"]
-    body = {"model": "m", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 6, "ignore_eos": True}
+    prompt_text = "Read the failing test, find the cause, fix it, and run the suite again. " * 3  # a few KV blocks
+    body = {"model": "m", "messages": [{"role": "user", "content": prompt_text}], "max_tokens": 6, "ignore_eos": True}
     usage = http.post(CHAT, json=body).json()["usage"]
     with http.stream("POST", CHAT, json=body | {"stream": True}) as response:
         assert response.status_code == 200 and sum(1 for _ in response.iter_lines()) > 2
@@ -70,6 +71,15 @@ def test_metrics_follow_requests(http):
     assert stats_after["num_requests_by_status"]["400"] >= 1
     assert stats_after["ttft_s"]["p50"] > 0 and stats_after["tpot_s"]["p99"] >= stats_after["tpot_s"]["p50"]
     assert stats_after["in_flight"] == []
+    # the prefix cache: an identical request reuses the first one's prompt blocks, and the counter says so
+    cached = http.post(CHAT, json=body).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    reused = scrape(http)
+    assert cached > 0
+    assert value(reused, "freetoken_prefix_cache_hit_tokens_total") \
+        - value(after, "freetoken_prefix_cache_hit_tokens_total") == cached
+    assert value(reused, "freetoken_prefix_cache_lookups_total") - value(after, "freetoken_prefix_cache_lookups_total") \
+        == 1
+    assert value(reused, "freetoken_prefix_cache_blocks") > 0
     # scrapes and stats reads are not requests
     assert ("freetoken_requests_total", (("endpoint", "/metrics"), ("status", "200"))) not in after
 

@@ -85,12 +85,20 @@ def test_frame_of_the_cpu_backend_and_its_queue():
     assert "expert slots" not in text  # the cpu backend has none
 
 
-def test_prefix_cache_panel_appears_when_the_server_reports_one():
-    stats = copy.deepcopy(snapshot("cpu_busy"))
-    stats["prefix_cache"] = {"num_cached_blocks": 17, "hit_rate": 0.625, "enabled": True}
+def test_prefix_cache_panel():
+    stats = snapshot("offload_prefix_cache")  # the same 47-token prompt twice: 32 tokens reused the second time
+    prefix = stats["prefix_cache"]
     text = render(Frame(stats, None, "s"))
-    assert "prefix cache" in text and "num_cached_blocks 17" in text and "hit_rate 0.625" in text
-    assert "enabled" not in text
+    assert f"hit 34% ({prefix['num_hit_tokens']} of {prefix['num_lookup_tokens']} prompt tokens, since start)" in text
+    assert f"blocks {prefix['num_cached_blocks']} cached, {prefix['num_evictable_blocks']} evictable" in text
+    before = copy.deepcopy(stats)
+    before["prefix_cache"].update(num_hit_tokens=0, num_lookup_tokens=47)
+    assert "hit 68% (32 of 47 prompt tokens, last interval)" in render(Frame(stats, before, "s"))
+    stats_extra = copy.deepcopy(stats)
+    stats_extra["prefix_cache"]["num_promotions"] = 5  # a counter this view does not know yet is still shown
+    assert "num_promotions 5" in render(Frame(stats_extra, None, "s"))
+    stats["prefix_cache"]["enabled"] = False  # --no-prefix-cache
+    assert "prefix cache" not in render(Frame(stats, None, "s"))
 
 
 def test_fused_backend_has_no_expert_panel():

@@ -310,10 +310,30 @@ class EngineCollector(Collector):
                      server["prefill_tokens_per_s"])
         yield from _expert_cache_metrics(stats.get("moe_backend") or {})
         prefix = stats.get("prefix_cache")
-        if isinstance(prefix, dict):
-            for key, value in prefix.items():
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    yield _gauge(f"prefix_cache_{key}", f"prefix cache: {key} (from /v1/stats)", value)
+        if isinstance(prefix, dict) and prefix.get("enabled", True):
+            yield from _prefix_cache_metrics(prefix)
+
+
+# The prefix cache's counters (`freetoken.engine.prefix_cache.PrefixCache.stats`) -> (name, kind, help).
+PREFIX_CACHE_METRICS = {
+    "num_lookups": ("prefix_cache_lookups", "counter", "prompts looked up in the prefix cache"),
+    "num_lookup_tokens": ("prefix_cache_lookup_tokens", "counter", "prompt tokens looked up in the prefix cache"),
+    "num_hit_tokens": ("prefix_cache_hit_tokens", "counter", "prompt tokens reused from the prefix cache (cached)"),
+    "num_evictions": ("prefix_cache_evictions", "counter", "blocks evicted from the prefix cache"),
+    "hit_rate": ("prefix_cache_hit_ratio", "gauge", "hit tokens over looked-up tokens since start"),
+    "num_cached_blocks": ("prefix_cache_blocks", "gauge", "KV blocks the prefix cache indexes"),
+    "num_evictable_blocks": ("prefix_cache_evictable_blocks", "gauge", "cached blocks no request holds"),
+    "capacity_tokens": ("prefix_cache_capacity_tokens", "gauge", "most tokens the prefix cache can hold"),
+}
+
+
+def _prefix_cache_metrics(prefix: dict[str, Any]) -> Iterator[Metric]:
+    """`PREFIX_CACHE_METRICS` for the keys present, and any other numeric key as a gauge of its own name."""
+    for key, value in prefix.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        name, kind, doc = PREFIX_CACHE_METRICS.get(key, (f"prefix_cache_{key}", "gauge", f"prefix cache {key}"))
+        yield _counter(name, doc, value) if kind == "counter" else _gauge(name, doc, value)
 
 
 def _gauge(name: str, doc: str, value: float | None, labels: dict[str, str] | None = None) -> GaugeMetricFamily:

@@ -52,7 +52,7 @@ class Frame:
             if moe.get("bandwidth"):
                 parts.append(self._bandwidth(moe["bandwidth"]))
             prefix = self.stats.get("prefix_cache")
-            if isinstance(prefix, dict) and prefix:
+            if isinstance(prefix, dict) and prefix.get("enabled", True):
                 parts.append(self._prefix_cache(prefix))
         parts.append(Text("q quits", style="dim"))
         return Group(*parts)
@@ -166,13 +166,31 @@ class Frame:
         return Panel(table, title="miss-path bandwidth", title_align="left")
 
     def _prefix_cache(self, prefix: dict[str, Any]) -> Panel:
+        """Hit rate (of the last interval when both snapshots have the counters), reuse, blocks, evictions; any
+        other numeric key as it is."""
         text = Text()
+        known = {"enabled", "hit_rate", "num_lookups", "num_lookup_tokens", "num_hit_tokens", "num_cached_blocks",
+                 "num_evictable_blocks", "num_evictions", "capacity_tokens"}
+        hit, looked_up, window = prefix.get("num_hit_tokens"), prefix.get("num_lookup_tokens"), "since start"
+        before = (self.previous or {}).get("prefix_cache") or {}
+        if None not in (hit, looked_up, before.get("num_hit_tokens"), before.get("num_lookup_tokens")):
+            if 0 < looked_up - before["num_lookup_tokens"] and before["num_hit_tokens"] <= hit:
+                hit, looked_up = hit - before["num_hit_tokens"], looked_up - before["num_lookup_tokens"]
+                window = "last interval"
+        if hit is not None and looked_up is not None:
+            text.append(f"hit {_pct(hit, looked_up)} ", style="bold green")
+            text.append(f"({hit} of {looked_up} prompt tokens, {window})   ", style="dim")
+        if "num_cached_blocks" in prefix:
+            text.append(f"blocks {prefix['num_cached_blocks']} cached, {prefix.get('num_evictable_blocks', '–')} "
+                        f"evictable   ")
+        if "num_evictions" in prefix:
+            text.append(f"evictions {prefix['num_evictions']}   ")
+        if "capacity_tokens" in prefix:
+            text.append(f"capacity {prefix['capacity_tokens']} tokens   ", style="dim")
         for key, value in prefix.items():
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if key in known or isinstance(value, bool) or not isinstance(value, (int, float)):
                 continue
-            shown = f"{value:.3f}" if isinstance(value, float) else str(value)
-            text.append(f"{key} ", style="dim")
-            text.append(f"{shown}   ")
+            text.append(f"{key} {value:.3f}   " if isinstance(value, float) else f"{key} {value}   ")
         return Panel(text, title="prefix cache", title_align="left")
 
 
