@@ -79,6 +79,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=1919, help="port (default: 1919)")
     p.add_argument("--served-model-name", default=None, help="model name in the APIs (default: the directory name)")
     p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer or x-api-key)")
+    p.add_argument(
+        "--metrics-open", action="store_true",
+        help="serve /metrics to loopback clients without --api-key (a local Prometheus scraper)",
+    )  # fmt: skip
     add_engine_args(p)
     p.set_defaults(func=run, parser=p)
 
@@ -147,5 +151,8 @@ def run(args: argparse.Namespace) -> int:
     if engine.routing["source"] == "model":
         log.info("routing: the model's own routers")
     log.info("serving %r on http://%s:%d", name, args.host, args.port)
-    run_server(AsyncEngine(engine, name), host=args.host, port=args.port, served_model_name=name, api_key=args.api_key)
+    run_server(
+        AsyncEngine(engine, name), host=args.host, port=args.port, served_model_name=name, api_key=args.api_key,
+        metrics_open=args.metrics_open,
+    )
     return 0

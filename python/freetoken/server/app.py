@@ -10,6 +10,9 @@ Routes:
     GET  /v1/responses/{id}         a stored response, or 404; DELETE forgets it.
     POST /v1/messages               Anthropic (see `anthropic.py`).
     POST /v1/messages/count_tokens  Anthropic token count.
+    GET  /v1/stats                  the stats snapshot as JSON (see `telemetry.py`).
+    GET  /metrics                   the same snapshot and the request metrics, Prometheus text format.
+    GET  /                          the status page (see `status_page.py`); always open (it holds no data).
 
 Model names: this is a single-model server. The ``model`` field is required in both APIs, but any
 name is accepted (harnesses send their own model names) and every response echoes the served model
@@ -20,8 +23,8 @@ Anthropic error bodies; all others get OpenAI ones. This covers 400s, 401 (API k
 route), 405, and 500: an unexpected exception is logged with its traceback and answered as an
 API-shaped 500; the server keeps serving.
 
-API key: with ``api_key`` set, every route but /health needs ``Authorization: Bearer KEY`` or
-``x-api-key: KEY``.
+API key: with ``api_key`` set, every route but /health and / needs ``Authorization: Bearer KEY`` or
+``x-api-key: KEY``; /metrics too, unless ``metrics_open`` and the client is on loopback.
 """
 
 from __future__ import annotations
@@ -47,13 +50,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from freetoken.server import anthropic, completions, openai, responses
+from freetoken.server import anthropic, completions, openai, responses, status_page, telemetry
 from freetoken.server.errors import ApiError, ApiFlavor, ErrorCode, error_body
 from freetoken.server.generation import ClientDisconnected
 
 logger = logging.getLogger("freetoken.server")
 
-_OPEN_PATHS = frozenset({"/health"})
+_OPEN_PATHS = frozenset({"/health", "/"})
+_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
 
 
 def flavor_of(scope: Scope) -> ApiFlavor:
@@ -93,9 +97,16 @@ class ApiMiddleware:
     exception is logged and the connection is closed.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None = None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None = None, metrics_open: bool = False) -> None:
         self.app = app
         self.api_key = api_key
+        self.metrics_open = metrics_open
+
+    def _open(self, scope: Scope) -> bool:
+        if scope["path"] in _OPEN_PATHS:
+            return True
+        client = scope.get("client")
+        return self.metrics_open and scope["path"] == "/metrics" and client is not None and client[0] in _LOOPBACK_HOSTS
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Run one request through the key check and the error net."""
@@ -103,7 +114,7 @@ class ApiMiddleware:
             await self.app(scope, receive, send)
             return
         flavor = flavor_of(scope)
-        if self.api_key is not None and scope["path"] not in _OPEN_PATHS:
+        if self.api_key is not None and not self._open(scope):
             presented = _presented_key(scope)
             if presented is None or not hmac.compare_digest(presented.encode(), self.api_key.encode()):
                 message = (
@@ -170,8 +181,16 @@ async def health(request: Request) -> Response:
 
 async def stats(request: Request) -> Response:
     """``GET /v1/stats``: the engine's counters (requests, KV blocks, steps) and the expert backend's per-layer
-    hits, fills, CPU runs and bytes each way, as JSON."""
-    return JSONResponse(request.app.state.engine.stats())
+    hits, fills, CPU runs and bytes each way, with the server's request figures under "server", as JSON
+    (`telemetry.Telemetry.snapshot`)."""
+    return JSONResponse(request.app.state.telemetry.snapshot())
+
+
+async def metrics(request: Request) -> Response:
+    """``GET /metrics``: `stats`' snapshot and the request metrics in Prometheus' text format."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    return Response(generate_latest(request.app.state.telemetry.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def _model_card(state: Any, flavor: ApiFlavor) -> dict[str, Any]:
@@ -226,13 +245,16 @@ async def _abort_on_exit(server: uvicorn.Server, engine: Any, graceful_shutdown_
     await engine.shutdown()
 
 
-def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None) -> Starlette:
+def build_app(
+    engine: Any, *, served_model_name: str, api_key: str | None = None, metrics_open: bool = False
+) -> Starlette:
     """Build the ASGI app serving `engine`; the app's lifespan starts and shuts down the engine.
 
     Args:
         engine: a `freetoken.engine.AsyncEngine` (not started yet).
         served_model_name: the name /v1/models lists and every response echoes.
-        api_key: when set, every route but /health needs this key.
+        api_key: when set, every route but /health and / needs this key.
+        metrics_open: /metrics answers loopback clients without the key.
     """
 
     @contextlib.asynccontextmanager
@@ -262,14 +284,21 @@ def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None
         Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
         Route("/v1/messages", anthropic.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/", status_page.status_page, methods=["GET"]),
     ]
+    metered = telemetry.Telemetry(engine, served_model_name)
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(ApiMiddleware, api_key=api_key)],
+        middleware=[  # telemetry outermost: it records the status ApiMiddleware answers (401, an error's 400)
+            Middleware(telemetry.TelemetryMiddleware, telemetry=metered),
+            Middleware(ApiMiddleware, api_key=api_key, metrics_open=metrics_open),
+        ],
         exception_handlers={HTTPException: _http_exception},
         lifespan=lifespan,
     )
     app.state.engine = engine
+    app.state.telemetry = metered
     app.state.served_model_name = served_model_name
     app.state.response_store = responses.ResponseStore()
     app.state.created = int(time.time())
@@ -294,6 +323,7 @@ def run_server(
     port: int = 1919,
     served_model_name: str,
     api_key: str | None = None,
+    metrics_open: bool = False,
     graceful_shutdown_s: float = 3.0,
 ) -> None:
     """Serve `engine` with uvicorn until SIGINT/SIGTERM; logs go to stderr.
@@ -302,7 +332,7 @@ def run_server(
     to finish, then aborts the rest in the engine (their streams end with an error event), and shuts
     the engine down. uvicorn then re-raises the signal, so the process ends as killed by it.
     """
-    app = build_app(engine, served_model_name=served_model_name, api_key=api_key)
+    app = build_app(engine, served_model_name=served_model_name, api_key=api_key, metrics_open=metrics_open)
     config = uvicorn.Config(
         app,
         host=host,

@@ -30,6 +30,7 @@ from starlette.requests import Request
 from freetoken.engine import RequestError
 from freetoken.engine.structured import GrammarError, GrammarMatcher, json_grammar
 from freetoken.engine.types import GenerationChunk, SamplingParams, TokenLogprob
+from freetoken.server import telemetry
 from freetoken.server.errors import ApiError, ErrorCode, invalid_request
 from freetoken.server.parsers import (
     OutputParser,
@@ -322,6 +323,7 @@ async def closing_chunks(
                     503, ErrorCode.REQUEST_ABORTED, "the engine aborted this request (the server is shutting down)"
                 )
             finished = chunk.finish_reason is not None
+            telemetry.observe_chunk(request_id, chunk.num_prompt_tokens, len(chunk.token_ids))
             yield chunk
     except RequestError as exc:
         raise invalid_request(ErrorCode.INVALID_VALUE, f"the engine refused the request: {exc}") from None
