@@ -31,6 +31,7 @@ from freetoken.engine import RequestError
 from freetoken.engine.structured import GrammarError, GrammarMatcher, json_grammar
 from freetoken.engine.types import GenerationChunk, SamplingParams, TokenLogprob
 from freetoken.server.errors import ApiError, ErrorCode, invalid_request
+from freetoken.tokenizer import PromptTooLong
 from freetoken.server.parsers import (
     OutputParser,
     ParsedDelta,
@@ -106,19 +107,31 @@ async def render_prompt(
 ) -> Prompt:
     """Render `messages` (Hugging Face chat format) with the model's chat template and tokenize.
 
+    Only the template's markup yields control tokens: client text is tokenized as plain text
+    (`Tokenizer.encode_chat`). The work is bounded by the context: a prompt past it is refused, as a 400
+    (context_length_exceeded) naming `messages`, without tokenizing more than the context's worth of text.
     Template errors (for example a conversation the template rejects) become a 400 naming `messages`.
     """
     tokenizer = engine.tokenizer
     template_kwargs = {k: v for k, v in template_kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
 
     def render() -> Prompt:
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, **template_kwargs
+        text, ids = tokenizer.encode_chat(
+            messages, tools=tools or None, add_generation_prompt=True, max_tokens=engine.max_model_len,
+            **template_kwargs,
         )
-        return Prompt(text, tokenizer.encode(text))
+        return Prompt(text, ids)
 
     try:
         return await run_in_threadpool(render)
+    except PromptTooLong as exc:
+        count = f"{exc.num_tokens} tokens" if exc.exact else f"more than {exc.limit} tokens (counting stopped there)"
+        raise invalid_request(
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"the prompt is {count}, and this model's context is {engine.max_model_len} tokens, which must also "
+            "hold at least one output token; shorten messages",
+            "messages",
+        ) from None
     except (ValueError, TypeError, KeyError) as exc:
         raise invalid_request(
             ErrorCode.TEMPLATE_ERROR, f"the chat template cannot render these messages: {exc}", "messages"
