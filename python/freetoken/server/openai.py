@@ -267,6 +267,10 @@ def parse_tool_choice(
     return choice
 
 
+# Digits of the largest token id a logit_bias key may have (ids past the vocabulary are the engine's 400).
+MAX_TOKEN_ID_DIGITS = 18
+
+
 def parse_logit_bias(body: dict[str, Any]) -> dict[int, float]:
     """``logit_bias``: an object mapping token ids (decimal strings, as JSON keys are) to a bias in [-100, 100]
     added to that token's logit (OpenAI's parameter). Ids past the vocabulary are refused by the engine."""
@@ -277,6 +281,11 @@ def parse_logit_bias(body: dict[str, Any]) -> dict[int, float]:
             raise invalid_request(
                 ErrorCode.INVALID_VALUE, f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
                 "logit_bias",
+            )
+        if len(key) > MAX_TOKEN_ID_DIGITS:  # no vocabulary is that large; int() refuses past 4300 digits
+            raise invalid_request(
+                ErrorCode.INVALID_VALUE,
+                f"logit_bias key {key[:20]}... ({len(key)} digits) is not a token id of this model", "logit_bias",
             )
         number = get_number(value, key, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS, parent="logit_bias")
         if number is not None:
