@@ -224,6 +224,7 @@ class EngineConfig:
     enforce_eager: bool = False
     prefill_strategy: str = "auto"
     no_prefill_overlap: bool = False
+    allow_nonfinite: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the flag when a setting is out of range (a zero `max_num_seqs` would hang) or

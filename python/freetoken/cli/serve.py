@@ -36,6 +36,7 @@ _HELP = {
     "prefill_strategy": "how prefill chunks reach uncached experts: auto (cheapest by the cost model), stream "
     "(whole layers, double-buffered), fill (copy routed misses), cpu, hybrid",
     "no_prefill_overlap": "one prefill layer buffer: each layer's copy waits for the previous layer's compute",
+    "allow_nonfinite": "serve weights with NaN or inf values (a sampled check at load refuses them otherwise)",
 }
 
 

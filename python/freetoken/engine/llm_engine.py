@@ -20,7 +20,13 @@ from freetoken.engine.sequence import Sequence
 from freetoken.engine.stop import OutputText
 from freetoken.engine.structured import GrammarBackend
 from freetoken.engine.types import FinishReason, GenerationChunk, SamplingParams, TokenLogprob
-from freetoken.models.loader import TensorIndex, init_dummy_weights, load_checkpoint, resolve_dtype
+from freetoken.models.loader import (
+    TensorIndex,
+    check_finite_weights,
+    init_dummy_weights,
+    load_checkpoint,
+    resolve_dtype,
+)
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
 from freetoken.moe import make_expert_backend, resolve_backend
 from freetoken.moe.budget import check_host_memory
@@ -114,6 +120,8 @@ class LLMEngine:
             model = init_dummy_weights(model_cfg, experts, device, dtype, seed=engine_cfg.seed)
         else:
             model = load_checkpoint(model_dir, experts, device, dtype, cfg=model_cfg, index=index)
+        if not engine_cfg.allow_nonfinite:
+            check_finite_weights(model, experts)
         tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         return cls(model, model_cfg, engine_cfg, tokenizer)
 
