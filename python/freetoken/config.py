@@ -224,6 +224,8 @@ class EngineConfig:
     enforce_eager: bool = False
     prefill_strategy: str = "auto"
     no_prefill_overlap: bool = False
+    stream_buffer_chunks: int = 64
+    stream_pause_timeout_s: float = 30.0
     allow_nonfinite: bool = False
 
     def validate(self) -> None:
@@ -239,12 +241,14 @@ class EngineConfig:
             raise ValueError(f"--device {self.device}: torch sees no CUDA device here; use --device cpu")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: freetoken runs on cpu or cuda")
-        for name in ("max_num_seqs", "max_prefill_tokens", "kv_block_size"):
+        for name in ("max_num_seqs", "max_prefill_tokens", "kv_block_size", "stream_buffer_chunks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("max_model_len", "kv_cache_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: automatic), got {getattr(self, name)}")
+        if not self.stream_pause_timeout_s > 0:
+            raise ValueError(f"--stream-pause-timeout-s must be > 0, got {self.stream_pause_timeout_s}")
         if not self.kv_cache_gb > 0:
             raise ValueError(f"--kv-cache-gb must be > 0, got {self.kv_cache_gb}")
         if self.moe_backend not in MOE_BACKENDS:

@@ -36,6 +36,10 @@ _HELP = {
     "prefill_strategy": "how prefill chunks reach uncached experts: auto (cheapest by the cost model), stream "
     "(whole layers, double-buffered), fill (copy routed misses), cpu, hybrid",
     "no_prefill_overlap": "one prefill layer buffer: each layer's copy waits for the previous layer's compute",
+    "stream_buffer_chunks": "output chunks buffered for a client that is not reading before its request is paused "
+    "(its KV blocks kept)",
+    "stream_pause_timeout_s": "seconds a request stays paused (its client reading nothing) before it is aborted and "
+    "freed",
     "allow_nonfinite": "serve weights with NaN or inf values (a sampled check at load refuses them otherwise)",
 }
 

@@ -165,7 +165,21 @@ class LLMEngine:
         if seq is not None:
             self.scheduler.remove(seq)
 
+    def pause(self, request_id: str) -> None:
+        """Stop stepping a running request whose output is not being read; it keeps its KV blocks
+        (`Scheduler.pause`). No-op when unknown, finished or not running."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self.scheduler.pause(seq)
+
+    def resume(self, request_id: str) -> None:
+        """Step a paused request again (`Scheduler.resume`); no-op when it is not paused."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self.scheduler.resume(seq)
+
     def has_work(self) -> bool:
+        """Whether a step has anything to run (paused requests do not count)."""
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
@@ -218,6 +232,7 @@ class LLMEngine:
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_paused": len(self.scheduler.paused),
             "kv_blocks_total": self.kv.num_blocks,
             "kv_blocks_free": self.kv.allocator.num_free,
             "num_steps": self.num_steps,

@@ -37,6 +37,8 @@ class Scheduler:
         self.max_prefill_tokens = max(1, max_prefill_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Sequences whose client stopped reading (`pause`): they keep their KV blocks, not their batch slot.
+        self.paused: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -50,7 +52,28 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.paused:
+            self.paused.remove(seq)
         self._free(seq)
+
+    # Backpressure: a running sequence is paused while its client does not read its output. It is out of the
+    # batch (no steps, no batch slot) but keeps its KV blocks and computed tokens, so resuming costs nothing.
+
+    def pause(self, seq: Sequence) -> None:
+        """Take a running sequence out of the batch, keeping its KV blocks (no-op when it is not running)."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.paused.append(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        """Put a paused sequence back: into the batch when it has a free slot, else first in the waiting queue."""
+        if seq not in self.paused:
+            return
+        self.paused.remove(seq)
+        if len(self.running) < self.max_num_seqs:
+            self.running.append(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def _free(self, seq: Sequence) -> None:
         self.kv.allocator.free(seq.block_table)

@@ -328,7 +328,8 @@ async def closing_chunks(
         async for chunk in chunks:
             if chunk.finish_reason == "abort":
                 raise ApiError(
-                    503, ErrorCode.REQUEST_ABORTED, "the engine aborted this request (the server is shutting down)"
+                    503, ErrorCode.REQUEST_ABORTED,
+                    "the engine aborted this request (the server is shutting down, or the client stopped reading)",
                 )
             finished = chunk.finish_reason is not None
             yield chunk
