@@ -99,3 +99,39 @@ def test_a_request_paused_too_long_is_aborted_and_freed(demo):
             await engine.shutdown()
 
     asyncio.run(main())
+
+
+def test_a_small_request_does_not_wait_for_a_large_ones_choices(demo):
+    """4 batch slots; a request of 4 choices (one group) of 120 tokens, then a 4-token request: the small one
+    starts within a few steps (the large one's group runs at most 2 at a time), not after the large one."""
+    make, prompt = demo
+
+    async def main():
+        llm = make(max_num_seqs=4)
+        assert llm.admission.max_seqs_per_request == 2  # half the batch by default
+        engine = AsyncEngine(llm, "demo")
+        first_token_step: list[int] = []
+        try:
+            async def choice(i: int) -> int:
+                tokens = await _tokens_of(engine.generate(prompt, greedy(120), request_id=f"big-{i}", group="big"))
+                return llm.num_steps if tokens == 120 else -1
+
+            async def small() -> None:
+                async for _ in engine.generate(prompt, greedy(4), request_id="small"):
+                    if not first_token_step:
+                        first_token_step.append(llm.num_steps)
+
+            big = [asyncio.create_task(choice(i)) for i in range(4)]
+            await asyncio.sleep(0)  # the big request's choices are queued first
+            await small()
+            big_done = await asyncio.gather(*big)
+        finally:
+            await engine.shutdown()
+        return first_token_step[0], min(big_done)
+
+    small_first, big_first_done = asyncio.run(main())
+    assert small_first <= 5 < big_first_done, (small_first, big_first_done)
+
+
+async def _tokens_of(chunks) -> int:
+    return sum([len(chunk.token_ids) async for chunk in chunks])

@@ -17,6 +17,7 @@ from freetoken.cli.serve import exposure_warning, is_loopback
 
 HEADER_TIMEOUT_S = 1.5
 MAX_CONNECTIONS = 6
+MAX_REQUEST_OUTPUT_TOKENS = 100
 
 
 @pytest.fixture(scope="module")
@@ -26,6 +27,7 @@ def limited_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
     proc = start_server(
         tmp_path_factory.mktemp("limited-server"),
         "--header-timeout-s", str(HEADER_TIMEOUT_S), "--max-connections", str(MAX_CONNECTIONS),
+        "--max-request-output-tokens", str(MAX_REQUEST_OUTPUT_TOKENS),
     )  # fmt: skip
     yield proc
     proc.stop()
@@ -151,3 +153,18 @@ def test_serve_warns_at_start_when_exposed(tmp_path: Path) -> None:
     )  # fmt: skip
     assert result.returncode != 0
     assert "without --api-key" in result.stderr
+
+
+def test_n_times_max_tokens_is_capped(limited_server: ServerProcess) -> None:
+    """n x max_tokens over --max-request-output-tokens is a 400 naming max_tokens; without max_tokens each
+    choice gets its share of the cap."""
+    base = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "n": 4, "temperature": 0}
+    with httpx.Client(base_url=limited_server.base_url, timeout=120) as client:
+        refused = client.post("/v1/chat/completions", json={**base, "max_tokens": 26})
+        assert refused.status_code == 400, refused.text
+        assert refused.json()["error"]["param"] == "max_tokens"
+        assert "--max-request-output-tokens" in refused.json()["error"]["message"]
+        assert client.post("/v1/chat/completions", json={**base, "max_tokens": 25}).status_code == 200
+        capped = client.post("/v1/chat/completions", json={**base, "ignore_eos": True})
+        assert capped.status_code == 200, capped.text
+        assert capped.json()["usage"]["completion_tokens"] <= MAX_REQUEST_OUTPUT_TOKENS

@@ -224,6 +224,8 @@ class EngineConfig:
     enforce_eager: bool = False
     prefill_strategy: str = "auto"
     no_prefill_overlap: bool = False
+    max_seqs_per_request: int = 0
+    max_request_output_tokens: int = 262144
     stream_buffer_chunks: int = 64
     stream_pause_timeout_s: float = 30.0
     allow_nonfinite: bool = False
@@ -241,7 +243,9 @@ class EngineConfig:
             raise ValueError(f"--device {self.device}: torch sees no CUDA device here; use --device cpu")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: freetoken runs on cpu or cuda")
-        for name in ("max_num_seqs", "max_prefill_tokens", "kv_block_size", "stream_buffer_chunks"):
+        for name in (
+            "max_num_seqs", "max_prefill_tokens", "kv_block_size", "stream_buffer_chunks", "max_request_output_tokens"
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("max_model_len", "kv_cache_tokens"):
@@ -261,6 +265,6 @@ class EngineConfig:
             raise ValueError(
                 f"--prefill-strategy {self.prefill_strategy!r}: choose from {', '.join(PREFILL_STRATEGIES)}"
             )
-        for name in ("gpu_memory_gb", "expert_slots", "cpu_threads"):
+        for name in ("gpu_memory_gb", "expert_slots", "cpu_threads", "max_seqs_per_request"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: automatic), got {getattr(self, name)}")

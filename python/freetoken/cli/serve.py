@@ -36,6 +36,9 @@ _HELP = {
     "prefill_strategy": "how prefill chunks reach uncached experts: auto (cheapest by the cost model), stream "
     "(whole layers, double-buffered), fill (copy routed misses), cpu, hybrid",
     "no_prefill_overlap": "one prefill layer buffer: each layer's copy waits for the previous layer's compute",
+    "max_seqs_per_request": "most choices of one request (its n) in the batch at once, so one request cannot take "
+    "the whole batch; 0 = half of --max-num-seqs",
+    "max_request_output_tokens": "most tokens one request may ask for over all its choices (n x max_tokens)",
     "stream_buffer_chunks": "output chunks buffered for a client that is not reading before its request is paused "
     "(its KV blocks kept)",
     "stream_pause_timeout_s": "seconds a request stays paused (its client reading nothing) before it is aborted and "

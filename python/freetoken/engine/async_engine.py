@@ -43,6 +43,7 @@ class _Add:
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
+    group: str | None = None
     delivered: int = 0
     consumed: int = 0
     paused: bool = False
@@ -71,6 +72,7 @@ class AsyncEngine:
         tokenizer: the model's tokenizer (None when the directory has none).
         model_name: the name served in the APIs.
         max_model_len: context length in tokens.
+        max_request_output_tokens: most output tokens one API request may ask for over its choices.
         grammars: compiles grammars into matchers for `SamplingParams.grammar` (None without a tokenizer);
             thread-safe, blocking: call it off the event loop.
     """
@@ -84,6 +86,7 @@ class AsyncEngine:
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
+        self.max_request_output_tokens = engine.cfg.max_request_output_tokens
         self.grammars = engine.grammars
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Add] = {}
@@ -117,9 +120,11 @@ class AsyncEngine:
         return dict(self._stats)
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, group: str | None = None
     ) -> AsyncIterator[GenerationChunk]:
         """Generate for one prompt, yielding chunks as tokens arrive; the last has a finish_reason.
+
+        `group`: the API request this one is a choice of (see `LLMEngine.add_request`).
 
         Leaving the loop early, `aclose()` or cancelling the task aborts the request and frees its KV blocks.
 
@@ -131,7 +136,7 @@ class AsyncEngine:
             await self.start()
         request_id = request_id or uuid.uuid4().hex
         out: asyncio.Queue = asyncio.Queue()
-        stream = _Add(request_id, list(prompt_ids), params, asyncio.get_running_loop(), out)
+        stream = _Add(request_id, list(prompt_ids), params, asyncio.get_running_loop(), out, group)
         self._commands.put(stream)
         finished = False
         try:
@@ -209,7 +214,7 @@ class AsyncEngine:
                 return True
             self._streams[command.request_id] = command
             try:
-                self.engine.add_request(command.request_id, command.prompt_ids, command.params)
+                self.engine.add_request(command.request_id, command.prompt_ids, command.params, command.group)
             except Exception as e:  # noqa: BLE001 (RequestError or any other bad-request failure: the thread lives on)
                 self._deliver(command.request_id, e)
         elif isinstance(command, _Abort):

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from freetoken.config import EngineConfig, ModelConfig
+from freetoken.engine.admission import Admission, default_share
 from freetoken.engine.kv_cache import KVCache, plan_kv_cache
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.engine.scheduler import Scheduler
@@ -86,7 +87,9 @@ class LLMEngine:
             plan.num_blocks, plan.block_size, plan.num_blocks * plan.block_size, plan.nbytes / 1e9,
         )
         self.experts = model.experts
-        self.scheduler = Scheduler(self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens)
+        share = engine_cfg.max_seqs_per_request or default_share(engine_cfg.max_num_seqs)
+        self.admission = Admission(share)
+        self.scheduler = Scheduler(self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens, self.admission)
         self.runner = ModelRunner(
             model, self.kv, self.device, engine_cfg.max_num_seqs, self.max_model_len, engine_cfg.enforce_eager,
             piecewise=not getattr(self.experts, "graph_safe", False),
@@ -125,8 +128,14 @@ class LLMEngine:
         tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         return cls(model, model_cfg, engine_cfg, tokenizer)
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises RequestError for an empty or over-long prompt or bad parameters."""
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, group: str | None = None
+    ) -> None:
+        """Queue a request. Raises RequestError for an empty or over-long prompt or bad parameters.
+
+        `group` names the API request this one is a choice of (its ``n`` choices are one group each): a group
+        runs at most `EngineConfig.max_seqs_per_request` sequences at once (`freetoken.engine.admission`).
+        """
         try:
             params.validate()
         except ValueError as e:
@@ -157,6 +166,7 @@ class LLMEngine:
         text = OutputText(self.tokenizer, prompt_ids, params.stop) if self.tokenizer else None
         seq = Sequence(request_id, list(prompt_ids), params, generator, text)
         self._seqs[request_id] = seq
+        self.admission.set_group(request_id, group)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
@@ -164,6 +174,7 @@ class LLMEngine:
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.scheduler.remove(seq)
+            self.admission.forget(request_id)
 
     def pause(self, request_id: str) -> None:
         """Stop stepping a running request whose output is not being read; it keeps its KV blocks

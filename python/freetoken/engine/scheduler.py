@@ -2,7 +2,8 @@
 
 Each step takes a token budget (`max_prefill_tokens`). Running sequences that are decoding go first, one token
 each, so a long prompt never stalls them; the rest of the budget goes to prompt chunks, of sequences already
-admitted and then of waiting ones, up to `max_num_seqs` running. When the KV cache cannot give a decoding
+admitted and then of waiting ones, up to `max_num_seqs` running and, per request, its share of them
+(`freetoken.engine.admission`). When the KV cache cannot give a decoding
 sequence its next block, the most recently arrived running sequence is preempted: its blocks are freed and it
 is recomputed from its tokens later (vLLM's recompute preemption).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from freetoken.engine.admission import Admission
 from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.sequence import Sequence
 
@@ -31,9 +33,14 @@ class ScheduledStep:
 class Scheduler:
     """Owns the waiting queue and the running set, and the KV blocks of both."""
 
-    def __init__(self, kv: KVCache, max_num_seqs: int, max_prefill_tokens: int) -> None:
+    def __init__(
+        self, kv: KVCache, max_num_seqs: int, max_prefill_tokens: int, admission: Admission | None = None
+    ) -> None:
         self.kv = kv
         self.max_num_seqs = max_num_seqs
+        # Per-request share of the batch (`freetoken.engine.admission`); by default a request's choices may use
+        # the whole batch.
+        self.admission = admission or Admission(max_num_seqs)
         self.max_prefill_tokens = max(1, max_prefill_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -133,12 +140,16 @@ class Scheduler:
                 step.seqs.append(seq)
                 step.query_lens.append(chunk)
                 budget -= chunk
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
+        index = 0  # waiting sequences of a request at its share of the batch are passed over, in order
+        while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[index]
+            if not self.admission.admissible(seq, self.running):
+                index += 1
+                continue
             chunk = min(seq.num_uncomputed, budget)
             if not self._grow(seq, chunk):
                 break
-            self.waiting.popleft()
+            del self.waiting[index]
             self.running.append(seq)
             step.seqs.append(seq)
             step.query_lens.append(chunk)

@@ -287,6 +287,26 @@ def fit_context(
     return max_tokens
 
 
+def fit_output_budget(engine: Any, n: int, max_tokens: int, explicit: bool, *, max_tokens_param: str) -> int:
+    """Check `n` choices of `max_tokens` each against the engine's cap on one request's output tokens
+    (`EngineConfig.max_request_output_tokens`); return the per-choice budget.
+
+    A budget the client gave (`explicit`) over the cap is a 400 naming `max_tokens_param`; one it did not give
+    (the context's rest) is lowered to the cap's share, ``cap // n``.
+    """
+    cap = engine.max_request_output_tokens
+    if n * max_tokens <= cap:
+        return max_tokens
+    if not explicit:
+        return max(1, cap // n)
+    raise invalid_request(
+        ErrorCode.INVALID_VALUE,
+        f"n x {max_tokens_param} is {n} x {max_tokens} = {n * max_tokens} tokens; this server allows {cap} per "
+        f"request (--max-request-output-tokens); lower {max_tokens_param} to at most {max(1, cap // n)} or n",
+        max_tokens_param,
+    )
+
+
 # A positive temperature below this samples greedily: dividing the logits by a smaller one overflows them to
 # inf and the engine's sampling step fails (vLLM draws the same line).
 MIN_TEMPERATURE = 1e-5
@@ -314,7 +334,7 @@ async def aclose_shielded(chunks: AsyncIterator[Any]) -> None:
 
 
 async def closing_chunks(
-    engine: Any, prompt_ids: list[int], params: SamplingParams, request_id: str
+    engine: Any, prompt_ids: list[int], params: SamplingParams, request_id: str, group: str | None = None
 ) -> AsyncIterator[GenerationChunk]:
     """Yield the engine's chunks for one request; the engine generator is closed on any exit.
 
@@ -322,7 +342,7 @@ async def closing_chunks(
     shielded from the cancellation so that the engine's abort path runs to the end. A chunk with
     finish_reason "abort" becomes a 503 `ApiError` (code request_aborted).
     """
-    chunks = engine.generate(prompt_ids, params, request_id=request_id)
+    chunks = engine.generate(prompt_ids, params, request_id=request_id, group=group)
     finished = False
     try:
         async for chunk in chunks:
@@ -371,7 +391,10 @@ async def merged_chunks(
         finally:
             await aclose_shielded(chunks)
         return
-    streams = [closing_chunks(engine, prompt_ids, p, f"{request_id}-{i}") for i, p in enumerate(params)]
+    # The choices are one group: together they take at most the engine's per-request share of the batch.
+    streams = [
+        closing_chunks(engine, prompt_ids, p, f"{request_id}-{i}", group=request_id) for i, p in enumerate(params)
+    ]
     pending: dict[asyncio.Future, int] = {}
     try:
         for i, stream in enumerate(streams):

@@ -60,6 +60,7 @@ from freetoken.server.generation import (
     choice_params,
     collect,
     fit_context,
+    fit_output_budget,
     format_grammar,
     merged_chunks,
     plan_output,
@@ -576,6 +577,10 @@ async def chat_completions(request: Request) -> Response:
     sampling = chat.sampling
     sampling.params.max_tokens = fit_context(
         len(prompt_ids), sampling.max_tokens, engine.max_model_len, max_tokens_param=sampling.max_tokens_param
+    )
+    sampling.params.max_tokens = fit_output_budget(
+        engine, sampling.n, sampling.params.max_tokens, sampling.max_tokens is not None,
+        max_tokens_param=sampling.max_tokens_param,
     )
     if chat.response_format is not None:
         sampling.params.grammar = await format_grammar(engine, chat.response_format, plan, tools)
