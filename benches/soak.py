@@ -11,6 +11,11 @@ Reports p50/p99 time to first token of the small streamed requests, latencies, c
 the most requests the engine held paused (sampled from /v1/stats).
 
     python benches/soak.py [--duration-s 180] [--clients 32] [--rss-bound-mb 1500]
+    python benches/soak.py --fairness [--duration-s 90] [--server-arg=--max-seqs-per-request=16]
+
+``--fairness`` measures one thing instead: the time to first token of small streamed requests (4 clients, 8
+tokens each) beside a stream of ``n: 16`` requests of 256 tokens (2 clients), with the server's default share of
+the batch per request, or with another one given as a server flag (16 = the whole batch: no share).
 
 Stops by itself (the duration, then at most --drain-s for the last requests). Prints one line per kind and a
 final JSON line. The server runs on the CPU on a free loopback port; its log goes to a temporary file whose tail
@@ -272,6 +277,38 @@ async def soak(args: argparse.Namespace, base_url: str, pid: int) -> tuple[Stats
     return stats, samples
 
 
+async def fairness(args: argparse.Namespace, base_url: str) -> dict:
+    """Small streamed requests beside a stream of n:16 ones: their TTFT, and the large ones' latency."""
+    stats = Stats()
+    big_latency_s: list[float] = []
+    async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(args.request_timeout_s)) as client:
+        rng = random.Random(0)
+        await one_request(client, "streamed", Stats(), rng)  # warm-up
+        deadline = time.monotonic() + args.duration_s
+
+        async def large() -> None:
+            while time.monotonic() < deadline:
+                start = time.monotonic()
+                body = chat(n=16, max_tokens=256, ignore_eos=True, temperature=1.0)
+                response = await client.post("/v1/chat/completions", json=body)
+                assert response.status_code == 200, response.text
+                big_latency_s.append(time.monotonic() - start)
+
+        async def small() -> None:
+            await asyncio.sleep(1.0)  # the large requests are running first
+            while time.monotonic() < deadline:
+                await one_request(client, "streamed", stats, rng)
+
+        await asyncio.gather(*(large() for _ in range(2)), *(small() for _ in range(4)))
+    return {
+        "bench": "fairness", "server_args": args.server_arg, "duration_s": args.duration_s,
+        "small_requests": len(stats.ttft_s), "large_requests": len(big_latency_s),
+        "ttft_small_s": {"p50": round(percentile(stats.ttft_s, 50), 3), "p99": round(percentile(stats.ttft_s, 99), 3)},
+        "large_latency_s": {"p50": round(percentile(big_latency_s, 50), 2)},
+        "unanswered": len(stats.unanswered),
+    }
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration-s", type=float, default=180.0, help="load duration (default: 180)")
@@ -283,6 +320,7 @@ def main() -> int:
     parser.add_argument("--request-timeout-s", type=float, default=300.0, help="client timeout per request")
     parser.add_argument("--server-arg", action="append", default=[],
                         help="extra ft serve flag (repeatable), e.g. --server-arg=--stream-pause-timeout-s=10")
+    parser.add_argument("--fairness", action="store_true", help="measure small requests' TTFT beside n:16 ones")
     args = parser.parse_args()
 
     log_path = Path(tempfile.mkdtemp(prefix="freetoken-soak-")) / "server.log"
@@ -291,6 +329,14 @@ def main() -> int:
     base_url = f"http://127.0.0.1:{port}"
     try:
         started = time.monotonic()
+        if args.fairness:
+            record = asyncio.run(fairness(args, base_url))
+            ttft = record["ttft_small_s"]
+            print(f"fairness {args.server_arg or 'default share'}: small streamed TTFT p50 {ttft['p50']:.2f} s "
+                  f"p99 {ttft['p99']:.2f} s over {record['small_requests']} requests beside "
+                  f"{record['large_requests']} n:16 requests (p50 {record['large_latency_s']['p50']:.1f} s)")
+            print(json.dumps(record))
+            return 0
         stats, samples = asyncio.run(soak(args, base_url, proc.pid))
         wall_s = time.monotonic() - started
     finally:

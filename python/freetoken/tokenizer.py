@@ -300,26 +300,24 @@ class Tokenizer:
         )
         if max_tokens is not None and len(rendered) > max_tokens * self.max_token_chars:
             raise PromptTooLong(max_tokens, max_tokens + 1, exact=False)
-        pieces: list[str] = []
-        controls: list[int] = []
+        pieces: list[str] = []  # the text between the template's control tokens, escapes restored
+        markup: list[str] = []  # those control tokens
         start = 0
         for match in self._special_re.finditer(rendered) if self._special_re else ():
-            pieces.append(rendered[start : match.start()])
-            controls.append(self._tokenizer.token_to_id(match.group()))
+            pieces.append(_ESCAPED.sub(self._unescape_one, rendered[start : match.start()]))
+            markup.append(match.group())
             start = match.end()
-        pieces.append(rendered[start:])
-        pieces = [_ESCAPED.sub(self._unescape_one, piece) for piece in pieces]
+        pieces.append(_ESCAPED.sub(self._unescape_one, rendered[start:]))
+        markup.append("")
         encoded = self._plain_tokenizer().encode_batch_fast(pieces, add_special_tokens=False)
         ids = [self.bos_token_id] if self._add_bos_token else []
-        for i, piece in enumerate(encoded):
+        for piece, control in zip(encoded, markup, strict=True):
             ids.extend(piece.ids)
-            if i < len(controls):
-                ids.append(controls[i])
+            if control:
+                ids.append(self._tokenizer.token_to_id(control))
         if max_tokens is not None and len(ids) > max_tokens:
             raise PromptTooLong(max_tokens, len(ids), exact=True)
-        text = "".join(p + (self._special_texts_by_id(controls[i]) if i < len(controls) else "")
-                       for i, p in enumerate(pieces))
-        return text, ids
+        return "".join(piece + control for piece, control in zip(pieces, markup, strict=True)), ids
 
     def _escape_one(self, match: re.Match) -> str:
         text = match.group()
@@ -328,9 +326,6 @@ class Tokenizer:
     def _unescape_one(self, match: re.Match) -> str:
         key = match.group(1)
         return _MARK if key == "m" else self._special_texts[int(key)]
-
-    def _special_texts_by_id(self, token_id: int) -> str:
-        return self._tokenizer.id_to_token(token_id)
 
     def _plain_tokenizer(self) -> HFTokenizer:
         """A copy of the tokenizer that encodes control-token text as the plain text it is (built once)."""
