@@ -158,7 +158,8 @@ async def one_request(client: httpx.AsyncClient, kind: str, stats: Stats, rng: r
 
 async def stalled_request(client: httpx.AsyncClient, stats: Stats, rng: random.Random) -> int:
     """A streamed request with a small receive window whose client reads the status line and then nothing for
-    a while, then leaves: the server must pause the request and free it (abort) without buffering its output."""
+    20-40 s, then leaves: the server must pause the request (its output is not buffered past a bound) and abort
+    it after --stream-pause-timeout-s."""
     host, port = str(client.base_url).removeprefix("http://").rstrip("/").split(":")
     body = json.dumps(chat(max_tokens=400, stream=True, logprobs=True, top_logprobs=20, ignore_eos=True)).encode()
     request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
@@ -172,7 +173,7 @@ async def stalled_request(client: httpx.AsyncClient, stats: Stats, rng: random.R
         await loop.sock_sendall(sock, request)
         head = await loop.sock_recv(sock, 64)
         status = int(head.split(b" ")[1]) if head.startswith(b"HTTP/1.1 ") else 0
-        await asyncio.sleep(rng.uniform(5.0, 15.0))
+        await asyncio.sleep(rng.uniform(20.0, 40.0))
     finally:
         sock.close()
     return status
@@ -209,7 +210,9 @@ async def sample_server(base_url: str, pid: int, stop: asyncio.Event, samples: d
 
 def start_server(log_path: Path, port: int, extra: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "freetoken.cli.main", "serve", "--model", "demo", "--device", "cpu",
-           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024", *extra]
+           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024",
+           # The stalled clients stay 20-40 s: paused requests are aborted within the run.
+           "--stream-pause-timeout-s", "10", *extra]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
@@ -319,7 +322,7 @@ def main() -> int:
     parser.add_argument("--settle-s", type=float, default=60.0, help="most wait for the server to go idle after")
     parser.add_argument("--request-timeout-s", type=float, default=300.0, help="client timeout per request")
     parser.add_argument("--server-arg", action="append", default=[],
-                        help="extra ft serve flag (repeatable), e.g. --server-arg=--stream-pause-timeout-s=10")
+                        help="extra ft serve flag (repeatable), e.g. --server-arg=--max-seqs-per-request=16")
     parser.add_argument("--fairness", action="store_true", help="measure small requests' TTFT beside n:16 ones")
     args = parser.parse_args()
 

@@ -135,3 +135,27 @@ def test_a_small_request_does_not_wait_for_a_large_ones_choices(demo):
 
 async def _tokens_of(chunks) -> int:
     return sum([len(chunk.token_ids) async for chunk in chunks])
+
+
+def test_idle_after_work_gives_memory_back(demo, monkeypatch):
+    """Once idle for IDLE_TRIM_AFTER_S after work, the engine thread releases freed memory once (not while idle)."""
+    from freetoken.engine import async_engine
+
+    calls: list[float] = []
+    monkeypatch.setattr(async_engine, "release_free_memory", lambda: calls.append(time.monotonic()))
+    monkeypatch.setattr(async_engine, "IDLE_TRIM_AFTER_S", 0.3)
+    make, prompt = demo
+
+    async def main():
+        engine = AsyncEngine(make(), "demo")
+        try:
+            await _tokens(engine, prompt, greedy(4))
+            done = time.monotonic()
+            await _wait_for(lambda: calls)
+            assert calls[0] - done >= 0.25
+            await asyncio.sleep(1.0)
+            assert len(calls) == 1
+        finally:
+            await engine.shutdown()
+
+    asyncio.run(main())

@@ -23,9 +23,14 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.engine.llm_engine import LLMEngine, RequestError
+from freetoken.heap import release_free_memory
 from freetoken.engine.types import GenerationChunk, SamplingParams
 
 log = logging.getLogger(__name__)
+
+# Seconds the engine stays idle after work before it gives freed memory back to the system (a collection and a
+# heap trim: tens of ms, so not between two requests of a steady load).
+IDLE_TRIM_AFTER_S = 2.0
 
 
 @dataclass
@@ -229,9 +234,13 @@ class AsyncEngine:
     def _loop(self) -> None:
         if self.engine.device.type == "cuda" and self.engine.device.index is not None:
             torch.cuda.set_device(self.engine.device)  # per thread: Triton launches on the current device
+        trim_due = False  # work ran since the heap was last trimmed
         while True:
-            # Idle but for paused requests: wake up when the first of them expires.
+            # Idle but for paused requests: wake up when the first of them expires; idle after work: wake up after
+            # IDLE_TRIM_AFTER_S to give the burst's freed memory back (`freetoken.heap`).
             wait_s = self._expire_paused()
+            if trim_due:
+                wait_s = IDLE_TRIM_AFTER_S if wait_s is None else min(wait_s, IDLE_TRIM_AFTER_S)
             block = not self.engine.has_work()
             try:
                 while True:
@@ -240,10 +249,13 @@ class AsyncEngine:
                         return
                     block = False
             except queue.Empty:
-                pass
+                if block and trim_due and not self.engine.has_work():
+                    release_free_memory()
+                    trim_due = False
             if not self.engine.has_work():
                 self._stats = self.engine.stats()  # after aborts, so an idle engine reports itself idle
                 continue
+            trim_due = True
             try:
                 outputs = self.engine.step()
             except Exception as e:  # keep serving: fail the requests of this batch, not the server

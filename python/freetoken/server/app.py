@@ -29,11 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import ctypes
-import ctypes.util
 import datetime
-import functools
-import gc
 import hmac
 import logging
 import math
@@ -43,7 +39,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -51,7 +46,9 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from freetoken.heap import release_free_memory
 from freetoken.server import anthropic, completions, openai, responses
 from freetoken.server.errors import ApiError, ApiFlavor, ErrorCode, error_body
 from freetoken.server.generation import ClientDisconnected
@@ -65,24 +62,6 @@ _OPEN_PATHS = frozenset({"/health"})
 # frames) until the collector's next full pass, and glibc keeps freed pages in its arenas; a 30 MB body left
 # +57 MB of RSS behind, request after request, without this.
 TRIM_AFTER_BODY_BYTES = 1 << 20
-
-
-def release_free_memory() -> None:
-    """Collect reference cycles, then hand the C heap's free pages back to the system (glibc's malloc_trim; that
-    part is a no-op elsewhere)."""
-    gc.collect()
-    libc = _libc()
-    if libc is not None:
-        libc.malloc_trim(0)
-
-
-@functools.cache
-def _libc() -> Any:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc if hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
 
 
 def flavor_of(scope: Scope) -> ApiFlavor:
