@@ -102,13 +102,13 @@ def test_a_request_paused_too_long_is_aborted_and_freed(demo):
 
 
 def test_a_small_request_does_not_wait_for_a_large_ones_choices(demo):
-    """4 batch slots; a request of 4 choices (one group) of 120 tokens, then a 4-token request: the small one
-    starts within a few steps (the large one's group runs at most 2 at a time), not after the large one."""
+    """4 batch slots; a request of 4 choices (one group) of 120 tokens takes them all, then a 4-token request
+    comes: it starts within a few steps (one of the large request's sequences is preempted for it), not after
+    the large one; the large one's outputs are still whole."""
     make, prompt = demo
 
     async def main():
         llm = make(max_num_seqs=4)
-        assert llm.admission.max_seqs_per_request == 2  # half the batch by default
         engine = AsyncEngine(llm, "demo")
         first_token_step: list[int] = []
         try:

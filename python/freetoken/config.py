@@ -204,6 +204,16 @@ class EngineConfig:
             compute), "fill" (copy the routed misses into slots), "cpu" (run them on the host), "hybrid" (q*).
         no_prefill_overlap: one layer buffer instead of two: each layer's copy waits for the previous layer's
             compute (for comparison).
+        max_seqs_per_request: most choices (sequences) of one request running at once; 0 means the whole batch.
+            Beside other requests, a request runs at most an equal split of the batch, and one of its sequences is
+            preempted for a request that waits within its split (`freetoken.engine.admission`).
+        max_request_output_tokens: most tokens one request may ask for over all its choices (n x max_tokens); a
+            request over it is refused, naming the field, and one without max_tokens gets its share of it.
+        stream_buffer_chunks: most output chunks (one token each) buffered for a client that is not reading; past
+            it the request is paused (out of the batch, its KV blocks kept) until the client has read half.
+        stream_pause_timeout_s: a request paused this long (its client read nothing) is aborted and freed.
+        allow_nonfinite: serve weights with NaN or inf values (a sampled check at load refuses them otherwise,
+            `freetoken.models.loader.check_finite_weights`).
     """
 
     device: str = "cpu"

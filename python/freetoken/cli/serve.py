@@ -37,7 +37,8 @@ _HELP = {
     "(whole layers, double-buffered), fill (copy routed misses), cpu, hybrid",
     "no_prefill_overlap": "one prefill layer buffer: each layer's copy waits for the previous layer's compute",
     "max_seqs_per_request": "most choices of one request (its n) in the batch at once, so one request cannot take "
-    "the whole batch; 0 = half of --max-num-seqs",
+    "the whole batch; beside other requests each gets at most an equal split of the batch; 0 = no cap but that "
+    "split",
     "max_request_output_tokens": "most tokens one request may ask for over all its choices (n x max_tokens)",
     "stream_buffer_chunks": "output chunks buffered for a client that is not reading before its request is paused "
     "(its KV blocks kept)",

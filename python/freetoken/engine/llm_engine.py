@@ -87,8 +87,7 @@ class LLMEngine:
             plan.num_blocks, plan.block_size, plan.num_blocks * plan.block_size, plan.nbytes / 1e9,
         )
         self.experts = model.experts
-        share = engine_cfg.max_seqs_per_request or default_share(engine_cfg.max_num_seqs)
-        self.admission = Admission(share)
+        self.admission = Admission(engine_cfg.max_seqs_per_request or default_share(engine_cfg.max_num_seqs))
         self.scheduler = Scheduler(self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens, self.admission)
         self.runner = ModelRunner(
             model, self.kv, self.device, engine_cfg.max_num_seqs, self.max_model_len, engine_cfg.enforce_eager,

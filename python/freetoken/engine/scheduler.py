@@ -99,7 +99,10 @@ class Scheduler:
     def _preempt_last(self) -> Sequence | None:
         if not self.running:
             return None
-        victim = max(self.running, key=lambda s: s.arrival)
+        return self._preempt(max(self.running, key=lambda s: s.arrival))
+
+    def _preempt(self, victim: Sequence) -> Sequence:
+        """Free a running sequence's blocks and queue it first, to be recomputed from its tokens."""
         self.running.remove(victim)
         self._free(victim)
         self.waiting.appendleft(victim)
@@ -119,6 +122,13 @@ class Scheduler:
     def _schedule_once(self) -> ScheduledStep:
         budget = self.max_prefill_tokens
         step = ScheduledStep([], [])
+        # Fair admission (`freetoken.engine.admission`): with the batch full while a request waits within its
+        # share, one sequence of the group furthest over its share makes room (recomputed later).
+        share = self.admission.fair_share(self.waiting, self.running, self.max_num_seqs)
+        if self.waiting and len(self.running) >= self.max_num_seqs:
+            victim = self.admission.victim(self.waiting, self.running, share)
+            if victim is not None:
+                self._preempt(victim)
         decoding = sorted((s for s in self.running if s.num_uncomputed == 1), key=lambda s: s.arrival)
         for seq in decoding:
             if seq not in self.running:
@@ -140,10 +150,10 @@ class Scheduler:
                 step.seqs.append(seq)
                 step.query_lens.append(chunk)
                 budget -= chunk
-        index = 0  # waiting sequences of a request at its share of the batch are passed over, in order
+        index = 0  # waiting sequences of a group at its share are passed over, in order
         while index < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[index]
-            if not self.admission.admissible(seq, self.running):
+            if not self.admission.admissible(seq, self.running, share):
                 index += 1
                 continue
             chunk = min(seq.num_uncomputed, budget)
