@@ -209,6 +209,16 @@ class EngineConfig:
         replay_routing: benchmarks only, with `dummy_weights`: the MoE routers replay a routing trace instead of
             routing ("synthetic": the calibrated synthetic trace of `benches/moe_backends.py`; or a `.fttrace`
             file), so the expert cache sees a real model's misses (`freetoken.moe.routing_replay`); "" is off.
+        max_seqs_per_request: most choices (sequences) of one request running at once; 0 means the whole batch.
+            Beside other requests, a request runs at most an equal split of the batch, and one of its sequences is
+            preempted for a request that waits within its split (`freetoken.engine.admission`).
+        max_request_output_tokens: most tokens one request may ask for over all its choices (n x max_tokens); a
+            request over it is refused, naming the field, and one without max_tokens gets its share of it.
+        stream_buffer_chunks: most output chunks (one token each) buffered for a client that is not reading; past
+            it the request is paused (out of the batch, its KV blocks kept) until the client has read half.
+        stream_pause_timeout_s: a request paused this long (its client read nothing) is aborted and freed.
+        allow_nonfinite: serve weights with NaN or inf values (a sampled check at load refuses them otherwise,
+            `freetoken.models.loader.check_finite_weights`).
     """
 
     device: str = "cpu"
@@ -231,6 +241,11 @@ class EngineConfig:
     no_prefill_overlap: bool = False
     no_prefix_cache: bool = False
     replay_routing: str = ""
+    max_seqs_per_request: int = 0
+    max_request_output_tokens: int = 262144
+    stream_buffer_chunks: int = 64
+    stream_pause_timeout_s: float = 30.0
+    allow_nonfinite: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the flag when a setting is out of range (a zero `max_num_seqs` would hang) or
@@ -245,12 +260,16 @@ class EngineConfig:
             raise ValueError(f"--device {self.device}: torch sees no CUDA device here; use --device cpu")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: freetoken runs on cpu or cuda")
-        for name in ("max_num_seqs", "max_prefill_tokens", "kv_block_size"):
+        for name in (
+            "max_num_seqs", "max_prefill_tokens", "kv_block_size", "stream_buffer_chunks", "max_request_output_tokens"
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("max_model_len", "kv_cache_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: automatic), got {getattr(self, name)}")
+        if not self.stream_pause_timeout_s > 0:
+            raise ValueError(f"--stream-pause-timeout-s must be > 0, got {self.stream_pause_timeout_s}")
         if not self.kv_cache_gb > 0:
             raise ValueError(f"--kv-cache-gb must be > 0, got {self.kv_cache_gb}")
         if self.moe_backend not in MOE_BACKENDS:
@@ -268,6 +287,6 @@ class EngineConfig:
                 f"--replay-routing {self.replay_routing}: replaying a routing trace is for benchmarks on dummy weights "
                 "(a real model's routers must route); add --dummy-weights or drop --replay-routing"
             )
-        for name in ("gpu_memory_gb", "expert_slots", "cpu_threads"):
+        for name in ("gpu_memory_gb", "expert_slots", "cpu_threads", "max_seqs_per_request"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: automatic), got {getattr(self, name)}")

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from freetoken.config import EngineConfig, ModelConfig
+from freetoken.engine.admission import Admission, default_share
 from freetoken.engine.kv_cache import KVCache, plan_kv_cache
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.engine.scheduler import Scheduler
@@ -20,7 +21,13 @@ from freetoken.engine.sequence import Sequence
 from freetoken.engine.stop import OutputText
 from freetoken.engine.structured import GrammarBackend
 from freetoken.engine.types import FinishReason, GenerationChunk, SamplingParams, TokenLogprob
-from freetoken.models.loader import TensorIndex, init_dummy_weights, load_checkpoint, resolve_dtype
+from freetoken.models.loader import (
+    TensorIndex,
+    check_finite_weights,
+    init_dummy_weights,
+    load_checkpoint,
+    resolve_dtype,
+)
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
 from freetoken.moe import make_expert_backend, resolve_backend
 from freetoken.moe.budget import check_host_memory
@@ -82,8 +89,10 @@ class LLMEngine:
             plan.num_blocks, plan.block_size, plan.num_blocks * plan.block_size, plan.nbytes / 1e9,
         )
         self.experts = model.experts
+        self.admission = Admission(engine_cfg.max_seqs_per_request or default_share(engine_cfg.max_num_seqs))
         self.scheduler = Scheduler(
-            self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens, prefix_cache=not engine_cfg.no_prefix_cache
+            self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens, prefix_cache=not engine_cfg.no_prefix_cache,
+            admission=self.admission,
         )
         if engine_cfg.no_prefix_cache:
             log.info("prefix cache: off (--no-prefix-cache); every prompt is prefilled in full")
@@ -128,11 +137,19 @@ class LLMEngine:
                 install_replay(model, engine_cfg.replay_routing, seed=engine_cfg.seed)
         else:
             model = load_checkpoint(model_dir, experts, device, dtype, cfg=model_cfg, index=index)
+        if not engine_cfg.allow_nonfinite:
+            check_finite_weights(model, experts)
         tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         return cls(model, model_cfg, engine_cfg, tokenizer)
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises RequestError for an empty or over-long prompt or bad parameters."""
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, group: str | None = None
+    ) -> None:
+        """Queue a request. Raises RequestError for an empty or over-long prompt or bad parameters.
+
+        `group` names the API request this one is a choice of (its ``n`` choices are one group each): a group
+        runs at most `EngineConfig.max_seqs_per_request` sequences at once (`freetoken.engine.admission`).
+        """
         try:
             params.validate()
         except ValueError as e:
@@ -163,6 +180,7 @@ class LLMEngine:
         text = OutputText(self.tokenizer, prompt_ids, params.stop) if self.tokenizer else None
         seq = Sequence(request_id, list(prompt_ids), params, generator, text)
         self._seqs[request_id] = seq
+        self.admission.set_group(request_id, group)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
@@ -170,8 +188,23 @@ class LLMEngine:
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.scheduler.remove(seq)
+            self.admission.forget(request_id)
+
+    def pause(self, request_id: str) -> None:
+        """Stop stepping a running request whose output is not being read; it keeps its KV blocks
+        (`Scheduler.pause`). No-op when unknown, finished or not running."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self.scheduler.pause(seq)
+
+    def resume(self, request_id: str) -> None:
+        """Step a paused request again (`Scheduler.resume`); no-op when it is not paused."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self.scheduler.resume(seq)
 
     def has_work(self) -> bool:
+        """Whether a step has anything to run (paused requests do not count)."""
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
@@ -234,6 +267,7 @@ class LLMEngine:
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_paused": len(self.scheduler.paused),
             "kv_blocks_total": self.kv.num_blocks,
             "kv_blocks_free": self.scheduler.prefix_cache.num_free,
             "prefix_cache": self.scheduler.prefix_cache.stats(),

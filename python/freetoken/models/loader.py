@@ -222,3 +222,42 @@ def init_dummy_weights(
         experts.load_layer(layer, gate_up, down)
     model.attach_experts(experts)
     return model
+
+
+# Values sampled per weight tensor and per routed expert by `check_finite_weights`: evenly strided, so a tensor
+# that is NaN or inf throughout (or in any large block) is caught while a 30B model's check reads a few MB.
+FINITE_SAMPLES_PER_TENSOR = 4096
+FINITE_SAMPLES_PER_EXPERT = 256
+
+
+def check_finite_weights(model: torch.nn.Module, experts: object) -> None:
+    """Refuse weights with NaN or inf values, from an evenly strided sample of every tensor of `model` and of
+    every routed expert in `experts`' host pool (an `ExpertCacheBackend`'s ``pool_experts``), when it has one.
+
+    A checkpoint full of NaN otherwise serves (every output token the same, "!!!!"). Sampled: a few stray
+    non-finite values may pass; the cost is a few reads per tensor and per expert.
+
+    Raises:
+        CheckpointError: naming the first tensor (or pool layer and expert) with a non-finite sample and the flag
+            that serves it anyway (--allow-nonfinite).
+    """
+    fix = "the checkpoint is corrupt or was saved in a dtype that overflowed; --allow-nonfinite serves it anyway"
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if not tensor.is_floating_point() or tensor.numel() == 0:
+            continue
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // FINITE_SAMPLES_PER_TENSOR)]
+        if not bool(torch.isfinite(sample).all()):
+            raise CheckpointError(f"tensor {name!r} holds NaN or inf values; {fix}")
+    pool_experts = getattr(experts, "pool_experts", None)
+    if pool_experts is None:
+        return
+    pool = experts.pool  # type: ignore[attr-defined]
+    values = pool_experts[:, : pool.expert_nbytes].view(torch.bfloat16)  # [experts, 3*I*H] bf16, zero-copy
+    sample = values[:, :: max(1, values.shape[1] // FINITE_SAMPLES_PER_EXPERT)]
+    bad = (~torch.isfinite(sample)).any(dim=1).nonzero()
+    if len(bad):
+        layer, expert = divmod(int(bad[0]), pool.num_experts)
+        raise CheckpointError(
+            f"routed expert {expert} of model layer {pool.moe_layers[layer]} holds NaN or inf values; {fix}"
+        )

@@ -121,27 +121,62 @@ def host_available_bytes() -> int | None:
     return None
 
 
-def check_host_memory(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, backend: str) -> None:
-    """Refuse, before allocating, a model whose host-memory needs exceed what the machine has available.
+# Host staging buffers of the expert-cache backends on CUDA (`PinnedBuffers`): the hidden rows that go to the
+# CPU experts and their sums coming back, float32, for a whole prefill chunk, each grown to twice its need.
+PINNED_STAGING_TENSORS = 4
 
-    Needs: the expert pool (bf16, all routed experts) for the expert-cache backends; every weight when the model
-    itself runs on the CPU.
+
+def plan_host_memory(
+    cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, backend: str
+) -> dict[str, tuple[int, str]]:
+    """What `ft serve` will allocate in host memory, by part, before anything is allocated.
+
+    Returns:
+        part -> (bytes, what to change to shrink it). Parts: "expert pool" (bf16, every routed expert, for the
+        expert-cache backends), "weights" (the model's own weights when it runs on the CPU; the routed experts
+        too with the fused backend), "expert slots" (the slot cache, in host memory on a CPU device), "KV cache"
+        (on a CPU device; `plan_kv_cache`), "pinned staging" (CUDA with an expert-cache backend). Parts that
+        are zero are left out.
+    """
+    from freetoken.engine.kv_cache import plan_kv_cache
+
+    device = torch.device(cfg.device)
+    size = torch.empty((), dtype=dtype).element_size()
+    num_experts = len(model_cfg.moe_layers) * model_cfg.num_experts
+    experts = num_experts * model_cfg.expert_numel
+    parts: dict[str, tuple[int, str]] = {}
+    if backend != "fused":
+        parts["expert pool"] = (experts * 2, "a smaller model or a machine with more RAM")
+    if device.type == "cpu":
+        weights = non_expert_nbytes(model_cfg, dtype) + (experts * size if backend == "fused" else 0)
+        parts["weights"] = (weights, "a smaller model or a machine with more RAM")
+        if backend not in ("fused", "cpu"):
+            slots = min(cfg.expert_slots or num_experts, num_experts)
+            parts["expert slots"] = (slots * model_cfg.expert_numel * size, "lower --expert-slots")
+        parts["KV cache"] = (plan_kv_cache(model_cfg, cfg, dtype).nbytes, "lower --kv-cache-gb or --kv-cache-tokens")
+    elif backend != "fused":
+        staging = PINNED_STAGING_TENSORS * 2 * cfg.max_prefill_tokens * model_cfg.hidden_size * 4
+        parts["pinned staging"] = (staging, "lower --max-prefill-tokens")
+    return {part: value for part, value in parts.items() if value[0] > 0}
+
+
+def check_host_memory(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, backend: str) -> None:
+    """Refuse, before allocating, a plan whose host memory (`plan_host_memory`: expert pool, weights, expert
+    slots, KV cache, pinned staging) exceeds 95 % of what the machine has available, so that the server never
+    meets the kernel's OOM killer through its own configuration.
 
     Raises:
-        ValueError: with the sizes and what to change.
+        ValueError: with each part's size, what is available, and the flag of the largest part to change.
     """
     available = host_available_bytes()
     if available is None:
         return
-    experts = len(model_cfg.moe_layers) * model_cfg.num_experts * model_cfg.expert_numel
-    need = 0
-    if backend != "fused":
-        need += experts * 2  # the pool holds bf16
-    if torch.device(cfg.device).type == "cpu":
-        size = torch.empty((), dtype=dtype).element_size()
-        need += non_expert_nbytes(model_cfg, dtype) + (experts * size if backend == "fused" else 0)
+    parts = plan_host_memory(cfg, model_cfg, dtype, backend)
+    need = sum(nbytes for nbytes, _ in parts.values())
     if need > 0.95 * available:
+        listed = ", ".join(f"{part} {nbytes / 1e9:.1f} GB" for part, (nbytes, _) in parts.items())
+        largest, (_, fix) = max(parts.items(), key=lambda item: item[1][0])
         raise ValueError(
-            f"this model needs {need / 1e9:.1f} GB of host memory ({backend} backend on {cfg.device}); "
-            f"{available / 1e9:.1f} GB is available. Use a machine with more RAM or a smaller model"
+            f"this configuration needs {need / 1e9:.1f} GB of host memory ({listed}; {backend} backend on "
+            f"{cfg.device}); {available / 1e9:.1f} GB is available. The {largest} is the largest part: {fix}"
         )

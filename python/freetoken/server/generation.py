@@ -32,6 +32,7 @@ from freetoken.engine.structured import GrammarError, GrammarMatcher, json_gramm
 from freetoken.engine.types import GenerationChunk, SamplingParams, TokenLogprob
 from freetoken.server import telemetry
 from freetoken.server.errors import ApiError, ErrorCode, invalid_request
+from freetoken.tokenizer import PromptTooLong
 from freetoken.server.parsers import (
     OutputParser,
     ParsedDelta,
@@ -111,19 +112,31 @@ async def render_prompt(
 ) -> Prompt:
     """Render `messages` (Hugging Face chat format) with the model's chat template and tokenize.
 
+    Only the template's markup yields control tokens: client text is tokenized as plain text
+    (`Tokenizer.encode_chat`). The work is bounded by the context: a prompt past it is refused, as a 400
+    (context_length_exceeded) naming `messages`, without tokenizing more than the context's worth of text.
     Template errors (for example a conversation the template rejects) become a 400 naming `messages`.
     """
     tokenizer = engine.tokenizer
     template_kwargs = {k: v for k, v in template_kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
 
     def render() -> Prompt:
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, **template_kwargs
+        text, ids = tokenizer.encode_chat(
+            messages, tools=tools or None, add_generation_prompt=True, max_tokens=engine.max_model_len,
+            **template_kwargs,
         )
-        return Prompt(text, tokenizer.encode(text))
+        return Prompt(text, ids)
 
     try:
         return await run_in_threadpool(render)
+    except PromptTooLong as exc:
+        count = f"{exc.num_tokens} tokens" if exc.exact else f"more than {exc.limit} tokens (counting stopped there)"
+        raise invalid_request(
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+            f"the prompt is {count}, and this model's context is {engine.max_model_len} tokens, which must also "
+            "hold at least one output token; shorten messages",
+            "messages",
+        ) from None
     except (ValueError, TypeError, KeyError) as exc:
         raise invalid_request(
             ErrorCode.TEMPLATE_ERROR, f"the chat template cannot render these messages: {exc}", "messages"
@@ -279,6 +292,26 @@ def fit_context(
     return max_tokens
 
 
+def fit_output_budget(engine: Any, n: int, max_tokens: int, explicit: bool, *, max_tokens_param: str) -> int:
+    """Check `n` choices of `max_tokens` each against the engine's cap on one request's output tokens
+    (`EngineConfig.max_request_output_tokens`); return the per-choice budget.
+
+    A budget the client gave (`explicit`) over the cap is a 400 naming `max_tokens_param`; one it did not give
+    (the context's rest) is lowered to the cap's share, ``cap // n``.
+    """
+    cap = engine.max_request_output_tokens
+    if n * max_tokens <= cap:
+        return max_tokens
+    if not explicit:
+        return max(1, cap // n)
+    raise invalid_request(
+        ErrorCode.INVALID_VALUE,
+        f"n x {max_tokens_param} is {n} x {max_tokens} = {n * max_tokens} tokens; this server allows {cap} per "
+        f"request (--max-request-output-tokens); lower {max_tokens_param} to at most {max(1, cap // n)} or n",
+        max_tokens_param,
+    )
+
+
 # A positive temperature below this samples greedily: dividing the logits by a smaller one overflows them to
 # inf and the engine's sampling step fails (vLLM draws the same line).
 MIN_TEMPERATURE = 1e-5
@@ -306,7 +339,7 @@ async def aclose_shielded(chunks: AsyncIterator[Any]) -> None:
 
 
 async def closing_chunks(
-    engine: Any, prompt_ids: list[int], params: SamplingParams, request_id: str
+    engine: Any, prompt_ids: list[int], params: SamplingParams, request_id: str, group: str | None = None
 ) -> AsyncIterator[GenerationChunk]:
     """Yield the engine's chunks for one request; the engine generator is closed on any exit.
 
@@ -314,13 +347,14 @@ async def closing_chunks(
     shielded from the cancellation so that the engine's abort path runs to the end. A chunk with
     finish_reason "abort" becomes a 503 `ApiError` (code request_aborted).
     """
-    chunks = engine.generate(prompt_ids, params, request_id=request_id)
+    chunks = engine.generate(prompt_ids, params, request_id=request_id, group=group)
     finished = False
     try:
         async for chunk in chunks:
             if chunk.finish_reason == "abort":
                 raise ApiError(
-                    503, ErrorCode.REQUEST_ABORTED, "the engine aborted this request (the server is shutting down)"
+                    503, ErrorCode.REQUEST_ABORTED,
+                    "the engine aborted this request (the server is shutting down, or the client stopped reading)",
                 )
             finished = chunk.finish_reason is not None
             telemetry.observe_chunk(request_id, chunk.num_prompt_tokens, len(chunk.token_ids))
@@ -363,7 +397,10 @@ async def merged_chunks(
         finally:
             await aclose_shielded(chunks)
         return
-    streams = [closing_chunks(engine, prompt_ids, p, f"{request_id}-{i}") for i, p in enumerate(params)]
+    # The choices are one group: together they take at most the engine's per-request share of the batch.
+    streams = [
+        closing_chunks(engine, prompt_ids, p, f"{request_id}-{i}", group=request_id) for i, p in enumerate(params)
+    ]
     pending: dict[asyncio.Future, int] = {}
     try:
         for i, stream in enumerate(streams):

@@ -60,6 +60,7 @@ from freetoken.server.generation import (
     choice_params,
     collect,
     fit_context,
+    fit_output_budget,
     format_grammar,
     merged_chunks,
     plan_output,
@@ -267,6 +268,10 @@ def parse_tool_choice(
     return choice
 
 
+# Digits of the largest token id a logit_bias key may have (ids past the vocabulary are the engine's 400).
+MAX_TOKEN_ID_DIGITS = 18
+
+
 def parse_logit_bias(body: dict[str, Any]) -> dict[int, float]:
     """``logit_bias``: an object mapping token ids (decimal strings, as JSON keys are) to a bias in [-100, 100]
     added to that token's logit (OpenAI's parameter). Ids past the vocabulary are refused by the engine."""
@@ -277,6 +282,11 @@ def parse_logit_bias(body: dict[str, Any]) -> dict[int, float]:
             raise invalid_request(
                 ErrorCode.INVALID_VALUE, f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
                 "logit_bias",
+            )
+        if len(key) > MAX_TOKEN_ID_DIGITS:  # no vocabulary is that large; int() refuses past 4300 digits
+            raise invalid_request(
+                ErrorCode.INVALID_VALUE,
+                f"logit_bias key {key[:20]}... ({len(key)} digits) is not a token id of this model", "logit_bias",
             )
         number = get_number(value, key, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS, parent="logit_bias")
         if number is not None:
@@ -570,6 +580,10 @@ async def chat_completions(request: Request) -> Response:
     sampling = chat.sampling
     sampling.params.max_tokens = fit_context(
         len(prompt_ids), sampling.max_tokens, engine.max_model_len, max_tokens_param=sampling.max_tokens_param
+    )
+    sampling.params.max_tokens = fit_output_budget(
+        engine, sampling.n, sampling.params.max_tokens, sampling.max_tokens is not None,
+        max_tokens_param=sampling.max_tokens_param,
     )
     if chat.response_format is not None:
         sampling.params.grammar = await format_grammar(engine, chat.response_format, plan, tools)
