@@ -38,7 +38,7 @@ def test_shape_and_usage(openai_client, demo_tokenizer):
 
 
 def test_forced_function_call_and_stream(openai_client):
-    kwargs = {"model": "m", "input": "List files.", "tools": TOOLS, "max_output_tokens": 5, "temperature": 0,
+    kwargs = {"model": "m", "input": "List files.", "tools": TOOLS, "max_output_tokens": 20, "temperature": 0,
               "tool_choice": {"type": "function", "name": "shell"}}
     response = openai_client.responses.create(**kwargs)
     calls = [item for item in response.output if item.type == "function_call"]

@@ -85,6 +85,14 @@ class AsyncEngine:
                 if isinstance(command, _Add):
                     command.loop.call_soon_threadsafe(command.out.put_nowait, aborted)
 
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """`LLMEngine.check_request`, from the event loop: what `generate` would refuse, found before it runs.
+
+        Raises:
+            RequestError: the message starts with the field at fault.
+        """
+        self.engine.check_request(prompt_ids, params)
+
     def stats(self) -> dict:
         """The latest engine counters (JSON-able), as of the last step."""
         return dict(self._stats)

@@ -50,6 +50,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from freetoken.server import anthropic, completions, openai, responses
 from freetoken.server.errors import ApiError, ApiFlavor, ErrorCode, error_body
 from freetoken.server.generation import ClientDisconnected
+from freetoken.server.sse import KEEPALIVE_S
 
 logger = logging.getLogger("freetoken.server")
 
@@ -226,13 +227,16 @@ async def _abort_on_exit(server: uvicorn.Server, engine: Any, graceful_shutdown_
     await engine.shutdown()
 
 
-def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None) -> Starlette:
+def build_app(
+    engine: Any, *, served_model_name: str, api_key: str | None = None, keepalive_s: float = KEEPALIVE_S
+) -> Starlette:
     """Build the ASGI app serving `engine`; the app's lifespan starts and shuts down the engine.
 
     Args:
         engine: a `freetoken.engine.AsyncEngine` (not started yet).
         served_model_name: the name /v1/models lists and every response echoes.
         api_key: when set, every route but /health needs this key.
+        keepalive_s: seconds a stream may be idle before it sends a keep-alive (see `freetoken.server.sse`).
     """
 
     @contextlib.asynccontextmanager
@@ -273,6 +277,7 @@ def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None
     app.state.served_model_name = served_model_name
     app.state.response_store = responses.ResponseStore()
     app.state.created = int(time.time())
+    app.state.keepalive_s = keepalive_s
     return app
 
 

@@ -50,7 +50,7 @@ from freetoken.server.generation import (
     collect,
     converted_events,
     fit_context,
-    format_grammar,
+    constrain_output,
     plan_output,
     render_prompt,
 )
@@ -462,13 +462,13 @@ async def responses(request: Request) -> Response:
     stream = get_field(body, "stream", bool, default=False)
     offered = None if tool_choice.mode == "none" else tools
     prompt = await render_prompt(engine, messages, offered, _template_kwargs(body))
-    plan = plan_output(engine, prompt, bool(offered), tool_choice)
+    plan = plan_output(engine, prompt, offered, tool_choice)
     params.max_tokens = fit_context(
         len(prompt.ids), max_output_tokens, engine.max_model_len, max_tokens_param="max_output_tokens",
         messages_param="input",
     )
-    if response_format is not None:
-        params.grammar = await format_grammar(engine, response_format[1], plan, offered)
+    fmt = response_format[1] if response_format is not None else None
+    await constrain_output(engine, plan, params, prompt.ids, fmt, offered, messages_param="input")
     response = _Response(body, state.served_model_name, params)
     conversation = [*history, *input_items(body)]
 
@@ -478,7 +478,7 @@ async def responses(request: Request) -> Response:
 
     if stream:
         events = _stream_events(engine, prompt.ids, params, plan, response, on_done)
-        return EventStreamResponse(guard_stream(events, response.id, _error_events))
+        return EventStreamResponse(guard_stream(events, response.id, _error_events, keepalive_s=state.keepalive_s))
     [completion] = await collect(request, engine, prompt.ids, [params], response.id)
     output = plan.parse(completion.text)
     usage = _usage(completion.num_prompt_tokens, completion.num_output_tokens)

@@ -172,16 +172,25 @@ class Qwen3Parser:
             return TOOL_OPEN + "\n"
         return f'{TOOL_OPEN}\n{{"name": {json.dumps(name, ensure_ascii=False)}, "arguments": {{'
 
-    def reasoning_grammar(self) -> str:
-        """The rest of the reasoning block the prompt opened, or an optional whole one; then at most a few
-        blank characters (Qwen3 writes two newlines after ``</think>``; a bound, so they cannot loop). Nothing
-        when the prompt closed the block (``enable_thinking=False``)."""
+    def reasoning_grammar(self, optional: bool = True) -> str:
+        """The rest of the reasoning block the prompt opened, or (with `optional`) an optional whole one; then at
+        most a few blank characters (Qwen3 writes two newlines after ``</think>``; a bound, so they cannot loop).
+        Nothing when the prompt closed the block (``enable_thinking=False``)."""
         body = f"/(?s:.*)/ {THINK_CLOSE} /[ \\n]{{0,4}}/"
         if self._mode == _REASONING:
             return body
-        if self._thinking_off:
+        if self._thinking_off or not optional:
             return ""
         return f"({THINK_OPEN} {body})?"
+
+    def reasoning_tags(self) -> tuple[str, str] | None:
+        """``("", "</think>")`` when the prompt opened the block, None when it closed one (thinking off), else
+        ``("<think>", "</think>")``."""
+        if self._mode == _REASONING:
+            return "", THINK_CLOSE
+        if self._thinking_off:
+            return None
+        return THINK_OPEN, THINK_CLOSE
 
     def tool_calls_grammar(self, tools: list[dict[str, Any]]) -> str:
         """Calls as the template shows them, one ``<tool_call>`` block each: a newline, the call's JSON (the
