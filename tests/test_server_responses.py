@@ -112,8 +112,8 @@ def test_reasoning_and_calls_validate_as_sdk_events():
     text = ('<think>\nNeed ls.\n</think>\n\nRunning it.\n<tool_call>\n{"name": "shell", "arguments": '
             '{"cmd": "ls -la"}}\n</tool_call>')
     options = ParserOptions(prompt_text="", parse_tools=True)
-    whole = output_items(parse_text(Qwen3Parser(options), text))
-    parser, items = Qwen3Parser(options), _ItemStream()
+    whole = output_items(parse_text(Qwen3Parser(options), text), ToolKinds())
+    parser, items = Qwen3Parser(options), _ItemStream(ToolKinds())
     raw = [e for i in range(0, len(text), 5) for e in items.events(parser.feed(text[i:i + 5]))]
     raw += items.events(parser.finish()) + items.close()
     adapter = TypeAdapter(ResponseStreamEvent)

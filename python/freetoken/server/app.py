@@ -7,6 +7,7 @@ Routes:
     POST /v1/chat/completions       OpenAI (see `openai.py`).
     POST /v1/completions            OpenAI text completions (see `completions.py`).
     POST /v1/responses              OpenAI Responses (see `responses.py`).
+    POST /v1/responses/compact      a conversation compacted by the model (`responses.compact`).
     GET  /v1/responses/{id}         a stored response, or 404; DELETE forgets it.
     POST /v1/messages               Anthropic (see `anthropic.py`).
     POST /v1/messages/count_tokens  Anthropic token count.
@@ -262,6 +263,7 @@ def build_app(
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
         Route("/v1/completions", completions.completions, methods=["POST"]),
         Route("/v1/responses", responses.responses, methods=["POST"]),
+        Route("/v1/responses/compact", responses.compact, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
         Route("/v1/messages", anthropic.messages, methods=["POST"]),
