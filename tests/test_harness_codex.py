@@ -67,11 +67,11 @@ def test_codex_exec_two_turns(long_server, tmp_path):
         f'base_url = "{recorder.base_url}/v1"\nwire_api = "responses"\n'
     )
     env = {"HOME": str(home), "CODEX_HOME": str(codex_home), "PATH": os.environ.get("PATH", ""), "NO_COLOR": "1"}
-    common = ["--skip-git-repo-check", "--sandbox", "read-only", "-C", str(work)]
+    common = ["--skip-git-repo-check", "-c", 'sandbox_mode="read-only"']
     try:
         for args in (["exec", *common, "List the files here."], ["exec", "resume", "--last", *common, "Thanks."]):
-            done = subprocess.run([binary, *args], env=env, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                                  timeout=600)
+            done = subprocess.run([binary, *args], env=env, cwd=work, stdin=subprocess.DEVNULL, capture_output=True,
+                                  text=True, timeout=600)
             assert done.returncode == 0, (args, done.stdout[-3000:], done.stderr[-3000:])
     finally:
         proxy.should_exit = True
