@@ -47,8 +47,8 @@ def _codex_binary() -> str:
 def _scrub(value):
     """A recorded body with ids, times and temporary paths replaced (nothing secret is sent: no key is set)."""
     text = json.dumps(value, ensure_ascii=False)
-    text = re.sub(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}", "00000000-0000-0000-0000-000000000000",
-                  text)
+    uuid = r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}"
+    text = re.sub(uuid, "00000000-0000-0000-0000-000000000000", text)
     text = re.sub(r"/tmp/[A-Za-z0-9_./-]+", "/tmp/codex-test", text)
     text = re.sub(r"(turn_started_at_unix_ms\\\\?\"?:)\d+", r"\g<1>0", text)
     return json.loads(text)

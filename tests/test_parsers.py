@@ -76,36 +76,19 @@ CASES = [
         ParsedOutput("", "", [ToolCall("run", '{"cmd": "ls"}')]),
     ),
     # malformed: dropped, never sent as markup
-    (
-        PROMPT,
-        True,
-        "Oops <tool_call>\nnot json at all\n</tool_call> done",
-        ParsedOutput("Oops done", "", []),
-    ),
+    (PROMPT, True, "Oops <tool_call>\nnot json at all\n</tool_call> done", ParsedOutput("Oops done", "", [])),
     (PROMPT, True, '<tool_call>\n{"arguments": {}}\n</tool_call>', ParsedOutput("", "", [])),
     # truncated (max_tokens) before the header completes: dropped
     (PROMPT, True, '<tool_call>\n{"name": "get_w', ParsedOutput("", "", [])),
     (PROMPT, True, "A <tool_call>\n", ParsedOutput("A", "", [])),
     # the closing tag inside an argument is text of the argument
-    (
-        PROMPT,
-        True,
-        '<tool_call>\n{"name": "write", "arguments": {"text": "a </tool_call> b"}}\n</tool_call>\nDone.',
-        ParsedOutput("Done.", "", [ToolCall("write", '{"text": "a </tool_call> b"}')]),
-    ),
-    (
-        PROMPT,
-        True,
-        '<tool_call>\n{"arguments": {"text": "</tool_call>"}, "name": "write"}\n</tool_call>',
-        ParsedOutput("", "", [ToolCall("write", '{"text": "</tool_call>"}')]),
-    ),
+    (PROMPT, True, '<tool_call>\n{"name": "write", "arguments": {"text": "a </tool_call> b"}}\n</tool_call>\nDone.',
+     ParsedOutput("Done.", "", [ToolCall("write", '{"text": "a </tool_call> b"}')])),
+    (PROMPT, True, '<tool_call>\n{"arguments": {"text": "</tool_call>"}, "name": "write"}\n</tool_call>',
+     ParsedOutput("", "", [ToolCall("write", '{"text": "</tool_call>"}')])),
     # no closing tag after the object: the call stands, what follows is content
-    (
-        PROMPT,
-        True,
-        '<tool_call>\n{"name": "ls", "arguments": {}}\nAnd more.',
-        ParsedOutput("And more.", "", [ToolCall("ls", "{}")]),
-    ),
+    (PROMPT, True, '<tool_call>\n{"name": "ls", "arguments": {}}\nAnd more.',
+     ParsedOutput("And more.", "", [ToolCall("ls", "{}")])),
     # tools not offered: the markup is content
     (PROMPT, False, "A " + WEATHER, ParsedOutput("A " + WEATHER, "", [])),
     # unclosed reasoning stays reasoning
