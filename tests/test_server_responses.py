@@ -105,7 +105,7 @@ def test_reasoning_and_calls_validate_as_sdk_events():
 
     from freetoken.server.parsers import ParserOptions, parse_text
     from freetoken.server.parsers.qwen3 import Qwen3Parser
-    from freetoken.server.responses import _ItemStream, output_items
+    from freetoken.server.responses import ToolKinds, _ItemStream, output_items
     from openai.types.responses import ResponseStreamEvent
     from pydantic import TypeAdapter
 
