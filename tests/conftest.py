@@ -167,6 +167,8 @@ def _parse_sse(raw: bytes) -> list[tuple[str | None, str]]:
                 name = line[len("event:"):].strip()
             elif line.startswith("data:"):
                 data.append(line[len("data:"):].strip())
+        if name is None and not data:
+            continue  # a comment only (": keep-alive"), which SSE parsers skip
         events.append((name, "\n".join(data)))
     return events
 

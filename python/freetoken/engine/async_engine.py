@@ -120,6 +120,14 @@ class AsyncEngine:
                 if isinstance(command, _Add):
                     command.loop.call_soon_threadsafe(command.out.put_nowait, aborted)
 
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """`LLMEngine.check_request`, from the event loop: what `generate` would refuse, found before it runs.
+
+        Raises:
+            RequestError: the message starts with the field at fault.
+        """
+        self.engine.check_request(prompt_ids, params)
+
     def estimate_prefix_reuse(self, prompt_ids: list[int]) -> tuple[int, int]:
         """(prompt tokens the prefix cache would supply, tokens the request would add to it) if `prompt_ids` were
         admitted now: an estimate, for what must be said before the engine admits the request (Anthropic's

@@ -150,22 +150,40 @@ class LLMEngine:
         `group` names the API request this one is a choice of (its ``n`` choices are one group each): a group
         runs at most `EngineConfig.max_seqs_per_request` sequences at once (`freetoken.engine.admission`).
         """
+        if request_id in self._seqs:
+            raise RequestError(f"request_id {request_id!r} is already running")
+        self.check_request(prompt_ids, params)
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        text = OutputText(self.tokenizer, prompt_ids, params.stop, params.reasoning_tags) if self.tokenizer else None
+        seq = Sequence(request_id, list(prompt_ids), params, generator, text)
+        self._seqs[request_id] = seq
+        self.admission.set_group(request_id, group)
+        self.scheduler.add(seq)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Everything `add_request` checks about a request's own content, callable from any thread (it reads only
+        constants): the server runs it before its response starts, so a bad request is a 400, not a stream that
+        ends in an error.
+
+        Raises:
+            RequestError: the message starts with the field at fault (prompt, logit_bias, stop, or a parameter).
+        """
         try:
             params.validate()
         except ValueError as e:
             raise RequestError(str(e)) from e
-        if request_id in self._seqs:
-            raise RequestError(f"request_id {request_id!r} is already running")
         if not prompt_ids:
             raise RequestError("prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.model_cfg.vocab_size]
+        vocab_size = self.model_cfg.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
         if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.model_cfg.vocab_size - 1})")
-        bad = [t for t in params.logit_bias if t >= self.model_cfg.vocab_size]
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+        bad = [t for t in params.logit_bias if t >= vocab_size]
         if bad:
-            raise RequestError(
-                f"logit_bias token id {bad[0]} is outside the vocabulary (0..{self.model_cfg.vocab_size - 1})"
-            )
+            raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(
                 f"prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len} (max_model_len), "
@@ -173,15 +191,6 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this model directory has no tokenizer.json")
-        generator = None
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-            generator = torch.Generator(device=self.device).manual_seed(seed)
-        text = OutputText(self.tokenizer, prompt_ids, params.stop) if self.tokenizer else None
-        seq = Sequence(request_id, list(prompt_ids), params, generator, text)
-        self._seqs[request_id] = seq
-        self.admission.set_group(request_id, group)
-        self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
         """Drop a request (no-op when unknown or finished); its KV blocks are freed at once."""

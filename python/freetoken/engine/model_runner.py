@@ -60,7 +60,8 @@ class ModelRunner:
             for seq in step.seqs:
                 seq.num_computed += 1
             tokens, logprobs = sample_with_logprobs(
-                logits, [s.params for s in step.seqs], [s.generator for s in step.seqs]
+                logits, [s.params for s in step.seqs], [s.generator for s in step.seqs],
+                [s.token_ids for s in step.seqs], [s.prompt_len for s in step.seqs],
             )
             return list(tokens), logprobs
         input_ids: list[int] = []
@@ -90,7 +91,8 @@ class ModelRunner:
         if rows:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             tokens, logprobs = sample_with_logprobs(
-                logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs]
+                logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs],
+                [s.token_ids for s in sampled_seqs], [s.prompt_len for s in sampled_seqs],
             )
             by_seq = {id(s): (t, lp) for s, t, lp in zip(sampled_seqs, tokens, logprobs, strict=True)}
             out = [by_seq[id(s)][0] if id(s) in by_seq else None for s in step.seqs]

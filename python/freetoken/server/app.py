@@ -7,6 +7,7 @@ Routes:
     POST /v1/chat/completions       OpenAI (see `openai.py`).
     POST /v1/completions            OpenAI text completions (see `completions.py`).
     POST /v1/responses              OpenAI Responses (see `responses.py`).
+    POST /v1/responses/compact      a conversation compacted by the model (`responses.compact`).
     GET  /v1/responses/{id}         a stored response, or 404; DELETE forgets it.
     POST /v1/messages               Anthropic (see `anthropic.py`).
     POST /v1/messages/count_tokens  Anthropic token count.
@@ -55,6 +56,7 @@ from freetoken.heap import release_free_memory
 from freetoken.server import anthropic, completions, openai, responses, status_page, telemetry
 from freetoken.server.errors import ApiError, ApiFlavor, ErrorCode, error_body
 from freetoken.server.generation import ClientDisconnected
+from freetoken.server.sse import KEEPALIVE_S
 
 logger = logging.getLogger("freetoken.server")
 
@@ -279,7 +281,12 @@ async def _abort_on_exit(server: uvicorn.Server, engine: Any, graceful_shutdown_
 
 
 def build_app(
-    engine: Any, *, served_model_name: str, api_key: str | None = None, metrics_open: bool = False
+    engine: Any,
+    *,
+    served_model_name: str,
+    api_key: str | None = None,
+    metrics_open: bool = False,
+    keepalive_s: float = KEEPALIVE_S,
 ) -> Starlette:
     """Build the ASGI app serving `engine`; the app's lifespan starts and shuts down the engine.
 
@@ -288,6 +295,7 @@ def build_app(
         served_model_name: the name /v1/models lists and every response echoes.
         api_key: when set, every route but /health and / needs this key.
         metrics_open: /metrics answers loopback clients without the key.
+        keepalive_s: seconds a stream may be idle before it sends a keep-alive (see `freetoken.server.sse`).
     """
 
     @contextlib.asynccontextmanager
@@ -313,6 +321,7 @@ def build_app(
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
         Route("/v1/completions", completions.completions, methods=["POST"]),
         Route("/v1/responses", responses.responses, methods=["POST"]),
+        Route("/v1/responses/compact", responses.compact, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
         Route("/v1/messages", anthropic.messages, methods=["POST"]),
@@ -336,6 +345,7 @@ def build_app(
     app.state.api_key = api_key
     app.state.response_store = responses.ResponseStore()
     app.state.created = int(time.time())
+    app.state.keepalive_s = keepalive_s
     return app
 
 
