@@ -17,6 +17,7 @@ from freetoken.engine.kv_cache import KVCache, plan_kv_cache
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.engine.scheduler import Scheduler
 from freetoken.engine.sequence import Sequence
+from freetoken.engine.state_pool import RecurrentStatePool
 from freetoken.engine.stop import OutputText
 from freetoken.engine.structured import GrammarBackend
 from freetoken.engine.types import FinishReason, GenerationChunk, SamplingParams, TokenLogprob
@@ -67,7 +68,7 @@ class LLMEngine:
         plan = plan_kv_cache(model_cfg, engine_cfg, dtype)
         self.max_model_len = plan.max_model_len
         self.kv = KVCache(
-            model_cfg.num_hidden_layers,
+            model_cfg.num_kv_layers,  # hybrid models: the full-attention layers only
             model_cfg.num_key_value_heads,
             model_cfg.head_dim,
             plan.num_blocks,
@@ -79,8 +80,19 @@ class LLMEngine:
             "KV cache: %d blocks x %d tokens = %d tokens, %.2f GB",
             plan.num_blocks, plan.block_size, plan.num_blocks * plan.block_size, plan.nbytes / 1e9,
         )
+        self.state_pool = None
+        if model_cfg.linear_layers:
+            self.state_pool = RecurrentStatePool(model_cfg, engine_cfg.max_num_seqs, dtype, self.device)
+            model.attach_state(self.state_pool)
+            log.info(
+                "recurrent-state pool: %d slots x %.1f MB (%d linear-attention layers) = %.2f GB",
+                engine_cfg.max_num_seqs, RecurrentStatePool.bytes_per_slot(model_cfg, dtype) / 1e6,
+                len(model_cfg.linear_layers), self.state_pool.nbytes / 1e9,
+            )
         self.experts = model.experts
-        self.scheduler = Scheduler(self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens)
+        self.scheduler = Scheduler(
+            self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens, state_pool=self.state_pool
+        )
         self.runner = ModelRunner(
             model, self.kv, self.device, engine_cfg.max_num_seqs, self.max_model_len, engine_cfg.enforce_eager,
             piecewise=not getattr(self.experts, "graph_safe", False),

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.sequence import Sequence
+from freetoken.engine.state_pool import RecurrentStatePool
 
 
 @dataclass
@@ -29,10 +30,14 @@ class ScheduledStep:
 
 
 class Scheduler:
-    """Owns the waiting queue and the running set, and the KV blocks of both."""
+    """Owns the waiting queue and the running set, and the KV blocks of both; with a recurrent-state pool (hybrid
+    models), the state slot of each running sequence too (taken at admission, given back with its blocks)."""
 
-    def __init__(self, kv: KVCache, max_num_seqs: int, max_prefill_tokens: int) -> None:
+    def __init__(
+        self, kv: KVCache, max_num_seqs: int, max_prefill_tokens: int, state_pool: RecurrentStatePool | None = None
+    ) -> None:
         self.kv = kv
+        self.state_pool = state_pool
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max(1, max_prefill_tokens)
         self.waiting: deque[Sequence] = deque()
@@ -56,6 +61,9 @@ class Scheduler:
         self.kv.allocator.free(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
+        if seq.state_slot >= 0:
+            self.state_pool.free(seq.state_slot)
+            seq.state_slot = -1
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Give `seq` blocks for `num_tokens` more tokens; False when the cache has too few free."""
@@ -116,6 +124,8 @@ class Scheduler:
             if not self._grow(seq, chunk):
                 break
             self.waiting.popleft()
+            if self.state_pool is not None:  # running <= max_num_seqs = the pool's slots: one is free
+                seq.state_slot = self.state_pool.allocate()
             self.running.append(seq)
             step.seqs.append(seq)
             step.query_lens.append(chunk)

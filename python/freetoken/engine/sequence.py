@@ -27,6 +27,7 @@ class Sequence:
         params: sampling parameters.
         num_computed: leading tokens whose K/V are in the cache.
         block_table: KV block ids, in order.
+        state_slot: its slot in the recurrent-state pool while running (hybrid models), else -1.
         generator: this request's RNG (sampling), None when greedy.
         text: incremental detokenization and stop-string matching, None without a tokenizer.
     """
@@ -39,6 +40,7 @@ class Sequence:
     prompt_len: int = 0
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
+    state_slot: int = -1
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     arrival: int = field(default_factory=lambda: next(_arrival))
