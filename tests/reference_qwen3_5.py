@@ -20,7 +20,7 @@ from freetoken.models.presets import preset_config_path
 
 TEXT_SCALED_DOWN = dict(
     hidden_size=64,
-    num_hidden_layers=8,
+    num_hidden_layers=4,  # one period of the real layer pattern (3 Gated DeltaNet, 1 full attention)
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=32,  # rotary_dim 8 with the real partial_rotary_factor 0.25
@@ -82,6 +82,7 @@ def make_reference_checkpoint(
         raw = real_config()
         raw.pop("transformers_version", None)
         raw["text_config"] = text
+        raw["tie_word_embeddings"] = text.get("tie_word_embeddings", raw["tie_word_embeddings"])  # the outer one ties
         raw["vision_config"].update(VISION_SCALED_DOWN)
         model = Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(**raw))
     model.eval()

@@ -101,7 +101,10 @@ class ModelConfig:
         qwen3_5 = arch in QWEN3_5_ARCHITECTURES
         if qwen3_5 and isinstance(raw.get("text_config"), dict):
             # The released checkpoints nest the text model's keys; derived ones (REAP) write them at the top.
-            raw = {**{k: v for k, v in raw.items() if k != "text_config"}, **raw["text_config"]}
+            # The outer model ties (or not) its LM head to the text embeddings: transformers reads the top level's
+            # tie_word_embeddings there, whatever text_config says.
+            top = {k: v for k, v in raw.items() if k != "text_config"}
+            raw = {**top, **raw["text_config"], **{k: top[k] for k in ("tie_word_embeddings",) if k in top}}
 
         def get(key: str, default: Any = None, required: bool = True) -> Any:
             if key in raw and raw[key] is not None:

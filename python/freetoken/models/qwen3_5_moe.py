@@ -226,10 +226,6 @@ class GatedDeltaNet(nn.Module):
 
     def _chunk(self, q, k, v, g, beta, state):
         """One sequence's span through the chunked rule: (o [L, Hv, Dv], new state [Hv, Dk, Dv] float32)."""
-        if q.device.type in KERNEL_DEVICES:
-            from freetoken.kernels.gated_delta import chunk_gated_delta_rule
-
-            return chunk_gated_delta_rule(q, k, v, g, beta, state)
         return chunk_gated_delta_rule_torch(q, k, v, g, beta, state)
 
 

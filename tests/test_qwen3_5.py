@@ -1,0 +1,204 @@
+"""freetoken's Qwen3.5-MoE against transformers' `qwen3_5_moe` on the CPU in float32, and its parts.
+
+Targets (issue 22): logits max abs diff <= 1e-4 and 32 greedy tokens identical, on scaled-down configs of the real
+Qwen3.5-35B-A3B config (conditional-generation and causal-LM checkpoints), alone and batched, with prefill chunks
+that cut sequences (and the delta rule's 64-token chunks) anywhere; both expert layouts; every expert backend; the
+recurrent-state pool's slots through admission, finish, abort and preemption. GPU checks are marked `gpu`:
+    python -m pytest tests/test_qwen3_5.py -q -m gpu
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from freetoken.config import EngineConfig, ModelConfig
+from freetoken.engine.llm_engine import LLMEngine
+from freetoken.engine.types import SamplingParams
+from freetoken.kernels.gated_delta import (
+    chunk_gated_delta_rule_torch,
+    recurrent_gated_delta_rule,
+    recurrent_gated_delta_rule_torch,
+)
+from freetoken.models.attention import AttentionMetadata
+
+from greedy import greedy_tokens
+from reference_qwen3_5 import make_reference_checkpoint
+
+# name -> (seed, overrides of the scaled-down config).
+CONFIGS = {
+    "conditional-generation": (0, {}),
+    "causal-lm": (1, {"causal_lm": True}),
+    "two-full-layers": (2, {"num_hidden_layers": 8, "full_attention_interval": 2}),
+    "tied-conv3-top3": (3, {"tie_word_embeddings": True, "linear_conv_kernel_dim": 3, "num_experts_per_tok": 3}),
+}
+
+PROMPTS = [
+    [3, 17, 100, 42, 7, 8, 9, 200, 13],
+    [5, 6, 400, 401, 402, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15] * 4 + [77],  # 81: two delta-rule chunks
+]
+
+
+def _engine(path, **kwargs) -> LLMEngine:
+    cfg = EngineConfig(device="cpu", dtype="float32", moe_backend=kwargs.pop("moe_backend", "fused"), **kwargs)
+    return LLMEngine.from_dir(path, cfg)
+
+
+def _hf_greedy(model, prompt: list[int], max_tokens: int = 32) -> list[int]:
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        gen = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+            do_sample=False, eos_token_id=None, pad_token_id=0,
+        )
+    return gen[0, len(prompt):].tolist()
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
+def checkpoint(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(request.param)
+    seed, overrides = CONFIGS[request.param]
+    model = make_reference_checkpoint(path, seed=seed, **overrides)
+    return path, model
+
+
+@pytest.fixture(scope="module")
+def expected(checkpoint):
+    """transformers' 32 greedy tokens of each prompt."""
+    _, ref = checkpoint
+    out = [_hf_greedy(ref, p) for p in PROMPTS]
+    assert all(len(set(o)) > 3 for o in out), "degenerate reference output; the test would prove little"
+    return out
+
+
+def test_config_reads_the_real_checkpoints():
+    """The real config (nested text_config) and the REAP derivative's (flat) give the real structure."""
+    for sub, experts in (("", 256), ("derived-REAP-18B-A3B", 128)):
+        from freetoken.models.presets import preset_config_path
+
+        raw = json.loads(preset_config_path("qwen3.5-35b-a3b").read_text())
+        if sub:  # the derivative's keys at the top level
+            raw = {**{k: v for k, v in raw.items() if k != "text_config"}, **raw["text_config"], "num_experts": 128}
+        cfg = ModelConfig.from_dict(raw)
+        assert cfg.num_experts == experts and cfg.num_experts_per_tok == 8 and cfg.num_hidden_layers == 40
+        assert cfg.full_attention_layers == list(range(3, 40, 4)) and len(cfg.linear_layers) == 30
+        assert cfg.rotary_dim == 64 and cfg.attn_output_gate and cfg.shared_expert_intermediate_size == 512
+        assert cfg.weight_prefix == "model.language_model." and cfg.norm_topk_prob and cfg.moe_layers == list(range(40))
+
+
+def test_logits_match_reference(checkpoint):
+    path, ref = checkpoint
+    engine = _engine(path)
+    model = engine.runner.model
+    for prompt in PROMPTS:
+        with torch.no_grad():
+            expected = ref(torch.tensor([prompt])).logits[0]
+        n = len(prompt)
+        meta = AttentionMetadata.build([n], [n], [list(range(engine.kv.blocks_for(n)))], engine.kv.block_size,
+                                       engine.device)
+        slot = engine.state_pool.allocate()
+        meta.state_slots = torch.tensor([slot])
+        with torch.no_grad():
+            got = model.compute_logits(model(torch.tensor(prompt), meta, engine.kv.layers))
+        engine.state_pool.free(slot)
+        assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_greedy_tokens_match_reference(checkpoint, expected):
+    path, _ = checkpoint
+    assert [greedy_tokens(_engine(path), [p], 32)[0] for p in PROMPTS] == expected
+    # Both in one batch, prefill chunks of 7 tokens (a step mixes one sequence's chunk with the other's decode) and
+    # tiny KV blocks: every chunk boundary continues the conv window and the delta-rule state from the pool.
+    assert greedy_tokens(_engine(path, max_prefill_tokens=7, kv_block_size=4), PROMPTS, 32) == expected
+
+
+def test_preemption_recomputes_from_a_zeroed_state(checkpoint, expected):
+    """A KV cache too small for both sequences preempts the newer; its recompute must start from a zero state (a
+    slot left with another sequence's state would change its tokens)."""
+    path, _ = checkpoint
+    engine = _engine(path, kv_cache_tokens=128, kv_block_size=4, max_model_len=128)
+    assert greedy_tokens(engine, PROMPTS, 32) == expected
+    assert engine.state_pool.num_free == engine.state_pool.num_slots
+
+
+def test_state_slots_follow_sequences(checkpoint):
+    """A slot per running sequence, given back on finish and abort; a waiting request holds none."""
+    path, _ = checkpoint
+    engine = _engine(path, max_num_seqs=2)
+    pool = engine.state_pool
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        engine.add_request(str(i), PROMPTS[0], params)
+    engine.step()
+    running = engine.scheduler.running
+    assert len(running) == 2 and pool.num_free == 0
+    assert sorted(s.state_slot for s in running) == [0, 1]
+    assert engine.scheduler.waiting[0].state_slot == -1
+    engine.abort("0")
+    assert pool.num_free == 1
+    while engine.has_work():
+        engine.step()
+    assert pool.num_free == 2
+
+
+def test_expert_layouts_and_backends_agree(checkpoint, expected, tmp_path):
+    """The fused 3-D expert tensors give the same model as one tensor per expert (what transformers saves), and the
+    host-pool backends (cpu; offload with a small slot cache) the same tokens as fused."""
+    path, _ = checkpoint
+    tensors = load_file(path / "model.safetensors")
+    cfg = ModelConfig.from_dir(path)
+    prefix = "model.language_model." if any(k.startswith("model.language_model.") for k in tensors) else "model."
+    fused = {k: v for k, v in tensors.items() if ".mlp.experts." not in k}
+    for layer in cfg.moe_layers:
+        p = f"{prefix}layers.{layer}.mlp.experts"
+        fused[f"{p}.gate_up_proj"] = torch.stack(
+            [torch.cat([tensors[f"{p}.{e}.gate_proj.weight"], tensors[f"{p}.{e}.up_proj.weight"]])
+             for e in range(cfg.num_experts)])
+        fused[f"{p}.down_proj"] = torch.stack([tensors[f"{p}.{e}.down_proj.weight"] for e in range(cfg.num_experts)])
+    (tmp_path / "config.json").write_bytes((path / "config.json").read_bytes())
+    save_file(fused, tmp_path / "model.safetensors")
+    assert greedy_tokens(_engine(tmp_path), PROMPTS[:1], 8) == [expected[0][:8]]
+    # The host pool holds bf16: compare its backends with fused in bfloat16 weights' terms by their own agreement.
+    cpu = greedy_tokens(_engine(path, moe_backend="cpu"), PROMPTS, 8)
+    offload = greedy_tokens(_engine(path, moe_backend="offload", expert_slots=5), PROMPTS, 8)
+    assert cpu == offload
+
+
+def test_chunked_rule_matches_recurrent():
+    """The chunked form (spans of any length, from any state) equals the token-by-token recurrence."""
+    torch.manual_seed(0)
+    heads_k, heads_v, dk, dv = 2, 6, 16, 8
+    state = torch.randn(heads_v, dk, dv)
+    for length in (1, 5, 64, 65, 150):
+        q, k = torch.randn(length, heads_k, dk), torch.randn(length, heads_k, dk)
+        v = torch.randn(length, heads_v, dv)
+        g, beta = -torch.rand(length, heads_v) * 2, torch.rand(length, heads_v)
+        out, final = chunk_gated_delta_rule_torch(q, k, v, g, beta, state)
+        states = state[None].repeat(2, 1, 1, 1)
+        steps = [recurrent_gated_delta_rule_torch(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1],
+                                                  states, torch.tensor([1])) for t in range(length)]
+        torch.testing.assert_close(out, torch.cat(steps), atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(final, states[1], atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(states[0], state)  # other slots untouched
+
+
+def test_recurrent_kernel_matches_torch():
+    """The Triton decode kernel (Triton's interpreter on the CPU) against the torch recurrence, odd sizes, padding
+    rows that share the scratch slot, a bf16 input."""
+    torch.manual_seed(1)
+    for dtype, dv in ((torch.float32, 24), (torch.bfloat16, 64)):
+        batch, heads_k, heads_v, dk = 3, 2, 4, 16
+        q, k = torch.randn(batch, heads_k, dk, dtype=dtype), torch.randn(batch, heads_k, dk, dtype=dtype)
+        v = torch.randn(batch, heads_v, dv, dtype=dtype)
+        g, beta = -torch.rand(batch, heads_v), torch.rand(batch, heads_v).to(dtype)
+        states = torch.randn(5, heads_v, dk, dv)
+        slots = torch.tensor([2, 0, 3])
+        want_states = states.clone()
+        want = recurrent_gated_delta_rule_torch(q, k, v, g, beta, want_states, slots)
+        got = recurrent_gated_delta_rule(q, k, v, g, beta, states, slots)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+        torch.testing.assert_close(states, want_states, atol=1e-5, rtol=1e-5)
