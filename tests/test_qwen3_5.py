@@ -144,9 +144,24 @@ def test_state_slots_follow_sequences(checkpoint):
     assert pool.num_free == 2
 
 
-def test_expert_layouts_and_backends_agree(checkpoint, expected, tmp_path):
-    """The fused 3-D expert tensors give the same model as one tensor per expert (what transformers saves), and the
-    host-pool backends (cpu; offload with a small slot cache) the same tokens as fused."""
+def _prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
+    """float32 logits of every position of `prompt`, one eager step from a fresh state slot."""
+    model = engine.runner.model
+    n = len(prompt)
+    meta = AttentionMetadata.build([n], [n], [list(range(engine.kv.blocks_for(n)))], engine.kv.block_size,
+                                   engine.device)
+    slot = engine.state_pool.allocate()
+    meta.state_slots = torch.tensor([slot])
+    model.experts.begin_step(n, n, model.config.num_experts_per_tok)
+    with torch.no_grad():
+        logits = model.compute_logits(model(torch.tensor(prompt), meta, engine.kv.layers))
+    engine.state_pool.free(slot)
+    return logits
+
+
+def test_fused_expert_layout_loads_the_same(checkpoint, expected, tmp_path):
+    """The fused 3-D expert tensors (the released checkpoints) give the same model as one tensor per expert (what
+    transformers saves)."""
     path, _ = checkpoint
     tensors = load_file(path / "model.safetensors")
     cfg = ModelConfig.from_dir(path)
@@ -161,10 +176,28 @@ def test_expert_layouts_and_backends_agree(checkpoint, expected, tmp_path):
     (tmp_path / "config.json").write_bytes((path / "config.json").read_bytes())
     save_file(fused, tmp_path / "model.safetensors")
     assert greedy_tokens(_engine(tmp_path), PROMPTS[:1], 8) == [expected[0][:8]]
-    # The host pool holds bf16: compare its backends with fused in bfloat16 weights' terms by their own agreement.
-    cpu = greedy_tokens(_engine(path, moe_backend="cpu"), PROMPTS, 8)
-    offload = greedy_tokens(_engine(path, moe_backend="offload", expert_slots=5), PROMPTS, 8)
-    assert cpu == offload
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "fused"])
+def test_host_pool_backends_match_fused(layout, tmp_path):
+    """The routed experts of Qwen3.5 layers go through the expert-cache backends as Qwen3-MoE's do (the pool read
+    from `model.language_model.*` names in either layout): offload (every miss filled into a slot) matches
+    fused to float32 rounding; cpu (bf16 inputs to the host kernels) to bf16 rounding. Weights stored in bf16, so the
+    pool holds exactly the fused weights."""
+    from freetoken.models.demo_qwen3_5 import build_qwen3_5_demo_checkpoint
+
+    path = build_qwen3_5_demo_checkpoint(tmp_path, seed=3, expert_layout=layout, num_experts=16, num_experts_per_tok=4)
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(path / "model.safetensors").items()}
+    save_file(tensors, path / "model.safetensors")
+    prompt = PROMPTS[1][:40]
+    fused = _prompt_logits(_engine(path), prompt)
+    scale = fused.abs().max().item()
+    # Half the pool in slots: the first pass fills (the slots' float32 compute); tolerances relative to the largest
+    # logit as in test_moe_backends.
+    offload = _prompt_logits(_engine(path, moe_backend="offload", expert_slots=32), prompt)
+    assert (offload - fused).abs().max().item() <= 1e-5 * scale
+    cpu = _prompt_logits(_engine(path, moe_backend="cpu"), prompt)
+    assert (cpu - fused).abs().max().item() <= 2e-3 * scale
 
 
 def test_chunked_rule_matches_recurrent():
@@ -202,3 +235,48 @@ def test_recurrent_kernel_matches_torch():
         tol = 1e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(got, want, atol=tol, rtol=tol)
         torch.testing.assert_close(states, want_states, atol=1e-5, rtol=1e-5)
+
+
+def test_demo_checkpoint_matches_reference_in_both_layouts(tmp_path):
+    """The Qwen3.5 demo builder's checkpoint loads in transformers (the vision tower it omits is the only thing
+    transformers reports missing) and in freetoken, with the same logits; its two expert layouts and a sharded
+    write give the same tokens."""
+    from transformers import Qwen3_5MoeForConditionalGeneration
+
+    from freetoken.models.demo_qwen3_5 import build_qwen3_5_demo_checkpoint
+
+    fused = build_qwen3_5_demo_checkpoint(tmp_path / "fused", seed=5)
+    per_expert = build_qwen3_5_demo_checkpoint(tmp_path / "per-expert", seed=5, expert_layout="per_expert",
+                                               num_shards=3)
+    ref, info = Qwen3_5MoeForConditionalGeneration.from_pretrained(per_expert, output_loading_info=True)
+    assert all(name.startswith("model.visual.") for name in info["missing_keys"])
+    assert not info["unexpected_keys"]
+    prompt = PROMPTS[1]
+    engine = _engine(fused)
+    model = engine.runner.model
+    meta = AttentionMetadata.build([len(prompt)], [len(prompt)], [list(range(engine.kv.blocks_for(len(prompt))))],
+                                   engine.kv.block_size, engine.device)
+    meta.state_slots = torch.tensor([engine.state_pool.allocate()])
+    with torch.no_grad():
+        got = model.compute_logits(model(torch.tensor(prompt), meta, engine.kv.layers))
+        want = ref.eval()(torch.tensor([prompt])).logits[0]
+    assert (got - want).abs().max().item() <= 1e-4
+    assert greedy_tokens(_engine(fused), PROMPTS, 6) == greedy_tokens(_engine(per_expert), PROMPTS, 6)
+
+
+def test_preset_plans_the_real_model():
+    """`ft serve --model qwen3.5-35b-a3b --dummy-weights` resolves to the real config; the GPU plan counts the state
+    pool (30 linear layers x (32 x 128 x 128 float32 + 8192 x 3 conv) per sequence) and 10 KV layers."""
+    from freetoken.cli.serve import resolve_model_dir
+    from freetoken.engine.kv_cache import plan_kv_cache
+    from freetoken.engine.state_pool import RecurrentStatePool
+    from freetoken.moe.budget import non_expert_nbytes, state_pool_nbytes
+
+    cfg = ModelConfig.from_dir(resolve_model_dir("qwen3.5-35b-a3b", dummy_weights=True))
+    assert cfg.num_experts == 256 and cfg.num_kv_layers == 10
+    assert RecurrentStatePool.bytes_per_slot(cfg, torch.bfloat16) == 30 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
+    engine_cfg = EngineConfig(max_num_seqs=4, max_model_len=4096)
+    assert state_pool_nbytes(engine_cfg, cfg, torch.bfloat16) == 5 * RecurrentStatePool.bytes_per_slot(cfg, torch.bfloat16)
+    assert plan_kv_cache(cfg, engine_cfg, torch.bfloat16).nbytes == (4 * 4096 // 16 + 1) * 16 * 2 * 10 * 2 * 256 * 2
+    # Attention, DeltaNet, norms, routers, shared experts, embeddings and LM head: about 2.3 G parameters.
+    assert 4.0e9 < non_expert_nbytes(cfg, torch.bfloat16) < 5.5e9
