@@ -19,6 +19,7 @@ from freetoken.config import EngineConfig, ModelConfig
 from freetoken.engine.llm_engine import LLMEngine
 from freetoken.engine.types import SamplingParams
 from freetoken.kernels.gated_delta import (
+    chunk_gated_delta_rule,
     chunk_gated_delta_rule_torch,
     recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_torch,
@@ -280,3 +281,18 @@ def test_preset_plans_the_real_model():
     assert plan_kv_cache(cfg, engine_cfg, torch.bfloat16).nbytes == (4 * 4096 // 16 + 1) * 16 * 2 * 10 * 2 * 256 * 2
     # Attention, DeltaNet, norms, routers, shared experts, embeddings and LM head: about 2.3 G parameters.
     assert 4.0e9 < non_expert_nbytes(cfg, torch.bfloat16) < 5.5e9
+
+
+def test_chunk_kernels_match_torch():
+    """The Triton prefill kernels (Triton's interpreter on the CPU): spans shorter than, equal to and past a 64-token
+    chunk, grouped value heads, Dv not a power of two, from a non-zero state advanced in place."""
+    torch.manual_seed(2)
+    for length, heads_k, heads_v, dk, dv in ((5, 2, 4, 16, 16), (64, 1, 2, 16, 24), (130, 2, 2, 32, 32)):
+        q, k = torch.randn(length, heads_k, dk), torch.randn(length, heads_k, dk)
+        v = torch.randn(length, heads_v, dv)
+        g, beta = -torch.rand(length, heads_v) * 2, torch.rand(length, heads_v)
+        state = torch.randn(heads_v, dk, dv)
+        want, want_state = chunk_gated_delta_rule_torch(q, k, v, g, beta, state)
+        got = chunk_gated_delta_rule(q, k, v, g, beta, state)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(state, want_state, atol=1e-5, rtol=1e-5)

@@ -180,3 +180,135 @@ def recurrent_gated_delta_rule(
     )
     return out
 
+
+
+@triton.jit
+def _l2norm_rows(x):
+    """Rows of x [N, D] (float32) over sqrt(sum(x^2) + 1e-6), as `l2norm`."""
+    return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+
+
+@triton.jit
+def _chunk_prepare_kernel(
+    k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, gcum_ptr,
+    length,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+    stride_wt, stride_wh, stride_ut, stride_uh, stride_ct,
+    GROUP: tl.constexpr, CHUNK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+):
+    """Chunk `pid(0)` of value head `pid(1)`: G = in-chunk cumsum of g; T = (I + A)^-1 with A_ij = beta_i
+    exp(G_i - G_j) k_i . k_j (i > j) by forward substitution; W = T (beta exp(G) k), U = T (beta v) (float32)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = c * CHUNK + tl.arange(0, CHUNK)
+    ok = rows < length
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV_PAD)
+    k = tl.load(k_ptr + rows[:, None] * stride_kt + (h // GROUP) * stride_kh + dk[None, :], mask=ok[:, None],
+                other=0.0).to(tl.float32)
+    k = _l2norm_rows(k)
+    v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + dv[None, :], mask=ok[:, None] & (dv < DV)[None, :],
+                other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rows * stride_gt + h, mask=ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + rows * stride_bt + h, mask=ok, other=0.0).to(tl.float32)
+    gc = tl.cumsum(g, axis=0)
+    i = tl.arange(0, CHUNK)
+    lower = i[:, None] > i[None, :]
+    decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
+    kb = k * beta[:, None]
+    a = tl.dot(kb, tl.trans(k), input_precision="ieee") * decay  # strictly lower
+    # Forward substitution, row by row: T_i = e_i - sum_{j<i} A_ij T_j (rows j < i of T are final).
+    t = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
+    for r in range(1, CHUNK):
+        a_row = tl.sum(tl.where(i[:, None] == r, a, 0.0), axis=0)  # A[r, :]
+        t_row = tl.sum(a_row[:, None] * t, axis=0)  # (A[r, :] T)
+        t = tl.where(i[:, None] == r, t - t_row[None, :], t)
+    w = tl.dot(t, kb * tl.exp(gc)[:, None], input_precision="ieee")
+    u = tl.dot(t, v * beta[:, None], input_precision="ieee")
+    tl.store(w_ptr + rows[:, None] * stride_wt + h * stride_wh + dk[None, :], w, mask=ok[:, None])
+    tl.store(u_ptr + rows[:, None] * stride_ut + h * stride_uh + dv[None, :], u, mask=ok[:, None] & (dv < DV)[None, :])
+    tl.store(gcum_ptr + rows * stride_ct + h, gc, mask=ok)
+
+
+@triton.jit
+def _chunk_scan_kernel(
+    q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, state_ptr, o_ptr,
+    length, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_wt, stride_wh, stride_ut, stride_uh, stride_ct,
+    stride_sh, stride_sk, stride_ot, stride_oh,
+    GROUP: tl.constexpr, CHUNK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Value head `pid(0)`, state columns block `pid(1)`: the chunks in order, the state block [DK, BLOCK_V] in
+    registers: V' = U - W S; O = (exp(G) q) S + mask(q k^T exp(G_i - G_j)) V'; S <- exp(G_C) S + (exp(G_C - G) k)^T V'.
+    """
+    h = tl.program_id(0)
+    vb = tl.program_id(1)
+    kh = h // GROUP
+    dk = tl.arange(0, DK)
+    dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = dv < DV
+    i = tl.arange(0, CHUNK)
+    causal = i[:, None] >= i[None, :]
+    s_ptrs = state_ptr + h * stride_sh + dk[:, None] * stride_sk + dv[None, :]
+    s = tl.load(s_ptrs, mask=v_ok[None, :], other=0.0)
+    for c in range(0, tl.cdiv(length, CHUNK)):
+        rows = c * CHUNK + i
+        ok = rows < length
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + kh * stride_qh + dk[None, :], mask=ok[:, None],
+                    other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + rows[:, None] * stride_kt + kh * stride_kh + dk[None, :], mask=ok[:, None],
+                    other=0.0).to(tl.float32)
+        q = _l2norm_rows(q) * scale
+        k = _l2norm_rows(k)
+        w = tl.load(w_ptr + rows[:, None] * stride_wt + h * stride_wh + dk[None, :], mask=ok[:, None], other=0.0)
+        u = tl.load(u_ptr + rows[:, None] * stride_ut + h * stride_uh + dv[None, :],
+                    mask=ok[:, None] & v_ok[None, :], other=0.0)
+        # Rows past the span repeat the last cumulative decay (their g is 0): G_C is the span's.
+        gc = tl.load(gcum_ptr + tl.minimum(rows, length - 1) * stride_ct + h)
+        g_last = tl.load(gcum_ptr + tl.minimum(c * CHUNK + CHUNK - 1, length - 1) * stride_ct + h)
+        v_new = u - tl.dot(w, s, input_precision="ieee")
+        attn = tl.dot(q, tl.trans(k), input_precision="ieee")
+        attn = tl.where(causal, attn * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
+        o = tl.dot(q * tl.exp(gc)[:, None], s, input_precision="ieee") + tl.dot(attn, v_new, input_precision="ieee")
+        tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + dv[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=ok[:, None] & v_ok[None, :])
+        k_decayed = k * tl.exp(g_last - gc)[:, None]
+        s = s * tl.exp(g_last) + tl.dot(tl.trans(k_decayed), v_new, input_precision="ieee")
+    tl.store(s_ptrs, s, mask=v_ok[None, :])
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+) -> torch.Tensor:
+    """`chunk_gated_delta_rule_torch` in two Triton kernels (on CUDA, or in Triton's interpreter on the CPU), the
+    state advanced in place.
+
+    Args:
+        q, k: [L, Hk, Dk]; v: [L, Hv, Dv]; g: [L, Hv] float32; beta: [L, Hv] (last dims contiguous).
+        state: [Hv, Dk, Dv] float32, contiguous (a pool row), read and written in place.
+
+    Returns:
+        o [L, Hv, Dv] in v's dtype. Dk must be a power of two >= 16, Dv >= 16.
+    """
+    length, num_k_heads, dk = q.shape
+    num_v_heads, dv = v.shape[1], v.shape[2]
+    group = num_v_heads // num_k_heads
+    w = torch.empty(length, num_v_heads, dk, dtype=torch.float32, device=q.device)
+    u = torch.empty(length, num_v_heads, dv, dtype=torch.float32, device=q.device)
+    gcum = torch.empty(length, num_v_heads, dtype=torch.float32, device=q.device)
+    dv_pad = max(16, triton.next_power_of_2(dv))
+    _chunk_prepare_kernel[(triton.cdiv(length, CHUNK_SIZE), num_v_heads)](
+        k, v, g, beta, w, u, gcum, length,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        w.stride(0), w.stride(1), u.stride(0), u.stride(1), gcum.stride(0),
+        GROUP=group, CHUNK=CHUNK_SIZE, DK=dk, DV=dv, DV_PAD=dv_pad,
+    )
+    out = torch.empty(length, num_v_heads, dv, dtype=v.dtype, device=v.device)
+    block_v = min(32, dv_pad)
+    _chunk_scan_kernel[(num_v_heads, triton.cdiv(dv, block_v))](
+        q, k, w, u, gcum, state, out, length, dk**-0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+        gcum.stride(0), state.stride(0), state.stride(1), out.stride(0), out.stride(1),
+        GROUP=group, CHUNK=CHUNK_SIZE, DK=dk, DV=dv, BLOCK_V=block_v,
+    )
+    return out

@@ -31,12 +31,13 @@ from torch import nn
 from freetoken.config import ModelConfig
 from freetoken.engine.state_pool import RecurrentStatePool, conv_dim
 from freetoken.kernels.gated_delta import (
+    chunk_gated_delta_rule,
     chunk_gated_delta_rule_torch,
     recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_torch,
 )
 from freetoken.models.attention import AttentionMetadata, paged_attention
-from freetoken.models.qwen3_moe import DenseMLP, RotaryEmbedding, Router, _apply_rope
+from freetoken.models.qwen3_moe import DenseMLP, RotaryEmbedding, _apply_rope
 from freetoken.models.qwen3_moe import SparseMoeBlock as _RoutedMoeBlock
 from freetoken.moe.backend import ExpertBackend
 
@@ -211,7 +212,7 @@ class GatedDeltaNet(nn.Module):
                 rows = slice(start, start + length)
                 slot = slot_list[i]
                 q, k, v = self._split(causal_conv_span(mixed[rows], conv, weight, slot))
-                core[rows], ssm[slot] = self._chunk(q, k, v, g[rows], beta[rows], ssm[slot])
+                core[rows] = self._chunk(q, k, v, g[rows], beta[rows], ssm[slot])
                 start += length
         out = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(out.reshape(num_tokens, self.value_dim))
@@ -224,9 +225,13 @@ class GatedDeltaNet(nn.Module):
                 k.reshape(num_tokens, self.num_k_heads, self.head_k_dim),
                 v.reshape(num_tokens, self.num_v_heads, self.head_v_dim))
 
-    def _chunk(self, q, k, v, g, beta, state):
-        """One sequence's span through the chunked rule: (o [L, Hv, Dv], new state [Hv, Dk, Dv] float32)."""
-        return chunk_gated_delta_rule_torch(q, k, v, g, beta, state)
+    def _chunk(self, q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+        """One sequence's span through the chunked rule: o [L, Hv, Dv]; `state` ([Hv, Dk, Dv] float32, a pool row)
+        advanced in place."""
+        if q.device.type in KERNEL_DEVICES:
+            return chunk_gated_delta_rule(q, k, v, g, beta, state)
+        out, state[:] = chunk_gated_delta_rule_torch(q, k, v, g, beta, state)
+        return out
 
 
 class SparseMoeBlock(_RoutedMoeBlock):
@@ -396,4 +401,4 @@ def init_dummy_(model: Qwen3_5MoeForCausalLM, gen: torch.Generator, std: float) 
             param.normal_(0.0, std, generator=gen)
 
 
-__all__ = ["GatedAttention", "GatedDeltaNet", "Qwen3_5MoeForCausalLM", "Router", "init_dummy_"]
+__all__ = ["GatedAttention", "GatedDeltaNet", "Qwen3_5MoeForCausalLM", "init_dummy_"]
