@@ -296,3 +296,39 @@ def test_chunk_kernels_match_torch():
         got = chunk_gated_delta_rule(q, k, v, g, beta, state)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(state, want_state, atol=1e-5, rtol=1e-5)
+
+
+def test_deltanet_layer_with_kernels_matches_torch(monkeypatch, tmp_path):
+    """A Gated DeltaNet layer through the Triton kernels (interpreted on the CPU) against its torch path, on the
+    strided views the layer feeds them: a step of two prefill spans, then a decode step, states compared after
+    each."""
+    from freetoken.engine.state_pool import RecurrentStatePool
+    from freetoken.models import qwen3_5_moe
+    from freetoken.models.demo_qwen3_5 import qwen3_5_demo_config
+
+    raw = qwen3_5_demo_config()
+    cfg = ModelConfig.from_dict(raw)
+    torch.manual_seed(0)
+    layer = qwen3_5_moe.GatedDeltaNet(cfg, 0)
+    for p in layer.parameters():
+        p.data.normal_(0, 0.3)
+    pools = [RecurrentStatePool(cfg, 3, torch.float32, torch.device("cpu")) for _ in range(2)]
+    for pool in pools:
+        pool.allocate(), pool.allocate()
+
+    def run(pool, x, query_lens, kernels):
+        if kernels:
+            monkeypatch.setattr(qwen3_5_moe, "KERNEL_DEVICES", {"cpu"})
+        else:
+            monkeypatch.setattr(qwen3_5_moe, "KERNEL_DEVICES", set())
+        meta = AttentionMetadata(
+            positions=None, slot_mapping=None, query_lens=query_lens, context_lens=[], decode_gather=None,
+            decode_mask=None, decode_rows=None, prefill_spans=[], state_slots=torch.tensor([1, 0]))
+        with torch.no_grad():
+            return layer(x, pool.layers[0], meta)
+
+    for x, query_lens in ((torch.randn(12, cfg.hidden_size), [7, 5]), (torch.randn(2, cfg.hidden_size), [1, 1])):
+        want, got = run(pools[0], x, query_lens, False), run(pools[1], x, query_lens, True)
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+        for a, b in zip(pools[0].layers[0], pools[1].layers[0]):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)

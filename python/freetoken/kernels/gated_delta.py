@@ -165,7 +165,8 @@ def recurrent_gated_delta_rule(
     slots: torch.Tensor,
 ) -> torch.Tensor:
     """`recurrent_gated_delta_rule_torch` as one Triton kernel (on CUDA, or in Triton's interpreter on the CPU); same
-    arguments and result. No host sync: graph-capturable. Dk must be a power of two; the last dims contiguous."""
+    arguments and result. No host sync: graph-capturable. Dk must be a power of two; `states` contiguous."""
+    q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
     batch, num_k_heads, dk = q.shape
     num_v_heads, dv = v.shape[1], v.shape[2]
     out = torch.empty(batch, num_v_heads, dv, dtype=v.dtype, device=v.device)
@@ -284,12 +285,13 @@ def chunk_gated_delta_rule(
     state advanced in place.
 
     Args:
-        q, k: [L, Hk, Dk]; v: [L, Hv, Dv]; g: [L, Hv] float32; beta: [L, Hv] (last dims contiguous).
+        q, k: [L, Hk, Dk]; v: [L, Hv, Dv]; g: [L, Hv] float32; beta: [L, Hv].
         state: [Hv, Dk, Dv] float32, contiguous (a pool row), read and written in place.
 
     Returns:
         o [L, Hv, Dv] in v's dtype. Dk must be a power of two >= 16, Dv >= 16.
     """
+    q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
     length, num_k_heads, dk = q.shape
     num_v_heads, dv = v.shape[1], v.shape[2]
     group = num_v_heads // num_k_heads

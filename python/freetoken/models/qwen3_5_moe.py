@@ -164,7 +164,7 @@ def causal_conv_span(x: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, 
     full = torch.cat((conv[slot], x.t().to(conv.dtype)), dim=-1)  # (C, K - 1 + L)
     conv[slot] = full[:, full.shape[1] - width :]
     out = F.conv1d(full[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]  # (C, L)
-    return F.silu(out).t().to(x.dtype)
+    return F.silu(out).t().contiguous().to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
