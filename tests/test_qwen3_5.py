@@ -26,7 +26,7 @@ from freetoken.kernels.gated_delta import (
 )
 from freetoken.models.attention import AttentionMetadata
 
-from greedy import greedy_tokens
+from greedy import greedy_tokens, hf_greedy
 from reference_qwen3_5 import make_reference_checkpoint
 
 # name -> (seed, overrides of the scaled-down config).
@@ -48,16 +48,6 @@ def _engine(path, **kwargs) -> LLMEngine:
     return LLMEngine.from_dir(path, cfg)
 
 
-def _hf_greedy(model, prompt: list[int], max_tokens: int = 32) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        gen = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-            do_sample=False, eos_token_id=None, pad_token_id=0,
-        )
-    return gen[0, len(prompt):].tolist()
-
-
 @pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
 def checkpoint(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(request.param)
@@ -70,7 +60,7 @@ def checkpoint(request, tmp_path_factory):
 def expected(checkpoint):
     """transformers' 32 greedy tokens of each prompt."""
     _, ref = checkpoint
-    out = [_hf_greedy(ref, p) for p in PROMPTS]
+    out = [hf_greedy(ref, p) for p in PROMPTS]
     assert all(len(set(o)) > 3 for o in out), "degenerate reference output; the test would prove little"
     return out
 

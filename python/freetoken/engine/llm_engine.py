@@ -224,6 +224,8 @@ class LLMEngine:
             "num_waiting": len(self.scheduler.waiting),
             "kv_blocks_total": self.kv.num_blocks,
             "kv_blocks_free": self.kv.allocator.num_free,
+            **({"state_slots_total": self.state_pool.num_slots, "state_slots_free": self.state_pool.num_free}
+               if self.state_pool is not None else {}),
             "num_steps": self.num_steps,
             "moe_backend": self.experts.stats() if hasattr(self.experts, "stats") else {"backend": "fused"},
         }

@@ -21,18 +21,11 @@ Both layouts hold the same numbers for the same seed.
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 
-from freetoken.models.demo import (
-    _QWEN3_GENERATION_CONFIG,
-    _cached_tokenizer_json,
-    _save_weights,
-    _tokenizer_config,
-    _write_json,
-)
+from freetoken.models.demo import write_demo_dir
 from freetoken.models.presets import preset_config_path
 
 PRESET = "qwen3.5-35b-a3b"
@@ -168,16 +161,5 @@ def build_qwen3_5_demo_checkpoint(
     Returns:
         `dest` as a Path.
     """
-    if expert_layout not in ("per_expert", "fused"):
-        raise ValueError(f"expert_layout must be 'per_expert' or 'fused', got {expert_layout!r}")
-    if num_shards < 1:
-        raise ValueError(f"num_shards must be >= 1, got {num_shards}")
-    dest = Path(dest)
-    dest.mkdir(parents=True, exist_ok=True)
-    config = qwen3_5_demo_config(**overrides)
-    _write_json(dest / "config.json", config)
-    _save_weights(random_qwen3_5_weights(config, seed, expert_layout), dest, num_shards)
-    shutil.copyfile(_cached_tokenizer_json(), dest / "tokenizer.json")
-    _write_json(dest / "tokenizer_config.json", _tokenizer_config())
-    _write_json(dest / "generation_config.json", _QWEN3_GENERATION_CONFIG)
-    return dest
+    return write_demo_dir(dest, qwen3_5_demo_config(**overrides), random_qwen3_5_weights, seed, expert_layout,
+                          num_shards)

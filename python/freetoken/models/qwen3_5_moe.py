@@ -36,6 +36,7 @@ from freetoken.kernels.gated_delta import (
     recurrent_gated_delta_rule,
     recurrent_gated_delta_rule_torch,
 )
+from freetoken.models import qwen3_moe
 from freetoken.models.attention import AttentionMetadata, paged_attention
 from freetoken.models.qwen3_moe import DenseMLP, RotaryEmbedding, _apply_rope
 from freetoken.models.qwen3_moe import SparseMoeBlock as _RoutedMoeBlock
@@ -248,12 +249,13 @@ class SparseMoeBlock(_RoutedMoeBlock):
         return torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(qwen3_moe.DecoderLayer):
     """Pre-norm block: token mixer (Gated DeltaNet or gated attention), then the MoE, residual adds fused into the
-    next norm; a layer takes and returns (branch output, residual stream)."""
+    next norm; a layer takes and returns (branch output, residual stream). `forward` is Qwen3-MoE's: here the
+    branch output is the routed experts' and the residual stream carries the shared expert's (see `attend`)."""
 
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # not Qwen3-MoE's modules: the mixer, norms and MoE differ
         self.layer_type = cfg.layer_types[layer]
         if self.layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(cfg, layer)
@@ -262,12 +264,6 @@ class DecoderLayer(nn.Module):
         self.mlp = SparseMoeBlock(cfg, layer)
         self.input_layernorm = OneCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = OneCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, x, residual, rope, mixer_state, meta):
-        """x [T, H]: the last layer's branch output (the embeddings with `residual` None). Returns (the routed experts'
-        output, the residual stream with the shared expert's output added)."""
-        h, residual = self.attend(x, residual, rope, mixer_state, meta)
-        return self.mlp(h), residual
 
     def attend(
         self,
