@@ -83,19 +83,10 @@ def test_config_reads_the_real_checkpoints():
 def test_logits_match_reference(checkpoint):
     path, ref = checkpoint
     engine = _engine(path)
-    model = engine.runner.model
     for prompt in PROMPTS:
         with torch.no_grad():
             expected = ref(torch.tensor([prompt])).logits[0]
-        n = len(prompt)
-        meta = AttentionMetadata.build([n], [n], [list(range(engine.kv.blocks_for(n)))], engine.kv.block_size,
-                                       engine.device)
-        slot = engine.state_pool.allocate()
-        meta.state_slots = torch.tensor([slot])
-        with torch.no_grad():
-            got = model.compute_logits(model(torch.tensor(prompt), meta, engine.kv.layers))
-        engine.state_pool.free(slot)
-        assert (got - expected).abs().max().item() <= 1e-4
+        assert (_prompt_logits(engine, prompt) - expected).abs().max().item() <= 1e-4
 
 
 def test_greedy_tokens_match_reference(checkpoint, expected):
@@ -267,7 +258,8 @@ def test_preset_plans_the_real_model():
     assert cfg.num_experts == 256 and cfg.num_kv_layers == 10
     assert RecurrentStatePool.bytes_per_slot(cfg, torch.bfloat16) == 30 * (32 * 128 * 128 * 4 + 8192 * 3 * 2)
     engine_cfg = EngineConfig(max_num_seqs=4, max_model_len=4096)
-    assert state_pool_nbytes(engine_cfg, cfg, torch.bfloat16) == 5 * RecurrentStatePool.bytes_per_slot(cfg, torch.bfloat16)
+    per_slot = RecurrentStatePool.bytes_per_slot(cfg, torch.bfloat16)
+    assert state_pool_nbytes(engine_cfg, cfg, torch.bfloat16) == 5 * per_slot
     assert plan_kv_cache(cfg, engine_cfg, torch.bfloat16).nbytes == (4 * 4096 // 16 + 1) * 16 * 2 * 10 * 2 * 256 * 2
     # Attention, DeltaNet, norms, routers, shared experts, embeddings and LM head: about 2.3 G parameters.
     assert 4.0e9 < non_expert_nbytes(cfg, torch.bfloat16) < 5.5e9

@@ -20,7 +20,8 @@ from freetoken.config import ModelConfig
 
 def conv_dim(cfg: ModelConfig) -> int:
     """Channels of a linear layer's causal conv: q and k (Hk * Dk each) then v (Hv * Dv)."""
-    return 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim + cfg.linear_num_value_heads * cfg.linear_value_head_dim
+    keys = cfg.linear_num_key_heads * cfg.linear_key_head_dim
+    return 2 * keys + cfg.linear_num_value_heads * cfg.linear_value_head_dim
 
 
 class RecurrentStatePool:

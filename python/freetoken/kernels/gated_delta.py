@@ -17,8 +17,8 @@ Variants:
     per chunk of C tokens, with G the in-chunk cumulative log decay and A the strictly lower [C, C] matrix
     A_ij = beta_i exp(G_i - G_j) k_i . k_j, T = (I + A)^-1 gives W = T (beta exp(G) k) and U = T (beta v); across
     chunks, V' = U - W S, O = (exp(G) q) S + (mask(q k^T exp(G_i - G_j))) V', S <- exp(G_C) S + (exp(G_C - G) k)^T V'.
-    torch (`chunk_gated_delta_rule_torch`, the CPU path and the reference); on CUDA Triton kernels (`_chunk_prepare_kernel`:
-    cumulative decay, A, its inverse by forward substitution, W and U per chunk, all chunks in parallel;
+    torch (`chunk_gated_delta_rule_torch`, the CPU path and the reference); on CUDA Triton kernels
+    (`_chunk_prepare_kernel`: cumulative decay, A, its inverse by forward substitution, W and U per chunk, all chunks in parallel;
     `_chunk_scan_kernel`: the sequential pass over chunks per (value head, block of Dv columns), the state block in
     registers).
 

@@ -40,7 +40,6 @@ from freetoken.models import qwen3_moe
 from freetoken.models.attention import AttentionMetadata, paged_attention
 from freetoken.models.qwen3_moe import DenseMLP, RotaryEmbedding, _apply_rope
 from freetoken.models.qwen3_moe import SparseMoeBlock as _RoutedMoeBlock
-from freetoken.moe.backend import ExpertBackend
 
 # Devices whose tensors take this module's Triton kernels (the gated delta rule); elsewhere the torch reference.
 # Tests add "cpu" to run them in Triton's interpreter.
@@ -189,7 +188,9 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b = nn.Linear(cfg.hidden_size, self.num_v_heads, bias=False)
         self.in_proj_a = nn.Linear(cfg.hidden_size, self.num_v_heads, bias=False)
 
-    def forward(self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, state: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
+    ) -> torch.Tensor:
         """x [T, H] -> [T, H]. `state` is this layer's (conv windows, delta-rule states) of the pool; each sequence's
         row (`meta.state_slots`) is read and advanced past its tokens of the step."""
         conv, ssm = state
@@ -301,12 +302,12 @@ class Qwen3_5MoeModel(nn.Module):
         self.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
 
 
-class Qwen3_5MoeForCausalLM(nn.Module):
-    """The causal LM with the interface of `freetoken.models.qwen3_moe.Qwen3MoeForCausalLM` (forward, run_until_moe,
-    compute_logits, attach_experts), plus `attach_state` for the linear layers' recurrent-state pool."""
+class Qwen3_5MoeForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
+    """The causal LM with the interface of `freetoken.models.qwen3_moe.Qwen3MoeForCausalLM` (whose attach_experts,
+    experts and compute_logits it keeps), plus `attach_state` for the linear layers' recurrent-state pool."""
 
     def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
+        nn.Module.__init__(self)  # Qwen3-MoE's would build its own text model
         self.config = cfg
         self.model = Qwen3_5MoeModel(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -316,19 +317,9 @@ class Qwen3_5MoeForCausalLM(nn.Module):
         self.kv_index = {layer: i for i, layer in enumerate(cfg.full_attention_layers)}
         self.state_pool: RecurrentStatePool | None = None
 
-    def attach_experts(self, backend: ExpertBackend) -> None:
-        """Route every MoE layer's expert computation to `backend`."""
-        for layer in self.model.layers:
-            layer.mlp.experts = backend
-
     def attach_state(self, pool: RecurrentStatePool) -> None:
         """Read and write the linear layers' recurrent states in `pool` (at `AttentionMetadata.state_slots`)."""
         self.state_pool = pool
-
-    @property
-    def experts(self) -> ExpertBackend | None:
-        """The attached expert backend (None before `attach_experts`)."""
-        return self.model.layers[0].mlp.experts if len(self.model.layers) else None
 
     def _mixer_state(self, layer: int, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]):
         if layer in self.kv_index:
@@ -376,10 +367,6 @@ class Qwen3_5MoeForCausalLM(nn.Module):
             return h, residual, start
         h, residual = self.model.norm(x, residual)
         return h, residual, -1
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, H] hidden -> [N, vocab_size] float32 logits."""
-        return self.lm_head(hidden).float()
 
 
 def init_dummy_(model: Qwen3_5MoeForCausalLM, gen: torch.Generator, std: float) -> None:

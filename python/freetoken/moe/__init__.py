@@ -64,7 +64,7 @@ def choose_backend(
 
 
 def _text_prefix(model_dir: Path, model_cfg: ModelConfig) -> str:
-    """The prefix of the text model's tensors in the checkpoint in `model_dir` (`freetoken.models.loader.text_prefix`)."""
+    """The prefix of the text model's tensors in the checkpoint in `model_dir` (`models.loader.text_prefix`)."""
     from freetoken.models.loader import CheckpointReader, TensorIndex, text_prefix
 
     return text_prefix(CheckpointReader(TensorIndex.scan(Path(model_dir))), model_cfg)

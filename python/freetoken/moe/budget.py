@@ -1,8 +1,9 @@
 """How many expert slots fit the device memory budget.
 
 Order of claims on the budget (`shared/DESIGN.md`, "Where the weights live"): the non-expert weights, the KV
-cache, the recurrent-state pool of hybrid models (`freetoken.engine.state_pool`), a reserve for activations, the prefill layer buffers (`freetoken.moe.prefill`), then expert slots with
-what is left, never more than the whole pool.
+cache, the recurrent-state pool of hybrid models (`freetoken.engine.state_pool`), a reserve for activations, the
+prefill layer buffers (`freetoken.moe.prefill`), then expert slots with what is left, never more than the whole
+pool.
 """
 
 from __future__ import annotations
@@ -114,8 +115,9 @@ def plan_expert_slots(
     if left < expert_stride:
         raise ValueError(
             f"--gpu-memory-gb {budget / 1e9:.1f}: non-expert weights ({weights / 1e9:.1f} GB), KV cache "
-            f"({kv / 1e9:.1f} GB), recurrent state ({state / 1e9:.1f} GB) and activations ({activations / 1e9:.1f} GB) leave no room for an expert slot; "
-            "raise --gpu-memory-gb or lower --kv-cache-gb / --max-prefill-tokens"
+            f"({kv / 1e9:.1f} GB), recurrent state ({state / 1e9:.1f} GB) and activations "
+            f"({activations / 1e9:.1f} GB) leave no room for an expert slot; "
+            "raise --gpu-memory-gb or lower --kv-cache-gb / --max-prefill-tokens (/ --max-num-seqs: state)"
         )
     return min(left // expert_stride, num_experts), buffers
 
