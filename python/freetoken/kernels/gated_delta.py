@@ -170,7 +170,7 @@ def recurrent_gated_delta_rule(
     batch, num_k_heads, dk = q.shape
     num_v_heads, dv = v.shape[1], v.shape[2]
     out = torch.empty(batch, num_v_heads, dv, dtype=v.dtype, device=v.device)
-    block_v = min(64, triton.next_power_of_2(dv))
+    block_v = min(32, triton.next_power_of_2(dv))  # a [Dk, 32] float32 state block: 32 registers a thread at Dk 128
     grid = (batch, num_v_heads, triton.cdiv(dv, block_v))
     _recurrent_kernel[grid](
         q, k, v, g, beta, states, slots, out,

@@ -147,7 +147,8 @@ def causal_conv_decode(x: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor
     """
     window = torch.cat((conv[slots], x[:, :, None].to(conv.dtype)), dim=-1)  # (B, C, K)
     conv[slots] = window[:, :, 1:]
-    out = (window.to(weight.dtype) * weight).sum(-1)
+    # Accumulated in float32 and rounded once to the weights' dtype, as the prefill's F.conv1d (and transformers').
+    out = (window.float() * weight.float()).sum(-1).to(weight.dtype)
     return F.silu(out).to(x.dtype)
 
 
