@@ -125,6 +125,13 @@ class Scheduler:
                 break
             self.waiting.popleft()
             if self.state_pool is not None:  # running <= max_num_seqs = the pool's slots: one is free
+                if seq.num_computed:
+                    # A fresh slot is the zero state: KV reused for a prefix would meet linear layers that never saw
+                    # it. Hybrid models may skip a prefix only with a state snapshot taken at its end.
+                    raise RuntimeError(
+                        f"request {seq.request_id}: admitted with {seq.num_computed} computed tokens but no "
+                        "recurrent-state snapshot; the KV prefix cache must not skip prefill on hybrid models"
+                    )
                 seq.state_slot = self.state_pool.allocate()
             self.running.append(seq)
             step.seqs.append(seq)
