@@ -314,3 +314,15 @@ def test_deltanet_layer_with_kernels_matches_torch(monkeypatch, tmp_path):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
         for a, b in zip(pools[0].layers[0], pools[1].layers[0]):
             torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def test_admission_without_state_for_a_skipped_prefix_is_refused(tmp_path):
+    """A hybrid sequence admitted with tokens already computed (a KV prefix reused without a state snapshot) would
+    run its linear layers from the zero state: the scheduler refuses it loudly."""
+    from freetoken.models.demo_qwen3_5 import build_qwen3_5_demo_checkpoint
+
+    engine = _engine(build_qwen3_5_demo_checkpoint(tmp_path, seed=1))
+    engine.add_request("r", PROMPTS[1], SamplingParams(max_tokens=2, temperature=0.0))
+    engine.scheduler.waiting[0].num_computed = 16
+    with pytest.raises(RuntimeError, match="no recurrent-state snapshot"):
+        engine.step()
