@@ -316,13 +316,20 @@ def test_deltanet_layer_with_kernels_matches_torch(monkeypatch, tmp_path):
             torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
-def test_admission_without_state_for_a_skipped_prefix_is_refused(tmp_path):
-    """A hybrid sequence admitted with tokens already computed (a KV prefix reused without a state snapshot) would
-    run its linear layers from the zero state: the scheduler refuses it loudly."""
+def test_prefix_cache_is_off_for_hybrids_and_a_skipped_prefix_is_refused(tmp_path):
+    """The KV prefix cache cannot resume linear layers (their state is not snapshotted yet), so a hybrid engine runs
+    with it off; were it on, a sequence admitted on cached K/V would run its linear layers from the zero state, and
+    the scheduler refuses that loudly."""
     from freetoken.models.demo_qwen3_5 import build_qwen3_5_demo_checkpoint
 
     engine = _engine(build_qwen3_5_demo_checkpoint(tmp_path, seed=1))
-    engine.add_request("r", PROMPTS[1], SamplingParams(max_tokens=2, temperature=0.0))
-    engine.scheduler.waiting[0].num_computed = 16
-    with pytest.raises(RuntimeError, match="no recurrent-state snapshot"):
+    assert not engine.scheduler.prefix_cache.enabled
+    engine.scheduler.prefix_cache.enabled = True
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    engine.add_request("first", PROMPTS[1], params)
+    while engine.has_work():
         engine.step()
+    engine.add_request("second", PROMPTS[1], params)
+    with pytest.raises(RuntimeError, match="without a recurrent-state snapshot"):
+        engine.step()
+    assert engine.state_pool.num_free == engine.state_pool.num_slots
