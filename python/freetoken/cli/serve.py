@@ -83,7 +83,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--model",
         required=True,
         help=f"model directory; {DEMO!r} for the built-in tiny model; or a shipped real config "
-        "(qwen3-30b-a3b, qwen3-235b-a22b) with --dummy-weights",
+        "(qwen3-30b-a3b, qwen3-235b-a22b, qwen3.5-35b-a3b) with --dummy-weights",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=1919, help="port (default: 1919)")

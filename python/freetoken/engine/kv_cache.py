@@ -36,7 +36,9 @@ def plan_kv_cache(model_cfg: ModelConfig, engine_cfg: EngineConfig, dtype: torch
     """
     max_model_len = engine_cfg.max_model_len or model_cfg.max_position_embeddings
     block = engine_cfg.kv_block_size
-    per_token = KVCache.bytes_per_token(model_cfg.num_hidden_layers, model_cfg.num_key_value_heads, model_cfg.head_dim, dtype)
+    per_token = KVCache.bytes_per_token(
+        model_cfg.num_kv_layers, model_cfg.num_key_value_heads, model_cfg.head_dim, dtype
+    )
     tokens = engine_cfg.kv_cache_tokens or engine_cfg.max_num_seqs * max_model_len
     tokens = min(tokens, int(engine_cfg.kv_cache_gb * 1e9) // per_token)
     num_blocks = tokens // block

@@ -18,6 +18,7 @@ from freetoken.engine.kv_cache import KVCache, plan_kv_cache
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.engine.scheduler import Scheduler
 from freetoken.engine.sequence import Sequence
+from freetoken.engine.state_pool import RecurrentStatePool
 from freetoken.engine.stop import OutputText
 from freetoken.engine.structured import GrammarBackend
 from freetoken.engine.types import FinishReason, GenerationChunk, SamplingParams, TokenLogprob
@@ -76,7 +77,7 @@ class LLMEngine:
         plan = plan_kv_cache(model_cfg, engine_cfg, dtype)
         self.max_model_len = plan.max_model_len
         self.kv = KVCache(
-            model_cfg.num_hidden_layers,
+            model_cfg.num_kv_layers,  # hybrid models: the full-attention layers only
             model_cfg.num_key_value_heads,
             model_cfg.head_dim,
             plan.num_blocks,
@@ -88,14 +89,26 @@ class LLMEngine:
             "KV cache: %d blocks x %d tokens = %d tokens, %.2f GB",
             plan.num_blocks, plan.block_size, plan.num_blocks * plan.block_size, plan.nbytes / 1e9,
         )
+        self.state_pool = None
+        if model_cfg.linear_layers:
+            self.state_pool = RecurrentStatePool(model_cfg, engine_cfg.max_num_seqs, dtype, self.device)
+            model.attach_state(self.state_pool)
+            log.info(
+                "recurrent-state pool: %d slots x %.1f MB (%d linear-attention layers) = %.2f GB",
+                engine_cfg.max_num_seqs, RecurrentStatePool.bytes_per_slot(model_cfg, dtype) / 1e6,
+                len(model_cfg.linear_layers), self.state_pool.nbytes / 1e9,
+            )
         self.experts = model.experts
         self.admission = Admission(engine_cfg.max_seqs_per_request or default_share(engine_cfg.max_num_seqs))
         self.scheduler = Scheduler(
-            self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens, prefix_cache=not engine_cfg.no_prefix_cache,
-            admission=self.admission,
+            self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens,
+            prefix_cache=not engine_cfg.no_prefix_cache, admission=self.admission, state_pool=self.state_pool,
         )
         if engine_cfg.no_prefix_cache:
             log.info("prefix cache: off (--no-prefix-cache); every prompt is prefilled in full")
+        elif self.state_pool is not None:
+            log.info("prefix cache: off for a hybrid model (its linear layers' state is not snapshotted yet); "
+                     "every prompt is prefilled in full")
         else:
             log.info(
                 "prefix cache: on; holds up to %d tokens in the KV cache's blocks that no request holds",
@@ -280,6 +293,8 @@ class LLMEngine:
             "kv_blocks_total": self.kv.num_blocks,
             "kv_blocks_free": self.scheduler.prefix_cache.num_free,
             "prefix_cache": self.scheduler.prefix_cache.stats(),
+            **({"state_slots_total": self.state_pool.num_slots, "state_slots_free": self.state_pool.num_free}
+               if self.state_pool is not None else {}),
             "num_steps": self.num_steps,
             "routing": self.routing,
             "moe_backend": self.experts.stats() if hasattr(self.experts, "stats") else {"backend": "fused"},

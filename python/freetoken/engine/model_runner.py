@@ -72,6 +72,8 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             step.query_lens, context_lens, [s.block_table for s in step.seqs], self.kv.block_size, self.device
         )
+        if getattr(self.model, "state_pool", None) is not None:  # hybrid: each sequence's recurrent-state slot
+            meta.state_slots = torch.tensor([s.state_slot for s in step.seqs], dtype=torch.int64, device=self.device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         if experts is not None:
             prefill = sum(q for s, q in zip(step.seqs, step.query_lens) if q > 1 or s.num_computed < s.prompt_len)

@@ -21,6 +21,7 @@ from freetoken.engine.admission import Admission
 from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.prefix_cache import ROOT, BlockKey, PrefixCache, PrefixMatch
 from freetoken.engine.sequence import Sequence
+from freetoken.engine.state_pool import RecurrentStatePool
 
 
 @dataclass
@@ -45,6 +46,9 @@ class Scheduler:
         prefix_cache: reuse the K/V of cached prompt prefixes (`--no-prefix-cache` turns it off).
         admission: the per-request share of the batch (`freetoken.engine.admission`); by default a request's
             choices may use the whole batch.
+        state_pool: hybrid models' recurrent-state pool: each running sequence holds a slot, taken at admission and
+            given back with its blocks. The prefix cache is then off: K/V alone cannot resume a sequence whose
+            linear layers compress the prefix into a state (that needs state snapshots, not built yet).
     """
 
     def __init__(
@@ -54,9 +58,11 @@ class Scheduler:
         max_prefill_tokens: int,
         prefix_cache: bool = True,
         admission: Admission | None = None,
+        state_pool: RecurrentStatePool | None = None,
     ) -> None:
         self.kv = kv
-        self.prefix_cache = PrefixCache(kv.allocator, kv.block_size, enabled=prefix_cache)
+        self.state_pool = state_pool
+        self.prefix_cache = PrefixCache(kv.allocator, kv.block_size, enabled=prefix_cache and state_pool is None)
         self.max_num_seqs = max_num_seqs
         self.admission = admission or Admission(max_num_seqs)
         self.max_prefill_tokens = max(1, max_prefill_tokens)
@@ -129,6 +135,9 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_hashed_blocks = 0
         seq.kv_parent = ROOT
+        if seq.state_slot >= 0:
+            self.state_pool.free(seq.state_slot)
+            seq.state_slot = -1
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Give `seq` blocks for `num_tokens` more tokens; False when the cache has too few free or evictable."""
@@ -275,6 +284,16 @@ class Scheduler:
             chunk = self._admit(seq, match, budget)
             if not chunk:
                 break
+            if self.state_pool is not None:  # running <= max_num_seqs = the pool's slots: one is free
+                if seq.num_computed:
+                    # A fresh slot is the zero state: reused K/V of a prefix would meet linear layers that never
+                    # saw it. Hybrid models may skip a prefix only with a state snapshot taken at its end.
+                    self._free(seq)
+                    raise RuntimeError(
+                        f"request {seq.request_id}: admitted on {seq.num_computed} cached tokens without a "
+                        "recurrent-state snapshot; the KV prefix cache must not skip prefill on hybrid models"
+                    )
+                seq.state_slot = self.state_pool.allocate()
             del self.waiting[i]
             self.running.append(seq)
             step.seqs.append(seq)

@@ -1,8 +1,9 @@
 """How many expert slots fit the device memory budget.
 
 Order of claims on the budget (`shared/DESIGN.md`, "Where the weights live"): the non-expert weights, the KV
-cache, a reserve for activations, the prefill layer buffers (`freetoken.moe.prefill`), then expert slots with
-what is left, never more than the whole pool.
+cache, the recurrent-state pool of hybrid models (`freetoken.engine.state_pool`), a reserve for activations, the
+prefill layer buffers (`freetoken.moe.prefill`), then expert slots with what is left, never more than the whole
+pool.
 """
 
 from __future__ import annotations
@@ -23,12 +24,21 @@ RESERVE_BYTES = 1 << 30
 
 def non_expert_nbytes(model_cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of every weight but the routed experts (embeddings, attention, norms, routers, dense MLPs, LM head)."""
-    from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
+    from freetoken.models.loader import model_class
 
     with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(model_cfg)
+        model = model_class(model_cfg)(model_cfg)
     size = torch.empty((), dtype=dtype).element_size()
     return sum(p.numel() for p in model.parameters()) * size
+
+
+def state_pool_nbytes(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of the recurrent-state pool: `max_num_seqs` slots and the padding rows' one (0 without linear layers)."""
+    if not model_cfg.linear_layers:
+        return 0
+    from freetoken.engine.state_pool import RecurrentStatePool
+
+    return (cfg.max_num_seqs + 1) * RecurrentStatePool.bytes_per_slot(model_cfg, dtype)
 
 
 def wanted_layer_buffers(cfg: EngineConfig, backend: str) -> int:
@@ -72,8 +82,9 @@ def plan_expert_slots(
     budget = int(cfg.gpu_memory_gb * 1e9) if cfg.gpu_memory_gb else int(0.9 * free)
     weights = non_expert_nbytes(model_cfg, dtype)
     kv = plan_kv_cache(model_cfg, cfg, dtype).nbytes
+    state = state_pool_nbytes(cfg, model_cfg, dtype)
     activations = RESERVE_BYTES + ACTIVATION_TENSORS * cfg.max_prefill_tokens * model_cfg.hidden_size * 4
-    left = budget - weights - kv - activations
+    left = budget - weights - kv - state - activations
     if buffers and cfg.prefill_strategy != "stream" and left >= num_experts * expert_stride:
         buffers = 0  # every expert fits in a slot: nothing would stream, and the buffers would evict experts
     fits = lambda n: left - n * layer_nbytes >= n * layer_nbytes  # noqa: E731 (the slots keep as much)
@@ -96,15 +107,17 @@ def plan_expert_slots(
         buffers = 0
     left -= buffers * layer_nbytes
     log.info(
-        "GPU budget %.1f GB: non-expert weights %.2f GB, KV cache %.2f GB, activations %.2f GB, "
-        "prefill layer buffers %d x %.2f GB, expert slots %.2f GB",
-        budget / 1e9, weights / 1e9, kv / 1e9, activations / 1e9, buffers, layer_nbytes / 1e9, max(left, 0) / 1e9,
+        "GPU budget %.1f GB: non-expert weights %.2f GB, KV cache %.2f GB, recurrent state %.2f GB, activations "
+        "%.2f GB, prefill layer buffers %d x %.2f GB, expert slots %.2f GB",
+        budget / 1e9, weights / 1e9, kv / 1e9, state / 1e9, activations / 1e9, buffers, layer_nbytes / 1e9,
+        max(left, 0) / 1e9,
     )
     if left < expert_stride:
         raise ValueError(
             f"--gpu-memory-gb {budget / 1e9:.1f}: non-expert weights ({weights / 1e9:.1f} GB), KV cache "
-            f"({kv / 1e9:.1f} GB) and activations ({activations / 1e9:.1f} GB) leave no room for an expert slot; "
-            "raise --gpu-memory-gb or lower --kv-cache-gb / --max-prefill-tokens"
+            f"({kv / 1e9:.1f} GB), recurrent state ({state / 1e9:.1f} GB) and activations "
+            f"({activations / 1e9:.1f} GB) leave no room for an expert slot; "
+            "raise --gpu-memory-gb or lower --kv-cache-gb / --max-prefill-tokens (/ --max-num-seqs: state)"
         )
     return min(left // expert_stride, num_experts), buffers
 
