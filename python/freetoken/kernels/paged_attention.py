@@ -24,46 +24,6 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
-def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, out_ptr,
-    scale,
-    stride_qb, stride_qh, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    g = tl.arange(0, GROUP_PAD)
-    d = tl.arange(0, HEAD_DIM)
-    head_ok = g < GROUP
-    heads = kv_head * GROUP + g
-    q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
-    m = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
-    denom = tl.zeros((GROUP_PAD,), dtype=tl.float32)
-    acc = tl.zeros((GROUP_PAD, HEAD_DIM), dtype=tl.float32)
-    for start in range(0, seq_len, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        ok = pos < seq_len
-        block = tl.load(block_table_ptr + seq * stride_bt + pos // KV_BLOCK_SIZE, mask=ok, other=0)
-        slot = block.to(tl.int64) * KV_BLOCK_SIZE + pos % KV_BLOCK_SIZE
-        kv_off = slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :]
-        k = tl.load(k_ptr + kv_off, mask=ok[:, None], other=0.0)
-        v = tl.load(v_ptr + kv_off, mask=ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
-        s = tl.where(ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m - m_new)
-        denom = denom * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        m = m_new
-    out = acc / denom[:, None]
-    tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
-
-
 # Tokens per partition of the split-K decode kernel. Each partition is one program per (sequence, KV head) and one
 # online-softmax partial; 512 tokens is 8 tiles of BLOCK_N, long enough that the partials (and the reduce) stay a
 # small fraction of the KV bytes read, short enough that a 4-KV-head model at batch 1 fills the GPU from ~16k tokens
@@ -73,21 +33,26 @@ _BLOCK_N = 64
 
 
 @triton.jit
-def _paged_decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, max_ptr, sum_ptr, acc_ptr,
+def _paged_decode_kernel(
+    q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, out_ptr, max_ptr, sum_ptr, acc_ptr,
     scale,
-    stride_qb, stride_qh, stride_ks, stride_kh, stride_bt,
+    stride_qb, stride_qh, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
     stride_mb, stride_mh, stride_ab, stride_ah, stride_ap,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
 ):
+    # PARTITION == 0: single pass, the program of (seq, kv_head) attends over the whole context and writes `out`.
+    # Else program (seq, kv_head, part) attends over tokens [part * PARTITION, (part + 1) * PARTITION) and writes its
+    # partial (running max, softmax denominator, un-normalised sum of V) for `_paged_decode_reduce_kernel`.
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     part = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     first = part * PARTITION
-    if first < seq_len:  # the grid covers the longest context the launch serves; later partitions have no tokens
+    last = seq_len
+    if PARTITION > 0:
         last = tl.minimum(first + PARTITION, seq_len)
+    if first < last:  # the grid covers the longest context the launch serves; later partitions have no tokens
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
         head_ok = g < GROUP
@@ -113,12 +78,16 @@ def _paged_decode_split_kernel(
             denom = denom * alpha + tl.sum(p, 1)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             m = m_new
-        # Partial of this partition: running max, softmax denominator and the un-normalised weighted sum of V.
-        ml_off = seq * stride_mb + heads * stride_mh + part
-        tl.store(max_ptr + ml_off, m, mask=head_ok)
-        tl.store(sum_ptr + ml_off, denom, mask=head_ok)
-        tl.store(acc_ptr + seq * stride_ab + heads[:, None] * stride_ah + part * stride_ap + d[None, :], acc,
-                 mask=head_ok[:, None])
+        if PARTITION > 0:
+            ml_off = seq * stride_mb + heads * stride_mh + part
+            tl.store(max_ptr + ml_off, m, mask=head_ok)
+            tl.store(sum_ptr + ml_off, denom, mask=head_ok)
+            tl.store(acc_ptr + seq * stride_ab + heads[:, None] * stride_ah + part * stride_ap + d[None, :], acc,
+                     mask=head_ok[:, None])
+        else:
+            out = acc / denom[:, None]
+            tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                     out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
 
 
 @triton.jit
@@ -214,27 +183,21 @@ def paged_decode_attention(
     group_pad = max(16, triton.next_power_of_2(group))
     out = torch.empty_like(q)
     num_parts = 0 if partition_size is None else triton.cdiv(block_tables.shape[1] * kv_block_size, partition_size)
-    if num_parts <= 1:
-        _paged_decode_kernel[(batch, num_kv_heads)](
-            q, k_cache, v_cache, block_tables, seq_lens, out,
-            scale,
-            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-            out.stride(0), out.stride(1),
-            GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-            KV_BLOCK_SIZE=kv_block_size, BLOCK_N=_BLOCK_N, num_warps=4,
-        )
-        return out
-    if partition_size % _BLOCK_N:
+    split = num_parts > 1
+    if split and partition_size % _BLOCK_N:
         raise ValueError(f"partition_size {partition_size} is not a multiple of {_BLOCK_N}")
-    m, l, acc = _partials(q.device, batch, num_heads, num_parts, head_dim)
-    _paged_decode_split_kernel[(batch, num_kv_heads, num_parts)](
-        q, k_cache, v_cache, block_tables, seq_lens, m, l, acc,
+    # The single pass takes no scratch: `out` stands in for the partial pointers it never writes.
+    m, l, acc = _partials(q.device, batch, num_heads, num_parts, head_dim) if split else (out, out, out[:, :, None])
+    _paged_decode_kernel[(batch, num_kv_heads, max(num_parts, 1))](
+        q, k_cache, v_cache, block_tables, seq_lens, out, m, l, acc,
         scale,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
+        out.stride(0), out.stride(1), m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
         GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        KV_BLOCK_SIZE=kv_block_size, BLOCK_N=_BLOCK_N, PARTITION=partition_size, num_warps=4,
+        KV_BLOCK_SIZE=kv_block_size, BLOCK_N=_BLOCK_N, PARTITION=partition_size if split else 0, num_warps=4,
     )
+    if not split:
+        return out
     parts_pad = triton.next_power_of_2(num_parts)
     _paged_decode_reduce_kernel[(batch, num_heads)](
         seq_lens, m, l, acc, out,
