@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from freetoken._core import InvalidArgumentError, align_slots, aligned_len
+from freetoken.kernels import paged_attention
 from freetoken.kernels.fused_moe import align_pairs, block_m_for, fused_moe, fused_moe_reference, fused_moe_tiles
 from freetoken.kernels.layer_ops import _round_to
 from freetoken.kernels.paged_attention import (
@@ -147,15 +148,19 @@ def test_split_decode_attention_matches_reference(seq_lens, num_heads, num_kv_he
     block, head_dim, partition = 16, 16, 64
     width = max(-(-n // block) for n in seq_lens) + 9  # > 1 spare partition past the longest sequence
     q, k_cache, v_cache, tables, lens = _paged_case(seq_lens, num_heads, num_kv_heads, head_dim, block, width)
-    got = paged_decode_attention(q, k_cache, v_cache, tables, lens, block, head_dim**-0.5, partition).float()
     expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, block, head_dim**-0.5)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, lens, block, head_dim**-0.5, partition).float()
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=ATOL)
+    # The scratch is reused: NaN left in it (from the partitions no sequence reaches) must not be read.
+    for buffers in paged_attention._PARTIALS.values():
+        for t in (t for bufs in buffers for t in bufs):
+            t.fill_(float("nan"))
+    got = paged_decode_attention(q, k_cache, v_cache, tables, lens, block, head_dim**-0.5, partition).float()
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=ATOL)
 
 
 def test_split_decode_attention_is_the_default_past_one_partition():
     """Block tables wider than PARTITION_SIZE take the split kernel, and it matches the single pass."""
-    from freetoken.kernels import paged_attention
-
     seq_lens, block = [1030, 5], 16
     q, k_cache, v_cache, tables, lens = _paged_case(seq_lens, 4, 2, 16, block)
     before = sum(len(v) for v in paged_attention._PARTIALS.values())
