@@ -2,9 +2,10 @@
 
 The real Qwen3-30B-A3B attention shape by default (32 query heads, 4 KV heads, head_dim 128, bf16, 48 layers, KV
 blocks of 16 tokens). Each (batch, context) times one CUDA graph of `--layers` launches, one per layer over that
-layer's own cache (so the K/V bytes come from HBM, as in a decode step, not from L2), with every sequence at the
-context length and block tables `--max-model-len` wide (as the captured decode graphs' are; split-K's partitions
-past the context exit at once). Checks each variant against the single pass before timing.
+layer's own cache (cycling over as many as fit in memory), so the K/V bytes come from HBM as in a decode step, not
+from L2. Every sequence is at the context length; the block tables are `--max-model-len` wide, as the captured
+decode graphs' are (split-K's partitions past the context exit at once). Each variant is checked against the
+single pass before timing.
 
     python benches/decode_attention.py [--batch 1 8] [--context 1024 4096 16384 32768 65536] [--partition 256 512 1024]
 
@@ -60,10 +61,13 @@ def main() -> None:
     max_len = args.max_model_len or max(args.context)
     width = -(-max_len // bs)
     slots = max(args.batch) * width * bs
-    gib = 2 * args.layers * slots * args.kv_heads * args.head_dim * 2 / 2**30
-    print(f"allocating {args.layers} layers of K/V cache ({gib:.1f} GiB)", file=sys.stderr)
+    layer_bytes = 2 * slots * args.kv_heads * args.head_dim * 2
+    # As many layers' own caches as fit in 60% of free memory (all of them at the defaults: 48 GiB); the launches
+    # cycle over them. A layer's cache that large is far beyond L2 (50 MiB on an H200), so reads still hit HBM.
+    num_caches = max(1, min(args.layers, int(0.6 * torch.cuda.mem_get_info()[0] // layer_bytes)))
+    print(f"allocating {num_caches} layers of K/V cache ({num_caches * layer_bytes / 2**30:.1f} GiB)", file=sys.stderr)
     caches = []
-    for _ in range(args.layers):
+    for _ in range(num_caches):
         k = torch.empty(slots, args.kv_heads, args.head_dim, dtype=dtype, device=device).normal_()
         v = torch.empty_like(k).normal_()
         caches.append((k, v))
@@ -90,7 +94,8 @@ def main() -> None:
                     sys.exit(f"{name} differs from the single pass by {err} at batch {batch}, context {ctx}")
 
                 def step(part=part):
-                    for k, v in caches:
+                    for layer in range(args.layers):
+                        k, v = caches[layer % num_caches]
                         paged_decode_attention(q, k, v, tables, lens, bs, scale, part)
 
                 row[name] = time_graph(step, args.replays)  # ms per step (all layers)
