@@ -5,7 +5,10 @@ Accepted: ``system`` as a string or an array of text blocks; message content as 
 template as tool calls and tool messages; thinking blocks become the turn's ``reasoning_content``, which
 the template keeps or drops; redacted_thinking and block types this server does not know are skipped);
 ``max_tokens`` (required), stop_sequences, temperature, top_p, top_k, stream, tools (``input_schema``
-becomes the function's ``parameters``), tool_choice, ``thinking`` (sets the template's
+becomes the function's ``parameters``), tool_choice, ``output_config.format`` (and the earlier beta's
+``output_format``) ``{"type": "json_schema", "schema": ...}``: the answer is constrained by a grammar to one JSON
+value matching the schema, as OpenAI's response_format (after the model's reasoning, when it thinks; a schema the
+grammar library cannot enforce is a 400 on that field), ``thinking`` (sets the template's
 ``enable_thinking``; absent leaves the template's default). Accepted and ignored: metadata,
 service_tier, cache_control, disable_parallel_tool_use. Rejected with 400 (code unsupported): image and
 document blocks. The ``anthropic-version`` header is accepted, whatever its value.
@@ -15,15 +18,15 @@ Output goes through the model family's parser (`freetoken.server.parsers`): reas
 text a ``text`` block, each tool call a ``tool_use`` block (``toolu_`` id; ``input`` is the parsed
 arguments, ``{}`` when the model's JSON is not an object), and ``stop_reason`` is ``tool_use`` when the
 model stopped after calling tools. tool_choice: ``none`` leaves the tools out of the prompt; ``auto``
-offers them; ``any`` and ``tool`` start the assistant turn with the opening of a tool call (naming the
-tool for ``tool``), as the OpenAI module's ``required`` and named choice do.
+offers them; ``any`` and ``tool`` constrain the output with a grammar to tool calls (of the named tool for
+``tool``) whose input matches the tool's ``input_schema``, as the OpenAI module's ``required`` and named choice do.
 
-Stream event order: message_start; per block content_block_start, content_block_delta (thinking_delta,
-text_delta or input_json_delta)…, content_block_stop, with one ping after the first block starts;
-message_delta (stop_reason, usage), message_stop. A block starts when its first piece arrives; a
-completion with no output has one empty text block. An ``error`` event replaces the tail when the
-request fails mid-stream.
-"""
+Stream event order: message_start (sent as soon as the request is accepted, with usage.input_tokens), a ping
+every few seconds while the prompt prefills (and whenever the stream is idle); per block content_block_start,
+content_block_delta (thinking_delta, text_delta or input_json_delta)…, content_block_stop, with one ping after
+the first block starts; message_delta (stop_reason, usage), message_stop. A block starts when its first piece
+arrives; a completion with no output has one empty text block. An ``error`` event replaces the tail when the
+request fails mid-stream. """
 
 from __future__ import annotations
 
@@ -45,15 +48,18 @@ from freetoken.server.errors import (
 )
 from freetoken.server.generation import (
     Completion,
+    JsonFormat,
     OutputPlan,
     ToolChoice,
     check_params,
     collect,
+    constrain_output,
     converted_events,
     fit_context,
     plan_output,
     render_prompt,
 )
+from freetoken.server.openai import schema_instruction, with_system_instruction
 from freetoken.server.parsers import (
     ParsedDelta,
     ParsedOutput,
@@ -71,6 +77,9 @@ from freetoken.server.schema import (
 )
 from freetoken.server.sse import EventStreamResponse, guard_stream, sse_event
 
+# Anthropic's keep-alive: a ping event, sent whenever the stream is idle (a long prompt's prefill).
+PING_EVENT = sse_event("ping", {"type": "ping"})
+
 
 @dataclass
 class MessagesRequest:
@@ -84,6 +93,8 @@ class MessagesRequest:
         params: sampling parameters (max_tokens as asked).
         stop_sequences: the client's stop sequences, to tell stop_sequence from end_turn.
         stream: answer with server-sent events.
+        output_format: the JSON the answer is constrained to (``output_config.format`` or ``output_format``), or
+            None for free text.
     """
 
     messages: list[dict[str, Any]]
@@ -93,6 +104,7 @@ class MessagesRequest:
     params: SamplingParams
     stop_sequences: list[str]
     stream: bool
+    output_format: JsonFormat | None = None
 
 
 def _blocks(value: Any, path: str) -> list[dict[str, Any]]:
@@ -267,10 +279,32 @@ def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     return {"enable_thinking": kind == "enabled"}
 
 
+def _output_format(body: dict[str, Any]) -> JsonFormat | None:
+    """``output_config.format`` (the API's structured outputs; what the SDK's ``messages.parse`` sends) or the
+    earlier beta's top-level ``output_format``: ``{"type": "json_schema", "schema": {...}}``, or None."""
+    config = get_field(body, "output_config", dict, default={})
+    value = get_field(config, "format", dict, parent="output_config")
+    param = "output_config.format"
+    if value is None:
+        value, param = get_field(body, "output_format", dict), "output_format"
+    if value is None:
+        return None
+    kind = get_field(value, "type", str, parent=param, required=True)
+    if kind != "json_schema":
+        raise invalid_request(
+            ErrorCode.INVALID_VALUE, f"{param}.type must be 'json_schema', got {kind!r}", join_path(param, "type")
+        )
+    schema = get_field(value, "schema", dict, parent=param, required=True)
+    return JsonFormat(schema, join_path(param, "schema"))
+
+
 def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) -> MessagesRequest:
     """Validate a Messages body (`count_only`: the count_tokens body, where max_tokens is not needed)."""
     get_field(body, "model", str, required=True)
     messages = convert_messages(body)
+    output_format = _output_format(body)
+    if output_format is not None:
+        messages = with_system_instruction(messages, schema_instruction(output_format.schema))
     tools = _tools(body)
     tool_choice = _tool_choice(body, tools)
     template_kwargs = _template_kwargs(body)
@@ -292,6 +326,7 @@ def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) ->
         params=params,
         stop_sequences=list(params.stop),
         stream=stream,
+        output_format=output_format,
     )
 
 
@@ -461,14 +496,17 @@ async def messages(request: Request) -> Response:
     req = parse_messages_request(parse_json_object(await read_body(request)))
     tools = None if req.tool_choice.mode == "none" else req.tools
     prompt = await render_prompt(engine, req.messages, tools, req.template_kwargs)
-    plan = plan_output(engine, prompt, bool(tools), req.tool_choice)
+    plan = plan_output(engine, prompt, tools, req.tool_choice)
     prompt_ids = prompt.ids
     fit_context(len(prompt_ids), req.params.max_tokens, engine.max_model_len, max_tokens_param="max_tokens")
+    await constrain_output(engine, plan, req.params, prompt_ids, req.output_format, tools)
     message_id = f"msg_{uuid.uuid4().hex}"
     model = state.served_model_name
     if req.stream:
         events = _stream_events(engine, prompt_ids, req, plan, message_id, model)
-        return EventStreamResponse(guard_stream(events, message_id, _error_events))
+        return EventStreamResponse(guard_stream(
+            events, message_id, _error_events, PING_EVENT, state.keepalive_s
+        ))
     [completion] = await collect(request, engine, prompt_ids, [req.params], message_id)
     output = plan.parse(completion.text)
     return JSONResponse(message_body(message_id, model, completion, output, req.stop_sequences))
@@ -480,5 +518,5 @@ async def count_tokens(request: Request) -> Response:
     req = parse_messages_request(parse_json_object(await read_body(request)), count_only=True)
     tools = None if req.tool_choice.mode == "none" else req.tools
     prompt = await render_prompt(engine, req.messages, tools, req.template_kwargs)
-    plan_output(engine, prompt, bool(tools), req.tool_choice)  # a forced tool call's opening counts too
+    plan_output(engine, prompt, tools, req.tool_choice)  # a forced tool call's opening counts too
     return JSONResponse({"input_tokens": len(prompt.ids)})
