@@ -244,3 +244,33 @@ def test_cached_prefix_estimate(demo):
     assert engine.scheduler.estimate_reuse(prompt + [5, 6, 7]) == (28, 4)
     assert engine.scheduler.estimate_reuse(prompt[:28]) == (27, 0)
     assert engine.stats()["prefix_cache"]["num_cached_blocks"] == (30 + 12 - 1) // BS  # prompt and output
+
+
+def test_a_fully_cached_prompt_waits_when_its_copy_has_no_block():
+    """The copy of a fully cached prompt's last block needs a block of its own; when the only one not held is the
+    cached block itself, the sequence waits (it must not evict the block it copies)."""
+    from freetoken.engine.kv_cache import KVCache
+    from freetoken.engine.scheduler import Scheduler
+    from freetoken.engine.sequence import Sequence
+
+    kv = KVCache(1, 1, 2, num_blocks=2, block_size=BS, dtype=torch.float32, device=torch.device("cpu"))
+    scheduler = Scheduler(kv, max_num_seqs=4, max_prefill_tokens=64)
+
+    def start(tokens):
+        seq = Sequence(str(tokens), list(tokens), greedy(), None, None)
+        scheduler.add(seq)
+        step = scheduler.schedule()
+        assert step.seqs == [seq]
+        seq.num_computed = len(tokens)  # as the model runner does, and the engine appends the sampled token
+        scheduler.commit(step)
+        seq.token_ids.append(0)
+        return seq
+
+    a = start([1, 2, 3, 4])
+    cached = list(a.block_table)
+    scheduler.remove(a)  # a's block: cached, nobody holds it
+    c = start([7, 8, 9])  # decoding in the other block
+    b = Sequence("b", [1, 2, 3, 4], greedy(), None, None)
+    scheduler.add(b)
+    assert scheduler.schedule().seqs == [c] and list(scheduler.waiting) == [b]
+    assert scheduler.prefix_cache.match([1, 2, 3, 4]).blocks == cached

@@ -187,10 +187,11 @@ class Scheduler:
         seq.num_computed = len(shared) * bs
         seq.kv_parent = match.nodes[len(shared) - 1] if shared else ROOT
         if copy_src is not None:
+            self.prefix_cache.acquire([copy_src])  # so that the allocation cannot evict it
             if self.prefix_cache.num_free < 1:
+                self.prefix_cache.release([copy_src])
                 self._free(seq)
                 return 0
-            self.prefix_cache.acquire([copy_src])  # so that the allocation cannot evict it
             copy = self.prefix_cache.allocate(1)[0]
             self.kv.copy_block(copy_src, copy)
             self.prefix_cache.release([copy_src])
