@@ -166,8 +166,9 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(server, http, path, fie
         time.sleep(0.05)
     thread.join()
     response = result["response"]
-    if field is None:  # count_tokens counts it
-        assert response.status_code == 200 and response.json()["input_tokens"] > MAX_MODEL_LEN, response.text
+    if field is None:  # count_tokens counts up to 4 contexts; this is far past them: refused after bounded work
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["type"] == "invalid_request_error"
     else:
         assert response.status_code == 400, response.text
         assert response.json()["error"]["code"] == "context_length_exceeded"
