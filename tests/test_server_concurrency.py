@@ -166,12 +166,14 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(server, http, path, fie
         time.sleep(0.05)
     thread.join()
     response = result["response"]
-    if field is None:  # count_tokens counts it
-        assert response.status_code == 200 and response.json()["input_tokens"] > MAX_MODEL_LEN, response.text
+    if field is None:  # count_tokens counts up to 4 contexts; this is far past them: refused after bounded work
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["type"] == "invalid_request_error"
     else:
         assert response.status_code == 400, response.text
         assert response.json()["error"]["code"] == "context_length_exceeded"
         assert response.json()["error"]["param"] == field
-    assert len(latencies) >= 5, "the huge request finished too soon to measure anything"
+    if path == "/v1/completions":  # a raw prompt is tokenized whole; chat prompts this long are refused untokenized
+        assert len(latencies) >= 5, "the huge request finished too soon to measure anything"
     print(f"{path}: {len(latencies)} /health calls during the huge request, max {max(latencies) * 1e3:.0f} ms")
     assert max(latencies) < HEALTH_BOUND_S, sorted(latencies)[-5:]

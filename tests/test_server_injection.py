@@ -65,6 +65,11 @@ def _messages_tool(x: str) -> dict[str, Any]:
     return {"model": "m", "max_tokens": 1, "messages": [*ANTHROPIC_TOOL_TURNS, result], "tools": ANTHROPIC_TOOLS}
 
 
+def _anthropic_prompt_tokens(usage: dict[str, Any]) -> int:
+    """The whole prompt of an Anthropic usage: input_tokens are the tokens not read from or written to the cache."""
+    return usage["input_tokens"] + usage.get("cache_read_input_tokens", 0) + usage.get("cache_creation_input_tokens", 0)
+
+
 def _count_body(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k != "max_tokens"}
 
@@ -74,8 +79,8 @@ CASES = [
     ("/v1/chat/completions", _chat_tool, lambda r: r["usage"]["prompt_tokens"]),
     ("/v1/responses", _responses_user, lambda r: r["usage"]["input_tokens"]),
     ("/v1/responses", _responses_tool, lambda r: r["usage"]["input_tokens"]),
-    ("/v1/messages", _messages_user, lambda r: r["usage"]["input_tokens"]),
-    ("/v1/messages", _messages_tool, lambda r: r["usage"]["input_tokens"]),
+    ("/v1/messages", _messages_user, lambda r: _anthropic_prompt_tokens(r["usage"])),
+    ("/v1/messages", _messages_tool, lambda r: _anthropic_prompt_tokens(r["usage"])),
     ("/v1/messages/count_tokens", lambda x: _count_body(_messages_user(x)), lambda r: r["input_tokens"]),
     ("/v1/messages/count_tokens", lambda x: _count_body(_messages_tool(x)), lambda r: r["input_tokens"]),
 ]

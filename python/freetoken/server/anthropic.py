@@ -512,11 +512,19 @@ async def messages(request: Request) -> Response:
     return JSONResponse(message_body(message_id, model, completion, output, req.stop_sequences))
 
 
+# count_tokens counts prompts of up to this many contexts; longer ones are refused untokenized (bounded work).
+COUNT_TOKENS_CONTEXTS = 4
+
+
 async def count_tokens(request: Request) -> Response:
     """``POST /v1/messages/count_tokens``: the prompt's token count, as the chat template renders it."""
     engine = request.app.state.engine
     req = parse_messages_request(parse_json_object(await read_body(request)), count_only=True)
     tools = None if req.tool_choice.mode == "none" else req.tools
-    prompt = await render_prompt(engine, req.messages, tools, req.template_kwargs)
+    # Counted exactly up to COUNT_TOKENS_CONTEXTS contexts (a client deciding what to trim needs the count of a
+    # prompt a little past the context); past that, refused after bounded work like any prompt.
+    prompt = await render_prompt(
+        engine, req.messages, tools, req.template_kwargs, max_tokens=COUNT_TOKENS_CONTEXTS * engine.max_model_len
+    )
     plan_output(engine, prompt, tools, req.tool_choice)  # a forced tool call's opening counts too
     return JSONResponse({"input_tokens": len(prompt.ids)})

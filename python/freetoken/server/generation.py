@@ -110,20 +110,23 @@ async def render_prompt(
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     template_kwargs: dict[str, Any],
+    max_tokens: int | None = None,
 ) -> Prompt:
     """Render `messages` (Hugging Face chat format) with the model's chat template and tokenize.
 
     Only the template's markup yields control tokens: client text is tokenized as plain text
-    (`Tokenizer.encode_chat`). The work is bounded by the context: a prompt past it is refused, as a 400
-    (context_length_exceeded) naming `messages`, without tokenizing more than the context's worth of text.
+    (`Tokenizer.encode_chat`). The work is bounded: a prompt past `max_tokens` (default: the context) is
+    refused, as a 400 (context_length_exceeded) naming `messages`, without tokenizing more than that many tokens'
+    worth of text (`Tokenizer.max_token_chars` characters a token).
     Template errors (for example a conversation the template rejects) become a 400 naming `messages`.
     """
     tokenizer = engine.tokenizer
     template_kwargs = {k: v for k, v in template_kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    limit = max_tokens or engine.max_model_len
 
     def render() -> Prompt:
         text, ids = tokenizer.encode_chat(
-            messages, tools=tools or None, add_generation_prompt=True, max_tokens=engine.max_model_len,
+            messages, tools=tools or None, add_generation_prompt=True, max_tokens=limit,
             **template_kwargs,
         )
         return Prompt(text, ids)
