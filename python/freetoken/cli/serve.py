@@ -74,6 +74,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=1919, help="port (default: 1919)")
     p.add_argument("--served-model-name", default=None, help="model name in the APIs (default: the directory name)")
     p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer or x-api-key)")
+    p.add_argument(
+        "--strict-max-tokens", action="store_true",
+        help="refuse (400) a max_tokens past the room the prompt leaves in the context; by default it is lowered "
+        "to that room (agent harnesses ask for 32000 tokens or more whatever the model)",
+    )
+    p.add_argument(
+        "--default-thinking", action="store_true",
+        help="Anthropic requests without a `thinking` field think (the Anthropic API's default is off)",
+    )
     add_engine_args(p)
     p.set_defaults(func=run, parser=p)
 
@@ -140,5 +149,8 @@ def run(args: argparse.Namespace) -> int:
     if engine.tokenizer is None:
         raise SystemExit(f"ft serve: {model_dir} has no tokenizer.json; the chat APIs need one")
     log.info("serving %r on http://%s:%d", name, args.host, args.port)
-    run_server(AsyncEngine(engine, name), host=args.host, port=args.port, served_model_name=name, api_key=args.api_key)
+    run_server(
+        AsyncEngine(engine, name), host=args.host, port=args.port, served_model_name=name, api_key=args.api_key,
+        strict_max_tokens=args.strict_max_tokens, default_thinking=args.default_thinking,
+    )
     return 0

@@ -50,6 +50,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from freetoken.server import anthropic, completions, openai, responses
 from freetoken.server.errors import ApiError, ApiFlavor, ErrorCode, error_body
 from freetoken.server.generation import ClientDisconnected
+from freetoken.server.notices import request_notes
 
 logger = logging.getLogger("freetoken.server")
 
@@ -112,6 +113,7 @@ class ApiMiddleware:
                     else "invalid API key"
                 )
                 err = ApiError(401, ErrorCode.INVALID_API_KEY, message)
+                log_client_error(scope, err)
                 await error_response(err, flavor)(scope, receive, send)
                 return
 
@@ -124,7 +126,8 @@ class ApiMiddleware:
             await send(message)
 
         try:
-            await self.app(scope, receive, tracking_send)
+            with request_notes():
+                await self.app(scope, receive, tracking_send)
         except ClientDisconnected:
             return
         except ClientDisconnect:
@@ -134,6 +137,7 @@ class ApiMiddleware:
             if started:
                 logger.warning("%s %s failed after the response started: %s", scope["method"], scope["path"], err)
                 return
+            log_client_error(scope, err)
             await error_response(err, flavor)(scope, receive, send)
         except Exception:
             logger.exception("unexpected error in %s %s", scope["method"], scope["path"])
@@ -141,6 +145,15 @@ class ApiMiddleware:
                 return
             err = ApiError(500, ErrorCode.INTERNAL_ERROR, "internal server error; see the server log")
             await error_response(err, flavor)(scope, receive, send)
+
+
+def log_client_error(scope: Scope, err: ApiError) -> None:
+    """One log line for a 4xx answer: the route, the status and code, the field, and the reason."""
+    if 400 <= err.status < 500:
+        logger.warning(
+            "%s %s -> %d %s%s: %s", scope.get("method"), scope.get("path"), err.status, err.code.value,
+            f" (field {err.param})" if err.param else "", err.message,
+        )
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
@@ -153,6 +166,7 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
         err = ApiError(405, ErrorCode.METHOD_NOT_ALLOWED, message)
     else:
         err = ApiError(exc.status_code, ErrorCode.INVALID_VALUE, str(exc.detail))
+    log_client_error(request.scope, err)
     response = error_response(err, flavor_of(request.scope))
     if exc.headers:
         response.headers.update(exc.headers)
@@ -226,13 +240,23 @@ async def _abort_on_exit(server: uvicorn.Server, engine: Any, graceful_shutdown_
     await engine.shutdown()
 
 
-def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None) -> Starlette:
+def build_app(
+    engine: Any,
+    *,
+    served_model_name: str,
+    api_key: str | None = None,
+    strict_max_tokens: bool = False,
+    default_thinking: bool = False,
+) -> Starlette:
     """Build the ASGI app serving `engine`; the app's lifespan starts and shuts down the engine.
 
     Args:
         engine: a `freetoken.engine.AsyncEngine` (not started yet).
         served_model_name: the name /v1/models lists and every response echoes.
         api_key: when set, every route but /health needs this key.
+        strict_max_tokens: refuse (400) a completion budget past the room the prompt leaves in the context,
+            instead of lowering it (`freetoken.server.generation.fit_context`).
+        default_thinking: Anthropic requests without a ``thinking`` field think (the API's default is off).
     """
 
     @contextlib.asynccontextmanager
@@ -273,6 +297,8 @@ def build_app(engine: Any, *, served_model_name: str, api_key: str | None = None
     app.state.served_model_name = served_model_name
     app.state.response_store = responses.ResponseStore()
     app.state.created = int(time.time())
+    app.state.strict_max_tokens = strict_max_tokens
+    app.state.default_thinking = default_thinking
     return app
 
 
@@ -295,14 +321,20 @@ def run_server(
     served_model_name: str,
     api_key: str | None = None,
     graceful_shutdown_s: float = 3.0,
+    strict_max_tokens: bool = False,
+    default_thinking: bool = False,
 ) -> None:
     """Serve `engine` with uvicorn until SIGINT/SIGTERM; logs go to stderr.
 
     On a signal the server stops accepting connections, gives running requests `graceful_shutdown_s`
     to finish, then aborts the rest in the engine (their streams end with an error event), and shuts
     the engine down. uvicorn then re-raises the signal, so the process ends as killed by it.
+    `strict_max_tokens` and `default_thinking`: see `build_app`.
     """
-    app = build_app(engine, served_model_name=served_model_name, api_key=api_key)
+    app = build_app(
+        engine, served_model_name=served_model_name, api_key=api_key, strict_max_tokens=strict_max_tokens,
+        default_thinking=default_thinking,
+    )
     config = uvicorn.Config(
         app,
         host=host,

@@ -28,6 +28,7 @@ from freetoken.server.generation import (
     aclose_shielded,
     closing_chunks,
     collect,
+    context_fit,
     fit_context,
 )
 from freetoken.server.logprobs import completion_logprobs
@@ -132,7 +133,7 @@ async def completions(request: Request) -> Response:
     # Off the event loop: tokenizing (or decoding) a prompt of megabytes takes seconds.
     prompt_text, prompt_ids = await run_in_threadpool(_prompt_ids, body, engine.tokenizer)
     sampling.params.max_tokens = fit_context(
-        len(prompt_ids), sampling.max_tokens, engine.max_model_len,
+        len(prompt_ids), sampling.max_tokens, context_fit(state),
         max_tokens_param=sampling.max_tokens_param, messages_param="prompt",
     )
     request_id = f"cmpl-{uuid.uuid4().hex}"

@@ -17,7 +17,8 @@ calls' arguments match the tools' parameter schemas. A schema the grammar librar
 ``logprobs: true`` with ``top_logprobs`` (0..20) gives ``choices[i].logprobs.content`` (per chunk when
 streaming; see `freetoken.server.logprobs` for the values, ``token`` and ``bytes``); ``top_logprobs``
 without ``logprobs: true`` is a 400.
-Rejected with 400 (code unsupported): non-text content parts.
+Image, audio and file content parts become a short text placeholder saying what was dropped (this model reads
+text only; logged once per request); other unknown part types are skipped (logged once).
 
 Output goes through the model family's parser (`freetoken.server.parsers`): reasoning becomes
 ``reasoning_content``, tool calls ``message.tool_calls`` (content null when there is no text) with
@@ -59,6 +60,7 @@ from freetoken.server.generation import (
     check_params,
     choice_params,
     collect,
+    context_fit,
     fit_context,
     format_grammar,
     merged_chunks,
@@ -66,6 +68,7 @@ from freetoken.server.generation import (
     render_prompt,
 )
 from freetoken.server.logprobs import chat_logprobs
+from freetoken.server.notices import note_once_per_process, omitted
 from freetoken.server.parsers import (
     ParsedDelta,
     ParsedOutput,
@@ -135,6 +138,10 @@ class ChatRequest:
     response_format: JsonFormat | None = None
 
 
+# Content parts a text-only model cannot read: each becomes a placeholder saying what was dropped (`omitted`).
+_OMITTED_PARTS = {"image_url": "image", "input_audio": "audio", "file": "file"}
+
+
 def _content_text(message: dict[str, Any], path: str, *, required: bool) -> str:
     """A message's content as one string: a string, or the text parts of an array joined by newlines."""
     content = get_field(message, "content", (str, list), parent=path, required=required, default="")
@@ -147,13 +154,15 @@ def _content_text(message: dict[str, Any], path: str, *, required: bool) -> str:
         if not isinstance(part, dict):
             raise wrong_type(part_path, "an object", part)
         kind = get_field(part, "type", str, parent=part_path, required=True)
-        if kind != "text":
-            raise invalid_request(
-                ErrorCode.UNSUPPORTED,
-                f"{part_path}.type {kind!r} is not supported; this server takes text parts only",
-                join_path(part_path, "type"),
+        if kind == "text":
+            texts.append(get_field(part, "text", str, parent=part_path, required=True))
+        elif kind in _OMITTED_PARTS:
+            texts.append(omitted(_OMITTED_PARTS[kind]))
+        else:
+            note_once_per_process(
+                f"chat-part:{kind}", "/v1/chat/completions: content part type %r is not known to this server and is "
+                "skipped (logged once)", kind,
             )
-        texts.append(get_field(part, "text", str, parent=part_path, required=True))
     return "\n".join(texts)
 
 
@@ -566,7 +575,7 @@ async def chat_completions(request: Request) -> Response:
     prompt_ids = prompt.ids
     sampling = chat.sampling
     sampling.params.max_tokens = fit_context(
-        len(prompt_ids), sampling.max_tokens, engine.max_model_len, max_tokens_param=sampling.max_tokens_param
+        len(prompt_ids), sampling.max_tokens, context_fit(state), max_tokens_param=sampling.max_tokens_param
     )
     if chat.response_format is not None:
         sampling.params.grammar = await format_grammar(engine, chat.response_format, plan, tools)

@@ -13,7 +13,8 @@ with name, schema, strict beside type: decoding constrained as for chat completi
 so ``previous_response_id`` continues from its input and output items (its instructions are not carried over;
 an id not stored is a 400, code previous_response_not_found), and ``GET``/``DELETE /v1/responses/{id}``
 retrieve or forget it. Accepted and ignored: parallel_tool_calls, include, metadata, user, truncation.
-Rejected with 400 (code unsupported): images and files.
+Images, files and audio become a short text placeholder saying what was dropped (this model reads text only;
+logged once per request).
 
 Output items: ``reasoning`` (content: one reasoning_text), ``message`` (one output_text), one
 ``function_call`` per tool call; status ``incomplete`` (reason max_output_tokens) when the budget ran out.
@@ -49,6 +50,7 @@ from freetoken.server.generation import (
     check_params,
     collect,
     converted_events,
+    context_fit,
     fit_context,
     format_grammar,
     plan_output,
@@ -59,6 +61,7 @@ from freetoken.server.openai import (
     parse_tool_choice,
     with_system_instruction,
 )
+from freetoken.server.notices import omitted
 from freetoken.server.parsers import ParsedDelta, ParsedOutput
 from freetoken.server.schema import (
     get_field,
@@ -76,11 +79,13 @@ from freetoken.server.sse import EventStreamResponse, guard_stream, sse_event
 RESPONSE_STORE_CAPACITY = 256
 
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
-_REFUSED_PARTS = frozenset({"input_image", "input_file", "input_audio"})
+# Parts a text-only model cannot read: each becomes a placeholder saying what was dropped (`omitted`).
+_OMITTED_PARTS = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
 
 
 def _text(value: Any, path: str) -> str:
-    """Content as one string: a string, or its text parts joined by newlines (other parts skipped)."""
+    """Content as one string: a string, or its text parts joined by newlines (images and files as placeholders,
+    other parts skipped)."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
@@ -93,10 +98,9 @@ def _text(value: Any, path: str) -> str:
         kind = get_field(part, "type", str, parent=part_path, required=True)
         if kind in _TEXT_PARTS:
             texts.append(get_field(part, "text", str, parent=part_path, required=True))
-        elif kind in _REFUSED_PARTS:
-            raise invalid_request(
-                ErrorCode.UNSUPPORTED, f"content part type {kind!r} is not supported here", join_path(part_path, "type")
-            )
+        elif kind in _OMITTED_PARTS:
+            detail = part.get("filename") if isinstance(part.get("filename"), str) else ""
+            texts.append(omitted(_OMITTED_PARTS[kind], detail))
     return "\n".join(texts)
 
 
@@ -464,7 +468,7 @@ async def responses(request: Request) -> Response:
     prompt = await render_prompt(engine, messages, offered, _template_kwargs(body))
     plan = plan_output(engine, prompt, bool(offered), tool_choice)
     params.max_tokens = fit_context(
-        len(prompt.ids), max_output_tokens, engine.max_model_len, max_tokens_param="max_output_tokens",
+        len(prompt.ids), max_output_tokens, context_fit(state), max_tokens_param="max_output_tokens",
         messages_param="input",
     )
     if response_format is not None:
