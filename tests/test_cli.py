@@ -10,12 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
-
+from conftest import free_port
 
 
 def ft(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
     """Run `ft` as the installed package (the one pytest imports), never the source tree: its compiled
-    `freetoken._core` exists only in the installed wheel."""
+    `freetoken._core` exists only in the installed wheel. ``ft serve`` without ``--port`` gets a free port, so
+    a server on the default port (the README's main job on 1919) does not turn the error a test checks into a
+    busy-port error."""
+    if args[:1] == ("serve",) and "--port" not in args:
+        args = (*args, "--port", str(free_port()))
     env = os.environ.copy()
     return subprocess.run(
         [sys.executable, "-m", "freetoken.cli.main", *args],

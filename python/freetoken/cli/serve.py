@@ -12,6 +12,9 @@ from freetoken.config import EngineConfig, ModelConfig
 log = logging.getLogger("freetoken.cli")
 
 DEMO = "demo"
+# The demo's KV cache when --kv-cache-tokens is not given: two full contexts (128 MiB in float32), not
+# max_num_seqs of them (1 GiB zeroed at every start on the CPU); concurrent requests past it wait their turn.
+DEMO_KV_CACHE_CONTEXTS = 2
 
 _HELP = {
     "device": "compute device: cpu, cuda or cuda:N",
@@ -133,6 +136,8 @@ def run(args: argparse.Namespace) -> int:
     cfg.validate()  # bad flags answer before anything loads
     model_dir = resolve_model_dir(args.model, cfg.dummy_weights)
     model_cfg = ModelConfig.from_dir(model_dir)  # raises ConfigError naming config.json and the key
+    if args.model == DEMO and not cfg.kv_cache_tokens:
+        cfg.kv_cache_tokens = DEMO_KV_CACHE_CONTEXTS * (cfg.max_model_len or model_cfg.max_position_embeddings)
     check_port_free(args.host, args.port)  # before minutes of loading, not after
     if cfg.max_model_len > model_cfg.max_position_embeddings:
         log.warning(

@@ -32,6 +32,7 @@ from freetoken.server.generation import (
     fit_context,
 )
 from freetoken.server.logprobs import completion_logprobs
+from freetoken.server.notices import note_unknown_fields
 from freetoken.server.openai import Sampling, error_events, parse_sampling, usage
 from freetoken.server.schema import (
     get_field,
@@ -72,8 +73,17 @@ def _prompt_ids(body: dict[str, Any], tokenizer: Any) -> tuple[str, list[int]]:
     raise wrong_type("prompt", "a string, an array of one string, or a non-empty array of token ids", prompt)
 
 
+# Top-level fields of a text completions body this server reads, or knows and ignores; any other is logged once.
+KNOWN_FIELDS = frozenset({
+    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stream", "stream_options",
+    "logit_bias", "logprobs", "echo", "suffix", "best_of", "frequency_penalty", "presence_penalty",
+    "repetition_penalty", "ignore_eos", "user",
+})
+
+
 def _sampling(body: dict[str, Any]) -> Sampling:
     get_field(body, "model", str, required=True)
+    note_unknown_fields(body, KNOWN_FIELDS, "/v1/completions")
     logprobs = get_int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
     if get_field(body, "suffix", str) is not None:
         raise invalid_request(ErrorCode.UNSUPPORTED, "suffix is not supported by this server", "suffix")

@@ -4,7 +4,9 @@ Accepted: roles system, developer (rendered as system), user, assistant (with ``
 arguments are a JSON string or an object, and ``reasoning_content``), tool; content as a string, an
 array of text parts, or null; max_tokens / max_completion_tokens (the latter wins), temperature, top_p,
 seed, stop (string or array), logit_bias, stream, stream_options.include_usage, tools, tool_choice; non-standard
-``top_k``, ``ignore_eos`` and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``, as in vLLM).
+``top_k``, ``ignore_eos``, ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``) and
+``continue_final_message`` (the last message, the assistant's, is continued instead of closed: a prefill), as in
+vLLM.
 Accepted and ignored for now: parallel_tool_calls, frequency/presence_penalty, user, metadata, store.
 ``n`` (up to 16 choices, each its own engine request; seeded choices use seed + index).
 ``response_format`` ``json_object`` / ``json_schema`` (``strict`` or not) constrain decoding with a grammar
@@ -68,7 +70,7 @@ from freetoken.server.generation import (
     render_prompt,
 )
 from freetoken.server.logprobs import chat_logprobs
-from freetoken.server.notices import note_once_per_process, omitted
+from freetoken.server.notices import note_once_per_process, note_unknown_fields, omitted
 from freetoken.server.parsers import (
     ParsedDelta,
     ParsedOutput,
@@ -128,6 +130,7 @@ class ChatRequest:
         template_kwargs: extra chat template variables (``chat_template_kwargs``).
         sampling: sampling and streaming.
         response_format: the JSON the output is constrained to, or None for free text.
+        continue_final: continue the last (assistant) message instead of closing it (``continue_final_message``).
     """
 
     messages: list[dict[str, Any]]
@@ -136,6 +139,7 @@ class ChatRequest:
     template_kwargs: dict[str, Any]
     sampling: Sampling
     response_format: JsonFormat | None = None
+    continue_final: bool = False
 
 
 # Content parts a text-only model cannot read: each becomes a placeholder saying what was dropped (`omitted`).
@@ -376,9 +380,20 @@ def with_system_instruction(messages: list[dict[str, Any]], instruction: str) ->
     return [{"role": "system", "content": instruction}, *messages]
 
 
+# Top-level fields of a chat completions body this server reads, or knows and ignores on purpose; any other is
+# logged once (`note_unknown_fields`).
+KNOWN_CHAT_FIELDS = frozenset({
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
+    "stream", "stream_options", "logit_bias", "logprobs", "top_logprobs", "tools", "tool_choice",
+    "parallel_tool_calls", "response_format", "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "ignore_eos", "chat_template_kwargs", "continue_final_message", "user", "metadata", "store",
+})
+
+
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     """Validate a chat completions body; every failure is a 400 naming the field."""
     get_field(body, "model", str, required=True)
+    note_unknown_fields(body, KNOWN_CHAT_FIELDS, "/v1/chat/completions")
     raw_messages = get_object_list(body, "messages", required=True, non_empty=True)
     messages = convert_messages(raw_messages)
     tools = _tools(body)
@@ -394,6 +409,12 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     if response_format is not None:
         messages = with_system_instruction(messages, response_format[0])
     template_kwargs = get_field(body, "chat_template_kwargs", dict, default={})
+    continue_final = get_field(body, "continue_final_message", bool, default=False)
+    if continue_final and messages[-1]["role"] != "assistant":
+        raise invalid_request(
+            ErrorCode.INVALID_VALUE, "continue_final_message needs the last message to be the assistant's",
+            "continue_final_message",
+        )
     sampling = parse_sampling(body)
     if logprobs:
         sampling.params.logprobs = top_logprobs or 0
@@ -404,6 +425,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         template_kwargs=template_kwargs,
         sampling=sampling,
         response_format=response_format[1] if response_format is not None else None,
+        continue_final=continue_final,
     )
 
 
@@ -570,7 +592,9 @@ async def chat_completions(request: Request) -> Response:
     engine = state.engine
     chat = parse_chat_request(parse_json_object(await read_body(request)))
     tools = None if chat.tool_choice.mode == "none" else chat.tools
-    prompt = await render_prompt(engine, chat.messages, tools, chat.template_kwargs)
+    prompt = await render_prompt(
+        engine, chat.messages, tools, chat.template_kwargs, continue_final=chat.continue_final
+    )
     plan = plan_output(engine, prompt, bool(tools), chat.tool_choice)
     prompt_ids = prompt.ids
     sampling = chat.sampling

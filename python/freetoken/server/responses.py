@@ -61,7 +61,7 @@ from freetoken.server.openai import (
     parse_tool_choice,
     with_system_instruction,
 )
-from freetoken.server.notices import omitted
+from freetoken.server.notices import note_unknown_fields, omitted
 from freetoken.server.parsers import ParsedDelta, ParsedOutput
 from freetoken.server.schema import (
     get_field,
@@ -81,6 +81,14 @@ RESPONSE_STORE_CAPACITY = 256
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 # Parts a text-only model cannot read: each becomes a placeholder saying what was dropped (`omitted`).
 _OMITTED_PARTS = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
+
+
+# Top-level fields of a Responses body this server reads, or knows and ignores; any other is logged once.
+KNOWN_FIELDS = frozenset({
+    "model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "stream",
+    "reasoning", "text", "store", "previous_response_id", "parallel_tool_calls", "include", "metadata", "user",
+    "truncation",
+})
 
 
 def _text(value: Any, path: str) -> str:
@@ -434,6 +442,7 @@ async def responses(request: Request) -> Response:
     engine = state.engine
     body = parse_json_object(await read_body(request))
     get_field(body, "model", str, required=True)
+    note_unknown_fields(body, KNOWN_FIELDS, "/v1/responses")
     store: ResponseStore = state.response_store
     history: list[dict[str, Any]] = []
     previous_id = get_field(body, "previous_response_id", str)
