@@ -60,12 +60,15 @@ def test_claude_code_requests_replay(long_server, parse_sse, fixture):
         response = client.post(record["path"], json=record["body"], headers=headers)
         assert response.status_code == 200, (response.text, long_server.log_tail())
         if record["body"].get("stream"):
-            check_message_stream(parse_sse(response.content))
+            events = parse_sse(response.content)
+            check_message_stream(events)
+            input_tokens = json.loads(events[0][1])["message"]["usage"]["input_tokens"]
         else:
             check_message(response.json())
+            input_tokens = response.json()["usage"]["input_tokens"]
         # count_tokens takes the same body (less what only creates messages) and agrees with the answer's usage.
         counted = client.post("/v1/messages/count_tokens", headers=headers, json={
             k: v for k, v in record["body"].items() if k not in ("max_tokens", "stream", "metadata")
         })  # fmt: skip
         assert counted.status_code == 200, counted.text
-        assert counted.json()["input_tokens"] > 1000
+        assert counted.json()["input_tokens"] == input_tokens > 1000

@@ -3,12 +3,23 @@
 Accepted: ``system`` as a string or an array of text blocks; message content as a string or blocks
 (text; tool_use in assistant turns and tool_result in user turns are rendered through the chat
 template as tool calls and tool messages; thinking blocks become the turn's ``reasoning_content``, which
-the template keeps or drops; redacted_thinking and block types this server does not know are skipped);
-``max_tokens`` (required), stop_sequences, temperature, top_p, top_k, stream, tools (``input_schema``
-becomes the function's ``parameters``), tool_choice, ``thinking`` (sets the template's
-``enable_thinking``; absent leaves the template's default). Accepted and ignored: metadata,
-service_tier, cache_control, disable_parallel_tool_use. Rejected with 400 (code unsupported): image and
-document blocks. The ``anthropic-version`` header is accepted, whatever its value.
+the template keeps or drops; redacted_thinking is skipped, and so are block types this server does not know,
+logged once). ``role: "system"`` entries anywhere in ``messages`` (Claude Code's environment block) are merged,
+in order, into the leading system turn after ``system``. A final assistant message is a prefill: the model
+continues it. Images, and documents that are not plain text, become a short placeholder saying what was dropped
+(this model reads text only; logged once per request); a plain-text document is its text; a ``tool_reference``
+block (Claude Code's tool search) renders as a line naming the tool.
+``max_tokens`` (required; lowered to the room the prompt leaves in the context, unless the server runs with
+--strict-max-tokens), stop_sequences, temperature, top_p, top_k, stream, tools (``input_schema`` becomes the
+function's ``parameters``; server tools such as ``web_search_20250305``, which have no input_schema, are not
+offered; ``defer_loading`` tools are offered once a tool_reference names them), tool_choice, ``thinking``
+(sets the template's ``enable_thinking``: ``disabled`` off; ``enabled`` with or without budget_tokens,
+``adaptive`` and unknown types on; absent off, as the API's default, unless the server runs with
+--default-thinking). Accepted and ignored: metadata, service_tier, cache_control, disable_parallel_tool_use,
+context_management, output_config's effort; other unknown top-level fields are logged once. The
+``anthropic-version`` header is accepted, whatever its value. A prompt that leaves no room for output is a 400 in
+Anthropic's wording (``prompt is too long: N tokens > M maximum``; strict mode's budget refusal is ``input length
+and `max_tokens` exceed context limit: X + Y > Z, ...``), which clients match.
 
 Output goes through the model family's parser (`freetoken.server.parsers`): reasoning becomes a
 ``thinking`` block (with an empty ``signature``; no signature_delta is streamed, which the SDK accepts),
