@@ -170,3 +170,34 @@ def test_model_too_big_for_host_memory_is_refused():
     """The real Qwen3-235B-A22B shape needs ~470 GB of host memory for its pool: refused before allocating."""
     result = ft("serve", "--model", "qwen3-235b-a22b", "--dummy-weights", "--device", "cpu", timeout_s=300)
     assert_user_error(result, "GB of host memory", "available")
+
+
+def test_demo_serves_a_long_context_with_a_small_kv_cache(tmp_path):
+    """`ft serve --model demo`: a 65536-token context (harness sessions need >= 64k), KV cache of two contexts."""
+    import signal
+    import time
+
+    import httpx
+
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "freetoken.cli.main", "serve", "--model", "demo", "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).json()
+                break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        else:
+            pytest.fail(f"ft serve --model demo did not start:\n{log_path.read_text()[-3000:]}")
+        assert models["data"][0]["max_model_len"] == 65536
+        assert "= 131072 tokens" in log_path.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)

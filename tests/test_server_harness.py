@@ -201,6 +201,16 @@ def test_deferred_tools_wait_for_a_tool_reference(anthropic_client, http, parse_
     assert message.usage.input_tokens == expected
     body = {"model": "m", "messages": history, "tools": tools, "max_tokens": 2, **GREEDY}
     assert anthropic_usage_streamed(http, parse_sse, body)[0] == expected
+    # A deferred tool already called in the history is loaded too.
+    called = [*USER, {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_2", "name": "search_files",
+                                                        "input": {}}]},
+              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "a.py"}]}]
+    rendered = [*USER, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "toolu_2", "type": "function", "function": {"name": "search_files", "arguments": {}}}]},
+        {"role": "tool", "content": "a.py", "tool_call_id": "toolu_2"}]
+    assert count(anthropic_client, messages=called, tools=tools) == num_tokens(
+        demo_tokenizer, rendered, [as_function(tool_search), as_function(SEARCH)]
+    )
 
 
 # --- 5. images and documents become placeholders -----------------------------------------------------------------

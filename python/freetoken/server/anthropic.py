@@ -246,12 +246,17 @@ class Conversation:
 
 
 def _referenced_tools(raw_messages: list[dict[str, Any]]) -> set[str]:
-    """The tool names of the tool_reference blocks inside tool_result blocks (Claude Code's tool search)."""
+    """The tools the conversation has loaded: those named by tool_reference blocks inside tool_result blocks
+    (Claude Code's tool search), and those an assistant turn already called (tool_use)."""
     names = set()
     for message in raw_messages:
         content = message.get("content")
         for block in content if isinstance(content, list) else []:
-            inner = block.get("content") if isinstance(block, dict) and block.get("type") == "tool_result" else None
+            if not isinstance(block, dict):
+                continue
+            if block.get("type") == "tool_use" and isinstance(block.get("name"), str):
+                names.add(block["name"])
+            inner = block.get("content") if block.get("type") == "tool_result" else None
             for ref in inner if isinstance(inner, list) else []:
                 if isinstance(ref, dict) and ref.get("type") == "tool_reference" and isinstance(ref.get("tool_name"), str):
                     names.add(ref["tool_name"])
@@ -397,6 +402,9 @@ def parse_messages_request(
     get_field(body, "model", str, required=True)
     note_unknown_fields(body, KNOWN_FIELDS, "/v1/messages/count_tokens" if count_only else "/v1/messages")
     conversation = convert_messages(body)
+    forced = body.get("tool_choice")
+    if isinstance(forced, dict) and isinstance(forced.get("name"), str):  # a tool forced by name is loaded too
+        conversation.referenced_tools.add(forced["name"])
     tools = _tools(body, conversation.referenced_tools)
     tool_choice = _tool_choice(body, tools)
     template_kwargs = _template_kwargs(body, default_thinking)
