@@ -230,8 +230,8 @@ def test_anthropic_images_and_documents_become_placeholders(anthropic_client, ht
                                      text_doc]},
         {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_9", "name": "get_weather",
                                            "input": {"city": "Paris"}}]},
-        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9",
-                                      "content": [{"type": "text", "text": "Sunny."}, {"type": "image", "source": PNG}]}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9", "content": [
+            {"type": "text", "text": "Sunny."}, {"type": "image", "source": PNG}]}]},
     ]  # fmt: skip
     rendered = [
         {"role": "user", "content": "\n".join([
@@ -256,7 +256,8 @@ def test_anthropic_images_and_documents_become_placeholders(anthropic_client, ht
 
 def test_openai_image_parts_become_placeholders(openai_client, demo_tokenizer):
     messages = [{"role": "user", "content": [
-        {"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}
+        {"type": "text", "text": "What is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}},
     ]}]  # fmt: skip
     expected = num_tokens(
         demo_tokenizer, [{"role": "user", "content": "What is this?\n[image omitted: this model reads text only]"}],

@@ -143,9 +143,11 @@ def _document_text(block: dict[str, Any], path: str) -> str:
     if kind == "text" and isinstance(source.get("data"), str):
         text = source["data"]
     elif kind == "content" and isinstance(source.get("content"), str | list):
-        text = _text_of(_blocks(source["content"], join_path(path, "source.content")), join_path(path, "source.content"))
+        content_path = join_path(path, "source.content")
+        text = _text_of(_blocks(source["content"], content_path), content_path)
     else:
-        what = ", ".join(filter(None, [source.get("media_type"), repr(title) if title else None])) or kind or "no source"
+        described = [source.get("media_type"), repr(title) if title else None]
+        what = ", ".join(filter(None, described)) or kind or "no source"
         return omitted("document", what)
     return f"{title}\n\n{text}" if title else text
 
@@ -258,8 +260,10 @@ def _referenced_tools(raw_messages: list[dict[str, Any]]) -> set[str]:
                 names.add(block["name"])
             inner = block.get("content") if block.get("type") == "tool_result" else None
             for ref in inner if isinstance(inner, list) else []:
-                if isinstance(ref, dict) and ref.get("type") == "tool_reference" and isinstance(ref.get("tool_name"), str):
-                    names.add(ref["tool_name"])
+                if isinstance(ref, dict) and ref.get("type") == "tool_reference":
+                    name = ref.get("tool_name")
+                    if isinstance(name, str):
+                        names.add(name)
     return names
 
 
