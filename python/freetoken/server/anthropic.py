@@ -393,8 +393,8 @@ def _template_kwargs(body: dict[str, Any], default_thinking: bool) -> dict[str, 
 # service tiers, Claude Code's context_management and output_config, output_format); any other is logged once.
 KNOWN_FIELDS = frozenset({
     "model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream",
-    "tools", "tool_choice", "thinking", "metadata", "service_tier", "container", "mcp_servers",
-    "context_management", "output_config", "output_format",
+    "tools", "tool_choice", "thinking", "metadata", "service_tier", "context_management", "output_config",
+    "output_format",
 })
 
 
