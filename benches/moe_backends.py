@@ -7,7 +7,8 @@ batch sizes (`--batch`). Weights are seeded random (`ExpertPool.random`, 58 GB o
 replayed from a synthetic trace calibrated to published statistics (`freetoken._core.synthetic_trace`: Zipf
 skew 0.45 (busiest expert ~4.4x the uniform share), reuse 0.35 within a 16-step window), because random
 routers route almost uniformly, which would understate locality. The trace replaces the routers' ids on the
-device (`TraceRouter`), so every row, captured graphs included, sees the same routing.
+device (`freetoken.moe.routing_replay`, what `ft serve --replay-routing synthetic` runs), so every row, captured
+graphs included, sees the same routing.
 
     python benches/moe_backends.py [--budgets 16 24 32] [--batch 1 4] [--steps 32] [--warmup 16]
 
@@ -39,13 +40,11 @@ import gc
 import json
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
-from freetoken._core import CpuExperts, ExpertPool, read_trace, synthetic_trace
+from freetoken._core import CpuExperts, ExpertPool
 from freetoken.bench.bandwidth import measure_cpu, measure_overlapped, measure_pcie
 from freetoken.config import EXPERT_CACHE_POLICIES, EngineConfig, ModelConfig
 from freetoken.engine.llm_engine import LLMEngine
@@ -57,49 +56,12 @@ from freetoken.moe.compute import expert_views, grouped_swiglu
 from freetoken.moe.expert_cache import ExpertCacheBackend
 from freetoken.moe.fused import FusedExperts
 from freetoken.moe.pinned import pin_host_memory
+from freetoken.moe.routing_replay import install_trace, synthetic_tables
 
 
 BANDWIDTH_RUNS = 3  # each bandwidth measured at the start is the best of this many ~1 s runs
 ROW_BANDWIDTH_S = 0.5  # seconds of each bandwidth run beside a row (three before its timed steps, three after)
 ROW_SCRATCH_SLOTS = 16  # device expert slots the PCIe runs beside a row copy into
-
-
-class TraceRouter(torch.nn.Module):
-    """A MoE layer's router for decode steps: the router's own weights, the trace's expert ids.
-
-    The ids come from a device table indexed by a device step counter, so a captured decode step replays the
-    trace too; the last MoE layer advances the counter. Steps with more rows than the trace has (every prefill
-    here: 32-token prompts) keep the router's ids.
-    """
-
-    def __init__(self, router: torch.nn.Module, table: torch.Tensor, clock: torch.Tensor, tick: bool) -> None:
-        super().__init__()
-        self.router, self.table, self.clock, self.tick = router, table, clock, tick
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ids, weights = self.router(x)
-        rows = x.shape[0]
-        if rows > self.table.shape[1]:
-            return ids, weights
-        ids = self.table.index_select(0, self.clock)[0, :rows]
-        if self.tick:  # the clock stays in range, so the other layers index with it as it is (one kernel)
-            self.clock.add_(1).remainder_(self.table.shape[0])
-        return ids, weights
-
-
-def install_trace(model, trace: dict[tuple[int, int], np.ndarray], moe_layers: list[int], num_steps: int,
-                  batch: int, top_k: int, device: torch.device) -> list[TraceRouter]:
-    """Put a `TraceRouter` in front of every MoE layer's router (or swap its table): decode ids from the trace's
-    (step, pool layer) records of `batch` rows."""
-    clock = torch.zeros(1, dtype=torch.int64, device=device)
-    routers = []
-    for pool_layer, layer in enumerate(moe_layers):
-        table = np.stack([trace[(s, pool_layer)].reshape(batch, top_k) for s in range(num_steps)]).astype(np.int64)
-        mlp = model.model.layers[layer].mlp
-        router = mlp.gate.router if isinstance(mlp.gate, TraceRouter) else mlp.gate
-        mlp.gate = TraceRouter(router, torch.from_numpy(table).to(device), clock, tick=layer == moe_layers[-1])
-        routers.append(mlp.gate)
-    return routers
 
 
 class StaticLayers:
@@ -132,15 +94,16 @@ class StaticLayers:
 
 
 def run_decode(
-    engine: LLMEngine, routers: list[TraceRouter], backend, batch: int, warmup: int, steps: int
+    engine: LLMEngine, clock: torch.Tensor, backend, batch: int, warmup: int, steps: int
 ) -> tuple[list[float], dict]:
     """Step times (s) of `steps` decode steps after a prefill and `warmup` steps, and the backend's counters
-    at the start of the measured steps."""
+    at the start of the measured steps. `clock` (the replayed trace's) is reset after the prefill, so the decode
+    steps replay the trace from its first step."""
     params = SamplingParams(max_tokens=warmup + steps + 1, temperature=0.0, ignore_eos=True)
     for i in range(batch):
         engine.add_request(f"r{i}", list(range(1 + i, 33 + i)), params)
-    engine.step()  # prefill, routed by the model's own router
-    routers[0].clock.zero_()
+    engine.step()  # prefill
+    clock.zero_()
     times = []
     for n in range(warmup + steps):
         torch.cuda.synchronize()
@@ -308,113 +271,113 @@ def main() -> None:
 
     model = init_dummy_weights(cfg, ExpertCacheBackend("cpu", pool, device, 0, cpu_threads=None), device, torch.bfloat16)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for batch in args.batch:
-            path = Path(tmp) / f"trace-b{batch}.fttrace"
-            total = args.warmup + args.steps + 8
-            synthetic_trace(path, len(layers), cfg.num_experts, cfg.num_experts_per_tok, total, batch=batch, seed=batch)
-            trace = {(s, l): ids for s, l, ids in read_trace(path)["records"]}
-            # Tokens per routed expert of a layer step, the b of B_cpu(b) and B_both(b) in the bound.
-            per_expert = statistics.mean(ids.size / np.unique(ids).size for ids in trace.values())
-            b_near = min(b_cpu, key=lambda b: abs(b - per_expert))
-            for backend_name in args.backends:
-                for budget in (args.budgets if backend_name not in ("fused", "cpu") else [0.0]):
-                    engine_cfg = EngineConfig(
-                        device="cuda", dtype="bfloat16", moe_backend="fused" if backend_name == "fused" else "cpu",
-                        max_num_seqs=batch, max_model_len=1024, kv_cache_gb=0.5, gpu_memory_gb=budget,
+    for batch in args.batch:
+        total = args.warmup + args.steps + 8
+        tables = synthetic_tables(len(layers), cfg.num_experts, cfg.num_experts_per_tok, total, batch=batch,
+                                  seed=batch)
+        # Tokens per routed expert of a layer step, the b of B_cpu(b) and B_both(b) in the bound.
+        per_expert = statistics.mean(
+            ids.size / np.unique(ids).size for table in tables for ids in table.reshape(total, -1))
+        b_near = min(b_cpu, key=lambda b: abs(b - per_expert))
+        for backend_name in args.backends:
+            for budget in (args.budgets if backend_name not in ("fused", "cpu") else [0.0]):
+                engine_cfg = EngineConfig(
+                    device="cuda", dtype="bfloat16", moe_backend="fused" if backend_name == "fused" else "cpu",
+                    max_num_seqs=batch, max_model_len=1024, kv_cache_gb=0.5, gpu_memory_gb=budget,
+                )
+                model.attach_experts(FusedExperts())  # the last row's backend goes before this one's is built
+                gc.collect()
+                torch.cuda.empty_cache()
+                gpu_arena = None
+                if backend_name == "fused":
+                    gpu_arena = arena[: len(layers) * per_layer].to(device)
+                    inner = FusedExperts()
+                    fused_layers = gpu_arena.view(len(layers), cfg.num_experts, -1)
+                    for li, layer in enumerate(layers):
+                        inner.load_layer(
+                            layer, *expert_views(fused_layers[li], cfg.hidden_size, cfg.moe_intermediate_size))
+                    del fused_layers
+                elif backend_name == "static":
+                    # No prefill layer buffers: llama.cpp's placement keeps whole layers, nothing else.
+                    static_cfg = dataclasses.replace(engine_cfg, prefill_strategy="fill")
+                    slots, _ = plan_expert_slots(static_cfg, cfg, torch.bfloat16, pool.expert_stride, "offload")
+                    n_layers = min(len(layers), slots // cfg.num_experts)
+                    gpu_arena = arena[: n_layers * per_layer].to(device) if n_layers else None
+                    inner = StaticLayers(pool, gpu_arena, n_layers, cpu)
+                else:
+                    slots, buffers = plan_expert_slots(
+                        engine_cfg, cfg, torch.bfloat16, pool.expert_stride, backend_name)
+                    inner = ExpertCacheBackend(
+                        backend_name, pool, device, slots, pcie_bytes_per_s=b_pcie, cpu_bytes_per_s=b_cpu,
+                        layer_buffers=buffers, cpu_threads=args.cpu_threads or None, policy=args.policy,
                     )
-                    model.attach_experts(FusedExperts())  # the last row's backend goes before this one's is built
-                    gc.collect()
-                    torch.cuda.empty_cache()
-                    gpu_arena = None
-                    if backend_name == "fused":
-                        gpu_arena = arena[: len(layers) * per_layer].to(device)
-                        inner = FusedExperts()
-                        fused_layers = gpu_arena.view(len(layers), cfg.num_experts, -1)
-                        for li, layer in enumerate(layers):
-                            inner.load_layer(
-                                layer, *expert_views(fused_layers[li], cfg.hidden_size, cfg.moe_intermediate_size))
-                        del fused_layers
-                    elif backend_name == "static":
-                        # No prefill layer buffers: llama.cpp's placement keeps whole layers, nothing else.
-                        static_cfg = dataclasses.replace(engine_cfg, prefill_strategy="fill")
-                        slots, _ = plan_expert_slots(static_cfg, cfg, torch.bfloat16, pool.expert_stride, "offload")
-                        n_layers = min(len(layers), slots // cfg.num_experts)
-                        gpu_arena = arena[: n_layers * per_layer].to(device) if n_layers else None
-                        inner = StaticLayers(pool, gpu_arena, n_layers, cpu)
-                    else:
-                        slots, buffers = plan_expert_slots(
-                            engine_cfg, cfg, torch.bfloat16, pool.expert_stride, backend_name)
-                        inner = ExpertCacheBackend(
-                            backend_name, pool, device, slots, pcie_bytes_per_s=b_pcie, cpu_bytes_per_s=b_cpu,
-                            layer_buffers=buffers, cpu_threads=args.cpu_threads or None, policy=args.policy,
-                        )
-                    model.attach_experts(inner)
-                    routers = install_trace(model, trace, layers, total, batch, cfg.num_experts_per_tok, device)
-                    torch.cuda.reset_peak_memory_stats()
-                    t_row = time.perf_counter()
+                model.attach_experts(inner)
+                clock = install_trace(model, tables, "synthetic")
+                torch.cuda.reset_peak_memory_stats()
+                t_row = time.perf_counter()
+                engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
+                log(f"{backend_name} b={batch} {budget} GB: engine ready (graphs captured) in "
+                    f"{time.perf_counter() - t_row:.0f} s")
+                outside = None
+                if args.profile:
+                    outside = profile_steps(engine, inner, batch, log)
                     engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
-                    log(f"{backend_name} b={batch} {budget} GB: engine ready (graphs captured) in "
-                        f"{time.perf_counter() - t_row:.0f} s")
-                    outside = None
-                    if args.profile:
-                        outside = profile_steps(engine, inner, batch, log)
-                        engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
-                    if args.cprofile:
-                        cprofile_steps(engine, batch, log)
-                        engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
-                    built_peak = torch.cuda.max_memory_allocated()
-                    bw_before = bandwidths_now(cpu, pool, arena, device, b_near)
-                    torch.cuda.reset_peak_memory_stats()  # the bandwidth runs' scratch is not the backend's
-                    times, before = run_decode(engine, routers, inner, batch, args.warmup, args.steps)
-                    after = snapshot(inner)
-                    peak_gb = max(built_peak, torch.cuda.max_memory_allocated()) / 1e9
-                    bw_after = bandwidths_now(cpu, pool, arena, device, b_near)
-                    row_bw = {k: max(bw_before[k], bw_after[k]) for k in bw_before}
-                    tokens = batch * args.steps
-                    step_s = statistics.median(times)
-                    h2d = (after.get("bytes_h2d", 0) - before.get("bytes_h2d", 0)) / tokens
-                    cpu_b = (after.get("bytes_cpu", 0) - before.get("bytes_cpu", 0)) / tokens
-                    hits = after.get("hits", 0) - before.get("hits", 0)
-                    lookups = hits + after.get("fills", 0) - before.get("fills", 0) + after.get("cpu_runs", 0) - before.get("cpu_runs", 0)
-                    # Per step; the paths overlap, and share the host memory bus (see the module docstring).
-                    terms = bound_terms(h2d, cpu_b, row_bw)
-                    paths_s = max(terms["pcie"], terms["cpu"]) * batch
-                    bound_s = max(terms.values()) * batch
-                    start_bw = {"pcie": b_pcie, "cpu": b_cpu[b_near], "both": b_both[b_near]}
-                    start_s = max(bound_terms(h2d, cpu_b, start_bw).values()) * batch
-                    row = {
-                        "backend": backend_name, "budget_gb": budget, "batch": batch,
-                        "tok_per_s": round(batch / step_s, 2), "step_ms": round(step_s * 1e3, 2),
-                        "hit_rate": round(hits / lookups, 3) if lookups else None,
-                        "pcie_mb_per_tok": round(h2d / 1e6, 1), "cpu_mb_per_tok": round(cpu_b / 1e6, 1),
-                        "bound_ms": round(bound_s * 1e3, 2),
-                        "achieved_over_bound": round(bound_s / step_s, 2) if bound_s else None,
-                        "bound_by": max(terms, key=terms.get) if bound_s else None,
-                        "achieved_over_paths_bound": round(paths_s / step_s, 2) if paths_s else None,
-                        "achieved_over_start_bound": round(start_s / step_s, 2) if start_s else None,
-                        "row_gbps": {k: round(v / 1e9, 1) for k, v in row_bw.items()},
-                        "peak_gpu_gb": round(peak_gb, 2),
-                    }
-                    if outside is not None:
-                        row["outside_share"] = round(outside, 3)
-                    if isinstance(inner, ExpertCacheBackend):  # what the miss paths ran at, as the backend measured
-                        bw = inner.stats()["bandwidth"]
-                        row["measured_gbps"] = {path: bw[path]["measured_gbps"] for path in ("pcie", "cpu")}
-                        steps = after["driven_steps"] - before["driven_steps"]
-                        if steps:  # where the driver thread's time went, ms per step (mean of the measured steps)
-                            row["driver_ms"] = {
-                                k: round(1e3 * (after[f"driver_{k}"] - before[f"driver_{k}"]) / steps, 2)
-                                for k in inner.driver_seconds
-                            }
-                            row["stream_flags_per_step"] = round((after["stream_flags"] - before["stream_flags"]) / steps, 1)
-                            # Host overhead: the step less the device's spans (the driver's wait: kernels, and the
-                            # handshake's latencies, so this is a lower bound), the CPU experts and the exposed fills.
-                            busy = sum(row["driver_ms"][k] for k in ("wait", "cpu", "fill_wait"))
-                            row["host_overhead_share"] = round(max(0.0, 1.0 - busy / row["step_ms"]), 3)
-                    rows.append(row)
-                    print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-                    del engine, inner, gpu_arena
+                if args.cprofile:
+                    cprofile_steps(engine, batch, log)
+                    engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
+                built_peak = torch.cuda.max_memory_allocated()
+                bw_before = bandwidths_now(cpu, pool, arena, device, b_near)
+                torch.cuda.reset_peak_memory_stats()  # the bandwidth runs' scratch is not the backend's
+                times, before = run_decode(engine, clock, inner, batch, args.warmup, args.steps)
+                after = snapshot(inner)
+                peak_gb = max(built_peak, torch.cuda.max_memory_allocated()) / 1e9
+                bw_after = bandwidths_now(cpu, pool, arena, device, b_near)
+                row_bw = {k: max(bw_before[k], bw_after[k]) for k in bw_before}
+                tokens = batch * args.steps
+                step_s = statistics.median(times)
+                h2d = (after.get("bytes_h2d", 0) - before.get("bytes_h2d", 0)) / tokens
+                cpu_b = (after.get("bytes_cpu", 0) - before.get("bytes_cpu", 0)) / tokens
+                hits = after.get("hits", 0) - before.get("hits", 0)
+                lookups = hits + sum(after.get(k, 0) - before.get(k, 0) for k in ("fills", "cpu_runs"))
+                # Per step; the paths overlap, and share the host memory bus (see the module docstring).
+                terms = bound_terms(h2d, cpu_b, row_bw)
+                paths_s = max(terms["pcie"], terms["cpu"]) * batch
+                bound_s = max(terms.values()) * batch
+                start_bw = {"pcie": b_pcie, "cpu": b_cpu[b_near], "both": b_both[b_near]}
+                start_s = max(bound_terms(h2d, cpu_b, start_bw).values()) * batch
+                row = {
+                    "backend": backend_name, "budget_gb": budget, "batch": batch,
+                    "tok_per_s": round(batch / step_s, 2), "step_ms": round(step_s * 1e3, 2),
+                    "hit_rate": round(hits / lookups, 3) if lookups else None,
+                    "pcie_mb_per_tok": round(h2d / 1e6, 1), "cpu_mb_per_tok": round(cpu_b / 1e6, 1),
+                    "bound_ms": round(bound_s * 1e3, 2),
+                    "achieved_over_bound": round(bound_s / step_s, 2) if bound_s else None,
+                    "bound_by": max(terms, key=terms.get) if bound_s else None,
+                    "achieved_over_paths_bound": round(paths_s / step_s, 2) if paths_s else None,
+                    "achieved_over_start_bound": round(start_s / step_s, 2) if start_s else None,
+                    "row_gbps": {k: round(v / 1e9, 1) for k, v in row_bw.items()},
+                    "peak_gpu_gb": round(peak_gb, 2),
+                }
+                if outside is not None:
+                    row["outside_share"] = round(outside, 3)
+                if isinstance(inner, ExpertCacheBackend):  # what the miss paths ran at, as the backend measured
+                    bw = inner.stats()["bandwidth"]
+                    row["measured_gbps"] = {path: bw[path]["measured_gbps"] for path in ("pcie", "cpu")}
+                    steps = after["driven_steps"] - before["driven_steps"]
+                    if steps:  # where the driver thread's time went, ms per step (mean of the measured steps)
+                        row["driver_ms"] = {
+                            k: round(1e3 * (after[f"driver_{k}"] - before[f"driver_{k}"]) / steps, 2)
+                            for k in inner.driver_seconds
+                        }
+                        flags = after["stream_flags"] - before["stream_flags"]
+                        row["stream_flags_per_step"] = round(flags / steps, 1)
+                        # Host overhead: the step less the device's spans (the driver's wait: kernels, and the
+                        # handshake's latencies, so this is a lower bound), the CPU experts and the exposed fills.
+                        busy = sum(row["driver_ms"][k] for k in ("wait", "cpu", "fill_wait"))
+                        row["host_overhead_share"] = round(max(0.0, 1.0 - busy / row["step_ms"]), 3)
+                rows.append(row)
+                print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+                del engine, inner, gpu_arena
     static = {(r["budget_gb"], r["batch"]): r["tok_per_s"] for r in rows if r["backend"] == "static"}
     for r in rows:
         if r["backend"] == "hybrid" and (r["budget_gb"], r["batch"]) in static:

@@ -3,32 +3,37 @@
 Part 1, long prompts (512, 2k, 8k, 32k tokens; chunks of 8192): time per chunk with whole-layer streaming, its
 copies overlapped with compute (two layer buffers) and not (one), and with `auto`; beside the transfer bound (all
 expert bytes over the measured PCIe bandwidth; and the bytes the run streamed, which skips resident experts) and
-the GPU compute time (the same chunks with every expert resident: `fused`, 58 GB on the GPU).
-Part 2, short extends (16, 64, 256 tokens) after an 8192-token prefix and 16 decode steps that warm the cache:
-the extend's time with each strategy (stream, fill, cpu, hybrid, auto). The extends and the decode steps are
-routed by a synthetic trace (`freetoken._core.synthetic_trace`, Zipf skew 0.45 across a step's tokens), because
-random routers route almost uniformly; the long prompts use the model's own (random) router, which makes no
-difference to streaming (every expert of every layer crosses anyway).
+the GPU compute time (the same chunks with every expert resident: `fused`, 58 GB on the GPU). The model's own
+(random) router routes them, which makes no difference to streaming (every expert of every layer crosses anyway).
+Part 2, short extends (16 ... 4096 tokens) after an 8192-token prefix and 16 decode steps that warm the cache: each
+fixed strategy (stream, fill, cpu, hybrid) and `auto`, each on a fresh backend that prefilled the same prefix.
+Routing replays the synthetic trace (`freetoken.moe.routing_replay`, as `ft serve --replay-routing synthetic`:
+Zipf skew 0.45, reuse 0.35 within 16 tokens), from its first row for every strategy, because random routers route
+almost uniformly. Per extend length a fixed strategy runs `--warmup` extends (kernels; calibration's first timing),
+`auto` `--auto-warmup` (it measures its candidates first), then `--repeats` timed ones (median). The table gives
+each strategy's time, auto's time and choices, and auto over the best fixed strategy (target: <= 1.05).
+The backends get the bandwidths `ft serve` would (`ft bench bw`'s planner figures: copies and CPU kernels measured
+running together, `planner_figures`).
 
-    python benches/prefill.py [--budget 24] [--prompts 512 2048 8192 32768] [--extends 16 64 256]
+    python benches/prefill.py [--budget 24] [--prompts 512 2048 8192 32768] [--extends 16 64 256 1024 4096]
+    python benches/prefill.py --parts extend     # part 2 alone
 
-Prints one line per row and a final JSON line. Needs CUDA and ~60 GB of host RAM.
+Prints one line per row, a table of the extends, and a final JSON line. Needs CUDA and ~60 GB of host RAM.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
-from freetoken._core import CpuExperts, ExpertPool, read_trace, synthetic_trace
-from freetoken.bench.bandwidth import measure_cpu, measure_pcie
+from freetoken._core import CpuExperts, ExpertPool
+from freetoken.bench.bandwidth import measure_overlapped, measure_pcie, planner_figures
 from freetoken.config import EngineConfig, ModelConfig
 from freetoken.engine.kv_cache import KVCache
 from freetoken.models.attention import AttentionMetadata
@@ -39,25 +44,15 @@ from freetoken.moe.compute import expert_views
 from freetoken.moe.expert_cache import ExpertCacheBackend
 from freetoken.moe.fused import FusedExperts
 from freetoken.moe.pinned import pin_host_memory
+from freetoken.moe.profile import BATCHES
+from freetoken.moe.routing_replay import install_trace, synthetic_tables
+from rich.console import Console
+from rich.table import Table
 
 CHUNK = 8192
-
-
-class Routed:
-    """Wraps a backend; replaces the router's top-k ids by `ids[pool layer]` while `ids` is set and shapes match."""
-
-    def __init__(self, inner, moe_layers: list[int]):
-        self.inner = inner
-        self.pool_layer = {layer: i for i, layer in enumerate(moe_layers)}
-        self.ids: np.ndarray | None = None  # [layers, T, k]
-
-    def begin_step(self, num_tokens, num_prefill_tokens, top_k):
-        self.inner.begin_step(num_tokens, num_prefill_tokens, top_k)
-
-    def forward(self, layer, hidden, topk_ids, topk_weights):
-        if self.ids is not None and self.ids.shape[1:] == tuple(topk_ids.shape):
-            topk_ids = torch.from_numpy(self.ids[self.pool_layer[layer]]).to(hidden.device)
-        return self.inner.forward(layer, hidden, topk_ids, topk_weights)
+DECODE_STEPS = 16  # decode steps between the prefix and the extends (they warm the slot cache)
+TRACE_TOKENS = 16384  # rows of the replayed trace (it wraps past them)
+FIXED = ("stream", "fill", "cpu", "hybrid")
 
 
 def run_chunk(model, kv: KVCache, tokens: list[int], start: int, prefill: bool = True) -> float:
@@ -91,15 +86,30 @@ def counters(backend: ExpertCacheBackend) -> dict[str, float]:
     return stats
 
 
-def profile_extend(model, kv: KVCache, routed: Routed, ids: np.ndarray, start: int, log) -> None:
-    """The torch profiler's top ops (by host and by device time) of one extend, logged."""
+def profile_extend(model, kv: KVCache, n: int, start: int, log) -> None:
+    """The torch profiler's top ops (by host and by device time) of one `n`-token extend, logged."""
     from torch.profiler import ProfilerActivity, profile
 
-    routed.ids = ids
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        run_chunk(model, kv, list(range(1, ids.shape[1] + 1)), start)
+        run_chunk(model, kv, list(range(1, n + 1)), start)
     for key in ("self_cpu_time_total", "self_cuda_time_total"):
         log(prof.key_averages().table(sort_by=key, row_limit=10, max_name_column_width=40))
+
+
+def extend_table(rows: list[dict], extends: list[int]) -> Table:
+    """Per extend length: each fixed strategy's median seconds, auto's and its choices, auto over the best."""
+    table = Table(title="extends after an 8192-token prefix (median s)")
+    for column in ("extend", *FIXED, "auto", "auto chose", "best", "auto/best"):
+        table.add_column(column, justify="right")
+    for n in extends:
+        got = {r["strategy"]: r for r in rows if r["part"] == "extend" and r["extend"] == n}
+        fixed = {s: got[s]["extend_s"] for s in FIXED if s in got}
+        auto = got.get("auto")
+        best = min(fixed, key=fixed.get) if fixed else None
+        table.add_row(str(n), *(f"{fixed[s]:.4f}" if s in fixed else "-" for s in FIXED),
+                      f"{auto['extend_s']:.4f}" if auto else "-", ",".join(auto["chosen"]) if auto else "-",
+                      best or "-", f"{auto['auto_over_best']:.3f}" if auto and best else "-")
+    return table
 
 
 def main() -> None:
@@ -107,8 +117,11 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3-30b-a3b")
     ap.add_argument("--budget", type=float, default=24.0)
     ap.add_argument("--prompts", type=int, nargs="+", default=[512, 2048, 8192, 32768])
-    ap.add_argument("--extends", type=int, nargs="+", default=[16, 64, 256])
+    ap.add_argument("--extends", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
     ap.add_argument("--repeats", type=int, default=3, help="extends timed per row (median)")
+    ap.add_argument("--warmup", type=int, default=1, help="untimed extends per length before a fixed strategy's")
+    ap.add_argument("--auto-warmup", type=int, default=6,
+                    help="untimed extends per length before auto's (it measures its candidates on the first ones)")
     ap.add_argument("--parts", nargs="+", default=["prompt", "extend"], choices=["prompt", "extend"])
     ap.add_argument("--profile", action="store_true",
                     help="log the torch profiler's top ops of one 64-token extend per strategy, to stderr")
@@ -127,14 +140,16 @@ def main() -> None:
     cpu = CpuExperts(pool)
     scratch = torch.empty(64, pool.expert_stride, dtype=torch.uint8, device=device)
     b_pcie = measure_pcie(pool, arena, scratch, torch.cuda.Stream())
-    b_cpu = {b: measure_cpu(cpu, pool, b) for b in (1, 2, 4, 8, 16)}
+    # What the backends get: the profile's figures (`ft bench bw`), copies and CPU kernels measured together.
+    planner_pcie, planner_cpu = planner_figures(
+        {b: measure_overlapped(cpu, pool, arena, scratch, torch.cuda.Stream(), b) for b in BATCHES})
     del scratch, cpu
     all_bytes = len(layers) * cfg.num_experts * pool.expert_nbytes
     bound_all = all_bytes / b_pcie
-    log(f"B_pcie {b_pcie / 1e9:.1f} GB/s (all experts: {bound_all:.3f} s); B_cpu "
-        + ", ".join(f"b={b}: {v / 1e9:.1f}" for b, v in b_cpu.items()))
+    log(f"B_pcie {b_pcie / 1e9:.1f} GB/s alone (all experts: {bound_all:.3f} s); planner figures: B_pcie "
+        f"{planner_pcie / 1e9:.1f}, B_cpu " + ", ".join(f"b={b}: {v / 1e9:.1f}" for b, v in planner_cpu.items()))
 
-    max_len = max(args.prompts + [CHUNK + max(args.extends)])
+    max_len = max(args.prompts + [CHUNK + DECODE_STEPS + max(args.extends)])
     engine_cfg = EngineConfig(device="cuda", dtype="bfloat16", gpu_memory_gb=args.budget, max_model_len=max_len,
                               kv_cache_tokens=max_len, kv_cache_gb=8.0, max_num_seqs=1)
     host_only = ExpertCacheBackend("cpu", pool, device, 0)  # holds no device memory: attached between rows
@@ -171,8 +186,8 @@ def main() -> None:
     def cache_backend(strategy: str, overlap: bool) -> ExpertCacheBackend:
         ecfg = EngineConfig(**{**engine_cfg.__dict__, "prefill_strategy": strategy, "no_prefill_overlap": not overlap})
         slots, buffers = plan_expert_slots(ecfg, cfg, torch.bfloat16, pool.expert_stride, "hybrid")
-        return ExpertCacheBackend("hybrid", pool, device, slots, pcie_bytes_per_s=b_pcie, cpu_bytes_per_s=b_cpu,
-                                  layer_buffers=buffers, prefill_strategy=strategy)
+        return ExpertCacheBackend("hybrid", pool, device, slots, pcie_bytes_per_s=planner_pcie,
+                                  cpu_bytes_per_s=planner_cpu, layer_buffers=buffers, prefill_strategy=strategy)
 
     for strategy, overlap in (("stream", True), ("stream", False), ("auto", True)) if args.prompts else ():
         torch.cuda.empty_cache()
@@ -198,55 +213,58 @@ def main() -> None:
         model.attach_experts(host_only)
         del backend
 
-    # Part 2: short extends after a long prefix, the cache warmed by decode steps.
-    with tempfile.TemporaryDirectory() as tmp:
-        def trace_ids(batch: int, steps: int, seed: int) -> list[np.ndarray]:
-            path = Path(tmp) / f"t{batch}-{seed}.fttrace"
-            synthetic_trace(path, len(layers), cfg.num_experts, k, steps, batch=batch, seed=seed)
-            by_step: dict[int, list] = {}
-            for s, layer, ids in read_trace(path)["records"]:
-                by_step.setdefault(s, [None] * len(layers))[layer] = ids.astype(np.int64)
-            return [np.stack(by_step[s]) for s in sorted(by_step)]
-
-        decode_ids = trace_ids(1, 16, seed=1)
-        for strategy in ("stream", "fill", "cpu", "hybrid", "auto") if "extend" in args.parts else ():
+    # Part 2: short extends after a long prefix, the cache warmed by decode steps; routing replayed from a trace.
+    if "extend" in args.parts:
+        clock = install_trace(model, synthetic_tables(len(layers), cfg.num_experts, k, TRACE_TOKENS, seed=1),
+                              "synthetic")
+        start = CHUNK + DECODE_STEPS
+        for strategy in (*FIXED, "auto"):
             torch.cuda.empty_cache()
             backend = cache_backend("auto", True)
-            routed = Routed(backend, layers)
-            model.attach_experts(routed)
+            model.attach_experts(backend)
+            clock.zero_()  # every strategy replays the same routing
             prefill(model, kv, CHUNK)  # the prefix, streamed
-            for step, ids in enumerate(decode_ids):  # decode steps warm the cache
-                routed.ids = ids
+            for step in range(DECODE_STEPS):
                 run_chunk(model, kv, [7], CHUNK + step, prefill=False)
             backend.prefill_strategy = strategy
             for n in args.extends:
-                times = []
+                tokens = list(range(1, n + 1))
+                for _ in range(args.auto_warmup if strategy == "auto" else args.warmup):
+                    run_chunk(model, kv, tokens, start)
+                times, picks = [], []
                 before = counters(backend)
-                for rep in range(args.repeats):
-                    routed.ids = trace_ids(n, 1, seed=100 + 10 * n + rep)[0]
-                    times.append(run_chunk(model, kv, list(range(1, n + 1)), CHUNK + len(decode_ids)))
+                for _ in range(args.repeats):
+                    times.append(run_chunk(model, kv, tokens, start))
+                    picks.append(backend.strategy)
                 after = counters(backend)
                 per = {key: (after[key] - before[key]) / args.repeats for key in after}
-                chosen = [name for name in ("stream", "fill", "cpu", "hybrid") if per[name] > 0]
                 lookups = per["hits"] + per["fills"] + per["cpu_runs"]
-                emit({"part": "extend", "prefix": CHUNK, "extend": n, "strategy": strategy, "chosen": chosen,
-                      "extend_s": round(statistics.median(times), 4),
+                emit({"part": "extend", "prefix": CHUNK, "extend": n, "strategy": strategy,
+                      "chosen": sorted(set(picks), key=picks.index), "extend_s": round(statistics.median(times), 4),
                       "hit_rate": round(per["hits"] / lookups, 3) if lookups else None,
                       "pcie_gb": round((per["bytes_h2d"] + per["bytes_streamed"]) / 1e9, 3),
                       "cpu_gb": round(per["bytes_cpu"] / 1e9, 3)})
                 if args.profile and n == 64:
-                    profile_extend(model, kv, routed, trace_ids(n, 1, seed=7)[0], CHUNK + len(decode_ids), log)
-            routed.ids = None
+                    profile_extend(model, kv, n, start, log)
+            if strategy == "auto":
+                log(f"auto's measured / predicted scales: {backend.calibration.stats()}")
             model.attach_experts(host_only)
-            del backend, routed
+            del backend
 
-    stream = {r["extend"]: r["extend_s"] for r in rows if r["part"] == "extend" and r["strategy"] == "stream"}
-    for r in rows:
-        if r["part"] == "extend" and r["extend"] in stream:
-            r["stream_over_this"] = round(stream[r["extend"]] / r["extend_s"], 2)
+    for n in args.extends:
+        got = {r["strategy"]: r for r in rows if r["part"] == "extend" and r["extend"] == n}
+        fixed = {s: got[s]["extend_s"] for s in FIXED if s in got}
+        if "auto" in got and fixed:
+            best = min(fixed, key=fixed.get)
+            got["auto"].update(best_fixed=best, auto_over_best=round(got["auto"]["extend_s"] / fixed[best], 3))
+    if "extend" in args.parts:
+        Console(no_color="NO_COLOR" in os.environ, width=140).print(extend_table(rows, args.extends))
     print(json.dumps({"bench": "prefill", "model": args.preset, "budget_gb": args.budget,
                       "b_pcie_gbps": round(b_pcie / 1e9, 1), "all_experts_bound_s": round(bound_all, 3),
-                      "trace": "synthetic skew=0.45 (extends, decode warm-up)", "rows": rows}))
+                      "planner_pcie_gbps": round(planner_pcie / 1e9, 1),
+                      "planner_cpu_gbps": {b: round(v / 1e9, 1) for b, v in planner_cpu.items()},
+                      "trace": "synthetic skew=0.45 reuse=0.35 window=16 (prefix, decode warm-up, extends)",
+                      "rows": rows}))
 
 
 if __name__ == "__main__":

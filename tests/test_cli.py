@@ -146,6 +146,7 @@ def test_busy_port_is_refused_before_loading(model_dir):
         pytest.param(["--device", "cuda"], "--device", marks=pytest.mark.skipif(
             __import__("torch").cuda.is_available(), reason="this machine has CUDA: serve would start")),
         (["--moe-backend", "magic"], "magic"),
+        (["--replay-routing", "synthetic"], "--dummy-weights"),
     ],
 )
 def test_bad_engine_flags(model_dir, flags, needle):

@@ -101,9 +101,14 @@ def alone(demo: Model, prompt: list[int], params: SamplingParams) -> Result:
 
 
 def assert_all_blocks_free(engine: LLMEngine) -> None:
+    """No block is held; each is either free or cached (and evictable), exactly once."""
     assert not engine.has_work()
-    assert engine.kv.allocator.num_free == engine.kv.num_blocks
-    assert len(set(engine.kv.allocator._free)) == engine.kv.num_blocks, "a block was freed twice"
+    cache = engine.scheduler.prefix_cache
+    assert cache.num_free == engine.kv.num_blocks
+    assert all(cache.ref_count(b) == 0 for b in range(engine.kv.num_blocks))
+    free, evictable = engine.kv.allocator._free, list(cache._evictable)
+    assert len(set(free)) == len(free), "a block was freed twice"
+    assert sorted(free + evictable) == list(range(engine.kv.num_blocks))
 
 
 @pytest.fixture(scope="module")
@@ -166,11 +171,11 @@ def test_abort_mid_stream(demo, solo):
 
     def on_step(n):
         if n == 4:
-            free_before.append(engine.kv.allocator.num_free)
+            free_before.append(engine.scheduler.prefix_cache.num_free)
             owned = len(engine._seqs["1"].block_table)
             assert owned > 0
             engine.abort("1")
-            assert engine.kv.allocator.num_free == free_before[0] + owned
+            assert engine.scheduler.prefix_cache.num_free == free_before[0] + owned
             engine.abort("1")  # twice: a no-op
             engine.abort("never-added")
 
@@ -459,7 +464,7 @@ def test_bad_params_raise_request_error(demo, params, field_name):
     engine = demo.engine()
     with pytest.raises(RequestError, match=field_name):
         engine.add_request("x", demo.prompts[0], params)
-    assert not engine.has_work() and engine.kv.allocator.num_free == engine.kv.num_blocks
+    assert not engine.has_work() and engine.scheduler.prefix_cache.num_free == engine.kv.num_blocks
 
 
 def test_bad_prompts_raise_request_error(demo):
@@ -582,7 +587,7 @@ def test_async_cancelled_task_aborts(demo):
             with pytest.raises(asyncio.CancelledError):
                 await task
             await _wait_for(lambda: not llm.has_work())
-            assert llm.kv.allocator.num_free == llm.kv.num_blocks
+            assert llm.scheduler.prefix_cache.num_free == llm.kv.num_blocks
         finally:
             await engine.shutdown()
 
@@ -640,7 +645,7 @@ def test_async_shutdown_aborts_running(demo):
         await _wait_for(lambda: all(r.chunks for r in results))
         await engine.shutdown()
         await asyncio.wait_for(asyncio.gather(*tasks), 10)
-        assert not llm.has_work() and llm.kv.allocator.num_free == llm.kv.num_blocks
+        assert not llm.has_work() and llm.scheduler.prefix_cache.num_free == llm.kv.num_blocks
         return results
 
     for r in asyncio.run(main()):

@@ -18,6 +18,12 @@ def _greedy(anthropic_client, messages=HELLO, **kwargs):
     return anthropic_client.messages.create(model="claude-any", messages=messages, extra_body=GREEDY, **kwargs)
 
 
+def _prompt_tokens(usage) -> int:
+    """All the prompt's tokens: Anthropic's input_tokens leaves out those read from or written to the prefix cache."""
+    u = usage if isinstance(usage, dict) else usage.model_dump()
+    return u["input_tokens"] + u["cache_read_input_tokens"] + u["cache_creation_input_tokens"]
+
+
 def test_non_streaming_shape(anthropic_client, demo_tokenizer):
     message = _greedy(anthropic_client, max_tokens=3, system="You are terse.")
     assert message.id.startswith("msg_")
@@ -34,7 +40,7 @@ def test_non_streaming_shape(anthropic_client, demo_tokenizer):
     prompt = demo_tokenizer.apply_chat_template(
         [{"role": "system", "content": "You are terse."}, *HELLO], add_generation_prompt=True, enable_thinking=False
     )
-    assert message.usage.input_tokens == len(demo_tokenizer.encode(prompt))
+    assert _prompt_tokens(message.usage) == len(demo_tokenizer.encode(prompt))
 
 
 def test_system_blocks_and_content_blocks(anthropic_client):
@@ -45,7 +51,7 @@ def test_system_blocks_and_content_blocks(anthropic_client):
         messages=[{"role": "user", "content": [{"type": "text", "text": "Say hello."}]}],
         max_tokens=6,
     )
-    assert as_blocks.usage.input_tokens == as_strings.usage.input_tokens
+    assert _prompt_tokens(as_blocks.usage) == _prompt_tokens(as_strings.usage)
     assert as_blocks.content[0].text == as_strings.content[0].text
 
 
@@ -54,7 +60,7 @@ def test_count_tokens_matches_usage(anthropic_client):
     counted = anthropic_client.messages.count_tokens(
         model="claude-any", system="Count me.", messages=HELLO
     )
-    assert counted.input_tokens == message.usage.input_tokens
+    assert counted.input_tokens == _prompt_tokens(message.usage)
 
 
 def test_raw_stream_event_order(http, parse_sse, anthropic_client):
@@ -77,7 +83,7 @@ def test_raw_stream_event_order(http, parse_sse, anthropic_client):
     start = payloads[0]["message"]
     assert start["id"].startswith("msg_") and start["model"] == SERVED_MODEL_NAME
     assert start["content"] == [] and start["stop_reason"] is None
-    assert start["usage"]["input_tokens"] == full.usage.input_tokens
+    assert _prompt_tokens(start["usage"]) == _prompt_tokens(full.usage)
     assert payloads[1]["content_block"] == {"type": "text", "text": ""}
     deltas = [p["delta"] for p in payloads if p["type"] == "content_block_delta"]
     assert all(d["type"] == "text_delta" for d in deltas)
@@ -85,6 +91,7 @@ def test_raw_stream_event_order(http, parse_sse, anthropic_client):
     message_delta = payloads[-2]
     assert message_delta["delta"]["stop_reason"] == full.stop_reason
     assert message_delta["usage"]["output_tokens"] == full.usage.output_tokens
+    assert _prompt_tokens(message_delta["usage"]) == _prompt_tokens(full.usage)
 
 
 def test_sdk_stream(anthropic_client):
@@ -144,7 +151,7 @@ def test_tool_use_history_renders(anthropic_client):
     message = anthropic_client.messages.create(
         model="claude-any", messages=messages, tools=tools, max_tokens=3, extra_body=GREEDY
     )
-    assert message.usage.input_tokens == with_tools.input_tokens
+    assert _prompt_tokens(message.usage) == with_tools.input_tokens
 
 
 def test_models_in_anthropic_shape(anthropic_client):
@@ -175,7 +182,7 @@ def test_tool_choice_tool_gives_tool_use(anthropic_client):
     counted = anthropic_client.messages.count_tokens(
         model="claude-any", messages=HELLO, tools=TOOLS, tool_choice=FORCE_WEATHER
     )
-    assert counted.input_tokens == message.usage.input_tokens
+    assert counted.input_tokens == _prompt_tokens(message.usage)
 
 
 def test_tool_use_stream_events(http, parse_sse):
@@ -209,7 +216,7 @@ def test_tool_choice_none_and_any(anthropic_client):
     )
     assert none.input_tokens == plain.input_tokens < auto.input_tokens
     message = _greedy(anthropic_client, tools=TOOLS, tool_choice={"type": "any"}, max_tokens=4)
-    assert message.usage.input_tokens > auto.input_tokens  # the turn opens a tool call
+    assert _prompt_tokens(message.usage) > auto.input_tokens  # the turn opens a tool call
     assert message.stop_reason in ("tool_use", "max_tokens", "end_turn")
 
 
@@ -256,7 +263,7 @@ def test_multi_turn_tool_loop_with_thinking(anthropic_client):
     counted = anthropic_client.messages.count_tokens(
         model="claude-any", messages=messages, tools=TOOLS, thinking={"type": "enabled", "budget_tokens": 1024}
     )
-    assert counted.input_tokens == message.usage.input_tokens
+    assert counted.input_tokens == _prompt_tokens(message.usage)
     with anthropic_client.messages.stream(
         model="claude-any", messages=messages, tools=TOOLS, max_tokens=4, extra_body=GREEDY,
         thinking={"type": "enabled", "budget_tokens": 1024},

@@ -204,6 +204,11 @@ class EngineConfig:
             compute), "fill" (copy the routed misses into slots), "cpu" (run them on the host), "hybrid" (q*).
         no_prefill_overlap: one layer buffer instead of two: each layer's copy waits for the previous layer's
             compute (for comparison).
+        no_prefix_cache: prefill every prompt in full instead of reusing the K/V blocks of a cached prefix
+            (`freetoken.engine.prefix_cache`; for comparison and debugging).
+        replay_routing: benchmarks only, with `dummy_weights`: the MoE routers replay a routing trace instead of
+            routing ("synthetic": the calibrated synthetic trace of `benches/moe_backends.py`; or a `.fttrace`
+            file), so the expert cache sees a real model's misses (`freetoken.moe.routing_replay`); "" is off.
     """
 
     device: str = "cpu"
@@ -224,6 +229,8 @@ class EngineConfig:
     enforce_eager: bool = False
     prefill_strategy: str = "auto"
     no_prefill_overlap: bool = False
+    no_prefix_cache: bool = False
+    replay_routing: str = ""
 
     def validate(self) -> None:
         """Raise ValueError naming the flag when a setting is out of range (a zero `max_num_seqs` would hang) or
@@ -255,6 +262,11 @@ class EngineConfig:
         if self.prefill_strategy not in PREFILL_STRATEGIES:
             raise ValueError(
                 f"--prefill-strategy {self.prefill_strategy!r}: choose from {', '.join(PREFILL_STRATEGIES)}"
+            )
+        if self.replay_routing and not self.dummy_weights:
+            raise ValueError(
+                f"--replay-routing {self.replay_routing}: replaying a routing trace is for benchmarks on dummy weights "
+                "(a real model's routers must route); add --dummy-weights or drop --replay-routing"
             )
         for name in ("gpu_memory_gb", "expert_slots", "cpu_threads"):
             if getattr(self, name) < 0:

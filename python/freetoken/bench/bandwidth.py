@@ -23,6 +23,7 @@ Every figure is bytes/s; "expert bytes" are `ExpertPool.expert_nbytes` (gate_up 
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -220,3 +221,11 @@ def measure_overlapped(
         done += list(in_flight)
     pcie_s = done[0][0].elapsed_time(done[-1][1]) / 1e3
     return len(done) * COPY_GROUP * n / pcie_s, cpu_bytes / cpu_s
+
+
+def planner_figures(overlapped: dict[int, tuple[float, float]]) -> tuple[float, dict[int, float]]:
+    """The figures the planner and the prefill cost model take, from `measure_overlapped` runs at each b
+    ({b: (PCIe bytes/s, host-kernel bytes/s)}): B_pcie the median of the copies' rates over b, B_cpu(b) the
+    kernel's rate at each b; both measured with the other path running, as they share the host memory bus when a
+    layer step splits its misses (what `ft bench bw` writes to the profile's `planner`)."""
+    return statistics.median(p for p, _ in overlapped.values()), {b: c for b, (_, c) in overlapped.items()}

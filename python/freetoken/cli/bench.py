@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import re
-import statistics
 import time
 from pathlib import Path
 from typing import Any
@@ -215,8 +214,7 @@ def run_bw(args: argparse.Namespace) -> int:
         return 0
     directory = args.out if args.out is not None else profile_dir()
     for gpu, pcie, torch_copy, line, overlapped in gpus:
-        planner_pcie = statistics.median(p for p, _ in overlapped.values())
-        planner_cpu = {b: c for b, (_, c) in overlapped.items()}
+        planner_pcie, planner_cpu = bw.planner_figures(overlapped)
         backend, q1 = verdict(planner_pcie, planner_cpu)
         profile = {
             "schema_version": SCHEMA_VERSION,

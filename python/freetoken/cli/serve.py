@@ -38,6 +38,10 @@ _HELP = {
     "prefill_strategy": "how prefill chunks reach uncached experts: auto (cheapest by the cost model), stream "
     "(whole layers, double-buffered), fill (copy routed misses), cpu, hybrid",
     "no_prefill_overlap": "one prefill layer buffer: each layer's copy waits for the previous layer's compute",
+    "no_prefix_cache": "prefill every prompt in full: no reuse of the KV blocks of a prompt prefix seen before",
+    "replay_routing": "benchmarks only, needs --dummy-weights: MoE routers replay a routing trace instead of routing: "
+    "'synthetic' (Zipf-skewed, calibrated to published statistics; as benches/moe_backends.py) or a .fttrace file; "
+    "shown in /v1/stats 'routing'",
 }
 
 
@@ -50,7 +54,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         if isinstance(default, bool):
             parser.add_argument(flag, action="store_true", help=_HELP[f.name])
         else:
-            parser.add_argument(flag, type=type(default), default=default, help=f"{_HELP[f.name]} (default: {default})")
+            shown = default if default != "" else "off"
+            parser.add_argument(flag, type=type(default), default=default, help=f"{_HELP[f.name]} (default: {shown})")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -153,6 +158,8 @@ def run(args: argparse.Namespace) -> int:
     engine = LLMEngine.from_dir(model_dir, cfg)
     if engine.tokenizer is None:
         raise SystemExit(f"ft serve: {model_dir} has no tokenizer.json; the chat APIs need one")
+    if engine.routing["source"] == "model":
+        log.info("routing: the model's own routers")
     log.info("serving %r on http://%s:%d", name, args.host, args.port)
     run_server(
         AsyncEngine(engine, name), host=args.host, port=args.port, served_model_name=name, api_key=args.api_key,

@@ -85,6 +85,12 @@ class AsyncEngine:
                 if isinstance(command, _Add):
                     command.loop.call_soon_threadsafe(command.out.put_nowait, aborted)
 
+    def estimate_prefix_reuse(self, prompt_ids: list[int]) -> tuple[int, int]:
+        """(prompt tokens the prefix cache would supply, tokens the request would add to it) if `prompt_ids` were
+        admitted now: an estimate, for what must be said before the engine admits the request (Anthropic's
+        message_start); the chunks carry the counts at admission (`Scheduler.estimate_reuse`)."""
+        return self.engine.scheduler.estimate_reuse(prompt_ids)
+
     def stats(self) -> dict:
         """The latest engine counters (JSON-able), as of the last step."""
         return dict(self._stats)

@@ -56,7 +56,8 @@ def plan_kv_cache(model_cfg: ModelConfig, engine_cfg: EngineConfig, dtype: torch
 
 
 class BlockAllocator:
-    """Free list of KV block ids; O(1) allocate and free."""
+    """Free list of the KV block ids that hold nothing reusable; O(1) allocate and free. Reference counts and the
+    cached blocks nobody holds are `freetoken.engine.prefix_cache.PrefixCache`'s."""
 
     def __init__(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
@@ -64,7 +65,7 @@ class BlockAllocator:
 
     @property
     def num_free(self) -> int:
-        """Blocks not owned by any sequence."""
+        """Blocks neither held by a sequence nor cached."""
         return len(self._free)
 
     def allocate(self, n: int) -> list[int]:
@@ -114,6 +115,13 @@ class KVCache:
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Bytes of K and V for one token over all layers."""
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    def copy_block(self, src: int, dst: int) -> None:
+        """Copy the K/V of block `src` into block `dst`, in every layer (queued on the current stream)."""
+        bs = self.block_size
+        for k, v in self.layers:
+            k[dst * bs : (dst + 1) * bs].copy_(k[src * bs : (src + 1) * bs])
+            v[dst * bs : (dst + 1) * bs].copy_(v[src * bs : (src + 1) * bs])
 
     def blocks_for(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""

@@ -24,6 +24,8 @@ from freetoken.models.loader import TensorIndex, init_dummy_weights, load_checkp
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
 from freetoken.moe import make_expert_backend, resolve_backend
 from freetoken.moe.budget import check_host_memory
+from freetoken.moe.routing_replay import describe as describe_routing
+from freetoken.moe.routing_replay import install_replay
 from freetoken.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -80,7 +82,16 @@ class LLMEngine:
             plan.num_blocks, plan.block_size, plan.num_blocks * plan.block_size, plan.nbytes / 1e9,
         )
         self.experts = model.experts
-        self.scheduler = Scheduler(self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens)
+        self.scheduler = Scheduler(
+            self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens, prefix_cache=not engine_cfg.no_prefix_cache
+        )
+        if engine_cfg.no_prefix_cache:
+            log.info("prefix cache: off (--no-prefix-cache); every prompt is prefilled in full")
+        else:
+            log.info(
+                "prefix cache: on; holds up to %d tokens in the KV cache's blocks that no request holds",
+                self.scheduler.prefix_cache.capacity_tokens,
+            )
         self.runner = ModelRunner(
             model, self.kv, self.device, engine_cfg.max_num_seqs, self.max_model_len, engine_cfg.enforce_eager,
             piecewise=not getattr(self.experts, "graph_safe", False),
@@ -94,6 +105,7 @@ class LLMEngine:
         self._seqs: dict[str, Sequence] = {}
         self._rng = random.Random(engine_cfg.seed)
         self.num_steps = 0
+        self.routing = describe_routing(model)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, engine_cfg: EngineConfig) -> LLMEngine:
@@ -112,6 +124,8 @@ class LLMEngine:
         experts = make_expert_backend(engine_cfg, model_cfg, None if engine_cfg.dummy_weights else model_dir, dtype)
         if engine_cfg.dummy_weights:
             model = init_dummy_weights(model_cfg, experts, device, dtype, seed=engine_cfg.seed)
+            if engine_cfg.replay_routing:  # before the engine captures its graphs: they replay the trace too
+                install_replay(model, engine_cfg.replay_routing, seed=engine_cfg.seed)
         else:
             model = load_checkpoint(model_dir, experts, device, dtype, cfg=model_cfg, index=index)
         tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
@@ -165,7 +179,15 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
             return []
-        tokens, logprobs = self.runner.run(scheduled)
+        try:
+            tokens, logprobs = self.runner.run(scheduled)
+        except BaseException:
+            # The step may have written part of its K/V, or advanced `num_computed` past K/V it never finished:
+            # its sequences drop their blocks (none of them indexed yet) and would start again from their tokens.
+            for seq in sorted(scheduled.seqs, key=lambda s: s.arrival, reverse=True):
+                self.scheduler.preempt(seq)
+            raise
+        self.scheduler.commit(scheduled)
         self.num_steps += 1
         outputs = []
         for seq, token, logprob in zip(scheduled.seqs, tokens, logprobs, strict=True):
@@ -202,6 +224,8 @@ class LLMEngine:
             stop_reason=stop_reason,
             num_prompt_tokens=seq.prompt_len,
             num_output_tokens=seq.num_output,
+            num_cached_tokens=seq.num_cached_tokens or 0,
+            num_cache_write_tokens=seq.num_cache_write_tokens,
             logprobs=[logprob] if logprob is not None else None,
         )
 
@@ -211,7 +235,9 @@ class LLMEngine:
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
             "kv_blocks_total": self.kv.num_blocks,
-            "kv_blocks_free": self.kv.allocator.num_free,
+            "kv_blocks_free": self.scheduler.prefix_cache.num_free,
+            "prefix_cache": self.scheduler.prefix_cache.stats(),
             "num_steps": self.num_steps,
+            "routing": self.routing,
             "moe_backend": self.experts.stats() if hasattr(self.experts, "stats") else {"backend": "fused"},
         }

@@ -5,6 +5,10 @@ each, so a long prompt never stalls them; the rest of the budget goes to prompt 
 admitted and then of waiting ones, up to `max_num_seqs` running. When the KV cache cannot give a decoding
 sequence its next block, the most recently arrived running sequence is preempted: its blocks are freed and it
 is recomputed from its tokens later (vLLM's recompute preemption).
+
+A waiting sequence is admitted on the longest prefix of its tokens that the prefix cache holds
+(`freetoken.engine.prefix_cache`): it shares those blocks and prefills only the rest. After each finished step,
+`commit` indexes the blocks the step filled.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from freetoken.engine.kv_cache import KVCache
+from freetoken.engine.prefix_cache import ROOT, BlockKey, PrefixCache, PrefixMatch
 from freetoken.engine.sequence import Sequence
 
 
@@ -29,10 +34,18 @@ class ScheduledStep:
 
 
 class Scheduler:
-    """Owns the waiting queue and the running set, and the KV blocks of both."""
+    """Owns the waiting queue and the running set, and the KV blocks of both (through the prefix cache).
 
-    def __init__(self, kv: KVCache, max_num_seqs: int, max_prefill_tokens: int) -> None:
+    Args:
+        kv: the KV cache (its allocator and block size; `copy_block` for a fully cached prompt).
+        max_num_seqs: most running sequences.
+        max_prefill_tokens: the token budget of one step.
+        prefix_cache: reuse the K/V of cached prompt prefixes (`--no-prefix-cache` turns it off).
+    """
+
+    def __init__(self, kv: KVCache, max_num_seqs: int, max_prefill_tokens: int, prefix_cache: bool = True) -> None:
         self.kv = kv
+        self.prefix_cache = PrefixCache(kv.allocator, kv.block_size, enabled=prefix_cache)
         self.max_num_seqs = max_num_seqs
         self.max_prefill_tokens = max(1, max_prefill_tokens)
         self.waiting: deque[Sequence] = deque()
@@ -45,35 +58,126 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def remove(self, seq: Sequence) -> None:
-        """Drop a finished or aborted sequence and free its blocks."""
+        """Drop a finished or aborted sequence and release its blocks (the indexed ones stay cached)."""
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self._free(seq)
 
+    def preempt(self, seq: Sequence) -> None:
+        """Release a running sequence's blocks and queue it first, to be recomputed from its tokens (reusing what
+        the prefix cache still holds of them). Also how the engine drops the K/V a failed step may have left."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self._free(seq)
+            self.waiting.appendleft(seq)
+
+    def commit(self, step: ScheduledStep) -> None:
+        """Index the full blocks that `step`, now finished, wrote (call it only after the step ran to the end).
+
+        Each sequence's blocks are indexed in order, each under the node of the block before it; a block whose
+        content is already cached elsewhere stays private (`PrefixCache.insert`).
+        """
+        if not self.prefix_cache.enabled:
+            return
+        bs = self.kv.block_size
+        for seq in step.seqs:
+            while (seq.num_hashed_blocks + 1) * bs <= seq.num_computed:
+                i = seq.num_hashed_blocks
+                seq.kv_parent = self.prefix_cache.insert(seq.kv_parent, seq.token_ids, i, seq.block_table[i])
+                seq.num_hashed_blocks = i + 1
+
     def _free(self, seq: Sequence) -> None:
-        self.kv.allocator.free(seq.block_table)
+        self.prefix_cache.release(seq.block_table)
         seq.block_table = []
         seq.num_computed = 0
+        seq.num_hashed_blocks = 0
+        seq.kv_parent = ROOT
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
-        """Give `seq` blocks for `num_tokens` more tokens; False when the cache has too few free."""
+        """Give `seq` blocks for `num_tokens` more tokens; False when the cache has too few free or evictable."""
         need = self.kv.blocks_for(seq.num_computed + num_tokens) - len(seq.block_table)
-        if need > self.kv.allocator.num_free:
+        if need > self.prefix_cache.num_free:
             return False
         if need > 0:
-            seq.block_table.extend(self.kv.allocator.allocate(need))
+            seq.block_table.extend(self.prefix_cache.allocate(need))
         return True
 
     def _preempt_last(self) -> Sequence | None:
         if not self.running:
             return None
         victim = max(self.running, key=lambda s: s.arrival)
-        self.running.remove(victim)
-        self._free(victim)
-        self.waiting.appendleft(victim)
+        self.preempt(victim)
         return victim
+
+    def _next_block_key(self, seq: Sequence) -> BlockKey | None:
+        """The key of the full prompt block a prefilling sequence computes next, or None when it has none left."""
+        b = seq.num_hashed_blocks
+        if (
+            not self.prefix_cache.enabled
+            or seq.num_computed >= seq.prompt_len
+            or (b + 1) * self.kv.block_size > seq.prompt_len
+        ):
+            return None
+        return self.prefix_cache.key(seq.kv_parent, seq.token_ids, b)
+
+    def _admit(self, seq: Sequence, match: PrefixMatch, budget: int) -> int:
+        """Start `seq` on the cached blocks of `match` and give it blocks for its first chunk.
+
+        Every token of a sequence that is cached entirely, up to its last, is reused but that last one: the
+        logits of the next token must come from this sequence. Its last block is shared, and a sequence never
+        writes into a shared block, so it gets a private copy of that block and recomputes the last position.
+
+        Returns the first chunk's length, or 0 (nothing held) when the KV cache has too few blocks.
+        """
+        bs = self.kv.block_size
+        num_tokens = len(seq.token_ids)
+        shared = match.blocks
+        copy_src = None
+        if match.num_blocks * bs == num_tokens:
+            copy_src, shared = shared[-1], shared[:-1]
+        self.prefix_cache.acquire(shared)
+        seq.block_table = list(shared)
+        seq.num_hashed_blocks = len(shared)
+        seq.num_computed = len(shared) * bs
+        seq.kv_parent = match.nodes[len(shared) - 1] if shared else ROOT
+        if copy_src is not None:
+            if self.prefix_cache.num_free < 1:
+                self._free(seq)
+                return 0
+            self.prefix_cache.acquire([copy_src])  # so that the allocation cannot evict it
+            copy = self.prefix_cache.allocate(1)[0]
+            self.kv.copy_block(copy_src, copy)
+            self.prefix_cache.release([copy_src])
+            seq.block_table.append(copy)
+            seq.num_computed = num_tokens - 1
+        chunk = min(seq.num_uncomputed, budget)
+        if not self._grow(seq, chunk):
+            self._free(seq)
+            return 0
+        self.prefix_cache.count_lookup(num_tokens, seq.num_computed)
+        if seq.num_cached_tokens is None:
+            seq.num_cached_tokens, seq.num_cache_write_tokens = self._reuse(seq.prompt_len, match)
+        return chunk
+
+    def _reuse(self, num_tokens: int, match: PrefixMatch) -> tuple[int, int]:
+        """(tokens reused, tokens it adds to the cache) of a prompt of `num_tokens` admitted on `match`: the matched
+        tokens but the last when all match; and the prompt's other full blocks."""
+        bs = self.kv.block_size
+        matched = match.num_blocks * bs
+        reused = num_tokens - 1 if matched == num_tokens else matched
+        written = (num_tokens // bs) * bs - matched if self.prefix_cache.enabled else 0
+        return reused, written
+
+    def estimate_reuse(self, prompt_ids: list[int]) -> tuple[int, int]:
+        """What a request of `prompt_ids` admitted now would report: (tokens reused, tokens added to the cache).
+
+        Read-only, so the event loop may call it while the engine thread steps (each dict read is atomic under
+        the GIL): the engine may index or evict blocks before the request is admitted, so it is an estimate, and
+        `Sequence.num_cached_tokens` has the count at admission.
+        """
+        return self._reuse(len(prompt_ids), self.prefix_cache.match(prompt_ids))
 
     def schedule(self) -> ScheduledStep:
         """Pick the next step's work. Returns an empty step only when there is no work.
@@ -110,14 +214,28 @@ class Scheduler:
                 step.seqs.append(seq)
                 step.query_lens.append(chunk)
                 budget -= chunk
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            chunk = min(seq.num_uncomputed, budget)
-            if not self._grow(seq, chunk):
+        # Prompt blocks that running sequences are computing now: a waiting sequence whose next block is one of
+        # them waits until that block is indexed and then shares it (n > 1 choices, concurrent requests with one
+        # system prompt) instead of computing the same K/V beside it.
+        in_flight = {key for key in map(self._next_block_key, self.running) if key is not None}
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[i]
+            match = self.prefix_cache.match(seq.token_ids)
+            if in_flight and (match.num_blocks + 1) * self.kv.block_size <= len(seq.token_ids):
+                parent = match.nodes[-1] if match.nodes else ROOT
+                if self.prefix_cache.key(parent, seq.token_ids, match.num_blocks) in in_flight:
+                    i += 1
+                    continue
+            chunk = self._admit(seq, match, budget)
+            if not chunk:
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self.running.append(seq)
             step.seqs.append(seq)
             step.query_lens.append(chunk)
             budget -= chunk
+            key = self._next_block_key(seq)
+            if key is not None:
+                in_flight.add(key)
         return step

@@ -27,6 +27,12 @@ class Sequence:
         params: sampling parameters.
         num_computed: leading tokens whose K/V are in the cache.
         block_table: KV block ids, in order.
+        num_hashed_blocks: leading full blocks whose content the prefix cache knows (found there at admission, or
+            indexed after the step that filled them); `kv_parent` is the index node of the last of them
+            (`prefix_cache.ROOT` when none), the parent of the next block's key.
+        num_cached_tokens: prompt tokens whose K/V came from the prefix cache at the first admission (None until
+            then); `num_cache_write_tokens`: prompt tokens in full blocks this sequence computes itself, which
+            the cache keeps for later requests (0 with the prefix cache off).
         generator: this request's RNG (sampling), None when greedy.
         text: incremental detokenization and stop-string matching, None without a tokenizer.
     """
@@ -39,6 +45,10 @@ class Sequence:
     prompt_len: int = 0
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0
+    kv_parent: int = 0
+    num_cached_tokens: int | None = None
+    num_cache_write_tokens: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
     arrival: int = field(default_factory=lambda: next(_arrival))

@@ -139,6 +139,9 @@ class GenerationChunk:
         stop_reason: the stop string or stop token id that ended the request, if any.
         num_prompt_tokens: tokens in the prompt.
         num_output_tokens: tokens generated so far.
+        num_cached_tokens: prompt tokens whose K/V the prefix cache supplied (not prefilled for this request).
+        num_cache_write_tokens: prompt tokens in the full blocks this request prefilled and left in the prefix
+            cache for later requests (Anthropic's cache creation); 0 with the prefix cache off.
         logprobs: with `SamplingParams.logprobs` set, one `TokenLogprob` per entry of `token_ids`, in order;
             else None.
     """
@@ -149,4 +152,6 @@ class GenerationChunk:
     stop_reason: str | int | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    num_cache_write_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None

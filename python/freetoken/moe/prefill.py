@@ -19,9 +19,14 @@ token: 2 per weight):
     cpu:    M·S / B_cpu(b) + t_gpu + t_sync   b = T·k / D tokens per expert (`interpolate`: past the profile's
             largest batch the CPU is compute-bound, so bytes/s falls as b_max / b)
     hybrid: M·S / (B_pcie + B_cpu(b)) + t_gpu + t_sync   both miss paths end together at q* (the planner's split)
-The model leaves out what it cannot see (per-copy call costs, the CPU kernels' speed on uneven routing, attention),
-so each chunk's wall time is measured against its prediction and the ratio's running average per strategy and
-chunk size class (`Calibration`) scales that strategy's later predictions at that size.
+The model leaves out what it cannot see (per-copy call costs, the CPU kernels' speed on uneven routing, the host
+memory bus that copies and CPU kernels share, attention), so each chunk's wall time is measured against its
+prediction and the ratio's running average per strategy and chunk size class (`Calibration`) scales that strategy's
+later predictions at that size (at a size not measured yet, the nearest measured size's). A strategy the model
+prices close to the best one is run at each size class to be measured (`EXPLORE_MARGIN`), so one it overprices is
+still found. Every prefill chunk may stream, however short: a 64-token extend after an 8k prefix streamed in
+0.86 s on the lent H200 box (Qwen3-30B-A3B, 24 GB) against 1.00 s with `hybrid`, which `auto` took when chunks under
+65 tokens could not stream.
 """
 
 from __future__ import annotations
@@ -42,8 +47,10 @@ DEMAND_MODES = {"fill": "offload", "cpu": "cpu", "hybrid": "hybrid"}
 SYNC_SECONDS = 0.6e-3
 # Without a bandwidth profile: PCIe 4.0 x16's practical host->device rate. Only ratios of copy costs use it.
 DEFAULT_PCIE_BYTES_PER_S = 25e9
-# Decode batches (at most 64 sequences) never stream: their routed experts go through the cache, which learns.
-MIN_STREAM_TOKENS = 65
+# A strategy not yet measured at a chunk size class is run there when its calibrated price is within this factor
+# of the measured best one's: the model's error on one strategy (fixed costs it leaves out) rarely exceeds it, and
+# exploring costs two chunks per strategy and class (the first is a warm-up).
+EXPLORE_MARGIN = 1.5
 
 
 @dataclass(frozen=True)
@@ -94,15 +101,20 @@ class PrefillCosts:
 def choose_strategy(
     costs: PrefillCosts, num_tokens: int, candidates: list[str], calibration: Calibration | None = None
 ) -> str:
-    """The cheapest of `candidates` for a chunk of `num_tokens` (ties: the first), each prediction times its
-    measured / predicted scale at this size (`Calibration`); "stream" only for chunks of more than a decode
-    batch (`MIN_STREAM_TOKENS`)."""
-    usable = [c for c in candidates if c != "stream" or num_tokens >= MIN_STREAM_TOKENS] or candidates[-1:]
+    """The strategy for a prefill chunk of `num_tokens`: the cheapest of `candidates` (ties: the first), each
+    prediction times its measured / predicted scale (`Calibration.scale`). Once the cheapest has been measured at
+    this size class, a candidate not measured there whose price is within `EXPLORE_MARGIN` of it is taken instead
+    (the cheapest such), so that it gets measured: a strategy the model overprices by less than that is found."""
 
     def price(c: str) -> float:
         return costs.seconds(c, num_tokens) * (calibration.scale(c, num_tokens) if calibration else 1.0)
 
-    return min(usable, key=price)
+    best = min(candidates, key=price)
+    if calibration is None or not calibration.measured(best, num_tokens):
+        return best
+    untried = [c for c in candidates
+               if not calibration.measured(c, num_tokens) and price(c) <= EXPLORE_MARGIN * price(best)]
+    return min(untried, key=price) if untried else best
 
 
 class Calibration:
@@ -137,8 +149,18 @@ class Calibration:
         return (max(num_tokens, 1).bit_length() - 1) // 2
 
     def scale(self, strategy: str, num_tokens: int) -> float:
-        """Measured / predicted for `strategy` at chunks of this size (1.0 before any sample)."""
-        return self.scales.get((strategy, self.size_class(num_tokens)), 1.0)
+        """Measured / predicted for `strategy` at chunks of this size; at a size class without samples, that of the
+        nearest class with some (the larger on a tie: what a model misses varies slowly with size); 1.0 before
+        any sample of `strategy`."""
+        size = self.size_class(num_tokens)
+        if (strategy, size) in self.scales:
+            return self.scales[(strategy, size)]
+        sizes = [c for s, c in self.scales if s == strategy]
+        return self.scales[(strategy, min(sizes, key=lambda c: (abs(c - size), -c)))] if sizes else 1.0
+
+    def measured(self, strategy: str, num_tokens: int) -> bool:
+        """Whether `strategy` has a sample at this size class (its warm-up timing does not count)."""
+        return (strategy, self.size_class(num_tokens)) in self.samples
 
     def start(self, strategy: str, num_tokens: int, predicted_s: float) -> None:
         """A chunk of `num_tokens` run with `strategy`, predicted to take `predicted_s`, starts now."""

@@ -447,12 +447,16 @@ def stop_fields(
     return {"stop_reason": "end_turn", "stop_sequence": None}
 
 
-def _usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
+def _usage(
+    num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int, num_cache_write_tokens: int
+) -> dict[str, int]:
+    """Anthropic's ``usage``: the prompt's tokens split into those read from the KV prefix cache, those this
+    request added to it (whole blocks) and the rest (``input_tokens``); the three add up to the prompt."""
     return {
-        "input_tokens": num_prompt_tokens,
+        "input_tokens": num_prompt_tokens - num_cached_tokens - num_cache_write_tokens,
         "output_tokens": num_output_tokens,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": 0,
+        "cache_creation_input_tokens": num_cache_write_tokens,
+        "cache_read_input_tokens": num_cached_tokens,
     }
 
 
@@ -490,7 +494,10 @@ def message_body(
         **stop_fields(
             completion.finish_reason, completion.stop_reason, stop_sequences, bool(output.tool_calls)
         ),
-        "usage": _usage(completion.num_prompt_tokens, completion.num_output_tokens),
+        "usage": _usage(
+            completion.num_prompt_tokens, completion.num_output_tokens, completion.num_cached_tokens,
+            completion.num_cache_write_tokens,
+        ),
     }
 
 
@@ -563,12 +570,17 @@ def _stream_events(
         "content": [],
         "stop_reason": None,
         "stop_sequence": None,
-        "usage": _usage(num_prompt_tokens, 0),
+        # Said before the engine admits the request: the prefix cache's split as of now (the final usage, in
+        # message_delta, has the split at admission; the SDKs take it from there).
+        "usage": _usage(num_prompt_tokens, 0, *engine.estimate_prefix_reuse(prompt_ids)),
     }
     blocks = _BlockStream()
 
     def tail(last: GenerationChunk) -> list[bytes]:
-        usage = {"input_tokens": last.num_prompt_tokens or num_prompt_tokens, "output_tokens": last.num_output_tokens}
+        usage = _usage(
+            last.num_prompt_tokens or num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens,
+            last.num_cache_write_tokens,
+        )
         delta = stop_fields(last.finish_reason, last.stop_reason, req.stop_sequences, blocks.used_tools)
         return [sse_event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}),
                 sse_event("message_stop", {"type": "message_stop"})]

@@ -129,7 +129,8 @@ async def _stream_events(
     yield chunk_event("", last.finish_reason)
     if sampling.include_usage:
         num_prompt_tokens = last.num_prompt_tokens or len(prompt_ids)
-        yield sse_data({**base, "choices": [], "usage": usage(num_prompt_tokens, last.num_output_tokens)})
+        usage_ = usage(num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens)
+        yield sse_data({**base, "choices": [], "usage": usage_})
     yield OPENAI_DONE
 
 
@@ -167,5 +168,5 @@ async def completions(request: Request) -> Response:
         "model": model,
         "system_fingerprint": None,
         "choices": [choice],
-        "usage": usage(completion.num_prompt_tokens, completion.num_output_tokens),
+        "usage": usage(completion.num_prompt_tokens, completion.num_output_tokens, completion.num_cached_tokens),
     })

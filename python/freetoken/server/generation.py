@@ -62,6 +62,8 @@ class Completion:
         num_prompt_tokens: tokens in the prompt.
         num_output_tokens: tokens generated.
         logprobs: one entry per generated token when the request asked for logprobs, else None.
+        num_cached_tokens: prompt tokens the KV prefix cache supplied.
+        num_cache_write_tokens: prompt tokens this request added to the KV prefix cache.
     """
 
     text: str
@@ -70,6 +72,8 @@ class Completion:
     num_prompt_tokens: int
     num_output_tokens: int
     logprobs: list[TokenLogprob] | None = None
+    num_cached_tokens: int = 0
+    num_cache_write_tokens: int = 0
 
 
 @dataclass
@@ -526,6 +530,8 @@ async def _drain(
             num_prompt_tokens=chunk.num_prompt_tokens or num_prompt_tokens,
             num_output_tokens=chunk.num_output_tokens,
             logprobs=logprobs[i],
+            num_cached_tokens=chunk.num_cached_tokens,
+            num_cache_write_tokens=chunk.num_cache_write_tokens,
         ))
     return completions
 

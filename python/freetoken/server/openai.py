@@ -429,12 +429,14 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     )
 
 
-def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
-    """The OpenAI ``usage`` object."""
+def usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int = 0) -> dict[str, Any]:
+    """The OpenAI ``usage`` object; ``prompt_tokens_details.cached_tokens``: prompt tokens whose KV came from the
+    prefix cache."""
     return {
         "prompt_tokens": num_prompt_tokens,
         "completion_tokens": num_output_tokens,
         "total_tokens": num_prompt_tokens + num_output_tokens,
+        "prompt_tokens_details": {"cached_tokens": num_cached_tokens},
     }
 
 
@@ -490,7 +492,7 @@ def completion_body(
         "model": model,
         "system_fingerprint": None,
         "choices": choices,
-        "usage": usage(completions[0].num_prompt_tokens, num_output_tokens),
+        "usage": usage(completions[0].num_prompt_tokens, num_output_tokens, completions[0].num_cached_tokens),
     }
 
 
@@ -577,7 +579,8 @@ async def _stream_events(
     if chat.sampling.include_usage:
         num_prompt_tokens = last[0].num_prompt_tokens or len(prompt_ids)
         num_output_tokens = sum(out.num_output_tokens for out in last)
-        yield sse_data({**base, "choices": [], "usage": usage(num_prompt_tokens, num_output_tokens)})
+        usage_ = usage(num_prompt_tokens, num_output_tokens, last[0].num_cached_tokens)
+        yield sse_data({**base, "choices": [], "usage": usage_})
     yield OPENAI_DONE
 
 

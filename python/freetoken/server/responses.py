@@ -201,10 +201,10 @@ def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
     return {"enable_thinking": False} if effort in ("none", "minimal") else {}
 
 
-def _usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, Any]:
+def _usage(num_prompt_tokens: int, num_output_tokens: int, num_cached_tokens: int) -> dict[str, Any]:
     return {
         "input_tokens": num_prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": num_cached_tokens},
         "output_tokens": num_output_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": num_prompt_tokens + num_output_tokens,
@@ -421,7 +421,7 @@ def _stream_events(
             items.event("response.in_progress", response=response.body("in_progress", [], None, None))]
 
     def tail(last: GenerationChunk) -> list[bytes]:
-        usage = _usage(last.num_prompt_tokens or len(prompt_ids), last.num_output_tokens)
+        usage = _usage(last.num_prompt_tokens or len(prompt_ids), last.num_output_tokens, last.num_cached_tokens)
         final = response.body("completed", items.items, usage, last.finish_reason)
         kind = "response.incomplete" if final["status"] == "incomplete" else "response.completed"
         on_done(final)
@@ -494,7 +494,7 @@ async def responses(request: Request) -> Response:
         return EventStreamResponse(guard_stream(events, response.id, _error_events))
     [completion] = await collect(request, engine, prompt.ids, [params], response.id)
     output = plan.parse(completion.text)
-    usage = _usage(completion.num_prompt_tokens, completion.num_output_tokens)
+    usage = _usage(completion.num_prompt_tokens, completion.num_output_tokens, completion.num_cached_tokens)
     final = response.body("completed", output_items(output), usage, completion.finish_reason)
     on_done(final)
     return JSONResponse(final)

@@ -1,0 +1,231 @@
+"""The KV prefix cache: which blocks of the paged KV cache hold the K/V of which token prefix, and their lifetime.
+
+Agent harnesses resend the whole conversation every turn, so a new prompt mostly starts with a prompt the engine
+has already run. This module lets a new sequence start from the KV blocks an earlier one computed instead of
+prefilling them again (vLLM's automatic prefix caching; SGLang's RadixAttention shares prefixes the same way).
+
+The index. A *full* block (block_size tokens) is keyed by `(parent node, its token ids)`, where the parent node
+names the content of every block before it (`ROOT` for the first block of a sequence). A block's K/V depend on
+exactly its tokens, their positions and all earlier tokens; the chain of keys from `ROOT` fixes all three, so
+equal keys mean equal K/V (for the one model and dtype this process serves: the index lives and dies with its
+KV tensors, and a restart with other flags, `--max-model-len` included, starts empty). Looking a prompt up walks
+its full blocks from the start, one dict lookup per block, and stops at the first block not found, so a prompt
+edited in the middle reuses exactly the blocks before the first one that changed.
+
+Why a chain of exact keys rather than vLLM's chain of hash digests or SGLang's token radix tree:
+- the key holds the block's token ids themselves, so a hash collision (a crafted prompt, say) can never map a
+  prompt onto another prompt's K/V: Python's dict compares keys by equality after hashing;
+- a node id is a counter value never reused (a block id is reused), so a key whose parent content was evicted
+  can never be matched again: it is only waste until the LRU order reaches it;
+- the KV cache is paged by blocks, and only whole blocks can be shared without copying, so a tree over single
+  tokens (SGLang's radix tree, built for a token-granular pool) would buy nothing here; the dict is O(1) per
+  block and needs no tree surgery on eviction.
+
+Lifetime. Every block has a reference count: the sequences whose block tables hold it. A block nobody holds
+either returns to the allocator's free list (it holds nothing reusable) or, when it is in the index, stays cached
+in an LRU list; `allocate` takes free blocks first, then evicts cached ones least recently released first.
+Sequences release their blocks last block first, so a chain's tail is evicted before its head (a head is never
+evicted while a descendant that could still match is cached, except a descendant of a duplicate, see `insert`).
+The cache therefore only ever uses blocks of the KV budget that no running sequence needs.
+
+Who calls what (the scheduler, at its safe points between steps):
+- admission: `match` the sequence's tokens, `acquire` the blocks it will share, `allocate` the rest;
+- after a step completed: `insert` every block that the step filled, so only K/V actually written by a finished
+  step is ever indexed (a failed, aborted or preempted step leaves nothing indexed it did not finish);
+- when a sequence ends or is preempted: `release` its blocks.
+Sequences never write into a block they share: a prompt that is entirely cached recomputes its last position
+into a private copy of its last block (`Scheduler` does the copy), and decode appends into private blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from freetoken.engine.kv_cache import BlockAllocator
+
+# Node id of the empty prefix: the parent of every sequence's first block.
+ROOT = 0
+
+BlockKey = tuple[int, tuple[int, ...]]
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The cached blocks that hold a token sequence's longest cached prefix of full blocks.
+
+    Attributes:
+        blocks: KV block ids, in order (block i holds tokens [i * block_size, (i + 1) * block_size)).
+        nodes: the index node of each block (the parent key of the block after it).
+    """
+
+    blocks: list[int]
+    nodes: list[int]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks)
+
+
+class PrefixCache:
+    """Content index, reference counts and LRU eviction of the KV cache's blocks.
+
+    Args:
+        allocator: the KV cache's free list; this class takes blocks from it and gives back the blocks that hold
+            nothing reusable.
+        block_size: tokens per block.
+        enabled: False (`--no-prefix-cache`) keeps the reference counts and the allocation path but never
+            matches nor indexes a block.
+    """
+
+    def __init__(self, allocator: BlockAllocator, block_size: int, enabled: bool = True) -> None:
+        self.allocator = allocator
+        self.block_size = block_size
+        self.enabled = enabled
+        self._refs = [0] * allocator.num_blocks
+        self._index: dict[BlockKey, tuple[int, int]] = {}  # key -> (node id, block)
+        self._key_of: dict[int, BlockKey] = {}  # block -> its key, for the blocks in the index
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # indexed blocks nobody holds, least recent first
+        self._nodes = itertools.count(ROOT + 1)
+        self.num_lookups = 0
+        self.num_lookup_tokens = 0
+        self.num_hit_tokens = 0
+        self.num_evictions = 0
+
+    @property
+    def capacity_tokens(self) -> int:
+        """Most tokens the cache can hold: every block of the KV cache, when no sequence holds any."""
+        return self.allocator.num_blocks * self.block_size
+
+    @property
+    def num_free(self) -> int:
+        """Blocks `allocate` can hand out now: free ones and cached ones nobody holds."""
+        return self.allocator.num_free + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks in the index (held by a sequence or not)."""
+        return len(self._key_of)
+
+    def ref_count(self, block: int) -> int:
+        """Sequences holding `block`."""
+        return self._refs[block]
+
+    def key(self, parent: int, tokens: Sequence[int], index: int) -> BlockKey:
+        """The key of full block `index` of `tokens` (its token ids [index * block_size, ...)) under `parent`."""
+        start = index * self.block_size
+        return parent, tuple(tokens[start : start + self.block_size])
+
+    def match(self, tokens: Sequence[int]) -> PrefixMatch:
+        """The cached blocks of the longest prefix of `tokens` made of full blocks; nothing changes (the caller
+        `acquire`s what it uses, and counts the lookup with `count_lookup`). Empty when disabled."""
+        blocks: list[int] = []
+        nodes: list[int] = []
+        if not self.enabled:
+            return PrefixMatch(blocks, nodes)
+        parent = ROOT
+        for i in range(len(tokens) // self.block_size):
+            found = self._index.get(self.key(parent, tokens, i))
+            if found is None:
+                break
+            parent, block = found
+            nodes.append(parent)
+            blocks.append(block)
+        return PrefixMatch(blocks, nodes)
+
+    def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        """Count one admitted sequence's lookup: `num_tokens` looked up, `num_hit_tokens` of them reused."""
+        self.num_lookups += 1
+        self.num_lookup_tokens += num_tokens
+        self.num_hit_tokens += num_hit_tokens
+
+    def acquire(self, blocks: Sequence[int]) -> None:
+        """Take one more reference on each of `blocks` (cached blocks a sequence starts sharing); a cached block
+        nobody held stops being evictable."""
+        for block in blocks:
+            if self._refs[block] == 0:
+                if block not in self._evictable:
+                    raise ValueError(f"KV block {block} is neither held nor cached; it cannot be shared")
+                del self._evictable[block]
+            self._refs[block] += 1
+
+    def allocate(self, n: int) -> list[int]:
+        """`n` blocks for one sequence (one reference each): free blocks first, then cached blocks nobody holds,
+        least recently released first (they leave the index).
+
+        Raises:
+            MemoryError: fewer than `n` blocks are free or evictable (callers check `num_free` first).
+        """
+        if n > self.num_free:
+            raise MemoryError(f"KV cache: {n} blocks asked, {self.num_free} free or evictable")
+        fresh = min(n, self.allocator.num_free)
+        blocks = self.allocator.allocate(fresh)
+        for _ in range(n - fresh):
+            block, _ = self._evictable.popitem(last=False)
+            del self._index[self._key_of.pop(block)]
+            self.num_evictions += 1
+            blocks.append(block)
+        for block in blocks:
+            self._refs[block] = 1
+        return blocks
+
+    def release(self, blocks: Sequence[int]) -> None:
+        """Drop one reference on each of `blocks` (one sequence's block table, in order). Blocks nobody holds
+        any more stay cached when indexed (the table's tail becomes evictable before its head), else go back to
+        the free list."""
+        freed = []
+        for block in reversed(blocks):
+            refs = self._refs[block] - 1
+            if refs < 0:
+                raise ValueError(f"KV block {block} released more often than it was held")
+            self._refs[block] = refs
+            if refs == 0:
+                if block in self._key_of:
+                    self._evictable[block] = None
+                else:
+                    freed.append(block)
+        if freed:
+            self.allocator.free(freed[::-1])
+
+    def insert(self, parent: int, tokens: Sequence[int], index: int, block: int) -> int:
+        """Index `block`, whose K/V a finished step wrote for full block `index` of `tokens` under `parent`.
+
+        Returns the node of that content, the parent of the next block. When the same content is already cached
+        in another block (two sequences computed it side by side), that block's node is returned and `block` stays
+        out of the index (private to its sequence, freed with it). Disabled, nothing is indexed and `ROOT` is
+        returned.
+
+        Raises:
+            ValueError: `block` is not held by a sequence, or is already indexed.
+        """
+        if not self.enabled:
+            return ROOT
+        if self._refs[block] < 1 or block in self._key_of:
+            raise ValueError(f"KV block {block} cannot be indexed: it is not a held, unindexed block")
+        key = self.key(parent, tokens, index)
+        if len(key[1]) != self.block_size:
+            raise ValueError(f"block {index} of {len(tokens)} tokens is not full")
+        found = self._index.get(key)
+        if found is not None:
+            return found[0]
+        node = next(self._nodes)
+        self._index[key] = (node, block)
+        self._key_of[block] = key
+        return node
+
+    def stats(self) -> dict:
+        """Counters (JSON-able): lookups, tokens looked up and reused, evictions, blocks cached and evictable,
+        and the capacity in tokens."""
+        return {
+            "enabled": self.enabled,
+            "num_lookups": self.num_lookups,
+            "num_lookup_tokens": self.num_lookup_tokens,
+            "num_hit_tokens": self.num_hit_tokens,
+            "hit_rate": self.num_hit_tokens / self.num_lookup_tokens if self.num_lookup_tokens else 0.0,
+            "num_evictions": self.num_evictions,
+            "num_cached_blocks": self.num_cached_blocks,
+            "num_evictable_blocks": len(self._evictable),
+            "capacity_tokens": self.capacity_tokens,
+        }

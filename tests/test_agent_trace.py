@@ -1,0 +1,113 @@
+"""`benches/agent_trace.py` stays runnable: a tiny run of every variant against a real `ft serve` on the demo model
+with `--dummy-weights --replay-routing synthetic` (the routing it reports comes from `/v1/stats`), both APIs; and
+the harness variants send what those harnesses send (thinking stripped from earlier turns; OpenCode's pruning).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import start_server
+
+BENCH = Path(__file__).resolve().parents[1] / "benches" / "agent_trace.py"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("agent_trace", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+agent_trace = _bench()
+
+
+@pytest.fixture(scope="module")
+def replay_server(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("agent-trace"), "--dummy-weights", "--replay-routing", "synthetic",
+                          "--max-model-len", "2048")
+    yield server
+    server.stop()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("api", "variants", "sessions"), [
+    ("openai", agent_trace.VARIANTS, (1, 2)), ("anthropic", ("openclaw",), (1,))])
+def test_tiny_run_against_the_demo(replay_server, capsys, api, variants, sessions):
+    turns = 3
+    code = agent_trace.main([
+        "--server", replay_server.base_url, "--api", api, "--scale", "0.005", "--turns", str(turns),
+        "--sessions", *map(str, sessions), "--max-tokens", "3", "--variants", *variants,
+    ])
+    assert code == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert record["bench"] == "agent_trace"
+    assert record["routing"]["source"] == "replay" and "synthetic" in record["routing"]["trace"]
+    assert [(r["variant"], r["sessions"]) for r in record["runs"]] == [(v, n) for v in variants for n in sessions]
+    for run in record["runs"]:
+        assert run["errors"] == []
+        assert run["turns"] == turns * run["sessions"] and run["watchdog_violations"] == 0
+        assert 0 < run["ttft_p50_s"] <= run["ttft_p99_s"] <= run["ttft_max_s"]
+        by_session: dict[str, list] = {}
+        for turn in run["per_turn"]:
+            assert turn["completion_tokens"] == 3
+            assert turn["reprefilled_tokens"] == turn["prompt_tokens"] - turn["cached_tokens"] >= 1
+            by_session.setdefault(turn["session"], []).append(turn["prompt_tokens"])
+        for prompts in by_session.values():  # each turn resends the conversation, one reply and result longer
+            assert prompts == sorted(prompts) and prompts[0] < prompts[-1]
+
+
+def test_a_failed_session_is_reported_and_the_run_goes_on(replay_server, capsys):
+    """A conversation past the server's context (2048 tokens) ends its session with the API's error; exit 1."""
+    code = agent_trace.main(["--server", replay_server.base_url, "--scale", "0.2", "--turns", "2", "--sessions", "1",
+                             "--max-tokens", "2", "--variants", "plain"])
+    assert code == 1
+    run = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"][0]
+    assert run["turns"] == 0 and len(run["errors"]) == 1 and "s0 turn 0" in run["errors"][0]
+
+
+def _session(variant: str, turns: int, scale: float = 0.01):
+    session = agent_trace.new_session("s0", variant, 0, 100, (20, 20), scale)
+    for turn in range(turns):
+        agent_trace.advance(session, turn, f"reply {turn}")
+    return session
+
+
+def test_openclaw_keeps_thinking_on_the_latest_reply_only():
+    plain = agent_trace.harness_view(_session("plain", 4))
+    view = agent_trace.harness_view(_session("openclaw", 4))
+    assert [e.text for e in view] == [e.text for e in plain]
+    thinking = [bool(e.thinking) for e in view if e.role == "assistant"]
+    assert thinking == [False, False, False, True]
+    assert all(e.thinking for e in plain if e.role == "assistant")
+    messages = agent_trace.openai_messages(_session("openclaw", 4), view)
+    assert sum("reasoning_content" in m for m in messages) == 1
+
+
+def test_opencode_prunes_old_tool_outputs_in_batches():
+    """Scale 0.01: results of 20 tokens, the newest 400 protected, pruned once more than 200 are past them."""
+    session = _session("opencode", 40)
+    view = agent_trace.harness_view(session)
+    tools = [e for e in view if e.role == "tool"]
+    pruned = [e.text == agent_trace.PRUNED for e in tools]
+    assert pruned[-20:] == [False] * 20  # within the protected 400 tokens
+    assert any(pruned) and pruned == sorted(pruned, reverse=True)  # the oldest ones
+    assert sum(pruned) > 10  # more than the 200-token minimum at once
+    # A pruned output stays pruned, and the next turn's view prunes nothing new below the minimum.
+    agent_trace.advance(session, 40, "reply")
+    again = [e.text == agent_trace.PRUNED for e in agent_trace.harness_view(session) if e.role == "tool"]
+    assert again[: len(pruned)] == pruned and sum(again) == sum(pruned)
+    assert all(e.text != agent_trace.PRUNED for e in agent_trace.harness_view(_session("plain", 40)))
+
+
+def test_text_is_seeded():
+    a = agent_trace.openai_messages(_session("plain", 3), agent_trace.harness_view(_session("plain", 3)))
+    b = agent_trace.openai_messages(_session("plain", 3), agent_trace.harness_view(_session("plain", 3)))
+    assert a == b
+    other = agent_trace.new_session("s1", "plain", 0, 100, (20, 20), 0.01)
+    assert other.system != _session("plain", 0).system
