@@ -43,15 +43,22 @@ def num_tokens(tokenizer, messages, tools=None, *, thinking: bool | None = False
     return len(tokenizer.encode(text + (prefill or "")))
 
 
+def prompt_tokens(usage) -> int:
+    """All of an Anthropic usage's prompt tokens: input_tokens leaves out those read from or written to the
+    prefix cache."""
+    u = usage if isinstance(usage, dict) else usage.model_dump()
+    return u["input_tokens"] + u["cache_read_input_tokens"] + u["cache_creation_input_tokens"]
+
+
 def anthropic_usage_streamed(http, parse_sse, body: dict) -> tuple[int, dict]:
-    """POST a streamed Messages request; (message_start's input_tokens, the message_delta event)."""
+    """POST a streamed Messages request; (message_start's prompt tokens, the message_delta event)."""
     response = http.post("/v1/messages", json={**body, "stream": True}, headers=ANTHROPIC_HEADERS)
     assert response.status_code == 200, response.text
     events = [(name, json.loads(data)) for name, data in parse_sse(response.content)]
     names = [name for name, _ in events]
     assert names[0] == "message_start" and names[-1] == "message_stop", names
     delta = next(data for name, data in events if name == "message_delta")
-    return events[0][1]["message"]["usage"]["input_tokens"], delta
+    return prompt_tokens(events[0][1]["message"]["usage"]), delta
 
 
 def count(anthropic_client, **body) -> int:
@@ -71,7 +78,7 @@ def test_system_entries_in_messages_merge_into_the_system_turn(anthropic_client,
     message = anthropic_client.messages.create(
         model="claude-any", system="Be brief.", messages=messages, max_tokens=2, extra_body=GREEDY
     )
-    assert message.usage.input_tokens == expected
+    assert prompt_tokens(message.usage) == expected
     streamed, _ = anthropic_usage_streamed(
         http, parse_sse, {"model": "m", "system": "Be brief.", "messages": messages, "max_tokens": 2, **GREEDY}
     )
@@ -96,7 +103,7 @@ def test_thinking_types_turn_thinking_on(anthropic_client, http, parse_sse, demo
     body = {"model": "m", "messages": USER, "max_tokens": 2, "thinking": thinking, **GREEDY}
     response = http.post("/v1/messages", json=body, headers=ANTHROPIC_HEADERS)
     assert response.status_code == 200, response.text
-    assert response.json()["usage"]["input_tokens"] == expected
+    assert prompt_tokens(response.json()["usage"]) == expected
     assert anthropic_usage_streamed(http, parse_sse, body)[0] == expected
 
 
@@ -106,7 +113,7 @@ def test_no_thinking_field_means_thinking_off(anthropic_client, demo_tokenizer):
     assert count(anthropic_client, messages=USER) == off
     assert count(anthropic_client, messages=USER, thinking={"type": "disabled"}) == off
     message = anthropic_client.messages.create(model="claude-any", messages=USER, max_tokens=2, extra_body=GREEDY)
-    assert message.usage.input_tokens == off
+    assert prompt_tokens(message.usage) == off
 
 
 # --- 12. prefill: a final assistant message is continued -------------------------------------------------------
@@ -120,7 +127,7 @@ def test_anthropic_prefill_is_continued(anthropic_client, http, parse_sse, demo_
     assert expected != closed
     assert count(anthropic_client, messages=messages) == expected
     message = anthropic_client.messages.create(model="claude-any", messages=messages, max_tokens=2, extra_body=GREEDY)
-    assert message.usage.input_tokens == expected
+    assert prompt_tokens(message.usage) == expected
     body = {"model": "m", "messages": [*USER, {"role": "assistant", "content": [{"type": "text", "text": prefill}]}],
             "max_tokens": 2, **GREEDY}
     assert anthropic_usage_streamed(http, parse_sse, body)[0] == expected
@@ -157,7 +164,7 @@ def test_server_tools_are_not_offered(anthropic_client, demo_tokenizer):
     message = anthropic_client.messages.create(
         model="claude-any", messages=USER, tools=[*server_tools, WEATHER], max_tokens=2, extra_body=GREEDY
     )
-    assert message.usage.input_tokens == expected
+    assert prompt_tokens(message.usage) == expected
     assert count(anthropic_client, messages=USER, tools=server_tools) == num_tokens(demo_tokenizer, USER)
 
 
@@ -198,7 +205,7 @@ def test_deferred_tools_wait_for_a_tool_reference(anthropic_client, http, parse_
     message = anthropic_client.messages.create(
         model="claude-any", messages=history, tools=tools, max_tokens=2, extra_body=GREEDY
     )
-    assert message.usage.input_tokens == expected
+    assert prompt_tokens(message.usage) == expected
     body = {"model": "m", "messages": history, "tools": tools, "max_tokens": 2, **GREEDY}
     assert anthropic_usage_streamed(http, parse_sse, body)[0] == expected
     # A deferred tool already called in the history is loaded too.
@@ -248,7 +255,7 @@ def test_anthropic_images_and_documents_become_placeholders(anthropic_client, ht
     message = anthropic_client.messages.create(
         model="claude-any", messages=messages, tools=[WEATHER], max_tokens=2, extra_body=GREEDY
     )
-    assert message.usage.input_tokens == expected
+    assert prompt_tokens(message.usage) == expected
     body = {"model": "m", "messages": messages, "tools": [WEATHER], "max_tokens": 2, **GREEDY}
     assert anthropic_usage_streamed(http, parse_sse, body)[0] == expected
     assert "image content replaced by a text placeholder" in server.log_tail(200_000)
@@ -310,7 +317,7 @@ def test_anthropic_max_tokens_is_lowered_to_the_room_left(anthropic_client, http
     before = server.log_tail(1_000_000).count("max_tokens 32000 lowered to")
     message = anthropic_client.messages.create(model="claude-any", messages=messages, max_tokens=32000,
                                                extra_body=GREEDY)
-    assert message.usage.input_tokens == used
+    assert prompt_tokens(message.usage) == used
     assert message.usage.output_tokens <= room
     if message.stop_reason == "max_tokens":
         assert message.usage.output_tokens == room
