@@ -67,9 +67,10 @@ def _engines(path, dtype: str, backend: str, **kwargs) -> tuple[LLMEngine, LLMEn
     return cached, cold
 
 
-@pytest.mark.parametrize("backend,extra", [("fused", {}), ("offload", {"expert_slots": 64})])
+@pytest.mark.parametrize("backend,extra", [("fused", {})])
 def test_cached_equals_cold_float32(tmp_path, backend, extra):
-    """float32: every case gives exactly the cold engine's tokens."""
+    """float32: every case gives exactly the cold engine's tokens (fused only: the slot kernels of the expert-cache
+    backends take bfloat16 activations, so offload is checked in bfloat16 below)."""
     path = build_demo_checkpoint(tmp_path / "demo", seed=11)
     cached, cold = _engines(path, "float32", backend, **extra)
     for name, prompts in _cases(cached):
