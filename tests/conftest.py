@@ -70,12 +70,13 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_server(log_dir: Path, *extra_args: str) -> ServerProcess:
-    """Start `ft serve` on the demo checkpoint (CPU) and wait until /health answers."""
+def start_server(log_dir: Path, *extra_args: str, port: int | None = None) -> ServerProcess:
+    """Start `ft serve` on the demo checkpoint (CPU) on `port` (default: a free one) and wait until /health
+    answers."""
     from freetoken.models.demo import demo_checkpoint_dir
 
     model_dir = demo_checkpoint_dir()
-    port = free_port()
+    port = port or free_port()
     env = os.environ.copy()
     # The server imports the same freetoken as this process (the installed one, or the source tree).
     package_root = str(Path(freetoken.__file__).resolve().parents[1])
@@ -182,6 +183,8 @@ def _parse_sse(raw: bytes) -> list[tuple[str | None, str]]:
                 name = line[len("event:"):].strip()
             elif line.startswith("data:"):
                 data.append(line[len("data:"):].strip())
+        if name is None and not data:
+            continue  # a comment only (": keep-alive"), which SSE parsers skip
         events.append((name, "\n".join(data)))
     return events
 

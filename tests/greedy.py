@@ -1,6 +1,9 @@
-"""Run prompts to completion through an engine, greedily: the shared driver of the equality tests."""
+"""Run prompts to completion through an engine, greedily, and through transformers' `generate`: the shared drivers
+of the equality tests."""
 
 from __future__ import annotations
+
+import torch
 
 from freetoken.engine.llm_engine import LLMEngine
 from freetoken.engine.types import SamplingParams
@@ -16,3 +19,43 @@ def greedy_tokens(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) 
         for o in engine.step():
             out[o.request_id].extend(o.chunk.token_ids)
     return [out[str(i)] for i in range(len(prompts))]
+
+
+def hf_greedy(model, prompt: list[int], max_tokens: int = 32) -> list[int]:
+    """transformers' greedy continuation of `prompt` (exactly `max_tokens` tokens, EOS ignored), on the CPU."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        gen = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+            do_sample=False, eos_token_id=None, pad_token_id=0,
+        )
+    return gen[0, len(prompt):].tolist()
+
+
+def follows_reference_bf16(ref, prompts: list[list[int]], got: list[list[int]], steps: int, label: str) -> int:
+    """How many of `got` (greedy tokens per prompt) equal the reference model's `steps` greedy steps on CUDA.
+
+    Both round logits to bfloat16, so where the reference's top two logits are within two bfloat16 steps (a tie at
+    that precision) another kernel order may pick the other token: a sequence may part from the reference only at
+    such a tie (asserted, naming `label` and the step).
+    """
+    full = 0
+    for prompt, tokens in zip(prompts, got):
+        ids = torch.tensor([prompt], device="cuda")
+        with torch.no_grad():
+            out = ref.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+            )
+        expected = out.sequences[0, len(prompt):].tolist()
+        first = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
+        if first is None:
+            full += 1
+            continue
+        top = out.scores[first][0].float().topk(2).values
+        ulp = 2.0 ** (torch.floor(torch.log2(top[0].abs())).item() - 7)  # bfloat16 spacing at that magnitude
+        assert (top[0] - top[1]).item() <= 2 * ulp, (
+            f"{label}: first difference at step {first} where the reference's top-2 margin is "
+            f"{(top[0] - top[1]).item()} (> 2 bf16 ulp = {2 * ulp})"
+        )
+    return full

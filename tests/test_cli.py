@@ -202,3 +202,52 @@ def test_demo_serves_a_long_context_with_a_small_kv_cache(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+def test_kv_cache_too_big_for_host_memory_is_refused():
+    """A KV cache the box cannot hold (CPU device) is refused before allocating, naming the flag; it grew to
+    20.9 GB and met the OOM killer without a word."""
+    from conftest import free_port
+
+    result = ft("serve", "--model", "demo", "--device", "cpu", "--port", str(free_port()), "--kv-cache-gb", "100000",
+                "--kv-cache-tokens", "100000000000", timeout_s=300)  # fmt: skip
+    assert_user_error(result, "GB of host memory", "KV cache", "--kv-cache-gb")
+
+
+def test_kv_warning_names_the_limit_that_bit(caplog):
+    import logging
+
+    import torch
+
+    from freetoken.config import EngineConfig, ModelConfig
+    from freetoken.engine.kv_cache import plan_kv_cache
+    from freetoken.models.demo import demo_checkpoint_dir
+
+    model_cfg = ModelConfig.from_dir(demo_checkpoint_dir())
+    with caplog.at_level(logging.WARNING):
+        plan_kv_cache(model_cfg, EngineConfig(max_model_len=4096, kv_cache_tokens=1024), torch.float32)
+    assert "--kv-cache-tokens" in caplog.text and "--kv-cache-gb" not in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        plan_kv_cache(model_cfg, EngineConfig(max_model_len=4096, kv_cache_gb=1e-4), torch.float32)
+    assert "--kv-cache-gb" in caplog.text
+
+
+@pytest.mark.parametrize("tensor", ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight"])
+def test_nonfinite_weights_are_refused_unless_allowed(tmp_path, model_dir, tensor):
+    """A checkpoint with NaN weights (here one whole tensor: an attention weight, or a routed expert's) is refused
+    at load, naming the tensor and --allow-nonfinite; with the flag it loads. It was served, answering '!!!!'."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from freetoken.config import EngineConfig
+    from freetoken.engine import LLMEngine
+    from freetoken.models.loader import CheckpointError
+
+    path = _variant(model_dir, tmp_path / "m")
+    tensors = load_file(path / "model.safetensors")
+    assert tensor in tensors, sorted(tensors)[:20]
+    tensors[tensor] = torch.full_like(tensors[tensor], float("nan"))
+    save_file(tensors, path / "model.safetensors")
+    with pytest.raises(CheckpointError, match="--allow-nonfinite") as info:
+        LLMEngine.from_dir(path, EngineConfig(max_model_len=64))
+    assert ("q_proj" in str(info.value)) if "self_attn" in tensor else "expert 3 of model layer 1" in str(info.value)
+    LLMEngine.from_dir(path, EngineConfig(max_model_len=64, allow_nonfinite=True))

@@ -670,3 +670,26 @@ def test_no_decoder_starves_under_a_small_token_budget(demo):
     assert sorted(steps_with_token) == [str(i) for i in range(6)]
     for steps in steps_with_token.values():
         assert steps == list(range(steps[0], steps[0] + 4)), steps
+
+
+@pytest.mark.parametrize("reasoning_tags", [("<think>", "</think>"), ("", "</think>")])
+def test_stop_strings_skip_the_reasoning_block(demo, reasoning_tags):
+    """With reasoning tags, a stop string inside the reasoning does not end the output, and one that overlaps the
+    closing tag leaves no piece of it behind; after the block, stop strings apply as usual."""
+    from freetoken.engine.stop import OutputText
+
+    tokenizer = demo.tokenizer
+    opening = reasoning_tags[0] + "\n" if reasoning_tags[0] else ""
+    text = opening + "I could say STOP or </ here.\n</think>\n\nThe answer STOP is cut."
+    stop = ["STOP", "</", "k>\n\nThe"]
+    ids = tokenizer.encode(text)
+    for tags, expected in [(reasoning_tags, opening + "I could say STOP or </ here.\n</think>\n\nThe answer "),
+                           (None, opening + "I could say ")]:
+        released, matched = "", None
+        output = OutputText(tokenizer, tokenizer.encode("hi"), stop, tags)
+        for token in ids:
+            piece, matched = output.push([token])
+            released += piece
+            if matched is not None:
+                break
+        assert (released, matched) == (expected, "STOP")

@@ -14,7 +14,7 @@ from freetoken.config import EngineConfig
 from freetoken.engine.llm_engine import LLMEngine
 from freetoken.models.attention import AttentionMetadata
 
-from greedy import greedy_tokens
+from greedy import greedy_tokens, hf_greedy
 from reference import make_reference_checkpoint
 
 CONFIGS = {
@@ -35,16 +35,6 @@ def _engine(path, **kwargs) -> LLMEngine:
 
 def _greedy(engine: LLMEngine, prompts: list[list[int]], max_tokens: int = 32) -> list[list[int]]:
     return greedy_tokens(engine, prompts, max_tokens)
-
-
-def _hf_greedy(model, prompt: list[int], max_tokens: int = 32) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        gen = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-            do_sample=False, eos_token_id=None, pad_token_id=0,
-        )
-    return gen[0, len(prompt):].tolist()
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS), ids=list(CONFIGS))
@@ -71,7 +61,7 @@ def test_logits_match_reference(checkpoint):
 
 def test_greedy_tokens_match_reference(checkpoint):
     path, ref = checkpoint
-    expected = [_hf_greedy(ref, p) for p in PROMPTS]
+    expected = [hf_greedy(ref, p) for p in PROMPTS]
     assert len(set(expected[0])) > 3, "degenerate reference output; the test would prove little"
     # One at a time, then both in one batch with prefill chunks of 4 tokens and tiny KV blocks.
     assert [_greedy(_engine(path), [p])[0] for p in PROMPTS] == expected

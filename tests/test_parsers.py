@@ -9,6 +9,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from freetoken.server.parsers import (
     ParsedOutput,
     ParserOptions,
@@ -73,21 +75,20 @@ CASES = [
         '<tool_call>\n{"name": "run", "arguments": "{\\"cmd\\": \\"ls\\"}"}\n</tool_call>',
         ParsedOutput("", "", [ToolCall("run", '{"cmd": "ls"}')]),
     ),
-    # malformed: becomes text, tags included
-    (
-        PROMPT,
-        True,
-        "Oops <tool_call>\nnot json at all\n</tool_call> done",
-        ParsedOutput("Oops<tool_call>\nnot json at all\n</tool_call> done", "", []),
-    ),
-    (
-        PROMPT,
-        True,
-        '<tool_call>\n{"arguments": {}}\n</tool_call>',
-        ParsedOutput('<tool_call>\n{"arguments": {}}\n</tool_call>', "", []),
-    ),
-    # truncated (max_tokens) before the header completes: text
-    (PROMPT, True, '<tool_call>\n{"name": "get_w', ParsedOutput('<tool_call>\n{"name": "get_w', "", [])),
+    # malformed: dropped, never sent as markup
+    (PROMPT, True, "Oops <tool_call>\nnot json at all\n</tool_call> done", ParsedOutput("Oops done", "", [])),
+    (PROMPT, True, '<tool_call>\n{"arguments": {}}\n</tool_call>', ParsedOutput("", "", [])),
+    # truncated (max_tokens) before the header completes: dropped
+    (PROMPT, True, '<tool_call>\n{"name": "get_w', ParsedOutput("", "", [])),
+    (PROMPT, True, "A <tool_call>\n", ParsedOutput("A", "", [])),
+    # the closing tag inside an argument is text of the argument
+    (PROMPT, True, '<tool_call>\n{"name": "write", "arguments": {"text": "a </tool_call> b"}}\n</tool_call>\nDone.',
+     ParsedOutput("Done.", "", [ToolCall("write", '{"text": "a </tool_call> b"}')])),
+    (PROMPT, True, '<tool_call>\n{"arguments": {"text": "</tool_call>"}, "name": "write"}\n</tool_call>',
+     ParsedOutput("", "", [ToolCall("write", '{"text": "</tool_call>"}')])),
+    # no closing tag after the object: the call stands, what follows is content
+    (PROMPT, True, '<tool_call>\n{"name": "ls", "arguments": {}}\nAnd more.',
+     ParsedOutput("And more.", "", [ToolCall("ls", "{}")])),
     # tools not offered: the markup is content
     (PROMPT, False, "A " + WEATHER, ParsedOutput("A " + WEATHER, "", [])),
     # unclosed reasoning stays reasoning
@@ -134,9 +135,10 @@ def test_arguments_stream_incrementally():
     pieces = ["<tool_call>", '\n{"name": "get_weather", "arguments": {', '"city": "Pa', 'ris"', "}}", "\n</tool_call>"]
     deltas = [parser.feed(p) for p in pieces] + [parser.finish()]
     calls = [c for d in deltas for c in d.tool_calls]
-    assert calls[0].index == 0 and calls[0].name == "get_weather" and calls[0].arguments == ""
-    streamed = [c.arguments for c in calls[1:]]
-    assert len(streamed) >= 3  # arguments arrive in several pieces, before the block closes
+    assert calls[0].index == 0 and calls[0].name == "get_weather" and calls[0].arguments == "{"
+    streamed = [c.arguments for c in calls]
+    assert len(streamed) >= 3 and "}" in streamed[-1]  # arguments arrive in pieces, whole before the block closes
+    assert all(not d.tool_calls for d in deltas[-2:])
     assert all(c.name is None for c in calls[1:])
     assert json.loads("".join(streamed)) == {"city": "Paris"}
 
@@ -151,11 +153,11 @@ def test_second_call_gets_next_index():
 def test_malformed_arguments_after_header_never_raise():
     text = '<tool_call>\n{"name": "f", "arguments": {"a": 1,,}\n</tool_call> tail'
     whole = parse_text(_parser(PROMPT, True), text)
-    assert whole == ParsedOutput(text, "", [])  # seen whole, the block is checked before a call starts
+    # a call started when the block turns out malformed keeps the arguments text the model wrote
+    assert whole == ParsedOutput("tail", "", [ToolCall("f", '{"a": 1,,}')])
     for cut in range(len(text) + 1):
         got, _ = _stream(PROMPT, True, [text[:cut], text[cut:]])
-        # a call already started when the block turns out malformed keeps the arguments text the model wrote
-        assert got == whole or (got.tool_calls[0].name == "f" and got.content == "tail")
+        assert got == whole
 
 
 def test_registry_picks_by_tokenizer(demo_tokenizer):
@@ -192,8 +194,8 @@ def test_tool_call_prefix_forces_a_call():
 
 
 def test_random_markup_never_raises():
-    """Random mixes of tags, tag fragments, JSON pieces and text: no exception at any split, and with tools
-    off (reasoning only) streaming equals the whole parse."""
+    """Random mixes of tags, tag fragments, JSON pieces and text: no exception at any split, and streaming
+    equals the whole parse."""
     import random
 
     pieces = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<", "</", "<tool", "think>", "\n", " ",
@@ -206,5 +208,56 @@ def test_random_markup_never_raises():
             cuts = sorted(rng.sample(range(len(text) + 1), min(3, len(text) + 1)))
             chunks = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
             got, _ = _stream(PROMPT, parse_tools, chunks)
-            if not parse_tools:
-                assert got == whole, (text, chunks)
+            assert got == whole, (text, chunks)
+
+
+# Text with what breaks naive tool-call parsing: tags, brackets, quotes, backslashes, non-ASCII.
+_TRICKY_TEXT = st.lists(
+    st.sampled_from(list('ab <>/{}[]":,\\\n') + ["</tool_call>", "<tool_call>", "</think>", "é", "🙂"]), max_size=8
+).map("".join)
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**6, 10**6) | _TRICKY_TEXT,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TRICKY_TEXT, inner, max_size=3),
+    max_leaves=6,
+)
+_CALLS = st.lists(
+    st.tuples(
+        st.from_regex(r"[a-z_][a-z0-9_]{0,11}", fullmatch=True),
+        st.dictionaries(_TRICKY_TEXT, _JSON_VALUES, max_size=3),
+        st.booleans(),  # arguments written before the name
+        st.sampled_from([None, 2]),  # compact or indented JSON
+    ),
+    min_size=1,
+    max_size=3,
+)
+
+
+def _call_text(name, arguments, arguments_first, indent):
+    call = {"arguments": arguments, "name": name} if arguments_first else {"name": name, "arguments": arguments}
+    return f"<tool_call>\n{json.dumps(call, ensure_ascii=False, indent=indent)}\n</tool_call>"
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    calls=_CALLS,
+    reasoning=st.sampled_from(["", "<think>\nI should call </tool_call> a tool.\n</think>\n\n"]),
+    content=st.sampled_from(["", "Let me check.\n", "x < y and {z}\n"]),
+    cut=st.floats(0.0, 1.0),
+)
+def test_generated_tool_calls_whole_equals_every_split(calls, reasoning, content, cut):
+    """Generated tool-call texts (arguments full of tags, brackets, quotes and escapes): the whole parse has
+    every call with its exact arguments; fed split at every position, the stream joins to the whole parse;
+    cut short anywhere (max_tokens), whole and split parses still agree and no markup reaches the content."""
+    text = reasoning + content + "\n".join(_call_text(*call) for call in calls)
+    whole = parse_text(_parser(PROMPT, True), text)
+    assert [(c.name, json.loads(c.arguments)) for c in whole.tool_calls] == [(n, a) for n, a, _, _ in calls]
+    assert whole.content == content.strip()
+    for position in range(len(text) + 1):
+        got, _ = _stream(PROMPT, True, [text[:position], text[position:]])
+        assert got == whole, position
+    truncated = text[: int(cut * len(text))]
+    whole = parse_text(_parser(PROMPT, True), truncated)
+    assert "<tool_call>" not in whole.content and "</tool_call>" not in whole.content
+    for position in range(len(truncated) + 1):
+        got, _ = _stream(PROMPT, True, [truncated[:position], truncated[position:]])
+        assert got == whole, position

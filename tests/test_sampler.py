@@ -151,3 +151,40 @@ def test_logit_bias_moves_sampling_not_logprobs():
 def test_bad_logit_bias_is_refused(bias):
     with pytest.raises(ValueError, match="^logit_bias"):
         SamplingParams(logit_bias=bias).validate()
+
+
+def test_penalties_follow_openai_and_ctrl_definitions():
+    """presence/frequency as OpenAI defines them (generated tokens only, once / per occurrence), repetition as
+    CTRL / Hugging Face (prompt and output, divide positive logits, multiply negative ones); the input is not
+    written and rows without penalties are untouched."""
+    from freetoken.engine.sampler import apply_penalties
+
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]] * 3)
+    tokens = [0, 1, 3, 3, 1, 3]  # prompt [0, 1], then generated 3, 3, 1, 3
+    params = [
+        SamplingParams(frequency_penalty=0.5, presence_penalty=0.25),
+        SamplingParams(repetition_penalty=2.0),
+        SamplingParams(),
+    ]
+    out = apply_penalties(logits, params, [tokens] * 3, [2] * 3)
+    counts = [0, 1, 0, 3, 0]
+    expected0 = [v - 0.5 * c - 0.25 * (c > 0) for v, c in zip([2.0, -1.0, 0.5, 3.0, 1.0], counts, strict=True)]
+    assert out[0].tolist() == pytest.approx(expected0)
+    assert out[1].tolist() == pytest.approx([1.0, -2.0, 0.5, 1.5, 1.0])  # 0, 1 (prompt) and 3 seen
+    assert out[2].tolist() == logits[2].tolist()
+    assert logits[0].tolist() == [2.0, -1.0, 0.5, 3.0, 1.0]
+    assert apply_penalties(logits, [SamplingParams()] * 3, [tokens] * 3, [2] * 3) is logits
+    # sampling: greedy picks token 3 raw, token 0 once 3's three repeats cost 1.75
+    picked, _ = sample_with_logprobs(logits[:1], [SamplingParams(temperature=0, frequency_penalty=0.5,
+                                                                 presence_penalty=0.25)], [None], [tokens], [2])
+    assert picked == [0]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(presence_penalty=2.5), SamplingParams(frequency_penalty=-3), SamplingParams(repetition_penalty=0),
+     SamplingParams(repetition_penalty="x")],
+)
+def test_bad_penalties_are_refused(params):
+    with pytest.raises(ValueError, match="penalty"):
+        params.validate()

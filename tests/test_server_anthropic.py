@@ -173,7 +173,7 @@ FORCE_WEATHER = {"type": "tool", "name": "get_weather"}
 
 
 def test_tool_choice_tool_gives_tool_use(anthropic_client):
-    message = _greedy(anthropic_client, tools=TOOLS, tool_choice=FORCE_WEATHER, max_tokens=6)
+    message = _greedy(anthropic_client, tools=TOOLS, tool_choice=FORCE_WEATHER, max_tokens=20)
     assert message.stop_reason in ("tool_use", "max_tokens")
     tool_uses = [b for b in message.content if b.type == "tool_use"]
     assert len(tool_uses) == 1
@@ -186,7 +186,7 @@ def test_tool_choice_tool_gives_tool_use(anthropic_client):
 
 
 def test_tool_use_stream_events(http, parse_sse):
-    body = {"model": "claude-any", "messages": HELLO, "max_tokens": 6, "temperature": 0, "stream": True,
+    body = {"model": "claude-any", "messages": HELLO, "max_tokens": 20, "temperature": 0, "stream": True,
             "tools": TOOLS, "tool_choice": FORCE_WEATHER}
     with http.stream("POST", "/v1/messages", json=body) as response:
         assert response.status_code == 200
@@ -216,7 +216,7 @@ def test_tool_choice_none_and_any(anthropic_client):
     )
     assert none.input_tokens == plain.input_tokens < auto.input_tokens
     message = _greedy(anthropic_client, tools=TOOLS, tool_choice={"type": "any"}, max_tokens=4)
-    assert _prompt_tokens(message.usage) > auto.input_tokens  # the turn opens a tool call
+    assert _prompt_tokens(message.usage) == auto.input_tokens  # a grammar forces the call, not the prompt
     assert message.stop_reason in ("tool_use", "max_tokens", "end_turn")
 
 

@@ -4,7 +4,8 @@ For each endpoint, `hypothesis` builds bodies that are valid-shaped with random 
 missing, extra, of the wrong type, out of range; odd unicode, lone surrogates as escapes and as raw
 bytes; nested junk; huge integers; NaN/Infinity literals in the raw JSON; truncated bodies) and checks:
 
-- never a 5xx (nor an internal_error event inside a stream);
+- never a 5xx (nor an internal_error event inside a stream), with `logit_bias` maps, `stop` lists, tool-call
+  arguments and nested message content among the generated fields;
 - every 4xx has the API's own error shape;
 - every 200 is a well-formed response of that API (streamed or not);
 - the server is healthy afterwards: /health answers and normal requests of each API still work.
@@ -82,6 +83,36 @@ junk = st.recursive(
 )
 
 
+# logit_bias maps: keys that are token ids, past the vocabulary, negative, not numbers, or past Python's
+# 4300-digit int-string limit (a 500 before); values in and out of [-100, 100].
+logit_bias_keys = st.one_of(
+    st.integers(min_value=0, max_value=151_700).map(str),
+    st.sampled_from(["151936", "999999999999", "9" * 5000, "1" * 4301, "-1", "1.5", "1e3", "x", "", " 7", "٣"]),
+)
+logit_bias = st.dictionaries(logit_bias_keys, st.one_of(st.integers(min_value=-101, max_value=101), numbers, junk),
+                             max_size=3)
+# stop: single strings, lists (long, empty strings, control-token text, huge), junk items.
+stops = st.one_of(text, st.lists(text, max_size=6), st.lists(st.one_of(text, junk), max_size=3),
+                  st.just(["a" * 5000] * 4))
+# Tool-call arguments: JSON text (valid, invalid, deeply nested, huge numbers), objects, junk.
+tool_arguments = st.one_of(
+    text,
+    st.sampled_from(['{"a": 1}', "{}", "[]", '{"a": ', "null", '{"a": 1e999}', '{"a": ' + "9" * 5000 + "}",
+                     "[" * 5000 + "]" * 5000, '{"a": "\\ud800"}', '"<|im_end|>"']),
+    st.dictionaries(text, junk, max_size=3),
+    junk,
+)
+# Message content nested past what any API allows: parts inside parts, lists inside lists.
+nested_content = st.recursive(
+    st.one_of(text, st.fixed_dictionaries({"type": st.just("text"), "text": text})),
+    lambda children: st.one_of(
+        st.lists(children, max_size=3),
+        st.fixed_dictionaries({"type": st.sampled_from(["text", "input_text", "tool_result"])},
+                              optional={"text": children, "content": children}),
+    ),
+    max_leaves=10,
+)
+
 _CLEAN = [False]
 
 
@@ -105,11 +136,11 @@ def _endpoint_fields() -> dict[str, tuple[dict[str, st.SearchStrategy], dict[str
     # --- OpenAI chat completions ---------------------------------------------------------------------------
 
     text_part = st.fixed_dictionaries({"type": maybe(st.just("text")), "text": maybe(text)})
-    chat_content = st.one_of(text, st.lists(maybe(text_part), max_size=2), st.none())
+    chat_content = st.one_of(text, st.lists(maybe(text_part), max_size=2), st.none(), maybe(nested_content))
     tool_call = st.fixed_dictionaries({
         "id": maybe(text),
         "type": st.just("function"),
-        "function": maybe(st.fixed_dictionaries({"name": maybe(text), "arguments": maybe(st.one_of(text, st.just('{"a": 1}')))})),
+        "function": maybe(st.fixed_dictionaries({"name": maybe(text), "arguments": maybe(tool_arguments)})),
     })  # fmt: skip
     chat_message = st.fixed_dictionaries(
         {"role": maybe(st.sampled_from(["system", "developer", "user", "assistant", "tool"])), "content": chat_content},
@@ -138,7 +169,8 @@ def _endpoint_fields() -> dict[str, tuple[dict[str, st.SearchStrategy], dict[str
         "top_k": maybe(st.integers(min_value=-1, max_value=50)),
         "seed": maybe(st.integers(min_value=-(2**63), max_value=2**64 - 1)),
         "n": maybe(st.integers(min_value=1, max_value=3)),
-        "stop": maybe(st.one_of(text, st.lists(text, max_size=2))),
+        "stop": maybe(stops),
+        "logit_bias": maybe(logit_bias),
         "stream": maybe(st.booleans()),
         "stream_options": maybe(st.fixed_dictionaries({"include_usage": maybe(st.booleans())})),
         "tools": maybe(st.lists(maybe(function_tool), max_size=2)),
@@ -171,7 +203,8 @@ def _endpoint_fields() -> dict[str, tuple[dict[str, st.SearchStrategy], dict[str
     }
     COMPLETIONS_FIELDS = {
         name: CHAT_FIELDS[name]
-        for name in ("temperature", "top_p", "top_k", "seed", "n", "stop", "stream", "stream_options", "ignore_eos")
+        for name in ("temperature", "top_p", "top_k", "seed", "n", "stop", "stream", "stream_options", "ignore_eos",
+                     "logit_bias")
     } | {
         "echo": maybe(st.booleans()),
         "logprobs": maybe(st.one_of(st.none(), st.integers(min_value=0, max_value=5))),
@@ -188,12 +221,13 @@ def _endpoint_fields() -> dict[str, tuple[dict[str, st.SearchStrategy], dict[str
     input_item = st.one_of(
         st.fixed_dictionaries(
             {"role": maybe(st.sampled_from(["user", "assistant", "system", "developer"]))},
-            optional={"type": maybe(st.just("message")), "content": maybe(st.one_of(text, st.lists(input_part, max_size=2)))},
+            optional={"type": maybe(st.just("message")),
+                      "content": maybe(st.one_of(text, st.lists(input_part, max_size=2), nested_content))},
         ),
         st.fixed_dictionaries({"type": st.just("function_call"), "call_id": maybe(text), "name": maybe(text),
-                               "arguments": maybe(text)}),
+                               "arguments": maybe(tool_arguments)}),
         st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": maybe(text),
-                               "output": maybe(st.one_of(text, st.lists(input_part, max_size=2)))}),
+                               "output": maybe(st.one_of(text, st.lists(input_part, max_size=2), nested_content))}),
         st.fixed_dictionaries({"type": st.just("reasoning")}, optional={"summary": junk, "content": junk}),
         st.fixed_dictionaries({"type": text}),
     )
@@ -228,9 +262,10 @@ def _endpoint_fields() -> dict[str, tuple[dict[str, st.SearchStrategy], dict[str
     anthropic_block = st.one_of(
         st.fixed_dictionaries({"type": maybe(st.just("text")), "text": maybe(text)},
                               optional={"cache_control": maybe(st.just({"type": "ephemeral"}))}),
-        st.fixed_dictionaries({"type": st.just("tool_use"), "id": maybe(text), "name": maybe(text), "input": junk}),
+        st.fixed_dictionaries({"type": st.just("tool_use"), "id": maybe(text), "name": maybe(text),
+                               "input": st.one_of(junk, tool_arguments)}),
         st.fixed_dictionaries({"type": st.just("tool_result"), "tool_use_id": maybe(text)},
-                              optional={"content": maybe(st.one_of(text, st.lists(junk, max_size=2)))}),
+                              optional={"content": maybe(st.one_of(text, st.lists(junk, max_size=2), nested_content))}),
         st.fixed_dictionaries({"type": st.sampled_from(["thinking", "redacted_thinking"])},
                               optional={"thinking": maybe(text), "signature": junk, "data": junk}),
         st.fixed_dictionaries({"type": st.sampled_from(["image", "document", "server_tool_use", "x"])},
@@ -251,7 +286,7 @@ def _endpoint_fields() -> dict[str, tuple[dict[str, st.SearchStrategy], dict[str
         "temperature": maybe(st.floats(min_value=0, max_value=1)),
         "top_p": maybe(st.floats(min_value=0.01, max_value=1)),
         "top_k": maybe(st.integers(min_value=0, max_value=50)),
-        "stop_sequences": maybe(st.lists(text, max_size=2)),
+        "stop_sequences": maybe(stops),
         "stream": maybe(st.booleans()),
         "tools": maybe(st.lists(maybe(st.fixed_dictionaries(
             {"name": maybe(st.sampled_from(["get_weather", "f"]))},

@@ -38,7 +38,7 @@ def test_shape_and_usage(openai_client, demo_tokenizer):
 
 
 def test_forced_function_call_and_stream(openai_client):
-    kwargs = {"model": "m", "input": "List files.", "tools": TOOLS, "max_output_tokens": 5, "temperature": 0,
+    kwargs = {"model": "m", "input": "List files.", "tools": TOOLS, "max_output_tokens": 20, "temperature": 0,
               "tool_choice": {"type": "function", "name": "shell"}}
     response = openai_client.responses.create(**kwargs)
     calls = [item for item in response.output if item.type == "function_call"]
@@ -103,15 +103,15 @@ def test_reasoning_and_calls_validate_as_sdk_events():
 
     from freetoken.server.parsers import ParserOptions, parse_text
     from freetoken.server.parsers.qwen3 import Qwen3Parser
-    from freetoken.server.responses import _ItemStream, output_items
+    from freetoken.server.responses import ToolKinds, _ItemStream, output_items
     from openai.types.responses import ResponseStreamEvent
     from pydantic import TypeAdapter
 
     text = ('<think>\nNeed ls.\n</think>\n\nRunning it.\n<tool_call>\n{"name": "shell", "arguments": '
             '{"cmd": "ls -la"}}\n</tool_call>')
     options = ParserOptions(prompt_text="", parse_tools=True)
-    whole = output_items(parse_text(Qwen3Parser(options), text))
-    parser, items = Qwen3Parser(options), _ItemStream()
+    whole = output_items(parse_text(Qwen3Parser(options), text), ToolKinds())
+    parser, items = Qwen3Parser(options), _ItemStream(ToolKinds())
     raw = [e for i in range(0, len(text), 5) for e in items.events(parser.feed(text[i:i + 5]))]
     raw += items.events(parser.finish()) + items.close()
     adapter = TypeAdapter(ResponseStreamEvent)

@@ -11,7 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM",)
+SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+# The Qwen3.5/3.6-MoE family (`model_type: qwen3_5_moe`): Gated DeltaNet and gated full-attention layers, each with a
+# routed MoE plus a gated shared expert. The conditional-generation checkpoints keep the text model under
+# `model.language_model.` (vision tower under `model.visual.`, skipped) and its config under `text_config`.
+QWEN3_5_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
+LAYER_TYPES = ("full_attention", "linear_attention")
 MOE_BACKENDS = ("auto", "fused", "offload", "cpu", "hybrid")
 EXPERT_CACHE_POLICIES = ("lru", "layer_lru", "lfu")
 PREFILL_STRATEGIES = ("auto", "stream", "fill", "cpu", "hybrid")
@@ -23,11 +28,17 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Architecture of a Qwen3-MoE model, as in the Hugging Face `config.json` (`model_type: qwen3_moe`).
+    """Architecture of a Qwen3-MoE or Qwen3.5-MoE model, as in the Hugging Face `config.json` (`model_type:
+    qwen3_moe`, `qwen3_5_moe`; for `Qwen3_5MoeForConditionalGeneration` the keys of `text_config`).
 
     Sizes are in elements. Layer `L` is a MoE layer when `L not in mlp_only_layers`, `num_experts > 0` and
     `(L + 1) % decoder_sparse_step == 0` (transformers' `Qwen3MoeDecoderLayer`); the other layers use a dense
-    SwiGLU MLP of `intermediate_size`.
+    SwiGLU MLP of `intermediate_size`. Qwen3.5 (transformers' `Qwen3_5MoeDecoderLayer`) has a MoE on every layer.
+
+    Qwen3.5 fields (defaults describe Qwen3-MoE): `layer_types` per layer "full_attention" or "linear_attention"
+    (Gated DeltaNet, `linear_*` sizes; empty: all full attention); `partial_rotary_factor`, the share of each head's
+    dims that RoPE rotates; `attn_output_gate`, q_proj also emits a per-head sigmoid gate on the attention output;
+    `shared_expert_intermediate_size` (0: none); `weight_prefix`, the tensor-name prefix of the text model.
     """
 
     architecture: str
@@ -51,6 +62,16 @@ class ModelConfig:
     attention_bias: bool
     torch_dtype: str
     eos_token_ids: tuple[int, ...] = ()
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    partial_rotary_factor: float = 1.0
+    attn_output_gate: bool = False
+    shared_expert_intermediate_size: int = 0
+    weight_prefix: str = "model."
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
@@ -77,6 +98,14 @@ class ModelConfig:
                 f"{source}: architectures {archs} not supported; freetoken runs {', '.join(SUPPORTED_ARCHITECTURES)}"
             )
 
+        qwen3_5 = arch in QWEN3_5_ARCHITECTURES
+        if qwen3_5 and isinstance(raw.get("text_config"), dict):
+            # The released checkpoints nest the text model's keys; derived ones (REAP) write them at the top.
+            # The outer model ties (or not) its LM head to the text embeddings: transformers reads the top level's
+            # tie_word_embeddings there, whatever text_config says.
+            top = {k: v for k, v in raw.items() if k != "text_config"}
+            raw = {**top, **raw["text_config"], **{k: top[k] for k in ("tie_word_embeddings",) if k in top}}
+
         def get(key: str, default: Any = None, required: bool = True) -> Any:
             if key in raw and raw[key] is not None:
                 return raw[key]
@@ -101,6 +130,9 @@ class ModelConfig:
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ConfigError(f"{source}: rope type {rope_type!r} is not supported (only the default RoPE)")
+        # Qwen3.5's multimodal RoPE (`mrope_section`) gives a text token the same position on its three axes, which
+        # is the default RoPE: text-only serving needs no more.
+        partial_rotary = raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
         hidden = num(int, "hidden_size")
         heads = num(int, "num_attention_heads")
         eos = raw.get("eos_token_id")
@@ -109,7 +141,7 @@ class ModelConfig:
             architecture=arch,
             vocab_size=num(int, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=num(int, "intermediate_size"),
+            intermediate_size=num(int, "intermediate_size", 0 if qwen3_5 else None),
             moe_intermediate_size=num(int, "moe_intermediate_size"),
             num_hidden_layers=num(int, "num_hidden_layers"),
             num_attention_heads=heads,
@@ -118,7 +150,8 @@ class ModelConfig:
             # transformers >= 5 writes num_local_experts, the released checkpoints num_experts.
             num_experts=num(int, "num_experts" if "num_experts" in raw else "num_local_experts"),
             num_experts_per_tok=num(int, "num_experts_per_tok"),
-            norm_topk_prob=bool(get("norm_topk_prob", False, required=False)),
+            # Qwen3.5's router always renormalises its top-k (transformers' Qwen3_5MoeTopKRouter).
+            norm_topk_prob=qwen3_5 or bool(get("norm_topk_prob", False, required=False)),
             decoder_sparse_step=num(int, "decoder_sparse_step", 1),
             mlp_only_layers=tuple(int(x) for x in num(tuple, "mlp_only_layers", [], required=False)),
             rms_norm_eps=num(float, "rms_norm_eps", 1e-6),
@@ -128,6 +161,18 @@ class ModelConfig:
             attention_bias=bool(get("attention_bias", False, required=False)),
             torch_dtype=str(get("torch_dtype", raw.get("dtype", "bfloat16"))),
             eos_token_ids=eos_ids,
+            layer_types=tuple(str(t) for t in num(tuple, "layer_types", [], required=False)),
+            linear_num_key_heads=num(int, "linear_num_key_heads", 0),
+            linear_num_value_heads=num(int, "linear_num_value_heads", 0),
+            linear_key_head_dim=num(int, "linear_key_head_dim", 0),
+            linear_value_head_dim=num(int, "linear_value_head_dim", 0),
+            linear_conv_kernel_dim=num(int, "linear_conv_kernel_dim", 0),
+            partial_rotary_factor=num(float, "partial_rotary_factor", partial_rotary),
+            attn_output_gate=bool(get("attn_output_gate", False, required=False)),
+            shared_expert_intermediate_size=num(int, "shared_expert_intermediate_size", 0),
+            weight_prefix=(
+                "model.language_model." if arch == "Qwen3_5MoeForConditionalGeneration" else "model."
+            ),
             raw=raw,
         )
         cfg._check(source)
@@ -149,6 +194,56 @@ class ModelConfig:
             )
         if self.decoder_sparse_step < 1:
             raise ConfigError(f"{source}: decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        if self.architecture not in QWEN3_5_ARCHITECTURES:
+            return
+        if len(self.layer_types) != self.num_hidden_layers or set(self.layer_types) - set(LAYER_TYPES):
+            raise ConfigError(
+                f"{source}: layer_types must list {self.num_hidden_layers} entries (num_hidden_layers), each one of "
+                f"{', '.join(LAYER_TYPES)}; got {list(self.layer_types)}"
+            )
+        if self.linear_layers:
+            for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
+                        "linear_value_head_dim", "linear_conv_kernel_dim"):
+                if getattr(self, key) < 1:
+                    raise ConfigError(f"{source}: {key} must be >= 1 with linear_attention layers, got "
+                                      f"{getattr(self, key)}")
+            if self.linear_num_value_heads % self.linear_num_key_heads:
+                raise ConfigError(
+                    f"{source}: linear_num_value_heads ({self.linear_num_value_heads}) is not a multiple of "
+                    f"linear_num_key_heads ({self.linear_num_key_heads})"
+                )
+        if not 0 < self.rotary_dim <= self.head_dim or self.rotary_dim % 2:
+            raise ConfigError(
+                f"{source}: partial_rotary_factor {self.partial_rotary_factor} of head_dim {self.head_dim} gives "
+                f"{self.rotary_dim} rotary dims; need an even number in 2..head_dim"
+            )
+
+    @property
+    def is_qwen3_5(self) -> bool:
+        """True for the Qwen3.5/3.6-MoE family (Gated DeltaNet hybrid)."""
+        return self.architecture in QWEN3_5_ARCHITECTURES
+
+    @property
+    def full_attention_layers(self) -> list[int]:
+        """The decoder layers with softmax attention over the paged KV cache, ascending (all, for Qwen3-MoE)."""
+        if not self.layer_types:
+            return list(range(self.num_hidden_layers))
+        return [i for i, t in enumerate(self.layer_types) if t == "full_attention"]
+
+    @property
+    def linear_layers(self) -> list[int]:
+        """The decoder layers with Gated DeltaNet linear attention (a recurrent state per sequence), ascending."""
+        return [i for i, t in enumerate(self.layer_types) if t == "linear_attention"]
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers that keep K/V in the paged KV cache."""
+        return len(self.full_attention_layers)
+
+    @property
+    def rotary_dim(self) -> int:
+        """Leading dims of each attention head that RoPE rotates (head_dim * partial_rotary_factor)."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def is_moe_layer(self, layer: int) -> bool:
         """True when decoder layer `layer` (0-based) has routed experts rather than a dense MLP."""
@@ -209,6 +304,16 @@ class EngineConfig:
         replay_routing: benchmarks only, with `dummy_weights`: the MoE routers replay a routing trace instead of
             routing ("synthetic": the calibrated synthetic trace of `benches/moe_backends.py`; or a `.fttrace`
             file), so the expert cache sees a real model's misses (`freetoken.moe.routing_replay`); "" is off.
+        max_seqs_per_request: most choices (sequences) of one request running at once; 0 means the whole batch.
+            Beside other requests, a request runs at most an equal split of the batch, and one of its sequences is
+            preempted for a request that waits within its split (`freetoken.engine.admission`).
+        max_request_output_tokens: most tokens one request may ask for over all its choices (n x max_tokens); a
+            request over it is refused, naming the field, and one without max_tokens gets its share of it.
+        stream_buffer_chunks: most output chunks (one token each) buffered for a client that is not reading; past
+            it the request is paused (out of the batch, its KV blocks kept) until the client has read half.
+        stream_pause_timeout_s: a request paused this long (its client read nothing) is aborted and freed.
+        allow_nonfinite: serve weights with NaN or inf values (a sampled check at load refuses them otherwise,
+            `freetoken.models.loader.check_finite_weights`).
     """
 
     device: str = "cpu"
@@ -231,6 +336,11 @@ class EngineConfig:
     no_prefill_overlap: bool = False
     no_prefix_cache: bool = False
     replay_routing: str = ""
+    max_seqs_per_request: int = 0
+    max_request_output_tokens: int = 262144
+    stream_buffer_chunks: int = 64
+    stream_pause_timeout_s: float = 30.0
+    allow_nonfinite: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the flag when a setting is out of range (a zero `max_num_seqs` would hang) or
@@ -245,12 +355,16 @@ class EngineConfig:
             raise ValueError(f"--device {self.device}: torch sees no CUDA device here; use --device cpu")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: freetoken runs on cpu or cuda")
-        for name in ("max_num_seqs", "max_prefill_tokens", "kv_block_size"):
+        for name in (
+            "max_num_seqs", "max_prefill_tokens", "kv_block_size", "stream_buffer_chunks", "max_request_output_tokens"
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         for name in ("max_model_len", "kv_cache_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: automatic), got {getattr(self, name)}")
+        if not self.stream_pause_timeout_s > 0:
+            raise ValueError(f"--stream-pause-timeout-s must be > 0, got {self.stream_pause_timeout_s}")
         if not self.kv_cache_gb > 0:
             raise ValueError(f"--kv-cache-gb must be > 0, got {self.kv_cache_gb}")
         if self.moe_backend not in MOE_BACKENDS:
@@ -268,6 +382,6 @@ class EngineConfig:
                 f"--replay-routing {self.replay_routing}: replaying a routing trace is for benchmarks on dummy weights "
                 "(a real model's routers must route); add --dummy-weights or drop --replay-routing"
             )
-        for name in ("gpu_memory_gb", "expert_slots", "cpu_threads"):
+        for name in ("gpu_memory_gb", "expert_slots", "cpu_threads", "max_seqs_per_request"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: automatic), got {getattr(self, name)}")

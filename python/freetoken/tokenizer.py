@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -24,7 +25,7 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 
-__all__ = ["Tokenizer", "IncrementalDetokenizer"]
+__all__ = ["Tokenizer", "IncrementalDetokenizer", "PromptTooLong"]
 
 # Names of the special tokens transformers passes to every chat template (special_tokens_map).
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -105,6 +106,40 @@ def _normalize_messages(messages: list[dict]) -> list[dict]:
     return normalized
 
 
+# Marks a control token's text inside client strings while the chat template renders (`Tokenizer.encode_chat`):
+# MARK + index + MARK stands for the index-th special token's text, MARK + "m" + MARK for MARK itself. A rare
+# printable character (THREE-EM DASH): a template that writes a value with Python's repr keeps it as it is.
+_MARK = "\u2e3b"
+_ESCAPED = re.compile(f"{_MARK}(\\d+|m){_MARK}")
+
+
+class PromptTooLong(ValueError):
+    """A text holds more tokens than the limit it was encoded under.
+
+    Attributes:
+        limit: the limit in tokens.
+        num_tokens: what is known of the count: the exact count, or a lower bound past `limit` when encoding
+            stopped early (`exact` False).
+        exact: whether `num_tokens` is the exact count.
+    """
+
+    def __init__(self, limit: int, num_tokens: int, exact: bool) -> None:
+        self.limit, self.num_tokens, self.exact = limit, num_tokens, exact
+        count = f"{num_tokens}" if exact else f"more than {limit}"
+        super().__init__(f"the text is {count} tokens; the limit is {limit}")
+
+
+def _map_strings(value: Any, fn) -> Any:
+    """`value` (JSON-like: dicts, lists, tuples, scalars) with `fn` applied to every string in it, keys excepted."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {key: _map_strings(item, fn) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_map_strings(item, fn) for item in value]
+    return value
+
+
 class Tokenizer:
     """A model's tokenizer (a `tokenizers.Tokenizer`) plus its special tokens and chat template.
 
@@ -136,6 +171,21 @@ class Tokenizer:
         self._byte_level = isinstance(tokenizer.decoder, ByteLevelDecoder)
         self._added_ids = frozenset(tokenizer.get_added_tokens_decoder())
         self._token_bytes: dict[int, bytes] = {}
+        # Control tokens: the added tokens flagged special (Qwen3: <|im_start|>, <|im_end|>, <|endoftext|> ...),
+        # longest first so that one that starts another is not matched in its place.
+        specials = sorted(
+            (t.content for t in tokenizer.get_added_tokens_decoder().values() if t.special), key=len, reverse=True
+        )
+        self._special_texts = specials
+        self._special_index = {text: i for i, text in enumerate(specials)}
+        self._special_re = re.compile("|".join(map(re.escape, specials))) if specials else None
+        self._client_re = re.compile("|".join([re.escape(_MARK), *map(re.escape, specials)]))
+        self._plain: HFTokenizer | None = None  # a copy that reads control-token text as plain text
+        # Longest token, in characters of its vocabulary string (bytes, for a byte-level BPE): a text of c
+        # characters is at least c / max_token_chars tokens, whatever it holds.
+        self.max_token_chars: int = max(
+            [*(len(piece) for piece in tokenizer.get_vocab(with_added_tokens=True)), 1]
+        )
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -206,6 +256,89 @@ class Tokenizer:
         # fast variant skips the character offsets nobody here reads (half the time). Same ids as encode.
         ids = self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
         return [self.bos_token_id, *ids] if self._add_bos_token else ids
+
+    def encode_chat(
+        self,
+        messages: list[dict],
+        tools: list[dict] | None = None,
+        add_generation_prompt: bool = True,
+        max_tokens: int | None = None,
+        **template_kwargs,
+    ) -> tuple[str, list[int]]:
+        """Render a conversation with the chat template and tokenize it so that only the template's own markup
+        yields control tokens.
+
+        Client text (every string in `messages`, `tools` and `template_kwargs`) is tokenized as plain text:
+        ``<|im_start|>system`` typed in a message or returned by a tool gets the ids of its characters, not
+        the control token's, so content cannot forge a turn. Non-special added tokens (Qwen3's ``<think>``,
+        ``<tool_call>``) are recognized as `encode` does, as transformers does.
+
+        How: before rendering, control-token text inside client strings is replaced by an escape the template
+        passes through; the rendered text is split at the control tokens left (the template's), and each piece
+        between them, escapes restored, is encoded with control-token parsing off. Pieces are independent
+        either way (the tokenizer splits at added tokens first), so a conversation without such text gets the
+        ids `encode` gives its rendered text.
+
+        Args:
+            messages, tools, add_generation_prompt, **template_kwargs: as in `apply_chat_template`.
+            max_tokens: when set, a prompt past it raises `PromptTooLong` after bounded work: a text of more
+                than ``max_tokens * max_token_chars`` characters is refused without being tokenized.
+
+        Returns:
+            (the rendered text with client text as sent, its token ids).
+
+        Raises:
+            ValueError: as `apply_chat_template`.
+            PromptTooLong: the prompt has more than `max_tokens` tokens.
+        """
+        escape = lambda text: self._client_re.sub(self._escape_one, text)  # noqa: E731
+        rendered = self.apply_chat_template(
+            _map_strings(messages, escape),
+            tools=_map_strings(tools, escape) if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            **_map_strings(template_kwargs, escape),
+        )
+        if max_tokens is not None and len(rendered) > max_tokens * self.max_token_chars:
+            raise PromptTooLong(max_tokens, max_tokens + 1, exact=False)
+        pieces: list[str] = []  # the text between the template's control tokens, escapes restored
+        markup: list[str] = []  # those control tokens
+        start = 0
+        for match in self._special_re.finditer(rendered) if self._special_re else ():
+            pieces.append(_ESCAPED.sub(self._unescape_one, rendered[start : match.start()]))
+            markup.append(match.group())
+            start = match.end()
+        pieces.append(_ESCAPED.sub(self._unescape_one, rendered[start:]))
+        markup.append("")
+        encoded = self._plain_tokenizer().encode_batch_fast(pieces, add_special_tokens=False)
+        ids = [self.bos_token_id] if self._add_bos_token else []
+        for piece, control in zip(encoded, markup, strict=True):
+            ids.extend(piece.ids)
+            if control:
+                ids.append(self._tokenizer.token_to_id(control))
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise PromptTooLong(max_tokens, len(ids), exact=True)
+        return "".join(piece + control for piece, control in zip(pieces, markup, strict=True)), ids
+
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of client text with control-token text (``<|im_start|>``) taken as the plain text it is,
+        as `encode_chat` encodes the text inside messages."""
+        return self._plain_tokenizer().encode(text, add_special_tokens=False).ids
+
+    def _escape_one(self, match: re.Match) -> str:
+        text = match.group()
+        return f"{_MARK}m{_MARK}" if text == _MARK else f"{_MARK}{self._special_index[text]}{_MARK}"
+
+    def _unescape_one(self, match: re.Match) -> str:
+        key = match.group(1)
+        return _MARK if key == "m" else self._special_texts[int(key)]
+
+    def _plain_tokenizer(self) -> HFTokenizer:
+        """A copy of the tokenizer that encodes control-token text as the plain text it is (built once)."""
+        if self._plain is None:
+            plain = HFTokenizer.from_str(self._tokenizer.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
 
     def to_json(self) -> str:
         """The `tokenizers` model serialized as tokenizer.json text (what grammar libraries such as llguidance take

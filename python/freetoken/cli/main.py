@@ -7,7 +7,7 @@ import logging
 import sys
 
 from freetoken import __version__
-from freetoken.cli import bench, serve
+from freetoken.cli import bench, ctl, launch, serve, top
 from freetoken.cli.logs import setup_logging
 
 log = logging.getLogger("freetoken.cli")
@@ -20,12 +20,23 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve.add_parser(sub)
     bench.add_parser(sub)
+    launch.add_parser(sub)
+    top.add_parser(sub)
+    ctl.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `ft`. Known user errors print one line to stderr and exit 2, never a traceback."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Arguments after `--` belong to the program a verb starts (`ft launch claude -- --resume`), not to ft.
+    passthrough: list[str] = []
+    if "--" in argv:
+        argv, passthrough = argv[: argv.index("--")], argv[argv.index("--") + 1 :]
     args, extra = build_parser().parse_known_args(argv)
+    args.passthrough = passthrough
+    if passthrough and not getattr(args, "takes_passthrough", False):
+        extra += ["--", *passthrough]
     if extra:  # reported by the verb's own parser, so the usage shown is the verb's
         args.parser.error(f"unrecognized arguments: {' '.join(extra)}")
     setup_logging(args.log_level)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import logging
 from dataclasses import fields
 from pathlib import Path
@@ -42,6 +43,15 @@ _HELP = {
     "replay_routing": "benchmarks only, needs --dummy-weights: MoE routers replay a routing trace instead of routing: "
     "'synthetic' (Zipf-skewed, calibrated to published statistics; as benches/moe_backends.py) or a .fttrace file; "
     "shown in /v1/stats 'routing'",
+    "max_seqs_per_request": "most choices of one request (its n) in the batch at once, so one request cannot take "
+    "the whole batch; beside other requests each gets at most an equal split of the batch; 0 = no cap but that "
+    "split",
+    "max_request_output_tokens": "most tokens one request may ask for over all its choices (n x max_tokens)",
+    "stream_buffer_chunks": "output chunks buffered for a client that is not reading before its request is paused "
+    "(its KV blocks kept)",
+    "stream_pause_timeout_s": "seconds a request stays paused (its client reading nothing) before it is aborted and "
+    "freed",
+    "allow_nonfinite": "serve weights with NaN or inf values (a sampled check at load refuses them otherwise)",
 }
 
 
@@ -76,7 +86,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--model",
         required=True,
         help=f"model directory; {DEMO!r} for the built-in tiny model; or a shipped real config "
-        "(qwen3-30b-a3b, qwen3-235b-a22b) with --dummy-weights",
+        "(qwen3-30b-a3b, qwen3-235b-a22b, qwen3.5-35b-a3b) with --dummy-weights",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=1919, help="port (default: 1919)")
@@ -90,6 +100,23 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--default-thinking", action="store_true",
         help="Anthropic requests without a `thinking` field think (the Anthropic API's default is off)",
+    )
+    p.add_argument(
+        "--metrics-open", action="store_true",
+        help="serve /metrics to loopback clients without --api-key (a local Prometheus scraper)",
+    )  # fmt: skip
+    p.add_argument(
+        "--header-timeout-s", type=float, default=10.0,
+        help="close a connection whose request headers are not complete this many seconds after it opened or "
+        "after its previous response (default: 10)",
+    )
+    p.add_argument(
+        "--keep-alive-timeout-s", type=float, default=5.0,
+        help="close an idle keep-alive connection after this many seconds (default: 5)",
+    )
+    p.add_argument(
+        "--max-connections", type=int, default=1024,
+        help="open connections past this get 503 to their requests; 0 = no limit (default: 1024)",
     )
     add_engine_args(p)
     p.set_defaults(func=run, parser=p)
@@ -120,6 +147,26 @@ def resolve_model_dir(model: str, dummy_weights: bool) -> Path:
     return path
 
 
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` listens on the loopback interface only ("localhost", 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_warning(host: str, api_key: str | None) -> str | None:
+    """The warning for serving on a non-loopback address without an API key, or None."""
+    if is_loopback(host) or api_key is not None:
+        return None
+    return (
+        f"listening on {host} without --api-key: anyone who can reach this address can use the model; "
+        "pass --api-key or bind 127.0.0.1"
+    )
+
+
 def check_port_free(host: str, port: int) -> None:
     """Raise SystemExit naming the flags when `host:port` cannot be bound (in use, or not an address here)."""
     import socket
@@ -135,8 +182,16 @@ def check_port_free(host: str, port: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Check the flags and config.json first (no torch import: a typo answers at once), then load and serve."""
+    warning = exposure_warning(args.host, args.api_key)
+    if warning:
+        log.warning("%s", warning)
     if not 0 < args.port < 65536:
         raise SystemExit(f"ft serve: --port {args.port} is not a valid port (1..65535)")
+    for flag in ("header_timeout_s", "keep_alive_timeout_s"):
+        if not getattr(args, flag) > 0:
+            raise SystemExit(f"ft serve: --{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+    if args.max_connections < 0:
+        raise SystemExit(f"ft serve: --max-connections must be >= 0 (0: no limit), got {args.max_connections}")
     cfg = engine_config(args)
     cfg.validate()  # bad flags answer before anything loads
     model_dir = resolve_model_dir(args.model, cfg.dummy_weights)
@@ -164,5 +219,7 @@ def run(args: argparse.Namespace) -> int:
     run_server(
         AsyncEngine(engine, name), host=args.host, port=args.port, served_model_name=name, api_key=args.api_key,
         strict_max_tokens=args.strict_max_tokens, default_thinking=args.default_thinking,
+        metrics_open=args.metrics_open, header_timeout_s=args.header_timeout_s,
+        keep_alive_timeout_s=args.keep_alive_timeout_s, max_connections=args.max_connections,
     )
     return 0

@@ -3,6 +3,10 @@
 The engine thread owns the `LLMEngine` (nothing else touches it); the event loop talks to it through a command
 queue (add, abort) and receives chunks through per-request asyncio queues fed with `call_soon_threadsafe`. New
 requests therefore join the running batch between two steps, and an abandoned stream aborts its request.
+
+Backpressure: a stream whose reader falls `stream_buffer_chunks` behind has its request paused (out of the
+batch, its KV blocks kept: `Scheduler.pause`) until half is read, so a client that stops reading holds at most
+that many chunks; paused for `stream_pause_timeout_s`, the request is aborted and its blocks freed.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -18,22 +23,46 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.engine.llm_engine import LLMEngine, RequestError
+from freetoken.heap import release_free_memory
 from freetoken.engine.types import GenerationChunk, SamplingParams
 
 log = logging.getLogger(__name__)
 
+# Seconds the engine stays idle after work before it gives freed memory back to the system (a collection and a
+# heap trim: tens of ms, so not between two requests of a steady load).
+IDLE_TRIM_AFTER_S = 2.0
+
 
 @dataclass
 class _Add:
+    """A new request, and its stream's state.
+
+    Backpressure (`AsyncEngine`): `delivered` is written by the engine thread only and `consumed` by the event
+    loop only, so their difference (chunks queued, unread) needs no lock. The engine thread sets `paused` before
+    it reads `consumed` again, the reader counts before it reads `paused`: one of the two always sees the other
+    (the GIL orders them), so a pause is never left in place once the reader has drained the queue.
+    """
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     out: asyncio.Queue
+    group: str | None = None
+    delivered: int = 0
+    consumed: int = 0
+    paused: bool = False
+    paused_at: float = 0.0
+    resume_asked: bool = False
 
 
 @dataclass
 class _Abort:
+    request_id: str
+
+
+@dataclass
+class _Resume:
     request_id: str
 
 
@@ -48,15 +77,21 @@ class AsyncEngine:
         tokenizer: the model's tokenizer (None when the directory has none).
         model_name: the name served in the APIs.
         max_model_len: context length in tokens.
+        max_request_output_tokens: most output tokens one API request may ask for over its choices.
         grammars: compiles grammars into matchers for `SamplingParams.grammar` (None without a tokenizer);
             thread-safe, blocking: call it off the event loop.
     """
 
     def __init__(self, engine: LLMEngine, model_name: str) -> None:
         self.engine = engine
+        # Backpressure: past `buffer_chunks` unread chunks a stream's request is paused, and resumed once half
+        # are read; paused for `pause_timeout_s`, it is aborted.
+        self.buffer_chunks = engine.cfg.stream_buffer_chunks
+        self.pause_timeout_s = engine.cfg.stream_pause_timeout_s
         self.tokenizer = engine.tokenizer
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
+        self.max_request_output_tokens = engine.cfg.max_request_output_tokens
         self.grammars = engine.grammars
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._streams: dict[str, _Add] = {}
@@ -85,6 +120,14 @@ class AsyncEngine:
                 if isinstance(command, _Add):
                     command.loop.call_soon_threadsafe(command.out.put_nowait, aborted)
 
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """`LLMEngine.check_request`, from the event loop: what `generate` would refuse, found before it runs.
+
+        Raises:
+            RequestError: the message starts with the field at fault.
+        """
+        self.engine.check_request(prompt_ids, params)
+
     def estimate_prefix_reuse(self, prompt_ids: list[int]) -> tuple[int, int]:
         """(prompt tokens the prefix cache would supply, tokens the request would add to it) if `prompt_ids` were
         admitted now: an estimate, for what must be said before the engine admits the request (Anthropic's
@@ -96,9 +139,11 @@ class AsyncEngine:
         return dict(self._stats)
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, group: str | None = None
     ) -> AsyncIterator[GenerationChunk]:
         """Generate for one prompt, yielding chunks as tokens arrive; the last has a finish_reason.
+
+        `group`: the API request this one is a choice of (see `LLMEngine.add_request`).
 
         Leaving the loop early, `aclose()` or cancelling the task aborts the request and frees its KV blocks.
 
@@ -110,11 +155,16 @@ class AsyncEngine:
             await self.start()
         request_id = request_id or uuid.uuid4().hex
         out: asyncio.Queue = asyncio.Queue()
-        self._commands.put(_Add(request_id, list(prompt_ids), params, asyncio.get_running_loop(), out))
+        stream = _Add(request_id, list(prompt_ids), params, asyncio.get_running_loop(), out, group)
+        self._commands.put(stream)
         finished = False
         try:
             while True:
                 item = await out.get()
+                stream.consumed += 1
+                if stream.paused and not stream.resume_asked and self._unread(stream) <= self.buffer_chunks // 2:
+                    stream.resume_asked = True
+                    self._commands.put(_Resume(request_id))
                 if isinstance(item, BaseException):
                     finished = True
                     raise item
@@ -127,16 +177,50 @@ class AsyncEngine:
             if not finished:
                 self._commands.put(_Abort(request_id))
 
+    @staticmethod
+    def _unread(stream: _Add) -> int:
+        return stream.delivered - stream.consumed
+
     def _deliver(self, request_id: str, item: GenerationChunk | BaseException) -> None:
         stream = self._streams.get(request_id)
         if stream is None:
             return
-        if isinstance(item, BaseException) or item.finish_reason is not None:
+        final = isinstance(item, BaseException) or item.finish_reason is not None
+        if final:
             del self._streams[request_id]
         try:
             stream.loop.call_soon_threadsafe(stream.out.put_nowait, item)
         except RuntimeError:  # the event loop is closed: nobody is listening any more
             self.engine.abort(request_id)
+            return
+        stream.delivered += 1
+        if not final and not stream.paused and self._unread(stream) >= self.buffer_chunks:
+            stream.paused, stream.paused_at = True, time.monotonic()
+            self.engine.pause(request_id)
+            if self._unread(stream) <= self.buffer_chunks // 2:  # the reader drained it meanwhile (see `_Add`)
+                self._resume(stream)
+
+    def _resume(self, stream: _Add) -> None:
+        stream.paused = stream.resume_asked = False
+        self.engine.resume(stream.request_id)
+
+    def _expire_paused(self) -> float | None:
+        """Abort the requests paused for `pause_timeout_s`; return the seconds until the next one expires (None
+        when none is paused)."""
+        now = time.monotonic()
+        next_s = None
+        for request_id, stream in list(self._streams.items()):
+            if not stream.paused:
+                continue
+            left = stream.paused_at + self.pause_timeout_s - now
+            if left > 0:
+                next_s = left if next_s is None else min(next_s, left)
+                continue
+            log.info("request %s: its client read nothing for %.0f s; aborted", request_id, self.pause_timeout_s)
+            self.engine.abort(request_id)
+            self._deliver(request_id, GenerationChunk(text="", token_ids=[], finish_reason="abort"))
+            self._stats = self.engine.stats()  # the loop may now wait for a command: show the blocks freed
+        return next_s
 
     def _handle(self, command: object) -> bool:
         """Apply one command; False when the loop must stop."""
@@ -149,30 +233,43 @@ class AsyncEngine:
                 return True
             self._streams[command.request_id] = command
             try:
-                self.engine.add_request(command.request_id, command.prompt_ids, command.params)
+                self.engine.add_request(command.request_id, command.prompt_ids, command.params, command.group)
             except Exception as e:  # noqa: BLE001 (RequestError or any other bad-request failure: the thread lives on)
                 self._deliver(command.request_id, e)
         elif isinstance(command, _Abort):
             self._streams.pop(command.request_id, None)
             self.engine.abort(command.request_id)
+        elif isinstance(command, _Resume):
+            stream = self._streams.get(command.request_id)
+            if stream is not None and stream.paused:
+                self._resume(stream)
         return True
 
     def _loop(self) -> None:
         if self.engine.device.type == "cuda" and self.engine.device.index is not None:
             torch.cuda.set_device(self.engine.device)  # per thread: Triton launches on the current device
+        trim_due = False  # work ran since the heap was last trimmed
         while True:
+            # Idle but for paused requests: wake up when the first of them expires; idle after work: wake up after
+            # IDLE_TRIM_AFTER_S to give the burst's freed memory back (`freetoken.heap`).
+            wait_s = self._expire_paused()
+            if trim_due:
+                wait_s = IDLE_TRIM_AFTER_S if wait_s is None else min(wait_s, IDLE_TRIM_AFTER_S)
             block = not self.engine.has_work()
             try:
                 while True:
-                    if not self._handle(self._commands.get(block=block)):
+                    if not self._handle(self._commands.get(block=block, timeout=wait_s if block else None)):
                         self._fail_all(None)
                         return
                     block = False
             except queue.Empty:
-                pass
+                if block and trim_due and not self.engine.has_work():
+                    release_free_memory()
+                    trim_due = False
             if not self.engine.has_work():
                 self._stats = self.engine.stats()  # after aborts, so an idle engine reports itself idle
                 continue
+            trim_due = True
             try:
                 outputs = self.engine.step()
             except Exception as e:  # keep serving: fail the requests of this batch, not the server

@@ -84,6 +84,11 @@ class DecodeRunner:
         self.slot_mapping = torch.zeros(n, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(n, width, dtype=torch.int32, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        # Hybrid models: each row's recurrent-state slot; padding rows use the pool's scratch slot.
+        self.state_pool = getattr(model, "state_pool", None)
+        self.state_slots = None
+        if self.state_pool is not None:
+            self.state_slots = torch.full((n,), self.state_pool.null_slot, dtype=torch.int64, device=device)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.handshake = None  # set when the expert backend serves a whole-step graph from its driver thread
         if piecewise:
@@ -93,8 +98,8 @@ class DecodeRunner:
             self.top_k, self.hidden_size = k, hidden
             self.x_resid = torch.zeros(n, hidden, dtype=dtype, device=device)
             self.moe_out = torch.zeros(n, hidden, dtype=dtype, device=device)
-            self.cos = torch.zeros(n, cfg.head_dim, dtype=dtype, device=device)
-            self.sin = torch.zeros(n, cfg.head_dim, dtype=dtype, device=device)
+            self.cos = torch.zeros(n, cfg.rotary_dim, dtype=dtype, device=device)
+            self.sin = torch.zeros(n, cfg.rotary_dim, dtype=dtype, device=device)
             self.logits = torch.zeros(n, cfg.vocab_size, dtype=torch.float32, device=device)
             moe = cfg.moe_layers
             # (first layer, MoE layer that ends the span or -1): spans run between the MoE layers' experts.
@@ -136,6 +141,7 @@ class DecodeRunner:
             block_tables=self.block_tables[:size],
             seq_lens=self.seq_lens[:size],
             kv_block_size=self.kv.block_size,
+            state_slots=None if self.state_slots is None else self.state_slots[:size],
         )
 
     def _forward(self, size: int) -> torch.Tensor:
@@ -288,6 +294,8 @@ class DecodeRunner:
         self.slot_mapping[start:] = null * self.kv.block_size
         self.block_tables[start:, 0] = null
         self.seq_lens[start:] = 1
+        if self.state_slots is not None:
+            self.state_slots[start:] = self.state_pool.null_slot
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> torch.Tensor:
@@ -314,6 +322,8 @@ class DecodeRunner:
         self.slot_mapping[:batch].copy_(torch.tensor(slots), non_blocking=True)
         self.seq_lens[:batch].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
         self.block_tables[:batch, :width].copy_(tables, non_blocking=True)
+        if self.state_slots is not None:
+            self.state_slots[:batch].copy_(torch.tensor([s.state_slot for s in seqs]), non_blocking=True)
         self._pad_from(batch)
         if self.handshake is not None:
             self._run_driven(size, batch)

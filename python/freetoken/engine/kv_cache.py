@@ -36,7 +36,9 @@ def plan_kv_cache(model_cfg: ModelConfig, engine_cfg: EngineConfig, dtype: torch
     """
     max_model_len = engine_cfg.max_model_len or model_cfg.max_position_embeddings
     block = engine_cfg.kv_block_size
-    per_token = KVCache.bytes_per_token(model_cfg.num_hidden_layers, model_cfg.num_key_value_heads, model_cfg.head_dim, dtype)
+    per_token = KVCache.bytes_per_token(
+        model_cfg.num_kv_layers, model_cfg.num_key_value_heads, model_cfg.head_dim, dtype
+    )
     tokens = engine_cfg.kv_cache_tokens or engine_cfg.max_num_seqs * max_model_len
     tokens = min(tokens, int(engine_cfg.kv_cache_gb * 1e9) // per_token)
     num_blocks = tokens // block
@@ -46,10 +48,13 @@ def plan_kv_cache(model_cfg: ModelConfig, engine_cfg: EngineConfig, dtype: torch
             f"room for no KV block of {block} tokens (--kv-block-size); raise them"
         )
     if num_blocks * block < max_model_len:
+        # Name the limit that bit: the token count asked for, or the memory cap that cut it down.
+        by_tokens = engine_cfg.kv_cache_tokens and engine_cfg.kv_cache_tokens * per_token <= engine_cfg.kv_cache_gb * 1e9
         log.warning(
-            "KV cache holds %d tokens; max_model_len lowered from %d to fit (raise --kv-cache-gb)",
+            "KV cache holds %d tokens; max_model_len lowered from %d to fit (raise %s)",
             num_blocks * block,
             max_model_len,
+            "--kv-cache-tokens" if by_tokens else "--kv-cache-gb",
         )
         max_model_len = num_blocks * block
     return KVPlan(num_blocks, block, (num_blocks + 1) * block * per_token, max_model_len)

@@ -13,14 +13,22 @@ from pathlib import Path
 import torch
 
 from freetoken.config import EngineConfig, ModelConfig
+from freetoken.engine.admission import Admission, default_share
 from freetoken.engine.kv_cache import KVCache, plan_kv_cache
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.engine.scheduler import Scheduler
 from freetoken.engine.sequence import Sequence
+from freetoken.engine.state_pool import RecurrentStatePool
 from freetoken.engine.stop import OutputText
 from freetoken.engine.structured import GrammarBackend
 from freetoken.engine.types import FinishReason, GenerationChunk, SamplingParams, TokenLogprob
-from freetoken.models.loader import TensorIndex, init_dummy_weights, load_checkpoint, resolve_dtype
+from freetoken.models.loader import (
+    TensorIndex,
+    check_finite_weights,
+    init_dummy_weights,
+    load_checkpoint,
+    resolve_dtype,
+)
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
 from freetoken.moe import make_expert_backend, resolve_backend
 from freetoken.moe.budget import check_host_memory
@@ -69,7 +77,7 @@ class LLMEngine:
         plan = plan_kv_cache(model_cfg, engine_cfg, dtype)
         self.max_model_len = plan.max_model_len
         self.kv = KVCache(
-            model_cfg.num_hidden_layers,
+            model_cfg.num_kv_layers,  # hybrid models: the full-attention layers only
             model_cfg.num_key_value_heads,
             model_cfg.head_dim,
             plan.num_blocks,
@@ -81,12 +89,26 @@ class LLMEngine:
             "KV cache: %d blocks x %d tokens = %d tokens, %.2f GB",
             plan.num_blocks, plan.block_size, plan.num_blocks * plan.block_size, plan.nbytes / 1e9,
         )
+        self.state_pool = None
+        if model_cfg.linear_layers:
+            self.state_pool = RecurrentStatePool(model_cfg, engine_cfg.max_num_seqs, dtype, self.device)
+            model.attach_state(self.state_pool)
+            log.info(
+                "recurrent-state pool: %d slots x %.1f MB (%d linear-attention layers) = %.2f GB",
+                engine_cfg.max_num_seqs, RecurrentStatePool.bytes_per_slot(model_cfg, dtype) / 1e6,
+                len(model_cfg.linear_layers), self.state_pool.nbytes / 1e9,
+            )
         self.experts = model.experts
+        self.admission = Admission(engine_cfg.max_seqs_per_request or default_share(engine_cfg.max_num_seqs))
         self.scheduler = Scheduler(
-            self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens, prefix_cache=not engine_cfg.no_prefix_cache
+            self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens,
+            prefix_cache=not engine_cfg.no_prefix_cache, admission=self.admission, state_pool=self.state_pool,
         )
         if engine_cfg.no_prefix_cache:
             log.info("prefix cache: off (--no-prefix-cache); every prompt is prefilled in full")
+        elif self.state_pool is not None:
+            log.info("prefix cache: off for a hybrid model (its linear layers' state is not snapshotted yet); "
+                     "every prompt is prefilled in full")
         else:
             log.info(
                 "prefix cache: on; holds up to %d tokens in the KV cache's blocks that no request holds",
@@ -128,27 +150,53 @@ class LLMEngine:
                 install_replay(model, engine_cfg.replay_routing, seed=engine_cfg.seed)
         else:
             model = load_checkpoint(model_dir, experts, device, dtype, cfg=model_cfg, index=index)
+        if not engine_cfg.allow_nonfinite:
+            check_finite_weights(model, experts)
         tokenizer = Tokenizer.from_dir(model_dir) if (model_dir / "tokenizer.json").is_file() else None
         return cls(model, model_cfg, engine_cfg, tokenizer)
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request. Raises RequestError for an empty or over-long prompt or bad parameters."""
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams, group: str | None = None
+    ) -> None:
+        """Queue a request. Raises RequestError for an empty or over-long prompt or bad parameters.
+
+        `group` names the API request this one is a choice of (its ``n`` choices are one group each): a group
+        runs at most `EngineConfig.max_seqs_per_request` sequences at once (`freetoken.engine.admission`).
+        """
+        if request_id in self._seqs:
+            raise RequestError(f"request_id {request_id!r} is already running")
+        self.check_request(prompt_ids, params)
+        generator = None
+        if not params.greedy:
+            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        text = OutputText(self.tokenizer, prompt_ids, params.stop, params.reasoning_tags) if self.tokenizer else None
+        seq = Sequence(request_id, list(prompt_ids), params, generator, text)
+        self._seqs[request_id] = seq
+        self.admission.set_group(request_id, group)
+        self.scheduler.add(seq)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Everything `add_request` checks about a request's own content, callable from any thread (it reads only
+        constants): the server runs it before its response starts, so a bad request is a 400, not a stream that
+        ends in an error.
+
+        Raises:
+            RequestError: the message starts with the field at fault (prompt, logit_bias, stop, or a parameter).
+        """
         try:
             params.validate()
         except ValueError as e:
             raise RequestError(str(e)) from e
-        if request_id in self._seqs:
-            raise RequestError(f"request_id {request_id!r} is already running")
         if not prompt_ids:
             raise RequestError("prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.model_cfg.vocab_size]
+        vocab_size = self.model_cfg.vocab_size
+        bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
         if bad:
-            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.model_cfg.vocab_size - 1})")
-        bad = [t for t in params.logit_bias if t >= self.model_cfg.vocab_size]
+            raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+        bad = [t for t in params.logit_bias if t >= vocab_size]
         if bad:
-            raise RequestError(
-                f"logit_bias token id {bad[0]} is outside the vocabulary (0..{self.model_cfg.vocab_size - 1})"
-            )
+            raise RequestError(f"logit_bias token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(
                 f"prompt has {len(prompt_ids)} tokens; the context holds {self.max_model_len} (max_model_len), "
@@ -156,22 +204,29 @@ class LLMEngine:
             )
         if params.stop and self.tokenizer is None:
             raise RequestError("stop strings need a tokenizer; this model directory has no tokenizer.json")
-        generator = None
-        if not params.greedy:
-            seed = params.seed if params.seed is not None else self._rng.getrandbits(63)
-            generator = torch.Generator(device=self.device).manual_seed(seed)
-        text = OutputText(self.tokenizer, prompt_ids, params.stop) if self.tokenizer else None
-        seq = Sequence(request_id, list(prompt_ids), params, generator, text)
-        self._seqs[request_id] = seq
-        self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> None:
         """Drop a request (no-op when unknown or finished); its KV blocks are freed at once."""
         seq = self._seqs.pop(request_id, None)
         if seq is not None:
             self.scheduler.remove(seq)
+            self.admission.forget(request_id)
+
+    def pause(self, request_id: str) -> None:
+        """Stop stepping a running request whose output is not being read; it keeps its KV blocks
+        (`Scheduler.pause`). No-op when unknown, finished or not running."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self.scheduler.pause(seq)
+
+    def resume(self, request_id: str) -> None:
+        """Step a paused request again (`Scheduler.resume`); no-op when it is not paused."""
+        seq = self._seqs.get(request_id)
+        if seq is not None:
+            self.scheduler.resume(seq)
 
     def has_work(self) -> bool:
+        """Whether a step has anything to run (paused requests do not count)."""
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
@@ -234,9 +289,12 @@ class LLMEngine:
         return {
             "num_running": len(self.scheduler.running),
             "num_waiting": len(self.scheduler.waiting),
+            "num_paused": len(self.scheduler.paused),
             "kv_blocks_total": self.kv.num_blocks,
             "kv_blocks_free": self.scheduler.prefix_cache.num_free,
             "prefix_cache": self.scheduler.prefix_cache.stats(),
+            **({"state_slots_total": self.state_pool.num_slots, "state_slots_free": self.state_pool.num_free}
+               if self.state_pool is not None else {}),
             "num_steps": self.num_steps,
             "routing": self.routing,
             "moe_backend": self.experts.stats() if hasattr(self.experts, "stats") else {"backend": "fused"},

@@ -60,7 +60,8 @@ class ModelRunner:
             for seq in step.seqs:
                 seq.num_computed += 1
             tokens, logprobs = sample_with_logprobs(
-                logits, [s.params for s in step.seqs], [s.generator for s in step.seqs]
+                logits, [s.params for s in step.seqs], [s.generator for s in step.seqs],
+                [s.token_ids for s in step.seqs], [s.prompt_len for s in step.seqs],
             )
             return list(tokens), logprobs
         input_ids: list[int] = []
@@ -71,6 +72,8 @@ class ModelRunner:
         meta = AttentionMetadata.build(
             step.query_lens, context_lens, [s.block_table for s in step.seqs], self.kv.block_size, self.device
         )
+        if getattr(self.model, "state_pool", None) is not None:  # hybrid: each sequence's recurrent-state slot
+            meta.state_slots = torch.tensor([s.state_slot for s in step.seqs], dtype=torch.int64, device=self.device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         if experts is not None:
             prefill = sum(q for s, q in zip(step.seqs, step.query_lens) if q > 1 or s.num_computed < s.prompt_len)
@@ -90,7 +93,8 @@ class ModelRunner:
         if rows:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             tokens, logprobs = sample_with_logprobs(
-                logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs]
+                logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs],
+                [s.token_ids for s in sampled_seqs], [s.prompt_len for s in sampled_seqs],
             )
             by_seq = {id(s): (t, lp) for s, t, lp in zip(sampled_seqs, tokens, logprobs, strict=True)}
             out = [by_seq[id(s)][0] if id(s) in by_seq else None for s in step.seqs]

@@ -1,6 +1,6 @@
-"""Next-token sampling: greedy, temperature, top-k, top-p (nucleus, Holtzman et al. 2020), per-request seeds and
-logit biases; grammar-constrained rows (`SamplingParams.grammar`, see `freetoken.engine.structured`); the sampled
-tokens' log-probabilities for requests that ask (`token_logprobs`)."""
+"""Next-token sampling: greedy, temperature, top-k, top-p (nucleus, Holtzman et al. 2020), per-request seeds,
+repetition penalties and logit biases; grammar-constrained rows (`SamplingParams.grammar`, see
+`freetoken.engine.structured`); the sampled tokens' log-probabilities for requests that ask (`token_logprobs`)."""
 
 from __future__ import annotations
 
@@ -103,22 +103,68 @@ def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torc
     return logits.index_put((row_ids, token_ids), values, accumulate=True)
 
 
+def apply_penalties(
+    logits: torch.Tensor, params: list[SamplingParams], token_ids: list[list[int]], prompt_lens: list[int]
+) -> torch.Tensor:
+    """`logits` with each row's repetition penalties applied: a new tensor when any row has one (the input is not
+    written), else `logits` itself.
+
+    In this order, as vLLM does: `repetition_penalty` r (CTRL, Keskar et al. 2019, as Hugging Face's
+    RepetitionPenaltyLogitsProcessor): each token in the prompt or the output gets logit / r when the logit is
+    positive, logit * r otherwise; then OpenAI's ``logit - frequency_penalty * count - presence_penalty *
+    (count > 0)``, count being how often the token was generated (the prompt does not count).
+
+    Args:
+        logits: [N, V] float logits.
+        params: N sampling parameter sets.
+        token_ids: per row, the sequence's prompt then generated tokens (ids < V).
+        prompt_lens: per row, how many of `token_ids` are the prompt.
+    """
+    rows = [row for row, p in enumerate(params) if p.penalized]
+    if not rows:
+        return logits
+    out = logits.clone()
+    vocab, device = logits.shape[-1], logits.device
+    for row in rows:
+        p = params[row]
+        if p.repetition_penalty != 1.0:
+            seen = torch.tensor(sorted(set(token_ids[row])), dtype=torch.int64, device=device)
+            values = out[row, seen]
+            out[row, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
+        generated = token_ids[row][prompt_lens[row]:]
+        if generated and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(torch.tensor(generated, dtype=torch.int64, device=device), minlength=vocab)
+            counts = counts[:vocab].to(out.dtype)
+            out[row] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(out.dtype)
+    return out
+
+
 def sample_with_logprobs(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    token_ids: list[list[int]] | None = None,
+    prompt_lens: list[int] | None = None,
 ) -> tuple[list[int], list[TokenLogprob | None]]:
     """`sample`, plus `token_logprobs` of the sampled tokens for the rows that ask (None for the others).
 
-    Rows with a `logit_bias` sample from their biased logits (`apply_logit_bias`); rows with a `grammar` from their
-    masked logits (only the tokens the grammar allows, after any bias), and their matchers advance past the sampled
-    tokens; log-probabilities stay those of the raw logits. Without any bias or grammar in the batch this is
-    `sample` on the raw logits, at no extra cost.
+    Rows with repetition penalties sample from penalized logits (`apply_penalties`, which needs `token_ids` and
+    `prompt_lens`); rows with a `logit_bias` from their biased logits (`apply_logit_bias`); rows with a `grammar`
+    from their masked logits (only the tokens the grammar allows, after any bias), and their matchers advance past
+    the sampled tokens; log-probabilities stay those of the raw logits. Without any bias or grammar in the batch
+    this is `sample` on the raw logits, at no extra cost.
 
     Args:
         logits: [N, V] float32 logits on the compute device; not written.
         params: N sampling parameter sets, row by row.
         generators: N RNGs on the logits' device (None for greedy rows).
+        token_ids: per row, the sequence's tokens so far (prompt then output); needed when a row is penalized.
+        prompt_lens: per row, the prompt's length in `token_ids`.
     """
-    scores = apply_logit_bias(logits, params)
+    scores = logits
+    if token_ids is not None and prompt_lens is not None:
+        scores = apply_penalties(logits, params, token_ids, prompt_lens)
+    scores = apply_logit_bias(scores, params)
     matchers = [p.grammar for p in params]
     if any(m is not None for m in matchers):
         tokens = sample(apply_grammar_masks(scores, matchers), params, generators)

@@ -2,7 +2,8 @@
 
 Each step takes a token budget (`max_prefill_tokens`). Running sequences that are decoding go first, one token
 each, so a long prompt never stalls them; the rest of the budget goes to prompt chunks, of sequences already
-admitted and then of waiting ones, up to `max_num_seqs` running. When the KV cache cannot give a decoding
+admitted and then of waiting ones, up to `max_num_seqs` running and, per request, its share of them
+(`freetoken.engine.admission`). When the KV cache cannot give a decoding
 sequence its next block, the most recently arrived running sequence is preempted: its blocks are freed and it
 is recomputed from its tokens later (vLLM's recompute preemption).
 
@@ -16,9 +17,11 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from freetoken.engine.admission import Admission
 from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.prefix_cache import ROOT, BlockKey, PrefixCache, PrefixMatch
 from freetoken.engine.sequence import Sequence
+from freetoken.engine.state_pool import RecurrentStatePool
 
 
 @dataclass
@@ -41,15 +44,32 @@ class Scheduler:
         max_num_seqs: most running sequences.
         max_prefill_tokens: the token budget of one step.
         prefix_cache: reuse the K/V of cached prompt prefixes (`--no-prefix-cache` turns it off).
+        admission: the per-request share of the batch (`freetoken.engine.admission`); by default a request's
+            choices may use the whole batch.
+        state_pool: hybrid models' recurrent-state pool: each running sequence holds a slot, taken at admission and
+            given back with its blocks. The prefix cache is then off: K/V alone cannot resume a sequence whose
+            linear layers compress the prefix into a state (that needs state snapshots, not built yet).
     """
 
-    def __init__(self, kv: KVCache, max_num_seqs: int, max_prefill_tokens: int, prefix_cache: bool = True) -> None:
+    def __init__(
+        self,
+        kv: KVCache,
+        max_num_seqs: int,
+        max_prefill_tokens: int,
+        prefix_cache: bool = True,
+        admission: Admission | None = None,
+        state_pool: RecurrentStatePool | None = None,
+    ) -> None:
         self.kv = kv
-        self.prefix_cache = PrefixCache(kv.allocator, kv.block_size, enabled=prefix_cache)
+        self.state_pool = state_pool
+        self.prefix_cache = PrefixCache(kv.allocator, kv.block_size, enabled=prefix_cache and state_pool is None)
         self.max_num_seqs = max_num_seqs
+        self.admission = admission or Admission(max_num_seqs)
         self.max_prefill_tokens = max(1, max_prefill_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        # Sequences whose client stopped reading (`pause`): they keep their KV blocks, not their batch slot.
+        self.paused: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -63,7 +83,28 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+        elif seq in self.paused:
+            self.paused.remove(seq)
         self._free(seq)
+
+    # Backpressure: a running sequence is paused while its client does not read its output. It is out of the
+    # batch (no steps, no batch slot) but keeps its KV blocks and computed tokens, so resuming costs nothing.
+
+    def pause(self, seq: Sequence) -> None:
+        """Take a running sequence out of the batch, keeping its KV blocks (no-op when it is not running)."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.paused.append(seq)
+
+    def resume(self, seq: Sequence) -> None:
+        """Put a paused sequence back: into the batch when it has a free slot, else first in the waiting queue."""
+        if seq not in self.paused:
+            return
+        self.paused.remove(seq)
+        if len(self.running) < self.max_num_seqs:
+            self.running.append(seq)
+        else:
+            self.waiting.appendleft(seq)
 
     def preempt(self, seq: Sequence) -> None:
         """Release a running sequence's blocks and queue it first, to be recomputed from its tokens (reusing what
@@ -94,6 +135,9 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_hashed_blocks = 0
         seq.kv_parent = ROOT
+        if seq.state_slot >= 0:
+            self.state_pool.free(seq.state_slot)
+            seq.state_slot = -1
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Give `seq` blocks for `num_tokens` more tokens; False when the cache has too few free or evictable."""
@@ -193,6 +237,13 @@ class Scheduler:
     def _schedule_once(self) -> ScheduledStep:
         budget = self.max_prefill_tokens
         step = ScheduledStep([], [])
+        # Fair admission (`freetoken.engine.admission`): with the batch full while a request waits within its
+        # share, one sequence of the group furthest over its share makes room (recomputed later).
+        share = self.admission.fair_share(self.waiting, self.running, self.max_num_seqs)
+        if self.waiting and len(self.running) >= self.max_num_seqs:
+            victim = self.admission.victim(self.waiting, self.running, share)
+            if victim is not None:
+                self.preempt(victim)
         decoding = sorted((s for s in self.running if s.num_uncomputed == 1), key=lambda s: s.arrival)
         for seq in decoding:
             if seq not in self.running:
@@ -221,6 +272,9 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[i]
+            if not self.admission.admissible(seq, self.running, share):  # its request runs its share: pass over
+                i += 1
+                continue
             match = self.prefix_cache.match(seq.token_ids)
             if in_flight and (match.num_blocks + 1) * self.kv.block_size <= len(seq.token_ids):
                 parent = match.nodes[-1] if match.nodes else ROOT
@@ -230,6 +284,16 @@ class Scheduler:
             chunk = self._admit(seq, match, budget)
             if not chunk:
                 break
+            if self.state_pool is not None:  # running <= max_num_seqs = the pool's slots: one is free
+                if seq.num_computed:
+                    # A fresh slot is the zero state: reused K/V of a prefix would meet linear layers that never
+                    # saw it. Hybrid models may skip a prefix only with a state snapshot taken at its end.
+                    self._free(seq)
+                    raise RuntimeError(
+                        f"request {seq.request_id}: admitted on {seq.num_computed} cached tokens without a "
+                        "recurrent-state snapshot; the KV prefix cache must not skip prefill on hybrid models"
+                    )
+                seq.state_slot = self.state_pool.allocate()
             del self.waiting[i]
             self.running.append(seq)
             step.seqs.append(seq)

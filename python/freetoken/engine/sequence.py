@@ -27,6 +27,7 @@ class Sequence:
         params: sampling parameters.
         num_computed: leading tokens whose K/V are in the cache.
         block_table: KV block ids, in order.
+        state_slot: its slot in the recurrent-state pool while running (hybrid models), else -1.
         num_hashed_blocks: leading full blocks whose content the prefix cache knows (found there at admission, or
             indexed after the step that filled them); `kv_parent` is the index node of the last of them
             (`prefix_cache.ROOT` when none), the parent of the next block's key.
@@ -45,6 +46,7 @@ class Sequence:
     prompt_len: int = 0
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
+    state_slot: int = -1
     num_hashed_blocks: int = 0
     kv_parent: int = 0
     num_cached_tokens: int | None = None

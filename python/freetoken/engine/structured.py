@@ -46,11 +46,12 @@ def json_expression(schema: dict[str, Any]) -> str:
     return f"%json {json.dumps({**schema, 'x-guidance': _JSON_OPTIONS}, ensure_ascii=False)}"
 
 
-def json_grammar(schema: dict[str, Any], reasoning_prefix: str = "", tool_calls: str = "") -> str:
-    """A Lark grammar (llguidance's dialect) for one JSON value matching `schema`.
+def json_grammar(schema: dict[str, Any] | None, reasoning_prefix: str = "", tool_calls: str = "") -> str:
+    """A Lark grammar (llguidance's dialect) for one JSON value matching `schema`, or tool calls.
 
     Args:
-        schema: a JSON schema (``{"type": "object"}`` for any object).
+        schema: a JSON schema (``{"type": "object"}`` for any object); None for no answer: the output must be
+            `tool_calls` (a forced tool call).
         reasoning_prefix: a Lark expression for what may come before the JSON (a model's reasoning block,
             see `OutputParser.reasoning_grammar`), or "".
         tool_calls: a Lark expression for tool calls the model may make instead of answering (see
@@ -59,6 +60,8 @@ def json_grammar(schema: dict[str, Any], reasoning_prefix: str = "", tool_calls:
     Returns:
         The grammar text, for `GrammarBackend.matcher`.
     """
+    if schema is None:
+        return f"start: {reasoning_prefix} reply\nreply: {tool_calls}\n"
     body = f"answer | {tool_calls}" if tool_calls else "answer"
     return f"start: {reasoning_prefix} reply\nreply: {body}\nanswer: {json_expression(schema)}\n"
 

@@ -15,6 +15,8 @@ MIN_TEMPERATURE = 1e-5
 MAX_LOGPROBS = 20
 # Largest |bias| per token (`SamplingParams.logit_bias`), as in the OpenAI API.
 MAX_LOGIT_BIAS = 100
+# Largest `SamplingParams.repetition_penalty` (vLLM allows any positive value; past 2 text degrades anyway).
+MAX_REPETITION_PENALTY = 10.0
 
 
 @dataclass
@@ -42,6 +44,17 @@ class SamplingParams:
         logit_bias: token id -> value in [-100, 100] added to that token's logit before every step's sampling
             (greedy included, and before a grammar's mask), as OpenAI's ``logit_bias``: +-100 in effect forces or
             bans a token. Log-probabilities stay those of the raw logits.
+        reasoning_tags: (open, close) tags of the model's reasoning block, so that `stop` strings apply to the
+            answer only: a block the output starts with (after blank text) is searched only for `close`, and stop
+            strings are looked for after it. An empty `open` means the output starts inside the block (the prompt
+            opened it). None (the default): stop strings apply from the first character.
+        presence_penalty: subtracted once from the logit of every token already generated (OpenAI's definition,
+            in [-2, 2]); 0 disables it.
+        frequency_penalty: subtracted from the logit of every generated token, times the number of times it was
+            generated (OpenAI's definition, in [-2, 2]); 0 disables it.
+        repetition_penalty: > 0; the logit of every token in the prompt or the output is divided by it when
+            positive and multiplied by it when negative (CTRL, Keskar et al. 2019, as Hugging Face applies it);
+            1 disables it.
     """
 
     max_tokens: int = 256
@@ -55,6 +68,10 @@ class SamplingParams:
     logprobs: int | None = None
     grammar: GrammarMatcher | None = field(default=None, repr=False, compare=False)
     logit_bias: dict[int, float] = field(default_factory=dict)
+    reasoning_tags: tuple[str, str] | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def validate(self) -> None:
         """Raise ValueError naming the field when a value is out of range or of the wrong type.
@@ -88,6 +105,22 @@ class SamplingParams:
             )
         if self.grammar is not None and not isinstance(self.grammar, GrammarMatcher):
             raise ValueError(f"grammar must be null or a GrammarMatcher, got {type(self.grammar).__name__}")
+        if self.reasoning_tags is not None and not (
+            isinstance(self.reasoning_tags, tuple) and len(self.reasoning_tags) == 2
+            and all(isinstance(t, str) for t in self.reasoning_tags) and self.reasoning_tags[1]
+        ):
+            raise ValueError(f"reasoning_tags must be null or (open, close) strings, got {self.reasoning_tags!r}")
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
+            if not _is_int(value) and not isinstance(value, float):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise ValueError(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got {self.repetition_penalty}"
+            )
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 2.0:
@@ -96,6 +129,11 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def penalized(self) -> bool:
+        """True when any repetition penalty is on (the sampler then needs the sequence's tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:

@@ -41,6 +41,8 @@ class AttentionMetadata:
         block_tables: [B, max_blocks] int32 and seq_lens: [B] int32, set instead of the fields above for a
             decode-only step on CUDA: the Triton kernel reads the block tables itself (fixed shapes, so the step
             can be captured in a CUDA graph); kv_block_size is then the cache's block size.
+        state_slots: [B] int64, per sequence its slot in the recurrent-state pool (`freetoken.engine.state_pool`);
+            None for models without linear-attention layers.
     """
 
     positions: torch.Tensor
@@ -54,6 +56,7 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     kv_block_size: int = 0
+    state_slots: torch.Tensor | None = None
 
     @classmethod
     def build(

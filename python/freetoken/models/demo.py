@@ -27,6 +27,7 @@ import base64
 import json
 import shutil
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from importlib import resources
 from pathlib import Path
@@ -407,15 +408,31 @@ def build_demo_checkpoint(
         `dest` as a Path. The tokenizer conversion is cached (see `demo_checkpoint_dir`), so
         only the first build in a cache takes the few seconds it needs.
     """
+    return write_demo_dir(dest, demo_config(**overrides), _random_weights, seed, expert_layout, num_shards)
+
+
+def write_demo_dir(
+    dest: str | Path,
+    config: dict,
+    random_weights: Callable[[dict, int, str], dict[str, torch.Tensor]],
+    seed: int,
+    expert_layout: str,
+    num_shards: int,
+) -> Path:
+    """Write a random-weight checkpoint directory: `config`, the tensors of `random_weights(config, seed,
+    expert_layout)` (one file or `num_shards` shards), and Qwen's tokenizer files. Shared by the demo builders.
+
+    Raises:
+        ValueError: an `expert_layout` other than "per_expert" or "fused", or `num_shards` < 1.
+    """
     if expert_layout not in ("per_expert", "fused"):
         raise ValueError(f"expert_layout must be 'per_expert' or 'fused', got {expert_layout!r}")
     if num_shards < 1:
         raise ValueError(f"num_shards must be >= 1, got {num_shards}")
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
-    config = demo_config(**overrides)
     _write_json(dest / "config.json", config)
-    _save_weights(_random_weights(config, seed, expert_layout), dest, num_shards)
+    _save_weights(random_weights(config, seed, expert_layout), dest, num_shards)
     shutil.copyfile(_cached_tokenizer_json(), dest / "tokenizer.json")
     _write_json(dest / "tokenizer_config.json", _tokenizer_config())
     _write_json(dest / "generation_config.json", _QWEN3_GENERATION_CONFIG)

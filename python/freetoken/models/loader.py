@@ -6,6 +6,11 @@ one tensor per expert (`model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight`
 fused 3-D tensors (`model.layers.L.mlp.experts.gate_up_proj` [E, 2I, H] and `.down_proj` [E, H, I], as
 transformers 5 saves them). Every parameter must come from the checkpoint: a tensor that is missing, or of the
 wrong shape or dtype, is an error naming the file and the tensor, never a silently uninitialised weight.
+
+Qwen3.5-MoE (`freetoken.models.qwen3_5_moe`): the same two expert layouts, under the text model's prefix, which is
+`model.language_model.` in the released `Qwen3_5MoeForConditionalGeneration` checkpoints and `model.` where
+transformers saves a `Qwen3_5MoeForCausalLM` (either is accepted for either architecture). The vision tower
+(`model.visual.*`) and the multi-token-prediction head (`mtp.*`) are skipped with a log line: serving is text-only.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import torch
 from safetensors import safe_open
 
 from freetoken.config import ModelConfig
+from freetoken.models import qwen3_5_moe
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM, RotaryEmbedding
 from freetoken.moe.backend import ExpertBackend
 
@@ -121,37 +127,60 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return TORCH_DTYPES[name]
 
 
-def _empty_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> Qwen3MoeForCausalLM:
+def model_class(cfg: ModelConfig) -> type[torch.nn.Module]:
+    """The torch model class of `cfg.architecture`."""
+    return qwen3_5_moe.Qwen3_5MoeForCausalLM if cfg.is_qwen3_5 else Qwen3MoeForCausalLM
+
+
+def _empty_model(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(cfg)
+        model = model_class(cfg)(cfg)
     model = model.to_empty(device=device).to(dtype)
     if cfg.tie_word_embeddings:  # to_empty replaces each module's parameters one by one, which unties them
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.model.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta).to(device)  # float32 buffer, not a weight
-    for layer in model.model.layers:
-        layer.self_attn.fuse_qkv()
+    model.model.rotary = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta).to(device)  # float32 buffer, not a weight
+    if not cfg.is_qwen3_5:
+        for layer in model.model.layers:
+            layer.self_attn.fuse_qkv()
     return model.eval().requires_grad_(False)
 
 
-def _expert_names(layer: int, expert: int) -> tuple[str, str, str]:
-    prefix = f"model.layers.{layer}.mlp.experts.{expert}"
-    return f"{prefix}.gate_proj.weight", f"{prefix}.up_proj.weight", f"{prefix}.down_proj.weight"
+def text_prefix(reader: CheckpointReader, cfg: ModelConfig) -> str:
+    """The checkpoint's prefix of the text model's tensors ("model." or "model.language_model."): `cfg`'s when the
+    checkpoint has its embeddings there, else the other one that has them (else `cfg`'s, and the first missing
+    tensor is reported)."""
+    for prefix in (cfg.weight_prefix, "model.language_model.", "model."):
+        if reader.has(prefix + "embed_tokens.weight"):
+            return prefix
+    return cfg.weight_prefix
+
+
+def _checkpoint_name(name: str, prefix: str) -> str:
+    """A parameter name of our modules (`model.layers...`, `lm_head.weight`) -> the checkpoint's."""
+    return prefix + name.removeprefix("model.") if name.startswith("model.") else name
+
+
+def _expert_names(layer: int, expert: int, prefix: str = "model.") -> tuple[str, str, str]:
+    base = f"{prefix}layers.{layer}.mlp.experts.{expert}"
+    return f"{base}.gate_proj.weight", f"{base}.up_proj.weight", f"{base}.down_proj.weight"
 
 
 def _load_experts(
-    reader: CheckpointReader, cfg: ModelConfig, layer: int, device: torch.device, dtype: torch.dtype
+    reader: CheckpointReader, cfg: ModelConfig, layer: int, device: torch.device, dtype: torch.dtype,
+    prefix: str = "model.",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer `layer`'s experts as (gate_up [E, 2I, H], down [E, H, I]) on `device` in `dtype`."""
+    """Layer `layer`'s experts as (gate_up [E, 2I, H], down [E, H, I]) on `device` in `dtype`; `prefix` is the text
+    model's tensor-name prefix (`text_prefix`)."""
     num_experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
-    fused = f"model.layers.{layer}.mlp.experts.gate_up_proj"
+    fused = f"{prefix}layers.{layer}.mlp.experts.gate_up_proj"
     if reader.has(fused):
         gate_up = reader.get(fused, (num_experts, 2 * inter, hidden)).to(device=device, dtype=dtype)
-        down = reader.get(f"model.layers.{layer}.mlp.experts.down_proj", (num_experts, hidden, inter))
+        down = reader.get(f"{prefix}layers.{layer}.mlp.experts.down_proj", (num_experts, hidden, inter))
         return gate_up, down.to(device=device, dtype=dtype)
     gate_up = torch.empty(num_experts, 2 * inter, hidden, device=device, dtype=dtype)
     down = torch.empty(num_experts, hidden, inter, device=device, dtype=dtype)
     for expert in range(num_experts):
-        gate_name, up_name, down_name = _expert_names(layer, expert)
+        gate_name, up_name, down_name = _expert_names(layer, expert, prefix)
         gate_up[expert, :inter] = reader.get(gate_name, (inter, hidden))
         gate_up[expert, inter:] = reader.get(up_name, (inter, hidden))
         down[expert] = reader.get(down_name, (hidden, inter))
@@ -165,7 +194,7 @@ def load_checkpoint(
     dtype: torch.dtype,
     cfg: ModelConfig | None = None,
     index: TensorIndex | None = None,
-) -> Qwen3MoeForCausalLM:
+) -> torch.nn.Module:
     """Load `model_dir` into a new model on `device`; routed experts go to `experts`. `index` is the directory's
     `TensorIndex.scan`, when the caller already has it.
 
@@ -178,23 +207,31 @@ def load_checkpoint(
     cfg = cfg or ModelConfig.from_dir(model_dir)
     reader = CheckpointReader(index or TensorIndex.scan(model_dir))
     model = _empty_model(cfg, device, dtype)
+    prefix = text_prefix(reader, cfg)
     expected = set()
     for name, param in model.named_parameters():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
-        if name == "lm_head.weight" and not reader.has(name) and reader.has("model.embed_tokens.weight"):
+        if name == "lm_head.weight" and not reader.has(name) and reader.has(prefix + "embed_tokens.weight"):
             raise CheckpointError(
                 "tensor 'lm_head.weight' missing and config.json has tie_word_embeddings=false; "
                 "set tie_word_embeddings=true if the model ties its embeddings"
             )
-        param.copy_(reader.get(name, tuple(param.shape)))
-        expected.add(name)
+        stored = _checkpoint_name(name, prefix)
+        param.copy_(reader.get(stored, tuple(param.shape)))
+        expected.add(stored)
     for layer in cfg.moe_layers if experts.wants_weights else ():
-        experts.load_layer(layer, *_load_experts(reader, cfg, layer, device, dtype))
-    expert_prefixes = tuple(f"model.layers.{layer}.mlp.experts." for layer in cfg.moe_layers)
+        experts.load_layer(layer, *_load_experts(reader, cfg, layer, device, dtype, prefix))
+    expert_prefixes = tuple(f"{prefix}layers.{layer}.mlp.experts." for layer in cfg.moe_layers)
     unused = [n for n in reader.index.files if n not in expected and not n.startswith(expert_prefixes)]
     if cfg.tie_word_embeddings:
         unused = [n for n in unused if n != "lm_head.weight"]
+    if cfg.is_qwen3_5:
+        for part, what in (("model.visual.", "vision tower"), ("mtp.", "multi-token-prediction head")):
+            skipped = [n for n in unused if n.startswith(part)]
+            if skipped:
+                log.info("%s: %d tensors (%s*) skipped: text-only serving", what, len(skipped), part)
+                unused = [n for n in unused if not n.startswith(part)]
     if unused:
         log.warning("%d checkpoint tensors not used by %s, e.g. %s", len(unused), cfg.architecture, unused[:3])
     reader.close()
@@ -204,17 +241,20 @@ def load_checkpoint(
 
 def init_dummy_weights(
     cfg: ModelConfig, experts: ExpertBackend, device: torch.device, dtype: torch.dtype, seed: int = 0
-) -> Qwen3MoeForCausalLM:
+) -> torch.nn.Module:
     """A model of `cfg` with random weights: N(0, initializer_range) matrices, unit norms; seeded, so the same
     seed on the same device gives the same weights. Routed experts go to `experts`, built on `device`."""
     std = float(cfg.raw.get("initializer_range", 0.02))
     gen = torch.Generator(device=device).manual_seed(seed)
     model = _empty_model(cfg, device, dtype)
-    for name, param in model.named_parameters():
-        if name.endswith("norm.weight"):
-            param.fill_(1.0)
-        else:
-            param.normal_(0.0, std, generator=gen)
+    if cfg.is_qwen3_5:
+        qwen3_5_moe.init_dummy_(model, gen, std)
+    else:
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, std, generator=gen)
     num_experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     for layer in cfg.moe_layers if experts.wants_weights else ():
         gate_up = torch.empty(num_experts, 2 * inter, hidden, device=device, dtype=dtype).normal_(0, std, generator=gen)
@@ -222,3 +262,66 @@ def init_dummy_weights(
         experts.load_layer(layer, gate_up, down)
     model.attach_experts(experts)
     return model
+
+
+# Values sampled per weight tensor and per routed expert by `check_finite_weights`: evenly strided, so a tensor
+# that is NaN or inf throughout (or in any large block) is caught while a 30B model's check reads a few MB.
+FINITE_SAMPLES_PER_TENSOR = 4096
+FINITE_SAMPLES_PER_EXPERT = 256
+
+
+def check_finite_weights(model: torch.nn.Module, experts: object) -> None:
+    """Refuse weights with NaN or inf values, from an evenly strided sample of every tensor of `model` and of
+    every routed expert in `experts`' host pool (an `ExpertCacheBackend`'s ``pool_experts``), when it has one.
+
+    A checkpoint full of NaN otherwise serves (every output token the same, "!!!!"). Sampled: a few stray
+    non-finite values may pass; the cost is a few reads per tensor and per expert.
+
+    Raises:
+        CheckpointError: naming the first tensor (or pool layer and expert) with a non-finite sample and the flag
+            that serves it anyway (--allow-nonfinite).
+    """
+    fix = "the checkpoint is corrupt or was saved in a dtype that overflowed; --allow-nonfinite serves it anyway"
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if not tensor.is_floating_point() or tensor.numel() == 0:
+            continue
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // FINITE_SAMPLES_PER_TENSOR)]
+        if not bool(torch.isfinite(sample).all()):
+            raise CheckpointError(f"tensor {name!r} holds NaN or inf values; {fix}")
+    pool_experts = getattr(experts, "pool_experts", None)
+    if pool_experts is None:
+        return
+    pool = experts.pool  # type: ignore[attr-defined]
+    values = pool_experts[:, : pool.expert_nbytes].view(torch.bfloat16)  # [experts, 3*I*H] bf16, zero-copy
+    sample = values[:, :: max(1, values.shape[1] // FINITE_SAMPLES_PER_EXPERT)]
+    bad = (~torch.isfinite(sample)).any(dim=1).nonzero()
+    if len(bad):
+        layer, expert = divmod(int(bad[0]), pool.num_experts)
+        raise CheckpointError(
+            f"routed expert {expert} of model layer {pool.moe_layers[layer]} holds NaN or inf values; {fix}"
+        )
+
+
+def fill_expert_pool(pool, model_dir: str | Path, cfg: ModelConfig, index: TensorIndex | None = None) -> None:
+    """Copy the routed experts of `model_dir` into `pool` (a `freetoken._core.ExpertPool` of `cfg`'s shape), one
+    layer at a time through `expert_view`, packed as bf16 `[gate_up [2I, H], down [H, I]]`.
+
+    The Rust loader (`ExpertPool.from_checkpoint`) reads `model.layers.L.mlp.experts.*` only; this reads the names
+    under any text-model prefix (Qwen3.5's `model.language_model.`), in either expert layout. Single-threaded: about
+    the time of reading the experts once.
+
+    Raises:
+        CheckpointError: an expert tensor is missing or mis-shaped (names it).
+    """
+    reader = CheckpointReader(index or TensorIndex.scan(Path(model_dir)))
+    prefix = text_prefix(reader, cfg)
+    gate_up_numel = 2 * cfg.moe_intermediate_size * cfg.hidden_size
+    for pool_layer, layer in enumerate(cfg.moe_layers):
+        gate_up, down = _load_experts(reader, cfg, layer, torch.device("cpu"), torch.bfloat16, prefix)
+        for expert in range(cfg.num_experts):
+            view = torch.frombuffer(pool.expert_view(pool_layer, expert), dtype=torch.bfloat16)
+            view[:gate_up_numel].copy_(gate_up[expert].reshape(-1))
+            view[gate_up_numel:].copy_(down[expert].reshape(-1))
+        log.debug("expert pool: layer %d of %d filled", pool_layer + 1, len(cfg.moe_layers))
+    reader.close()

@@ -63,6 +63,13 @@ def choose_backend(
     return name, profile
 
 
+def _text_prefix(model_dir: Path, model_cfg: ModelConfig) -> str:
+    """The prefix of the text model's tensors in the checkpoint in `model_dir` (`models.loader.text_prefix`)."""
+    from freetoken.models.loader import CheckpointReader, TensorIndex, text_prefix
+
+    return text_prefix(CheckpointReader(TensorIndex.scan(Path(model_dir))), model_cfg)
+
+
 def make_expert_backend(
     cfg: EngineConfig, model_cfg: ModelConfig, model_dir: Path | None, dtype: torch.dtype
 ) -> ExpertBackend:
@@ -100,8 +107,16 @@ def make_expert_backend(
             seed=cfg.seed,
             moe_layers=model_cfg.moe_layers,
         )
-    else:
+    elif not model_cfg.is_qwen3_5 or _text_prefix(model_dir, model_cfg) == "model.":
         pool = ExpertPool.from_checkpoint(model_dir)
+    else:  # the Rust loader reads `model.layers.*` names only: the pool's shape from it, the experts from Python
+        from freetoken.models.loader import fill_expert_pool
+
+        pool = ExpertPool.random(
+            len(model_cfg.moe_layers), model_cfg.num_experts, model_cfg.hidden_size, model_cfg.moe_intermediate_size,
+            seed=cfg.seed, moe_layers=model_cfg.moe_layers,
+        )
+        fill_expert_pool(pool, model_dir, model_cfg)
     num_slots, layer_buffers = plan_expert_slots(cfg, model_cfg, dtype, pool.expert_stride, name)
     log.info(
         "expert cache (%s): %d slots x %.1f MB = %.2f GB, %.0f%% of the %.1f GB pool; prefill: %s",

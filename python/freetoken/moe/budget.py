@@ -1,8 +1,9 @@
 """How many expert slots fit the device memory budget.
 
 Order of claims on the budget (`shared/DESIGN.md`, "Where the weights live"): the non-expert weights, the KV
-cache, a reserve for activations, the prefill layer buffers (`freetoken.moe.prefill`), then expert slots with
-what is left, never more than the whole pool.
+cache, the recurrent-state pool of hybrid models (`freetoken.engine.state_pool`), a reserve for activations, the
+prefill layer buffers (`freetoken.moe.prefill`), then expert slots with what is left, never more than the whole
+pool.
 """
 
 from __future__ import annotations
@@ -23,12 +24,21 @@ RESERVE_BYTES = 1 << 30
 
 def non_expert_nbytes(model_cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Bytes of every weight but the routed experts (embeddings, attention, norms, routers, dense MLPs, LM head)."""
-    from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
+    from freetoken.models.loader import model_class
 
     with torch.device("meta"):
-        model = Qwen3MoeForCausalLM(model_cfg)
+        model = model_class(model_cfg)(model_cfg)
     size = torch.empty((), dtype=dtype).element_size()
     return sum(p.numel() for p in model.parameters()) * size
+
+
+def state_pool_nbytes(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of the recurrent-state pool: `max_num_seqs` slots and the padding rows' one (0 without linear layers)."""
+    if not model_cfg.linear_layers:
+        return 0
+    from freetoken.engine.state_pool import RecurrentStatePool
+
+    return (cfg.max_num_seqs + 1) * RecurrentStatePool.bytes_per_slot(model_cfg, dtype)
 
 
 def wanted_layer_buffers(cfg: EngineConfig, backend: str) -> int:
@@ -72,8 +82,9 @@ def plan_expert_slots(
     budget = int(cfg.gpu_memory_gb * 1e9) if cfg.gpu_memory_gb else int(0.9 * free)
     weights = non_expert_nbytes(model_cfg, dtype)
     kv = plan_kv_cache(model_cfg, cfg, dtype).nbytes
+    state = state_pool_nbytes(cfg, model_cfg, dtype)
     activations = RESERVE_BYTES + ACTIVATION_TENSORS * cfg.max_prefill_tokens * model_cfg.hidden_size * 4
-    left = budget - weights - kv - activations
+    left = budget - weights - kv - state - activations
     if buffers and cfg.prefill_strategy != "stream" and left >= num_experts * expert_stride:
         buffers = 0  # every expert fits in a slot: nothing would stream, and the buffers would evict experts
     fits = lambda n: left - n * layer_nbytes >= n * layer_nbytes  # noqa: E731 (the slots keep as much)
@@ -96,15 +107,17 @@ def plan_expert_slots(
         buffers = 0
     left -= buffers * layer_nbytes
     log.info(
-        "GPU budget %.1f GB: non-expert weights %.2f GB, KV cache %.2f GB, activations %.2f GB, "
-        "prefill layer buffers %d x %.2f GB, expert slots %.2f GB",
-        budget / 1e9, weights / 1e9, kv / 1e9, activations / 1e9, buffers, layer_nbytes / 1e9, max(left, 0) / 1e9,
+        "GPU budget %.1f GB: non-expert weights %.2f GB, KV cache %.2f GB, recurrent state %.2f GB, activations "
+        "%.2f GB, prefill layer buffers %d x %.2f GB, expert slots %.2f GB",
+        budget / 1e9, weights / 1e9, kv / 1e9, state / 1e9, activations / 1e9, buffers, layer_nbytes / 1e9,
+        max(left, 0) / 1e9,
     )
     if left < expert_stride:
         raise ValueError(
             f"--gpu-memory-gb {budget / 1e9:.1f}: non-expert weights ({weights / 1e9:.1f} GB), KV cache "
-            f"({kv / 1e9:.1f} GB) and activations ({activations / 1e9:.1f} GB) leave no room for an expert slot; "
-            "raise --gpu-memory-gb or lower --kv-cache-gb / --max-prefill-tokens"
+            f"({kv / 1e9:.1f} GB), recurrent state ({state / 1e9:.1f} GB) and activations "
+            f"({activations / 1e9:.1f} GB) leave no room for an expert slot; "
+            "raise --gpu-memory-gb or lower --kv-cache-gb / --max-prefill-tokens (/ --max-num-seqs: state)"
         )
     return min(left // expert_stride, num_experts), buffers
 
@@ -121,27 +134,62 @@ def host_available_bytes() -> int | None:
     return None
 
 
-def check_host_memory(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, backend: str) -> None:
-    """Refuse, before allocating, a model whose host-memory needs exceed what the machine has available.
+# Host staging buffers of the expert-cache backends on CUDA (`PinnedBuffers`): the hidden rows that go to the
+# CPU experts and their sums coming back, float32, for a whole prefill chunk, each grown to twice its need.
+PINNED_STAGING_TENSORS = 4
 
-    Needs: the expert pool (bf16, all routed experts) for the expert-cache backends; every weight when the model
-    itself runs on the CPU.
+
+def plan_host_memory(
+    cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, backend: str
+) -> dict[str, tuple[int, str]]:
+    """What `ft serve` will allocate in host memory, by part, before anything is allocated.
+
+    Returns:
+        part -> (bytes, what to change to shrink it). Parts: "expert pool" (bf16, every routed expert, for the
+        expert-cache backends), "weights" (the model's own weights when it runs on the CPU; the routed experts
+        too with the fused backend), "expert slots" (the slot cache, in host memory on a CPU device), "KV cache"
+        (on a CPU device; `plan_kv_cache`), "pinned staging" (CUDA with an expert-cache backend). Parts that
+        are zero are left out.
+    """
+    from freetoken.engine.kv_cache import plan_kv_cache
+
+    device = torch.device(cfg.device)
+    size = torch.empty((), dtype=dtype).element_size()
+    num_experts = len(model_cfg.moe_layers) * model_cfg.num_experts
+    experts = num_experts * model_cfg.expert_numel
+    parts: dict[str, tuple[int, str]] = {}
+    if backend != "fused":
+        parts["expert pool"] = (experts * 2, "a smaller model or a machine with more RAM")
+    if device.type == "cpu":
+        weights = non_expert_nbytes(model_cfg, dtype) + (experts * size if backend == "fused" else 0)
+        parts["weights"] = (weights, "a smaller model or a machine with more RAM")
+        if backend not in ("fused", "cpu"):
+            slots = min(cfg.expert_slots or num_experts, num_experts)
+            parts["expert slots"] = (slots * model_cfg.expert_numel * size, "lower --expert-slots")
+        parts["KV cache"] = (plan_kv_cache(model_cfg, cfg, dtype).nbytes, "lower --kv-cache-gb or --kv-cache-tokens")
+    elif backend != "fused":
+        staging = PINNED_STAGING_TENSORS * 2 * cfg.max_prefill_tokens * model_cfg.hidden_size * 4
+        parts["pinned staging"] = (staging, "lower --max-prefill-tokens")
+    return {part: value for part, value in parts.items() if value[0] > 0}
+
+
+def check_host_memory(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, backend: str) -> None:
+    """Refuse, before allocating, a plan whose host memory (`plan_host_memory`: expert pool, weights, expert
+    slots, KV cache, pinned staging) exceeds 95 % of what the machine has available, so that the server never
+    meets the kernel's OOM killer through its own configuration.
 
     Raises:
-        ValueError: with the sizes and what to change.
+        ValueError: with each part's size, what is available, and the flag of the largest part to change.
     """
     available = host_available_bytes()
     if available is None:
         return
-    experts = len(model_cfg.moe_layers) * model_cfg.num_experts * model_cfg.expert_numel
-    need = 0
-    if backend != "fused":
-        need += experts * 2  # the pool holds bf16
-    if torch.device(cfg.device).type == "cpu":
-        size = torch.empty((), dtype=dtype).element_size()
-        need += non_expert_nbytes(model_cfg, dtype) + (experts * size if backend == "fused" else 0)
+    parts = plan_host_memory(cfg, model_cfg, dtype, backend)
+    need = sum(nbytes for nbytes, _ in parts.values())
     if need > 0.95 * available:
+        listed = ", ".join(f"{part} {nbytes / 1e9:.1f} GB" for part, (nbytes, _) in parts.items())
+        largest, (_, fix) = max(parts.items(), key=lambda item: item[1][0])
         raise ValueError(
-            f"this model needs {need / 1e9:.1f} GB of host memory ({backend} backend on {cfg.device}); "
-            f"{available / 1e9:.1f} GB is available. Use a machine with more RAM or a smaller model"
+            f"this configuration needs {need / 1e9:.1f} GB of host memory ({listed}; {backend} backend on "
+            f"{cfg.device}); {available / 1e9:.1f} GB is available. The {largest} is the largest part: {fix}"
         )

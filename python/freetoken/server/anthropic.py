@@ -12,7 +12,11 @@ block (Claude Code's tool search) renders as a line naming the tool.
 ``max_tokens`` (required; lowered to the room the prompt leaves in the context, unless the server runs with
 --strict-max-tokens), stop_sequences, temperature, top_p, top_k, stream, tools (``input_schema`` becomes the
 function's ``parameters``; server tools such as ``web_search_20250305``, which have no input_schema, are not
-offered; ``defer_loading`` tools are offered once a tool_reference names them), tool_choice, ``thinking``
+offered; ``defer_loading`` tools are offered once a tool_reference names them), tool_choice,
+``output_config.format`` (and the earlier beta's ``output_format``) ``{"type": "json_schema", "schema": ...}``:
+the answer is constrained by a grammar to one JSON value matching the schema, as OpenAI's response_format (after
+the model's reasoning, when it thinks; a schema the grammar library cannot enforce is a 400 on that field),
+``thinking``
 (sets the template's ``enable_thinking``: ``disabled`` off; ``enabled`` with or without budget_tokens,
 ``adaptive`` and unknown types on; absent off, as the API's default, unless the server runs with
 --default-thinking). Accepted and ignored: metadata, service_tier, cache_control, disable_parallel_tool_use,
@@ -26,15 +30,15 @@ Output goes through the model family's parser (`freetoken.server.parsers`): reas
 text a ``text`` block, each tool call a ``tool_use`` block (``toolu_`` id; ``input`` is the parsed
 arguments, ``{}`` when the model's JSON is not an object), and ``stop_reason`` is ``tool_use`` when the
 model stopped after calling tools. tool_choice: ``none`` leaves the tools out of the prompt; ``auto``
-offers them; ``any`` and ``tool`` start the assistant turn with the opening of a tool call (naming the
-tool for ``tool``), as the OpenAI module's ``required`` and named choice do.
+offers them; ``any`` and ``tool`` constrain the output with a grammar to tool calls (of the named tool for
+``tool``) whose input matches the tool's ``input_schema``, as the OpenAI module's ``required`` and named choice do.
 
-Stream event order: message_start; per block content_block_start, content_block_delta (thinking_delta,
-text_delta or input_json_delta)…, content_block_stop, with one ping after the first block starts;
-message_delta (stop_reason, usage), message_stop. A block starts when its first piece arrives; a
-completion with no output has one empty text block. An ``error`` event replaces the tail when the
-request fails mid-stream.
-"""
+Stream event order: message_start (sent as soon as the request is accepted, with usage.input_tokens), a ping
+every few seconds while the prompt prefills (and whenever the stream is idle); per block content_block_start,
+content_block_delta (thinking_delta, text_delta or input_json_delta)…, content_block_stop, with one ping after
+the first block starts; message_delta (stop_reason, usage), message_stop. A block starts when its first piece
+arrives; a completion with no output has one empty text block. An ``error`` event replaces the tail when the
+request fails mid-stream. """
 
 from __future__ import annotations
 
@@ -57,10 +61,12 @@ from freetoken.server.errors import (
 )
 from freetoken.server.generation import (
     Completion,
+    JsonFormat,
     OutputPlan,
     ToolChoice,
     check_params,
     collect,
+    constrain_output,
     context_fit,
     converted_events,
     fit_context,
@@ -73,6 +79,7 @@ from freetoken.server.notices import (
     note_unknown_fields,
     omitted,
 )
+from freetoken.server.openai import schema_instruction, with_system_instruction
 from freetoken.server.parsers import (
     ParsedDelta,
     ParsedOutput,
@@ -90,6 +97,9 @@ from freetoken.server.schema import (
 )
 from freetoken.server.sse import EventStreamResponse, guard_stream, sse_event
 
+# Anthropic's keep-alive: a ping event, sent whenever the stream is idle (a long prompt's prefill).
+PING_EVENT = sse_event("ping", {"type": "ping"})
+
 
 @dataclass
 class MessagesRequest:
@@ -104,6 +114,8 @@ class MessagesRequest:
         params: sampling parameters (max_tokens as asked).
         stop_sequences: the client's stop sequences, to tell stop_sequence from end_turn.
         stream: answer with server-sent events.
+        output_format: the JSON the answer is constrained to (``output_config.format`` or ``output_format``), or
+            None for free text.
     """
 
     messages: list[dict[str, Any]]
@@ -114,6 +126,7 @@ class MessagesRequest:
     params: SamplingParams
     stop_sequences: list[str]
     stream: bool
+    output_format: JsonFormat | None = None
 
 
 def _blocks(value: Any, path: str) -> list[dict[str, Any]]:
@@ -389,6 +402,25 @@ def _template_kwargs(body: dict[str, Any], default_thinking: bool) -> dict[str, 
     return {"enable_thinking": kind != "disabled"}
 
 
+def _output_format(body: dict[str, Any]) -> JsonFormat | None:
+    """``output_config.format`` (the API's structured outputs; what the SDK's ``messages.parse`` sends) or the
+    earlier beta's top-level ``output_format``: ``{"type": "json_schema", "schema": {...}}``, or None."""
+    config = get_field(body, "output_config", dict, default={})
+    value = get_field(config, "format", dict, parent="output_config")
+    param = "output_config.format"
+    if value is None:
+        value, param = get_field(body, "output_format", dict), "output_format"
+    if value is None:
+        return None
+    kind = get_field(value, "type", str, parent=param, required=True)
+    if kind != "json_schema":
+        raise invalid_request(
+            ErrorCode.INVALID_VALUE, f"{param}.type must be 'json_schema', got {kind!r}", join_path(param, "type")
+        )
+    schema = get_field(value, "schema", dict, parent=param, required=True)
+    return JsonFormat(schema, join_path(param, "schema"))
+
+
 # Top-level fields of a Messages body this server reads, or knows and ignores on purpose (metadata, caching,
 # service tiers, Claude Code's context_management and output_config, output_format); any other is logged once.
 KNOWN_FIELDS = frozenset({
@@ -406,6 +438,10 @@ def parse_messages_request(
     get_field(body, "model", str, required=True)
     note_unknown_fields(body, KNOWN_FIELDS, "/v1/messages/count_tokens" if count_only else "/v1/messages")
     conversation = convert_messages(body)
+    messages = conversation.messages
+    output_format = _output_format(body)
+    if output_format is not None:
+        messages = with_system_instruction(messages, schema_instruction(output_format.schema))
     forced = body.get("tool_choice")
     if isinstance(forced, dict) and isinstance(forced.get("name"), str):  # a tool forced by name is loaded too
         conversation.referenced_tools.add(forced["name"])
@@ -423,7 +459,7 @@ def parse_messages_request(
     stream = get_field(body, "stream", bool, default=False)
     check_params(params)
     return MessagesRequest(
-        messages=conversation.messages,
+        messages=messages,
         continue_final=conversation.continue_final,
         tools=tools,
         tool_choice=tool_choice,
@@ -431,6 +467,7 @@ def parse_messages_request(
         params=params,
         stop_sequences=list(params.stop),
         stream=stream,
+        output_format=output_format,
     )
 
 
@@ -602,18 +639,22 @@ async def messages(request: Request) -> Response:
     )
     tools = None if req.tool_choice.mode == "none" else req.tools
     prompt = await render_prompt(
-        engine, req.messages, tools, req.template_kwargs, continue_final=req.continue_final
+        engine, req.messages, tools, req.template_kwargs, continue_final=req.continue_final,
+        flavor=ApiFlavor.ANTHROPIC,
     )
-    plan = plan_output(engine, prompt, bool(tools), req.tool_choice)
+    plan = plan_output(engine, prompt, tools, req.tool_choice)
     prompt_ids = prompt.ids
     req.params.max_tokens = fit_context(
         len(prompt_ids), req.params.max_tokens, context_fit(state, ApiFlavor.ANTHROPIC), max_tokens_param="max_tokens"
     )
+    await constrain_output(engine, plan, req.params, prompt_ids, req.output_format, tools)
     message_id = f"msg_{uuid.uuid4().hex}"
     model = state.served_model_name
     if req.stream:
         events = _stream_events(engine, prompt_ids, req, plan, message_id, model)
-        return EventStreamResponse(guard_stream(events, message_id, _error_events))
+        return EventStreamResponse(guard_stream(
+            events, message_id, _error_events, PING_EVENT, state.keepalive_s
+        ))
     [completion] = await collect(request, engine, prompt_ids, [req.params], message_id)
     output = plan.parse(completion.text)
     return JSONResponse(message_body(message_id, model, completion, output, req.stop_sequences))
@@ -628,7 +669,8 @@ async def count_tokens(request: Request) -> Response:
     )
     tools = None if req.tool_choice.mode == "none" else req.tools
     prompt = await render_prompt(
-        engine, req.messages, tools, req.template_kwargs, continue_final=req.continue_final
+        engine, req.messages, tools, req.template_kwargs, continue_final=req.continue_final,
+        flavor=ApiFlavor.ANTHROPIC,
     )
-    plan_output(engine, prompt, bool(tools), req.tool_choice)  # a forced tool call's opening counts too
+    plan_output(engine, prompt, tools, req.tool_choice)  # a forced tool call's opening counts too
     return JSONResponse({"input_tokens": len(prompt.ids)})

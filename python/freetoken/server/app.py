@@ -7,9 +7,13 @@ Routes:
     POST /v1/chat/completions       OpenAI (see `openai.py`).
     POST /v1/completions            OpenAI text completions (see `completions.py`).
     POST /v1/responses              OpenAI Responses (see `responses.py`).
+    POST /v1/responses/compact      a conversation compacted by the model (`responses.compact`).
     GET  /v1/responses/{id}         a stored response, or 404; DELETE forgets it.
     POST /v1/messages               Anthropic (see `anthropic.py`).
     POST /v1/messages/count_tokens  Anthropic token count.
+    GET  /v1/stats                  the stats snapshot as JSON (see `telemetry.py`).
+    GET  /metrics                   the same snapshot and the request metrics, Prometheus text format.
+    GET  /                          the status page (see `status_page.py`); always open (it holds no data).
 
 Model names: this is a single-model server. The ``model`` field is required in both APIs, but any
 name is accepted (harnesses send their own model names) and every response echoes the served model
@@ -20,8 +24,8 @@ Anthropic error bodies; all others get OpenAI ones. This covers 400s, 401 (API k
 route), 405, and 500: an unexpected exception is logged with its traceback and answered as an
 API-shaped 500; the server keeps serving.
 
-API key: with ``api_key`` set, every route but /health needs ``Authorization: Bearer KEY`` or
-``x-api-key: KEY``.
+API key: with ``api_key`` set, every route but /health and / needs ``Authorization: Bearer KEY`` or
+``x-api-key: KEY``; /metrics too, unless ``metrics_open`` and the client is on loopback.
 """
 
 from __future__ import annotations
@@ -46,15 +50,25 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from freetoken.server import anthropic, completions, openai, responses
+from freetoken.heap import release_free_memory
+from freetoken.server import anthropic, completions, openai, responses, status_page, telemetry
 from freetoken.server.errors import ApiError, ApiFlavor, ErrorCode, error_body
 from freetoken.server.generation import ClientDisconnected
 from freetoken.server.notices import request_notes
+from freetoken.server.sse import KEEPALIVE_S
 
 logger = logging.getLogger("freetoken.server")
 
-_OPEN_PATHS = frozenset({"/health"})
+_OPEN_PATHS = frozenset({"/health", "/"})
+_LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+
+# After a request whose body was at least this large, its memory goes back to the system at once: a refused
+# request's body, JSON and rendering are often held by reference cycles (an exception's traceback and its
+# frames) until the collector's next full pass, and glibc keeps freed pages in its arenas; a 30 MB body left
+# +57 MB of RSS behind, request after request, without this.
+TRIM_AFTER_BODY_BYTES = 1 << 20
 
 
 def flavor_of(scope: Scope) -> ApiFlavor:
@@ -94,9 +108,16 @@ class ApiMiddleware:
     exception is logged and the connection is closed.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None = None) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None = None, metrics_open: bool = False) -> None:
         self.app = app
         self.api_key = api_key
+        self.metrics_open = metrics_open
+
+    def _open(self, scope: Scope) -> bool:
+        if scope["path"] in _OPEN_PATHS:
+            return True
+        client = scope.get("client")
+        return self.metrics_open and scope["path"] == "/metrics" and client is not None and client[0] in _LOOPBACK_HOSTS
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Run one request through the key check and the error net."""
@@ -104,20 +125,19 @@ class ApiMiddleware:
             await self.app(scope, receive, send)
             return
         flavor = flavor_of(scope)
-        if self.api_key is not None and scope["path"] not in _OPEN_PATHS:
-            presented = _presented_key(scope)
-            if presented is None or not hmac.compare_digest(presented.encode(), self.api_key.encode()):
-                message = (
-                    "no API key given; send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
-                    if presented is None
-                    else "invalid API key"
-                )
-                err = ApiError(401, ErrorCode.INVALID_API_KEY, message)
-                log_client_error(scope, err)
-                await error_response(err, flavor)(scope, receive, send)
-                return
+        if not self._open(scope) and not _key_accepted(scope, self.api_key):
+            message = (
+                "no API key given; send 'Authorization: Bearer KEY' or 'x-api-key: KEY'"
+                if _presented_key(scope) is None
+                else "invalid API key"
+            )
+            err = ApiError(401, ErrorCode.INVALID_API_KEY, message)
+            log_client_error(scope, err)
+            await error_response(err, flavor)(scope, receive, send)
+            return
 
         started = False
+        body_bytes = 0
 
         async def tracking_send(message: Message) -> None:
             nonlocal started
@@ -125,23 +145,37 @@ class ApiMiddleware:
                 started = True
             await send(message)
 
+        async def counting_receive() -> Message:
+            nonlocal body_bytes
+            message = await receive()
+            body_bytes += len(message.get("body", b""))
+            return message
+
         try:
             with request_notes():
-                await self.app(scope, receive, tracking_send)
+                await self._serve(scope, counting_receive, tracking_send, flavor, lambda: started)
+        finally:
+            if body_bytes >= TRIM_AFTER_BODY_BYTES:
+                await asyncio.to_thread(release_free_memory)
+
+    async def _serve(self, scope: Scope, receive: Receive, send: Send, flavor: ApiFlavor, started) -> None:
+        """Run the app; map its exceptions to responses (none once the response has `started()`)."""
+        try:
+            await self.app(scope, receive, send)
         except ClientDisconnected:
             return
         except ClientDisconnect:
             logger.info("%s %s: the client left before its request body was complete", scope["method"], scope["path"])
             return
         except ApiError as err:
-            if started:
+            if started():
                 logger.warning("%s %s failed after the response started: %s", scope["method"], scope["path"], err)
                 return
             log_client_error(scope, err)
             await error_response(err, flavor)(scope, receive, send)
         except Exception:
             logger.exception("unexpected error in %s %s", scope["method"], scope["path"])
-            if started:
+            if started():
                 return
             err = ApiError(500, ErrorCode.INTERNAL_ERROR, "internal server error; see the server log")
             await error_response(err, flavor)(scope, receive, send)
@@ -173,19 +207,39 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
     return response
 
 
+def _key_accepted(scope: Scope, api_key: str | None) -> bool:
+    """Whether the request may see what the API key guards: no key is set, or it presents the key."""
+    if api_key is None:
+        return True
+    presented = _presented_key(scope)
+    return presented is not None and hmac.compare_digest(presented.encode(), api_key.encode())
+
+
 async def health(request: Request) -> Response:
-    """``GET /health``: liveness, the served model, and the engine's stats snapshot."""
+    """``GET /health``: liveness and the served model for anyone; the engine's stats snapshot too when the
+    request may read ``/v1/stats`` (the server has no API key, or the request presents it)."""
     state = request.app.state
-    stats: Any = None
-    with contextlib.suppress(Exception):
-        stats = state.engine.stats()
-    return JSONResponse({"status": "ok", "model": state.served_model_name, "engine": stats})
+    body: dict[str, Any] = {"status": "ok", "model": state.served_model_name}
+    if _key_accepted(request.scope, state.api_key):
+        stats: Any = None
+        with contextlib.suppress(Exception):
+            stats = state.engine.stats()
+        body["engine"] = stats
+    return JSONResponse(body)
 
 
 async def stats(request: Request) -> Response:
     """``GET /v1/stats``: the engine's counters (requests, KV blocks, steps) and the expert backend's per-layer
-    hits, fills, CPU runs and bytes each way, as JSON."""
-    return JSONResponse(request.app.state.engine.stats())
+    hits, fills, CPU runs and bytes each way, with the server's request figures under "server", as JSON
+    (`telemetry.Telemetry.snapshot`)."""
+    return JSONResponse(request.app.state.telemetry.snapshot())
+
+
+async def metrics(request: Request) -> Response:
+    """``GET /metrics``: `stats`' snapshot and the request metrics in Prometheus' text format."""
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+    return Response(generate_latest(request.app.state.telemetry.registry), media_type=CONTENT_TYPE_LATEST)
 
 
 def _model_card(state: Any, flavor: ApiFlavor) -> dict[str, Any]:
@@ -245,6 +299,8 @@ def build_app(
     *,
     served_model_name: str,
     api_key: str | None = None,
+    metrics_open: bool = False,
+    keepalive_s: float = KEEPALIVE_S,
     strict_max_tokens: bool = False,
     default_thinking: bool = False,
 ) -> Starlette:
@@ -253,7 +309,9 @@ def build_app(
     Args:
         engine: a `freetoken.engine.AsyncEngine` (not started yet).
         served_model_name: the name /v1/models lists and every response echoes.
-        api_key: when set, every route but /health needs this key.
+        api_key: when set, every route but /health and / needs this key.
+        metrics_open: /metrics answers loopback clients without the key.
+        keepalive_s: seconds a stream may be idle before it sends a keep-alive (see `freetoken.server.sse`).
         strict_max_tokens: refuse (400) a completion budget past the room the prompt leaves in the context,
             instead of lowering it (`freetoken.server.generation.fit_context`).
         default_thinking: Anthropic requests without a ``thinking`` field think (the API's default is off).
@@ -282,23 +340,33 @@ def build_app(
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
         Route("/v1/completions", completions.completions, methods=["POST"]),
         Route("/v1/responses", responses.responses, methods=["POST"]),
+        Route("/v1/responses/compact", responses.compact, methods=["POST"]),
         Route("/v1/responses/{response_id}", responses.get_response, methods=["GET"]),
         Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
         Route("/v1/messages", anthropic.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/", status_page.status_page, methods=["GET"]),
     ]
+    metered = telemetry.Telemetry(engine, served_model_name)
     app = Starlette(
         routes=routes,
-        middleware=[Middleware(ApiMiddleware, api_key=api_key)],
+        middleware=[  # telemetry outermost: it records the status ApiMiddleware answers (401, an error's 400)
+            Middleware(telemetry.TelemetryMiddleware, telemetry=metered),
+            Middleware(ApiMiddleware, api_key=api_key, metrics_open=metrics_open),
+        ],
         exception_handlers={HTTPException: _http_exception},
         lifespan=lifespan,
     )
     app.state.engine = engine
+    app.state.telemetry = metered
     app.state.served_model_name = served_model_name
+    app.state.api_key = api_key
     app.state.response_store = responses.ResponseStore()
     app.state.created = int(time.time())
     app.state.strict_max_tokens = strict_max_tokens
     app.state.default_thinking = default_thinking
+    app.state.keepalive_s = keepalive_s
     return app
 
 
@@ -313,6 +381,57 @@ def _log_config() -> dict[str, Any]:
     return config
 
 
+class HeaderTimeoutProtocol(H11Protocol):
+    """uvicorn's h11 protocol with a deadline on each request's headers.
+
+    uvicorn times out an idle keep-alive connection (``timeout_keep_alive``) but not one that has sent part of
+    its headers, nor a new one that sends nothing: such connections were held forever (800 of them after 60 s).
+    Here the connection is closed when a request's headers are not complete `header_timeout_s` (class
+    attribute, set by `run_server`) after the connection opened or the previous response ended.
+    """
+
+    header_timeout_s: float = 10.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        """Open the connection and start the wait for the first request's headers."""
+        self._header_deadline: asyncio.TimerHandle | None = None
+        super().connection_made(transport)
+        self._arm_header_deadline()
+
+    def handle_events(self) -> None:
+        """Parse what arrived; a new request (its headers complete) stops the header deadline."""
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:
+            self._disarm_header_deadline()
+
+    def on_response_complete(self) -> None:
+        """The response ended: the next request's headers have `header_timeout_s` again."""
+        super().on_response_complete()
+        if not self.transport.is_closing():
+            self._arm_header_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Forget the deadline with the connection."""
+        self._disarm_header_deadline()
+        super().connection_lost(exc)
+
+    def _arm_header_deadline(self) -> None:
+        self._disarm_header_deadline()
+        self._header_deadline = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+    def _disarm_header_deadline(self) -> None:
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _header_timeout(self) -> None:
+        self._header_deadline = None
+        if not self.transport.is_closing():
+            logger.info("closing a connection whose request headers took over %.0f s", self.header_timeout_s)
+            self.transport.close()
+
+
 def run_server(
     engine: Any,
     *,
@@ -320,21 +439,34 @@ def run_server(
     port: int = 1919,
     served_model_name: str,
     api_key: str | None = None,
+    metrics_open: bool = False,
     graceful_shutdown_s: float = 3.0,
     strict_max_tokens: bool = False,
     default_thinking: bool = False,
+    header_timeout_s: float = 10.0,
+    keep_alive_timeout_s: float = 5.0,
+    max_connections: int = 1024,
 ) -> None:
     """Serve `engine` with uvicorn until SIGINT/SIGTERM; logs go to stderr.
 
     On a signal the server stops accepting connections, gives running requests `graceful_shutdown_s`
     to finish, then aborts the rest in the engine (their streams end with an error event), and shuts
     the engine down. uvicorn then re-raises the signal, so the process ends as killed by it.
-    `strict_max_tokens` and `default_thinking`: see `build_app`.
+
+    Args:
+        header_timeout_s: a connection whose request headers are not complete this long after it opened (or
+            after its previous response) is closed (`HeaderTimeoutProtocol`).
+        keep_alive_timeout_s: an idle keep-alive connection is closed after this long (uvicorn's
+            ``timeout_keep_alive``).
+        max_connections: open connections past this get a 503 to their requests (uvicorn's
+            ``limit_concurrency``); 0 = no limit.
+        strict_max_tokens, default_thinking: see `build_app`.
     """
     app = build_app(
-        engine, served_model_name=served_model_name, api_key=api_key, strict_max_tokens=strict_max_tokens,
-        default_thinking=default_thinking,
+        engine, served_model_name=served_model_name, api_key=api_key, metrics_open=metrics_open,
+        strict_max_tokens=strict_max_tokens, default_thinking=default_thinking,
     )
+    protocol = type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout_s": header_timeout_s})
     config = uvicorn.Config(
         app,
         host=host,
@@ -343,6 +475,9 @@ def run_server(
         # A backstop: requests are aborted (and their connections close) after graceful_shutdown_s.
         timeout_graceful_shutdown=math.ceil(graceful_shutdown_s) + 10,
         lifespan="on",
+        http=protocol,
+        timeout_keep_alive=keep_alive_timeout_s,  # type: ignore[arg-type]  (uvicorn passes it to call_later)
+        limit_concurrency=max_connections or None,
     )
     server = uvicorn.Server(config)
     app.state.uvicorn_server = server

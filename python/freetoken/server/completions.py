@@ -26,6 +26,7 @@ from freetoken.engine.types import MAX_LOGPROBS
 from freetoken.server.errors import ApiError, ErrorCode, invalid_request
 from freetoken.server.generation import (
     aclose_shielded,
+    check_request,
     closing_chunks,
     collect,
     context_fit,
@@ -147,13 +148,14 @@ async def completions(request: Request) -> Response:
         len(prompt_ids), sampling.max_tokens, context_fit(state),
         max_tokens_param=sampling.max_tokens_param, messages_param="prompt",
     )
+    check_request(engine, prompt_ids, sampling.params, messages_param="prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = state.served_model_name
     prefix = prompt_text if echo else ""
     if sampling.stream:
         events = _stream_events(engine, prompt_ids, sampling, prefix, request_id, created, model)
-        return EventStreamResponse(guard_stream(events, request_id, error_events))
+        return EventStreamResponse(guard_stream(events, request_id, error_events, keepalive_s=state.keepalive_s))
     [completion] = await collect(request, engine, prompt_ids, [sampling.params], request_id)
     logprobs = None
     if completion.logprobs is not None:

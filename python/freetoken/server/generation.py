@@ -1,8 +1,9 @@
 """From validated chat messages to engine output, shared by both APIs.
 
 - `render_prompt`: chat template (with tool definitions) -> prompt text and token ids, off the event loop.
-- `plan_output`: the model family's output parsers for one request; for a forced tool choice it also
-  appends the opening of a tool call to the prompt.
+- `plan_output`: the model family's output parsers for one request, and how a forced tool choice is enforced.
+- `constrain_output`: the request's grammar (a response format's, or a forced tool call's) and the reasoning tags
+  its stop strings skip; then the engine's own checks (`check_request`), all before any response byte.
 - `fit_context`: checks the prompt against the engine's context length and fits the completion budget to it.
 - `collect`: runs one request (its n choices) to completion for a non-streaming response, and aborts
   it when the client disconnects first; `merged_chunks` interleaves the choices' chunks.
@@ -30,8 +31,10 @@ from starlette.requests import Request
 from freetoken.engine import RequestError
 from freetoken.engine.structured import GrammarError, GrammarMatcher, json_grammar
 from freetoken.engine.types import GenerationChunk, SamplingParams, TokenLogprob
+from freetoken.server import telemetry
 from freetoken.server.errors import ApiError, ApiFlavor, ErrorCode, invalid_request
 from freetoken.server.notices import note_once_per_request
+from freetoken.tokenizer import PromptTooLong
 from freetoken.server.parsers import (
     OutputParser,
     ParsedDelta,
@@ -110,6 +113,7 @@ async def render_prompt(
     template_kwargs: dict[str, Any],
     *,
     continue_final: bool = False,
+    flavor: ApiFlavor = ApiFlavor.OPENAI,
 ) -> Prompt:
     """Render `messages` (Hugging Face chat format) with the model's chat template and tokenize.
 
@@ -118,6 +122,10 @@ async def render_prompt(
     empty reasoning block when thinking is off), and its content follows the header as the start of the answer
     (transformers' ``continue_final_message``, without searching the rendered text for it).
 
+    Only the template's markup yields control tokens: client text is tokenized as plain text
+    (`Tokenizer.encode_chat`). The work is bounded by the context: a prompt past it is refused, as a 400
+    (context_length_exceeded) naming `messages`, in `flavor`'s wording (see `fit_context`), without tokenizing
+    more than the context's worth of text.
     Template errors (for example a conversation the template rejects) become a 400 naming `messages`.
     """
     tokenizer = engine.tokenizer
@@ -127,13 +135,18 @@ async def render_prompt(
         messages = messages[:-1]
 
     def render() -> Prompt:
-        text = tokenizer.apply_chat_template(
-            messages, tools=tools or None, add_generation_prompt=True, **template_kwargs
-        ) + prefill
-        return Prompt(text, tokenizer.encode(text))
+        text, ids = tokenizer.encode_chat(
+            messages, tools=tools or None, add_generation_prompt=True, max_tokens=engine.max_model_len,
+            **template_kwargs,
+        )
+        if prefill:  # client text: plain text, as encode_chat tokenizes the messages' text
+            text, ids = text + prefill, ids + tokenizer.encode_plain(prefill)
+        return Prompt(text, ids)
 
     try:
         return await run_in_threadpool(render)
+    except PromptTooLong as exc:
+        raise prompt_too_long(exc.num_tokens, engine.max_model_len, flavor, "messages", exact=exc.exact) from None
     except (ValueError, TypeError, KeyError) as exc:
         raise invalid_request(
             ErrorCode.TEMPLATE_ERROR, f"the chat template cannot render these messages: {exc}", "messages"
@@ -153,12 +166,14 @@ class OutputPlan:
     Attributes:
         tokenizer: the model's tokenizer (it picks the parser family).
         options: the parsers' options.
-        prefix: the forced tool call's opening appended to the prompt, or "".
+        prefix: the forced tool call's opening appended to the prompt, or "" (a model without a grammar engine).
+        forced_tools: the tools a call is forced among, enforced by a grammar (`constrain_output`), or None.
     """
 
     tokenizer: Any
     options: ParserOptions
     prefix: str
+    forced_tools: list[dict[str, Any]] | None = None
 
     def parser(self) -> tuple[OutputParser, ParsedDelta]:
         """A new parser for one choice, and what it made of `prefix` (the forced call's name, say)."""
@@ -171,20 +186,30 @@ class OutputPlan:
         return parse_text(parser, text, first)
 
 
-def plan_output(engine: Any, prompt: Prompt, tools_offered: bool, tool_choice: ToolChoice) -> OutputPlan:
-    """The output plan of one request.
+def plan_output(
+    engine: Any, prompt: Prompt, tools: list[dict[str, Any]] | None, tool_choice: ToolChoice
+) -> OutputPlan:
+    """The output plan of one request; `tools` are those offered in the prompt (None when none are).
 
-    With tool choice "required" or "function", the opening of a tool call (naming the function for
-    "function") is appended to `prompt.ids`, so the model's output continues inside the call. A model or
-    prompt that cannot be forced this way (see `OutputParser.tool_call_prefix`) is left to choose.
+    A tool choice "required" or "function" is enforced by a grammar when the engine has one and the model family
+    writes tool calls in known markup (`OutputParser.tool_calls_grammar`): the output ends the reasoning block the
+    prompt opened, if any, then must be one or more calls of the offered tools (of the named one for "function"),
+    their arguments matching the tools' parameter schemas (`constrain_output` compiles it). Without a grammar
+    engine, the opening of a tool call (naming the function for "function") is appended to `prompt.ids`, so the
+    output continues inside the call; a prompt that cannot be forced that way (see
+    `OutputParser.tool_call_prefix`) is left to choose.
     """
-    parse_tools = tools_offered and tool_choice.mode != "none"
+    parse_tools = bool(tools) and tool_choice.mode != "none"
     options = ParserOptions(prompt_text=prompt.text, parse_tools=parse_tools)
-    prefix = ""
-    if parse_tools and tool_choice.mode in ("required", "function"):
-        prefix = parser_for(engine.tokenizer, options).tool_call_prefix(tool_choice.name) or ""
-        if prefix:
-            prompt.ids = prompt.ids + engine.tokenizer.encode(prefix)
+    if not (parse_tools and tool_choice.mode in ("required", "function")):
+        return OutputPlan(engine.tokenizer, options, "")
+    parser = parser_for(engine.tokenizer, options)
+    forced = [t for t in tools or [] if tool_choice.mode == "required" or t["function"]["name"] == tool_choice.name]
+    if engine.grammars is not None and parser.tool_calls_grammar(forced):
+        return OutputPlan(engine.tokenizer, options, "", forced)
+    prefix = parser.tool_call_prefix(tool_choice.name) or ""
+    if prefix:
+        prompt.ids = prompt.ids + engine.tokenizer.encode(prefix)
     return OutputPlan(engine.tokenizer, options, prefix)
 
 
@@ -219,7 +244,7 @@ async def format_grammar(
         raise invalid_request(
             ErrorCode.UNSUPPORTED, "structured output needs the model's tokenizer.json", fmt.param.split(".")[0]
         )
-    if plan.prefix:
+    if plan.prefix or plan.forced_tools:
         raise invalid_request(
             ErrorCode.UNSUPPORTED,
             f"{fmt.param.split('.')[0]} cannot be combined with a forced tool call (tool_choice 'required' or a "
@@ -239,6 +264,11 @@ async def format_grammar(
             param = "tools"
         except GrammarError as exc:
             error = exc
+    raise _schema_error(error, param)
+
+
+def _schema_error(error: GrammarError, param: str) -> ApiError:
+    """The 400 of a schema (of `param`: a format's, or "tools") the grammar library refused."""
     # llguidance's first line says what is wrong; it starts with a position in the generated grammar text, which
     # means nothing to the client, and goes on with that text. A regex error ends that line with ":" and names
     # the problem on its own "error: ..." line after the pattern.
@@ -248,7 +278,59 @@ async def format_grammar(
     if detail.endswith(":") and reason:
         detail = f"{detail} {reason}"
     what = "a tool's parameters are not a JSON schema" if param == "tools" else f"{param} is not a JSON schema"
-    raise invalid_request(ErrorCode.INVALID_VALUE, f"{what} this server can enforce: {detail}", param)
+    return invalid_request(ErrorCode.INVALID_VALUE, f"{what} this server can enforce: {detail}", param)
+
+
+async def constrain_output(
+    engine: Any,
+    plan: OutputPlan,
+    params: SamplingParams,
+    prompt_ids: list[int],
+    fmt: JsonFormat | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    *,
+    messages_param: str = "messages",
+) -> None:
+    """Finish one request's `params` before its response starts: the grammar of `fmt` (see `format_grammar`) or of the
+    plan's forced tool call (the end of the reasoning block the prompt opened, if any, then calls of
+    `plan.forced_tools`, their arguments matching the tools' schemas, then EOS), the reasoning tags its stop
+    strings skip (`SamplingParams.reasoning_tags`), then the engine's own checks (`check_request`).
+
+    Raises:
+        ApiError: 400 as `format_grammar` and `check_request` raise them; 400 on ``tools`` when a forced tool's
+            parameters are a schema the grammar library cannot enforce.
+    """
+    parser, _ = plan.parser()
+    params.reasoning_tags = parser.reasoning_tags()
+    if fmt is not None:
+        params.grammar = await format_grammar(engine, fmt, plan, tools)
+    elif plan.forced_tools:
+        # A forced call comes at once (as a call opened in the prompt would): the output thinks only when the
+        # prompt opened its reasoning block. Thinking first would spend a budget sized for the call.
+        reasoning = parser.reasoning_grammar(optional=False)
+        grammar = json_grammar(None, reasoning, parser.tool_calls_grammar(plan.forced_tools))
+        try:
+            params.grammar = await run_in_threadpool(engine.grammars.matcher, grammar)
+        except GrammarError as exc:
+            raise _schema_error(exc, "tools") from None
+    check_request(engine, prompt_ids, params, messages_param=messages_param)
+
+
+def check_request(engine: Any, prompt_ids: list[int], params: SamplingParams, *, messages_param: str) -> None:
+    """The engine's checks of a request (`AsyncEngine.check_request`: token ids in the vocabulary, ...), run before
+    the response starts, so that a streamed bad request is a 400 and never a 200 that ends in an error event.
+
+    Raises:
+        ApiError: 400 naming the field (`messages_param` for the prompt).
+    """
+    try:
+        engine.check_request(prompt_ids, params)
+    except RequestError as exc:
+        message = str(exc)
+        field = message.split(" ", 1)[0]
+        raise invalid_request(
+            ErrorCode.INVALID_VALUE, message, messages_param if field == "prompt" else field
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -265,6 +347,25 @@ class ContextFit:
     max_model_len: int
     strict: bool = False
     flavor: ApiFlavor = ApiFlavor.OPENAI
+
+
+def prompt_too_long(
+    num_tokens: int, max_model_len: int, flavor: ApiFlavor, messages_param: str, *, exact: bool = True
+) -> ApiError:
+    """The 400 (code context_length_exceeded) for a prompt that leaves no room for output, in `flavor`'s wording
+    (Anthropic's ``prompt is too long: N tokens > M maximum``, which clients match; `exact` False: counting
+    stopped at `num_tokens`, a lower bound)."""
+    if flavor is ApiFlavor.ANTHROPIC:
+        message = f"prompt is too long: {num_tokens} tokens > {max_model_len - 1} maximum"
+    else:
+        count = f"{num_tokens}" if exact else f"more than {max_model_len} (counting stopped there)"
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, your {messages_param} "
+            f"resulted in {count} tokens, which leaves no room for output. Please reduce the length of the "
+            f"{messages_param}."
+        )
+    anthropic = flavor is ApiFlavor.ANTHROPIC
+    return invalid_request(ErrorCode.CONTEXT_LENGTH_EXCEEDED, message, messages_param, verbatim=anthropic)
 
 
 def context_fit(state: Any, flavor: ApiFlavor = ApiFlavor.OPENAI) -> ContextFit:
@@ -300,15 +401,7 @@ def fit_context(
     limit = fit.max_model_len
     anthropic = fit.flavor is ApiFlavor.ANTHROPIC
     if num_prompt_tokens >= limit:
-        if anthropic:
-            message = f"prompt is too long: {num_prompt_tokens} tokens > {limit - 1} maximum"
-        else:
-            message = (
-                f"This model's maximum context length is {limit} tokens. However, your {messages_param} resulted in "
-                f"{num_prompt_tokens} tokens, which leaves no room for output. Please reduce the length of the "
-                f"{messages_param}."
-            )
-        raise invalid_request(ErrorCode.CONTEXT_LENGTH_EXCEEDED, message, messages_param, verbatim=anthropic)
+        raise prompt_too_long(num_prompt_tokens, limit, fit.flavor, messages_param)
     room = limit - num_prompt_tokens
     if max_tokens is None or max_tokens <= room:
         return room if max_tokens is None else max_tokens
@@ -331,6 +424,26 @@ def fit_context(
         "(--strict-max-tokens refuses instead)", max_tokens_param, max_tokens, room, num_prompt_tokens, limit,
     )
     return room
+
+
+def fit_output_budget(engine: Any, n: int, max_tokens: int, explicit: bool, *, max_tokens_param: str) -> int:
+    """Check `n` choices of `max_tokens` each against the engine's cap on one request's output tokens
+    (`EngineConfig.max_request_output_tokens`); return the per-choice budget.
+
+    A budget the client gave (`explicit`) over the cap is a 400 naming `max_tokens_param`; one it did not give
+    (the context's rest) is lowered to the cap's share, ``cap // n``.
+    """
+    cap = engine.max_request_output_tokens
+    if n * max_tokens <= cap:
+        return max_tokens
+    if not explicit:
+        return max(1, cap // n)
+    raise invalid_request(
+        ErrorCode.INVALID_VALUE,
+        f"n x {max_tokens_param} is {n} x {max_tokens} = {n * max_tokens} tokens; this server allows {cap} per "
+        f"request (--max-request-output-tokens); lower {max_tokens_param} to at most {max(1, cap // n)} or n",
+        max_tokens_param,
+    )
 
 
 # A positive temperature below this samples greedily: dividing the logits by a smaller one overflows them to
@@ -360,7 +473,7 @@ async def aclose_shielded(chunks: AsyncIterator[Any]) -> None:
 
 
 async def closing_chunks(
-    engine: Any, prompt_ids: list[int], params: SamplingParams, request_id: str
+    engine: Any, prompt_ids: list[int], params: SamplingParams, request_id: str, group: str | None = None
 ) -> AsyncIterator[GenerationChunk]:
     """Yield the engine's chunks for one request; the engine generator is closed on any exit.
 
@@ -368,15 +481,17 @@ async def closing_chunks(
     shielded from the cancellation so that the engine's abort path runs to the end. A chunk with
     finish_reason "abort" becomes a 503 `ApiError` (code request_aborted).
     """
-    chunks = engine.generate(prompt_ids, params, request_id=request_id)
+    chunks = engine.generate(prompt_ids, params, request_id=request_id, group=group)
     finished = False
     try:
         async for chunk in chunks:
             if chunk.finish_reason == "abort":
                 raise ApiError(
-                    503, ErrorCode.REQUEST_ABORTED, "the engine aborted this request (the server is shutting down)"
+                    503, ErrorCode.REQUEST_ABORTED,
+                    "the engine aborted this request (the server is shutting down, or the client stopped reading)",
                 )
             finished = chunk.finish_reason is not None
+            telemetry.observe_chunk(request_id, chunk.num_prompt_tokens, len(chunk.token_ids))
             yield chunk
     except RequestError as exc:
         raise invalid_request(ErrorCode.INVALID_VALUE, f"the engine refused the request: {exc}") from None
@@ -416,7 +531,10 @@ async def merged_chunks(
         finally:
             await aclose_shielded(chunks)
         return
-    streams = [closing_chunks(engine, prompt_ids, p, f"{request_id}-{i}") for i, p in enumerate(params)]
+    # The choices are one group: together they take at most the engine's per-request share of the batch.
+    streams = [
+        closing_chunks(engine, prompt_ids, p, f"{request_id}-{i}", group=request_id) for i, p in enumerate(params)
+    ]
     pending: dict[asyncio.Future, int] = {}
     try:
         for i, stream in enumerate(streams):

@@ -3,11 +3,16 @@
 Accepted: roles system, developer (rendered as system), user, assistant (with ``tool_calls`` whose
 arguments are a JSON string or an object, and ``reasoning_content``), tool; content as a string, an
 array of text parts, or null; max_tokens / max_completion_tokens (the latter wins), temperature, top_p,
-seed, stop (string or array), logit_bias, stream, stream_options.include_usage, tools, tool_choice; non-standard
-``top_k``, ``ignore_eos``, ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``) and
+seed, stop (string or array; it ends the answer, never the model's reasoning), logit_bias, presence_penalty and
+frequency_penalty (OpenAI's definitions: subtracted from a generated token's logit once, and per time generated),
+stream, stream_options.include_usage, tools, tool_choice; non-standard ``top_k``, ``ignore_eos``,
+``repetition_penalty`` (CTRL / Hugging Face: the logit of a token of the prompt or output divided by it when
+positive, multiplied when negative), ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``) and
 ``continue_final_message`` (the last message, the assistant's, is continued instead of closed: a prefill), as in
 vLLM.
-Accepted and ignored for now: parallel_tool_calls, frequency/presence_penalty, user, metadata, store.
+Accepted and ignored for now: parallel_tool_calls, user, metadata, store.
+Every check (a ``logit_bias`` id past the vocabulary included) runs before the response starts: a streamed bad
+request is a 400, never a 200 stream that ends in an error event.
 ``n`` (up to 16 choices, each its own engine request; seeded choices use seed + index).
 ``response_format`` ``json_object`` / ``json_schema`` (``strict`` or not) constrain decoding with a grammar
 (`freetoken.engine.structured`): the content is one compact JSON value matching the schema (an object for
@@ -29,9 +34,9 @@ finish_reason ``tool_calls``; streamed, they come as ``delta.reasoning_content``
 
 tool_choice, and what is enforced: ``none`` leaves the tools out of the prompt and parses no calls;
 ``auto`` offers them and parses calls; ``required`` and ``{"type": "function", "function": {"name": N}}``
-offer them and start the assistant turn with the opening of a tool call (naming N), so the model's output
-is a call, unless the prompt ends inside an open reasoning block (then they act as ``auto``). The
-arguments are not constrained to the tool's schema.
+offer them and constrain decoding with a grammar (as response_format is): after the model's reasoning, when it
+thinks, the output is one or more calls (of N), their arguments matching the tool's ``parameters`` schema.
+A tool-call text that cannot be parsed is dropped (and logged), never sent as raw markup.
 """
 
 from __future__ import annotations
@@ -46,7 +51,13 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from freetoken.engine.types import MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams, TokenLogprob
+from freetoken.engine.types import (
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_REPETITION_PENALTY,
+    SamplingParams,
+    TokenLogprob,
+)
 from freetoken.server.errors import (
     ApiError,
     ErrorCode,
@@ -64,7 +75,8 @@ from freetoken.server.generation import (
     collect,
     context_fit,
     fit_context,
-    format_grammar,
+    constrain_output,
+    fit_output_budget,
     merged_chunks,
     plan_output,
     render_prompt,
@@ -280,6 +292,10 @@ def parse_tool_choice(
     return choice
 
 
+# Digits of the largest token id a logit_bias key may have (ids past the vocabulary are the engine's 400).
+MAX_TOKEN_ID_DIGITS = 18
+
+
 def parse_logit_bias(body: dict[str, Any]) -> dict[int, float]:
     """``logit_bias``: an object mapping token ids (decimal strings, as JSON keys are) to a bias in [-100, 100]
     added to that token's logit (OpenAI's parameter). Ids past the vocabulary are refused by the engine."""
@@ -291,6 +307,11 @@ def parse_logit_bias(body: dict[str, Any]) -> dict[int, float]:
                 ErrorCode.INVALID_VALUE, f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
                 "logit_bias",
             )
+        if len(key) > MAX_TOKEN_ID_DIGITS:  # no vocabulary is that large; int() refuses past 4300 digits
+            raise invalid_request(
+                ErrorCode.INVALID_VALUE,
+                f"logit_bias key {key[:20]}... ({len(key)} digits) is not a token id of this model", "logit_bias",
+            )
         number = get_number(value, key, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS, parent="logit_bias")
         if number is not None:
             bias[int(key)] = number
@@ -300,8 +321,11 @@ def parse_logit_bias(body: dict[str, Any]) -> dict[int, float]:
 def parse_sampling(body: dict[str, Any]) -> Sampling:
     """The sampling and streaming fields of a chat or text completions body."""
     n = get_int(body, "n", lo=1, hi=MAX_CHOICES, default=1)
-    for penalty in ("frequency_penalty", "presence_penalty"):
-        get_number(body, penalty, lo=-2.0, hi=2.0)
+    frequency_penalty = get_number(body, "frequency_penalty", lo=-2.0, hi=2.0, default=0.0)
+    presence_penalty = get_number(body, "presence_penalty", lo=-2.0, hi=2.0, default=0.0)
+    repetition_penalty = get_number(
+        body, "repetition_penalty", lo=0.0, hi=MAX_REPETITION_PENALTY, lo_open=True, default=1.0
+    )
 
     max_tokens_param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = get_int(body, max_tokens_param, lo=1)
@@ -331,6 +355,9 @@ def parse_sampling(body: dict[str, Any]) -> Sampling:
         stop=stop,
         ignore_eos=ignore_eos,
         logit_bias=logit_bias,
+        presence_penalty=presence_penalty,
+        frequency_penalty=frequency_penalty,
+        repetition_penalty=repetition_penalty,
     )
     check_params(params)
     return Sampling(params, n, max_tokens, max_tokens_param, stream, include_usage)
@@ -367,9 +394,13 @@ def parse_response_format(value: Any, param: str, *, nested: bool = True) -> tup
     name = get_field(spec, "name", str, parent=spec_path, required=True)
     get_field(spec, "strict", bool, parent=spec_path)
     schema = get_field(spec, "schema", dict, parent=spec_path, default={"type": "object"})
-    instruction = (f"{JSON_OBJECT_INSTRUCTION} It must match this JSON schema (named {name!r}):\n"
-                   f"{json.dumps(schema, ensure_ascii=False)}")
-    return instruction, JsonFormat(schema, join_path(spec_path, "schema"))
+    return schema_instruction(schema, name), JsonFormat(schema, join_path(spec_path, "schema"))
+
+
+def schema_instruction(schema: dict[str, Any], name: str | None = None) -> str:
+    """The system instruction that tells the model to answer with JSON matching `schema` (named `name`)."""
+    named = f" (named {name!r})" if name else ""
+    return f"{JSON_OBJECT_INSTRUCTION} It must match this JSON schema{named}:\n{json.dumps(schema, ensure_ascii=False)}"
 
 
 def with_system_instruction(messages: list[dict[str, Any]], instruction: str) -> list[dict[str, Any]]:
@@ -598,20 +629,23 @@ async def chat_completions(request: Request) -> Response:
     prompt = await render_prompt(
         engine, chat.messages, tools, chat.template_kwargs, continue_final=chat.continue_final
     )
-    plan = plan_output(engine, prompt, bool(tools), chat.tool_choice)
+    plan = plan_output(engine, prompt, tools, chat.tool_choice)
     prompt_ids = prompt.ids
     sampling = chat.sampling
     sampling.params.max_tokens = fit_context(
         len(prompt_ids), sampling.max_tokens, context_fit(state), max_tokens_param=sampling.max_tokens_param
     )
-    if chat.response_format is not None:
-        sampling.params.grammar = await format_grammar(engine, chat.response_format, plan, tools)
+    sampling.params.max_tokens = fit_output_budget(
+        engine, sampling.n, sampling.params.max_tokens, sampling.max_tokens is not None,
+        max_tokens_param=sampling.max_tokens_param,
+    )
+    await constrain_output(engine, plan, sampling.params, prompt_ids, chat.response_format, tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     model = state.served_model_name
     if sampling.stream:
         events = _stream_events(engine, prompt_ids, chat, plan, request_id, created, model)
-        return EventStreamResponse(guard_stream(events, request_id, error_events))
+        return EventStreamResponse(guard_stream(events, request_id, error_events, keepalive_s=state.keepalive_s))
     params = choice_params(sampling.params, sampling.n)
     completions = await collect(request, engine, prompt_ids, params, request_id)
     outputs = [plan.parse(completion.text) for completion in completions]

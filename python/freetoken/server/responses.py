@@ -3,9 +3,12 @@
 Accepted: ``instructions`` (a system message); ``input`` as a string or an array of items: messages
 (role user, assistant, system, developer as system; content a string or input_text/output_text parts),
 ``function_call`` (arguments a JSON string), ``function_call_output`` (output a string or text parts),
-``reasoning`` (its reasoning_text content or summary becomes the next assistant turn's reasoning); item
-types this server does not know are skipped. ``tools`` of type function (other tool types are skipped:
-this server runs no hosted tools), ``tool_choice`` (auto, none, required, {"type": "function", "name"},
+``reasoning`` (its reasoning_text content or summary becomes the next assistant turn's reasoning),
+``custom_tool_call`` / ``custom_tool_call_output``; item types this server does not know are skipped. ``tools``:
+``function``; ``custom`` (freeform, Codex's ``apply_patch``: offered as a function of one string ``input``, whose
+calls are answered as ``custom_tool_call`` items); ``namespace`` (its member functions are offered, their calls
+carry ``namespace``); hosted tool types (``web_search`` and the like: this server runs none) are dropped and logged
+once per type. ``tool_choice`` (auto, none, required, {"type": "function", "name"},
 enforced as in chat completions), ``max_output_tokens``, temperature, top_p, stream, ``reasoning.effort``
 ("none" or "minimal" turn the template's thinking off), ``text.format`` (``json_object`` or ``json_schema``
 with name, schema, strict beside type: decoding constrained as for chat completions' response_format).
@@ -17,12 +20,14 @@ Images, files and audio become a short text placeholder saying what was dropped 
 logged once per request).
 
 Output items: ``reasoning`` (content: one reasoning_text), ``message`` (one output_text), one
-``function_call`` per tool call; status ``incomplete`` (reason max_output_tokens) when the budget ran out.
+``function_call`` (or ``custom_tool_call``) per tool call; status ``incomplete`` (reason max_output_tokens) when
+the budget ran out.
 Stream events, each with a sequence_number: response.created, response.in_progress; per item
 response.output_item.added, then for a message response.content_part.added, response.output_text.delta…,
 response.output_text.done, response.content_part.done; for reasoning response.reasoning_text.delta…,
 response.reasoning_text.done; for a call response.function_call_arguments.delta…,
-response.function_call_arguments.done; then response.output_item.done; last response.completed (or
+response.function_call_arguments.done (for a custom tool call, response.custom_tool_call_input.delta with the whole
+input, then .done, once the call is complete); then response.output_item.done; last response.completed (or
 response.incomplete). A failure mid-stream ends with an ``error`` event.
 """
 
@@ -32,7 +37,9 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
-from dataclasses import dataclass
+import json
+import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -47,12 +54,13 @@ from freetoken.server.errors import (
 )
 from freetoken.server.generation import (
     OutputPlan,
+    ToolChoice,
     check_params,
     collect,
+    constrain_output,
     converted_events,
     context_fit,
     fit_context,
-    format_grammar,
     plan_output,
     render_prompt,
 )
@@ -74,6 +82,8 @@ from freetoken.server.schema import (
     wrong_type,
 )
 from freetoken.server.sse import EventStreamResponse, guard_stream, sse_event
+
+logger = logging.getLogger("freetoken.server")
 
 # Most responses `ResponseStore` keeps (least recently used dropped first).
 RESPONSE_STORE_CAPACITY = 256
@@ -148,14 +158,16 @@ def convert_input(body: dict[str, Any], history: list[dict[str, Any]] | None = N
             if role == "assistant" and reasoning:
                 message["reasoning_content"], reasoning = "\n".join(reasoning), []
             messages.append(message)
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
+            if kind == "custom_tool_call":  # offered as a function of one string, `input` (see `_tools`)
+                arguments = json.dumps({"input": get_field(item, "input", str, parent=path, default="")},
+                                       ensure_ascii=False)
+            else:
+                arguments = get_field(item, "arguments", str, parent=path, default="{}")
             call = {
                 "id": get_field(item, "call_id", str, parent=path, required=True),
                 "type": "function",
-                "function": {
-                    "name": get_field(item, "name", str, parent=path, required=True),
-                    "arguments": get_field(item, "arguments", str, parent=path, default="{}"),
-                },
+                "function": {"name": get_field(item, "name", str, parent=path, required=True), "arguments": arguments},
             }
             last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant" or reasoning:
@@ -164,7 +176,7 @@ def convert_input(body: dict[str, Any], history: list[dict[str, Any]] | None = N
                     last["reasoning_content"], reasoning = "\n".join(reasoning), []
                 messages.append(last)
             last.setdefault("tool_calls", []).append(call)
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             messages.append({
                 "role": "tool",
                 "tool_call_id": get_field(item, "call_id", str, parent=path, required=True),
@@ -179,20 +191,77 @@ def convert_input(body: dict[str, Any], history: list[dict[str, Any]] | None = N
     return messages
 
 
-def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """Function tools in the chat template's format; other tool types are skipped."""
-    tools = []
+@dataclass
+class ToolKinds:
+    """What the offered functions stand for in the client's terms, to answer each call as its own item type.
+
+    Attributes:
+        custom: names of ``custom`` (freeform) tools: offered as functions of one string parameter ``input``,
+            answered as ``custom_tool_call`` items whose ``input`` is that string.
+        namespaces: function name -> its ``namespace`` tool's name, for the members of namespace tools (offered
+            as plain functions; their calls carry ``namespace``).
+    """
+
+    custom: frozenset[str] = frozenset()
+    namespaces: dict[str, str] = field(default_factory=dict)
+
+
+# Hosted tool types already logged as dropped (one line per type per process).
+_DROPPED_TOOL_TYPES: set[str] = set()
+
+
+def _function(tool: dict[str, Any], path: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A tool as the chat template's function: name, description, parameters (`parameters` if given)."""
+    function = {"name": get_field(tool, "name", str, parent=path, required=True)}
+    description = get_field(tool, "description", str, parent=path)
+    if description is not None:
+        function["description"] = description
+    function["parameters"] = parameters or get_field(tool, "parameters", dict, parent=path,
+                                                     default={"type": "object"})
+    return {"type": "function", "function": function}
+
+
+def _custom_parameters(tool: dict[str, Any], path: str) -> dict[str, Any]:
+    """A custom tool's input as a function's one string parameter, described with the tool's grammar if any."""
+    fmt = get_field(tool, "format", dict, parent=path, default={})
+    description = "The tool's whole input, as raw text (not JSON)."
+    definition = fmt.get("definition")
+    if fmt.get("type") == "grammar" and isinstance(definition, str):
+        description += f" It must match this {fmt.get('syntax', '')} grammar:\n{definition}"
+    return {"type": "object", "properties": {"input": {"type": "string", "description": description}},
+            "required": ["input"], "additionalProperties": False}
+
+
+def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolKinds]:
+    """The offered tools in the chat template's format, and what they stand for.
+
+    ``function`` tools as they are; ``custom`` (freeform) tools as a function of one string ``input``; the
+    member functions of ``namespace`` tools as plain functions; hosted tool types (``web_search`` and the like,
+    which this server does not run) are dropped, logged once per type.
+    """
+    tools: list[dict[str, Any]] = []
+    custom: set[str] = set()
+    namespaces: dict[str, str] = {}
     for i, tool in enumerate(get_object_list(body, "tools")):
         path = join_path("tools", i)
-        if get_field(tool, "type", str, parent=path, required=True) != "function":
-            continue
-        function = {"name": get_field(tool, "name", str, parent=path, required=True)}
-        description = get_field(tool, "description", str, parent=path)
-        if description is not None:
-            function["description"] = description
-        function["parameters"] = get_field(tool, "parameters", dict, parent=path, default={"type": "object"})
-        tools.append({"type": "function", "function": function})
-    return tools or None
+        kind = get_field(tool, "type", str, parent=path, required=True)
+        if kind == "function":
+            tools.append(_function(tool, path))
+        elif kind == "custom":
+            tools.append(_function(tool, path, _custom_parameters(tool, path)))
+            custom.add(tools[-1]["function"]["name"])
+        elif kind == "namespace":
+            namespace = get_field(tool, "name", str, parent=path, required=True)
+            for j, member in enumerate(get_object_list(tool, "tools", parent=path)):
+                member_path = join_path(join_path(path, "tools"), j)
+                if get_field(member, "type", str, parent=member_path, default="function") != "function":
+                    continue
+                tools.append(_function(member, member_path))
+                namespaces[tools[-1]["function"]["name"]] = namespace
+        elif kind not in _DROPPED_TOOL_TYPES:
+            _DROPPED_TOOL_TYPES.add(kind)
+            logger.info("responses: tools of type %r are hosted tools this server does not run; dropped", kind)
+    return tools or None, ToolKinds(frozenset(custom), namespaces)
 
 
 def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
@@ -226,19 +295,39 @@ def _message_item(text: str, status: str) -> dict[str, Any]:
     return {"type": "message", "id": _item_id("msg"), "status": status, "role": "assistant", "content": content}
 
 
-def _call_item(name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": _item_id("fc"), "call_id": _item_id("call"), "name": name,
+def _call_item(name: str, arguments: str, status: str, kinds: ToolKinds) -> dict[str, Any]:
+    """The item of a call of `name`: a ``custom_tool_call`` (``input``: `custom_input` of the arguments) for a
+    custom tool, else a ``function_call`` (with its ``namespace`` for a namespace's member)."""
+    if name in kinds.custom:
+        return {"type": "custom_tool_call", "id": _item_id("ctc"), "call_id": _item_id("call"), "name": name,
+                "input": custom_input(arguments), "status": status}
+    item = {"type": "function_call", "id": _item_id("fc"), "call_id": _item_id("call"), "name": name,
             "arguments": arguments, "status": status}
+    if name in kinds.namespaces:
+        item["namespace"] = kinds.namespaces[name]
+    return item
 
 
-def output_items(output: ParsedOutput) -> list[dict[str, Any]]:
+def custom_input(arguments: str) -> str:
+    """A custom tool's input from the arguments of the function it was offered as: their ``input`` string, or the
+    arguments text as it is when the model wrote something else."""
+    try:
+        value = json.loads(arguments)
+    except json.JSONDecodeError:
+        return arguments
+    if isinstance(value, dict) and isinstance(value.get("input"), str):
+        return value["input"]
+    return arguments
+
+
+def output_items(output: ParsedOutput, kinds: ToolKinds) -> list[dict[str, Any]]:
     """The output items of a parsed completion."""
     items = []
     if output.reasoning:
         items.append(_reasoning_item(output.reasoning, "completed"))
     if output.content or not output.tool_calls:
         items.append(_message_item(output.content, "completed"))
-    items += [_call_item(call.name, call.arguments, "completed") for call in output.tool_calls]
+    items += [_call_item(call.name, call.arguments, "completed", kinds) for call in output.tool_calls]
     return items
 
 
@@ -328,7 +417,8 @@ class _Response:
 class _ItemStream:
     """Turns parsed deltas into output-item events; numbers every event."""
 
-    def __init__(self) -> None:
+    def __init__(self, kinds: ToolKinds) -> None:
+        self.kinds = kinds
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None
         self._text = ""
@@ -367,6 +457,11 @@ class _ItemStream:
         elif item["type"] == "reasoning":
             events.append(self.event("response.reasoning_text.done", **where, content_index=0, text=self._text))
             item["content"] = [{"type": "reasoning_text", "text": self._text}]
+        elif item["type"] == "custom_tool_call":
+            # The input is the string inside the arguments' JSON: whole only once the call is.
+            item["input"] = custom_input(self._text)
+            events.append(self.event("response.custom_tool_call_input.delta", **where, delta=item["input"]))
+            events.append(self.event("response.custom_tool_call_input.done", **where, input=item["input"]))
         else:
             events.append(self.event("response.function_call_arguments.done", **where, name=item["name"],
                                      arguments=self._text))
@@ -393,11 +488,12 @@ class _ItemStream:
                                      delta=parsed.content, logprobs=[]))
         for piece in parsed.tool_calls:
             if piece.name is not None:
-                events += self._start(_call_item(piece.name, "", "in_progress"))
+                events += self._start(_call_item(piece.name, "", "in_progress", self.kinds))
             if piece.arguments:
                 self._text += piece.arguments
-                events.append(self.event("response.function_call_arguments.delta", **self._where(),
-                                         delta=piece.arguments))
+                if self._open["type"] == "function_call":
+                    events.append(self.event("response.function_call_arguments.delta", **self._where(),
+                                             delta=piece.arguments))
         return events
 
     def close(self) -> list[bytes]:
@@ -413,10 +509,11 @@ def _stream_events(
     plan: OutputPlan,
     response: _Response,
     on_done: Callable[[dict[str, Any]], None],
+    kinds: ToolKinds,
 ) -> AsyncGenerator[bytes, None]:
     """The SSE events of one streamed response; `on_done` gets the final response object before the last
     event; raises on failure (`guard_stream`)."""
-    items = _ItemStream()
+    items = _ItemStream(kinds)
     head = [items.event("response.created", response=response.body("in_progress", [], None, None)),
             items.event("response.in_progress", response=response.body("in_progress", [], None, None))]
 
@@ -463,7 +560,7 @@ async def responses(request: Request) -> Response:
     response_format = parse_response_format(text.get("format"), "text.format", nested=False)
     if response_format is not None:
         messages = with_system_instruction(messages, response_format[0])
-    tools = _tools(body)
+    tools, kinds = _tools(body)
     tool_choice = parse_tool_choice(body, tools, nested=False)
     max_output_tokens = get_int(body, "max_output_tokens", lo=1)
     params = SamplingParams(
@@ -475,13 +572,13 @@ async def responses(request: Request) -> Response:
     stream = get_field(body, "stream", bool, default=False)
     offered = None if tool_choice.mode == "none" else tools
     prompt = await render_prompt(engine, messages, offered, _template_kwargs(body))
-    plan = plan_output(engine, prompt, bool(offered), tool_choice)
+    plan = plan_output(engine, prompt, offered, tool_choice)
     params.max_tokens = fit_context(
         len(prompt.ids), max_output_tokens, context_fit(state), max_tokens_param="max_output_tokens",
         messages_param="input",
     )
-    if response_format is not None:
-        params.grammar = await format_grammar(engine, response_format[1], plan, offered)
+    fmt = response_format[1] if response_format is not None else None
+    await constrain_output(engine, plan, params, prompt.ids, fmt, offered, messages_param="input")
     response = _Response(body, state.served_model_name, params)
     conversation = [*history, *input_items(body)]
 
@@ -490,14 +587,64 @@ async def responses(request: Request) -> Response:
             store.put(final["id"], StoredResponse(final, [*conversation, *final["output"]]))
 
     if stream:
-        events = _stream_events(engine, prompt.ids, params, plan, response, on_done)
-        return EventStreamResponse(guard_stream(events, response.id, _error_events))
+        events = _stream_events(engine, prompt.ids, params, plan, response, on_done, kinds)
+        return EventStreamResponse(guard_stream(events, response.id, _error_events, keepalive_s=state.keepalive_s))
     [completion] = await collect(request, engine, prompt.ids, [params], response.id)
     output = plan.parse(completion.text)
     usage = _usage(completion.num_prompt_tokens, completion.num_output_tokens, completion.num_cached_tokens)
-    final = response.body("completed", output_items(output), usage, completion.finish_reason)
+    final = response.body("completed", output_items(output, kinds), usage, completion.finish_reason)
     on_done(final)
     return JSONResponse(final)
+
+
+# Most tokens of a `compact` summary unless the request says (``max_output_tokens``).
+COMPACTION_MAX_TOKENS = 2048
+# What `compact` asks the model for (the history's summary, which replaces the history's model turns).
+COMPACTION_INSTRUCTION = (
+    "Summarize the conversation so far for a continuation of this work: the goal, what was done (commands run, files "
+    "changed, results), what is left, and any facts needed to go on. Write the summary only."
+)
+
+
+async def compact(request: Request) -> Response:
+    """``POST /v1/responses/compact``: the conversation (``instructions`` + ``input``, or a stored
+    ``previous_response_id``) compacted by the served model. The output is the input's user messages, then one user
+    message holding the model's summary of the whole history (the model's own turns and tool calls are dropped),
+    as ``{"object": "response.compaction", "output": [...]}``; its items can be sent back as ``input``. The summary
+    is at most ``max_output_tokens`` (an extension) or `COMPACTION_MAX_TOKENS` tokens, greedy. Codex calls
+    this only for providers it knows to support it (OpenAI's, Azure's); with any other provider it compacts by a
+    normal turn."""
+    state = request.app.state
+    engine = state.engine
+    body = parse_json_object(await read_body(request))
+    get_field(body, "model", str, required=True)
+    history: list[dict[str, Any]] = []
+    previous_id = get_field(body, "previous_response_id", str)
+    if previous_id is not None:
+        previous = state.response_store.get(previous_id)
+        if previous is None:
+            raise invalid_request(ErrorCode.PREVIOUS_RESPONSE_NOT_FOUND,
+                                  f"previous_response_id {previous_id!r} is not found", "previous_response_id")
+        history = previous.items
+    messages = convert_input(body, history)
+    messages.append({"role": "user", "content": COMPACTION_INSTRUCTION})
+    prompt = await render_prompt(engine, messages, None, {"enable_thinking": False})
+    plan = plan_output(engine, prompt, None, ToolChoice())
+    params = SamplingParams(temperature=0.0)
+    max_output_tokens = get_int(body, "max_output_tokens", lo=1, default=COMPACTION_MAX_TOKENS)
+    params.max_tokens = min(max_output_tokens, fit_context(
+        len(prompt.ids), None, context_fit(state), max_tokens_param="max_output_tokens", messages_param="input"
+    ))
+    await constrain_output(engine, plan, params, prompt.ids, messages_param="input")
+    response_id = f"resp_{uuid.uuid4().hex}"
+    [completion] = await collect(request, engine, prompt.ids, [params], response_id)
+    summary = plan.parse(completion.text).content
+    users = [item for item in [*history, *input_items(body)] if isinstance(item, dict)
+             and item.get("type", "message") == "message" and item.get("role") == "user"]
+    output = [*users, {"type": "message", "role": "user", "content": [{"type": "input_text", "text": summary}]}]
+    return JSONResponse({"id": response_id, "object": "response.compaction", "created_at": int(time.time()),
+                         "output": output, "usage": _usage(completion.num_prompt_tokens, completion.num_output_tokens,
+                                                             completion.num_cached_tokens)})
 
 
 def _stored(request: Request) -> tuple[ResponseStore, str, StoredResponse]:

@@ -94,9 +94,10 @@ class OutputParser(Protocol):
         this model or prompt cannot be made to call a tool that way. Called before any `feed`."""
         ...
 
-    def reasoning_grammar(self) -> str:
+    def reasoning_grammar(self, optional: bool = True) -> str:
         """A Lark expression (llguidance's dialect) for the reasoning this output may start with, "" for none:
-        a constrained output (`freetoken.engine.structured.json_grammar`) lets the model think first. Called
+        a constrained output (`freetoken.engine.structured.json_grammar`) lets the model think first. Without
+        `optional`, only the reasoning the output must have (the rest of a block the prompt opened). Called
         before any `feed`."""
         ...
 
@@ -104,6 +105,12 @@ class OutputParser(Protocol):
         """A Lark expression for one or more calls of `tools` (chat template format, each with its parameters'
         schema) in this family's markup, "" when it has none: a constrained output may be tool calls instead
         of the answer, their arguments matching the tools' schemas."""
+        ...
+
+    def reasoning_tags(self) -> tuple[str, str] | None:
+        """(open, close) of the reasoning block this output may start with (open "" when the prompt opened it),
+        None when it cannot have one: stop strings skip it (`SamplingParams.reasoning_tags`). Called before any
+        `feed`."""
         ...
 
 
@@ -138,14 +145,18 @@ class PlainTextParser:
         """No markup for tool calls is known."""
         del name
 
-    def reasoning_grammar(self) -> str:
+    def reasoning_grammar(self, optional: bool = True) -> str:
         """No markup for reasoning is known."""
+        del optional
         return ""
 
     def tool_calls_grammar(self, tools: list[dict[str, Any]]) -> str:
         """No markup for tool calls is known."""
         del tools
         return ""
+
+    def reasoning_tags(self) -> None:
+        """No markup for reasoning is known."""
 
 
 @dataclass(frozen=True)

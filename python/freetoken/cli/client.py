@@ -1,0 +1,68 @@
+"""A small HTTP client for the verbs that talk to a running `ft serve` (`launch`, `top`, `ctl`): the standard
+library's urllib, so these verbs start fast and need nothing beyond freetoken's own dependencies."""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from typing import Any
+
+DEFAULT_SERVER = "http://127.0.0.1:1919"
+
+
+class ServerError(Exception):
+    """A one-line reason a request to the server failed (down, refused the key, not a freetoken server).
+
+    Attributes:
+        unreachable: True when nothing answered (the server is not running or restarting).
+    """
+
+    def __init__(self, message: str, unreachable: bool = False) -> None:
+        super().__init__(message)
+        self.unreachable = unreachable
+
+
+def base_url(server: str) -> str:
+    """`server` as ``http://host:port`` (a trailing ``/`` or ``/v1`` dropped; ``http://`` added when missing)."""
+    url = server.strip().rstrip("/")
+    if "://" not in url:
+        url = "http://" + url
+    return url[:-3] if url.endswith("/v1") else url
+
+
+def add_server_args(parser: Any) -> None:
+    """`--server` and `--api-key` (default $FREETOKEN_API_KEY), as every client verb takes them."""
+    parser.add_argument("--server", default=DEFAULT_SERVER, help=f"the freetoken server (default: {DEFAULT_SERVER})")
+    parser.add_argument("--api-key", default=os.environ.get("FREETOKEN_API_KEY"),
+                        help="the server's --api-key (default: $FREETOKEN_API_KEY)")
+
+
+def get_json(server: str, path: str, api_key: str | None = None, timeout_s: float = 5.0) -> Any:
+    """``GET {server}{path}`` as JSON.
+
+    Raises:
+        ServerError: nothing answers (`unreachable`; the message names the `ft serve` command), the key is
+            missing or refused, another HTTP error, or a body that is not JSON.
+    """
+    url = base_url(server)
+    request = urllib.request.Request(url + path)
+    if api_key:
+        request.add_header("Authorization", f"Bearer {api_key}")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as exc:
+        if exc.code == 401:
+            raise ServerError(f"{url} needs its API key: pass --api-key or set FREETOKEN_API_KEY") from None
+        raise ServerError(f"{url}{path} answered HTTP {exc.code}; is it a freetoken server?") from None
+    except (urllib.error.URLError, OSError) as exc:
+        reason = getattr(exc, "reason", exc)
+        hint = "" if url == DEFAULT_SERVER else " with --host/--port to match"
+        raise ServerError(
+            f"no freetoken server at {url} ({reason}); start one with `ft serve --model MODEL_DIR`{hint}",
+            unreachable=True,
+        ) from None
+    except ValueError:
+        raise ServerError(f"{url}{path} did not answer JSON; is it a freetoken server?") from None

@@ -1,0 +1,316 @@
+"""The gated delta rule (Gated DeltaNet, Yang, Kautz & Hatamizadeh, ICLR 2025, arXiv:2412.06464), the token mixer of
+Qwen3.5's linear-attention layers: per value head a state S [Dk, Dv] (float32) that each token decays and corrects,
+
+    S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - (exp(g_t) S_{t-1})^T k_t))^T,      o_t = S_t^T q_t,
+
+with q and k L2-normalised per head (q then scaled by Dk ** -0.5), beta in (0, 1) and g <= 0 (log decay). Key heads
+are shared by `Hv // Hk` consecutive value heads (grouped value attention, as transformers' `repeat_interleave`).
+
+Variants:
+  - `recurrent_gated_delta_rule`: one token per sequence (decode), the states gathered from and written back to a
+    state pool by slot, in place; torch on any device (`recurrent_gated_delta_rule_torch`), on CUDA the Triton kernel
+    `_recurrent_kernel` (one program per (sequence, value head, block of Dv columns): the state block stays in
+    registers while the token's decay, delta and output are applied).
+  - `chunk_gated_delta_rule`: a prefill span of one sequence, from its state in the pool, writing the final state
+    back. Chunked form (the UT/WY transform of DeltaNet, Yang et al. NeurIPS 2024, arXiv:2406.06484, extended with
+    gates in the Gated DeltaNet paper, sec. 3.3; the kernel split of flash-linear-attention's `chunk_gated_delta_rule`):
+    per chunk of C tokens, with G the in-chunk cumulative log decay and A the strictly lower [C, C] matrix
+    A_ij = beta_i exp(G_i - G_j) k_i . k_j, T = (I + A)^-1 gives W = T (beta exp(G) k) and U = T (beta v); across
+    chunks, V' = U - W S, O = (exp(G) q) S + (mask(q k^T exp(G_i - G_j))) V', S <- exp(G_C) S + (exp(G_C - G) k)^T V'.
+    torch (`chunk_gated_delta_rule_torch`, the CPU path and the reference); on CUDA Triton kernels
+    (`_chunk_prepare_kernel`: cumulative decay, A, its inverse by forward substitution, W and U per chunk, all chunks in parallel;
+    `_chunk_scan_kernel`: the sequential pass over chunks per (value head, block of Dv columns), the state block in
+    registers).
+
+Shapes: q, k [L, Hk, Dk]; v [L, Hv, Dv]; g, beta [L, Hv] (float32 g); states [num_slots, Hv, Dk, Dv] float32.
+Tests: python -m pytest tests/test_qwen3_5.py -q (torch paths; the Triton kernels in Triton's interpreter);
+on a GPU: python -m pytest tests/test_qwen3_5.py -q -m gpu
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+CHUNK_SIZE = 64
+L2_EPS = 1e-6  # as transformers' and flash-linear-attention's l2norm: x * rsqrt(sum(x^2) + eps)
+
+
+def l2norm(x: torch.Tensor) -> torch.Tensor:
+    """x [..., D] -> x / sqrt(sum(x^2) + 1e-6) over the last dim, in x's dtype."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + L2_EPS)
+
+
+def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor):
+    """float32 [Hv, L, D] q (normalised and scaled), k (normalised), v; [Hv, L] g and beta. Key heads are repeated
+    to the value heads (head h reads key head h // (Hv // Hk))."""
+    num_v_heads = v.shape[1]
+    group = num_v_heads // k.shape[1]
+    q, k = (x.float().repeat_interleave(group, dim=1) if group > 1 else x.float() for x in (q, k))
+    q = l2norm(q) * q.shape[-1] ** -0.5
+    k = l2norm(k)
+    return (q.transpose(0, 1), k.transpose(0, 1), v.float().transpose(0, 1), g.float().transpose(0, 1),
+            beta.float().transpose(0, 1))
+
+
+def chunk_gated_delta_rule_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    chunk_size: int = CHUNK_SIZE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked gated delta rule over one sequence's span, in torch (see the module docstring).
+
+    Args:
+        q, k: [L, Hk, Dk] (any float dtype; not yet normalised); v: [L, Hv, Dv]; g: [L, Hv] log decay (<= 0);
+            beta: [L, Hv].
+        state: [Hv, Dk, Dv] float32, the state before the span (not written).
+
+    Returns:
+        (o [L, Hv, Dv] in v's dtype, the state after the span [Hv, Dk, Dv] float32).
+    """
+    length = q.shape[0]
+    qh, kh, vh, gh, bh = _heads_first(q, k, v, g, beta)  # [Hv, L, D], [Hv, L]
+    pad = (-length) % chunk_size
+    if pad:
+        qh, kh, vh = (F.pad(x, (0, 0, 0, pad)) for x in (qh, kh, vh))
+        gh, bh = (F.pad(x, (0, pad)) for x in (gh, bh))
+    heads, total = gh.shape
+    n = total // chunk_size
+    # (Hv, n, C, D): chunks as a batch dimension.
+    qc, kc, vc = (x.reshape(heads, n, chunk_size, -1) for x in (qh, kh, vh))
+    gc = gh.reshape(heads, n, chunk_size).cumsum(-1)  # in-chunk cumulative log decay G
+    bc = bh.reshape(heads, n, chunk_size)
+    causal = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    # exp(G_i - G_j) for j <= i, 0 above the diagonal (masked before exp: G_i - G_j > 0 there).
+    decay = (gc[..., :, None] - gc[..., None, :]).masked_fill(~causal, float("-inf")).exp()
+    kbeta = kc * bc[..., None]
+    # I + A with A strictly lower, A_ij = beta_i exp(G_i - G_j) k_i . k_j (the solver takes the diagonal as ones).
+    system = (kbeta @ kc.transpose(-1, -2)) * decay
+    w = torch.linalg.solve_triangular(system, kbeta * gc.exp()[..., None], upper=False, unitriangular=True)
+    u = torch.linalg.solve_triangular(system, vc * bc[..., None], upper=False, unitriangular=True)
+    attn = (qc @ kc.transpose(-1, -2)) * decay  # causal in-chunk scores, diagonal included
+    q_decayed = qc * gc.exp()[..., None]
+    k_decayed = kc * (gc[..., -1:] - gc).exp()[..., None]
+    last = gc[..., -1].exp()  # (Hv, n)
+    s = state.float().clone()
+    out = torch.empty_like(vc)
+    for i in range(n):
+        v_new = u[:, i] - w[:, i] @ s
+        out[:, i] = q_decayed[:, i] @ s + attn[:, i] @ v_new
+        s = s * last[:, i, None, None] + k_decayed[:, i].transpose(-1, -2) @ v_new
+    o = out.reshape(heads, total, -1)[:, :length].transpose(0, 1)
+    return o.to(v.dtype), s
+
+
+def recurrent_gated_delta_rule_torch(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """One token of each of B sequences, their states read from and written back to `states` at `slots`.
+
+    Args:
+        q, k: [B, Hk, Dk]; v: [B, Hv, Dv]; g, beta: [B, Hv].
+        states: [num_slots, Hv, Dk, Dv] float32, written in place at `slots`.
+        slots: [B] int64, distinct except for padding rows that all name one scratch slot.
+
+    Returns:
+        o [B, Hv, Dv] in v's dtype.
+    """
+    qh, kh, vh, gh, bh = (x.transpose(0, 1) for x in _heads_first(q, k, v, g, beta))  # back to [B, Hv, ...]
+    s = states[slots] * gh.exp()[..., None, None]  # (B, Hv, Dk, Dv)
+    kv_mem = (s * kh[..., None]).sum(dim=-2)  # (B, Hv, Dv)
+    delta = (vh - kv_mem) * bh[..., None]
+    s = s + kh[..., None] * delta[..., None, :]
+    o = (s * qh[..., None]).sum(dim=-2)
+    states[slots] = s
+    return o.to(v.dtype)
+
+
+@triton.jit
+def _recurrent_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr, o_ptr,
+    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_bb,
+    stride_ss, stride_sh, stride_sk, stride_ob, stride_oh,
+    scale,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """One token of sequence `pid(0)`, value head `pid(1)`, state columns [pid(2) * BLOCK_V, +BLOCK_V)."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    kh = h // GROUP
+    dk = tl.arange(0, DK)
+    dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = dv < DV
+    slot = tl.load(slot_ptr + b)
+    q = tl.load(q_ptr + b * stride_qb + kh * stride_qh + dk).to(tl.float32)
+    k = tl.load(k_ptr + b * stride_kb + kh * stride_kh + dk).to(tl.float32)
+    q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
+    k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+    v = tl.load(v_ptr + b * stride_vb + h * stride_vh + dv, mask=v_ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + b * stride_gb + h).to(tl.float32)
+    beta = tl.load(beta_ptr + b * stride_bb + h).to(tl.float32)
+    s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + dk[:, None] * stride_sk + dv[None, :]
+    s = tl.load(s_ptrs, mask=v_ok[None, :], other=0.0) * tl.exp(g)
+    delta = (v - tl.sum(s * k[:, None], axis=0)) * beta
+    s = s + k[:, None] * delta[None, :]
+    o = tl.sum(s * q[:, None], axis=0)
+    tl.store(s_ptrs, s, mask=v_ok[None, :])
+    tl.store(o_ptr + b * stride_ob + h * stride_oh + dv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+
+
+def recurrent_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: torch.Tensor,
+    slots: torch.Tensor,
+) -> torch.Tensor:
+    """`recurrent_gated_delta_rule_torch` as one Triton kernel (on CUDA, or in Triton's interpreter on the CPU); same
+    arguments and result. No host sync: graph-capturable. Dk must be a power of two; `states` contiguous."""
+    q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
+    batch, num_k_heads, dk = q.shape
+    num_v_heads, dv = v.shape[1], v.shape[2]
+    out = torch.empty(batch, num_v_heads, dv, dtype=v.dtype, device=v.device)
+    block_v = min(32, triton.next_power_of_2(dv))  # a [Dk, 32] float32 state block: 32 registers a thread at Dk 128
+    grid = (batch, num_v_heads, triton.cdiv(dv, block_v))
+    _recurrent_kernel[grid](
+        q, k, v, g, beta, states, slots, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        states.stride(0), states.stride(1), states.stride(2), out.stride(0), out.stride(1),
+        dk**-0.5,
+        GROUP=num_v_heads // num_k_heads, DK=dk, DV=dv, BLOCK_V=block_v,
+    )
+    return out
+
+
+
+@triton.jit
+def _l2norm_rows(x):
+    """Rows of x [N, D] (float32) over sqrt(sum(x^2) + 1e-6), as `l2norm`."""
+    return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+
+
+@triton.jit
+def _chunk_prepare_kernel(
+    k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, gcum_ptr,
+    length,
+    stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
+    stride_wt, stride_wh, stride_ut, stride_uh, stride_ct,
+    GROUP: tl.constexpr, CHUNK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+):
+    """Chunk `pid(0)` of value head `pid(1)`: G = in-chunk cumsum of g; T = (I + A)^-1 with A_ij = beta_i
+    exp(G_i - G_j) k_i . k_j (i > j) by forward substitution; W = T (beta exp(G) k), U = T (beta v) (float32)."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    rows = c * CHUNK + tl.arange(0, CHUNK)
+    ok = rows < length
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV_PAD)
+    k = tl.load(k_ptr + rows[:, None] * stride_kt + (h // GROUP) * stride_kh + dk[None, :], mask=ok[:, None],
+                other=0.0).to(tl.float32)
+    k = _l2norm_rows(k)
+    v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + dv[None, :], mask=ok[:, None] & (dv < DV)[None, :],
+                other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + rows * stride_gt + h, mask=ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + rows * stride_bt + h, mask=ok, other=0.0).to(tl.float32)
+    gc = tl.cumsum(g, axis=0)
+    i = tl.arange(0, CHUNK)
+    lower = i[:, None] > i[None, :]
+    decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
+    kb = k * beta[:, None]
+    a = tl.dot(kb, tl.trans(k), input_precision="ieee") * decay  # strictly lower
+    # Forward substitution, row by row: T_i = e_i - sum_{j<i} A_ij T_j (rows j < i of T are final).
+    t = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
+    for r in range(1, CHUNK):
+        a_row = tl.sum(tl.where(i[:, None] == r, a, 0.0), axis=0)  # A[r, :]
+        t_row = tl.sum(a_row[:, None] * t, axis=0)  # (A[r, :] T)
+        t = tl.where(i[:, None] == r, t - t_row[None, :], t)
+    w = tl.dot(t, kb * tl.exp(gc)[:, None], input_precision="ieee")
+    u = tl.dot(t, v * beta[:, None], input_precision="ieee")
+    tl.store(w_ptr + rows[:, None] * stride_wt + h * stride_wh + dk[None, :], w, mask=ok[:, None])
+    tl.store(u_ptr + rows[:, None] * stride_ut + h * stride_uh + dv[None, :], u, mask=ok[:, None] & (dv < DV)[None, :])
+    tl.store(gcum_ptr + rows * stride_ct + h, gc, mask=ok)
+
+
+@triton.jit
+def _chunk_scan_kernel(
+    q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, state_ptr, o_ptr,
+    length, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_wt, stride_wh, stride_ut, stride_uh, stride_ct,
+    stride_sh, stride_sk, stride_ot, stride_oh,
+    GROUP: tl.constexpr, CHUNK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Value head `pid(0)`, state columns block `pid(1)`: the chunks in order, the state block [DK, BLOCK_V] in
+    registers: V' = U - W S; O = (exp(G) q) S + mask(q k^T exp(G_i - G_j)) V'; S <- exp(G_C) S + (exp(G_C - G) k)^T V'.
+    """
+    h = tl.program_id(0)
+    vb = tl.program_id(1)
+    kh = h // GROUP
+    dk = tl.arange(0, DK)
+    dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = dv < DV
+    i = tl.arange(0, CHUNK)
+    causal = i[:, None] >= i[None, :]
+    s_ptrs = state_ptr + h * stride_sh + dk[:, None] * stride_sk + dv[None, :]
+    s = tl.load(s_ptrs, mask=v_ok[None, :], other=0.0)
+    for c in range(0, tl.cdiv(length, CHUNK)):
+        rows = c * CHUNK + i
+        ok = rows < length
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + kh * stride_qh + dk[None, :], mask=ok[:, None],
+                    other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + rows[:, None] * stride_kt + kh * stride_kh + dk[None, :], mask=ok[:, None],
+                    other=0.0).to(tl.float32)
+        q = _l2norm_rows(q) * scale
+        k = _l2norm_rows(k)
+        w = tl.load(w_ptr + rows[:, None] * stride_wt + h * stride_wh + dk[None, :], mask=ok[:, None], other=0.0)
+        u = tl.load(u_ptr + rows[:, None] * stride_ut + h * stride_uh + dv[None, :],
+                    mask=ok[:, None] & v_ok[None, :], other=0.0)
+        # Rows past the span repeat the last cumulative decay (their g is 0): G_C is the span's.
+        gc = tl.load(gcum_ptr + tl.minimum(rows, length - 1) * stride_ct + h)
+        g_last = tl.load(gcum_ptr + tl.minimum(c * CHUNK + CHUNK - 1, length - 1) * stride_ct + h)
+        v_new = u - tl.dot(w, s, input_precision="ieee")
+        attn = tl.dot(q, tl.trans(k), input_precision="ieee")
+        attn = tl.where(causal, attn * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
+        o = tl.dot(q * tl.exp(gc)[:, None], s, input_precision="ieee") + tl.dot(attn, v_new, input_precision="ieee")
+        tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + dv[None, :], o.to(o_ptr.dtype.element_ty),
+                 mask=ok[:, None] & v_ok[None, :])
+        k_decayed = k * tl.exp(g_last - gc)[:, None]
+        s = s * tl.exp(g_last) + tl.dot(tl.trans(k_decayed), v_new, input_precision="ieee")
+    tl.store(s_ptrs, s, mask=v_ok[None, :])
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+) -> torch.Tensor:
+    """`chunk_gated_delta_rule_torch` in two Triton kernels (on CUDA, or in Triton's interpreter on the CPU), the
+    state advanced in place.
+
+    Args:
+        q, k: [L, Hk, Dk]; v: [L, Hv, Dv]; g: [L, Hv] float32; beta: [L, Hv].
+        state: [Hv, Dk, Dv] float32, contiguous (a pool row), read and written in place.
+
+    Returns:
+        o [L, Hv, Dv] in v's dtype. Dk must be a power of two >= 16, Dv >= 16.
+    """
+    q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
+    length, num_k_heads, dk = q.shape
+    num_v_heads, dv = v.shape[1], v.shape[2]
+    group = num_v_heads // num_k_heads
+    w = torch.empty(length, num_v_heads, dk, dtype=torch.float32, device=q.device)
+    u = torch.empty(length, num_v_heads, dv, dtype=torch.float32, device=q.device)
+    gcum = torch.empty(length, num_v_heads, dtype=torch.float32, device=q.device)
+    dv_pad = max(16, triton.next_power_of_2(dv))
+    _chunk_prepare_kernel[(triton.cdiv(length, CHUNK_SIZE), num_v_heads)](
+        k, v, g, beta, w, u, gcum, length,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        w.stride(0), w.stride(1), u.stride(0), u.stride(1), gcum.stride(0),
+        GROUP=group, CHUNK=CHUNK_SIZE, DK=dk, DV=dv, DV_PAD=dv_pad,
+    )
+    out = torch.empty(length, num_v_heads, dv, dtype=v.dtype, device=v.device)
+    block_v = min(32, dv_pad)
+    _chunk_scan_kernel[(num_v_heads, triton.cdiv(dv, block_v))](
+        q, k, w, u, gcum, state, out, length, dk**-0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
+        gcum.stride(0), state.stride(0), state.stride(1), out.stride(0), out.stride(1),
+        GROUP=group, CHUNK=CHUNK_SIZE, DK=dk, DV=dv, BLOCK_V=block_v,
+    )
+    return out

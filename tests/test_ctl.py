@@ -1,0 +1,46 @@
+"""`ft ctl status` against a real server: the report, --json, and a one-line answer when no server runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import freetoken
+from conftest import API_KEY, MAX_MODEL_LEN, SERVED_MODEL_NAME, free_port
+
+
+def ft_ctl(*args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != "FREETOKEN_API_KEY"}
+    package_root = str(Path(freetoken.__file__).resolve().parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    return subprocess.run([sys.executable, "-m", "freetoken.cli.main", "ctl", *args], capture_output=True,
+                          text=True, env=env, timeout=60, stdin=subprocess.DEVNULL)
+
+
+def test_status_report(server, http):
+    http.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                            "max_tokens": 3, "ignore_eos": True})
+    result = ft_ctl("status", "--server", server.base_url)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    stats = http.get("/v1/stats").json()
+    assert f"model      {SERVED_MODEL_NAME} (context {MAX_MODEL_LEN} tokens)" in out
+    assert "backend    cpu" in out
+    assert f"kv cache   0/{stats['kv_blocks_total']} blocks in use" in out
+    assert f"{stats['server']['num_generation_tokens']} generated" in out
+
+
+def test_status_json_and_key(keyed_server):
+    refused = ft_ctl("status", "--server", keyed_server.base_url)
+    assert refused.returncode == 1 and "needs its API key" in refused.stderr
+    result = ft_ctl("status", "--json", "--server", keyed_server.base_url, "--api-key", API_KEY)
+    assert result.returncode == 0 and json.loads(result.stdout)["server"]["model"] == SERVED_MODEL_NAME
+
+
+def test_status_without_a_server():
+    result = ft_ctl("status", "--server", f"http://127.0.0.1:{free_port()}")
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 1 and len(lines) == 1 and "ft serve --model" in lines[0], result.stderr
