@@ -144,10 +144,11 @@ class Session:
 
 
 def new_session(name: str, variant: str, seed: int, system_tokens: int, tool_tokens: tuple[int, int],
-                scale: float) -> Session:
+                scale: float, tag: str = "") -> Session:
     """A session whose system prompt and tool schemas come to about `system_tokens` (a quarter of it the tools'
-    descriptions), with the task as its first user message."""
-    gen = TextGen(f"{seed}-{name}")  # not the variant: every variant sends the same conversation
+    descriptions), with the task as its first user message. Its text is seeded by (`seed`, `tag`, `name`), not by
+    the variant: sessions of the same tag and name send the same conversation in every variant."""
+    gen = TextGen(f"{seed}-{tag}-{name}")
     per_tool = system_tokens // 4 // len(TOOLS)
     tools = [{
         "name": tool,
@@ -359,7 +360,9 @@ def run_sessions(base_url: str, api: str, model: str, variant: str, num_sessions
 
     def one(i: int) -> None:
         name = f"s{i}"
-        session = new_session(name, variant, args.seed, system, tool_tokens, args.scale)
+        # Each run its own text: a run must not find its prompts in the prefix cache of the runs before it.
+        session = new_session(name, variant, args.seed, system, tool_tokens, args.scale,
+                              tag=f"{variant}-x{num_sessions}")
         for turn in range(args.turns):
             try:
                 r = run_turn(client, api, model, session, turn, args.max_tokens, args.seed)
@@ -484,9 +487,18 @@ def server_info(base_url: str, api_key: str) -> tuple[str, dict]:
     return model, routing or {"source": "unknown (no routing in /v1/stats)"}
 
 
+def warm_up(base_url: str, api_key: str, model: str) -> None:
+    """One short request, so that no measured turn pays the server's first-request costs (kernel compiles)."""
+    body = {"model": model, "messages": [{"role": "user", "content": "Warm up."}], "max_tokens": 4, "temperature": 0}
+    httpx.post(base_url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {api_key}"},
+               timeout=600).raise_for_status()
+
+
 def run_all(base_url: str, label: str, variants: list[str], sessions: list[int], args, console: Console) -> list:
-    """Every (variant, sessions) run against one server; tables printed, run records returned."""
+    """Every (variant, sessions) run against one server (after a warm-up request); tables printed, run records
+    returned."""
     model, routing = server_info(base_url, args.api_key)
+    warm_up(base_url, args.api_key, model)
     console.print(f"[bold]{label}[/bold]: model {model!r}, routing: {json.dumps(routing)}")
     runs = []
     for variant in variants:
@@ -538,9 +550,12 @@ def main(argv: list[str] | None = None) -> int:
             with Server(args.model, [*serve_args, "--no-prefix-cache"]) as server:
                 runs += run_all(server.base_url, "no prefix cache", args.compare_variants, [1], args, console)
     summary = Table(title="agent-trace runs")
-    keys = ("turns", "final_prompt_tokens", "cached_tokens", "reprefilled_tokens", "ttft_p50_s", "ttft_p99_s",
-            "ttft_max_s", "watchdog_violations", "decode_last_over_first")
-    for column in ("server", "variant", "sessions", *keys):
+    columns = {"turns": "turns", "final_prompt_tokens": "last prompt", "cached_tokens": "cached",
+               "reprefilled_tokens": "re-prefilled", "ttft_p50_s": "TTFT p50 s", "ttft_p99_s": "p99 s",
+               "ttft_max_s": "max s", "watchdog_violations": "over watchdog",
+               "decode_last_over_first": "decode last/first"}
+    keys = tuple(columns)
+    for column in ("server", "variant", "sessions", *columns.values()):
         summary.add_column(column, justify="right")
     for run in runs:
         summary.add_row(run["server"], run["variant"], str(run["sessions"]), *(str(run.get(k, "-")) for k in keys))

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from freetoken._core import InvalidArgumentError, align_slots, aligned_len
+from freetoken.kernels import paged_attention
 from freetoken.kernels.fused_moe import align_pairs, block_m_for, fused_moe, fused_moe_reference, fused_moe_tiles
 from freetoken.kernels.layer_ops import _round_to
 from freetoken.kernels.paged_attention import (
@@ -110,22 +111,84 @@ def test_fused_moe_in_stages_is_fused_moe_bit_for_bit():
     assert torch.equal(only_hits, fused_moe(x, w13, w2, kept, weights))
 
 
-@pytest.mark.parametrize("seq_lens,num_heads,num_kv_heads,head_dim", [([1, 17, 70], 4, 2, 16), ([5, 130], 32, 4, 128)])
-def test_paged_decode_attention_matches_reference(seq_lens, num_heads, num_kv_heads, head_dim):
-    block = 16
-    gen = torch.Generator().manual_seed(sum(seq_lens))
-    max_blocks = max(-(-n // block) for n in seq_lens)
-    num_blocks = len(seq_lens) * max_blocks + 1
+def _paged_case(seq_lens, num_heads, num_kv_heads, head_dim, block, width=None, dtype=DTYPE):
+    """Random q, K/V caches and scattered block tables of `width` blocks (default: the longest sequence's)."""
+    gen = torch.Generator().manual_seed(sum(seq_lens) + num_heads)
+    width = width or max(-(-n // block) for n in seq_lens)
+    num_blocks = len(seq_lens) * width + 1
     # Scattered, non-contiguous blocks per sequence.
-    perm = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * max_blocks].view(len(seq_lens), max_blocks)
-    k_cache = torch.randn(num_blocks * block, num_kv_heads, head_dim, generator=gen).to(DEVICE, DTYPE)
-    v_cache = torch.randn(num_blocks * block, num_kv_heads, head_dim, generator=gen).to(DEVICE, DTYPE)
-    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(DEVICE, DTYPE)
-    tables = perm.to(DEVICE, torch.int32)
+    perm = torch.randperm(num_blocks, generator=gen)[: len(seq_lens) * width].view(len(seq_lens), width)
+    k_cache = torch.randn(num_blocks * block, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    v_cache = torch.randn(num_blocks * block, num_kv_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    q = torch.randn(len(seq_lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
     lens = torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE)
-    got = paged_decode_attention(q, k_cache, v_cache, tables, lens, block, head_dim**-0.5).float()
-    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, block, head_dim**-0.5)
+    return q, k_cache, v_cache, perm.to(DEVICE, torch.int32), lens
+
+
+@pytest.mark.parametrize("seq_lens,num_heads,num_kv_heads,head_dim", [([1, 17, 70], 4, 2, 16), ([5, 130], 32, 4, 128)])
+@pytest.mark.parametrize("partition_size", [None, 64])
+def test_paged_decode_attention_matches_reference(seq_lens, num_heads, num_kv_heads, head_dim, partition_size):
+    q, k_cache, v_cache, tables, lens = _paged_case(seq_lens, num_heads, num_kv_heads, head_dim, 16)
+    scale = head_dim**-0.5
+    got = paged_decode_attention(q, k_cache, v_cache, tables, lens, 16, scale, partition_size).float()
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, 16, scale)
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=ATOL)
+
+
+# Split-K against the reference: lengths 1, odd, exactly on and one past partition boundaries (64 * k, 64 * k + 1),
+# several partitions, a mixed batch, GQA groups of 1, 3, 4 and 8 (padded to 16 rows in the kernel). The block tables
+# are wider than the longest sequence, as the captured decode graph's (max_model_len) are, so trailing partitions
+# have no tokens and must not enter the reduction. Tolerance: 1e-4 in float32 (the CPU interpreter); 2e-2 in
+# bfloat16 (inputs and output rounded to bfloat16, float32 accumulation).
+@pytest.mark.parametrize(
+    "seq_lens,num_heads,num_kv_heads",
+    [([1], 8, 1), ([33, 64, 65], 6, 2), ([511, 1], 4, 1), ([1000, 128, 129, 7], 8, 2), ([1089], 3, 1)],
+)
+def test_split_decode_attention_matches_reference(seq_lens, num_heads, num_kv_heads):
+    block, head_dim, partition = 16, 16, 64
+    width = max(-(-n // block) for n in seq_lens) + 9  # > 1 spare partition past the longest sequence
+    q, k_cache, v_cache, tables, lens = _paged_case(seq_lens, num_heads, num_kv_heads, head_dim, block, width)
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, block, head_dim**-0.5)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, lens, block, head_dim**-0.5, partition).float()
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=ATOL)
+    # The scratch is reused: NaN left in it (from the partitions no sequence reaches) must not be read.
+    for buffers in paged_attention._PARTIALS.values():
+        for t in (t for bufs in buffers for t in bufs):
+            t.fill_(float("nan"))
+    got = paged_decode_attention(q, k_cache, v_cache, tables, lens, block, head_dim**-0.5, partition).float()
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=ATOL)
+
+
+def test_split_decode_attention_is_the_default_past_one_partition():
+    """Block tables wider than PARTITION_SIZE take the split kernel, and it matches the single pass."""
+    seq_lens, block = [1030, 5], 16
+    q, k_cache, v_cache, tables, lens = _paged_case(seq_lens, 4, 2, 16, block)
+    before = sum(len(v) for v in paged_attention._PARTIALS.values())
+    got = paged_decode_attention(q, k_cache, v_cache, tables, lens, block, 0.25).float()
+    assert sum(len(v) for v in paged_attention._PARTIALS.values()) == before + 1  # the split kernel's scratch
+    single = paged_decode_attention(q, k_cache, v_cache, tables, lens, block, 0.25, None).float()
+    torch.testing.assert_close(got, single, atol=ATOL, rtol=ATOL)
+    # A smaller batch of the same shape reuses the buffers instead of allocating.
+    paged_decode_attention(q[:1], k_cache, v_cache, tables[:1], lens[:1], block, 0.25)
+    assert sum(len(v) for v in paged_attention._PARTIALS.values()) == before + 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="needs CUDA")
+@pytest.mark.parametrize("seq_lens", [[65536], [1, 4096, 32769, 60000], [512 * 37]])
+def test_split_decode_attention_long_contexts_on_gpu(seq_lens):
+    """Qwen3-30B-A3B's attention shape (32 heads, 4 KV heads, head_dim 128) at long contexts, compiled, bfloat16."""
+    block = 16
+    q, k_cache, v_cache, tables, lens = _paged_case(seq_lens, 32, 4, 128, block, width=65536 // block)
+    got = paged_decode_attention(q, k_cache, v_cache, tables, lens, block, 128**-0.5).float()
+    expected = paged_decode_attention_reference(q, k_cache, v_cache, tables, lens, block, 128**-0.5)
+    torch.testing.assert_close(got, expected, atol=2e-2, rtol=2e-2)
+
+
+def test_split_decode_attention_rejects_a_partition_off_the_tile():
+    q, k_cache, v_cache, tables, lens = _paged_case([100], 2, 1, 16, 16)
+    with pytest.raises(ValueError, match="multiple of 64"):
+        paged_decode_attention(q, k_cache, v_cache, tables, lens, 16, 0.25, 96)
 
 
 def _torch_module(module, device):
