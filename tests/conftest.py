@@ -125,6 +125,22 @@ def keyed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
     proc.stop()
 
 
+# The demo's own context, as `ft serve --model demo` serves it: harnesses' prompts are 6k-20k tokens.
+DEMO_CONTEXT_TOKENS = 65536
+
+
+@pytest.fixture(scope="session")
+def long_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The demo with its whole context (`server` has MAX_MODEL_LEN), a KV cache of two contexts, and prompts
+    prefilled in one chunk (a harness's first prompt is one 12k-token chunk, not two)."""
+    proc = start_server(
+        tmp_path_factory.mktemp("long-server"), "--max-model-len", str(DEMO_CONTEXT_TOKENS),
+        "--kv-cache-tokens", str(2 * DEMO_CONTEXT_TOKENS), "--max-prefill-tokens", "16384",
+    )  # fmt: skip
+    yield proc
+    proc.stop()
+
+
 @pytest.fixture(scope="session")
 def http(server: ServerProcess) -> Iterator[httpx.Client]:
     """A raw HTTP client on `server`."""

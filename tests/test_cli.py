@@ -10,12 +10,16 @@ import sys
 from pathlib import Path
 
 import pytest
-
+from conftest import free_port
 
 
 def ft(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
     """Run `ft` as the installed package (the one pytest imports), never the source tree: its compiled
-    `freetoken._core` exists only in the installed wheel."""
+    `freetoken._core` exists only in the installed wheel. ``ft serve`` without ``--port`` gets a free port, so
+    a server on the default port (the README's main job on 1919) does not turn the error a test checks into a
+    busy-port error."""
+    if args[:1] == ("serve",) and "--port" not in args:
+        args = (*args, "--port", str(free_port()))
     env = os.environ.copy()
     return subprocess.run(
         [sys.executable, "-m", "freetoken.cli.main", *args],
@@ -169,6 +173,35 @@ def test_model_too_big_for_host_memory_is_refused():
     assert_user_error(result, "GB of host memory", "available")
 
 
+def test_demo_serves_a_long_context_with_a_small_kv_cache(tmp_path):
+    """`ft serve --model demo`: a 65536-token context (harness sessions need >= 64k), KV cache of two contexts."""
+    import signal
+    import time
+
+    import httpx
+
+    port = free_port()
+    log_path = tmp_path / "serve.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "freetoken.cli.main", "serve", "--model", "demo", "--port", str(port)],
+            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).json()
+                break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        else:
+            pytest.fail(f"ft serve --model demo did not start:\n{log_path.read_text()[-3000:]}")
+        assert models["data"][0]["max_model_len"] == 65536
+        assert "= 131072 tokens" in log_path.read_text()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
 def test_kv_cache_too_big_for_host_memory_is_refused():
     """A KV cache the box cannot hold (CPU device) is refused before allocating, naming the flag; it grew to
     20.9 GB and met the OOM killer without a word."""

@@ -36,8 +36,9 @@ def test_non_streaming_shape(anthropic_client, demo_tokenizer):
     assert 1 <= message.usage.output_tokens <= 3
     if message.stop_reason == "max_tokens":
         assert message.usage.output_tokens == 3
+    # No thinking field: thinking off, as the Anthropic API's default.
     prompt = demo_tokenizer.apply_chat_template(
-        [{"role": "system", "content": "You are terse."}, *HELLO], add_generation_prompt=True
+        [{"role": "system", "content": "You are terse."}, *HELLO], add_generation_prompt=True, enable_thinking=False
     )
     assert _prompt_tokens(message.usage) == len(demo_tokenizer.encode(prompt))
 

@@ -45,7 +45,6 @@ def test_bad_bodies_are_400(http):
         ({"model": "m", "prompt": ["a", "b"], "max_tokens": 1}, "prompt"),
         ({"model": "m", "prompt": [1, 10**9], "max_tokens": 1}, "prompt"),
         ({"model": "m", "prompt": "x", "max_tokens": 0}, "max_tokens"),
-        ({"model": "m", "prompt": "x", "max_tokens": 10**6}, "max_tokens"),
         ({"model": "m", "prompt": "x", "logprobs": 21}, "logprobs"),
     ]:
         response = http.post("/v1/completions", json=body)

@@ -89,8 +89,6 @@ def test_multi_turn_items(openai_client, http):
         ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
         ({"input": "x", "previous_response_id": 7}, "previous_response_id"),
         ({"input": "x", "store": "yes"}, "store"),
-        ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
-         "input[0].content[0].type"),
         ({"input": "x", "tools": TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
         ({"input": []}, "input"),
     ]:

@@ -319,6 +319,11 @@ class Tokenizer:
             raise PromptTooLong(max_tokens, len(ids), exact=True)
         return "".join(piece + control for piece, control in zip(pieces, markup, strict=True)), ids
 
+    def encode_plain(self, text: str) -> list[int]:
+        """Token ids of client text with control-token text (``<|im_start|>``) taken as the plain text it is,
+        as `encode_chat` encodes the text inside messages."""
+        return self._plain_tokenizer().encode(text, add_special_tokens=False).ids
+
     def _escape_one(self, match: re.Match) -> str:
         text = match.group()
         return f"{_MARK}m{_MARK}" if text == _MARK else f"{_MARK}{self._special_index[text]}{_MARK}"

@@ -13,6 +13,9 @@ from freetoken.config import EngineConfig, ModelConfig
 log = logging.getLogger("freetoken.cli")
 
 DEMO = "demo"
+# The demo's KV cache when --kv-cache-tokens is not given: two full contexts (128 MiB in float32), not
+# max_num_seqs of them (1 GiB zeroed at every start on the CPU); concurrent requests past it wait their turn.
+DEMO_KV_CACHE_CONTEXTS = 2
 
 _HELP = {
     "device": "compute device: cpu, cuda or cuda:N",
@@ -89,6 +92,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=1919, help="port (default: 1919)")
     p.add_argument("--served-model-name", default=None, help="model name in the APIs (default: the directory name)")
     p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer or x-api-key)")
+    p.add_argument(
+        "--strict-max-tokens", action="store_true",
+        help="refuse (400) a max_tokens past the room the prompt leaves in the context; by default it is lowered "
+        "to that room (agent harnesses ask for 32000 tokens or more whatever the model)",
+    )
+    p.add_argument(
+        "--default-thinking", action="store_true",
+        help="Anthropic requests without a `thinking` field think (the Anthropic API's default is off)",
+    )
     p.add_argument(
         "--metrics-open", action="store_true",
         help="serve /metrics to loopback clients without --api-key (a local Prometheus scraper)",
@@ -184,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
     cfg.validate()  # bad flags answer before anything loads
     model_dir = resolve_model_dir(args.model, cfg.dummy_weights)
     model_cfg = ModelConfig.from_dir(model_dir)  # raises ConfigError naming config.json and the key
+    if args.model == DEMO and not cfg.kv_cache_tokens:
+        cfg.kv_cache_tokens = DEMO_KV_CACHE_CONTEXTS * (cfg.max_model_len or model_cfg.max_position_embeddings)
     check_port_free(args.host, args.port)  # before minutes of loading, not after
     if cfg.max_model_len > model_cfg.max_position_embeddings:
         log.warning(
@@ -204,6 +218,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("serving %r on http://%s:%d", name, args.host, args.port)
     run_server(
         AsyncEngine(engine, name), host=args.host, port=args.port, served_model_name=name, api_key=args.api_key,
+        strict_max_tokens=args.strict_max_tokens, default_thinking=args.default_thinking,
         metrics_open=args.metrics_open, header_timeout_s=args.header_timeout_s,
         keep_alive_timeout_s=args.keep_alive_timeout_s, max_connections=args.max_connections,
     )

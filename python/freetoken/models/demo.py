@@ -46,7 +46,12 @@ __all__ = [
     "qwen3_chat_template",
 ]
 
-DEMO_NAME = "demo-v1"
+DEMO_NAME = "demo-v2"
+
+# The context of the served demo (`demo_checkpoint_dir`, what `ft serve --model demo` runs): agent harnesses'
+# first prompts alone are 6k (Codex) to 20k (Claude Code) tokens. `build_demo_checkpoint`'s own default stays
+# small (`_DEMO_SIZES`), so that the tests' engines, which size their KV cache from it, stay small.
+DEMO_CONTEXT_TOKENS = 65536
 
 # Qwen3's added tokens: (id, content, special), as in Qwen3's tokenizer_config.json
 # added_tokens_decoder (see resources/SOURCES.md).
@@ -443,8 +448,12 @@ def _cached_tokenizer_json() -> Path:
 def demo_checkpoint_dir() -> Path:
     """The default demo checkpoint (seed 0, one shard, per-expert), built once into the cache.
 
-    Location: $FREETOKEN_CACHE_DIR/models/demo-v1, else $XDG_CACHE_HOME/freetoken/models/demo-v1,
-    else ~/.cache/freetoken/models/demo-v1. Built in a temporary sibling directory and renamed into
+    Its context (max_position_embeddings) is `DEMO_CONTEXT_TOKENS`, long enough for agent harness sessions.
+    Location: $FREETOKEN_CACHE_DIR/models/demo-v2, else $XDG_CACHE_HOME/freetoken/models/demo-v2,
+    else ~/.cache/freetoken/models/demo-v2. Built in a temporary sibling directory and renamed into
     place, so a present directory is always complete.
     """
-    return atomic_build(cache_root() / "models" / DEMO_NAME, build_demo_checkpoint)
+    return atomic_build(
+        cache_root() / "models" / DEMO_NAME,
+        lambda dest: build_demo_checkpoint(dest, max_position_embeddings=DEMO_CONTEXT_TOKENS),
+    )

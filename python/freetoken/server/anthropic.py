@@ -3,15 +3,27 @@
 Accepted: ``system`` as a string or an array of text blocks; message content as a string or blocks
 (text; tool_use in assistant turns and tool_result in user turns are rendered through the chat
 template as tool calls and tool messages; thinking blocks become the turn's ``reasoning_content``, which
-the template keeps or drops; redacted_thinking and block types this server does not know are skipped);
-``max_tokens`` (required), stop_sequences, temperature, top_p, top_k, stream, tools (``input_schema``
-becomes the function's ``parameters``), tool_choice, ``output_config.format`` (and the earlier beta's
-``output_format``) ``{"type": "json_schema", "schema": ...}``: the answer is constrained by a grammar to one JSON
-value matching the schema, as OpenAI's response_format (after the model's reasoning, when it thinks; a schema the
-grammar library cannot enforce is a 400 on that field), ``thinking`` (sets the template's
-``enable_thinking``; absent leaves the template's default). Accepted and ignored: metadata,
-service_tier, cache_control, disable_parallel_tool_use. Rejected with 400 (code unsupported): image and
-document blocks. The ``anthropic-version`` header is accepted, whatever its value.
+the template keeps or drops; redacted_thinking is skipped, and so are block types this server does not know,
+logged once). ``role: "system"`` entries anywhere in ``messages`` (Claude Code's environment block) are merged,
+in order, into the leading system turn after ``system``. A final assistant message is a prefill: the model
+continues it. Images, and documents that are not plain text, become a short placeholder saying what was dropped
+(this model reads text only; logged once per request); a plain-text document is its text; a ``tool_reference``
+block (Claude Code's tool search) renders as a line naming the tool.
+``max_tokens`` (required; lowered to the room the prompt leaves in the context, unless the server runs with
+--strict-max-tokens), stop_sequences, temperature, top_p, top_k, stream, tools (``input_schema`` becomes the
+function's ``parameters``; server tools such as ``web_search_20250305``, which have no input_schema, are not
+offered; ``defer_loading`` tools are offered once a tool_reference names them), tool_choice,
+``output_config.format`` (and the earlier beta's ``output_format``) ``{"type": "json_schema", "schema": ...}``:
+the answer is constrained by a grammar to one JSON value matching the schema, as OpenAI's response_format (after
+the model's reasoning, when it thinks; a schema the grammar library cannot enforce is a 400 on that field),
+``thinking``
+(sets the template's ``enable_thinking``: ``disabled`` off; ``enabled`` with or without budget_tokens,
+``adaptive`` and unknown types on; absent off, as the API's default, unless the server runs with
+--default-thinking). Accepted and ignored: metadata, service_tier, cache_control, disable_parallel_tool_use,
+context_management, output_config's effort; other unknown top-level fields are logged once. The
+``anthropic-version`` header is accepted, whatever its value. A prompt that leaves no room for output is a 400 in
+Anthropic's wording (``prompt is too long: N tokens > M maximum``; strict mode's budget refusal is ``input length
+and `max_tokens` exceed context limit: X + Y > Z, ...``), which clients match.
 
 Output goes through the model family's parser (`freetoken.server.parsers`): reasoning becomes a
 ``thinking`` block (with an empty ``signature``; no signature_delta is streamed, which the SDK accepts),
@@ -42,6 +54,7 @@ from starlette.responses import JSONResponse, Response
 from freetoken.engine.types import GenerationChunk, SamplingParams
 from freetoken.server.errors import (
     ApiError,
+    ApiFlavor,
     ErrorCode,
     anthropic_error_body,
     invalid_request,
@@ -54,10 +67,17 @@ from freetoken.server.generation import (
     check_params,
     collect,
     constrain_output,
+    context_fit,
     converted_events,
     fit_context,
     plan_output,
     render_prompt,
+)
+from freetoken.server.notices import (
+    note_once_per_process,
+    note_once_per_request,
+    note_unknown_fields,
+    omitted,
 )
 from freetoken.server.openai import schema_instruction, with_system_instruction
 from freetoken.server.parsers import (
@@ -87,6 +107,7 @@ class MessagesRequest:
 
     Attributes:
         messages: the conversation in the Hugging Face chat format (system first, if any).
+        continue_final: the last message is the assistant's, to be continued (a prefill).
         tools: tool definitions in the function format the chat template takes, or None.
         tool_choice: how the model may use `tools`.
         template_kwargs: extra chat template variables.
@@ -98,6 +119,7 @@ class MessagesRequest:
     """
 
     messages: list[dict[str, Any]]
+    continue_final: bool
     tools: list[dict[str, Any]] | None
     tool_choice: ToolChoice
     template_kwargs: dict[str, Any]
@@ -120,52 +142,73 @@ def _blocks(value: Any, path: str) -> list[dict[str, Any]]:
     return value
 
 
-def _unsupported_block(kind: str, path: str) -> ApiError:
-    return invalid_request(
-        ErrorCode.UNSUPPORTED, f"content block type {kind!r} is not supported here", join_path(path, "type")
-    )
+# A tool_result's content blocks and the system prompt's blocks hold text, and in Claude Code's case
+# tool_reference blocks; images and documents become placeholders (see `_block_text`).
+_SKIPPED_NOTE = "%s: content block type %r is not known to this server and is skipped (logged once)"
 
 
-# Blocks the model cannot take and must not silently lose; any other unknown type is skipped.
-_REFUSED_BLOCKS = frozenset({"image", "document"})
+def _document_text(block: dict[str, Any], path: str) -> str:
+    """A document block: a plain-text source (``text``, or ``content`` text blocks) is its text, headed by its
+    title; any other source (a PDF, a URL, a file id) is a placeholder."""
+    source = get_field(block, "source", dict, parent=path, default={})
+    title = get_field(block, "title", str, parent=path)
+    kind = source.get("type")
+    if kind == "text" and isinstance(source.get("data"), str):
+        text = source["data"]
+    elif kind == "content" and isinstance(source.get("content"), str | list):
+        content_path = join_path(path, "source.content")
+        text = _text_of(_blocks(source["content"], content_path), content_path)
+    else:
+        described = [source.get("media_type"), repr(title) if title else None]
+        what = ", ".join(filter(None, described)) or kind or "no source"
+        return omitted("document", what)
+    return f"{title}\n\n{text}" if title else text
+
+
+def _block_text(block: dict[str, Any], path: str) -> str | None:
+    """The text a content block stands for in the prompt, or None when it has none (an unknown type, skipped).
+
+    Text is itself; an image (this model reads text only) and a non-text document are short placeholders that
+    say what was dropped (`omitted`); a tool_reference (Claude Code's tool search result) names the tool, which
+    is then offered (see `_referenced_tools`).
+    """
+    kind = block["type"]
+    if kind == "text":
+        return get_field(block, "text", str, parent=path, required=True)
+    if kind == "image":
+        source = get_field(block, "source", dict, parent=path, default={})
+        return omitted("image", source.get("media_type") or source.get("type") or "")
+    if kind == "document":
+        return _document_text(block, path)
+    if kind == "tool_reference":
+        name = get_field(block, "tool_name", str, parent=path, required=True)
+        return f"Tool {name} is now available."
+    note_once_per_process(f"anthropic-block:{kind}", _SKIPPED_NOTE, "/v1/messages", kind)
+    return None
 
 
 def _text_of(blocks: list[dict[str, Any]], path: str) -> str:
-    """Join text blocks; images and documents are unsupported, other block types are skipped."""
-    texts = []
-    for i, block in enumerate(blocks):
-        block_path = join_path(path, i)
-        if block["type"] == "text":
-            texts.append(get_field(block, "text", str, parent=block_path, required=True))
-        elif block["type"] in _REFUSED_BLOCKS:
-            raise _unsupported_block(block["type"], block_path)
-    return "\n".join(texts)
-
-
-def _system_message(body: dict[str, Any]) -> dict[str, Any] | None:
-    system = body.get("system")
-    if system is None:
-        return None
-    return {"role": "system", "content": _text_of(_blocks(system, "system"), "system")}
+    """The text of `blocks` (see `_block_text`), joined by newlines."""
+    texts = (_block_text(block, join_path(path, i)) for i, block in enumerate(blocks))
+    return "\n".join(text for text in texts if text is not None)
 
 
 def _convert_user(blocks: list[dict[str, Any]], path: str) -> list[dict[str, Any]]:
-    """A user turn: tool_result blocks become tool messages (first), text becomes one user message."""
+    """A user turn: tool_result blocks become tool messages (first), the rest one user message."""
     out: list[dict[str, Any]] = []
     texts = []
     for i, block in enumerate(blocks):
         block_path = join_path(path, i)
-        kind = block["type"]
-        if kind == "text":
-            texts.append(get_field(block, "text", str, parent=block_path, required=True))
-        elif kind == "tool_result":
+        if block["type"] == "tool_result":
             tool_use_id = get_field(block, "tool_use_id", str, parent=block_path, required=True)
             content = block.get("content")
-            text = "" if content is None else _text_of(_blocks(content, join_path(block_path, "content")),
-                                                      join_path(block_path, "content"))
+            content_path = join_path(block_path, "content")
+            text = "" if content is None else _text_of(_blocks(content, content_path), content_path)
             out.append({"role": "tool", "content": text, "tool_call_id": tool_use_id})
-        elif kind in _REFUSED_BLOCKS:
-            raise _unsupported_block(kind, block_path)
+        else:
+            text = _block_text(block, block_path)
+            if text is not None:
+                texts.append(text)
     if texts or not out:
         out.append({"role": "user", "content": "\n".join(texts)})
     return out
@@ -179,9 +222,7 @@ def _convert_assistant(blocks: list[dict[str, Any]], path: str) -> dict[str, Any
     for i, block in enumerate(blocks):
         block_path = join_path(path, i)
         kind = block["type"]
-        if kind == "text":
-            texts.append(get_field(block, "text", str, parent=block_path, required=True))
-        elif kind == "tool_use":
+        if kind == "tool_use":
             tool_calls.append({
                 "id": get_field(block, "id", str, parent=block_path, required=True),
                 "type": "function",
@@ -192,8 +233,10 @@ def _convert_assistant(blocks: list[dict[str, Any]], path: str) -> dict[str, Any
             })
         elif kind == "thinking":
             thoughts.append(get_field(block, "thinking", str, parent=block_path, default=""))
-        elif kind in _REFUSED_BLOCKS:
-            raise _unsupported_block(kind, block_path)
+        elif kind != "redacted_thinking":  # an encrypted thought is nothing this model can read
+            text = _block_text(block, block_path)
+            if text is not None:
+                texts.append(text)
     message: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
     if any(thoughts):
         message["reasoning_content"] = "\n".join(thoughts)
@@ -202,40 +245,115 @@ def _convert_assistant(blocks: list[dict[str, Any]], path: str) -> dict[str, Any
     return message
 
 
-def convert_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
-    """Anthropic ``system`` + ``messages`` -> the Hugging Face chat format."""
+@dataclass
+class Conversation:
+    """An Anthropic conversation in the Hugging Face chat format.
+
+    Attributes:
+        messages: the messages, the system text first (when there is any).
+        continue_final: the last message is the assistant's, to be continued (a prefill), not closed.
+        referenced_tools: tool names that tool_reference blocks name (their deferred tools are offered).
+    """
+
+    messages: list[dict[str, Any]]
+    continue_final: bool
+    referenced_tools: set[str]
+
+
+def _referenced_tools(raw_messages: list[dict[str, Any]]) -> set[str]:
+    """The tools the conversation has loaded: those named by tool_reference blocks inside tool_result blocks
+    (Claude Code's tool search), and those an assistant turn already called (tool_use)."""
+    names = set()
+    for message in raw_messages:
+        content = message.get("content")
+        for block in content if isinstance(content, list) else []:
+            if not isinstance(block, dict):
+                continue
+            if block.get("type") == "tool_use" and isinstance(block.get("name"), str):
+                names.add(block["name"])
+            inner = block.get("content") if block.get("type") == "tool_result" else None
+            for ref in inner if isinstance(inner, list) else []:
+                if isinstance(ref, dict) and ref.get("type") == "tool_reference":
+                    name = ref.get("tool_name")
+                    if isinstance(name, str):
+                        names.add(name)
+    return names
+
+
+def convert_messages(body: dict[str, Any]) -> Conversation:
+    """Anthropic ``system`` + ``messages`` -> the Hugging Face chat format.
+
+    ``role: "system"`` entries in ``messages`` (Claude Code puts its environment block there) are merged, in
+    order, into the one leading system message after ``system``'s text: chat templates take one system turn at
+    the start (Qwen's raise on a system message elsewhere or render it as a user turn). A final assistant message
+    without tool calls is a prefill: the model continues it (`render_prompt`'s ``continue_final``).
+    """
     raw_messages = get_object_list(body, "messages", required=True, non_empty=True)
-    messages = []
-    system = _system_message(body)
+    system_texts = []
+    system = body.get("system")
     if system is not None:
-        messages.append(system)
+        system_texts.append(_text_of(_blocks(system, "system"), "system"))
+    messages: list[dict[str, Any]] = []
     for i, message in enumerate(raw_messages):
         path = join_path("messages", i)
         role = get_field(message, "role", str, parent=path, required=True)
-        if role not in ("user", "assistant"):
+        if role not in ("user", "assistant", "system"):
             raise invalid_request(
-                ErrorCode.INVALID_VALUE, f"{path}.role must be 'user' or 'assistant', got {role!r}",
+                ErrorCode.INVALID_VALUE, f"{path}.role must be 'user', 'assistant' or 'system', got {role!r}",
                 join_path(path, "role"),
             )
         content_path = join_path(path, "content")
         content = get_field(message, "content", (str, list), parent=path, required=True)
         blocks = _blocks(content, content_path)
-        if role == "user":
+        if role == "system":
+            system_texts.append(_text_of(blocks, content_path))
+        elif role == "user":
             messages.extend(_convert_user(blocks, content_path))
         else:
             messages.append(_convert_assistant(blocks, content_path))
-    return messages
+    if not messages:
+        raise invalid_request(
+            ErrorCode.INVALID_VALUE, "messages must hold at least one user or assistant message", "messages"
+        )
+    system_text = "\n\n".join(text for text in system_texts if text)
+    if system_text or system is not None:
+        messages.insert(0, {"role": "system", "content": system_text})
+    final = messages[-1]
+    continue_final = final["role"] == "assistant" and "tool_calls" not in final
+    return Conversation(messages, continue_final, _referenced_tools(raw_messages))
 
 
-def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
+def _tools(body: dict[str, Any], referenced: set[str]) -> list[dict[str, Any]] | None:
+    """Client tools in the function format the chat template takes.
+
+    Not offered: server tools (Anthropic runs them: ``web_search_20250305``, ``code_execution_...``; they have a
+    versioned type and no ``input_schema``), and tools with ``defer_loading: true`` until a tool_reference block
+    in the conversation names them (Claude Code's tool search); each is logged once.
+    """
     tools = []
     for i, tool in enumerate(get_object_list(body, "tools")):
         path = join_path("tools", i)
-        function = {"name": get_field(tool, "name", str, parent=path, required=True)}
+        name = get_field(tool, "name", str, parent=path, required=True)
+        kind = get_field(tool, "type", str, parent=path, default="custom")
+        schema = get_field(tool, "input_schema", dict, parent=path)
+        if schema is None and kind != "custom":
+            note_once_per_process(
+                f"anthropic-server-tool:{kind}",
+                "/v1/messages: server tool %r (type %s) is not offered to the model: this server runs no hosted "
+                "tools (logged once)", name, kind,
+            )
+            continue
+        if get_field(tool, "defer_loading", bool, parent=path, default=False) and name not in referenced:
+            note_once_per_request(
+                "anthropic-deferred-tools", "/v1/messages: tools with defer_loading are not offered until a "
+                "tool_reference names them (first: %r)", name,
+            )
+            continue
+        function = {"name": name}
         description = get_field(tool, "description", str, parent=path)
         if description is not None:
             function["description"] = description
-        function["parameters"] = get_field(tool, "input_schema", dict, parent=path, default={"type": "object"})
+        function["parameters"] = schema if schema is not None else {"type": "object"}
         tools.append({"type": "function", "function": function})
     return tools or None
 
@@ -267,16 +385,21 @@ def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None) -> To
     return ToolChoice("function", name)
 
 
-def _template_kwargs(body: dict[str, Any]) -> dict[str, Any]:
+def _template_kwargs(body: dict[str, Any], default_thinking: bool) -> dict[str, Any]:
+    """``thinking`` -> the template's ``enable_thinking``: ``disabled`` turns it off; ``enabled`` (with or without
+    ``budget_tokens``, which is not enforced), ``adaptive`` (the model decides how much) and types this server
+    does not know yet turn it on. Absent: `default_thinking` (off, the API's default, unless the server says)."""
     thinking = get_field(body, "thinking", dict)
     if thinking is None:
-        return {}
+        return {"enable_thinking": default_thinking}
     kind = get_field(thinking, "type", str, parent="thinking", required=True)
-    if kind not in ("enabled", "disabled"):
-        raise invalid_request(
-            ErrorCode.INVALID_VALUE, f"thinking.type must be 'enabled' or 'disabled', got {kind!r}", "thinking.type"
+    get_int(thinking, "budget_tokens", lo=0, parent="thinking")
+    if kind not in ("enabled", "disabled", "adaptive"):
+        note_once_per_process(
+            f"anthropic-thinking:{kind}", "/v1/messages: thinking type %r is not known to this server; taken as "
+            "thinking on (logged once)", kind,
         )
-    return {"enable_thinking": kind == "enabled"}
+    return {"enable_thinking": kind != "disabled"}
 
 
 def _output_format(body: dict[str, Any]) -> JsonFormat | None:
@@ -298,16 +421,33 @@ def _output_format(body: dict[str, Any]) -> JsonFormat | None:
     return JsonFormat(schema, join_path(param, "schema"))
 
 
-def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) -> MessagesRequest:
-    """Validate a Messages body (`count_only`: the count_tokens body, where max_tokens is not needed)."""
+# Top-level fields of a Messages body this server reads, or knows and ignores on purpose (metadata, caching,
+# service tiers, Claude Code's context_management and output_config, output_format); any other is logged once.
+KNOWN_FIELDS = frozenset({
+    "model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream",
+    "tools", "tool_choice", "thinking", "metadata", "service_tier", "context_management", "output_config",
+    "output_format",
+})
+
+
+def parse_messages_request(
+    body: dict[str, Any], *, count_only: bool = False, default_thinking: bool = False
+) -> MessagesRequest:
+    """Validate a Messages body (`count_only`: the count_tokens body, where max_tokens is not needed;
+    `default_thinking`: thinking when the body has no ``thinking`` field)."""
     get_field(body, "model", str, required=True)
-    messages = convert_messages(body)
+    note_unknown_fields(body, KNOWN_FIELDS, "/v1/messages/count_tokens" if count_only else "/v1/messages")
+    conversation = convert_messages(body)
+    messages = conversation.messages
     output_format = _output_format(body)
     if output_format is not None:
         messages = with_system_instruction(messages, schema_instruction(output_format.schema))
-    tools = _tools(body)
+    forced = body.get("tool_choice")
+    if isinstance(forced, dict) and isinstance(forced.get("name"), str):  # a tool forced by name is loaded too
+        conversation.referenced_tools.add(forced["name"])
+    tools = _tools(body, conversation.referenced_tools)
     tool_choice = _tool_choice(body, tools)
-    template_kwargs = _template_kwargs(body)
+    template_kwargs = _template_kwargs(body, default_thinking)
     max_tokens = get_int(body, "max_tokens", lo=1, required=not count_only, default=1)
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -320,6 +460,7 @@ def parse_messages_request(body: dict[str, Any], *, count_only: bool = False) ->
     check_params(params)
     return MessagesRequest(
         messages=messages,
+        continue_final=conversation.continue_final,
         tools=tools,
         tool_choice=tool_choice,
         template_kwargs=template_kwargs,
@@ -493,12 +634,19 @@ async def messages(request: Request) -> Response:
     """``POST /v1/messages``."""
     state = request.app.state
     engine = state.engine
-    req = parse_messages_request(parse_json_object(await read_body(request)))
+    req = parse_messages_request(
+        parse_json_object(await read_body(request)), default_thinking=state.default_thinking
+    )
     tools = None if req.tool_choice.mode == "none" else req.tools
-    prompt = await render_prompt(engine, req.messages, tools, req.template_kwargs)
+    prompt = await render_prompt(
+        engine, req.messages, tools, req.template_kwargs, continue_final=req.continue_final,
+        flavor=ApiFlavor.ANTHROPIC,
+    )
     plan = plan_output(engine, prompt, tools, req.tool_choice)
     prompt_ids = prompt.ids
-    fit_context(len(prompt_ids), req.params.max_tokens, engine.max_model_len, max_tokens_param="max_tokens")
+    req.params.max_tokens = fit_context(
+        len(prompt_ids), req.params.max_tokens, context_fit(state, ApiFlavor.ANTHROPIC), max_tokens_param="max_tokens"
+    )
     await constrain_output(engine, plan, req.params, prompt_ids, req.output_format, tools)
     message_id = f"msg_{uuid.uuid4().hex}"
     model = state.served_model_name
@@ -518,13 +666,17 @@ COUNT_TOKENS_CONTEXTS = 4
 
 async def count_tokens(request: Request) -> Response:
     """``POST /v1/messages/count_tokens``: the prompt's token count, as the chat template renders it."""
-    engine = request.app.state.engine
-    req = parse_messages_request(parse_json_object(await read_body(request)), count_only=True)
+    state = request.app.state
+    engine = state.engine
+    req = parse_messages_request(
+        parse_json_object(await read_body(request)), count_only=True, default_thinking=state.default_thinking
+    )
     tools = None if req.tool_choice.mode == "none" else req.tools
     # Counted exactly up to COUNT_TOKENS_CONTEXTS contexts (a client deciding what to trim needs the count of a
     # prompt a little past the context); past that, refused after bounded work like any prompt.
     prompt = await render_prompt(
-        engine, req.messages, tools, req.template_kwargs, max_tokens=COUNT_TOKENS_CONTEXTS * engine.max_model_len
+        engine, req.messages, tools, req.template_kwargs, max_tokens=COUNT_TOKENS_CONTEXTS * engine.max_model_len,
+        continue_final=req.continue_final, flavor=ApiFlavor.ANTHROPIC,
     )
     plan_output(engine, prompt, tools, req.tool_choice)  # a forced tool call's opening counts too
     return JSONResponse({"input_tokens": len(prompt.ids)})

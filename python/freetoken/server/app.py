@@ -56,6 +56,7 @@ from freetoken.heap import release_free_memory
 from freetoken.server import anthropic, completions, openai, responses, status_page, telemetry
 from freetoken.server.errors import ApiError, ApiFlavor, ErrorCode, error_body
 from freetoken.server.generation import ClientDisconnected
+from freetoken.server.notices import request_notes
 from freetoken.server.sse import KEEPALIVE_S
 
 logger = logging.getLogger("freetoken.server")
@@ -131,6 +132,7 @@ class ApiMiddleware:
                 else "invalid API key"
             )
             err = ApiError(401, ErrorCode.INVALID_API_KEY, message)
+            log_client_error(scope, err)
             await error_response(err, flavor)(scope, receive, send)
             return
 
@@ -150,7 +152,8 @@ class ApiMiddleware:
             return message
 
         try:
-            await self._serve(scope, counting_receive, tracking_send, flavor, lambda: started)
+            with request_notes():
+                await self._serve(scope, counting_receive, tracking_send, flavor, lambda: started)
         finally:
             if body_bytes >= TRIM_AFTER_BODY_BYTES:
                 await asyncio.to_thread(release_free_memory)
@@ -168,6 +171,7 @@ class ApiMiddleware:
             if started():
                 logger.warning("%s %s failed after the response started: %s", scope["method"], scope["path"], err)
                 return
+            log_client_error(scope, err)
             await error_response(err, flavor)(scope, receive, send)
         except Exception:
             logger.exception("unexpected error in %s %s", scope["method"], scope["path"])
@@ -175,6 +179,15 @@ class ApiMiddleware:
                 return
             err = ApiError(500, ErrorCode.INTERNAL_ERROR, "internal server error; see the server log")
             await error_response(err, flavor)(scope, receive, send)
+
+
+def log_client_error(scope: Scope, err: ApiError) -> None:
+    """One log line for a 4xx answer: the route, the status and code, the field, and the reason."""
+    if 400 <= err.status < 500:
+        logger.warning(
+            "%s %s -> %d %s%s: %s", scope.get("method"), scope.get("path"), err.status, err.code.value,
+            f" (field {err.param})" if err.param else "", err.message,
+        )
 
 
 async def _http_exception(request: Request, exc: Exception) -> Response:
@@ -187,6 +200,7 @@ async def _http_exception(request: Request, exc: Exception) -> Response:
         err = ApiError(405, ErrorCode.METHOD_NOT_ALLOWED, message)
     else:
         err = ApiError(exc.status_code, ErrorCode.INVALID_VALUE, str(exc.detail))
+    log_client_error(request.scope, err)
     response = error_response(err, flavor_of(request.scope))
     if exc.headers:
         response.headers.update(exc.headers)
@@ -287,6 +301,8 @@ def build_app(
     api_key: str | None = None,
     metrics_open: bool = False,
     keepalive_s: float = KEEPALIVE_S,
+    strict_max_tokens: bool = False,
+    default_thinking: bool = False,
 ) -> Starlette:
     """Build the ASGI app serving `engine`; the app's lifespan starts and shuts down the engine.
 
@@ -296,6 +312,9 @@ def build_app(
         api_key: when set, every route but /health and / needs this key.
         metrics_open: /metrics answers loopback clients without the key.
         keepalive_s: seconds a stream may be idle before it sends a keep-alive (see `freetoken.server.sse`).
+        strict_max_tokens: refuse (400) a completion budget past the room the prompt leaves in the context,
+            instead of lowering it (`freetoken.server.generation.fit_context`).
+        default_thinking: Anthropic requests without a ``thinking`` field think (the API's default is off).
     """
 
     @contextlib.asynccontextmanager
@@ -345,6 +364,8 @@ def build_app(
     app.state.api_key = api_key
     app.state.response_store = responses.ResponseStore()
     app.state.created = int(time.time())
+    app.state.strict_max_tokens = strict_max_tokens
+    app.state.default_thinking = default_thinking
     app.state.keepalive_s = keepalive_s
     return app
 
@@ -420,6 +441,8 @@ def run_server(
     api_key: str | None = None,
     metrics_open: bool = False,
     graceful_shutdown_s: float = 3.0,
+    strict_max_tokens: bool = False,
+    default_thinking: bool = False,
     header_timeout_s: float = 10.0,
     keep_alive_timeout_s: float = 5.0,
     max_connections: int = 1024,
@@ -437,8 +460,12 @@ def run_server(
             ``timeout_keep_alive``).
         max_connections: open connections past this get a 503 to their requests (uvicorn's
             ``limit_concurrency``); 0 = no limit.
+        strict_max_tokens, default_thinking: see `build_app`.
     """
-    app = build_app(engine, served_model_name=served_model_name, api_key=api_key, metrics_open=metrics_open)
+    app = build_app(
+        engine, served_model_name=served_model_name, api_key=api_key, metrics_open=metrics_open,
+        strict_max_tokens=strict_max_tokens, default_thinking=default_thinking,
+    )
     protocol = type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout_s": header_timeout_s})
     config = uvicorn.Config(
         app,

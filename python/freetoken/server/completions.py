@@ -29,9 +29,11 @@ from freetoken.server.generation import (
     check_request,
     closing_chunks,
     collect,
+    context_fit,
     fit_context,
 )
 from freetoken.server.logprobs import completion_logprobs
+from freetoken.server.notices import note_unknown_fields
 from freetoken.server.openai import Sampling, error_events, parse_sampling, usage
 from freetoken.server.schema import (
     get_field,
@@ -72,8 +74,17 @@ def _prompt_ids(body: dict[str, Any], tokenizer: Any) -> tuple[str, list[int]]:
     raise wrong_type("prompt", "a string, an array of one string, or a non-empty array of token ids", prompt)
 
 
+# Top-level fields of a text completions body this server reads, or knows and ignores; any other is logged once.
+KNOWN_FIELDS = frozenset({
+    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stream", "stream_options",
+    "logit_bias", "logprobs", "echo", "suffix", "best_of", "frequency_penalty", "presence_penalty",
+    "repetition_penalty", "ignore_eos", "user",
+})
+
+
 def _sampling(body: dict[str, Any]) -> Sampling:
     get_field(body, "model", str, required=True)
+    note_unknown_fields(body, KNOWN_FIELDS, "/v1/completions")
     logprobs = get_int(body, "logprobs", lo=0, hi=MAX_LOGPROBS)
     if get_field(body, "suffix", str) is not None:
         raise invalid_request(ErrorCode.UNSUPPORTED, "suffix is not supported by this server", "suffix")
@@ -134,7 +145,7 @@ async def completions(request: Request) -> Response:
     # Off the event loop: tokenizing (or decoding) a prompt of megabytes takes seconds.
     prompt_text, prompt_ids = await run_in_threadpool(_prompt_ids, body, engine.tokenizer)
     sampling.params.max_tokens = fit_context(
-        len(prompt_ids), sampling.max_tokens, engine.max_model_len,
+        len(prompt_ids), sampling.max_tokens, context_fit(state),
         max_tokens_param=sampling.max_tokens_param, messages_param="prompt",
     )
     check_request(engine, prompt_ids, sampling.params, messages_param="prompt")

@@ -65,22 +65,27 @@ class ApiError(Exception):
         code: stable error code.
         message: human-readable message naming the field and the fix.
         param: the field path (``messages[0].content``), or None.
+        verbatim: the message is in the API's own wording, which clients match (Anthropic's "prompt is too
+            long: ..."): it is sent as it is, without the field path in front.
     """
 
-    def __init__(self, status: int, code: ErrorCode, message: str, param: str | None = None) -> None:
+    def __init__(
+        self, status: int, code: ErrorCode, message: str, param: str | None = None, *, verbatim: bool = False
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
         self.message = message
         self.param = param
+        self.verbatim = verbatim
 
     def __repr__(self) -> str:
         return f"ApiError({self.status}, {self.code.value}, {self.message!r}, param={self.param!r})"
 
 
-def invalid_request(code: ErrorCode, message: str, param: str | None = None) -> ApiError:
-    """A 400 invalid-request error about `param`."""
-    return ApiError(400, code, message, param)
+def invalid_request(code: ErrorCode, message: str, param: str | None = None, *, verbatim: bool = False) -> ApiError:
+    """A 400 invalid-request error about `param` (`verbatim`: see `ApiError`)."""
+    return ApiError(400, code, message, param, verbatim=verbatim)
 
 
 def openai_error_body(err: ApiError) -> dict[str, Any]:
@@ -100,7 +105,7 @@ def anthropic_error_body(err: ApiError) -> dict[str, Any]:
     """The Anthropic error body (also the payload of a streamed ``error`` event) for `err`."""
     anthropic_type = _TYPES_BY_STATUS.get(err.status, _TYPES_BY_STATUS[500])[1]
     message = err.message
-    if err.param and not message.startswith(err.param):
+    if err.param and not err.verbatim and not message.startswith(err.param):
         message = f"{err.param}: {message}"
     return {
         "type": "error",

@@ -4,7 +4,7 @@
 - `plan_output`: the model family's output parsers for one request, and how a forced tool choice is enforced.
 - `constrain_output`: the request's grammar (a response format's, or a forced tool call's) and the reasoning tags
   its stop strings skip; then the engine's own checks (`check_request`), all before any response byte.
-- `fit_context`: checks the prompt and the completion budget against the engine's context length.
+- `fit_context`: checks the prompt against the engine's context length and fits the completion budget to it.
 - `collect`: runs one request (its n choices) to completion for a non-streaming response, and aborts
   it when the client disconnects first; `merged_chunks` interleaves the choices' chunks.
 - `closing_chunks`: runs the engine's generator so that it is always closed (the engine aborts the
@@ -32,7 +32,8 @@ from freetoken.engine import RequestError
 from freetoken.engine.structured import GrammarError, GrammarMatcher, json_grammar
 from freetoken.engine.types import GenerationChunk, SamplingParams, TokenLogprob
 from freetoken.server import telemetry
-from freetoken.server.errors import ApiError, ErrorCode, invalid_request
+from freetoken.server.errors import ApiError, ApiFlavor, ErrorCode, invalid_request
+from freetoken.server.notices import note_once_per_request
 from freetoken.tokenizer import PromptTooLong
 from freetoken.server.parsers import (
     OutputParser,
@@ -111,36 +112,43 @@ async def render_prompt(
     tools: list[dict[str, Any]] | None,
     template_kwargs: dict[str, Any],
     max_tokens: int | None = None,
+    *,
+    continue_final: bool = False,
+    flavor: ApiFlavor = ApiFlavor.OPENAI,
 ) -> Prompt:
     """Render `messages` (Hugging Face chat format) with the model's chat template and tokenize.
 
+    With `continue_final` the last message (the assistant's, a prefill) is continued, not closed: the messages
+    before it are rendered with the assistant's generation header (which holds the template's choices, such as an
+    empty reasoning block when thinking is off), and its content follows the header as the start of the answer
+    (transformers' ``continue_final_message``, without searching the rendered text for it).
+
     Only the template's markup yields control tokens: client text is tokenized as plain text
     (`Tokenizer.encode_chat`). The work is bounded: a prompt past `max_tokens` (default: the context) is
-    refused, as a 400 (context_length_exceeded) naming `messages`, without tokenizing more than that many tokens'
-    worth of text (`Tokenizer.max_token_chars` characters a token).
+    refused, as a 400 (context_length_exceeded) naming `messages`, in `flavor`'s wording (see `fit_context`),
+    without tokenizing more than that many tokens' worth of text (`Tokenizer.max_token_chars` characters a token).
     Template errors (for example a conversation the template rejects) become a 400 naming `messages`.
     """
     tokenizer = engine.tokenizer
     template_kwargs = {k: v for k, v in template_kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
     limit = max_tokens or engine.max_model_len
+    prefill = messages[-1].get("content") or "" if continue_final else ""
+    if continue_final:
+        messages = messages[:-1]
 
     def render() -> Prompt:
         text, ids = tokenizer.encode_chat(
             messages, tools=tools or None, add_generation_prompt=True, max_tokens=limit,
             **template_kwargs,
         )
+        if prefill:  # client text: plain text, as encode_chat tokenizes the messages' text
+            text, ids = text + prefill, ids + tokenizer.encode_plain(prefill)
         return Prompt(text, ids)
 
     try:
         return await run_in_threadpool(render)
     except PromptTooLong as exc:
-        count = f"{exc.num_tokens} tokens" if exc.exact else f"more than {exc.limit} tokens (counting stopped there)"
-        raise invalid_request(
-            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-            f"the prompt is {count}, and this model's context is {engine.max_model_len} tokens, which must also "
-            "hold at least one output token; shorten messages",
-            "messages",
-        ) from None
+        raise prompt_too_long(exc.num_tokens, engine.max_model_len, flavor, "messages", exact=exc.exact) from None
     except (ValueError, TypeError, KeyError) as exc:
         raise invalid_request(
             ErrorCode.TEMPLATE_ERROR, f"the chat template cannot render these messages: {exc}", "messages"
@@ -327,42 +335,97 @@ def check_request(engine: Any, prompt_ids: list[int], params: SamplingParams, *,
         ) from None
 
 
+@dataclass(frozen=True)
+class ContextFit:
+    """How a request's completion budget is fitted to the context (`fit_context`).
+
+    Attributes:
+        max_model_len: the engine's context length in tokens.
+        strict: refuse a budget past the room the prompt leaves (400) instead of lowering it to that room.
+        flavor: whose wording the errors take (clients match them: Anthropic's "prompt is too long: N tokens > M
+            maximum", OpenAI's code context_length_exceeded).
+    """
+
+    max_model_len: int
+    strict: bool = False
+    flavor: ApiFlavor = ApiFlavor.OPENAI
+
+
+def prompt_too_long(
+    num_tokens: int, max_model_len: int, flavor: ApiFlavor, messages_param: str, *, exact: bool = True
+) -> ApiError:
+    """The 400 (code context_length_exceeded) for a prompt that leaves no room for output, in `flavor`'s wording
+    (Anthropic's ``prompt is too long: N tokens > M maximum``, which clients match; `exact` False: counting
+    stopped at `num_tokens`, a lower bound)."""
+    if flavor is ApiFlavor.ANTHROPIC:
+        message = f"prompt is too long: {num_tokens} tokens > {max_model_len - 1} maximum"
+    else:
+        count = f"{num_tokens}" if exact else f"more than {max_model_len} (counting stopped there)"
+        message = (
+            f"This model's maximum context length is {max_model_len} tokens. However, your {messages_param} "
+            f"resulted in {count} tokens, which leaves no room for output. Please reduce the length of the "
+            f"{messages_param}."
+        )
+    anthropic = flavor is ApiFlavor.ANTHROPIC
+    return invalid_request(ErrorCode.CONTEXT_LENGTH_EXCEEDED, message, messages_param, verbatim=anthropic)
+
+
+def context_fit(state: Any, flavor: ApiFlavor = ApiFlavor.OPENAI) -> ContextFit:
+    """The `ContextFit` of the app whose ``state`` this is (see `freetoken.server.app.build_app`)."""
+    return ContextFit(state.engine.max_model_len, state.strict_max_tokens, flavor)
+
+
 def fit_context(
     num_prompt_tokens: int,
     max_tokens: int | None,
-    max_model_len: int,
+    fit: ContextFit,
     *,
     max_tokens_param: str,
     messages_param: str = "messages",
 ) -> int:
-    """Check the request fits the context; return the completion budget.
+    """The completion budget of a request: `max_tokens`, lowered to the room the prompt leaves in the context.
+
+    Harnesses ask for more output than a small context holds (Claude Code: 32000 or 128000 tokens whatever the
+    model), so a budget past the room is lowered to it (logged once per request; the output then ends with finish
+    reason length / stop reason max_tokens when it fills the context), unless `fit.strict`.
 
     Args:
         num_prompt_tokens: tokens in the rendered prompt.
         max_tokens: the client's completion budget, or None for "whatever the context leaves".
-        max_model_len: the engine's context length in tokens.
+        fit: the context length, strictness, and error wording.
         max_tokens_param: the field the budget came from, for the error.
         messages_param: the field holding the prompt, for the error.
+
+    Raises:
+        ApiError: 400 (code context_length_exceeded) when the prompt leaves no room for one output token, or, in
+            strict mode, when the budget does not fit.
     """
-    if num_prompt_tokens >= max_model_len:
-        raise invalid_request(
-            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-            f"the prompt is {num_prompt_tokens} tokens, and this model's context is {max_model_len} "
-            f"tokens, which must also hold at least one output token; shorten {messages_param}",
-            messages_param,
-        )
-    if max_tokens is None:
-        return max_model_len - num_prompt_tokens
-    if num_prompt_tokens + max_tokens > max_model_len:
-        raise invalid_request(
-            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
-            f"this model's context is {max_model_len} tokens, but the request asks for "
-            f"{num_prompt_tokens + max_tokens} ({num_prompt_tokens} in the prompt, {max_tokens} in "
-            f"{max_tokens_param}); lower {max_tokens_param} to at most "
-            f"{max_model_len - num_prompt_tokens} or shorten {messages_param}",
-            max_tokens_param,
-        )
-    return max_tokens
+    limit = fit.max_model_len
+    anthropic = fit.flavor is ApiFlavor.ANTHROPIC
+    if num_prompt_tokens >= limit:
+        raise prompt_too_long(num_prompt_tokens, limit, fit.flavor, messages_param)
+    room = limit - num_prompt_tokens
+    if max_tokens is None or max_tokens <= room:
+        return room if max_tokens is None else max_tokens
+    if fit.strict:
+        if anthropic:
+            message = (
+                f"input length and `{max_tokens_param}` exceed context limit: {num_prompt_tokens} + {max_tokens} > "
+                f"{limit}, decrease input length or `{max_tokens_param}` and try again"
+            )
+        else:
+            message = (
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in the {messages_param}, {max_tokens} "
+                f"in {max_tokens_param}). Please reduce the length of the {messages_param} or {max_tokens_param} "
+                f"(at most {room})."
+            )
+        raise invalid_request(ErrorCode.CONTEXT_LENGTH_EXCEEDED, message, max_tokens_param, verbatim=anthropic)
+    note_once_per_request(
+        "max_tokens-lowered", "%s %d lowered to %d: the prompt takes %d of the %d-token context "
+        "(--strict-max-tokens refuses instead)", max_tokens_param, max_tokens, room, num_prompt_tokens, limit,
+    )
+    return room
 
 
 def fit_output_budget(engine: Any, n: int, max_tokens: int, explicit: bool, *, max_tokens_param: str) -> int:

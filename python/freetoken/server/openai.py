@@ -7,7 +7,9 @@ seed, stop (string or array; it ends the answer, never the model's reasoning), l
 frequency_penalty (OpenAI's definitions: subtracted from a generated token's logit once, and per time generated),
 stream, stream_options.include_usage, tools, tool_choice; non-standard ``top_k``, ``ignore_eos``,
 ``repetition_penalty`` (CTRL / Hugging Face: the logit of a token of the prompt or output divided by it when
-positive, multiplied when negative) and ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``, as in vLLM).
+positive, multiplied when negative), ``chat_template_kwargs`` (e.g. ``{"enable_thinking": false}``) and
+``continue_final_message`` (the last message, the assistant's, is continued instead of closed: a prefill), as in
+vLLM.
 Accepted and ignored for now: parallel_tool_calls, user, metadata, store.
 Every check (a ``logit_bias`` id past the vocabulary included) runs before the response starts: a streamed bad
 request is a 400, never a 200 stream that ends in an error event.
@@ -22,7 +24,8 @@ calls' arguments match the tools' parameter schemas. A schema the grammar librar
 ``logprobs: true`` with ``top_logprobs`` (0..20) gives ``choices[i].logprobs.content`` (per chunk when
 streaming; see `freetoken.server.logprobs` for the values, ``token`` and ``bytes``); ``top_logprobs``
 without ``logprobs: true`` is a 400.
-Rejected with 400 (code unsupported): non-text content parts.
+Image, audio and file content parts become a short text placeholder saying what was dropped (this model reads
+text only; logged once per request); other unknown part types are skipped (logged once).
 
 Output goes through the model family's parser (`freetoken.server.parsers`): reasoning becomes
 ``reasoning_content``, tool calls ``message.tool_calls`` (content null when there is no text) with
@@ -70,6 +73,7 @@ from freetoken.server.generation import (
     check_params,
     choice_params,
     collect,
+    context_fit,
     fit_context,
     constrain_output,
     fit_output_budget,
@@ -78,6 +82,7 @@ from freetoken.server.generation import (
     render_prompt,
 )
 from freetoken.server.logprobs import chat_logprobs
+from freetoken.server.notices import note_once_per_process, note_unknown_fields, omitted
 from freetoken.server.parsers import (
     ParsedDelta,
     ParsedOutput,
@@ -137,6 +142,7 @@ class ChatRequest:
         template_kwargs: extra chat template variables (``chat_template_kwargs``).
         sampling: sampling and streaming.
         response_format: the JSON the output is constrained to, or None for free text.
+        continue_final: continue the last (assistant) message instead of closing it (``continue_final_message``).
     """
 
     messages: list[dict[str, Any]]
@@ -145,6 +151,11 @@ class ChatRequest:
     template_kwargs: dict[str, Any]
     sampling: Sampling
     response_format: JsonFormat | None = None
+    continue_final: bool = False
+
+
+# Content parts a text-only model cannot read: each becomes a placeholder saying what was dropped (`omitted`).
+_OMITTED_PARTS = {"image_url": "image", "input_audio": "audio", "file": "file"}
 
 
 def _content_text(message: dict[str, Any], path: str, *, required: bool) -> str:
@@ -159,13 +170,15 @@ def _content_text(message: dict[str, Any], path: str, *, required: bool) -> str:
         if not isinstance(part, dict):
             raise wrong_type(part_path, "an object", part)
         kind = get_field(part, "type", str, parent=part_path, required=True)
-        if kind != "text":
-            raise invalid_request(
-                ErrorCode.UNSUPPORTED,
-                f"{part_path}.type {kind!r} is not supported; this server takes text parts only",
-                join_path(part_path, "type"),
+        if kind == "text":
+            texts.append(get_field(part, "text", str, parent=part_path, required=True))
+        elif kind in _OMITTED_PARTS:
+            texts.append(omitted(_OMITTED_PARTS[kind]))
+        else:
+            note_once_per_process(
+                f"chat-part:{kind}", "/v1/chat/completions: content part type %r is not known to this server and is "
+                "skipped (logged once)", kind,
             )
-        texts.append(get_field(part, "text", str, parent=part_path, required=True))
     return "\n".join(texts)
 
 
@@ -398,9 +411,20 @@ def with_system_instruction(messages: list[dict[str, Any]], instruction: str) ->
     return [{"role": "system", "content": instruction}, *messages]
 
 
+# Top-level fields of a chat completions body this server reads, or knows and ignores on purpose; any other is
+# logged once (`note_unknown_fields`).
+KNOWN_CHAT_FIELDS = frozenset({
+    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
+    "stream", "stream_options", "logit_bias", "logprobs", "top_logprobs", "tools", "tool_choice",
+    "parallel_tool_calls", "response_format", "frequency_penalty", "presence_penalty", "repetition_penalty",
+    "ignore_eos", "chat_template_kwargs", "continue_final_message", "user", "metadata", "store",
+})
+
+
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     """Validate a chat completions body; every failure is a 400 naming the field."""
     get_field(body, "model", str, required=True)
+    note_unknown_fields(body, KNOWN_CHAT_FIELDS, "/v1/chat/completions")
     raw_messages = get_object_list(body, "messages", required=True, non_empty=True)
     messages = convert_messages(raw_messages)
     tools = _tools(body)
@@ -416,6 +440,12 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     if response_format is not None:
         messages = with_system_instruction(messages, response_format[0])
     template_kwargs = get_field(body, "chat_template_kwargs", dict, default={})
+    continue_final = get_field(body, "continue_final_message", bool, default=False)
+    if continue_final and messages[-1]["role"] != "assistant":
+        raise invalid_request(
+            ErrorCode.INVALID_VALUE, "continue_final_message needs the last message to be the assistant's",
+            "continue_final_message",
+        )
     sampling = parse_sampling(body)
     if logprobs:
         sampling.params.logprobs = top_logprobs or 0
@@ -426,6 +456,7 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
         template_kwargs=template_kwargs,
         sampling=sampling,
         response_format=response_format[1] if response_format is not None else None,
+        continue_final=continue_final,
     )
 
 
@@ -595,12 +626,14 @@ async def chat_completions(request: Request) -> Response:
     engine = state.engine
     chat = parse_chat_request(parse_json_object(await read_body(request)))
     tools = None if chat.tool_choice.mode == "none" else chat.tools
-    prompt = await render_prompt(engine, chat.messages, tools, chat.template_kwargs)
+    prompt = await render_prompt(
+        engine, chat.messages, tools, chat.template_kwargs, continue_final=chat.continue_final
+    )
     plan = plan_output(engine, prompt, tools, chat.tool_choice)
     prompt_ids = prompt.ids
     sampling = chat.sampling
     sampling.params.max_tokens = fit_context(
-        len(prompt_ids), sampling.max_tokens, engine.max_model_len, max_tokens_param=sampling.max_tokens_param
+        len(prompt_ids), sampling.max_tokens, context_fit(state), max_tokens_param=sampling.max_tokens_param
     )
     sampling.params.max_tokens = fit_output_budget(
         engine, sampling.n, sampling.params.max_tokens, sampling.max_tokens is not None,

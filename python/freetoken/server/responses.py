@@ -16,7 +16,8 @@ with name, schema, strict beside type: decoding constrained as for chat completi
 so ``previous_response_id`` continues from its input and output items (its instructions are not carried over;
 an id not stored is a 400, code previous_response_not_found), and ``GET``/``DELETE /v1/responses/{id}``
 retrieve or forget it. Accepted and ignored: parallel_tool_calls, include, metadata, user, truncation.
-Rejected with 400 (code unsupported): images and files.
+Images, files and audio become a short text placeholder saying what was dropped (this model reads text only;
+logged once per request).
 
 Output items: ``reasoning`` (content: one reasoning_text), ``message`` (one output_text), one
 ``function_call`` (or ``custom_tool_call``) per tool call; status ``incomplete`` (reason max_output_tokens) when
@@ -58,6 +59,7 @@ from freetoken.server.generation import (
     collect,
     constrain_output,
     converted_events,
+    context_fit,
     fit_context,
     plan_output,
     render_prompt,
@@ -67,6 +69,7 @@ from freetoken.server.openai import (
     parse_tool_choice,
     with_system_instruction,
 )
+from freetoken.server.notices import note_unknown_fields, omitted
 from freetoken.server.parsers import ParsedDelta, ParsedOutput
 from freetoken.server.schema import (
     get_field,
@@ -86,11 +89,21 @@ logger = logging.getLogger("freetoken.server")
 RESPONSE_STORE_CAPACITY = 256
 
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
-_REFUSED_PARTS = frozenset({"input_image", "input_file", "input_audio"})
+# Parts a text-only model cannot read: each becomes a placeholder saying what was dropped (`omitted`).
+_OMITTED_PARTS = {"input_image": "image", "input_file": "file", "input_audio": "audio"}
+
+
+# Top-level fields of a Responses body this server reads, or knows and ignores; any other is logged once.
+KNOWN_FIELDS = frozenset({
+    "model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "stream",
+    "reasoning", "text", "store", "previous_response_id", "parallel_tool_calls", "include", "metadata", "user",
+    "truncation",
+})
 
 
 def _text(value: Any, path: str) -> str:
-    """Content as one string: a string, or its text parts joined by newlines (other parts skipped)."""
+    """Content as one string: a string, or its text parts joined by newlines (images and files as placeholders,
+    other parts skipped)."""
     if isinstance(value, str):
         return value
     if not isinstance(value, list):
@@ -103,10 +116,9 @@ def _text(value: Any, path: str) -> str:
         kind = get_field(part, "type", str, parent=part_path, required=True)
         if kind in _TEXT_PARTS:
             texts.append(get_field(part, "text", str, parent=part_path, required=True))
-        elif kind in _REFUSED_PARTS:
-            raise invalid_request(
-                ErrorCode.UNSUPPORTED, f"content part type {kind!r} is not supported here", join_path(part_path, "type")
-            )
+        elif kind in _OMITTED_PARTS:
+            detail = part.get("filename") if isinstance(part.get("filename"), str) else ""
+            texts.append(omitted(_OMITTED_PARTS[kind], detail))
     return "\n".join(texts)
 
 
@@ -527,6 +539,7 @@ async def responses(request: Request) -> Response:
     engine = state.engine
     body = parse_json_object(await read_body(request))
     get_field(body, "model", str, required=True)
+    note_unknown_fields(body, KNOWN_FIELDS, "/v1/responses")
     store: ResponseStore = state.response_store
     history: list[dict[str, Any]] = []
     previous_id = get_field(body, "previous_response_id", str)
@@ -561,7 +574,7 @@ async def responses(request: Request) -> Response:
     prompt = await render_prompt(engine, messages, offered, _template_kwargs(body))
     plan = plan_output(engine, prompt, offered, tool_choice)
     params.max_tokens = fit_context(
-        len(prompt.ids), max_output_tokens, engine.max_model_len, max_tokens_param="max_output_tokens",
+        len(prompt.ids), max_output_tokens, context_fit(state), max_tokens_param="max_output_tokens",
         messages_param="input",
     )
     fmt = response_format[1] if response_format is not None else None
@@ -620,7 +633,7 @@ async def compact(request: Request) -> Response:
     params = SamplingParams(temperature=0.0)
     max_output_tokens = get_int(body, "max_output_tokens", lo=1, default=COMPACTION_MAX_TOKENS)
     params.max_tokens = min(max_output_tokens, fit_context(
-        len(prompt.ids), None, engine.max_model_len, max_tokens_param="max_output_tokens", messages_param="input"
+        len(prompt.ids), None, context_fit(state), max_tokens_param="max_output_tokens", messages_param="input"
     ))
     await constrain_output(engine, plan, params, prompt.ids, messages_param="input")
     response_id = f"resp_{uuid.uuid4().hex}"
