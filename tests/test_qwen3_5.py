@@ -343,3 +343,27 @@ def test_prefix_cache_is_off_for_hybrids_and_a_skipped_prefix_is_refused(tmp_pat
     with pytest.raises(RuntimeError, match="without a recurrent-state snapshot"):
         engine.step()
     assert engine.state_pool.num_free == engine.state_pool.num_slots
+
+
+def test_paused_sequences_keep_their_state_slots(tmp_path):
+    """A paused sequence (its client stopped reading) keeps its state slot as it keeps its KV blocks, so a new
+    request waits for a slot instead of failing to get one; it is admitted once the paused one goes."""
+    from freetoken.models.demo_qwen3_5 import build_qwen3_5_demo_checkpoint
+
+    engine = _engine(build_qwen3_5_demo_checkpoint(tmp_path, seed=1), max_num_seqs=2)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", PROMPTS[0], params)
+    engine.add_request("b", PROMPTS[0], params)
+    engine.step()
+    engine.pause("a")
+    engine.add_request("c", PROMPTS[0], params)
+    engine.step()
+    waiting = engine.scheduler.waiting
+    assert [s.request_id for s in waiting] == ["c"] and waiting[0].state_slot == -1
+    assert engine.state_pool.num_free == 0
+    engine.abort("a")
+    engine.step()
+    assert not engine.scheduler.waiting and engine.state_pool.num_free == 0
+    while engine.has_work():
+        engine.step()
+    assert engine.state_pool.num_free == 2

@@ -276,6 +276,8 @@ class Scheduler:
             if not self.admission.admissible(seq, self.running, share):  # its request runs its share: pass over
                 i += 1
                 continue
+            if self.state_pool is not None and not self.state_pool.num_free:
+                break  # paused sequences keep their state slots (as their KV blocks): none left for a new one
             match = self.prefix_cache.match(seq.token_ids)
             if in_flight and (match.num_blocks + 1) * self.kv.block_size <= len(seq.token_ids):
                 parent = match.nodes[-1] if match.nodes else ROOT
@@ -285,7 +287,7 @@ class Scheduler:
             chunk = self._admit(seq, match, budget)
             if not chunk:
                 break
-            if self.state_pool is not None:  # running <= max_num_seqs = the pool's slots: one is free
+            if self.state_pool is not None:
                 if seq.num_computed:
                     # A fresh slot is the zero state: reused K/V of a prefix would meet linear layers that never
                     # saw it. Hybrid models may skip a prefix only with a state snapshot taken at its end.

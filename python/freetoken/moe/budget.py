@@ -148,7 +148,7 @@ def plan_host_memory(
         part -> (bytes, what to change to shrink it). Parts: "expert pool" (bf16, every routed expert, for the
         expert-cache backends), "weights" (the model's own weights when it runs on the CPU; the routed experts
         too with the fused backend), "expert slots" (the slot cache, in host memory on a CPU device), "KV cache"
-        (on a CPU device; `plan_kv_cache`), "pinned staging" (CUDA with an expert-cache backend). Parts that
+        (on a CPU device; `plan_kv_cache`), "recurrent state" (hybrid models on a CPU device), "pinned staging" (CUDA with an expert-cache backend). Parts that
         are zero are left out.
     """
     from freetoken.engine.kv_cache import plan_kv_cache
@@ -167,6 +167,7 @@ def plan_host_memory(
             slots = min(cfg.expert_slots or num_experts, num_experts)
             parts["expert slots"] = (slots * model_cfg.expert_numel * size, "lower --expert-slots")
         parts["KV cache"] = (plan_kv_cache(model_cfg, cfg, dtype).nbytes, "lower --kv-cache-gb or --kv-cache-tokens")
+        parts["recurrent state"] = (state_pool_nbytes(cfg, model_cfg, dtype), "lower --max-num-seqs")
     elif backend != "fused":
         staging = PINNED_STAGING_TENSORS * 2 * cfg.max_prefill_tokens * model_cfg.hidden_size * 4
         parts["pinned staging"] = (staging, "lower --max-prefill-tokens")
