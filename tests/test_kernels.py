@@ -152,9 +152,10 @@ def test_split_decode_attention_matches_reference(seq_lens, num_heads, num_kv_he
     got = paged_decode_attention(q, k_cache, v_cache, tables, lens, block, head_dim**-0.5, partition).float()
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=ATOL)
     # The scratch is reused: NaN left in it (from the partitions no sequence reaches) must not be read.
-    for buffers in paged_attention._PARTIALS.values():
-        for t in (t for bufs in buffers for t in bufs):
-            t.fill_(float("nan"))
+    with torch.inference_mode():  # the engine's tests may have made the scratch as inference tensors
+        for buffers in paged_attention._PARTIALS.values():
+            for t in (t for bufs in buffers for t in bufs):
+                t.fill_(float("nan"))
     got = paged_decode_attention(q, k_cache, v_cache, tables, lens, block, head_dim**-0.5, partition).float()
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=ATOL)
 

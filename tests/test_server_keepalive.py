@@ -30,9 +30,9 @@ class SlowPrefill:
     def __getattr__(self, name):
         return getattr(self._engine, name)
 
-    async def generate(self, prompt_ids, params, request_id=None) -> AsyncIterator:
+    async def generate(self, prompt_ids, params, request_id=None, **kwargs) -> AsyncIterator:
         await asyncio.sleep(self._delay_s)
-        async for chunk in self._engine.generate(prompt_ids, params, request_id=request_id):
+        async for chunk in self._engine.generate(prompt_ids, params, request_id=request_id, **kwargs):
             yield chunk
 
 

@@ -177,7 +177,9 @@ def test_live_view_in_a_pty_survives_a_restart_and_quits_on_q(tmp_path):
     srv = start_server(tmp_path / "a")
     port = int(srv.base_url.rsplit(":", 1)[1])
     package_root = str(Path(freetoken.__file__).resolve().parents[1])
-    command = (f"env PYTHONPATH={package_root} TERM=xterm-256color {sys.executable} -m freetoken.cli.main top "
+    # COLUMNS/LINES: the pane's size, which rich reads first (under pytest it measured 80x25 in the 120x60 pane).
+    command = (f"env PYTHONPATH={package_root} TERM=xterm-256color COLUMNS=120 LINES=60 {sys.executable} -m "
+               f"freetoken.cli.main top "
                f"--server {srv.base_url}")
     try:
         assert tmux("new-session", "-d", "-s", session, "-x", "120", "-y", "60", command).returncode == 0

@@ -54,7 +54,6 @@ class Frame:
             prefix = self.stats.get("prefix_cache")
             if isinstance(prefix, dict) and prefix.get("enabled", True):
                 parts.append(self._prefix_cache(prefix))
-        parts.append(Text("q quits", style="dim"))
         return Group(*parts)
 
     # -- panels ----------------------------------------------------------------------------------------------
@@ -73,6 +72,8 @@ class Frame:
             text.append("live", style="green")
         else:
             text.append(self.status, style="bold red")
+        # In the header, not below the panels: a view taller than the terminal is cropped at the bottom.
+        text.append("  q quits", style="dim")
         return text
 
     def _throughput(self) -> Panel:
