@@ -24,8 +24,8 @@ OTHER = list(range(200, 222))
 
 
 def make_engine(**kwargs) -> LLMEngine:
-    cfg = dict(device="cpu", dtype="float32", moe_backend="offload", expert_slots=12, max_model_len=MAX_MODEL_LEN,
-               kv_block_size=BS, kv_cache_tokens=256, max_num_seqs=4)
+    cfg = {"device": "cpu", "dtype": "float32", "moe_backend": "offload", "expert_slots": 12, "max_model_len": MAX_MODEL_LEN,
+               "kv_block_size": BS, "kv_cache_tokens": 256, "max_num_seqs": 4}
     return LLMEngine.from_dir(demo_checkpoint_dir(), EngineConfig(**{**cfg, **kwargs}))
 
 

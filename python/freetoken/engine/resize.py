@@ -298,7 +298,7 @@ def resize(
     }
     engine.num_resizes = getattr(engine, "num_resizes", 0) + 1
     engine.last_resize = answer
-    slots = lambda sizes: None if sizes["expert_cache"] is None else sizes["expert_cache"]["num_slots"]  # noqa: E731
+    slots = lambda sizes: None if sizes["expert_cache"] is None else sizes["expert_cache"]["num_slots"]
     log.info(
         "cache resize in %.2f s: expert slots %s -> %s, KV blocks %d -> %d", answer["seconds"], slots(before),
         slots(after), before["kv_cache"]["num_blocks"], after["kv_cache"]["num_blocks"],
@@ -310,7 +310,7 @@ def _rebuild_decode(engine: LLMEngine) -> bool:
     """Build the decode runner again; False (logged) when that fails, and decode steps then run eagerly."""
     try:
         engine.runner.build_decode()
-    except Exception:  # noqa: BLE001 (the caches are consistent; the eager path serves without graphs)
+    except Exception:
         log.exception("rebuilding the decode runner after a cache resize failed; decode steps run eagerly")
         engine.runner.decode = None
         return False

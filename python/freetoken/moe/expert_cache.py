@@ -499,7 +499,7 @@ class ExpertCacheBackend:
             raise ValueError(f"an expert cache needs at least one slot, got {num_slots}")
         buffers = 0 if self.streamer is None else self.streamer.num_buffers
         streamed = (0, 0) if self.streamer is None else (self.streamer.layers_streamed, self.streamer.bytes_copied)
-        rows = lambda n: n + buffers * self.pool.num_experts  # noqa: E731
+        rows = lambda n: n + buffers * self.pool.num_experts
         old = self.num_slots
         self.slots = self.gate_up = self.down = self.streamer = None
         if self.device.type == "cuda":

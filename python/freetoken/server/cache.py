@@ -18,7 +18,12 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from freetoken.engine.resize import ResizeConflict, ResizeError, ResizeRolledBack, headroom_bytes
+from freetoken.engine.resize import (
+    ResizeConflict,
+    ResizeError,
+    ResizeRolledBack,
+    headroom_bytes,
+)
 from freetoken.server.errors import ApiError, ErrorCode, invalid_request
 from freetoken.server.schema import parse_json_object, read_body
 
