@@ -96,9 +96,9 @@ def _slot_cache(engine: LLMEngine):
 def cache_sizes(engine: LLMEngine) -> dict[str, Any]:
     """The expert-slot cache and the KV cache as they are now (JSON-able; cheap enough for every step's stats).
 
-    Keys: "expert_cache" (None for the fused and cpu backends: no slots) with num_slots, slot_nbytes, gb,
+    Keys: "expert_cache" (None for the fused and cpu backends: no slots) with num_slots, slot_nbytes, nbytes, gb,
     num_resident, num_experts (in the pool), layer_buffers and policy; "kv_cache" with num_blocks, block_size,
-    num_tokens, gb (null block included), num_held_blocks (held by requests), num_cached_blocks (in the prefix
+    num_tokens, nbytes and gb (null block included), num_held_blocks (held by requests), num_cached_blocks (in the prefix
     index), num_free_blocks (free or evictable) and max_model_len; "num_resizes" and "last_resize" (its answer).
     """
     kv, prefix = engine.kv, engine.scheduler.prefix_cache
@@ -109,6 +109,7 @@ def cache_sizes(engine: LLMEngine) -> dict[str, Any]:
         expert_cache = {
             "num_slots": experts.num_slots,
             "slot_nbytes": pool.expert_stride,
+            "nbytes": experts.num_slots * pool.expert_stride,
             "gb": _gb(experts.num_slots * pool.expert_stride),
             "num_resident": experts.planner.num_resident,
             "num_experts": pool.num_layers * pool.num_experts,
@@ -121,6 +122,7 @@ def cache_sizes(engine: LLMEngine) -> dict[str, Any]:
             "num_blocks": kv.num_blocks,
             "block_size": kv.block_size,
             "num_tokens": kv.num_blocks * kv.block_size,
+            "nbytes": kv.nbytes,
             "gb": _gb(kv.nbytes),
             "num_held_blocks": kv.num_blocks - prefix.num_free,
             "num_cached_blocks": prefix.num_cached_blocks,
