@@ -13,8 +13,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
-from conftest import free_port
+from conftest import free_port, in_process_server
 from test_ctl import ft_ctl
 
 PROMPT = "Once upon a time there was a small cache that wanted to grow"
@@ -51,18 +50,9 @@ def served() -> Iterator[tuple[str, object, Gate]]:
     engine = LLMEngine.from_dir(demo_checkpoint_dir(), cfg)
     gate = Gate(engine)
     app = build_app(AsyncEngine(engine, "demo"), served_model_name="demo")
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the in-process server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}", engine, gate
-    gate.open.set()
-    server.should_exit = True
-    thread.join(timeout=30)
+    with in_process_server(app) as base_url:
+        yield base_url, engine, gate
+        gate.open.set()
 
 
 def _stream(base_url: str, on_chunk=None, max_tokens: int = 12) -> str:
@@ -95,7 +85,7 @@ def test_get_cache(served):
 
 
 def test_resize_mid_stream_keeps_the_text_and_shows_everywhere(served):
-    base_url, engine, _ = served
+    base_url, _, _ = served
     plain = _stream(base_url)
     answers = []
 
@@ -114,14 +104,14 @@ def test_resize_mid_stream_keeps_the_text_and_shows_everywhere(served):
     stats = httpx.get(base_url + "/v1/stats").json()
     assert stats["kv_blocks_total"] == 64 and stats["moe_backend"]["num_slots"] == 8
     metrics = httpx.get(base_url + "/metrics").text
-    assert re.search(r"^freetoken_expert_cache_slots 8\.0$", metrics, re.M)
-    assert re.search(r"^freetoken_kv_cache_blocks 64\.0$", metrics, re.M)
-    assert re.search(rf"^freetoken_expert_cache_bytes {8 * 12288}\.0$", metrics, re.M)
-    assert re.search(r"^freetoken_cache_resizes_total [1-9]", metrics, re.M)
+    assert re.search(r"^freetoken_expert_cache_slots 8\.0$", metrics, re.MULTILINE)
+    assert re.search(r"^freetoken_kv_cache_blocks 64\.0$", metrics, re.MULTILINE)
+    assert re.search(rf"^freetoken_expert_cache_bytes {8 * 12288}\.0$", metrics, re.MULTILINE)
+    assert re.search(r"^freetoken_cache_resizes_total [1-9]", metrics, re.MULTILINE)
 
 
 def test_second_resize_while_one_waits_gets_409(served):
-    base_url, engine, gate = served
+    base_url, _, gate = served
     gate.open.clear()
     gate.waiting.clear()
     results = {}
