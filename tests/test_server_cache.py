@@ -15,6 +15,7 @@ import httpx
 import pytest
 from conftest import free_port, in_process_server
 from test_ctl import ft_ctl
+from test_top import ft_top
 
 PROMPT = "Once upon a time there was a small cache that wanted to grow"
 
@@ -108,6 +109,10 @@ def test_resize_mid_stream_keeps_the_text_and_shows_everywhere(served):
     assert re.search(r"^freetoken_kv_cache_blocks 64\.0$", metrics, re.MULTILINE)
     assert re.search(rf"^freetoken_expert_cache_bytes {8 * 12288}\.0$", metrics, re.MULTILINE)
     assert re.search(r"^freetoken_cache_resizes_total [1-9]", metrics, re.MULTILINE)
+    top = ft_top("--once", "--server", base_url)
+    assert top.returncode == 0, top.stderr
+    assert re.search(r"KV blocks \S* 0/64 \(0\.000\d+ GB\)", top.stdout), top.stdout
+    assert re.search(r"expert slots \S* 8/8 \(0\.0001 GB\)", top.stdout), top.stdout
 
 
 def test_second_resize_while_one_waits_gets_409(served):
