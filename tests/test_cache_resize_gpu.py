@@ -78,14 +78,15 @@ def test_resize_while_a_stream_decodes_on_cuda(tmp_path):
     cfg = {"device": "cuda", "dtype": "bfloat16", "kv_cache_gb": 0.5, "moe_backend": "offload", "expert_slots": 16}
     plain, _, _ = _stream(LLMEngine.from_dir(path, EngineConfig(**cfg)), 48, {})
     engine = LLMEngine.from_dir(path, EngineConfig(**cfg))
-    first_slots = engine.experts.slots.data_ptr()
     tokens, answers, _ = _stream(engine, 48, {8: {"expert_slots": 24, "kv_gb": 0.6}, 24: {"expert_slots": 12}})
     assert tokens == plain
     _check_answers(answers, [24, 12])
     assert answers[0]["after"]["kv_cache"]["num_blocks"] > answers[0]["before"]["kv_cache"]["num_blocks"]
     decode = engine.runner.decode
     assert decode is not None and decode.handshake is not None and decode.span_graphs  # graphs captured again
-    assert engine.experts.slots.data_ptr() != first_slots and engine.experts.num_slots == 12
+    # The handshake was built again on the 12 new slots (the caching allocator may hand back the old address).
+    buffers = 0 if engine.experts.streamer is None else engine.experts.streamer.num_buffers * 8
+    assert engine.experts.num_slots == 12 and decode.handshake.slot_rows == engine.experts.slots.shape[0] == 12 + buffers
     assert engine.experts.stats()["decode_driver"]["steps"] >= 40  # decoding went on through the driver
 
 
