@@ -189,7 +189,9 @@ def _l2norm_rows(x):
     return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
 
 
-@triton.jit
+# One compiled kernel for every span length (Triton would specialise `length` on divisibility by 16 and on 1,
+# a compile of tens of seconds each for the float32 dots on the GPU box's CPU).
+@triton.jit(do_not_specialize=["length"])
 def _chunk_prepare_kernel(
     k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, gcum_ptr,
     length,
@@ -231,7 +233,8 @@ def _chunk_prepare_kernel(
     tl.store(gcum_ptr + rows * stride_ct + h, gc, mask=ok)
 
 
-@triton.jit
+# Not specialised on `length`, as `_chunk_prepare_kernel`.
+@triton.jit(do_not_specialize=["length"])
 def _chunk_scan_kernel(
     q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, state_ptr, o_ptr,
     length, scale,
