@@ -121,10 +121,13 @@ class ParserOptions:
     Attributes:
         prompt_text: the rendered prompt (a template may open the reasoning block in it).
         parse_tools: tools were offered, so tool calls are parsed; otherwise their markup is content.
+        tools: the offered tools (chat template format, each with its parameters' schema) when parsed, else None:
+            a family whose calls write arguments as text types them by it.
     """
 
     prompt_text: str
     parse_tools: bool
+    tools: list[dict[str, Any]] | None = None
 
 
 class PlainTextParser:
@@ -177,9 +180,13 @@ class ParserFamily:
 _FAMILIES: list[ParserFamily] = []
 
 
-def register(family: ParserFamily) -> None:
-    """Add a family; families are tried in registration order."""
-    _FAMILIES.append(family)
+def register(family: ParserFamily, first: bool = False) -> None:
+    """Add a family; families are tried in registration order, those registered `first` before the others (a
+    variant of a family, with a narrower test, goes before it)."""
+    if first:
+        _FAMILIES.insert(0, family)
+    else:
+        _FAMILIES.append(family)
 
 
 def parser_for(tokenizer: Any, options: ParserOptions) -> OutputParser:
@@ -208,7 +215,7 @@ def collect_deltas(deltas: list[ParsedDelta]) -> ParsedOutput:
     return ParsedOutput("".join(content), "".join(reasoning), calls)
 
 
-from freetoken.server.parsers import qwen3
+from freetoken.server.parsers import qwen3, qwen3_xml
 
 __all__ = [
     "OutputParser",
@@ -223,5 +230,6 @@ __all__ = [
     "parse_text",
     "parser_for",
     "qwen3",
+    "qwen3_xml",
     "register",
 ]
