@@ -19,7 +19,6 @@ from freetoken.server.parsers import (
 from freetoken.server.parsers.qwen3 import Qwen3Parser
 from freetoken.server.parsers.qwen3_xml import Qwen3XmlParser, convert_parameter
 
-
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
         "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
@@ -31,7 +30,8 @@ TOOLS = [
 
 
 def _parser(parse_tools: bool = True, prompt: str = "<|im_start|>assistant\n") -> Qwen3XmlParser:
-    return Qwen3XmlParser(ParserOptions(prompt_text=prompt, parse_tools=parse_tools, tools=TOOLS if parse_tools else None))
+    tools = TOOLS if parse_tools else None
+    return Qwen3XmlParser(ParserOptions(prompt_text=prompt, parse_tools=parse_tools, tools=tools))
 
 
 def _call(name: str, **params: str) -> str:
@@ -49,7 +49,8 @@ CASES = [
          '{"city": "New York\\nNY", "metric": true, "hours": [1, 2], "where": {"lat": 1.5}, "note": null, '
          '"ratio": 0.5}')])),
     (_call("ls") + "\n" + _call("get_weather", days="two", unknown="{\"a\": 1}"),
-     ParsedOutput("", "", [ToolCall("ls", "{}"), ToolCall("get_weather", '{"days": "two", "unknown": "{\\"a\\": 1}"}')])),
+     ParsedOutput("", "", [ToolCall("ls", "{}"),
+                           ToolCall("get_weather", '{"days": "two", "unknown": "{\\"a\\": 1}"}')])),
     # A value holding tags of the form itself, and Python's literal for a boolean.
     (_call("get_weather", city="<function=x> </function>", metric="True"),
      ParsedOutput("", "", [ToolCall("get_weather", '{"city": "<function=x> </function>", "metric": true}')])),
@@ -142,3 +143,58 @@ def test_chosen_by_the_template_and_reads_what_it_renders(demo_tokenizer):
     block = rendered[rendered.rindex("<tool_call>"):rendered.rindex("</tool_call>") + len("</tool_call>")]
     out = parse_text(parser_for(tokenizer, options), block)
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", arguments)]
+
+
+@pytest.fixture(scope="module")
+def xml_server(tmp_path_factory):
+    """`ft serve` of the demo checkpoint with Qwen3.5's chat template (the preset's), so calls are parsed in XML."""
+    from conftest import start_server
+    from freetoken.models.demo import demo_checkpoint_dir
+    from freetoken.models.presets import preset_dir
+
+    model = tmp_path_factory.mktemp("xml-model")
+    for item in demo_checkpoint_dir().iterdir():
+        (model / item.name).symlink_to(item)
+    (model / "chat_template.jinja").symlink_to(preset_dir("qwen3.5-35b-a3b") / "chat_template.jinja")
+    server = start_server(tmp_path_factory.mktemp("xml-server"), "--model", str(model))
+    yield server
+    server.stop()
+
+
+def test_server_sends_xml_calls_as_tool_calls_and_tool_use(xml_server, parse_sse):
+    """A call forced by name (its `<tool_call><function=NAME>` opening appended to the prompt, thinking off: the
+    XML form has no grammar yet, and the prefix cannot go inside the reasoning block Qwen3.5's template opens; the
+    random model's words after it are not a parameter and are dropped): OpenAI tool_calls and Anthropic tool_use,
+    streamed and not, with no markup in the text."""
+    import anthropic
+    import httpx
+    import openai
+
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    body = {"model": "m", "messages": messages, "tools": tools, "max_tokens": 12, "temperature": 0,
+            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+            "chat_template_kwargs": {"enable_thinking": False}}
+    client = openai.OpenAI(base_url=xml_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60.0)
+    sdk_body = {k: v for k, v in body.items() if k != "chat_template_kwargs"}
+    extra = {"chat_template_kwargs": body["chat_template_kwargs"]}
+    choice = client.chat.completions.create(**sdk_body, extra_body=extra).choices[0]
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
+    assert "<" not in (choice.message.content or "")
+    with (httpx.Client(base_url=xml_server.base_url, timeout=60.0) as http,
+          http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response):
+        events = [json.loads(data) for _, data in parse_sse(response.read()) if data != "[DONE]"]
+    deltas = [d for e in events for c in e["choices"] for d in c["delta"].get("tool_calls") or []]
+    assert deltas[0]["function"]["name"] == "get_weather"
+    assert "".join(d["function"].get("arguments") or "" for d in deltas) == call.function.arguments
+    claude = anthropic.Anthropic(base_url=xml_server.base_url, api_key="unused", max_retries=0, timeout=60.0)
+    message = claude.messages.create(
+        model="claude-any", messages=messages, max_tokens=12, tool_choice={"type": "tool", "name": "get_weather"},
+        tools=[{"name": "get_weather", "input_schema": tools[0]["function"]["parameters"]}],
+        thinking={"type": "disabled"}, extra_body={"temperature": 0},
+    )
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert uses[0].name == "get_weather" and isinstance(uses[0].input, dict)
+    assert all("<" not in b.text for b in message.content if b.type == "text")

@@ -46,7 +46,8 @@ def shared_memory_bytes(
     context = ir.context()
     ir.load_dialects(context)
     backend.load_dialects(context)
-    module = src.make_ir(target, options, backend.get_codegen_implementation(options), backend.get_module_map(), context)
+    codegen = backend.get_codegen_implementation(options)
+    module = src.make_ir(target, options, codegen, backend.get_module_map(), context)
     metadata: dict = {}
     for ext in ("ttir", "ttgir", "llir"):
         module = stages[ext](module, metadata)

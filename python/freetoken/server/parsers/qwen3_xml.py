@@ -34,8 +34,19 @@ import json
 import logging
 from typing import Any
 
-from freetoken.server.parsers import ParsedDelta, ParserFamily, ParserOptions, ToolCallDelta, register
-from freetoken.server.parsers.qwen3 import _CONTENT, TOOL_CLOSE, TOOL_OPEN, Qwen3Parser, _is_qwen3
+from freetoken.server.parsers import (
+    ParsedDelta,
+    ParserFamily,
+    ParserOptions,
+    ToolCallDelta,
+    register,
+)
+from freetoken.server.parsers.qwen3 import (
+    _CONTENT,
+    TOOL_CLOSE,
+    Qwen3Parser,
+    _is_qwen3,
+)
 
 FUNCTION_OPEN = "<function="
 FUNCTION_CLOSE = "</function>"
@@ -91,10 +102,8 @@ def convert_parameter(text: str, schema: Any) -> Any:
 def _value_text(raw: str) -> str:
     """A parameter's text without the newline the template writes after ``<parameter=NAME>`` and before
     ``</parameter>``."""
-    if raw.startswith("\n"):
-        raw = raw[1:]
-    if raw.endswith("\n"):
-        raw = raw[:-1]
+    raw = raw.removeprefix("\n")
+    raw = raw.removesuffix("\n")
     return raw
 
 
