@@ -292,6 +292,40 @@ def test_chunk_kernels_match_torch(on_kernel_device):
         torch.testing.assert_close(state, want_state, atol=tol, rtol=tol)
 
 
+def _bf16_steps_apart(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Per element, how many bfloat16 values lie between two bfloat16 tensors (0: equal)."""
+    a, b = (x.view(torch.int16).int() for x in (got, want))
+    # Sign-magnitude bits to a monotonic integer line, so steps across zero count too.
+    a, b = (torch.where(x < 0, -(x & 0x7FFF), x) for x in (a, b))
+    return (a - b).abs()
+
+
+def test_kernels_round_bfloat16_as_torch(on_kernel_device):
+    """bfloat16 q/k/v (and beta): the Triton prefill and decode kernels (Triton's interpreter on the CPU, which the
+    conftest makes round to nearest as the GPU does) give torch's bfloat16 outputs, bit for bit except a rare one-ulp
+    tie of their float32 sums, and its float32 states: no intermediate is rounded to bfloat16 where torch keeps
+    float32 (the l2norm, the decay and beta, the output's one rounding)."""
+    torch.manual_seed(5)
+    dtype = torch.bfloat16
+    length, heads_k, heads_v, dk, dv = 80, 2, 4, 32, 32
+    q, k = torch.randn(length, heads_k, dk, dtype=dtype), torch.randn(length, heads_k, dk, dtype=dtype)
+    v = torch.randn(length, heads_v, dv, dtype=dtype)
+    g, beta = -torch.rand(length, heads_v) * 2, torch.rand(length, heads_v).to(dtype)
+    state = torch.randn(heads_v, dk, dv)
+    want, want_state = chunk_gated_delta_rule_torch(q, k, v, g, beta, state)
+    got = chunk_gated_delta_rule(q, k, v, g, beta, state)
+    steps = _bf16_steps_apart(got, want)
+    assert steps.max() <= 1 and (steps > 0).float().mean() < 0.01, (steps > 0).float().mean()
+    torch.testing.assert_close(state, want_state, atol=1e-5, rtol=1e-5)
+    states = torch.randn(6, heads_v, dk, dv)
+    want_states, slots = states.clone(), torch.tensor([4, 1, 0])
+    want = recurrent_gated_delta_rule_torch(q[:3], k[:3], v[:3], g[:3], beta[:3], want_states, slots)
+    got = recurrent_gated_delta_rule(q[:3], k[:3], v[:3], g[:3], beta[:3], states, slots)
+    steps = _bf16_steps_apart(got, want)
+    assert steps.max() <= 1 and (steps > 0).float().mean() < 0.01, (steps > 0).float().mean()
+    torch.testing.assert_close(states, want_states, atol=1e-5, rtol=1e-5)
+
+
 # Shared memory per block on the H200 (sm_90: 227 KiB opt-in), and the share of it a kernel may take, leaving room
 # for Triton's other versions of the tiling and for GPUs with less.
 H200_SHARED_MEMORY = 232_448
