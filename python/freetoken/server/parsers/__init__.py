@@ -1,9 +1,10 @@
 """Model output parsers: generated text -> content, reasoning and tool calls, streamed or whole.
 
 Each model family writes reasoning and tool calls its own way (Qwen3: ``<think>...</think>`` and
-``<tool_call>{json}</tool_call>``). A family registers one `OutputParser` factory here with a test on
-the tokenizer; the server asks `parser_for` and never branches on the family. A new family adds a
-module and one `register` call.
+``<tool_call>{json}</tool_call>``; Qwen3.5 and Qwen3-Coder: ``<tool_call><function=NAME><parameter=ARG>``,
+`qwen3_xml`). A family registers one `OutputParser` factory here with a test on the tokenizer (and its chat
+template, `Tokenizer.chat_template_source`); the server asks `parser_for` and never branches on the family. A new
+family adds a module and one `register` call.
 
 Parsers are incremental: `OutputParser.feed` takes each text delta the engine emits and returns a
 `ParsedDelta`; `finish` flushes what was held back. They never leak part of a tag into content (a
