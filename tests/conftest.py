@@ -29,6 +29,30 @@ if not torch.cuda.is_available():
     # Triton kernels run in Triton's interpreter on the CPU (set before any kernel is defined), so CI checks them.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _interpreter_rounds_bf16_to_nearest() -> None:
+    """Make Triton's interpreter round float32 -> bfloat16 casts to nearest even, as the GPU does (`fptrunc`, PTX
+    `cvt.rn.bf16.f32`): Triton 3.9's interpreter truncates them, so half of a kernel's bfloat16 outputs came out
+    one ulp off torch's (measured on the gated delta kernels) and bf16 comparisons on the CPU meant nothing."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    cast = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            data = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16).numpy()
+            return interpreter.TensorHandle(data.view(np.uint16), dst_type.scalar)
+        return cast(self, src, dst_type)
+
+    builder.cast_impl = cast_impl
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_rounds_bf16_to_nearest()
+
 SERVED_MODEL_NAME = "freetoken-test"
 MAX_MODEL_LEN = 512
 API_KEY = "test-key-7d1f"

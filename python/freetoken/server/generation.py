@@ -202,7 +202,7 @@ def plan_output(
     `OutputParser.tool_call_prefix`) is left to choose.
     """
     parse_tools = bool(tools) and tool_choice.mode != "none"
-    options = ParserOptions(prompt_text=prompt.text, parse_tools=parse_tools)
+    options = ParserOptions(prompt_text=prompt.text, parse_tools=parse_tools, tools=tools if parse_tools else None)
     if not (parse_tools and tool_choice.mode in ("required", "function")):
         return OutputPlan(engine.tokenizer, options, "")
     parser = parser_for(engine.tokenizer, options)
