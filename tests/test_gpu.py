@@ -80,6 +80,10 @@ def test_offload_driven_graphs_equal_fused(tmp_path, monkeypatch, layers_per_gra
     assert sum(stats["steps"]) >= 16 * len(engine.experts.pool_layer)
 
 
+@pytest.mark.xfail(
+    reason="open bug: offload's driven CUDA-graph decode parts from fused when steps evict slots (timing-dependent)",
+    strict=False,
+)
 def test_offload_driven_graphs_equal_fused_under_evictions(tmp_path):
     """As `test_offload_driven_graphs_equal_fused`, with 32 slots for the 64 experts of a 16-expert, top-4 demo: every
     decode step evicts, so fills land in slots earlier layers and steps read. Open bug (issue 22, found through the
