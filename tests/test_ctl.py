@@ -12,12 +12,13 @@ import freetoken
 from conftest import API_KEY, MAX_MODEL_LEN, SERVED_MODEL_NAME, free_port
 
 
-def ft_ctl(*args: str) -> subprocess.CompletedProcess:
+def ft_ctl(*args: str, **run_kwargs) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "FREETOKEN_API_KEY"}
     package_root = str(Path(freetoken.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-m", "freetoken.cli.main", "ctl", *args], capture_output=True,
-                          text=True, env=env, timeout=60, stdin=subprocess.DEVNULL)
+    run_kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **run_kwargs}
+    return subprocess.run([sys.executable, "-m", "freetoken.cli.main", "ctl", *args], text=True, env=env,
+                          timeout=60, stdin=subprocess.DEVNULL, check=False, **run_kwargs)
 
 
 def test_status_report(server, http):
@@ -38,15 +39,10 @@ def test_status_report(server, http):
 
 def test_status_into_a_closed_pipe(server):
     """`ft ctl status | head -1`: the reader leaves before ft writes; ft stops without a traceback."""
-    env = {k: v for k, v in os.environ.items() if k != "FREETOKEN_API_KEY"}
-    package_root = str(Path(freetoken.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     read_end, write_end = os.pipe()
     os.close(read_end)  # closed before ft writes a byte: its first write fails with EPIPE
     try:
-        done = subprocess.run([sys.executable, "-m", "freetoken.cli.main", "ctl", "status", "--server",
-                               server.base_url], stdout=write_end, stderr=subprocess.PIPE, text=True, env=env,
-                              timeout=60, stdin=subprocess.DEVNULL)
+        done = ft_ctl("status", "--server", server.base_url, stdout=write_end)
     finally:
         os.close(write_end)
     assert done.returncode == 1 and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
