@@ -17,6 +17,8 @@ SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen
 # `model.language_model.` (vision tower under `model.visual.`, skipped) and its config under `text_config`.
 QWEN3_5_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 LAYER_TYPES = ("full_attention", "linear_attention")
+# `--dtype` values: "auto" (bfloat16 on CUDA, float32 on the CPU), then torch dtypes by their torch names.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 MOE_BACKENDS = ("auto", "fused", "offload", "cpu", "hybrid")
 EXPERT_CACHE_POLICIES = ("lru", "layer_lru", "lfu")
 PREFILL_STRATEGIES = ("auto", "stream", "fill", "cpu", "hybrid")
@@ -359,6 +361,8 @@ class EngineConfig:
             raise ValueError(f"--device {self.device}: torch sees no CUDA device here; use --device cpu")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: freetoken runs on cpu or cuda")
+        if self.dtype not in DTYPES:  # answered before the weights load, not after
+            raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         for name in (
             "max_num_seqs", "max_prefill_tokens", "kv_block_size", "stream_buffer_chunks", "max_request_output_tokens"
         ):

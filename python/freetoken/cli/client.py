@@ -70,6 +70,9 @@ def _request_json(server: str, path: str, api_key: str | None, body: Any, timeou
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.load(response)
     except urllib.error.HTTPError as exc:
+        if exc.code == 401 and api_key:
+            raise ServerError(f"{url} refused the API key given (--api-key or FREETOKEN_API_KEY): it is not "
+                              "the key its `ft serve --api-key` set") from None
         if exc.code == 401:
             raise ServerError(f"{url} needs its API key: pass --api-key or set FREETOKEN_API_KEY") from None
         try:

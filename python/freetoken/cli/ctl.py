@@ -62,10 +62,20 @@ def status_lines(models: dict, stats: dict) -> list[str]:
         f"tokens     {server.get('num_generation_tokens', 0)} generated, {server.get('num_prompt_tokens', 0)} prompt; "
         f"decode {server.get('decode_tokens_per_s', 0):.1f} tok/s",
     ]
-    if isinstance(stats.get("prefix_cache"), dict):
-        items = ", ".join(f"{k} {v}" for k, v in stats["prefix_cache"].items() if isinstance(v, (int, float)))
-        lines.append(f"prefix     {items}")
+    prefix = stats.get("prefix_cache")
+    if isinstance(prefix, dict):
+        lines.append(f"prefix     {_prefix_line(prefix)}")
     return lines
+
+
+def _prefix_line(prefix: dict) -> str:
+    """The prefix cache in one line: off, or the prompt tokens it served since start and the blocks it holds."""
+    if prefix.get("enabled") is False:
+        return "off (--no-prefix-cache, or a model it cannot serve yet)"
+    hit, looked_up = prefix.get("num_hit_tokens", 0), prefix.get("num_lookup_tokens", 0)
+    share = f"{100 * hit / looked_up:.0f}%" if looked_up else "–"
+    return (f"{hit} of {looked_up} prompt tokens reused ({share}); {prefix.get('num_cached_blocks', 0)} blocks "
+            f"cached, {prefix.get('num_evictions', 0)} evictions")
 
 
 def run_status(args: argparse.Namespace) -> int:

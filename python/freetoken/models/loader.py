@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from freetoken.config import ModelConfig
+from freetoken.config import DTYPES, ModelConfig
 from freetoken.models import qwen3_5_moe
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM, RotaryEmbedding
 from freetoken.moe.backend import ExpertBackend
@@ -31,7 +31,7 @@ from freetoken.moe.backend import ExpertBackend
 log = logging.getLogger(__name__)
 
 FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
 
 
 class CheckpointError(ValueError):

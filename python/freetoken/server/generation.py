@@ -440,10 +440,12 @@ def fit_output_budget(engine: Any, n: int, max_tokens: int, explicit: bool, *, m
         return max_tokens
     if not explicit:
         return max(1, cap // n)
+    asked = f"{max_tokens_param} is {max_tokens} tokens;" if n == 1 else (
+        f"n x {max_tokens_param} is {n} x {max_tokens} = {n * max_tokens} tokens;")
     raise invalid_request(
         ErrorCode.INVALID_VALUE,
-        f"n x {max_tokens_param} is {n} x {max_tokens} = {n * max_tokens} tokens; this server allows {cap} per "
-        f"request (--max-request-output-tokens); lower {max_tokens_param} to at most {max(1, cap // n)} or n",
+        f"{asked} this server allows {cap} per request (--max-request-output-tokens); lower {max_tokens_param} "
+        f"to at most {max(1, cap // n)}" + ("" if n == 1 else " or n"),
         max_tokens_param,
     )
 
