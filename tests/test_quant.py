@@ -354,3 +354,19 @@ def test_quantized_experts_need_a_backend_that_serves_them(tmp_path):
 def test_quant_spec_converts_prefixes():
     spec = QuantSpec(fp8_block(), ("model.layers.1.mlp",))
     assert not spec.converts("model.layers.1.mlp.experts.0.gate_proj") and spec.converts("model.layers.10.mlp.gate")
+
+
+def test_host_memory_plan_counts_quantized_experts_at_their_size():
+    from freetoken.config import EngineConfig
+    from freetoken.moe.budget import plan_host_memory
+
+    raw = json.loads(REAL_FP8_CONFIG.read_text())
+    cfg = ModelConfig.from_dict(raw)
+    h, i = cfg.hidden_size, cfg.moe_intermediate_size
+    assert cfg.expert_nbytes == fp8_block().layout(h, i).expert_nbytes < 0.51 * 2 * cfg.expert_numel
+    plan = plan_host_memory(EngineConfig(device="cuda"), cfg, torch.bfloat16, "offload")
+    assert plan["expert pool"][0] == len(cfg.moe_layers) * cfg.num_experts * cfg.expert_nbytes
+    bf16 = ModelConfig.from_dict({k: v for k, v in raw.items() if k != "quantization_config"})
+    assert plan_host_memory(EngineConfig(device="cuda"), bf16, torch.bfloat16, "offload")["expert pool"][0] == (
+        len(cfg.moe_layers) * cfg.num_experts * 2 * cfg.expert_numel
+    )

@@ -303,3 +303,35 @@ def build_quantized_checkpoint(
             1,
         )
     return dest
+
+
+def fill_quantized_pool(pool, model_dir: str | Path, cfg, spec: QuantSpec, index=None) -> None:
+    """Copy the routed experts of quantized checkpoint `model_dir` into `pool`, each in the pool layout of
+    `spec.format` (weights and scales contiguous), one layer at a time through `expert_view`.
+
+    Args:
+        pool: a `freetoken._core.ExpertPool.zeroed(..., format=spec.format.name, block=...)` of `cfg`'s shape.
+        model_dir: the checkpoint.
+        cfg: its `ModelConfig`.
+        spec: its `QuantSpec`.
+        index: the directory's `TensorIndex`, when the caller has it.
+
+    Raises:
+        ValueError: the pool's format or expert size is not the checkpoint's.
+        CheckpointError: an expert tensor or scale is missing, mis-shaped or of the wrong dtype (names it).
+    """
+    from freetoken.models.loader import TensorIndex, text_prefix
+
+    layout = spec.format.layout(cfg.hidden_size, cfg.moe_intermediate_size)
+    if pool.format != spec.format.name or pool.expert_nbytes != layout.expert_nbytes:
+        raise ValueError(
+            f"the pool holds {pool.format} experts of {pool.expert_nbytes} bytes; the checkpoint's are "
+            f"{spec.format.name} of {layout.expert_nbytes} bytes"
+        )
+    reader = CheckpointReader(index or TensorIndex.scan(Path(model_dir)))
+    prefix = text_prefix(reader, cfg)
+    for pool_layer, layer in enumerate(cfg.moe_layers):
+        packed = read_experts(reader, spec, layout, cfg.num_experts, layer, prefix)
+        for expert in range(cfg.num_experts):
+            torch.frombuffer(pool.expert_view(pool_layer, expert), dtype=torch.uint8).copy_(packed[expert])
+    reader.close()

@@ -15,7 +15,8 @@ Formats (definitions cited where the codecs are, `freetoken.quant.reference`):
 | nvfp4      | e2m1, 2/byte  | 1 x 16                 | float8 e4m3  | float32          | ModelOpt `NVFP4`       |
 | mxfp4      | e2m1, 2/byte  | 1 x 32                 | e8m0         | no               | OCP MX (gpt-oss)       |
 
-One expert in the pool, each section starting at a multiple of `SECTION_ALIGN` bytes so one copy moves it:
+One expert in the pool, contiguous so one copy moves it; the two weight matrices back to back (as bf16 has always
+been stored), each scale section from a multiple of `SECTION_ALIGN` bytes:
 
     gate_up weight [2I, H] | down weight [H, I] | gate_up scales | down scales | tensor scales f32 [3]
 
@@ -120,8 +121,10 @@ class ExpertFormat:
         offsets: dict[str, tuple[int, int]] = {}
         at = 0
         for name, nbytes in sizes:
+            if nbytes and name not in ("gate_up", "down"):  # weights back to back (bf16's layout), scales aligned
+                at = -(-at // SECTION_ALIGN) * SECTION_ALIGN
             offsets[name] = (at, nbytes)
-            at += -(-nbytes // SECTION_ALIGN) * SECTION_ALIGN if nbytes else 0
+            at += nbytes
         # The last section is not padded: `expert_nbytes` is what one copy moves; the pool pads the stride.
         last = max(o + n for o, n in offsets.values() if n)
         return ExpertLayout(self, hidden, inter, offsets, last)

@@ -7,7 +7,8 @@
 //! byte layout of one expert, decoding of e4m3 / e2m1 / e8m0. Not: reading checkpoints (Python
 //! packs experts into the pool), the worker pool (see [`crate::cpu`]).
 //!
-//! One expert, each section at a multiple of [`SECTION_ALIGN`] bytes, so one copy moves it:
+//! One expert, contiguous so one copy moves it; the weights back to back, each scale section at a
+//! multiple of [`SECTION_ALIGN`] bytes:
 //! ```text
 //! gate_up weight [2I, H] │ down weight [H, I] │ gate_up scales │ down scales │ tensor scales f32 [3]
 //! ```
@@ -189,12 +190,17 @@ impl ExpertFormat {
             if self.tensor_scale() { 12 } else { 0 },
         ];
         let mut sections = [(0usize, 0usize); 5];
-        let (mut at, mut end) = (0, 0);
-        for (s, &n) in sections.iter_mut().zip(&sizes) {
+        let (mut at, mut end) = (0usize, 0usize);
+        for (k, (s, &n)) in sections.iter_mut().zip(&sizes).enumerate() {
+            // The two weight matrices back to back (bf16 keeps its historical layout); each scale
+            // section from a cache-line boundary.
+            if k >= 2 && n > 0 {
+                at = at.next_multiple_of(SECTION_ALIGN);
+            }
             *s = (at, n);
+            at += n;
             if n > 0 {
-                end = at + n;
-                at += n.next_multiple_of(SECTION_ALIGN);
+                end = at;
             }
         }
         ExpertLayout {
