@@ -40,6 +40,13 @@ unsafe impl Send for Out {}
 // SAFETY: as above.
 unsafe impl Sync for Out {}
 
+impl Out {
+    /// The pointer (a method, so closures capture the Sync wrapper, not the raw field).
+    fn ptr(&self) -> *mut f32 {
+        self.0
+    }
+}
+
 struct Case {
     layout: ExpertLayout,
     pool: Vec<u8>,
@@ -114,7 +121,7 @@ impl Case {
                     let gv = g[t * CHUNK + r];
                     // SAFETY: (j, t, r0 + r) is written by this task only, inside act's length.
                     unsafe {
-                        *act.0.add((j * n + t) * I + r0 + r) =
+                        *act.ptr().add((j * n + t) * I + r0 + r) =
                             gv / (1.0 + (-gv).exp()) * u[t * CHUNK + r]
                     };
                 }
@@ -138,7 +145,7 @@ impl Case {
             for t in 0..n {
                 for r in 0..r1 - r0 {
                     // SAFETY: (j, t, r0 + r) is written by this task only, inside y's length.
-                    unsafe { *y.0.add((j * n + t) * H + r0 + r) = o[t * CHUNK + r] };
+                    unsafe { *y.ptr().add((j * n + t) * H + r0 + r) = o[t * CHUNK + r] };
                 }
             }
         });
