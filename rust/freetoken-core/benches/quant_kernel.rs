@@ -101,7 +101,11 @@ impl Case {
                     .expect("expert")
             })
             .collect();
-        let (x, act, y) = (&self.x, Out(self.act.as_mut_ptr()), Out(self.y.as_mut_ptr()));
+        let (x, act, y) = (
+            &self.x,
+            Out(self.act.as_mut_ptr()),
+            Out(self.y.as_mut_ptr()),
+        );
         // Phase 0: gate and up rows, then silu(g) * u into act [TOPK, n, I].
         let next = AtomicUsize::new(0);
         let tasks0 = TOPK * I.div_ceil(CHUNK);

@@ -30,6 +30,18 @@ impl PyExpertPool {
     }
 }
 
+/// `moe_layers`, default `range(num_layers)`, checked to have `num_layers` entries.
+fn layers_arg(num_layers: usize, moe_layers: Option<Vec<usize>>) -> PyResult<Vec<usize>> {
+    let moe_layers = moe_layers.unwrap_or_else(|| (0..num_layers).collect());
+    if moe_layers.len() != num_layers {
+        return Err(invalid(format!(
+            "moe_layers has {} entries but num_layers is {num_layers}",
+            moe_layers.len()
+        )));
+    }
+    Ok(moe_layers)
+}
+
 #[pymethods]
 impl PyExpertPool {
     #[staticmethod]
@@ -61,13 +73,7 @@ impl PyExpertPool {
         moe_layers: Option<Vec<usize>>,
         num_threads: Option<usize>,
     ) -> PyResult<Self> {
-        let moe_layers = moe_layers.unwrap_or_else(|| (0..num_layers).collect());
-        if moe_layers.len() != num_layers {
-            return Err(invalid(format!(
-                "moe_layers has {} entries but num_layers is {num_layers}",
-                moe_layers.len()
-            )));
-        }
+        let moe_layers = layers_arg(num_layers, moe_layers)?;
         if num_threads == Some(0) {
             return Err(invalid("num_threads must be positive"));
         }
@@ -97,13 +103,7 @@ impl PyExpertPool {
         block: (usize, usize),
         moe_layers: Option<Vec<usize>>,
     ) -> PyResult<Self> {
-        let moe_layers = moe_layers.unwrap_or_else(|| (0..num_layers).collect());
-        if moe_layers.len() != num_layers {
-            return Err(invalid(format!(
-                "moe_layers has {} entries but num_layers is {num_layers}",
-                moe_layers.len()
-            )));
-        }
+        let moe_layers = layers_arg(num_layers, moe_layers)?;
         let shape = PoolShape {
             moe_layers,
             num_experts,

@@ -9,7 +9,15 @@ use pyo3::types::PyDict;
 use crate::arrays::readonly;
 use crate::errors::{invalid, IntoPyErr};
 
-fn layout(format: &str, hidden: usize, inter: usize, block: (usize, usize)) -> PyResult<ExpertLayout> {
+/// A float32 numpy array.
+type F32Array<'py> = Bound<'py, PyArray1<f32>>;
+
+fn layout(
+    format: &str,
+    hidden: usize,
+    inter: usize,
+    block: (usize, usize),
+) -> PyResult<ExpertLayout> {
     let f = ExpertFormat::from_name(format, block).py()?;
     f.check_shape(hidden, inter).py()?;
     Ok(f.layout(hidden, inter))
@@ -50,7 +58,7 @@ pub fn dequantize_expert<'py>(
     intermediate_size: usize,
     expert: &Bound<'py, PyAny>,
     block: (usize, usize),
-) -> PyResult<(Bound<'py, PyArray1<f32>>, Bound<'py, PyArray1<f32>>)> {
+) -> PyResult<(F32Array<'py>, F32Array<'py>)> {
     let l = layout(format, hidden_size, intermediate_size, block)?;
     let bytes = readonly::<u8>(expert, "expert", "uint8")?;
     let e = view(&l, bytes.as_slice()?)?;
@@ -61,8 +69,14 @@ pub fn dequantize_expert<'py>(
             gate_up.extend((0..h).map(|c| m.get(r, c)));
         }
     }
-    let down: Vec<f32> = (0..h).flat_map(|r| (0..i).map(move |c| (r, c))).map(|(r, c)| e.down.get(r, c)).collect();
-    Ok((PyArray1::from_vec(py, gate_up), PyArray1::from_vec(py, down)))
+    let down: Vec<f32> = (0..h)
+        .flat_map(|r| (0..i).map(move |c| (r, c)))
+        .map(|(r, c)| e.down.get(r, c))
+        .collect();
+    Ok((
+        PyArray1::from_vec(py, gate_up),
+        PyArray1::from_vec(py, down),
+    ))
 }
 
 /// SwiGLU of one quantized expert on `x [n, H]` f32 with kernel path `isa` -> `[n * H]` f32.
@@ -81,12 +95,19 @@ pub fn quantized_expert_forward<'py>(
 ) -> PyResult<Bound<'py, PyArray1<f32>>> {
     let isa = Isa::from_name(isa)
         .filter(|i| i.supported())
-        .ok_or_else(|| invalid(format!("isa {isa:?} is unknown or not supported by this CPU")))?;
+        .ok_or_else(|| {
+            invalid(format!(
+                "isa {isa:?} is unknown or not supported by this CPU"
+            ))
+        })?;
     let l = layout(format, hidden_size, intermediate_size, block)?;
     let bytes = readonly::<u8>(expert, "expert", "uint8")?;
     let xs = readonly::<f32>(x, "x", "float32")?;
     if xs.len() % hidden_size != 0 || xs.len() == 0 {
-        return Err(invalid(format!("x has {} elements, not [n, H={hidden_size}]", xs.len())));
+        return Err(invalid(format!(
+            "x has {} elements, not [n, H={hidden_size}]",
+            xs.len()
+        )));
     }
     let n = xs.len() / hidden_size;
     let (bytes, xs) = (bytes.as_slice()?.to_vec(), xs.as_slice()?.to_vec());

@@ -212,9 +212,10 @@ pub fn load(dir: &Path, num_threads: Option<usize>) -> Result<ExpertPool, PoolEr
     if read_json(&config)?.get("quantization_config").is_some() {
         return Err(PoolError::BadConfig {
             path: config,
-            msg: "a quantized checkpoint: its experts are packed into an ExpertPool.zeroed pool by \
+            msg:
+                "a quantized checkpoint: its experts are packed into an ExpertPool.zeroed pool by \
                   freetoken.quant, not read by this bf16 loader"
-                .into(),
+                    .into(),
         });
     }
     let (map, map_file_path) = weight_map(dir)?;

@@ -429,7 +429,10 @@ mod tests {
         let pool = ExpertPool::zeroed(s.clone()).unwrap();
         let layout = ExpertFormat::Nvfp4.layout(64, 32);
         assert_eq!(pool.expert_nbytes(), layout.expert_nbytes);
-        assert_eq!(pool.expert_nbytes(), 3 * 64 * 32 / 2 + 3 * 64 * 32 / 16 + 12);
+        assert_eq!(
+            pool.expert_nbytes(),
+            3 * 64 * 32 / 2 + 3 * 64 * 32 / 16 + 12
+        );
         let (p1, _) = pool.expert_ptr(0, 1).unwrap();
         assert_eq!(p1 as usize - pool.ptr() as usize, s.expert_stride());
         assert_eq!(pool.expert_bytes(1, 3).unwrap().len(), layout.expert_nbytes);

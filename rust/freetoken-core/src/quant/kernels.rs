@@ -48,8 +48,8 @@ pub fn gemv(
         let bc = m.format.block().1;
         match isa {
             Isa::Avx512Bf16 | Isa::AmxBf16
-                if m.cols % 16 == 0
-                    && bc % 16 == 0
+                if m.cols.is_multiple_of(16)
+                    && bc.is_multiple_of(16)
                     && is_x86_feature_detected!("avx512f")
                     && is_x86_feature_detected!("avx512bw") =>
             {
@@ -59,8 +59,8 @@ pub fn gemv(
                 return;
             }
             Isa::Avx2 | Isa::Avx512Bf16 | Isa::AmxBf16
-                if m.cols % 8 == 0
-                    && bc % 8 == 0
+                if m.cols.is_multiple_of(8)
+                    && bc.is_multiple_of(8)
                     && is_x86_feature_detected!("avx2")
                     && is_x86_feature_detected!("fma") =>
             {
@@ -107,7 +107,42 @@ pub fn expert_forward(isa: Isa, e: &QExpert<'_>, x: &[f32], n_tok: usize, out: &
     gemv(isa, &e.down, 0, h, &g, n_tok, &mut out[..n_tok * h], h);
 }
 
+/// The batch split both SIMD paths share, over their own `rows`, `decode_row` and `dot`: up to 4
+/// tokens decoded in registers; more through each row dequantized once, then dotted with every
+/// 4-token block. Expands to unsafe calls: bounds as [`gemv`] checks them.
 #[cfg(target_arch = "x86_64")]
+macro_rules! batch_split {
+    ($m:ident, $r0:ident, $r1:ident, $x:ident, $n_tok:ident, $out:ident, $ldo:ident) => {
+        match $n_tok {
+            0 => {}
+            1 => rows::<1>($m, $r0, $r1, $x, 0, $out, $ldo),
+            2 => rows::<2>($m, $r0, $r1, $x, 0, $out, $ldo),
+            3 => rows::<3>($m, $r0, $r1, $x, 0, $out, $ldo),
+            4 => rows::<4>($m, $r0, $r1, $x, 0, $out, $ldo),
+            _ => {
+                let mut row = vec![0f32; $m.cols];
+                for r in $r0..$r1 {
+                    decode_row($m, r, row.as_mut_ptr());
+                    let mut t0 = 0;
+                    while t0 < $n_tok {
+                        let o = $out.add(t0 * $ldo + r - $r0);
+                        match $n_tok - t0 {
+                            1 => dot::<1>(row.as_ptr(), $x, $m.cols, t0, o, $ldo),
+                            2 => dot::<2>(row.as_ptr(), $x, $m.cols, t0, o, $ldo),
+                            3 => dot::<3>(row.as_ptr(), $x, $m.cols, t0, o, $ldo),
+                            _ => dot::<4>(row.as_ptr(), $x, $m.cols, t0, o, $ldo),
+                        }
+                        t0 += 4;
+                    }
+                }
+            }
+        }
+    };
+}
+
+#[cfg(target_arch = "x86_64")]
+// The token loops index several per-token arrays at once (accumulators, row pointers).
+#[allow(clippy::needless_range_loop)]
 mod avx512 {
     use super::super::{QMatrix, E2M1_TABLE};
     use std::arch::x86_64::*;
@@ -121,7 +156,8 @@ mod avx512 {
             let mag = _mm512_and_si512(i, _mm512_set1_epi32(0x7F));
             let sign = _mm512_slli_epi32::<24>(_mm512_and_si512(i, _mm512_set1_epi32(0x80)));
             // Normal: exponent e + 120 (bias 7 -> 127), mantissa m << 20.
-            let normal = _mm512_add_epi32(_mm512_slli_epi32::<20>(mag), _mm512_set1_epi32(120 << 23));
+            let normal =
+                _mm512_add_epi32(_mm512_slli_epi32::<20>(mag), _mm512_set1_epi32(120 << 23));
             // Subnormal (exponent 0): m · 2^-9.
             let sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(1.0 / 512.0));
             let is_sub = _mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8));
@@ -207,7 +243,9 @@ mod avx512 {
                 let s = _mm512_set1_ps(m.block_scale(r / br, cb));
                 for c in (cb * bc..(cb + 1) * bc).step_by(16) {
                     let v = if m.format.weight_bits() == 8 {
-                        e4m3x16(_mm_loadu_si128(m.weight.as_ptr().add(r * m.cols + c) as *const __m128i))
+                        e4m3x16(_mm_loadu_si128(
+                            m.weight.as_ptr().add(r * m.cols + c) as *const __m128i
+                        ))
                     } else {
                         e2m1x16(m.weight.as_ptr().add((r * m.cols + c) / 2), lut)
                     };
@@ -219,14 +257,22 @@ mod avx512 {
 
     /// `out[t * ldo] = w · x[t0 + t]` for T tokens (`w` one dequantized row of `cols` floats).
     #[inline(always)]
-    unsafe fn dot<const T: usize>(w: *const f32, x: *const f32, cols: usize, t0: usize, out: *mut f32, ldo: usize) {
+    unsafe fn dot<const T: usize>(
+        w: *const f32,
+        x: *const f32,
+        cols: usize,
+        t0: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) {
         // SAFETY: the caller guarantees `cols` floats at w and at each token's row, and the outputs.
         unsafe {
             let mut acc = [_mm512_setzero_ps(); T];
             for c in (0..cols).step_by(16) {
                 let wv = _mm512_loadu_ps(w.add(c));
                 for t in 0..T {
-                    acc[t] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x.add((t0 + t) * cols + c)), acc[t]);
+                    acc[t] =
+                        _mm512_fmadd_ps(wv, _mm512_loadu_ps(x.add((t0 + t) * cols + c)), acc[t]);
                 }
             }
             for t in 0..T {
@@ -248,37 +294,14 @@ mod avx512 {
         out: *mut f32,
         ldo: usize,
     ) {
-        // SAFETY: bounds are the caller's; each call covers tokens t0..t0+T <= n_tok.
-        unsafe {
-            match n_tok {
-                0 => {}
-                1 => rows::<1>(m, r0, r1, x, 0, out, ldo),
-                2 => rows::<2>(m, r0, r1, x, 0, out, ldo),
-                3 => rows::<3>(m, r0, r1, x, 0, out, ldo),
-                4 => rows::<4>(m, r0, r1, x, 0, out, ldo),
-                _ => {
-                    let mut row = vec![0f32; m.cols];
-                    for r in r0..r1 {
-                        decode_row(m, r, row.as_mut_ptr());
-                        let mut t0 = 0;
-                        while t0 < n_tok {
-                            let o = out.add(t0 * ldo + r - r0);
-                            match n_tok - t0 {
-                                1 => dot::<1>(row.as_ptr(), x, m.cols, t0, o, ldo),
-                                2 => dot::<2>(row.as_ptr(), x, m.cols, t0, o, ldo),
-                                3 => dot::<3>(row.as_ptr(), x, m.cols, t0, o, ldo),
-                                _ => dot::<4>(row.as_ptr(), x, m.cols, t0, o, ldo),
-                            }
-                            t0 += 4;
-                        }
-                    }
-                }
-            }
-        }
+        // SAFETY: bounds are the caller's (see the macro).
+        unsafe { batch_split!(m, r0, r1, x, n_tok, out, ldo) }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
+// The token loops index several per-token arrays at once (accumulators, row pointers).
+#[allow(clippy::needless_range_loop)]
 mod avx2 {
     use super::super::{QMatrix, E2M1_TABLE};
     use std::arch::x86_64::*;
@@ -302,10 +325,15 @@ mod avx2 {
             let i = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
             let mag = _mm256_and_si256(i, _mm256_set1_epi32(0x7F));
             let sign = _mm256_slli_epi32::<24>(_mm256_and_si256(i, _mm256_set1_epi32(0x80)));
-            let normal = _mm256_add_epi32(_mm256_slli_epi32::<20>(mag), _mm256_set1_epi32(120 << 23));
+            let normal =
+                _mm256_add_epi32(_mm256_slli_epi32::<20>(mag), _mm256_set1_epi32(120 << 23));
             let sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(1.0 / 512.0));
             let is_sub = _mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag);
-            let v = _mm256_blendv_ps(_mm256_castsi256_ps(normal), sub, _mm256_castsi256_ps(is_sub));
+            let v = _mm256_blendv_ps(
+                _mm256_castsi256_ps(normal),
+                sub,
+                _mm256_castsi256_ps(is_sub),
+            );
             _mm256_castsi256_ps(_mm256_or_si256(_mm256_castps_si256(v), sign))
         }
     }
@@ -399,14 +427,22 @@ mod avx2 {
 
     /// `out[t * ldo] = w · x[t0 + t]` for T tokens.
     #[inline(always)]
-    unsafe fn dot<const T: usize>(w: *const f32, x: *const f32, cols: usize, t0: usize, out: *mut f32, ldo: usize) {
+    unsafe fn dot<const T: usize>(
+        w: *const f32,
+        x: *const f32,
+        cols: usize,
+        t0: usize,
+        out: *mut f32,
+        ldo: usize,
+    ) {
         // SAFETY: the caller guarantees `cols` floats at w and at each token's row, and the outputs.
         unsafe {
             let mut acc = [_mm256_setzero_ps(); T];
             for c in (0..cols).step_by(8) {
                 let wv = _mm256_loadu_ps(w.add(c));
                 for t in 0..T {
-                    acc[t] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.add((t0 + t) * cols + c)), acc[t]);
+                    acc[t] =
+                        _mm256_fmadd_ps(wv, _mm256_loadu_ps(x.add((t0 + t) * cols + c)), acc[t]);
                 }
             }
             for t in 0..T {
@@ -426,33 +462,8 @@ mod avx2 {
         out: *mut f32,
         ldo: usize,
     ) {
-        // SAFETY: bounds are the caller's; each call covers tokens t0..t0+T <= n_tok.
-        unsafe {
-            match n_tok {
-                0 => {}
-                1 => rows::<1>(m, r0, r1, x, 0, out, ldo),
-                2 => rows::<2>(m, r0, r1, x, 0, out, ldo),
-                3 => rows::<3>(m, r0, r1, x, 0, out, ldo),
-                4 => rows::<4>(m, r0, r1, x, 0, out, ldo),
-                _ => {
-                    let mut row = vec![0f32; m.cols];
-                    for r in r0..r1 {
-                        decode_row(m, r, row.as_mut_ptr());
-                        let mut t0 = 0;
-                        while t0 < n_tok {
-                            let o = out.add(t0 * ldo + r - r0);
-                            match n_tok - t0 {
-                                1 => dot::<1>(row.as_ptr(), x, m.cols, t0, o, ldo),
-                                2 => dot::<2>(row.as_ptr(), x, m.cols, t0, o, ldo),
-                                3 => dot::<3>(row.as_ptr(), x, m.cols, t0, o, ldo),
-                                _ => dot::<4>(row.as_ptr(), x, m.cols, t0, o, ldo),
-                            }
-                            t0 += 4;
-                        }
-                    }
-                }
-            }
-        }
+        // SAFETY: bounds are the caller's (see the macro).
+        unsafe { batch_split!(m, r0, r1, x, n_tok, out, ldo) }
     }
 }
 
@@ -466,7 +477,9 @@ mod tests {
     fn random_expert(format: ExpertFormat, h: usize, i: usize, seed: u64) -> Vec<u8> {
         let layout = format.layout(h, i);
         let mut rng = SplitMix64::new(seed);
-        let mut b: Vec<u8> = (0..layout.expert_nbytes).map(|_| rng.next_u64() as u8).collect();
+        let mut b: Vec<u8> = (0..layout.expert_nbytes)
+            .map(|_| rng.next_u64() as u8)
+            .collect();
         // Weights: any e2m1 byte is valid; e4m3 codes avoid the NaN patterns.
         if format.weight_bits() == 8 {
             for s in [layout.gate_up, layout.down] {

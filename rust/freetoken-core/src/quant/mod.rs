@@ -403,10 +403,7 @@ mod tests {
         assert_eq!(fp8.expert_nbytes, 3 * h * i + 768 + 384);
         let nv = ExpertFormat::Nvfp4.layout(h, i);
         assert_eq!(nv.expert_nbytes, 3 * h * i / 2 + 3 * h * i / 16 + 12);
-        assert_eq!(
-            ExpertFormat::Bf16.layout(h, i).expert_nbytes,
-            3 * h * i * 2
-        );
+        assert_eq!(ExpertFormat::Bf16.layout(h, i).expert_nbytes, 3 * h * i * 2);
         assert!(ExpertFormat::Fp8Block {
             block_rows: 128,
             block_cols: 128
