@@ -265,6 +265,14 @@ class ModelConfig:
         """Elements in one routed expert: gate and up [I, H] each, down [H, I]."""
         return 3 * self.hidden_size * self.moe_intermediate_size
 
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one routed expert as the checkpoint stores it, weights and scales (`freetoken.quant.formats`;
+        bf16 checkpoints: 2 * expert_numel). Raises QuantConfigError for an unsupported quantization_config."""
+        from freetoken.quant.formats import quant_spec
+
+        return quant_spec(self.raw).format.layout(self.hidden_size, self.moe_intermediate_size).expert_nbytes
+
 
 @dataclass
 class EngineConfig:

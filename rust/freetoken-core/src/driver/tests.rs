@@ -40,6 +40,7 @@ fn rig(backend: Backend, timeout: Duration) -> Rig {
         num_experts: E,
         hidden_size: H,
         intermediate_size: I,
+        format: crate::quant::ExpertFormat::Bf16,
     };
     let pool = Arc::new(ExpertPool::random(shape, 7, Some(1)).unwrap());
     let stride = pool.shape().expert_stride();
