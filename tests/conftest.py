@@ -27,6 +27,9 @@ if not torch.cuda.is_available():
     # Triton kernels run in Triton's interpreter on the CPU (set before any kernel is defined), so CI checks them.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# The `gpu` marker's check and skip (tests/gpu_marker.py).
+pytest_plugins = ["gpu_marker"]
+
 SERVED_MODEL_NAME = "freetoken-test"
 MAX_MODEL_LEN = 512
 API_KEY = "test-key-7d1f"

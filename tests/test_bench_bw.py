@@ -151,6 +151,7 @@ def cuda_uuid(monkeypatch):
     monkeypatch.setattr("freetoken.moe.gpu_uuid", lambda device: UUID)
 
 
+@pytest.mark.cuda_mocked
 def test_auto_choice(tmp_path, cuda_uuid, caplog):
     caplog.set_level(logging.INFO, logger="freetoken")
     cuda = torch.device("cuda")
@@ -168,6 +169,7 @@ def test_auto_choice(tmp_path, cuda_uuid, caplog):
     assert choose_backend("fused", cuda, SHAPE, tmp_path) == ("fused", None)
 
 
+@pytest.mark.cuda_mocked
 def test_hybrid_needs_a_profile(tmp_path, cuda_uuid):
     with pytest.raises(ValueError, match="run `ft bench bw"):
         choose_backend("hybrid", torch.device("cuda"), SHAPE, tmp_path)

@@ -17,6 +17,7 @@ from freetoken._core import InvalidArgumentError, align_slots, aligned_len
 from freetoken.kernels import paged_attention
 from freetoken.kernels.fused_moe import align_pairs, block_m_for, fused_moe, fused_moe_reference, fused_moe_tiles
 from freetoken.kernels.layer_ops import _round_to
+from gpu_marker import GPU_WHEN_AVAILABLE
 from freetoken.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -25,6 +26,7 @@ from freetoken.kernels.paged_attention import (
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 ATOL = 2e-2 if DTYPE == torch.bfloat16 else 1e-4
+pytestmark = GPU_WHEN_AVAILABLE  # the kernels run on CUDA where there is one
 
 
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 8), (3, 2), (33, 4)])

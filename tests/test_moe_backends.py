@@ -20,8 +20,8 @@ from freetoken.models.demo import build_demo_checkpoint
 from freetoken.models.loader import load_checkpoint
 from freetoken.moe.expert_cache import ExpertCacheBackend
 from freetoken.moe.fused import FusedExperts
+from gpu_marker import DEVICES
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 PROFILE = dict(pcie_bytes_per_s=50e9, cpu_bytes_per_s={1: 20e9, 4: 40e9, 16: 60e9})
 
 

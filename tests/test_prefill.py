@@ -31,7 +31,8 @@ from freetoken.moe.prefill import (
     PrefillCosts,
     choose_strategy,
 )
-from test_moe_backends import DEVICES, PROFILE, bf16_checkpoint  # noqa: F401 (a fixture)
+from gpu_marker import DEVICES
+from test_moe_backends import PROFILE, bf16_checkpoint  # noqa: F401 (a fixture)
 
 PROMPT = [(7 * i + 3) % 500 + 1 for i in range(37)]
 
@@ -259,6 +260,7 @@ def test_exploration_measures_a_close_untried_strategy_once():
         assert picks == ["hybrid", "hybrid", *tried, "hybrid", "hybrid"], (n, picks)
 
 
+@pytest.mark.cuda_mocked
 def test_budget_makes_room_for_layer_buffers_or_says_why_not(monkeypatch, caplog):
     from freetoken.models.presets import preset_config_path
 
@@ -299,6 +301,7 @@ def test_budget_makes_room_for_layer_buffers_or_says_why_not(monkeypatch, caplog
                              "offload") == (6144, 2)
 
 
+@pytest.mark.cuda_mocked
 def test_budget_that_holds_the_whole_pool_takes_no_layer_buffers(monkeypatch):
     """Under auto, a budget whose slots can hold every expert keeps them all resident rather than evicting some
     for layer buffers that would have nothing to stream; a forced `stream` still gets its buffers."""

@@ -26,6 +26,7 @@ from freetoken.kernels.gated_delta import (
 )
 from freetoken.models.attention import AttentionMetadata
 
+from gpu_marker import gpu_when_available
 from greedy import greedy_tokens, hf_greedy
 from reference_qwen3_5 import make_reference_checkpoint
 
@@ -211,6 +212,7 @@ def on_kernel_device():
     torch.set_default_device("cpu")
 
 
+@gpu_when_available
 def test_recurrent_kernel_matches_torch(on_kernel_device):
     """The Triton decode kernel (Triton's interpreter on the CPU) against the torch recurrence, odd sizes, padding
     rows that share the scratch slot, a bf16 input."""
@@ -276,6 +278,7 @@ def test_preset_plans_the_real_model():
     assert 4.0e9 < non_expert_nbytes(cfg, torch.bfloat16) < 5.5e9
 
 
+@gpu_when_available
 def test_chunk_kernels_match_torch(on_kernel_device):
     """The Triton prefill kernels (Triton's interpreter on the CPU): spans shorter than, equal to and past a 64-token
     chunk, grouped value heads, Dv not a power of two, from a non-zero state advanced in place."""
@@ -292,6 +295,7 @@ def test_chunk_kernels_match_torch(on_kernel_device):
         torch.testing.assert_close(state, want_state, atol=tol, rtol=tol)
 
 
+@gpu_when_available
 def test_deltanet_layer_with_kernels_matches_torch(monkeypatch, tmp_path):
     """A Gated DeltaNet layer through the Triton kernels (on CUDA, or interpreted on the CPU) against its torch path, on the
     strided views the layer feeds them: a step of two prefill spans, then a decode step, states compared after
