@@ -28,7 +28,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # The `gpu` marker's check and skip (tests/gpu_marker.py).
-pytest_plugins = ["gpu_marker"]
+pytest_plugins = ["gpu_marker", "pytester"]
 
 SERVED_MODEL_NAME = "freetoken-test"
 MAX_MODEL_LEN = 512

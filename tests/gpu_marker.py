@@ -8,7 +8,8 @@ Loaded by tests/conftest.py (``pytest_plugins``). Two checks, because CI has no 
      `DEVICES` below, whose CUDA entry carries the marker;
   2. it has a ``skipif`` that skips it exactly where CUDA is missing, with a reason naming CUDA (a test skipped
      without CUDA is a GPU test: the marker skips it);
-  3. its source, or the source of a fixture it uses that is defined under tests/, builds a CUDA tensor or device:
+  3. its source, or the source of a fixture it uses that is defined in this repository, builds a CUDA tensor or
+     device:
      ``device="cuda"``, ``torch.device("cuda")``, ``.to("cuda")``, ``.cuda()``, or calls ``torch.cuda.*`` other
      than ``is_available``/``device_count``. A test that only *names* a CUDA device with CUDA mocked (a memory
      budget, a backend choice) says so with ``@pytest.mark.cuda_mocked``.
@@ -30,7 +31,6 @@ import pytest
 import torch
 
 CUDA = torch.cuda.is_available()
-TESTS_DIR = Path(__file__).resolve().parent
 
 # Device parameters for tests that run on the CPU and, where there is one, on CUDA: `parametrize("device", DEVICES)`.
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -53,7 +53,8 @@ _CUDA_BEFORE = pytest.StashKey[tuple[bool, int]]()
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
-        "markers", "cuda_mocked: names a CUDA device with CUDA mocked; exempt from the gpu marker's source check"
+        "markers",
+        "cuda_mocked: names CUDA without using it (CUDA mocked, or CUDA code in strings); exempt from the gpu check",
     )
 
 
@@ -97,8 +98,8 @@ def cuda_use_without_marker(item: pytest.Item) -> str | None:
     fixture_info = getattr(item, "_fixtureinfo", None)
     for name, defs in (fixture_info.name2fixturedefs.items() if fixture_info is not None else ()):
         for fixturedef in defs:
-            path = Path(inspect.getsourcefile(fixturedef.func) or "").resolve()
-            if TESTS_DIR in path.parents and (line := _source_uses_cuda(fixturedef.func)) is not None:
+            path = Path(inspect.getsourcefile(fixturedef.func) or "/").resolve()
+            if item.config.rootpath in path.parents and (line := _source_uses_cuda(fixturedef.func)) is not None:
                 return f"its fixture {name!r} uses CUDA: {line!r}"
     return None
 
