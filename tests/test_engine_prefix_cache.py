@@ -10,7 +10,7 @@ import pytest
 import torch
 from freetoken.engine.llm_engine import LLMEngine
 from freetoken.engine.types import SamplingParams
-from test_engine import Result, assert_all_blocks_free, collect, demo, greedy, run  # noqa: F401 (demo: fixture)
+from test_engine import Result, assert_all_blocks_free, collect, greedy, run
 
 BS = 4
 
