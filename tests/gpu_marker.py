@@ -43,7 +43,8 @@ def gpu_when_available(test):
     return pytest.mark.gpu(test) if CUDA else test
 
 _CUDA_SOURCE = re.compile(
-    r"""(?:\bdevice\s*=\s*|torch\.device\(\s*|\.to\(\s*)["']cuda\b"""  # device="cuda", torch.device("cuda"), .to("cuda")
+    # device="cuda", torch.device("cuda"), .to("cuda")
+    r"""(?:\bdevice\s*=\s*|torch\.device\(\s*|\.to\(\s*)["']cuda\b"""
     r"""|\.cuda\(\)"""  # tensor.cuda()
     r"""|\btorch\.cuda\.(?!is_available\b|device_count\b)\w+"""  # torch.cuda.synchronize(), .Stream(), ...
 )

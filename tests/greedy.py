@@ -40,7 +40,7 @@ def follows_reference_bf16(ref, prompts: list[list[int]], got: list[list[int]], 
     such a tie (asserted, naming `label` and the step).
     """
     full = 0
-    for prompt, tokens in zip(prompts, got):
+    for prompt, tokens in zip(prompts, got, strict=True):
         ids = torch.tensor([prompt], device="cuda")
         with torch.no_grad():
             out = ref.generate(
@@ -48,7 +48,7 @@ def follows_reference_bf16(ref, prompts: list[list[int]], got: list[list[int]], 
                 eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True,
             )
         expected = out.sequences[0, len(prompt):].tolist()
-        first = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
+        first = next((i for i, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b), None)
         if first is None:
             full += 1
             continue

@@ -355,7 +355,7 @@ def test_earliest_stop_string_wins(demo, solo):
 
 
 def test_text_without_stop_equals_decode(demo, solo):
-    for prompt, r in zip(demo.prompts, solo, strict=True):
+    for _prompt, r in zip(demo.prompts, solo, strict=True):
         assert r.text == demo.tokenizer.decode(r.token_ids, skip_special_tokens=True)
 
 

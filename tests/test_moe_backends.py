@@ -56,7 +56,7 @@ def test_backend_logits_equal_fused(bf16_checkpoint, mode, num_slots, device):
     # Relative to the largest logit: float32 rounding, or bf16 rounding of the host kernels' inputs.
     tol = (2e-3 if cpu else 1e-5) if device.type == "cpu" else (3e-2 if cpu else 0.0)
     for run in got:
-        for logits, want in zip(run, expected):
+        for logits, want in zip(run, expected, strict=True):
             assert (logits - want).abs().max().item() <= tol * want.abs().max().item()
     if mode == "cpu":
         assert fills == 0 and hits == 0 and cpu > 0

@@ -297,8 +297,8 @@ def test_chunk_kernels_match_torch(on_kernel_device):
 
 @gpu_when_available
 def test_deltanet_layer_with_kernels_matches_torch(monkeypatch, tmp_path):
-    """A Gated DeltaNet layer through the Triton kernels (on CUDA, or interpreted on the CPU) against its torch path, on the
-    strided views the layer feeds them: a step of two prefill spans, then a decode step, states compared after
+    """A Gated DeltaNet layer through the Triton kernels (on CUDA, or interpreted on the CPU) against its torch path,
+    on the strided views the layer feeds them: a step of two prefill spans, then a decode step, states compared after
     each."""
     from freetoken.engine.state_pool import RecurrentStatePool
     from freetoken.models import qwen3_5_moe
@@ -326,7 +326,7 @@ def test_deltanet_layer_with_kernels_matches_torch(monkeypatch, tmp_path):
     for x, query_lens in ((torch.randn(12, cfg.hidden_size), [7, 5]), (torch.randn(2, cfg.hidden_size), [1, 1])):
         want, got = run(pools[0], x, query_lens, False), run(pools[1], x, query_lens, True)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        for a, b in zip(pools[0].layers[0], pools[1].layers[0]):
+        for a, b in zip(pools[0].layers[0], pools[1].layers[0], strict=True):
             torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 

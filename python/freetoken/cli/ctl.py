@@ -10,6 +10,7 @@ from freetoken.cli.client import ServerError, add_server_args, base_url, get_jso
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `ft ctl` and its flags to the subcommands of `ft` (`freetoken.cli.main.build_parser`)."""
     p = sub.add_parser("ctl", help="talk to a running server", description="Talk to a running freetoken server.")
     verbs = p.add_subparsers(dest="ctl_command", required=True, metavar="VERB")
     status = verbs.add_parser(
@@ -39,10 +40,14 @@ def status_lines(models: dict, stats: dict) -> list[str]:
         lines.append(f"experts    {moe.get('num_resident', 0)}/{moe['num_slots']} slots resident ({gb:.2f} GB)")
     lines += [
         f"kv cache   {total - free}/{total} blocks in use",
-        f"requests   {stats.get('num_running', 0)} running, {stats.get('num_waiting', 0)} waiting, "
-        f"{server.get('num_requests', 0)} answered",
-        f"tokens     {server.get('num_generation_tokens', 0)} generated, {server.get('num_prompt_tokens', 0)} prompt; "
-        f"decode {server.get('decode_tokens_per_s', 0):.1f} tok/s",
+        (
+            f"requests   {stats.get('num_running', 0)} running, {stats.get('num_waiting', 0)} waiting, "
+            f"{server.get('num_requests', 0)} answered"
+        ),
+        (
+            f"tokens     {server.get('num_generation_tokens', 0)} generated, "
+            f"{server.get('num_prompt_tokens', 0)} prompt; decode {server.get('decode_tokens_per_s', 0):.1f} tok/s"
+        ),
     ]
     if isinstance(stats.get("prefix_cache"), dict):
         items = ", ".join(f"{k} {v}" for k, v in stats["prefix_cache"].items() if isinstance(v, (int, float)))

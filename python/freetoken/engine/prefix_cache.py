@@ -66,6 +66,7 @@ class PrefixMatch:
 
     @property
     def num_blocks(self) -> int:
+        """KV blocks the match covers."""
         return len(self.blocks)
 
 

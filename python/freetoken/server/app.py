@@ -88,7 +88,7 @@ def error_response(err: ApiError, flavor: ApiFlavor) -> JSONResponse:
 
 
 def _presented_key(scope: Scope) -> str | None:
-    headers = {name: value for name, value in scope.get("headers", [])}
+    headers = dict(scope.get("headers", []))
     x_api_key = headers.get(b"x-api-key")
     if x_api_key:
         return x_api_key.decode("latin-1").strip()
@@ -287,7 +287,7 @@ async def _abort_on_exit(server: uvicorn.Server, engine: Any, graceful_shutdown_
     Stopping the engine ends the requests still running with finish_reason "abort", so their streams
     close with an error event and uvicorn's wait for open connections ends.
     """
-    while not server.should_exit:
+    while not server.should_exit:  # noqa: ASYNC110 (uvicorn sets a flag, not an event: polled)
         await asyncio.sleep(0.1)
     await asyncio.sleep(graceful_shutdown_s)
     logger.info("shutting down: aborting the requests still running")

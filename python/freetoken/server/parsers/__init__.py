@@ -208,7 +208,7 @@ def collect_deltas(deltas: list[ParsedDelta]) -> ParsedOutput:
     return ParsedOutput("".join(content), "".join(reasoning), calls)
 
 
-from freetoken.server.parsers import qwen3
+from freetoken.server.parsers import qwen3  # noqa: E402 (after the base classes the family modules import)
 
 __all__ = [
     "OutputParser",
