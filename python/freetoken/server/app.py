@@ -177,8 +177,8 @@ class ApiMiddleware:
             logger.exception("unexpected error in %s %s", scope["method"], scope["path"])
             if started():
                 return
-            err = ApiError(500, ErrorCode.INTERNAL_ERROR, "internal server error; see the server log")
-            await error_response(err, flavor)(scope, receive, send)
+            internal = ApiError(500, ErrorCode.INTERNAL_ERROR, "internal server error; see the server log")
+            await error_response(internal, flavor)(scope, receive, send)
 
 
 def log_client_error(scope: Scope, err: ApiError) -> None:
@@ -476,7 +476,7 @@ def run_server(
         timeout_graceful_shutdown=math.ceil(graceful_shutdown_s) + 10,
         lifespan="on",
         http=protocol,
-        timeout_keep_alive=keep_alive_timeout_s,  # type: ignore[arg-type]  (uvicorn passes it to call_later)
+        timeout_keep_alive=keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn passes it to call_later
         limit_concurrency=max_connections or None,
     )
     server = uvicorn.Server(config)

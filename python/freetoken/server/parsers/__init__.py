@@ -197,7 +197,9 @@ def parse_text(parser: OutputParser, text: str, before: ParsedDelta | None = Non
 
 def collect_deltas(deltas: list[ParsedDelta]) -> ParsedOutput:
     """Join streamed deltas into the whole output."""
-    content, reasoning, calls = [], [], []
+    content: list[str] = []
+    reasoning: list[str] = []
+    calls: list[ToolCall] = []
     for delta in deltas:
         content.append(delta.content)
         reasoning.append(delta.reasoning)
