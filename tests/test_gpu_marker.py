@@ -33,10 +33,16 @@ def _run(pytester: pytest.Pytester, source: str) -> pytest.RunResult:
         ("def test_x():\n    torch.cuda.synchronize()\n", "its source uses CUDA"),
         ("@pytest.mark.parametrize('device', ['cpu', 'cuda'])\ndef test_x(device):\n    pass\n",
          "its parameter device='cuda' is a CUDA device"),
-        ("@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')\ndef test_x():\n    pass\n",
-         "it is skipped without CUDA"),
-        ("@pytest.fixture\ndef on_gpu():\n    return torch.ones(2, device='cuda')\n\ndef test_x(on_gpu):\n    pass\n",
-         "its fixture 'on_gpu' uses CUDA"),
+        (
+            "@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')\n"
+            "def test_x():\n    pass\n",
+            "it is skipped without CUDA",
+        ),
+        (
+            "@pytest.fixture\ndef on_gpu():\n    return torch.ones(2, device='cuda')\n\n"
+            "def test_x(on_gpu):\n    pass\n",
+            "its fixture 'on_gpu' uses CUDA",
+        ),
     ],
     ids=["device-kwarg", "dot-cuda", "torch-cuda-call", "cuda-param", "skipif-no-cuda", "fixture"],
 )
