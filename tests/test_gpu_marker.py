@@ -34,13 +34,17 @@ def _run(pytester: pytest.Pytester, source: str) -> pytest.RunResult:
         ("@pytest.mark.parametrize('device', ['cpu', 'cuda'])\ndef test_x(device):\n    pass\n",
          "its parameter device='cuda' is a CUDA device"),
         (
-            "@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')\n"
-            "def test_x():\n    pass\n",
+            (
+                "@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')\n"
+                "def test_x():\n    pass\n"
+            ),
             "it is skipped without CUDA",
         ),
         (
-            "@pytest.fixture\ndef on_gpu():\n    return torch.ones(2, device='cuda')\n\n"
-            "def test_x(on_gpu):\n    pass\n",
+            (
+                "@pytest.fixture\ndef on_gpu():\n    return torch.ones(2, device='cuda')\n\n"
+                "def test_x(on_gpu):\n    pass\n"
+            ),
             "its fixture 'on_gpu' uses CUDA",
         ),
     ],
