@@ -333,6 +333,7 @@ def test_nvidia_driver_version_parsing():
     assert nvidia_driver_version("") is None
 
 
+@pytest.mark.cuda_mocked
 def test_a_missing_profile_is_measured_once(tmp_path, cuda_uuid):
     """`ft serve` on a GPU without a profile measures one (`measure`) and runs what it says; a profile that exists
     is read, not measured again; `--no-auto-profile` (no `measure`) keeps offload."""
