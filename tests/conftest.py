@@ -13,8 +13,10 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -118,6 +120,27 @@ def start_server(log_dir: Path, *extra_args: str, port: int | None = None) -> Se
         time.sleep(0.2)
     server.stop()
     pytest.fail(f"ft serve did not answer /health within {STARTUP_TIMEOUT_S:.0f} s:\n{server.log_tail()}")
+
+
+@contextmanager
+def in_process_server(app) -> Iterator[str]:
+    """Serve the ASGI `app` with uvicorn on a thread of this process, on a free port; yields its base URL and stops
+    it on exit (for tests that reach into the engine while it serves)."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the in-process server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="session")

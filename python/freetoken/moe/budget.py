@@ -41,6 +41,11 @@ def state_pool_nbytes(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dt
     return (cfg.max_num_seqs + 1) * RecurrentStatePool.bytes_per_slot(model_cfg, dtype)
 
 
+def activation_reserve_nbytes(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
+    """Device bytes the budget keeps for activations and the allocator (`ACTIVATION_TENSORS`, `RESERVE_BYTES`)."""
+    return RESERVE_BYTES + ACTIVATION_TENSORS * cfg.max_prefill_tokens * model_cfg.hidden_size * 4
+
+
 def wanted_layer_buffers(cfg: EngineConfig, backend: str) -> int:
     """Full-layer prefill buffers the settings ask for: 2 (double-buffered), 1 with `--no-prefill-overlap`, none
     for the `cpu` backend or an on-demand `--prefill-strategy`."""
@@ -83,7 +88,7 @@ def plan_expert_slots(
     weights = non_expert_nbytes(model_cfg, dtype)
     kv = plan_kv_cache(model_cfg, cfg, dtype).nbytes
     state = state_pool_nbytes(cfg, model_cfg, dtype)
-    activations = RESERVE_BYTES + ACTIVATION_TENSORS * cfg.max_prefill_tokens * model_cfg.hidden_size * 4
+    activations = activation_reserve_nbytes(cfg, model_cfg)
     left = budget - weights - kv - state - activations
     if buffers and cfg.prefill_strategy != "stream" and left >= num_experts * expert_stride:
         buffers = 0  # every expert fits in a slot: nothing would stream, and the buffers would evict experts

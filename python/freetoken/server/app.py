@@ -12,6 +12,8 @@ Routes:
     POST /v1/messages               Anthropic (see `anthropic.py`).
     POST /v1/messages/count_tokens  Anthropic token count.
     GET  /v1/stats                  the stats snapshot as JSON (see `telemetry.py`).
+    GET  /v1/cache                  the expert-slot cache and KV cache sizes and the memory headroom (`cache.py`).
+    POST /v1/cache/resize           resize them while serving (`cache.py`; what `ft ctl cache` calls).
     GET  /metrics                   the same snapshot and the request metrics, Prometheus text format.
     GET  /                          the status page (see `status_page.py`); always open (it holds no data).
 
@@ -53,7 +55,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from freetoken.heap import release_free_memory
-from freetoken.server import anthropic, completions, openai, responses, status_page, telemetry
+from freetoken.server import anthropic, cache, completions, openai, responses, status_page, telemetry
 from freetoken.server.errors import ApiError, ApiFlavor, ErrorCode, error_body
 from freetoken.server.generation import ClientDisconnected
 from freetoken.server.notices import request_notes
@@ -345,6 +347,8 @@ def build_app(
         Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
         Route("/v1/messages", anthropic.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+        Route("/v1/cache", cache.get_cache, methods=["GET"]),
+        Route("/v1/cache/resize", cache.resize_cache, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/", status_page.status_page, methods=["GET"]),
     ]
