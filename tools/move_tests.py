@@ -34,14 +34,16 @@ MAPPING: dict[str, list[str]] = {
         "test_decode_driver",
     ],
     "engine": [
-        "test_backpressure", "test_cache_resize", "test_cache_resize_gpu", "test_decode_runner", "test_engine", "test_engine_prefix_cache", "test_exactness",
+        "test_backpressure", "test_cache_resize", "test_cache_resize_gpu", "test_decode_runner", "test_engine",
+        "test_engine_prefix_cache", "test_exactness",
         "test_gpu", "test_gpu_prefix_cache", "test_logprobs", "test_prefix_cache", "test_sampler", "test_structured",
     ],
     "moe": ["test_bench_bw", "test_moe_backends", "test_prefill", "test_routing_replay"],
     "kernels": ["test_kernels"],
     "models": ["test_demo", "test_loader", "test_qwen3_5", "test_qwen3_5_gpu", "test_tokenizer"],
     "server": [
-        "test_parsers", "test_server_agent_outputs", "test_server_anthropic", "test_server_cache", "test_server_completions",
+        "test_parsers", "test_server_agent_outputs", "test_server_anthropic", "test_server_cache",
+        "test_server_completions",
         "test_server_concurrency", "test_server_errors", "test_server_fuzz", "test_server_hardening",
         "test_server_harness", "test_server_injection", "test_server_keepalive", "test_server_logprobs",
         "test_server_metrics", "test_server_openai", "test_server_prefix_cache", "test_server_responses",
