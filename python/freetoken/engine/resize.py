@@ -98,8 +98,8 @@ def cache_sizes(engine: LLMEngine) -> dict[str, Any]:
 
     Keys: "expert_cache" (None for the fused and cpu backends: no slots) with num_slots, slot_nbytes, nbytes, gb,
     num_resident, num_experts (in the pool), layer_buffers and policy; "kv_cache" with num_blocks, block_size,
-    num_tokens, nbytes and gb (null block included), num_held_blocks (held by requests), num_cached_blocks (in the prefix
-    index), num_free_blocks (free or evictable) and max_model_len; "num_resizes" and "last_resize" (its answer).
+    num_tokens, nbytes and gb (null block included), num_held_blocks (held by requests), num_cached_blocks (in the
+    prefix index), num_free_blocks (free or evictable) and max_model_len; "num_resizes" and "last_resize" (its answer).
     """
     kv, prefix = engine.kv, engine.scheduler.prefix_cache
     experts = _slot_cache(engine)
