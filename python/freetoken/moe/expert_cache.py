@@ -502,7 +502,7 @@ class ExpertCacheBackend:
         streamed = (0, 0) if self.streamer is None else (self.streamer.layers_streamed, self.streamer.bytes_copied)
         rows = lambda n: n + buffers * self.pool.num_experts
         old = self.num_slots
-        self.slots = self.gate_up = self.down = self.streamer = None
+        self.slots = self.gate_up = self.down = self.streamer = None  # type: ignore[assignment]  # freed, rebuilt below
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         try:
