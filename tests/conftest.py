@@ -7,6 +7,7 @@ goes to a file whose tail is printed when it fails to start.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -16,7 +17,9 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import anthropic
 import freetoken
@@ -24,6 +27,11 @@ import httpx
 import openai
 import pytest
 import torch
+from freetoken.config import ModelConfig
+from freetoken.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from freetoken.engine.llm_engine import LLMEngine
 
 if not torch.cuda.is_available():
     # Triton kernels run in Triton's interpreter on the CPU (set before any kernel is defined), so CI checks them.
@@ -52,6 +60,10 @@ def _interpreter_rounds_bf16_to_nearest() -> None:
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_rounds_bf16_to_nearest()
+
+
+# The `gpu` marker's check and skip (tests/gpu_marker.py).
+pytest_plugins = ["gpu_marker", "pytester"]
 
 SERVED_MODEL_NAME = "freetoken-test"
 MAX_MODEL_LEN = 512
@@ -240,3 +252,64 @@ def _parse_sse(raw: bytes) -> list[tuple[str | None, str]]:
 def parse_sse():
     """A function splitting an SSE body into (event name or None, data) pairs (UTF-8 checked per event)."""
     return _parse_sse
+
+
+# The engine tests' prompts (tests/test_engine.py), encoded by the `demo` fixture.
+PROMPTS = [
+    "Hello, my name is Ada and I like",
+    "The quick brown fox jumps over the",
+    "def fib(n):\n    return",
+    "1 2 3 4 5 6 7 8 9 10 11 12",
+    "Once upon a time, in a land far away, there lived a",
+    "Q:",
+]
+
+
+@dataclass
+class Model:
+    """The demo model, loaded once, with what engines need to be built around it."""
+
+    path: Path
+    model: torch.nn.Module
+    cfg: ModelConfig
+    tokenizer: Tokenizer
+    prompts: list[list[int]] = field(default_factory=list)
+
+    def engine(self, **kwargs: Any) -> LLMEngine:
+        """An engine around the loaded model (CPU, float32, `max_model_len` 256 unless given)."""
+        from freetoken.config import EngineConfig
+        from freetoken.engine.llm_engine import LLMEngine
+
+        kwargs.setdefault("max_model_len", 256)
+        return LLMEngine(self.model, self.cfg, EngineConfig(device="cpu", dtype="float32", **kwargs), self.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """The demo checkpoint (seed 0) loaded once per module on the CPU in float32, with `PROMPTS` encoded
+    (tests/test_engine.py and the engine-level prefix-cache tests)."""
+    from freetoken.models.demo import build_demo_checkpoint
+    from freetoken.models.loader import load_checkpoint
+    from freetoken.moe import FusedExperts
+
+    path = build_demo_checkpoint(tmp_path_factory.mktemp("demo"), seed=0)
+    cfg = ModelConfig.from_dir(path)
+    model = load_checkpoint(path, FusedExperts(), torch.device("cpu"), torch.float32, cfg=cfg)
+    tokenizer = Tokenizer.from_dir(path)
+    return Model(path, model, cfg, tokenizer, [tokenizer.encode(p) for p in PROMPTS])
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model with its weights stored in bfloat16 (so the pool holds exactly the fused weights): 16 experts,
+    4 per token (tests/test_moe_backends.py and tests/test_prefill.py)."""
+    from freetoken.models.demo import build_demo_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    path = build_demo_checkpoint(tmp_path_factory.mktemp("demo"), seed=5, num_experts=16, num_experts_per_tok=4)
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(path / "model.safetensors").items()}
+    save_file(tensors, path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    config["torch_dtype"] = "bfloat16"
+    (path / "config.json").write_text(json.dumps(config))
+    return path

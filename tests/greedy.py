@@ -47,7 +47,7 @@ def follows_reference_bf16(
     far past two ulps; a margin inside that error says nothing about which token is right.
     """
     full = 0
-    for prompt, tokens in zip(prompts, got):
+    for prompt, tokens in zip(prompts, got, strict=True):
         ids = torch.tensor([prompt], device="cuda")
         with torch.no_grad():
             out = ref.generate(
@@ -55,7 +55,7 @@ def follows_reference_bf16(
                 eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True,
             )
         expected = out.sequences[0, len(prompt):].tolist()
-        first = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
+        first = next((i for i, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b), None)
         if first is None:
             full += 1
             continue

@@ -141,8 +141,8 @@ def test_driven_host_experts_follow_fused(tmp_path, mode, slots):
     engine = LLMEngine(model, model.config, cfg, tokenizer=None)
     assert engine.runner.decode.handshake is not None
     got = _chosen_logprobs(engine, PROMPTS, 12)
-    for g, w in zip(got, want):
-        for step, ((tg, lg, _), (tw, lw, top)) in enumerate(zip(g, w)):
+    for g, w in zip(got, want, strict=False):
+        for step, ((tg, lg, _), (tw, lw, top)) in enumerate(zip(g, w, strict=False)):
             if tg != tw:
                 assert _close(top[1], top[0]), f"step {step}: {tg} instead of {tw}, fused's top-2 {top} not a tie"
                 break

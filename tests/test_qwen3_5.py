@@ -26,6 +26,7 @@ from freetoken.kernels.gated_delta import (
 )
 from freetoken.models.attention import AttentionMetadata
 
+from gpu_marker import gpu_when_available
 from greedy import greedy_tokens, hf_greedy
 from reference_qwen3_5 import make_reference_checkpoint
 
@@ -211,6 +212,7 @@ def on_kernel_device():
     torch.set_default_device("cpu")
 
 
+@gpu_when_available
 def test_recurrent_kernel_matches_torch(on_kernel_device):
     """The Triton decode kernel (Triton's interpreter on the CPU) against the torch recurrence, odd sizes, padding
     rows that share the scratch slot, a bf16 input."""
@@ -276,6 +278,7 @@ def test_preset_plans_the_real_model():
     assert 4.0e9 < non_expert_nbytes(cfg, torch.bfloat16) < 5.5e9
 
 
+@gpu_when_available
 def test_chunk_kernels_match_torch(on_kernel_device):
     """The Triton prefill kernels (Triton's interpreter on the CPU): spans shorter than, equal to and past a 64-token
     chunk, grouped value heads, Dv not a power of two, from a non-zero state advanced in place."""
@@ -300,6 +303,7 @@ def _bf16_steps_apart(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return (a - b).abs()
 
 
+@gpu_when_available
 def test_kernels_round_bfloat16_as_torch(on_kernel_device):
     """bfloat16 q/k/v (and beta): the Triton prefill and decode kernels (Triton's interpreter on the CPU, which the
     conftest makes round to nearest as the GPU does) give torch's bfloat16 outputs, bit for bit except a rare one-ulp
@@ -362,9 +366,10 @@ def test_chunk_scan_fits_shared_memory(dtype):
     assert need <= SHARED_MEMORY_MARGIN * H200_SHARED_MEMORY, f"{need} B of shared memory with {launch}"
 
 
+@gpu_when_available
 def test_deltanet_layer_with_kernels_matches_torch(monkeypatch, tmp_path):
-    """A Gated DeltaNet layer through the Triton kernels (on CUDA, or interpreted on the CPU) against its torch path, on the
-    strided views the layer feeds them: a step of two prefill spans, then a decode step, states compared after
+    """A Gated DeltaNet layer through the Triton kernels (on CUDA, or interpreted on the CPU) against its torch path,
+    on the strided views the layer feeds them: a step of two prefill spans, then a decode step, states compared after
     each."""
     from freetoken.engine.state_pool import RecurrentStatePool
     from freetoken.models import qwen3_5_moe
@@ -392,7 +397,7 @@ def test_deltanet_layer_with_kernels_matches_torch(monkeypatch, tmp_path):
     for x, query_lens in ((torch.randn(12, cfg.hidden_size), [7, 5]), (torch.randn(2, cfg.hidden_size), [1, 1])):
         want, got = run(pools[0], x, query_lens, False), run(pools[1], x, query_lens, True)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        for a, b in zip(pools[0].layers[0], pools[1].layers[0]):
+        for a, b in zip(pools[0].layers[0], pools[1].layers[0], strict=True):
             torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 

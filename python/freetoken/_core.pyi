@@ -68,12 +68,12 @@ class ExpertPool:
         """Loads the routed experts of a Hugging Face MoE checkpoint (Qwen3-MoE layout).
 
         Reads ``config.json`` (``hidden_size``, ``moe_intermediate_size``, ``num_experts``,
-        ``num_local_experts`` or ``n_routed_experts``, ``num_hidden_layers``, ``mlp_only_layers``, ``decoder_sparse_step``;
-        ``text_config`` when present) and ``model.safetensors`` or the shards named by
+        ``num_local_experts`` or ``n_routed_experts``, ``num_hidden_layers``, ``mlp_only_layers``,
+        ``decoder_sparse_step``; ``text_config`` when present) and ``model.safetensors`` or the shards named by
         ``model.safetensors.index.json``. MoE layers are the ``L`` not in ``mlp_only_layers`` with
         ``(L + 1) % decoder_sparse_step == 0`` (or, when the config has ``first_k_dense_replace``
-        as DeepSeek-V2/V3 do, ``L >= first_k_dense_replace`` with ``L % moe_layer_freq == 0``). Tensors, per model layer ``L``: either per expert
-        ``model.layers.{L}.mlp.experts.{E}.{gate,up,down}_proj.weight`` or fused
+        as DeepSeek-V2/V3 do, ``L >= first_k_dense_replace`` with ``L % moe_layer_freq == 0``). Tensors, per model
+        layer ``L``: either per expert ``model.layers.{L}.mlp.experts.{E}.{gate,up,down}_proj.weight`` or fused
         ``model.layers.{L}.mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``...down_proj`` ``[E, H, I]``
         (transposed ``[E, H, 2I]`` / ``[E, I, H]`` accepted). BF16, F16 and F32 are packed as bf16.
 
@@ -584,8 +584,8 @@ class DecodeDriver:
     tile alignment, the tiles of hits and of fills apart) and sets ``plan_flag[l]``; it copies fills into the
     slots (on the CUDA stream given, through the CUDA driver API, or ``memcpy`` into host ``slots``) and sets
     ``fill_flag[l]`` once they have landed (by a write on that stream after them where it can), runs the CPU
-    experts, writes their sum, then sets ``cpu_flag[l]``. Layouts are in ``freetoken_core::driver::Handshake``. All buffers must be page-locked
-    and mapped for the device when it takes part.
+    experts, writes their sum, then sets ``cpu_flag[l]``. Layouts are in ``freetoken_core::driver::Handshake``. All
+    buffers must be page-locked and mapped for the device when it takes part.
     """
 
     def __init__(

@@ -192,7 +192,8 @@ class ModelConfig:
             )
         if not 0 < self.num_experts_per_tok <= max(self.num_experts, 1):
             raise ConfigError(
-                f"{source}: num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})"
+                f"{source}: num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                f"1..num_experts ({self.num_experts})"
             )
         if self.decoder_sparse_step < 1:
             raise ConfigError(f"{source}: decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")

@@ -12,6 +12,7 @@ from freetoken.cli.client import ServerError, add_server_args, base_url, get_jso
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `ft ctl` and its flags to the subcommands of `ft` (`freetoken.cli.main.build_parser`)."""
     p = sub.add_parser("ctl", help="talk to a running server", description="Talk to a running freetoken server.")
     verbs = p.add_subparsers(dest="ctl_command", required=True, metavar="VERB")
     status = verbs.add_parser(
@@ -57,10 +58,14 @@ def status_lines(models: dict, stats: dict) -> list[str]:
     kv_gb = ((stats.get("cache") or {}).get("kv_cache") or {}).get("gb")
     lines += [
         f"kv cache   {total - free}/{total} blocks in use" + ("" if kv_gb is None else f" ({kv_gb:.2f} GB)"),
-        f"requests   {stats.get('num_running', 0)} running, {stats.get('num_waiting', 0)} waiting, "
-        f"{server.get('num_requests', 0)} answered",
-        f"tokens     {server.get('num_generation_tokens', 0)} generated, {server.get('num_prompt_tokens', 0)} prompt; "
-        f"decode {server.get('decode_tokens_per_s', 0):.1f} tok/s",
+        (
+            f"requests   {stats.get('num_running', 0)} running, {stats.get('num_waiting', 0)} waiting, "
+            f"{server.get('num_requests', 0)} answered"
+        ),
+        (
+            f"tokens     {server.get('num_generation_tokens', 0)} generated, "
+            f"{server.get('num_prompt_tokens', 0)} prompt; decode {server.get('decode_tokens_per_s', 0):.1f} tok/s"
+        ),
     ]
     prefix = stats.get("prefix_cache")
     if isinstance(prefix, dict):

@@ -15,6 +15,7 @@ log = logging.getLogger("freetoken.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `ft` argument parser: global flags and one subcommand per verb (serve, bench, launch, ctl, top)."""
     parser = argparse.ArgumentParser(prog="ft", description="freetoken: serve MoE LLMs bigger than the GPU")
     parser.add_argument("--version", action="version", version=f"freetoken {__version__}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])

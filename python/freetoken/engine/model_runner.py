@@ -95,7 +95,7 @@ class ModelRunner:
             meta.state_slots = torch.tensor([s.state_slot for s in step.seqs], dtype=torch.int64, device=self.device)
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         if experts is not None:
-            prefill = sum(q for s, q in zip(step.seqs, step.query_lens) if q > 1 or s.num_computed < s.prompt_len)
+            prefill = sum(q for s, q in zip(step.seqs, step.query_lens, strict=True) if q > 1 or s.num_computed < s.prompt_len)
             experts.begin_step(len(input_ids), prefill, self.model.config.num_experts_per_tok)
         hidden = self.model(ids, meta, self.kv.layers)
         rows: list[int] = []

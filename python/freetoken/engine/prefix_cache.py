@@ -66,6 +66,7 @@ class PrefixMatch:
 
     @property
     def num_blocks(self) -> int:
+        """KV blocks the match covers."""
         return len(self.blocks)
 
 
@@ -232,7 +233,8 @@ class PrefixCache:
     def remap(self, keep: Sequence[int]) -> dict[int, int]:
         """Follow a resized KV cache (`KVCache.adopt`) whose block i is old block `keep[i]`: reference counts,
         index and LRU order move to the new ids; cached blocks left out leave the index (counted as evictions).
-        Call it after `KVCache.adopt`, which resets the allocator to the new size. Returns {old id: new id} for the block tables."""
+        Call it after `KVCache.adopt`, which resets the allocator to the new size. Returns {old id: new id} for the
+        block tables."""
         new_of = {old: new for new, old in enumerate(keep)}
         refs = [0] * self.allocator.num_blocks
         for old, new in new_of.items():

@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -83,6 +83,15 @@ class ResizePlan:
     notes: list[str] = field(default_factory=list)
 
 
+
+T = TypeVar("T")
+
+
+def _given(value: T | None) -> T:
+    """`value`, known not to be None here (for mypy: a size given as GB when not as a count)."""
+    assert value is not None
+    return value
+
 def _gb(nbytes: float) -> float:
     return round(nbytes / 1e9, 4)
 
@@ -98,8 +107,8 @@ def cache_sizes(engine: LLMEngine) -> dict[str, Any]:
 
     Keys: "expert_cache" (None for the fused and cpu backends: no slots) with num_slots, slot_nbytes, nbytes, gb,
     num_resident, num_experts (in the pool), layer_buffers and policy; "kv_cache" with num_blocks, block_size,
-    num_tokens, nbytes and gb (null block included), num_held_blocks (held by requests), num_cached_blocks (in the prefix
-    index), num_free_blocks (free or evictable) and max_model_len; "num_resizes" and "last_resize" (its answer).
+    num_tokens, nbytes and gb (null block included), num_held_blocks (held by requests), num_cached_blocks (in the
+    prefix index), num_free_blocks (free or evictable) and max_model_len; "num_resizes" and "last_resize" (its answer).
     """
     kv, prefix = engine.kv, engine.scheduler.prefix_cache
     experts = _slot_cache(engine)
@@ -194,7 +203,7 @@ def plan_resize(
                 "hybrid to have an expert cache"
             )
         stride, total = experts.pool.expert_stride, experts.pool.num_layers * experts.pool.num_experts
-        num_slots = expert_slots if expert_slots is not None else int(expert_gb * 1e9) // stride
+        num_slots = expert_slots if expert_slots is not None else int(_given(expert_gb) * 1e9) // stride
         if num_slots < 1:
             raise ResizeRefused(
                 f"expert cache of {expert_gb if expert_slots is None else expert_slots} "
@@ -207,7 +216,7 @@ def plan_resize(
         slot_delta = (num_slots - experts.num_slots) * stride
     if kv_gb is not None or kv_blocks is not None:
         kv = engine.kv
-        num_kv_blocks = kv_blocks if kv_blocks is not None else int(kv_gb * 1e9) // kv.bytes_per_block
+        num_kv_blocks = kv_blocks if kv_blocks is not None else int(_given(kv_gb) * 1e9) // kv.bytes_per_block
         needed = kv.blocks_for(engine.max_model_len)
         if num_kv_blocks < needed:
             raise ResizeRefused(
@@ -283,6 +292,7 @@ def resize(
             "are back at their old sizes and serving goes on; give smaller sizes"
         ) from exc
     if layers is not None:
+        keep = _given(keep)  # set together with layers
         kv.adopt(layers, keep)
         new_of = prefix.remap(keep)
         for seq in (*scheduler.running, *scheduler.paused, *scheduler.waiting):

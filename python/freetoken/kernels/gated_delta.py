@@ -18,9 +18,9 @@ Variants:
     A_ij = beta_i exp(G_i - G_j) k_i . k_j, T = (I + A)^-1 gives W = T (beta exp(G) k) and U = T (beta v); across
     chunks, V' = U - W S, O = (exp(G) q) S + (mask(q k^T exp(G_i - G_j))) V', S <- exp(G_C) S + (exp(G_C - G) k)^T V'.
     torch (`chunk_gated_delta_rule_torch`, the CPU path and the reference); on CUDA Triton kernels
-    (`_chunk_prepare_kernel`: cumulative decay, A, its inverse by forward substitution, W and U per chunk, all chunks in parallel;
-    `_chunk_scan_kernel`: the sequential pass over chunks per (value head, block of Dv columns), the state block in
-    registers).
+    (`_chunk_prepare_kernel`: cumulative decay, A, its inverse by forward substitution, W and U per chunk, all chunks
+    in parallel; `_chunk_scan_kernel`: the sequential pass over chunks per (value head, block of Dv columns), the state
+    block in registers).
 
 Shapes: q, k [L, Hk, Dk]; v [L, Hv, Dv]; g, beta [L, Hv] (float32 g); states [num_slots, Hv, Dk, Dv] float32.
 Tests: python -m pytest tests/test_qwen3_5.py -q (torch paths; the Triton kernels in Triton's interpreter);

@@ -96,6 +96,7 @@ class CheckpointReader:
         self._handles: dict[Path, object] = {}
 
     def has(self, name: str) -> bool:
+        """Whether the checkpoint holds a tensor called `name`."""
         return name in self.index.files
 
     def get(self, name: str, shape: tuple[int, ...], dtypes: Iterable[str] = FLOAT_DTYPES) -> torch.Tensor:
@@ -118,6 +119,7 @@ class CheckpointReader:
         return handle.get_tensor(name)  # type: ignore[attr-defined]
 
     def close(self) -> None:
+        """Drop the open safetensors files (tensors already read stay valid)."""
         self._handles.clear()
 
 

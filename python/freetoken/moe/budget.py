@@ -152,9 +152,9 @@ def plan_host_memory(
     Returns:
         part -> (bytes, what to change to shrink it). Parts: "expert pool" (every routed expert in its checkpoint
         format, for the expert-cache backends), "weights" (the model's own weights when it runs on the CPU; the
-        routed experts too with the fused backend), "expert slots" (the slot cache, in host memory on a CPU device), "KV cache"
-        (on a CPU device; `plan_kv_cache`), "recurrent state" (hybrid models on a CPU device), "pinned staging" (CUDA with an expert-cache backend). Parts that
-        are zero are left out.
+        routed experts too with the fused backend), "expert slots" (the slot cache, in host memory on a CPU device),
+        "KV cache" (on a CPU device; `plan_kv_cache`), "recurrent state" (hybrid models on a CPU device), "pinned
+        staging" (CUDA with an expert-cache backend). Parts that are zero are left out.
     """
     from freetoken.engine.kv_cache import plan_kv_cache
 

@@ -15,7 +15,8 @@ planning and bookkeeping of every backend.
 
 Online refinement of q*: the backend times what it actually does, never adding a sync. CPU runs are timed with
 `perf_counter` around `CpuExperts.forward` (bytes = experts run x `expert_nbytes`, at b = mean tokens per expert);
-fills with CUDA events recorded on the copy stream around one layer step's copies in `TIME_FILLS_EVERY`, read (`Event.query`, non-blocking)
+fills with CUDA events recorded on the copy stream around one layer step's copies in `TIME_FILLS_EVERY`, read
+(`Event.query`, non-blocking)
 at later layer steps (on the CPU device, the memcpy is timed with `perf_counter`). Each path keeps an exponential
 moving average of measured / profiled bandwidth (`BandwidthTracker`); every `REFINE_EVERY` layer steps the
 planner gets the profile scaled by those ratios, each bounded to [1/4, 4] (`set_profile`), so q* follows the box
@@ -459,7 +460,7 @@ class ExpertCacheBackend:
         first = pool_layer * self.pool.num_experts
         if self.copy_stream is None:
             t0 = time.perf_counter()
-            for expert, slot in zip(experts.tolist(), slots.tolist()):
+            for expert, slot in zip(experts.tolist(), slots.tolist(), strict=True):
                 self.slots[slot].copy_(self.pool_experts[first + expert])
             self.pcie.add(len(experts) * n, time.perf_counter() - t0)
             return
@@ -470,7 +471,7 @@ class ExpertCacheBackend:
         with torch.cuda.stream(self.copy_stream):
             if timed:
                 start.record(self.copy_stream)
-            for expert, slot in zip(experts.tolist(), slots.tolist()):
+            for expert, slot in zip(experts.tolist(), slots.tolist(), strict=True):
                 self.slots[slot].copy_(self.pool_experts[first + expert], non_blocking=True)
             if timed:
                 end.record(self.copy_stream)
@@ -501,7 +502,7 @@ class ExpertCacheBackend:
         streamed = (0, 0) if self.streamer is None else (self.streamer.layers_streamed, self.streamer.bytes_copied)
         rows = lambda n: n + buffers * self.pool.num_experts
         old = self.num_slots
-        self.slots = self.gate_up = self.down = self.streamer = None
+        self.slots = self.gate_up = self.down = self.streamer = None  # type: ignore[assignment]  # freed, rebuilt below
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         try:
@@ -527,7 +528,7 @@ class ExpertCacheBackend:
             layer_slots = self.planner.layer_slots(layer)
             experts = np.flatnonzero(layer_slots >= 0)
             with torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else contextlib.nullcontext():
-                for expert, slot in zip(experts.tolist(), layer_slots[experts].tolist()):
+                for expert, slot in zip(experts.tolist(), layer_slots[experts].tolist(), strict=True):
                     slots[slot].copy_(self.pool_experts[layer * e + expert], non_blocking=True)
         if self.copy_stream is not None:
             self.copy_stream.synchronize()

@@ -90,7 +90,7 @@ def error_response(err: ApiError, flavor: ApiFlavor) -> JSONResponse:
 
 
 def _presented_key(scope: Scope) -> str | None:
-    headers = {name: value for name, value in scope.get("headers", [])}
+    headers = dict(scope.get("headers", []))
     x_api_key = headers.get(b"x-api-key")
     if x_api_key:
         return x_api_key.decode("latin-1").strip()
@@ -179,8 +179,8 @@ class ApiMiddleware:
             logger.exception("unexpected error in %s %s", scope["method"], scope["path"])
             if started():
                 return
-            err = ApiError(500, ErrorCode.INTERNAL_ERROR, "internal server error; see the server log")
-            await error_response(err, flavor)(scope, receive, send)
+            internal = ApiError(500, ErrorCode.INTERNAL_ERROR, "internal server error; see the server log")
+            await error_response(internal, flavor)(scope, receive, send)
 
 
 def log_client_error(scope: Scope, err: ApiError) -> None:
@@ -289,7 +289,7 @@ async def _abort_on_exit(server: uvicorn.Server, engine: Any, graceful_shutdown_
     Stopping the engine ends the requests still running with finish_reason "abort", so their streams
     close with an error event and uvicorn's wait for open connections ends.
     """
-    while not server.should_exit:
+    while not server.should_exit:  # noqa: ASYNC110 (uvicorn sets a flag, not an event: polled)
         await asyncio.sleep(0.1)
     await asyncio.sleep(graceful_shutdown_s)
     logger.info("shutting down: aborting the requests still running")
@@ -480,7 +480,7 @@ def run_server(
         timeout_graceful_shutdown=math.ceil(graceful_shutdown_s) + 10,
         lifespan="on",
         http=protocol,
-        timeout_keep_alive=keep_alive_timeout_s,  # type: ignore[arg-type]  (uvicorn passes it to call_later)
+        timeout_keep_alive=keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn passes it to call_later
         limit_concurrency=max_connections or None,
     )
     server = uvicorn.Server(config)

@@ -618,7 +618,7 @@ async def converted_events(
     chunks = parsed_chunks(engine, prompt_ids, params, plan, request_id)
     last: GenerationChunk | None = None
     try:
-        async for parsed, last in chunks:
+        async for parsed, last in chunks:  # noqa: B007 (`last` is read after the loop)
             for event in converter.events(parsed):
                 yield event
     finally:

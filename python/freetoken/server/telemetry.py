@@ -395,4 +395,4 @@ def layer_split(moe: dict[str, Any]) -> list[tuple[int, int, int]]:
     hits, fills, cpu = layers.get("hits"), layers.get("fills"), layers.get("cpu_runs")
     if not hits:
         return []
-    return list(zip(hits, fills or [0] * len(hits), cpu or [0] * len(hits)))
+    return list(zip(hits, fills or [0] * len(hits), cpu or [0] * len(hits), strict=True))

@@ -134,7 +134,8 @@ class Frame:
         window = "since start"
         if self.previous is not None:
             before = layer_split(self.previous.get("moe_backend") or {})
-            delta = [tuple(a - b for a, b in zip(now, then)) for now, then in zip(split, before)]
+            # strict=False: a restarted server may report other layers; the check below then drops the delta
+            delta = [tuple(a - b for a, b in zip(now, then, strict=False)) for now, then in zip(split, before, strict=False)]
             # a restarted server's counters fall: its cumulative split is then the honest view
             if len(before) == len(split) and all(v >= 0 for row in delta for v in row) and any(map(any, delta)):
                 split, window = delta, "last interval"

@@ -205,7 +205,9 @@ def parse_text(parser: OutputParser, text: str, before: ParsedDelta | None = Non
 
 def collect_deltas(deltas: list[ParsedDelta]) -> ParsedOutput:
     """Join streamed deltas into the whole output."""
-    content, reasoning, calls = [], [], []
+    content: list[str] = []
+    reasoning: list[str] = []
+    calls: list[ToolCall] = []
     for delta in deltas:
         content.append(delta.content)
         reasoning.append(delta.reasoning)
@@ -216,7 +218,7 @@ def collect_deltas(deltas: list[ParsedDelta]) -> ParsedOutput:
     return ParsedOutput("".join(content), "".join(reasoning), calls)
 
 
-from freetoken.server.parsers import qwen3, qwen3_xml
+from freetoken.server.parsers import qwen3, qwen3_xml  # noqa: E402 (after the base classes the family modules import)
 
 __all__ = [
     "OutputParser",

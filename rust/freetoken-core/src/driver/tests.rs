@@ -88,6 +88,8 @@ fn rig(backend: Backend, timeout: Duration) -> Rig {
         slot_rows: SLOTS,
         timeout,
     };
+    // SAFETY: every pointer of `hs` points into `shared`, boxed and alive for the whole test (the
+    // tests drop the driver first); host memory, so nothing needs to be page-locked.
     let driver = unsafe {
         DecodeDriver::new(
             Arc::new(Mutex::new(planner)),
