@@ -356,6 +356,7 @@ def test_quant_spec_converts_prefixes():
     assert not spec.converts("model.layers.1.mlp.experts.0.gate_proj") and spec.converts("model.layers.10.mlp.gate")
 
 
+@pytest.mark.cuda_mocked  # a CUDA memory plan, computed on the host: nothing touches a device
 def test_host_memory_plan_counts_quantized_experts_at_their_size():
     from freetoken.config import EngineConfig
     from freetoken.moe.budget import plan_host_memory
