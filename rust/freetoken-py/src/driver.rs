@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use freetoken_core::driver::server::{LayerHooks, LayerInputs, LayerServer, LayerStep};
 use freetoken_core::driver::{
-    cuda::CudaCopier, mail_offsets, plan_layout, DecodeDriver, DriverConfig, Handshake,
-    HostCopier, SlotCopier, StepJob, StepReport,
+    cuda::CudaCopier, mail_offsets, plan_layout, DecodeDriver, DriverConfig, Handshake, HostCopier,
+    SlotCopier, StepJob, StepReport,
 };
 use freetoken_core::error::DriverError;
 use freetoken_core::planner::Backend;
@@ -430,7 +430,9 @@ impl PyHandshakeBuffers {
         ] {
             let (p, n) = buffer::<u32>(obj, what, "uint32")?;
             if *layers.get_or_insert(n) != n {
-                return Err(invalid("the four flag arrays must have one flag per MoE layer each"));
+                return Err(invalid(
+                    "the four flag arrays must have one flag per MoE layer each",
+                ));
             }
             flags.push(p);
         }
@@ -452,10 +454,12 @@ impl PyHandshakeBuffers {
             cpu_out: out_p,
             cpu_out_len: out_len,
         };
-        let keep = [mail_flag, plan_flag, fill_flag, cpu_flag, mail, plan, cpu_out]
-            .iter()
-            .map(|o| (*o).clone().unbind())
-            .collect();
+        let keep = [
+            mail_flag, plan_flag, fill_flag, cpu_flag, mail, plan, cpu_out,
+        ]
+        .iter()
+        .map(|o| (*o).clone().unbind())
+        .collect();
         Ok(Self { hs, keep })
     }
 
@@ -546,7 +550,9 @@ impl PyDecodeDriver {
     }
 
     fn finish(&self, py: Python<'_>) -> PyResult<PyStepReport> {
-        let mut report = py.detach(|| lock(&self.inner).finish()).map_err(driver_err)?;
+        let mut report = py
+            .detach(|| lock(&self.inner).finish())
+            .map_err(driver_err)?;
         if let Some(e) = report.error.take() {
             return Err(driver_err(e));
         }
