@@ -253,7 +253,7 @@ def main() -> None:
     t0 = time.perf_counter()
     pool = ExpertPool.random(len(layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, moe_layers=layers)
     arena = torch.frombuffer(pool.arena_view(), dtype=torch.uint8)
-    pin_host_memory(pool.ptr, pool.nbytes)
+    _pinned = pin_host_memory(pool.ptr, pool.nbytes, keep=pool)  # registered while main runs
     per_layer = cfg.num_experts * pool.expert_stride
     assert pool.expert_offset(1, 0) == per_layer, "the views below assume [layer][expert] at expert_stride"
     log(f"pool: {pool.nbytes / 1e9:.1f} GB built and pinned in {time.perf_counter() - t0:.0f} s")

@@ -162,7 +162,7 @@ def measure_box(
         gpus = []
         if gpu_indices:
             arena = torch.frombuffer(pool.arena_view(), dtype=torch.uint8)
-            pin_host_memory(pool.ptr, pool.nbytes)
+            _pinned = pin_host_memory(pool.ptr, pool.nbytes, keep=pool)  # registered while measuring
         for i in gpu_indices:
             device = torch.device("cuda", i)
             torch.cuda.set_device(device)

@@ -22,6 +22,7 @@ from freetoken.engine.state_pool import RecurrentStatePool
 from freetoken.engine.stop import OutputText
 from freetoken.engine.structured import GrammarBackend
 from freetoken.engine.types import FinishReason, GenerationChunk, SamplingParams, TokenLogprob
+from freetoken.errors import FreetokenError
 from freetoken.models.loader import (
     TensorIndex,
     check_finite_weights,
@@ -39,7 +40,7 @@ from freetoken.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
-class RequestError(ValueError):
+class RequestError(FreetokenError, ValueError):
     """A request the engine cannot take (prompt too long, bad parameters); the message names the field."""
 
 

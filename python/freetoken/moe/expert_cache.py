@@ -151,7 +151,7 @@ class ExpertCacheBackend:
             raise ValueError("the pool's experts are not laid out [layer][expert] at expert_stride")
         self.pool_experts = arena[: num_experts * pool.expert_stride].view(num_experts, pool.expert_stride)
         if device.type == "cuda":
-            pin_host_memory(pool.ptr, pool.nbytes)
+            self._pinned_pool = pin_host_memory(pool.ptr, pool.nbytes, keep=pool)
         # The cache's slots, then the prefill layer buffers: one weight tensor, so one kernel reads both.
         rows = max(num_slots, 1) + layer_buffers * pool.num_experts
         self.slots = torch.empty(rows, pool.expert_stride, dtype=torch.uint8, device=device)

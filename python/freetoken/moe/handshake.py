@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from freetoken._core import DecodeDriver, HandshakeBuffers, StepReport, aligned_len, mail_layout
-from freetoken._core import FreetokenError
+from freetoken.errors import FreetokenError
 from freetoken.moe.pinned import PinnedBuffers
 
 # How long the CPU experts' workers poll for the next layer before they park: longer than the span between two MoE

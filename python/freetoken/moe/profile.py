@@ -35,6 +35,7 @@ from typing import Any
 
 from freetoken import __version__
 from freetoken._core import cpu_bytes_per_s_at, q_star
+from freetoken.errors import FreetokenError
 from freetoken.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ HYBRID_MIN_Q_STAR = 0.15
 BATCHES = (1, 2, 4, 8, 16)
 
 
-class ProfileError(ValueError):
+class ProfileError(FreetokenError, ValueError):
     """A profile that cannot be used: unreadable, corrupt, of another schema or version, or stale."""
 
 

@@ -31,6 +31,7 @@ from starlette.requests import Request
 from freetoken.engine import RequestError
 from freetoken.engine.structured import GrammarError, GrammarMatcher, json_grammar
 from freetoken.engine.types import GenerationChunk, SamplingParams, TokenLogprob
+from freetoken.errors import FreetokenError
 from freetoken.server import telemetry
 from freetoken.server.errors import ApiError, ApiFlavor, ErrorCode, invalid_request
 from freetoken.server.notices import note_once_per_request
@@ -50,7 +51,7 @@ logger = logging.getLogger("freetoken.server")
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "add_generation_prompt", "tokenize"})
 
 
-class ClientDisconnected(Exception):
+class ClientDisconnected(FreetokenError):
     """The client went away before its response was ready; nothing can be sent back."""
 
 
