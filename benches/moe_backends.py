@@ -80,6 +80,9 @@ class StaticLayers:
     def begin_step(self, num_tokens, num_prefill_tokens, top_k):
         pass
 
+    def stats(self):
+        return {"backend": "static", "bytes_cpu": self.bytes_cpu}
+
     def forward(self, layer, hidden, topk_ids, topk_weights):
         li = self.pool_layer[layer]
         if li < self.num_gpu_layers:

@@ -117,7 +117,7 @@ class LLMEngine:
             )
         self.runner = ModelRunner(
             model, self.kv, self.device, engine_cfg.max_num_seqs, self.max_model_len, engine_cfg.enforce_eager,
-            piecewise=not getattr(self.experts, "graph_safe", False),
+            piecewise=not self.experts.graph_safe,
         )
         self.eos_ids = set(tokenizer.eos_token_ids if tokenizer else ()) | set(model_cfg.eos_token_ids)
         # Compiles response formats into per-sequence grammar matchers (`SamplingParams.grammar`); its token trie is
@@ -298,5 +298,5 @@ class LLMEngine:
                if self.state_pool is not None else {}),
             "num_steps": self.num_steps,
             "routing": self.routing,
-            "moe_backend": self.experts.stats() if hasattr(self.experts, "stats") else {"backend": "fused"},
+            "moe_backend": self.experts.stats(),
         }
