@@ -21,7 +21,7 @@ Errors: every exception raised here derives from ``FreetokenError`` and from the
 from collections.abc import Callable
 from os import PathLike
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -593,26 +593,16 @@ class StepReport:
     def stream_flags(self) -> int: ...
 
 class LayerReport:
-    """What one ``LayerServer.serve`` call planned and did; frozen."""
+    """What one ``LayerServer.serve`` call did; frozen. ``num_hits`` (distinct experts resident), ``num_fills``
+    (copied into slots), ``num_cpu`` (run on the host: ``cpu_out`` was written only when positive), ``num_pairs``
+    and ``num_tiles`` (sizes of the plan's tile alignment, per tile row), ``step`` (the figures, a ``StepReport``)."""
 
-    @property
-    def num_hits(self) -> int:
-        """Distinct experts found resident."""
-    @property
-    def num_fills(self) -> int:
-        """Experts copied into slots."""
-    @property
-    def num_cpu(self) -> int:
-        """Experts run on the CPU (``cpu_out`` was written only when positive)."""
-    @property
-    def num_pairs(self) -> int:
-        """Sorted-pair entries of the plan's tile alignment."""
-    @property
-    def num_tiles(self) -> int:
-        """Tiles per tile row of the plan."""
-    @property
-    def step(self) -> StepReport:
-        """The layer step's figures."""
+    num_hits: Final[int]
+    num_fills: Final[int]
+    num_cpu: Final[int]
+    num_pairs: Final[int]
+    num_tiles: Final[int]
+    step: Final[StepReport]
 
 class LayerServer:
     """One MoE layer step, for every path (``freetoken_core::driver::server``): plan (q*), fills with their
