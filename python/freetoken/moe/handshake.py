@@ -1,15 +1,11 @@
 """The device side of the decode driver's handshake: a decode step's MoE layers served from a host thread while
 the whole step runs as one CUDA graph.
 
-The Rust `DecodeDriver` (`rust/freetoken-core/src/driver/mod.rs` has the protocol) plans each layer, issues its
-fills on the copy stream and runs its CPU experts, with no Python between layers. The graph talks to it through
-page-locked host memory that the GPU reads and writes directly (registered with `cudaHostRegister`, so mapped
-into the device's address space): per MoE layer one kernel writes the router's outputs into the host mailbox and
-then the step's generation number into the layer's mail flag (`_post_mail`), then `_wait_fetch` spins on
-the plan flag and copies the plan (slot ids and tile alignment) into device memory, the slot kernel runs the tiles of
-hits, a third `_wait_fetch` spins on the fill flag (which the copy stream raises after the layer's fills) and the
-slot kernel runs the tiles of the filled slots, and a last `_wait_fetch` adds the CPU experts' sum into the slot
-kernel's output. Compared with a host sync per layer (the piecewise graphs) this removes, per layer, a graph
+The protocol (the flags, their order, what each side writes) is written once, in the module doc of
+`rust/freetoken-core/src/driver/mod.rs`; the Rust `DecodeDriver` serves each layer through the same `LayerServer` as
+eager steps. This module is the device's side: `_post_mail` writes the routing into the mapped host mailbox and raises
+the mail flag, `_wait_fetch` spins on the plan, fill and CPU flags and copies (or adds) what the driver wrote.
+Compared with a host sync per layer (the piecewise graphs) this removes, per layer, a graph
 launch, a stream synchronisation and the Python of the plan, the fills and the kernel launches: on the H200 box,
 Qwen3-30B-A3B at a 24 GB budget, batch 1, a hybrid decode step went from 47-66 ms (piecewise) to 36.5 ms, and to
 25-27 ms once the CPU experts started before the fills on workers that keep a core free, the plan flag followed the
