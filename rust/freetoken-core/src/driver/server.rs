@@ -377,3 +377,149 @@ pub(crate) fn align_plan(
     align_after(&mut buf[..ns + nr + nt], ns, slot_rows, block_m);
     split_tiles(&mut buf[ns + nr..ns + nr + 2 * nt], filled);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cpu::CpuExperts;
+    use crate::driver::HostCopier;
+    use crate::planner::{BandwidthProfile, PlannerConfig};
+    use crate::pool::{ExpertPool, PoolShape};
+
+    /// Records the hook calls in order; supplies the inputs on `fetch_inputs`.
+    struct Recorder {
+        calls: Vec<String>,
+        hidden: Vec<f32>,
+        weights: Vec<f32>,
+        fill: (Vec<f32>, Vec<f32>),
+    }
+
+    impl LayerHooks for Recorder {
+        fn planned(&mut self, num_fills: usize) -> Result<(), DriverError> {
+            self.calls.push(format!("planned {num_fills}"));
+            Ok(())
+        }
+        fn fills_queued(
+            &mut self,
+            _copier: &mut dyn SlotCopier,
+            num_fills: usize,
+        ) -> Result<bool, DriverError> {
+            self.calls.push(format!("fills_queued {num_fills}"));
+            Ok(false)
+        }
+        fn fetch_inputs(&mut self) -> Result<(), DriverError> {
+            self.calls.push("fetch_inputs".into());
+            self.weights.copy_from_slice(&self.fill.0);
+            self.hidden.copy_from_slice(&self.fill.1);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn one_layer_step_orders_its_hooks_and_fetches_inputs_only_for_the_cpu() {
+        let (e, h, i, k, slots) = (8, 32, 16, 2, 2);
+        let shape = PoolShape {
+            moe_layers: vec![0],
+            num_experts: e,
+            hidden_size: h,
+            intermediate_size: i,
+        };
+        let pool = Arc::new(ExpertPool::random(shape, 5, Some(1)).unwrap());
+        let stride = pool.shape().expert_stride();
+        let planner = Planner::new(PlannerConfig {
+            num_layers: 1,
+            num_experts: e,
+            expert_nbytes: pool.expert_nbytes(),
+            capacity: slots,
+            policy: "lru".into(),
+            profile: Some(BandwidthProfile::new(1e9, vec![(1.0, 1e9)]).unwrap()),
+            reuse_weight: 0.0,
+            reuse_decay: 0.9,
+        })
+        .unwrap();
+        let cpu = Arc::new(CpuExperts::new(pool.clone(), Some(1), None).unwrap());
+        let mut slot_mem = vec![0u8; slots * stride];
+        // SAFETY: `slot_mem` outlives the server (dropped at the end of the test, after it).
+        let copier = unsafe { HostCopier::new(slot_mem.as_mut_ptr(), stride, slots) };
+        let planner = Arc::new(Mutex::new(planner));
+        let mut server = LayerServer::new(planner.clone(), cpu, Box::new(copier), slots).unwrap();
+        // Offload, 4 distinct experts and 2 slots: 2 fills, the 2 others run on the CPU, inputs not ready.
+        let ids = [0i64, 1, 2, 3];
+        let mut rec = Recorder {
+            calls: Vec::new(),
+            hidden: vec![f32::NAN; 2 * h],
+            weights: vec![f32::NAN; 2 * k],
+            fill: (vec![0.5; 2 * k], vec![0.25; 2 * h]),
+        };
+        let (ns, nr, nt) = plan_layout(2, k, slots, 4);
+        let mut plan = vec![0i64; ns + nr + 2 * nt];
+        let mut out = vec![0f32; 2 * h];
+        let step = LayerStep {
+            layer: 0,
+            backend: Backend::Offload,
+            ids: &ids,
+            top_k: k,
+            size: 2,
+            block_m: 4,
+            split_fill_tiles: false,
+        };
+        let inputs = LayerInputs {
+            weights: rec.weights.as_ptr(),
+            hidden: rec.hidden.as_ptr(),
+            ready: false,
+        };
+        let mut report = StepReport::default();
+        // SAFETY: the input vectors live in `rec` for the call and only `fetch_inputs` writes them.
+        let o = unsafe { server.serve(&step, inputs, &mut plan, &mut out, &mut rec, &mut report) }
+            .unwrap();
+        assert_eq!((o.num_hits, o.num_fills, o.num_cpu), (0, 2, 2));
+        assert_eq!(rec.calls, ["planned 2", "fetch_inputs", "fills_queued 2"]);
+        assert!(out.iter().all(|v| v.is_finite()) && out.iter().any(|&v| v != 0.0));
+        // Unsplit tiles: the second tile row is empty.
+        assert!(plan[ns + nr + nt..].iter().all(|&t| t == -1));
+        let filled: Vec<usize> = plan[..ns]
+            .iter()
+            .filter(|&&s| s >= 0)
+            .map(|&s| s as usize)
+            .collect();
+        for s in filled {
+            assert!(
+                slot_mem[s * stride..s * stride + 8].iter().any(|&b| b != 0),
+                "slot {s} filled"
+            );
+        }
+        // Both paths were timed into the planner.
+        let g = planner.lock().unwrap();
+        assert_eq!(g.bandwidth().0.num_samples(), 1);
+        assert_eq!(g.bandwidth().1.num_samples(), 1);
+        drop(g);
+        // A hit-only step: inputs never fetched, cpu_out untouched.
+        rec.calls.clear();
+        out.fill(7.0);
+        let step = LayerStep {
+            ids: &ids[..2],
+            size: 1,
+            ..step
+        };
+        let inputs = LayerInputs {
+            ready: false,
+            ..inputs
+        };
+        let (ns1, nr1, nt1) = plan_layout(1, k, slots, 4);
+        // SAFETY: as above.
+        let o = unsafe {
+            server.serve(
+                &step,
+                inputs,
+                &mut plan[..ns1 + nr1 + 2 * nt1],
+                &mut out,
+                &mut rec,
+                &mut report,
+            )
+        }
+        .unwrap();
+        assert_eq!((o.num_cpu, o.num_fills), (0, 0));
+        assert_eq!(rec.calls, ["planned 0", "fills_queued 0"]);
+        assert!(out.iter().all(|&v| v == 7.0));
+    }
+}
