@@ -88,6 +88,10 @@ impl PyCudaSlots {
 pub struct PyLayerServer {
     pub(crate) inner: Arc<Mutex<LayerServer>>,
     hidden: usize,
+    /// Kept here so that no call made with the GIL held waits for the server's lock, which `serve`
+    /// holds while its callbacks wait for the GIL.
+    slot_rows: usize,
+    num_layers: usize,
     /// The host slots (CPU device), kept alive for the copier.
     _slots: Option<Py<PyAny>>,
 }
@@ -194,13 +198,15 @@ impl PyLayerServer {
         Ok(Self {
             inner: Arc::new(Mutex::new(server)),
             hidden: pool.hidden_size(),
+            slot_rows,
+            num_layers: pool.num_layers(),
             _slots: keep,
         })
     }
 
     /// Rows and tiles of a step's plan for `tokens` rows: `(topk slots, sorted pairs, tiles)`.
     fn plan_layout(&self, tokens: usize, top_k: usize, block_m: usize) -> (usize, usize, usize) {
-        plan_layout(tokens, top_k, lock(&self.inner).slot_rows(), block_m)
+        plan_layout(tokens, top_k, self.slot_rows, block_m)
     }
 
     #[pyo3(signature = (layer, backend, ids, weights, hidden, plan, cpu_out, block_m, *, inputs_ready=true, on_fills_queued=None, fetch_inputs=None))]
@@ -495,7 +501,7 @@ impl PyDecodeDriver {
         timeout_s: f64,
     ) -> PyResult<Self> {
         let backend = backend.parse::<Backend>().py()?;
-        let layers = lock(&server.get().inner).cpu().pool().num_layers();
+        let layers = server.get().num_layers;
         let n = buffers.get().num_layers(buffers.py())?;
         if n != layers {
             return Err(invalid(format!(
