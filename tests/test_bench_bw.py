@@ -272,7 +272,8 @@ def test_gpu_bench_writes_the_profile_auto_reads(tmp_path):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_fill_events_are_read_without_a_sync():
-    """On CUDA, fills are timed by events on the copy stream, read at later layer steps."""
+    """On CUDA, eager steps fill through the Rust layer server: its copier times one group of fills in four with
+    events on the copy stream, and the planner gets the samples (the same path as the driven decode)."""
     pool = ExpertPool.random(2, 16, 256, 128, seed=4)
     cuda = torch.device("cuda")
     backend = ExpertCacheBackend("hybrid", pool, cuda, 4, pcie_bytes_per_s=50e9,
