@@ -39,7 +39,7 @@ import torch
 from freetoken._core import CpuExperts, CudaSlots, ExpertPool, LayerServer, Planner, StepReport
 from freetoken.config import PREFILL_STRATEGIES
 from freetoken.moe.compute import expert_views, grouped_swiglu
-from freetoken.moe.pinned import PinnedBuffers, pin_host_memory
+from freetoken.moe.pinned import PinnedBuffers, PinnedRegion
 from freetoken.moe.prefill import (
     DEFAULT_PCIE_BYTES_PER_S,
     DEMAND_MODES,
@@ -71,20 +71,16 @@ def bandwidth_stats(planner: Planner) -> dict:
     """JSON-able, per miss path ("pcie", "cpu"): the profiled and refined curves (GB/s by batch), the measured EMA
     (GB/s), its ratio to the profile and the samples taken, read from the planner, which does the refinement."""
 
-    def gbps(curve: dict | None) -> dict | None:
+    def gbps(path: str, profile: tuple[float, dict[int, float]] | None) -> dict | None:
+        curve = None if profile is None else {1: profile[0]} if path == "pcie" else profile[1]
         return None if curve is None else {b: round(v / 1e9, 3) for b, v in curve.items()}
-
-    def curve(path: str, profile: tuple[float, dict[int, float]] | None) -> dict | None:
-        if profile is None:
-            return None
-        return {1: profile[0]} if path == "pcie" else profile[1]
 
     profiled, refined = planner.profile(), planner.refined_profile()
     out = {}
     for path, (bytes_per_s, ratio, samples) in planner.bandwidth().items():
         out[path] = {
-            "profiled_gbps": gbps(curve(path, profiled)),
-            "refined_gbps": gbps(curve(path, refined)),
+            "profiled_gbps": gbps(path, profiled),
+            "refined_gbps": gbps(path, refined),
             "measured_gbps": None if bytes_per_s is None else round(bytes_per_s / 1e9, 3),
             "measured_over_profiled": None if ratio is None else round(ratio, 3),
             "num_samples": samples,
@@ -151,7 +147,7 @@ class ExpertCacheBackend:
             raise ValueError("the pool's experts are not laid out [layer][expert] at expert_stride")
         self.pool_experts = arena[: num_experts * pool.expert_stride].view(num_experts, pool.expert_stride)
         if device.type == "cuda":
-            self._pinned_pool = pin_host_memory(pool.ptr, pool.nbytes, keep=pool)
+            self._pinned_pool = PinnedRegion(pool.ptr, pool.nbytes, keep=pool)
         # The cache's slots, then the prefill layer buffers: one weight tensor, so one kernel reads both.
         rows = max(num_slots, 1) + layer_buffers * pool.num_experts
         self.slots = torch.empty(rows, pool.expert_stride, dtype=torch.uint8, device=device)

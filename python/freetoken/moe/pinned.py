@@ -81,12 +81,6 @@ class PinnedRegion:
             pass
 
 
-def pin_host_memory(ptr: int, nbytes: int, keep: object = None) -> PinnedRegion:
-    """Page-lock `nbytes` at `ptr` for CUDA; the range stays registered while the returned `PinnedRegion` lives
-    (keep it). Raises PinningError with the CUDA error and what to change."""
-    return PinnedRegion(ptr, nbytes, keep)
-
-
 class PinnedBuffers:
     """Host buffers reused across layer steps, one per name, grown on demand; page-locked when `pin` (CUDA).
 
