@@ -105,7 +105,7 @@ class DecodeRunner:
             self.logits = torch.zeros(n, cfg.vocab_size, dtype=torch.float32, device=device)
             moe = cfg.moe_layers
             # (first layer, MoE layer that ends the span or -1): spans run between the MoE layers' experts.
-            self.spans = list(zip([0] + [m + 1 for m in moe], moe + [-1]))
+            self.spans = list(zip([0] + [m + 1 for m in moe], moe + [-1], strict=True))
             self.span_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
             if use_graphs and isinstance(model.experts, DrivenExpertBackend):
                 # None where the backend cannot (the CPU device); it has its own host mailbox.

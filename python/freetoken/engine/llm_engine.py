@@ -16,6 +16,7 @@ from freetoken.config import EngineConfig, ModelConfig
 from freetoken.engine.admission import Admission, default_share
 from freetoken.engine.kv_cache import KVCache, plan_kv_cache
 from freetoken.engine.model_runner import ModelRunner
+from freetoken.engine.resize import cache_sizes
 from freetoken.engine.scheduler import Scheduler
 from freetoken.engine.sequence import Sequence
 from freetoken.engine.state_pool import RecurrentStatePool
@@ -129,6 +130,8 @@ class LLMEngine:
         self._rng = random.Random(engine_cfg.seed)
         self.num_steps = 0
         self.routing = describe_routing(model)
+        self.num_resizes = 0  # cache resizes done (`freetoken.engine.resize`), and the last one's answer
+        self.last_resize: dict | None = None
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, engine_cfg: EngineConfig) -> LLMEngine:
@@ -299,4 +302,5 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "routing": self.routing,
             "moe_backend": self.experts.stats(),
+            "cache": cache_sizes(self),
         }

@@ -31,9 +31,11 @@ as it is) or one of the on-demand plans above.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from freetoken._core import CpuExperts, CudaSlots, ExpertPool, LayerServer, Planner, StepReport
@@ -408,6 +410,58 @@ class ExpertCacheBackend:
             out = grouped_swiglu(hidden, self.gate_up, self.down, rows[topk_ids], topk_weights)
         self.streamer.done(pool_layer)
         return out
+
+    def resize(self, num_slots: int, allocate: Callable[..., torch.Tensor] = torch.empty) -> None:
+        """Change the cache to `num_slots` slots at a safe point (no step in flight, no decode driver holding the
+        slots' address: `freetoken.engine.resize` drops it first). The planner keeps the residents that fit, the
+        most valuable by its policy (`Planner.resize`), and each is copied again from the pinned pool, the source of
+        truth, so the old slots are released before the new ones are allocated. The prefill layer buffers follow.
+
+        Args:
+            num_slots: slots of the new cache, >= 1.
+            allocate: `torch.empty`'s signature: where the new slots are allocated (a test injects an OOM here).
+
+        Raises:
+            torch.OutOfMemoryError (or the CPU allocator's RuntimeError): the new slots did not fit; the cache is
+                back at its old size with its residents (rolled back) before this raises.
+        """
+        if num_slots < 1:
+            raise ValueError(f"an expert cache needs at least one slot, got {num_slots}")
+        buffers = 0 if self.streamer is None else self.streamer.num_buffers
+        streamed = (0, 0) if self.streamer is None else (self.streamer.layers_streamed, self.streamer.bytes_copied)
+        rows = lambda n: n + buffers * self.pool.num_experts
+        old = self.num_slots
+        self.slots = self.gate_up = self.down = self.streamer = None  # type: ignore[assignment]  # freed, rebuilt below
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        try:
+            slots = allocate((rows(num_slots), self.pool.expert_stride), dtype=torch.uint8, device=self.device)
+        except Exception:
+            self._install_slots(allocate((rows(old), self.pool.expert_stride), dtype=torch.uint8, device=self.device),
+                                old, buffers, streamed)
+            raise
+        self.planner.resize(num_slots)
+        self._install_slots(slots, num_slots, buffers, streamed)
+
+    def _install_slots(self, slots: torch.Tensor, num_slots: int, buffers: int, streamed: tuple[int, int]) -> None:
+        """Take `slots` as the cache and layer buffers, and copy every resident expert from the pool into its slot."""
+        self.slots, self.num_slots = slots, num_slots
+        self.gate_up, self.down = expert_views(slots, self.pool.hidden_size, self.pool.intermediate_size)
+        self.server = self._layer_server()  # its copier holds the slots' address
+        if buffers:
+            self.streamer = LayerStreamer(
+                self.pool, self.pool_experts, slots, num_slots, buffers, self.planner, self.copy_stream
+            )
+            self.streamer.layers_streamed, self.streamer.bytes_copied = streamed
+        e = self.pool.num_experts
+        for layer in range(self.pool.num_layers):
+            layer_slots = self.planner.layer_slots(layer)
+            experts = np.flatnonzero(layer_slots >= 0)
+            with torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else contextlib.nullcontext():
+                for expert, slot in zip(experts.tolist(), layer_slots[experts].tolist(), strict=True):
+                    slots[slot].copy_(self.pool_experts[layer * e + expert], non_blocking=True)
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
 
     def device_handshake(self, top_k: int, sizes: list[int]):
         """The handshake through which a decode step captured whole in one CUDA graph is served by the Rust

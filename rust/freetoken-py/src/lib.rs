@@ -10,6 +10,7 @@ mod driver;
 mod errors;
 mod planner;
 mod pool;
+mod quant;
 mod trace;
 
 /// The `freetoken._core` extension module.
@@ -35,6 +36,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(planner::cpu_bytes_per_s_at, m)?)?;
     m.add_function(wrap_pyfunction!(planner::q_star, m)?)?;
     m.add_function(wrap_pyfunction!(planner::align_slots, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::expert_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::dequantize_expert, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::quantized_expert_forward, m)?)?;
     m.add_function(wrap_pyfunction!(trace::read_trace, m)?)?;
     m.add_function(wrap_pyfunction!(trace::simulate_trace, m)?)?;
     m.add_function(wrap_pyfunction!(trace::synthetic_trace, m)?)?;

@@ -42,6 +42,7 @@ fn rig(backend: Backend, timeout: Duration) -> Rig {
         num_experts: E,
         hidden_size: H,
         intermediate_size: I,
+        format: crate::quant::ExpertFormat::Bf16,
     };
     let pool = Arc::new(ExpertPool::random(shape, 7, Some(1)).unwrap());
     let stride = pool.shape().expert_stride();
@@ -90,6 +91,8 @@ fn rig(backend: Backend, timeout: Duration) -> Rig {
     };
     let planner = Arc::new(Mutex::new(planner));
     let server = LayerServer::new(planner.clone(), cpu, Box::new(copier), SLOTS).unwrap();
+    // SAFETY: every pointer of `hs` points into `shared`, boxed and alive for the whole test (the
+    // tests drop the driver first); host memory, so nothing needs to be page-locked.
     let driver = unsafe { DecodeDriver::new(Arc::new(Mutex::new(server)), hs, cfg).unwrap() };
     Rig {
         pool,
