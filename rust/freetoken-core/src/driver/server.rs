@@ -423,6 +423,7 @@ mod tests {
             num_experts: e,
             hidden_size: h,
             intermediate_size: i,
+            format: crate::quant::ExpertFormat::Bf16,
         };
         let pool = Arc::new(ExpertPool::random(shape, 5, Some(1)).unwrap());
         let stride = pool.shape().expert_stride();
