@@ -55,7 +55,7 @@ from freetoken.moe.budget import plan_expert_slots
 from freetoken.moe.compute import expert_views, grouped_swiglu
 from freetoken.moe.expert_cache import ExpertCacheBackend
 from freetoken.moe.fused import FusedExperts
-from freetoken.moe.pinned import pin_host_memory
+from freetoken.moe.pinned import PinnedRegion
 from freetoken.moe.routing_replay import install_trace, synthetic_tables
 
 
@@ -79,6 +79,9 @@ class StaticLayers:
 
     def begin_step(self, num_tokens, num_prefill_tokens, top_k):
         pass
+
+    def stats(self):
+        return {"backend": "static", "bytes_cpu": self.bytes_cpu}
 
     def forward(self, layer, hidden, topk_ids, topk_weights):
         li = self.pool_layer[layer]
@@ -253,7 +256,7 @@ def main() -> None:
     t0 = time.perf_counter()
     pool = ExpertPool.random(len(layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, moe_layers=layers)
     arena = torch.frombuffer(pool.arena_view(), dtype=torch.uint8)
-    pin_host_memory(pool.ptr, pool.nbytes)
+    _pinned = PinnedRegion(pool.ptr, pool.nbytes, keep=pool)  # registered while main runs
     per_layer = cfg.num_experts * pool.expert_stride
     assert pool.expert_offset(1, 0) == per_layer, "the views below assume [layer][expert] at expert_stride"
     log(f"pool: {pool.nbytes / 1e9:.1f} GB built and pinned in {time.perf_counter() - t0:.0f} s")

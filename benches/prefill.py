@@ -43,7 +43,7 @@ from freetoken.moe.budget import plan_expert_slots
 from freetoken.moe.compute import expert_views
 from freetoken.moe.expert_cache import ExpertCacheBackend
 from freetoken.moe.fused import FusedExperts
-from freetoken.moe.pinned import pin_host_memory
+from freetoken.moe.pinned import PinnedRegion
 from freetoken.moe.profile import BATCHES
 from freetoken.moe.routing_replay import install_trace, synthetic_tables
 from rich.console import Console
@@ -135,7 +135,7 @@ def main() -> None:
     t0 = time.perf_counter()
     pool = ExpertPool.random(len(layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, moe_layers=layers)
     arena = torch.frombuffer(pool.arena_view(), dtype=torch.uint8)
-    pin_host_memory(pool.ptr, pool.nbytes)
+    _pinned = PinnedRegion(pool.ptr, pool.nbytes, keep=pool)  # registered while main runs
     log(f"pool: {pool.nbytes / 1e9:.1f} GB built and pinned in {time.perf_counter() - t0:.0f} s")
     cpu = CpuExperts(pool)
     scratch = torch.empty(64, pool.expert_stride, dtype=torch.uint8, device=device)

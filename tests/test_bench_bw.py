@@ -17,7 +17,7 @@ from freetoken import __version__
 from freetoken._core import ExpertPool
 from freetoken.moe import choose_backend
 from freetoken.moe import profile as prof
-from freetoken.moe.expert_cache import REFINE_EVERY, BandwidthTracker, ExpertCacheBackend
+from freetoken.moe.expert_cache import ExpertCacheBackend
 from freetoken.moe.profile import ExpertShape, ProfileError
 from test_cli import assert_user_error, ft
 
@@ -178,51 +178,16 @@ def test_hybrid_needs_a_profile(tmp_path, cuda_uuid):
     assert choose_backend("hybrid", torch.device("cuda"), SHAPE, tmp_path)[0] == "hybrid"
 
 
-def test_tracker_ema_is_bounded():
-    t = BandwidthTracker({1: 10e9, 16: 40e9}, alpha=0.5)
-    assert t.refined() == {1: 10e9, 16: 40e9} and t.stats()["measured_gbps"] is None
-    t.add(5_000_000_000, 1.0, batch=1)  # half the profile at b=1
-    assert t.ratio == pytest.approx(0.5) and t.refined() == {1: 5e9, 16: 20e9}
-    t.add(20_000_000_000, 1.0, batch=16)  # half again, at b=16
-    assert t.ratio == pytest.approx(0.5)
-    t.add(40_000_000_000, 1.0, batch=8.5)  # twice the interpolated 25 GB/s: the EMA moves halfway
-    assert t.ratio == pytest.approx(0.5 + 0.5 * (1.6 - 0.5))
-    for _ in range(50):
-        t.add(1_000_000, 1.0)  # a collapse to 1e-4 of the profile
-    assert t.ratio < 0.01 and t.refined()[1] == pytest.approx(0.25 * 10e9)  # bounded at 1/4
-    for _ in range(50):
-        t.add(10**15, 1.0)
-    assert t.refined()[16] == pytest.approx(4 * 40e9)  # and at 4x
-    t.add(0, 1.0)  # empty runs are no samples
-    t.add(10, 0.0)
-    assert t.num_samples == 103
-    absolute = BandwidthTracker(None)
-    absolute.add(3_000_000_000, 1.0)
-    assert absolute.refined() is None and absolute.stats()["measured_gbps"] == 3.0
-
-
-def test_tracker_weighs_a_summed_run_as_its_samples():
-    """A driven decode step reports its layers' timings summed: weighted as that many runs of the same rate."""
-    one, many = BandwidthTracker({1: 10e9}, alpha=0.1), BandwidthTracker({1: 10e9}, alpha=0.1)
-    for t in (one, many):
-        t.add(10_000_000_000, 1.0)
-    for _ in range(12):
-        one.add(2_000_000_000, 1.0)
-    many.add(24_000_000_000, 12.0, samples=12)
-    assert many.ratio == pytest.approx(one.ratio) and many.num_samples == one.num_samples == 13
-    many.add(1, 1.0, samples=0)  # no samples, no change
-    assert many.num_samples == 13
-
-
 def test_expert_cache_refines_the_planner_online():
-    """CPU device, hybrid: fills (memcpy) and CPU runs (the Rust kernels) are timed, and every REFINE_EVERY layer
-    steps the planner's profile becomes the bounded EMA; stats() shows profiled against measured."""
+    """CPU device, hybrid: the Rust layer server times fills (memcpy) and CPU runs (the Rust kernels) and hands them
+    to the planner, whose q* follows the bounded EMA (the rule itself: `planner::tests` in the Rust core); stats()
+    shows profiled against measured."""
     pool = ExpertPool.random(2, 16, 64, 32, seed=3)
     profile_cpu = {1: 20e9, 4: 40e9, 16: 60e9}
     backend = ExpertCacheBackend("hybrid", pool, torch.device("cpu"), 4, pcie_bytes_per_s=50e9,
                                  cpu_bytes_per_s=profile_cpu, cpu_threads=2)  # fmt: skip
     gen = torch.Generator().manual_seed(0)
-    for step in range(REFINE_EVERY * 2):
+    for step in range(32):
         ids = torch.randint(0, 16, (3, 4), generator=gen)
         hidden = torch.randn(3, 64, generator=gen)
         backend.forward(step % 2, hidden, ids, torch.full((3, 4), 0.25))
@@ -232,12 +197,12 @@ def test_expert_cache_refines_the_planner_online():
         assert stats[path]["measured_over_profiled"] > 0
     assert stats["pcie"]["profiled_gbps"] == {1: 50.0} and stats["cpu"]["profiled_gbps"] == {1: 20.0, 4: 40.0, 16: 60.0}
     json.dumps(backend.stats())  # GET /v1/stats serves it
-    # The planner's q* is the one of the refined (bounded) bandwidths.
-    pcie, cpu = backend.pcie.refined()[1], backend.cpu_bw.refined()
-    for _ in range(REFINE_EVERY):  # no new samples; passes a multiple of REFINE_EVERY
-        backend._refine()
+    # The planner's q* is the one of the refined (bounded) bandwidths, which moved off the profile.
+    pcie, cpu = backend.planner.refined_profile()
     assert backend.planner.q_star(1) == pytest.approx(prof.q_star(pcie, cpu, 1), rel=1e-6)
-    assert 0.25 - 1e-9 <= backend.pcie.refined()[1] / 50e9 <= 4 + 1e-9
+    assert (pcie, cpu) != backend.planner.profile()
+    assert 0.25 - 1e-9 <= pcie / 50e9 <= 4 + 1e-9
+    assert stats["pcie"]["refined_gbps"] == {1: round(pcie / 1e9, 3)}
 
 
 def test_offload_without_profile_still_measures():
@@ -309,13 +274,14 @@ def test_gpu_bench_writes_the_profile_auto_reads(tmp_path):
 @pytest.mark.gpu
 @needs_gpu
 def test_gpu_fill_events_are_read_without_a_sync():
-    """On CUDA, fills are timed by events on the copy stream, read at later layer steps."""
+    """On CUDA, eager steps fill through the Rust layer server: its copier times one group of fills in four with
+    events on the copy stream, and the planner gets the samples (the same path as the driven decode)."""
     pool = ExpertPool.random(2, 16, 256, 128, seed=4)
     cuda = torch.device("cuda")
     backend = ExpertCacheBackend("hybrid", pool, cuda, 4, pcie_bytes_per_s=50e9,
                                  cpu_bytes_per_s={1: 20e9, 16: 40e9}, cpu_threads=2)  # fmt: skip
     gen = torch.Generator().manual_seed(0)
-    for step in range(REFINE_EVERY * 2):
+    for step in range(32):
         ids = torch.randint(0, 16, (2, 4), generator=gen).to(cuda)
         hidden = torch.randn(2, 256, generator=gen).to(cuda, torch.bfloat16)
         backend.forward(step % 2, hidden, ids, torch.full((2, 4), 0.25, device=cuda, dtype=torch.bfloat16))

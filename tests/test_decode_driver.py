@@ -12,12 +12,18 @@ import pytest
 from freetoken._core import (
     CpuExperts,
     DecodeDriver,
+    DeviceTimeoutError,
     ExpertPool,
-    InternalError,
+    FreetokenError,
+    HandshakeBuffers,
     InvalidArgumentError,
+    LayerServer,
+    OutOfRangeError,
     Planner,
+    StepReport,
     align_slots,
     aligned_len,
+    mail_layout,
 )
 
 L, E, H, I, K = 3, 8, 32, 16, 2
@@ -31,15 +37,19 @@ class Rig:
         self.planner = Planner(L, E, self.pool.expert_nbytes, SLOTS, pcie_bytes_per_s=1e9, cpu_bytes_per_s={1: 1e9})
         rows, tiles = aligned_len(MAX_ROWS * K, SLOTS, BLOCK_M)
         self.flags = np.zeros((4, L), dtype=np.uint32)  # mail, plan, fill, cpu
-        self.mail = np.zeros(MAX_ROWS * (12 * K + 4 * H), dtype=np.uint8)
+        self.mail = np.zeros(mail_layout(MAX_ROWS, K, H)[2], dtype=np.uint8)
         self.plan = np.zeros(MAX_ROWS * K + rows + 2 * tiles, dtype=np.int64)
         self.cpu_out = np.zeros(MAX_ROWS * H, dtype=np.float32)
         self.slots = np.zeros((SLOTS, self.pool.expert_stride), dtype=np.uint8)
         self.arena = np.frombuffer(self.pool.arena_view(), dtype=np.uint8)
-        self.driver = DecodeDriver(
-            self.planner, self.cpu, mode, K, SLOTS, *self.flags, self.mail, self.plan, self.cpu_out,
-            slots=self.slots, timeout_s=timeout_s,
-        )
+        self.server = LayerServer(self.planner, self.cpu, SLOTS, slots=self.slots.reshape(-1))
+        self.buffers = self.handshake_buffers()
+        self.driver = DecodeDriver(self.server, self.buffers, mode, K, timeout_s=timeout_s)
+
+    def handshake_buffers(self, **replace) -> HandshakeBuffers:
+        names = ("mail_flag", "plan_flag", "fill_flag", "cpu_flag")
+        arrays = {**dict(zip(names, self.flags)), "mail": self.mail, "plan": self.plan, "cpu_out": self.cpu_out}
+        return HandshakeBuffers(**{**arrays, **replace})
 
     def device_step(self, generation: int, ids: np.ndarray, batch: int) -> tuple[int, int]:
         """Post every layer's routing (`ids` [size, k]) and check what comes back; the picks the CPU ran and the
@@ -50,10 +60,11 @@ class Rig:
         for layer in range(L):
             weights = rng.random((size, K), dtype=np.float32)
             hidden = rng.standard_normal((size, H), dtype=np.float32)
-            mail = self.mail[: size * (12 * K + 4 * H)]
-            mail[: 8 * size * K].view(np.int64)[:] = ids.reshape(-1)
-            mail[8 * size * K : 12 * size * K].view(np.float32)[:] = weights.reshape(-1)
-            mail[12 * size * K :].view(np.float32)[:] = hidden.reshape(-1)
+            w_at, h_at, end = mail_layout(size, K, H)
+            mail = self.mail[:end]
+            mail[:w_at].view(np.int64)[:] = ids.reshape(-1)
+            mail[w_at:h_at].view(np.float32)[:] = weights.reshape(-1)
+            mail[h_at:].view(np.float32)[:] = hidden.reshape(-1)
             self.flags[0, layer] = generation
             deadline = time.monotonic() + 10
             while self.flags[3, layer] != generation:
@@ -97,10 +108,12 @@ def test_driver_serves_steps_through_host_memory(mode):
         total_filled += filled
         rig.driver.wait_served(L - 1, generation)
         report = rig.driver.finish()
-        assert report["cpu_picks"] == cpu_picks
+        assert isinstance(report, StepReport) and report.cpu_picks == cpu_picks
+        with pytest.raises(AttributeError):
+            report.fills = 0  # frozen
         total_cpu += cpu_picks
         if mode == "cpu":
-            assert report["fills"] == 0
+            assert report.fills == 0
     stats = rig.planner.stats()
     assert int(stats["steps"].sum()) == 4 * L
     if mode != "offload":
@@ -112,8 +125,11 @@ def test_driver_serves_steps_through_host_memory(mode):
 def test_a_device_that_never_posts_raises_and_releases_every_layer():
     rig = Rig("offload", timeout_s=0.05)
     rig.driver.start(1, 1, 1, BLOCK_M)
-    with pytest.raises(InternalError, match="did not post MoE layer 0"):
+    with pytest.raises(DeviceTimeoutError, match="did not post MoE layer 0") as raised:
         rig.driver.finish()
+    # A TimeoutError (callers may catch the builtin) under the one root, naming where it stopped.
+    assert isinstance(raised.value, TimeoutError) and isinstance(raised.value, FreetokenError)
+    assert (raised.value.layer, raised.value.step) == (0, 1)
     assert (rig.flags[1:] == 1).all()  # the device would run to the end of its step
     rig.driver.start(1, 1, 2, BLOCK_M)  # and the driver serves the next step
     rig.device_step(2, np.array([[5, 6]], dtype=np.int64), 1)
@@ -122,22 +138,29 @@ def test_a_device_that_never_posts_raises_and_releases_every_layer():
 
 def test_bad_buffers_and_calls_are_clear_errors():
     rig = Rig("hybrid")
-    args = {"slots": rig.slots}
-    buffers = [*rig.flags, rig.mail, rig.plan, rig.cpu_out]
+    with pytest.raises(InvalidArgumentError, match="one flag per MoE layer"):
+        rig.handshake_buffers(mail_flag=rig.flags[0, :2])
     with pytest.raises(InvalidArgumentError, match="one per MoE layer"):
-        DecodeDriver(rig.planner, rig.cpu, "hybrid", K, SLOTS, rig.flags[0, :2], *buffers[1:], **args)
+        DecodeDriver(rig.server, rig.handshake_buffers(**dict.fromkeys(
+            ("mail_flag", "plan_flag", "fill_flag", "cpu_flag"), np.zeros(2, np.uint32))), "hybrid", K)
     with pytest.raises(InvalidArgumentError, match="dtype float32"):
-        DecodeDriver(rig.planner, rig.cpu, "hybrid", K, SLOTS, *buffers[:6], rig.cpu_out.astype(np.float64), **args)
+        rig.handshake_buffers(cpu_out=rig.cpu_out.astype(np.float64))
     with pytest.raises(InvalidArgumentError, match="either slots"):
-        DecodeDriver(rig.planner, rig.cpu, "hybrid", K, SLOTS, *buffers)
+        LayerServer(rig.planner, rig.cpu, SLOTS)
     with pytest.raises(ValueError, match="backend"):
-        DecodeDriver(rig.planner, rig.cpu, "magic", K, SLOTS, *buffers, **args)
+        DecodeDriver(rig.server, rig.buffers, "magic", K)
     with pytest.raises(InvalidArgumentError, match="no step is running"):
         rig.driver.finish()
     with pytest.raises(InvalidArgumentError, match="bad step"):
         rig.driver.start(3, 2, 1, BLOCK_M)
     rig.driver.start(5, 5, 1, BLOCK_M)  # more rows than the buffers hold: the step fails, nothing hangs
-    with pytest.raises(InternalError, match="the buffers hold"):
+    with pytest.raises(InvalidArgumentError, match="the buffers hold"):
+        rig.driver.finish()
+    # A plan error keeps its kind across the driver thread, and names the layer.
+    rig.driver.start(1, 1, 2, BLOCK_M)
+    rig.mail[:8].view(np.int64)[0] = E  # an expert id out of range, posted for every layer
+    rig.flags[0] = 2
+    with pytest.raises(OutOfRangeError, match="MoE layer 0.*out of range"):
         rig.driver.finish()
 
 

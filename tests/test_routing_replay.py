@@ -38,6 +38,9 @@ class Recorder:
     def begin_step(self, num_tokens, num_prefill_tokens, top_k):
         self.inner.begin_step(num_tokens, num_prefill_tokens, top_k)
 
+    def stats(self):
+        return self.inner.stats()
+
     def forward(self, layer, hidden, topk_ids, topk_weights):
         self.ids.setdefault(layer, []).append(topk_ids.cpu().numpy().copy())
         return self.inner.forward(layer, hidden, topk_ids, topk_weights)

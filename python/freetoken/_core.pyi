@@ -18,9 +18,10 @@ Errors: every exception raised here derives from ``FreetokenError`` and from the
 (``OutOfRangeError`` is an ``IndexError``, ``MissingFileError`` a ``FileNotFoundError``, ...).
 """
 
+from collections.abc import Callable
 from os import PathLike
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Final, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -53,6 +54,12 @@ class TraceFormatError(FreetokenError, ValueError):
 
 class InternalError(FreetokenError, RuntimeError):
     """A bug: a worker thread failed (``CpuExperts.forward``'s ``out`` may be partly updated)."""
+
+class DeviceTimeoutError(FreetokenError, TimeoutError):
+    """The device or the decode driver did not answer in time; ``layer`` and ``step`` name where."""
+
+    layer: int
+    step: int
 
 class ExpertPool:
     """Every routed expert of every MoE layer, packed in one host arena (the source of truth).
@@ -389,6 +396,14 @@ class Planner:
     def set_profile(self, pcie_bytes_per_s: float | None = None, cpu_bytes_per_s: dict[int, float] | None = None) -> None:
         """Replaces (or, with no arguments, removes) the bandwidth profile."""
 
+    def refined_profile(self) -> tuple[float, dict[int, float]] | None:
+        """The profile as refined by measurement (each path scaled by its bounded EMA of measured / profiled,
+        from the layer server's samples): ``(B_pcie, {batch: B_cpu})`` in bytes/s; None without a profile."""
+    def profile(self) -> tuple[float, dict[int, float]] | None:
+        """The profile as given: ``(B_pcie, {batch: B_cpu})`` in bytes/s; None without one."""
+    def bandwidth(self) -> dict[str, tuple[float | None, float | None, int]]:
+        """Per miss path (``"pcie"``, ``"cpu"``): (EMA of measured bytes/s, EMA of measured / profiled, samples);
+        None before a sample (the ratio also without a profile)."""
     def q_star(self, batch: float, reuse: float = 0.0) -> float:
         """``q`` for ``batch`` tokens per missing expert and mean reuse ``reuse`` (needs a profile)."""
 
@@ -477,6 +492,25 @@ def quantized_expert_forward(
 
 def supported_isas() -> list[IsaName]:
     """Kernel paths this CPU supports, slowest first."""
+
+def cpu_bytes_per_s_at(curve: dict[int, float], batch: float) -> float:
+    """``B_cpu(batch)`` of a ``{batch: bytes/s}`` curve by the planner's rule: linear between points, the first
+    value below them, ``B(b_max) * b_max / batch`` above the largest (compute-bound).
+
+    Raises:
+        InvalidArgumentError: An empty curve or a non-positive point.
+    """
+
+def q_star(pcie_bytes_per_s: float, cpu_bytes_per_s: dict[int, float], batch: float) -> float:
+    """``q* = B_cpu(b) / (B_cpu(b) + B_pcie)`` by the planner's rule, without its reuse credit.
+
+    Raises:
+        InvalidArgumentError: A non-positive bandwidth.
+    """
+
+def mail_layout(size: int, top_k: int, hidden: int) -> tuple[int, int, int]:
+    """Byte offsets of the decode handshake's mailbox for ``size`` rows: ``(weights, hidden, end)``; the ids
+    ``[size, k]`` int64 start at 0, the weights ``[size, k]`` and hidden states ``[size, H]`` are float32."""
 
 def aligned_len(num_pairs: int, num_experts: int, block_m: int) -> tuple[int, int]:
     """``(num_rows, num_tiles)`` of the grouped kernel's aligned layout for ``num_pairs`` (token, expert) pairs:
@@ -575,26 +609,138 @@ class CpuExperts:
             InternalError: A worker failed (``out`` may be partly updated).
         """
 
-class DecodeDriver:
-    """Serves every MoE layer of a decode step from a host thread while the whole step runs on the device as
-    one CUDA graph (``freetoken.moe.handshake`` is the device side).
+class CudaSlots:
+    """The device slots of a CUDA expert cache, for the CUDA driver-API copier (keyword arguments only)."""
 
-    Per layer the device copies its routing (the mailbox) to host memory and sets ``mail_flag[l]`` to the
-    step's generation; the driver plans with the shared ``planner`` (q*), writes the plan (slot ids and their
-    tile alignment, the tiles of hits and of fills apart) and sets ``plan_flag[l]``; it copies fills into the
-    slots (on the CUDA stream given, through the CUDA driver API, or ``memcpy`` into host ``slots``) and sets
-    ``fill_flag[l]`` once they have landed (by a write on that stream after them where it can), runs the CPU
-    experts, writes their sum, then sets ``cpu_flag[l]``. Layouts are in ``freetoken_core::driver::Handshake``. All
-    buffers must be page-locked and mapped for the device when it takes part.
+    ordinal: int
+    stream: int
+    ptr: int
+    stride: int
+    rows: int
+
+    def __init__(self, *, ordinal: int, stream: int, ptr: int, stride: int, rows: int) -> None:
+        """``ordinal``: CUDA device; ``stream``: ``CUstream`` handle of the copy stream (torch's
+        ``Stream.cuda_stream``); ``ptr``: device address of row 0; ``stride``: bytes per row; ``rows``."""
+
+class StepReport:
+    """What a decode step (``DecodeDriver.finish``) or one layer step (``LayerReport.step``) did; frozen.
+
+    ``fills``, ``fill_bytes``; ``timed_fill_bytes``, ``timed_fill_seconds``, ``timed_fill_layers`` (the fills timed
+    on the copy engine, one layer in a few); ``cpu_layers``, ``cpu_experts``, ``cpu_picks``, ``cpu_seconds`` (the
+    fills are queued meanwhile); ``wait_seconds`` (waiting for the device's posts), ``serve_seconds`` (from a post
+    seen to its flags raised), and within it ``plan_seconds``, ``issue_seconds`` (queueing fills) and
+    ``fill_wait_seconds`` (blocked on fills after the CPU experts); seconds summed over layers; ``stream_flags``,
+    the layers whose fill flag the copy stream wrote after their fills.
+    """
+
+    @property
+    def fills(self) -> int: ...
+    @property
+    def fill_bytes(self) -> int: ...
+    @property
+    def timed_fill_bytes(self) -> int: ...
+    @property
+    def timed_fill_seconds(self) -> float: ...
+    @property
+    def timed_fill_layers(self) -> int: ...
+    @property
+    def cpu_experts(self) -> int: ...
+    @property
+    def cpu_picks(self) -> int: ...
+    @property
+    def cpu_seconds(self) -> float: ...
+    @property
+    def cpu_layers(self) -> int: ...
+    @property
+    def wait_seconds(self) -> float: ...
+    @property
+    def serve_seconds(self) -> float: ...
+    @property
+    def plan_seconds(self) -> float: ...
+    @property
+    def issue_seconds(self) -> float: ...
+    @property
+    def fill_wait_seconds(self) -> float: ...
+    @property
+    def stream_flags(self) -> int: ...
+
+class LayerReport:
+    """What one ``LayerServer.serve`` call did; frozen. ``num_hits`` (distinct experts resident), ``num_fills``
+    (copied into slots), ``num_cpu`` (run on the host: ``cpu_out`` was written only when positive), ``num_pairs``
+    and ``num_tiles`` (sizes of the plan's tile alignment, per tile row), ``step`` (the figures, a ``StepReport``)."""
+
+    num_hits: Final[int]
+    num_fills: Final[int]
+    num_cpu: Final[int]
+    num_pairs: Final[int]
+    num_tiles: Final[int]
+    step: Final[StepReport]
+
+class LayerServer:
+    """One MoE layer step, for every path (``freetoken_core::driver::server``): plan (q*), fills with their
+    victims through the copier, the slot kernel's tile alignment, the CPU experts (GIL released), and the bandwidth
+    samples that refine the planner's q*. The decode driver thread serves captured steps through it; eager and
+    prefill steps call ``serve``.
     """
 
     def __init__(
         self,
         planner: Planner,
         cpu: CpuExperts,
-        backend: Backend,
-        top_k: int,
         slot_rows: int,
+        *,
+        slots: npt.NDArray[np.uint8] | None = None,
+        cuda: CudaSlots | None = None,
+    ) -> None:
+        """``slot_rows``: rows of the device weight tensor the slot ids index (slots, then layer buffers). Give
+        ``slots`` (host ``[rows * expert_stride]`` uint8, the CPU device: fills are ``memcpy``) or ``cuda``
+        (fills by ``cuMemcpyHtoDAsync`` on its stream).
+
+        Raises:
+            InvalidArgumentError: Neither or both of ``slots`` and ``cuda``, or too few rows.
+            InternalError: The CUDA driver library cannot be loaded or the device's context retained.
+        """
+    def plan_layout(self, tokens: int, top_k: int, block_m: int) -> tuple[int, int, int]:
+        """Sizes of a step's plan for ``tokens`` rows: (topk slots, sorted pairs, tiles); it takes
+        ``slots + pairs + 2 * tiles`` int64."""
+    def serve(
+        self,
+        layer: int,
+        backend: Backend,
+        ids: npt.NDArray[np.int64],
+        weights: npt.NDArray[np.float32],
+        hidden: npt.NDArray[np.float32],
+        plan: npt.NDArray[np.int64],
+        cpu_out: npt.NDArray[np.float32],
+        block_m: int,
+        *,
+        inputs_ready: bool = True,
+        on_fills_queued: Callable[[int], object] | None = None,
+        fetch_inputs: Callable[[], object] | None = None,
+    ) -> LayerReport:
+        """Serves pool layer ``layer`` for routing ``ids`` ``[T, k]`` (GIL released): writes the plan (topk slots
+        ``[T * k]``, -1 where the CPU runs the pick, then the tile alignment, every tile in row 0) into ``plan``,
+        queues the fills, calls ``on_fills_queued(num_fills)`` (with the GIL) while the CPU experts run, writes
+        their sum ``[T, H]`` into ``cpu_out`` when some ran, and waits for the fills. With ``inputs_ready``
+        False, ``weights`` ``[T, k]`` and ``hidden`` ``[T, H]`` are written by ``fetch_inputs()`` only if the
+        plan sends experts to the CPU. An exception in a callback is raised here (the fills still land).
+
+        Raises:
+            InvalidArgumentError / OutOfRangeError: Bad arrays, layer or ids.
+            InternalError: A CUDA driver call failed.
+            DeviceTimeoutError: The fills did not land in time.
+        """
+
+class HandshakeBuffers:
+    """The page-locked host buffers of the decode handshake (keyword arguments only): ``mail_flag``, ``plan_flag``,
+    ``fill_flag``, ``cpu_flag`` ``[num_layers]`` uint32; ``mail`` uint8 (``mail_layout``); ``plan`` int64: slot ids
+    ``[size * k]``, sorted pairs ``[rows]``, tile slots ``[2, tiles]`` (row 0 the tiles of hits, row 1 those of
+    slots filled in the layer, -1 elsewhere); ``cpu_out`` float32 ``[size, H]`` capacity. Layouts and protocol:
+    ``rust/freetoken-core/src/driver/mod.rs``."""
+
+    def __init__(
+        self,
+        *,
         mail_flag: npt.NDArray[np.uint32],
         plan_flag: npt.NDArray[np.uint32],
         fill_flag: npt.NDArray[np.uint32],
@@ -602,31 +748,28 @@ class DecodeDriver:
         mail: npt.NDArray[np.uint8],
         plan: npt.NDArray[np.int64],
         cpu_out: npt.NDArray[np.float32],
-        slots: npt.NDArray[np.uint8] | None = None,
-        cuda: tuple[int, int, int, int, int] | None = None,
-        timeout_s: float = 10.0,
+    ) -> None:
+        """Raises:
+        InvalidArgumentError: A wrong dtype, non-contiguous array, flags of unequal length, or a mailbox not
+            8-byte aligned.
+        """
+    @property
+    def num_layers(self) -> int:
+        """Flags per row: the MoE layers."""
+
+class DecodeDriver:
+    """Serves every MoE layer of a decode step from a host thread while the whole step runs on the device as
+    one CUDA graph (``freetoken.moe.handshake`` is the device side), each layer through the ``LayerServer``.
+    The protocol is written once, in ``rust/freetoken-core/src/driver/mod.rs``.
+    """
+
+    def __init__(
+        self, server: LayerServer, buffers: HandshakeBuffers, backend: Backend, top_k: int, timeout_s: float = 10.0
     ) -> None:
         """Starts the driver thread.
 
-        Args:
-            planner: The planner (shared: the driver plans on its thread).
-            cpu: The CPU experts (shared), whose pool holds the experts.
-            backend: How misses are served.
-            top_k: Experts per token.
-            slot_rows: Rows of the device weight tensor the slot kernel indexes (slots and layer buffers).
-            mail_flag, plan_flag, fill_flag, cpu_flag: ``[num_layers]`` uint32 flags.
-            mail: The mailbox: ids ``[size, k]`` int64, weights ``[size, k]`` float32, hidden ``[size, H]``
-                float32, packed.
-            plan: int64: slot ids ``[size * k]``, sorted pairs ``[rows]``, tile slots ``[2, tiles]`` (``aligned_len``
-                sizes; row 0 the tiles of hits, row 1 those of slots filled in the layer, -1 elsewhere).
-            cpu_out: float32 ``[size, H]`` capacity.
-            slots: Host slots ``[rows, expert_stride]`` uint8 (the CPU device), or None with ``cuda``.
-            cuda: ``(device ordinal, CUstream handle, slots device address, row stride in bytes, rows)``.
-            timeout_s: How long to wait for the device to post a layer before failing the step.
-
         Raises:
-            InvalidArgumentError: Bad buffers (dtype, size, contiguity), backend or timeout.
-            InternalError: The CUDA driver library cannot be loaded or the device's context retained.
+            InvalidArgumentError: Buffers for another number of layers, a bad backend or timeout.
         """
 
     def start(self, batch: int, size: int, generation: int, block_m: int, idle: bool = False) -> None:
@@ -644,24 +787,17 @@ class DecodeDriver:
         published) or released by a failure: the device has nothing left to wait for up to that layer.
 
         Raises:
-            OutOfRangeError / InvalidArgumentError: ``layer`` out of range.
-            InternalError: Not served within the driver's timeout.
+            InvalidArgumentError: ``layer`` out of range.
+            DeviceTimeoutError: Not served within the driver's timeout (``layer``, ``step`` set).
         """
 
-    def finish(self) -> dict[str, float]:
-        """Waits (GIL released) for the step to end: ``fills``, ``fill_bytes``, ``timed_fill_bytes``,
-        ``timed_fill_seconds`` and ``timed_fill_layers`` (the fills timed on the copy engine, one layer in a
-        few), ``cpu_layers`` (layers that ran CPU experts),
-        ``cpu_experts``, ``cpu_picks``, ``cpu_seconds`` (the fills are queued meanwhile), ``wait_seconds``
-        (waiting for the device's posts), ``serve_seconds`` (from a post seen to its flags raised), and within it
-        ``plan_seconds``, ``issue_seconds`` (queueing fills) and ``fill_wait_seconds`` (blocked on fills after
-        the CPU experts); seconds summed over layers; ``stream_flags``, the layers whose fill flag the copy
-        stream wrote after their fills (0 where the driver cannot: the host then raises it after waiting for them).
+    def finish(self) -> StepReport:
+        """Waits (GIL released) for the step to end; its report.
 
         Raises:
-            InternalError: The step failed (a plan error, a device that never posted); every layer was
-                still released to the device with an empty plan.
-            InvalidArgumentError: No step is running.
+            DeviceTimeoutError: The device never posted a layer (``layer`` and ``step`` name it).
+            InvalidArgumentError / OutOfRangeError / ...: The step failed with that kind (a plan error names its
+                layer); every layer was still released to the device with an empty plan. Also: no step running.
         """
 
 class TraceWriter:

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from freetoken.errors import FreetokenError
+
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 # The Qwen3.5/3.6-MoE family (`model_type: qwen3_5_moe`): Gated DeltaNet and gated full-attention layers, each with a
 # routed MoE plus a gated shared expert. The conditional-generation checkpoints keep the text model under
@@ -24,7 +26,7 @@ EXPERT_CACHE_POLICIES = ("lru", "layer_lru", "lfu")
 PREFILL_STRATEGIES = ("auto", "stream", "fill", "cpu", "hybrid")
 
 
-class ConfigError(ValueError):
+class ConfigError(FreetokenError, ValueError):
     """A config.json that freetoken cannot run: names the file, the key and what is wrong."""
 
 

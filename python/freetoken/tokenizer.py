@@ -25,6 +25,8 @@ import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 
+from freetoken.errors import FreetokenError
+
 __all__ = ["Tokenizer", "IncrementalDetokenizer", "PromptTooLong"]
 
 # Names of the special tokens transformers passes to every chat template (special_tokens_map).
@@ -113,7 +115,7 @@ _MARK = "\u2e3b"
 _ESCAPED = re.compile(f"{_MARK}(\\d+|m){_MARK}")
 
 
-class PromptTooLong(ValueError):
+class PromptTooLong(FreetokenError, ValueError):
     """A text holds more tokens than the limit it was encoded under.
 
     Attributes:

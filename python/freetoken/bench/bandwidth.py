@@ -79,7 +79,7 @@ def measure_pcie(
 
     Args:
         pool: the pool; sources walk all its experts.
-        arena: [pool.nbytes] uint8 CPU view of the arena, pinned (`freetoken.moe.pinned.pin_host_memory`).
+        arena: [pool.nbytes] uint8 CPU view of the arena, pinned (`freetoken.moe.pinned.PinnedRegion`).
         slots: [S, >= expert_nbytes] uint8 device tensor; copies cycle through its rows.
         stream: the copy stream.
         seconds: about how long the timed run lasts.

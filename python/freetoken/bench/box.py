@@ -128,7 +128,7 @@ def measure_box(
     from freetoken._core import CpuExperts, ExpertPool
     from freetoken.bench import bandwidth as bw
     from freetoken.cli.logs import stderr_console
-    from freetoken.moe.pinned import pin_host_memory
+    from freetoken.moe.pinned import PinnedRegion
     from freetoken.moe.profile import BATCHES
 
     gpu_indices = list(gpu_indices)
@@ -162,7 +162,7 @@ def measure_box(
         gpus = []
         if gpu_indices:
             arena = torch.frombuffer(pool.arena_view(), dtype=torch.uint8)
-            pin_host_memory(pool.ptr, pool.nbytes)
+            _pinned = PinnedRegion(pool.ptr, pool.nbytes, keep=pool)  # registered while measuring
         for i in gpu_indices:
             device = torch.device("cuda", i)
             torch.cuda.set_device(device)

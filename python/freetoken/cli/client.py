@@ -9,10 +9,12 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+from freetoken.errors import FreetokenError
+
 DEFAULT_SERVER = "http://127.0.0.1:1919"
 
 
-class ServerError(Exception):
+class ServerError(FreetokenError):
     """A one-line reason a request to the server failed (down, refused the key, not a freetoken server).
 
     Attributes:

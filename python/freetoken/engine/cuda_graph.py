@@ -24,10 +24,12 @@ from functools import partial
 
 import torch
 
+from freetoken._core import mail_layout
 from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.sequence import Sequence
 from freetoken.models.attention import AttentionMetadata
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
+from freetoken.moe.backend import DrivenExpertBackend
 from freetoken.moe.pinned import PinnedBuffers
 
 log = logging.getLogger(__name__)
@@ -105,9 +107,9 @@ class DecodeRunner:
             # (first layer, MoE layer that ends the span or -1): spans run between the MoE layers' experts.
             self.spans = list(zip([0] + [m + 1 for m in moe], moe + [-1], strict=True))
             self.span_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
-            make = getattr(model.experts, "device_handshake", None)
-            if use_graphs and make is not None:
-                self.handshake = make(k, self.sizes)  # None where the backend cannot; it has its own host mailbox
+            if use_graphs and isinstance(model.experts, DrivenExpertBackend):
+                # None where the backend cannot (the CPU device); it has its own host mailbox.
+                self.handshake = model.experts.device_handshake(k, self.sizes)
             if self.handshake is not None:
                 # Spans in graphs of LAYERS_PER_GRAPH MoE layers each (the last span, the LM head, in the last).
                 num_spans = len(self.spans)
@@ -121,7 +123,7 @@ class DecodeRunner:
                 self.topk_ids = torch.zeros(n, k, dtype=torch.int64, device=device)
                 self.topk_weights = torch.zeros(n, k, dtype=dtype, device=device)
                 self.cpu_out = torch.zeros(n, hidden, dtype=torch.float32, device=device)
-                self.mail_row = 12 * k + 4 * hidden  # bytes per token: int64 ids, float32 weights and hidden states
+                self.mail_row = mail_layout(1, k, hidden)[2]  # bytes per token: the driver's mailbox layout
                 self.mail = torch.zeros(n * self.mail_row, dtype=torch.uint8, device=device)
                 self.host = PinnedBuffers(pin=device.type == "cuda")
                 self.mail_host = self.host.get("mail", (n * self.mail_row,), torch.uint8)
@@ -228,7 +230,7 @@ class DecodeRunner:
     def _run_piecewise(self, size: int, batch: int) -> torch.Tensor:
         graphs = self.span_graphs.get(size)
         experts = self.model.experts  # one backend serves every MoE layer
-        staged = hasattr(experts, "forward_staged")
+        staged = isinstance(experts, DrivenExpertBackend)
         h, weights, out = self.h_moe[:batch], self.topk_weights[:batch], self.moe_out[:batch]
         if staged:
             mail, mail_host = self.mail[: size * self.mail_row], self.mail_host[: size * self.mail_row]

@@ -23,6 +23,7 @@ from freetoken.engine.state_pool import RecurrentStatePool
 from freetoken.engine.stop import OutputText
 from freetoken.engine.structured import GrammarBackend
 from freetoken.engine.types import FinishReason, GenerationChunk, SamplingParams, TokenLogprob
+from freetoken.errors import FreetokenError
 from freetoken.models.loader import (
     TensorIndex,
     check_finite_weights,
@@ -40,7 +41,7 @@ from freetoken.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 
-class RequestError(ValueError):
+class RequestError(FreetokenError, ValueError):
     """A request the engine cannot take (prompt too long, bad parameters); the message names the field."""
 
 
@@ -117,7 +118,7 @@ class LLMEngine:
             )
         self.runner = ModelRunner(
             model, self.kv, self.device, engine_cfg.max_num_seqs, self.max_model_len, engine_cfg.enforce_eager,
-            piecewise=not getattr(self.experts, "graph_safe", False),
+            piecewise=not self.experts.graph_safe,
         )
         self.eos_ids = set(tokenizer.eos_token_ids if tokenizer else ()) | set(model_cfg.eos_token_ids)
         # Compiles response formats into per-sequence grammar matchers (`SamplingParams.grammar`); its token trie is
@@ -300,6 +301,6 @@ class LLMEngine:
                if self.state_pool is not None else {}),
             "num_steps": self.num_steps,
             "routing": self.routing,
-            "moe_backend": self.experts.stats() if hasattr(self.experts, "stats") else {"backend": "fused"},
+            "moe_backend": self.experts.stats(),
             "cache": cache_sizes(self),
         }

@@ -26,6 +26,7 @@ from typing import Any
 import llguidance
 import torch
 
+from freetoken.errors import FreetokenError
 from freetoken.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ log = logging.getLogger(__name__)
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 
 
-class GrammarError(ValueError):
+class GrammarError(FreetokenError, ValueError):
     """A grammar or JSON schema llguidance cannot compile; the message says what is wrong."""
 
 

@@ -35,6 +35,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from freetoken.config import ModelConfig
+from freetoken.models.presets import preset_config_path
 from freetoken.paths import atomic_build, cache_root
 
 __all__ = [
@@ -104,44 +106,9 @@ _DEMO_SIZES = {
     "torch_dtype": "float32",
 }
 
-# Qwen3-30B-A3B's config.json (/work/shared/models/qwen3-30b-a3b/config.json, byte-exact copy of
-# the official file), inlined so that the package builds the demo without that folder.
-_QWEN3_30B_A3B_CONFIG = {
-    "architectures": ["Qwen3MoeForCausalLM"],
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "bos_token_id": 151643,
-    "decoder_sparse_step": 1,
-    "eos_token_id": 151645,
-    "head_dim": 128,
-    "hidden_act": "silu",
-    "hidden_size": 2048,
-    "initializer_range": 0.02,
-    "intermediate_size": 6144,
-    "max_position_embeddings": 40960,
-    "max_window_layers": 48,
-    "mlp_only_layers": [],
-    "model_type": "qwen3_moe",
-    "moe_intermediate_size": 768,
-    "norm_topk_prob": True,
-    "num_attention_heads": 32,
-    "num_experts": 128,
-    "num_experts_per_tok": 8,
-    "num_hidden_layers": 48,
-    "num_key_value_heads": 4,
-    "output_router_logits": False,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": None,
-    "rope_theta": 1000000.0,
-    "router_aux_loss_coef": 0.001,
-    "sliding_window": None,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.51.0",
-    "use_cache": True,
-    "use_sliding_window": False,
-    "vocab_size": 151936,
-}
+# Qwen3-30B-A3B's config.json: the shipped preset (`freetoken.models.presets`, a byte-exact copy of the official
+# file), the one copy in the package.
+_QWEN3_30B_A3B_CONFIG = json.loads(preset_config_path("qwen3-30b-a3b").read_text())
 
 # Qwen3's generation_config.json (Qwen/Qwen3-30B-A3B; see resources/SOURCES.md).
 _QWEN3_GENERATION_CONFIG = {
@@ -179,15 +146,6 @@ def demo_config(**overrides) -> dict:
     return {**_QWEN3_30B_A3B_CONFIG, **_DEMO_SIZES, **overrides}
 
 
-def _is_sparse_layer(config: dict, layer: int) -> bool:
-    # Same rule as transformers' Qwen3MoeDecoderLayer.
-    return (
-        layer not in config["mlp_only_layers"]
-        and config["num_experts"] > 0
-        and (layer + 1) % config["decoder_sparse_step"] == 0
-    )
-
-
 def _random_weights(config: dict, seed: int, expert_layout: str) -> dict[str, torch.Tensor]:
     """Random float32 weights named as Hugging Face names Qwen3-MoE tensors, deterministic in `seed`.
 
@@ -207,6 +165,7 @@ def _random_weights(config: dict, seed: int, expert_layout: str) -> dict[str, to
     num_heads, num_kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     num_experts, moe_inter = config["num_experts"], config["moe_intermediate_size"]
     weights = {"model.embed_tokens.weight": linear(vocab, hidden)}
+    moe_layers = set(ModelConfig.from_dict(config).moe_layers)
     for layer in range(config["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         weights[p + "input_layernorm.weight"] = norm(hidden)
@@ -217,7 +176,7 @@ def _random_weights(config: dict, seed: int, expert_layout: str) -> dict[str, to
         weights[p + "self_attn.o_proj.weight"] = linear(hidden, num_heads * head_dim)
         weights[p + "self_attn.q_norm.weight"] = norm(head_dim)
         weights[p + "self_attn.k_norm.weight"] = norm(head_dim)
-        if not _is_sparse_layer(config, layer):
+        if layer not in moe_layers:  # the one rule: `ModelConfig.is_moe_layer`
             inter = config["intermediate_size"]
             weights[p + "mlp.gate_proj.weight"] = linear(inter, hidden)
             weights[p + "mlp.up_proj.weight"] = linear(inter, hidden)

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from freetoken import _core
 from freetoken.config import DTYPES, ModelConfig
 from freetoken.models import qwen3_5_moe
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM, RotaryEmbedding
@@ -36,8 +37,9 @@ FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float
 TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
 
 
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be loaded; the message names the file and tensor and what is wrong."""
+# A checkpoint that cannot be loaded; the message names the file and tensor and what is wrong. One class for the
+# Python loader and the Rust pool (`FreetokenError` and `ValueError` both), so `except CheckpointError` sees both.
+CheckpointError = _core.CheckpointError
 
 
 @dataclass

@@ -112,7 +112,7 @@ def make_expert_backend(
         return FusedExperts()
     if cfg.no_prefill_overlap and cfg.prefill_strategy in ("fill", "cpu", "hybrid"):
         log.warning("--no-prefill-overlap: ignored, --prefill-strategy %s streams no layers", cfg.prefill_strategy)
-    from freetoken._core import ExpertPool
+    from freetoken._core import CheckpointError, ExpertPool
     from freetoken.moe.expert_cache import ExpertCacheBackend
 
     if model_dir is None:
@@ -126,6 +126,11 @@ def make_expert_backend(
         )
     elif not model_cfg.is_qwen3_5 or _text_prefix(model_dir, model_cfg) == "model.":
         pool = ExpertPool.from_checkpoint(model_dir)
+        if list(pool.moe_layers) != model_cfg.moe_layers:  # the Rust reader applies the rule too: they must agree
+            raise CheckpointError(
+                f"{model_dir}: the expert pool found MoE layers {list(pool.moe_layers)}, the model config "
+                f"{model_cfg.moe_layers} (`ModelConfig.is_moe_layer`)"
+            )
     else:  # the Rust loader reads `model.layers.*` names only: the pool's shape from it, the experts from Python
         from freetoken.models.loader import fill_expert_pool
 

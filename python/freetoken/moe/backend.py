@@ -9,11 +9,16 @@ CPU (`cpu`).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
+if TYPE_CHECKING:
+    from freetoken._core import StepReport
+    from freetoken.moe.handshake import DeviceHandshake
 
+
+@runtime_checkable
 class ExpertBackend(Protocol):
     """Computes the routed experts of MoE layers (SwiGLU: y = down(silu(gate x) * up x)).
 
@@ -57,3 +62,56 @@ class ExpertBackend(Protocol):
             [T, H], sum over j of topk_weights[t, j] * expert_{topk_ids[t, j]}(hidden[t]).
         """
         ...
+
+    def stats(self) -> dict[str, Any]:
+        """JSON-able counters for `/v1/stats` (at least `{"backend": name}`)."""
+        ...
+
+
+@runtime_checkable
+class DrivenExpertBackend(ExpertBackend, Protocol):
+    """A backend whose layer step runs on the host (`ExpertCacheBackend`): besides `forward`, what the decode runners
+    call. Declared here so the engine checks one type (`isinstance`) instead of probing for methods; the three paths
+    are drawn in `freetoken/moe/README.md`.
+    """
+
+    def device_handshake(self, top_k: int, sizes: list[int]) -> DeviceHandshake | None:
+        """The decode driver's handshake for steps captured whole in one CUDA graph, for padded batch sizes
+        `sizes`; None where there are no graphs (the CPU device)."""
+        ...
+
+    def forward_staged(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        host_ids: torch.Tensor,
+        host_weights: torch.Tensor,
+        host_hidden: torch.Tensor,
+        out: torch.Tensor,
+        cpu_out: torch.Tensor,
+    ) -> None:
+        """`forward` between the piecewise graphs of a decode step, whose captured span already queued the copies
+        of the routing and hidden states into the pinned host buffers (shapes in `ExpertCacheBackend`)."""
+        ...
+
+    def run_slots(
+        self,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        sorted_pairs: torch.Tensor,
+        tile_stages: torch.Tensor,
+        out: torch.Tensor | None,
+        before_stage: Any = None,
+    ) -> torch.Tensor:
+        """The slot kernel over a driven step's aligned tiles (hits, then fills after `before_stage(1)`)."""
+        ...
+
+    def after_driven_step(self, report: StepReport) -> None:
+        """Book a driven decode step's report."""
+        ...
+
+    def after_failed_driven_step(self) -> None:
+        """A driven step failed part way: drop what its fills may have made stale."""
+        ...
+

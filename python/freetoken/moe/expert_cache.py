@@ -13,18 +13,16 @@ Per MoE layer step (`shared/DESIGN.md`, "One decode step, one MoE layer"):
 On the CPU device the same code runs with the slots as host tensors (the "copy" is a memcpy), so CI tests the
 planning and bookkeeping of every backend.
 
-Online refinement of q*: the backend times what it actually does, never adding a sync. CPU runs are timed with
-`perf_counter` around `CpuExperts.forward` (bytes = experts run x `expert_nbytes`, at b = mean tokens per expert);
-fills with CUDA events recorded on the copy stream around one layer step's copies in `TIME_FILLS_EVERY`, read
-(`Event.query`, non-blocking)
-at later layer steps (on the CPU device, the memcpy is timed with `perf_counter`). Each path keeps an exponential
-moving average of measured / profiled bandwidth (`BandwidthTracker`); every `REFINE_EVERY` layer steps the
-planner gets the profile scaled by those ratios, each bounded to [1/4, 4] (`set_profile`), so q* follows the box
-when another process loads the PCIe or memory bus. `stats()["bandwidth"]` shows profiled against measured.
+The layer step itself (plan, fills, CPU experts, and the bandwidth samples that refine q*) is one Rust type,
+`freetoken._core.LayerServer` (`rust/freetoken-core/src/driver/server.rs`), called here with the GIL released for
+eager and prefill steps and by the decode driver thread for captured ones: how fills and CPU experts are ordered
+is written once, there. This module only moves the routing to the host and launches the slot kernel when the
+server says the fills are queued. The planner refines the profile from the server's samples (an EMA of measured
+/ profiled bandwidth per path, bounded to [1/4, 4]) and q* follows the box when another process loads the PCIe or
+memory bus; `stats()["bandwidth"]` reads profiled against measured from it.
 
-Decode steps captured in CUDA graphs do the same per layer without Python: the Rust decode driver thread plans,
-fills and runs the CPU experts while the graph runs (`device_handshake`, `freetoken.moe.handshake`); its reports
-feed the same bandwidth refinement (`after_driven_step`).
+Decode steps captured in CUDA graphs do the same per layer without Python: the Rust decode driver thread serves
+each layer through the same `LayerServer` while the graph runs (`device_handshake`, `freetoken.moe.handshake`).
 
 Prefill chunks (`begin_step` says how many prompt tokens a step has) take the strategy that `freetoken.moe.prefill`
 prices cheapest: whole-layer streaming into the layer buffers (`LayerStreamer`, no host sync, the slot cache left
@@ -35,18 +33,15 @@ from __future__ import annotations
 
 import contextlib
 import os
-import time
-from collections import deque
 from collections.abc import Callable
 
 import numpy as np
 import torch
-from torch.profiler import record_function
 
-from freetoken._core import CpuExperts, ExpertPool, Planner, align_slots, aligned_len
+from freetoken._core import CpuExperts, CudaSlots, ExpertPool, LayerServer, Planner, StepReport
 from freetoken.config import PREFILL_STRATEGIES
 from freetoken.moe.compute import expert_views, grouped_swiglu
-from freetoken.moe.pinned import PinnedBuffers, pin_host_memory
+from freetoken.moe.pinned import PinnedBuffers, PinnedRegion
 from freetoken.moe.prefill import (
     DEFAULT_PCIE_BYTES_PER_S,
     DEMAND_MODES,
@@ -56,16 +51,13 @@ from freetoken.moe.prefill import (
     choose_strategy,
     measure_gpu_flops,
 )
-from freetoken.moe.profile import interpolate
 
 MODES = ("offload", "cpu", "hybrid")
-REFINE_EVERY = 16  # layer steps between planner.set_profile calls with the refined bandwidths
-MAX_PENDING_FILLS = 8  # timed fill groups awaiting their events; older ones are dropped unread
 # Parts of a driven decode step as the driver thread saw them (`DecodeDriver.finish`): waiting for the device's
 # posts (its span of kernels), serving the posts, and within serving the plan, queueing the fills, the CPU experts
 # and the fills' exposed wait.
 DRIVER_PHASES = ("wait", "serve", "plan", "issue", "cpu", "fill_wait")
-TIME_FILLS_EVERY = 4  # time one layer step's fills in this many (two event records each on the CUDA API path)
+CPU_BLOCK_M = 16  # rows per tile of the plan's alignment on the CPU device, whose slot experts do not read it
 
 
 def default_cpu_threads(device: torch.device) -> int:
@@ -77,60 +69,25 @@ def default_cpu_threads(device: torch.device) -> int:
     return max(1, cpus - 1) if device.type == "cuda" else cpus
 
 
-class BandwidthTracker:
-    """Exponential moving average of one miss path's measured bandwidth, relative to its profile.
+def bandwidth_stats(planner: Planner) -> dict:
+    """JSON-able, per miss path ("pcie", "cpu"): the profiled and refined curves (GB/s by batch), the measured EMA
+    (GB/s), its ratio to the profile and the samples taken, read from the planner, which does the refinement."""
 
-    Each sample (bytes moved in seconds, at b tokens per expert) gives the ratio measured / profiled(b); the ratio's
-    EMA (weight `alpha` per sample: ~1/alpha samples of memory, with alpha 0.02 about one token's layer steps) scales
-    the whole profile curve, bounded to [`min_ratio`, `max_ratio`], so one noisy run cannot swing q*. Without a
-    profile only the absolute EMA (bytes/s) is kept.
+    def gbps(path: str, profile: tuple[float, dict[int, float]] | None) -> dict | None:
+        curve = None if profile is None else {1: profile[0]} if path == "pcie" else profile[1]
+        return None if curve is None else {b: round(v / 1e9, 3) for b, v in curve.items()}
 
-    Args:
-        profile: {batch: bytes/s}; PCIe copies use the single point {1: B_pcie}; None when there is no profile.
-        alpha: EMA weight of a new sample, in (0, 1].
-        min_ratio, max_ratio: bounds of the refined / profiled ratio.
-    """
-
-    def __init__(
-        self, profile: dict[int, float] | None, alpha: float = 0.02, min_ratio: float = 0.25, max_ratio: float = 4.0
-    ) -> None:
-        self.profile = profile
-        self.alpha = alpha
-        self.min_ratio, self.max_ratio = min_ratio, max_ratio
-        self.ratio: float | None = None  # EMA of measured / profiled, unbounded
-        self.bytes_per_s: float | None = None  # EMA of measured bytes/s
-        self.num_samples = 0
-
-    def add(self, nbytes: int, seconds: float, batch: float = 1.0, samples: int = 1) -> None:
-        """A timed run: `nbytes` moved or read in `seconds` at `batch` tokens per expert; `samples` timed runs
-        summed into one (weighted as that many, each with weight `alpha`)."""
-        if seconds <= 0 or nbytes <= 0 or samples < 1:
-            return
-        measured = nbytes / seconds
-        alpha = 1.0 - (1.0 - self.alpha) ** samples
-        ema = lambda old, new: new if old is None else old + alpha * (new - old)
-        self.bytes_per_s = ema(self.bytes_per_s, measured)
-        if self.profile:
-            self.ratio = ema(self.ratio, measured / interpolate(self.profile, batch))
-        self.num_samples += samples
-
-    def refined(self) -> dict[int, float] | None:
-        """The profile scaled by the bounded ratio (the profile itself before any sample); None without one."""
-        if not self.profile:
-            return None
-        scale = 1.0 if self.ratio is None else min(max(self.ratio, self.min_ratio), self.max_ratio)
-        return {b: v * scale for b, v in self.profile.items()}
-
-    def stats(self) -> dict:
-        """JSON-able: profiled and refined curves (GB/s by batch), the measured EMA (GB/s) and its ratio."""
-        gbps = lambda curve: None if curve is None else {b: round(v / 1e9, 3) for b, v in curve.items()}
-        return {
-            "profiled_gbps": gbps(self.profile),
-            "refined_gbps": gbps(self.refined()),
-            "measured_gbps": None if self.bytes_per_s is None else round(self.bytes_per_s / 1e9, 3),
-            "measured_over_profiled": None if self.ratio is None else round(self.ratio, 3),
-            "num_samples": self.num_samples,
+    profiled, refined = planner.profile(), planner.refined_profile()
+    out = {}
+    for path, (bytes_per_s, ratio, samples) in planner.bandwidth().items():
+        out[path] = {
+            "profiled_gbps": gbps(path, profiled),
+            "refined_gbps": gbps(path, refined),
+            "measured_gbps": None if bytes_per_s is None else round(bytes_per_s / 1e9, 3),
+            "measured_over_profiled": None if ratio is None else round(ratio, 3),
+            "num_samples": samples,
         }
+    return out
 
 
 class ExpertCacheBackend:
@@ -192,7 +149,7 @@ class ExpertCacheBackend:
             raise ValueError("the pool's experts are not laid out [layer][expert] at expert_stride")
         self.pool_experts = arena[: num_experts * pool.expert_stride].view(num_experts, pool.expert_stride)
         if device.type == "cuda":
-            pin_host_memory(pool.ptr, pool.nbytes)
+            self._pinned_pool = PinnedRegion(pool.ptr, pool.nbytes, keep=pool)
         # The cache's slots, then the prefill layer buffers: one weight tensor, so one kernel reads both.
         rows = max(num_slots, 1) + layer_buffers * pool.num_experts
         self.slots = torch.empty(rows, pool.expert_stride, dtype=torch.uint8, device=device)
@@ -208,15 +165,10 @@ class ExpertCacheBackend:
         )
         self.cpu = CpuExperts(pool, num_threads=cpu_threads or default_cpu_threads(device))
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._fills_done = torch.cuda.Event() if device.type == "cuda" else None  # reused: one record per step
+        self.server = self._layer_server()
         self.pool_layer = {model_layer: i for i, model_layer in enumerate(pool.moe_layers)}
         self.host = PinnedBuffers(pin=device.type == "cuda")
         self._cpu_out_dirty = True  # forward_staged's cpu_out buffer may hold a sum (unknown at first)
-        self.pcie = BandwidthTracker(None if pcie_bytes_per_s is None else {1: pcie_bytes_per_s})
-        self.cpu_bw = BandwidthTracker(dict(cpu_bytes_per_s) if cpu_bytes_per_s else None)
-        self._pending_fills: deque[tuple[torch.cuda.Event, torch.cuda.Event, int]] = deque()
-        self._num_steps = 0
-        self._num_fill_groups = 0
         self.streamer = None
         if layer_buffers:
             self.streamer = LayerStreamer(
@@ -232,6 +184,18 @@ class ExpertCacheBackend:
         self.driven_steps = 0
         self.driver_seconds = dict.fromkeys(DRIVER_PHASES, 0.0)
         self.stream_flags = 0  # layers whose fill flag the copy stream raised after their fills
+
+    def _layer_server(self) -> LayerServer:
+        """The Rust layer step over `self.slots`: fills by the CUDA driver API on `copy_stream`, or by memcpy into
+        the host slots on the CPU device (the same code either way)."""
+        rows = self.slots.shape[0]
+        if self.copy_stream is None:
+            return LayerServer(self.planner, self.cpu, rows, slots=self.slots.numpy().reshape(-1))
+        cuda = CudaSlots(
+            ordinal=self.slots.device.index, stream=self.copy_stream.cuda_stream, ptr=self.slots.data_ptr(),
+            stride=self.slots.stride(0), rows=rows,
+        )
+        return LayerServer(self.planner, self.cpu, rows, cuda=cuda)
 
     @staticmethod
     def _check_prefill(mode, num_slots, layer_buffers, strategy, pcie, cpu) -> None:
@@ -277,15 +241,16 @@ class ExpertCacheBackend:
     def prefill_costs(self, top_k: int) -> PrefillCosts:
         """The cost model's inputs now: residency, and the refined bandwidths (a nominal PCIe rate without a
         profile or measurement)."""
-        pcie = self.pcie.refined()
-        pcie_bytes_per_s = pcie[1] if pcie else (self.pcie.bytes_per_s or DEFAULT_PCIE_BYTES_PER_S)
+        refined = self.planner.refined_profile()
+        measured_pcie = self.planner.bandwidth()["pcie"][0]
+        pcie_bytes_per_s = refined[0] if refined else (measured_pcie or DEFAULT_PCIE_BYTES_PER_S)
         return PrefillCosts(
             num_experts=self.pool.num_experts,
             top_k=top_k,
             expert_nbytes=self.expert_nbytes,
             resident=self.planner.num_resident / self.pool.num_layers,
             pcie_bytes_per_s=pcie_bytes_per_s,
-            cpu_bytes_per_s=self.cpu_bw.refined(),
+            cpu_bytes_per_s=None if refined is None else refined[1],
             gpu_flops_per_s=self.gpu_flops_per_s,
             overlap=self.streamer is not None and self.streamer.num_buffers == 2,
         )
@@ -293,32 +258,6 @@ class ExpertCacheBackend:
     def load_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """Not used: the pool read the experts from the checkpoint (`wants_weights` is False)."""
         raise TypeError("ExpertCacheBackend takes its experts from its ExpertPool, not from the torch loader")
-
-    def _slot_experts(
-        self, hidden: torch.Tensor, topk_slots: np.ndarray, topk_weights: torch.Tensor, out: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The grouped SwiGLU over the picks resident in slots (`topk_slots` [T, k], -1 where the CPU runs it),
-        written into `out` when given.
-
-        On CUDA the slot ids and the kernel's tile alignment are made on the host (they are known there already)
-        and sent in one copy through a reused pinned buffer: no alignment kernels, and no copy from pageable
-        memory, which would block the host until the fills end.
-        """
-        if not hidden.is_cuda:
-            slots = torch.from_numpy(topk_slots.astype(np.int64))
-            y = grouped_swiglu(hidden, self.gate_up, self.down, slots, topk_weights)
-            return y if out is None else out.copy_(y)
-        from freetoken.kernels.fused_moe import block_m_for, fused_moe
-
-        n_slots, rows = topk_slots.size, self.gate_up.shape[0]
-        block_m = block_m_for(n_slots)
-        n_pairs, n_tiles = aligned_len(n_slots, rows, block_m)
-        staging = self.host.get("slots", (n_slots + n_pairs + n_tiles,), torch.int64)
-        align_slots(topk_slots, rows, block_m, staging.numpy())
-        dev = staging.to(self.device, non_blocking=True)
-        slots = dev[:n_slots].view(topk_slots.shape)
-        alignment = (dev[n_slots : n_slots + n_pairs], dev[n_slots + n_pairs :])
-        return fused_moe(hidden, self.gate_up, self.down, slots, topk_weights, alignment=alignment, out=out)
 
     def forward(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -339,13 +278,14 @@ class ExpertCacheBackend:
         cuda = hidden.is_cuda
         host_ids = self.host.get("ids", (num_tokens, k), torch.int64)
         host_ids.copy_(topk_ids, non_blocking=cuda)
-        host_weights = host_hidden = None  # offload needs them only when every slot is pinned (rare): fetched then
-        if DEMAND_MODES[self.strategy] != "offload" or not cuda:
-            host_weights = self.host.get("weights", (num_tokens, k), torch.float32)
-            host_hidden = self.host.get("hidden", (num_tokens, hidden.shape[1]), torch.float32)
+        host_weights = self.host.get("weights", (num_tokens, k), torch.float32)
+        host_hidden = self.host.get("hidden", (num_tokens, hidden.shape[1]), torch.float32)
+        # Offload needs them only when every slot is pinned (rare): the server fetches them then.
+        ready = DEMAND_MODES[self.strategy] != "offload" or not cuda
+        if ready:
             host_weights.copy_(topk_weights, non_blocking=cuda)
             host_hidden.copy_(hidden, non_blocking=cuda)
-        out, host_out = self._serve(pool_layer, hidden, topk_weights, host_ids, host_weights, host_hidden, None)
+        out, host_out = self._serve(pool_layer, hidden, topk_weights, host_ids, host_weights, host_hidden, ready, None)
         if host_out is None:
             return out if out is not None else torch.zeros_like(hidden)
         cpu_out = host_out.to(self.device, hidden.dtype, non_blocking=True)
@@ -375,7 +315,7 @@ class ExpertCacheBackend:
                 zero when none ran (it is added to every row of the next captured span).
         """
         pool_layer = self.pool_layer[layer]
-        _, host_out = self._serve(pool_layer, hidden, topk_weights, host_ids, host_weights, host_hidden, out)
+        _, host_out = self._serve(pool_layer, hidden, topk_weights, host_ids, host_weights, host_hidden, True, out)
         if host_out is not None:
             cpu_out[: host_out.shape[0]].copy_(host_out, non_blocking=True)
             self._cpu_out_dirty = True
@@ -389,48 +329,68 @@ class ExpertCacheBackend:
         hidden: torch.Tensor,
         topk_weights: torch.Tensor,
         host_ids: torch.Tensor,
-        host_weights: torch.Tensor | None,
-        host_hidden: torch.Tensor | None,
+        host_weights: torch.Tensor,
+        host_hidden: torch.Tensor,
+        ready: bool,
         out: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """One on-demand layer step once its inputs' host copies are queued: sync, plan, fills and the slot
-        kernel on the device, then the CPU experts here (overlapping them). Returns (the slot experts' sum, or
-        None when no slot ran and no `out` was given; the pinned float32 host sum of the CPU experts, or None)."""
-        stream = torch.cuda.current_stream(self.device) if hidden.is_cuda else None
+        """One on-demand layer step once its inputs' host copies are queued: sync, then the Rust `LayerServer`
+        (GIL released) plans, queues the fills and runs the CPU experts; the slot kernel is launched on the device
+        as soon as the fills are queued (`on_fills_queued`, so it overlaps the CPU experts), on the CPU device after
+        the server returns. `ready`: the host weights and hidden states are valid (else the server fetches them
+        if it needs them). Returns (the slot experts' sum, or None when no slot ran and no `out` was given; the
+        pinned float32 host sum of the CPU experts, or None)."""
+        cuda = hidden.is_cuda
+        stream = torch.cuda.current_stream(self.device) if cuda else None
         if stream is not None:
-            stream.synchronize()  # ids, weights and hidden are on the host now
-        ids_np = host_ids.numpy()
-        self._refine()
-        plan = self.planner.plan(pool_layer, ids_np, DEMAND_MODES[self.strategy])
-        topk_slots = plan.topk_slots
-        if plan.num_fills:
-            if self.streamer is not None:
-                self.streamer.invalidate()  # evictions: the buffers' row tables may point at stale slots
-            self._fill(pool_layer, plan.fill_experts, plan.fill_slots, stream)
-        if plan.num_hits or plan.num_fills:
-            out = self._slot_experts(hidden, topk_slots, topk_weights, out)
-        elif out is not None:
-            out.zero_()
-        if not plan.num_cpu:
-            return out, None
-        if host_hidden is None:  # offload with every slot pinned: the rest of the misses run here
-            host_hidden = self.host.get("hidden", tuple(hidden.shape), torch.float32)
-            host_hidden.copy_(hidden)
-            host_weights = self.host.get("weights", tuple(topk_weights.shape), torch.float32)
-            host_weights.copy_(topk_weights)
-        host_out = self.host.get("out", tuple(host_hidden.shape), torch.float32)
-        host_out.zero_()
-        t0 = time.perf_counter()
-        args = (pool_layer, host_hidden.numpy(), ids_np, host_weights.numpy(), plan.cpu_experts, host_out.numpy())
-        if torch.autograd._profiler_enabled():  # a named range in profiles (benches/moe_backends.py --profile)
-            with record_function("cpu_experts"):
-                self.cpu.forward(*args)
+            stream.synchronize()  # ids (and weights, hidden when ready) are on the host now
+        num_tokens, k = host_ids.shape
+        if cuda:
+            from freetoken.kernels.fused_moe import block_m_for, fused_moe
+
+            block_m = block_m_for(num_tokens * k)
         else:
-            self.cpu.forward(*args)
-        seconds = time.perf_counter() - t0
-        tokens_per_expert = np.count_nonzero(topk_slots < 0) / plan.num_cpu  # -1: the picks the CPU ran
-        self.cpu_bw.add(plan.num_cpu * self.expert_nbytes, seconds, tokens_per_expert)
-        return out, host_out
+            block_m = CPU_BLOCK_M
+        ns, nr, nt = self.server.plan_layout(num_tokens, k, block_m)
+        plan = self.host.get("plan", (ns + nr + 2 * nt,), torch.int64)
+        host_out = self.host.get("out", tuple(host_hidden.shape), torch.float32)
+        plan_np = plan.numpy()
+        result: list[torch.Tensor | None] = [out]
+
+        def slot_experts(num_fills: int) -> None:
+            """The grouped SwiGLU over the picks resident in slots (-1 where the CPU runs them), into `out`."""
+            if not (plan_np[:ns] >= 0).any():
+                if out is not None:
+                    out.zero_()
+                return
+            if not cuda:
+                slots = torch.from_numpy(plan_np[:ns].copy()).view(num_tokens, k)
+                y = grouped_swiglu(hidden, self.gate_up, self.down, slots, topk_weights)
+                result[0] = y if out is None else out.copy_(y)
+                return
+            if num_fills:
+                stream.wait_stream(self.copy_stream)  # the fills, queued on the copy stream by the server
+            # Slot ids and the kernel's tile alignment (made on the host, where they are known already) in one
+            # copy through the reused pinned buffer: no alignment kernels, no copy from pageable memory.
+            dev = plan[: ns + nr + nt].to(self.device, non_blocking=True)
+            alignment = (dev[ns : ns + nr], dev[ns + nr :])
+            slots = dev[:ns].view(num_tokens, k)
+            result[0] = fused_moe(hidden, self.gate_up, self.down, slots, topk_weights, alignment=alignment, out=out)
+
+        def fetch_inputs() -> None:
+            host_hidden.copy_(hidden)
+            host_weights.copy_(topk_weights)
+
+        report = self.server.serve(
+            pool_layer, DEMAND_MODES[self.strategy], host_ids.numpy(), host_weights.numpy(), host_hidden.numpy(),
+            plan_np, host_out.numpy().reshape(-1), block_m, inputs_ready=ready,
+            on_fills_queued=slot_experts if cuda else None, fetch_inputs=fetch_inputs,
+        )
+        if not cuda:
+            slot_experts(report.num_fills)
+        if report.num_fills and self.streamer is not None:
+            self.streamer.invalidate()  # evictions: the buffers' row tables may point at stale slots
+        return result[0], host_out if report.num_cpu else None
 
     def _stream(
         self, pool_layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
@@ -450,37 +410,6 @@ class ExpertCacheBackend:
             out = grouped_swiglu(hidden, self.gate_up, self.down, rows[topk_ids], topk_weights)
         self.streamer.done(pool_layer)
         return out
-
-    def _fill(
-        self, pool_layer: int, experts: np.ndarray, slots: np.ndarray, stream: torch.cuda.Stream | None
-    ) -> None:
-        """Copy experts from the pinned arena into their slots; later work on `stream` (the compute stream)
-        waits for the copies."""
-        n = self.expert_nbytes
-        first = pool_layer * self.pool.num_experts
-        if self.copy_stream is None:
-            t0 = time.perf_counter()
-            for expert, slot in zip(experts.tolist(), slots.tolist(), strict=True):
-                self.slots[slot].copy_(self.pool_experts[first + expert])
-            self.pcie.add(len(experts) * n, time.perf_counter() - t0)
-            return
-        self._num_fill_groups += 1
-        timed = self._num_fill_groups % TIME_FILLS_EVERY == 1
-        if timed:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(self.copy_stream):
-            if timed:
-                start.record(self.copy_stream)
-            for expert, slot in zip(experts.tolist(), slots.tolist(), strict=True):
-                self.slots[slot].copy_(self.pool_experts[first + expert], non_blocking=True)
-            if timed:
-                end.record(self.copy_stream)
-        self._fills_done.record(self.copy_stream)
-        stream.wait_event(self._fills_done)
-        if timed:
-            if len(self._pending_fills) == MAX_PENDING_FILLS:
-                self._pending_fills.popleft()
-            self._pending_fills.append((start, end, len(experts) * n))
 
     def resize(self, num_slots: int, allocate: Callable[..., torch.Tensor] = torch.empty) -> None:
         """Change the cache to `num_slots` slots at a safe point (no step in flight, no decode driver holding the
@@ -518,6 +447,7 @@ class ExpertCacheBackend:
         """Take `slots` as the cache and layer buffers, and copy every resident expert from the pool into its slot."""
         self.slots, self.num_slots = slots, num_slots
         self.gate_up, self.down = expert_views(slots, self.pool.hidden_size, self.pool.intermediate_size)
+        self.server = self._layer_server()  # its copier holds the slots' address
         if buffers:
             self.streamer = LayerStreamer(
                 self.pool, self.pool_experts, slots, num_slots, buffers, self.planner, self.copy_stream
@@ -556,23 +486,15 @@ class ExpertCacheBackend:
             hidden, self.gate_up, self.down, topk_weights, sorted_pairs, tile_stages, out=out, before_stage=before_stage
         )
 
-    def after_driven_step(self, report: dict) -> None:
-        """Book a driven decode step's report: bandwidth samples of both miss paths (weighted as the layer steps
-        they sum), the planner's refined profile, and invalidated layer-buffer tables when slots changed."""
+    def after_driven_step(self, report: StepReport) -> None:
+        """Book a driven decode step's report (the server gave the planner its bandwidth samples already): the
+        driver's time by phase, and invalidated layer-buffer tables when slots changed."""
         self.driven_steps += 1
         for phase in DRIVER_PHASES:
-            self.driver_seconds[phase] += report[f"{phase}_seconds"]
-        self.stream_flags += report["stream_flags"]
-        if report["fills"]:
-            if self.streamer is not None:
-                self.streamer.invalidate()
-            self.pcie.add(report["timed_fill_bytes"], report["timed_fill_seconds"], samples=report["timed_fill_layers"])
-        if report["cpu_experts"]:
-            self.cpu_bw.add(
-                report["cpu_experts"] * self.expert_nbytes, report["cpu_seconds"],
-                report["cpu_picks"] / report["cpu_experts"], samples=report["cpu_layers"],
-            )
-        self._push_profile()
+            self.driver_seconds[phase] += getattr(report, f"{phase}_seconds")
+        self.stream_flags += report.stream_flags
+        if report.fills and self.streamer is not None:
+            self.streamer.invalidate()
 
     def after_failed_driven_step(self) -> None:
         """A driven decode step failed part way: its fills may have moved slots, so the layer buffers' row tables
@@ -580,24 +502,9 @@ class ExpertCacheBackend:
         if self.streamer is not None:
             self.streamer.invalidate()
 
-    def _refine(self) -> None:
-        """Read the copy events that have fired (non-blocking), and every `REFINE_EVERY` layer steps hand the
-        planner the refined bandwidths (only when there is a profile to refine)."""
-        while self._pending_fills and self._pending_fills[0][1].query():
-            start, end, nbytes = self._pending_fills.popleft()
-            self.pcie.add(nbytes, start.elapsed_time(end) / 1e3)
-        self._num_steps += 1
-        if self._num_steps % REFINE_EVERY == 0:
-            self._push_profile()
-
-    def _push_profile(self) -> None:
-        """Hand the planner the refined bandwidths (only when there is a profile to refine)."""
-        if self.pcie.profile and self.cpu_bw.profile:
-            self.planner.set_profile(self.pcie.refined()[1], self.cpu_bw.refined())
-
     def stats(self) -> dict:
         """Per-layer planner counters (lists over pool layers), the cache's size, the host kernels' threads and
-        instruction set, the bandwidths of both miss paths, profiled against measured (`BandwidthTracker.stats`),
+        instruction set, the bandwidths of both miss paths, profiled against measured (`bandwidth_stats`),
         and the decode driver's time per step by phase, JSON-able."""
         counters = {name: values.tolist() for name, values in self.planner.stats().items()}
         return {
@@ -607,7 +514,7 @@ class ExpertCacheBackend:
             "expert_nbytes": self.expert_nbytes,
             "cpu_threads": self.cpu.num_threads,
             "cpu_isa": self.cpu.isa,
-            "bandwidth": {"pcie": self.pcie.stats(), "cpu": self.cpu_bw.stats()},
+            "bandwidth": bandwidth_stats(self.planner),
             "decode_driver": {
                 "steps": self.driven_steps,
                 "fill_flags_by_copy_stream": self.stream_flags,

@@ -37,6 +37,10 @@ class FusedExperts:
     def begin_step(self, num_tokens: int, num_prefill_tokens: int, top_k: int) -> None:
         """Nothing to choose: every expert is resident."""
 
+    def stats(self) -> dict:
+        """`{"backend": "fused"}`: nothing is planned or moved."""
+        return {"backend": "fused"}
+
     @property
     def nbytes(self) -> int:
         """Bytes held by all experts."""

@@ -1,15 +1,11 @@
 """The device side of the decode driver's handshake: a decode step's MoE layers served from a host thread while
 the whole step runs as one CUDA graph.
 
-The Rust `DecodeDriver` (`rust/freetoken-core/src/driver/mod.rs` has the protocol) plans each layer, issues its
-fills on the copy stream and runs its CPU experts, with no Python between layers. The graph talks to it through
-page-locked host memory that the GPU reads and writes directly (registered with `cudaHostRegister`, so mapped
-into the device's address space): per MoE layer one kernel writes the router's outputs into the host mailbox and
-then the step's generation number into the layer's mail flag (`_post_mail`), then `_wait_fetch` spins on
-the plan flag and copies the plan (slot ids and tile alignment) into device memory, the slot kernel runs the tiles of
-hits, a third `_wait_fetch` spins on the fill flag (which the copy stream raises after the layer's fills) and the
-slot kernel runs the tiles of the filled slots, and a last `_wait_fetch` adds the CPU experts' sum into the slot
-kernel's output. Compared with a host sync per layer (the piecewise graphs) this removes, per layer, a graph
+The protocol (the flags, their order, what each side writes) is written once, in the module doc of
+`rust/freetoken-core/src/driver/mod.rs`; the Rust `DecodeDriver` serves each layer through the same `LayerServer` as
+eager steps. This module is the device's side: `_post_mail` writes the routing into the mapped host mailbox and raises
+the mail flag, `_wait_fetch` spins on the plan, fill and CPU flags and copies (or adds) what the driver wrote.
+Compared with a host sync per layer (the piecewise graphs) this removes, per layer, a graph
 launch, a stream synchronisation and the Python of the plan, the fills and the kernel launches: on the H200 box,
 Qwen3-30B-A3B at a 24 GB budget, batch 1, a hybrid decode step went from 47-66 ms (piecewise) to 36.5 ms, and to
 25-27 ms once the CPU experts started before the fills on workers that keep a core free, the plan flag followed the
@@ -34,7 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken._core import DecodeDriver, aligned_len
+from freetoken._core import DecodeDriver, HandshakeBuffers, StepReport, aligned_len, mail_layout
+from freetoken.errors import FreetokenError
 from freetoken.moe.pinned import PinnedBuffers
 
 # How long the CPU experts' workers poll for the next layer before they park: longer than the span between two MoE
@@ -46,13 +43,18 @@ MAX_SPINS = 20_000_000  # polls of a host flag over PCIe (~1 us each): the devic
 FETCH_BLOCK = 1024
 
 
+class DriverGaveUpError(FreetokenError, RuntimeError):
+    """The device stopped waiting for the decode driver at some layer (after `MAX_SPINS` polls): the step's output
+    is wrong."""
+
+
 def mail_views(
     buf: torch.Tensor, size: int, top_k: int, hidden: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Views of mailbox `buf` (uint8) for a padded batch of `size` rows: ids [size, k] int64, routing weights
     [size, k] float32 and hidden states [size, H] float32, packed one after the other from byte 0 (the layout the
-    driver reads: `mail_len` in rust/freetoken-core/src/driver/mod.rs), so one copy moves them all."""
-    a, b, c = size * 8 * top_k, size * 12 * top_k, size * (12 * top_k + 4 * hidden)
+    driver reads, from the driver itself: `mail_layout`), so one copy moves them all."""
+    a, b, c = mail_layout(size, top_k, hidden)
     return (buf[:a].view(torch.int64).view(size, top_k), buf[a:b].view(torch.float32).view(size, top_k),
             buf[b:c].view(torch.float32).view(size, hidden))
 
@@ -150,7 +152,7 @@ class DeviceHandshake:
         # Rows: mail (device -> driver), plan, fill and cpu (driver -> device), gave up (device, on a failed wait).
         self.flags = self.host.get("flags", (5, layers), torch.int32)
         self.flags.zero_()
-        self.mail = self.host.get("mail", (max_batch * (12 * k + 4 * self.hidden),), torch.uint8)
+        self.mail = self.host.get("mail", (mail_layout(max_batch, k, self.hidden)[2],), torch.uint8)
         self.plan = self.host.get("plan", (plan_len,), torch.int64)
         self.cpu_out = self.host.get("cpu_out", (max_batch * self.hidden,), torch.float32)
         self.plan_dev = torch.zeros(plan_len, dtype=torch.int64, device=device)
@@ -161,13 +163,11 @@ class DeviceHandshake:
         if backend.cpu.num_threads < len(os.sched_getaffinity(0)):  # a core each for the workers, driver and launcher
             backend.cpu.idle_spin_us = WORKER_IDLE_SPIN_US
         flags = self.flags.numpy().view(np.uint32)
-        self.driver = DecodeDriver(
-            backend.planner, backend.cpu, backend.mode, k, self.slot_rows,
-            *flags[:4], self.mail.numpy(), self.plan.numpy(), self.cpu_out.numpy(),
-            cuda=(backend.slots.device.index, backend.copy_stream.cuda_stream, backend.slots.data_ptr(),
-                  backend.slots.stride(0), backend.slots.shape[0]),
-            timeout_s=timeout_s,
+        buffers = HandshakeBuffers(
+            mail_flag=flags[0], plan_flag=flags[1], fill_flag=flags[2], cpu_flag=flags[3], mail=self.mail.numpy(),
+            plan=self.plan.numpy(), cpu_out=self.cpu_out.numpy(),
         )
+        self.driver = DecodeDriver(backend.server, buffers, backend.mode, k, timeout_s=timeout_s)
 
     def _layout(self, size: int) -> tuple[int, int, int]:
         rows, tiles = aligned_len(size * self.top_k, self.slot_rows, self.block_m[size])
@@ -187,10 +187,11 @@ class DeviceHandshake:
         """Block (GIL released) until the driver has served model layer `layer` of the running step."""
         self.driver.wait_served(self.pool_layer[layer], self.generation)
 
-    def finish(self) -> dict:
+    def finish(self) -> StepReport:
         """Wait for the driver to serve every layer (GIL released); its report. Raises the driver's error (a
-        plan that failed, a device that never posted; the driver has released every layer, so the device runs
-        the step to its end) or, when the device gave up waiting for a layer, a RuntimeError."""
+        plan that failed; a device that never posted, `DeviceTimeoutError` with its `layer` and `step`; the driver
+        has released every layer, so the device runs the step to its end) or, when the device gave up waiting for a
+        layer, a `DriverGaveUpError`."""
         try:
             report = self.driver.finish()
         except Exception:
@@ -199,7 +200,7 @@ class DeviceHandshake:
         gave_up = np.flatnonzero(self.flags[4].numpy() == self.generation)
         if gave_up.size:
             self.backend.after_failed_driven_step()
-            raise RuntimeError(
+            raise DriverGaveUpError(
                 f"decode step {self.generation}: the device stopped waiting for the driver at pool layer(s) "
                 f"{gave_up.tolist()} after {MAX_SPINS} polls; the step's output is wrong"
             )

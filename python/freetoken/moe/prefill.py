@@ -16,7 +16,7 @@ token: 2 per weight):
     fill:   M·S / B_pcie + t_gpu + t_sync   M = D·N/E misses among D = E·(1 - (1 - k/E)^T) routed experts
             (uniform routing, an upper bound for real, skewed routers); copies start after the routing is on
             the host (one sync) and the kernel waits for them
-    cpu:    M·S / B_cpu(b) + t_gpu + t_sync   b = T·k / D tokens per expert (`interpolate`: past the profile's
+    cpu:    M·S / B_cpu(b) + t_gpu + t_sync   b = T·k / D tokens per expert (`cpu_bytes_per_s_at`: past the profile's
             largest batch the CPU is compute-bound, so bytes/s falls as b_max / b)
     hybrid: M·S / (B_pcie + B_cpu(b)) + t_gpu + t_sync   both miss paths end together at q* (the planner's split)
 The model leaves out what it cannot see (per-copy call costs, the CPU kernels' speed on uneven routing, the host
@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from freetoken.moe.profile import interpolate
+from freetoken._core import cpu_bytes_per_s_at
+
 
 # Planner backend of each on-demand strategy.
 DEMAND_MODES = {"fill": "offload", "cpu": "cpu", "hybrid": "hybrid"}
@@ -92,7 +93,7 @@ class PrefillCosts:
             return miss_bytes / self.pcie_bytes_per_s + gpu + SYNC_SECONDS
         if not self.cpu_bytes_per_s:
             return float("inf")
-        cpu = interpolate(self.cpu_bytes_per_s, num_tokens * self.top_k / max(routed, 1.0))
+        cpu = cpu_bytes_per_s_at(self.cpu_bytes_per_s, num_tokens * self.top_k / max(routed, 1.0))
         if strategy == "cpu":
             return miss_bytes / cpu + gpu + SYNC_SECONDS
         return miss_bytes / (self.pcie_bytes_per_s + cpu) + gpu + SYNC_SECONDS

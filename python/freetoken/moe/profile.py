@@ -34,9 +34,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from freetoken import __version__
+from freetoken._core import cpu_bytes_per_s_at, q_star
+from freetoken.errors import FreetokenError
 from freetoken.paths import cache_root
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ HYBRID_MIN_Q_STAR = 0.15
 BATCHES = (1, 2, 4, 8, 16)
 
 
-class ProfileError(ValueError):
+class ProfileError(FreetokenError, ValueError):
     """A profile that cannot be used: unreadable, corrupt, of another schema or version, or stale."""
 
 
@@ -167,26 +167,9 @@ def read_profile(path: Path, now_s: float | None = None) -> dict[str, Any]:
     return profile
 
 
-def q_star(pcie_bytes_per_s: float, cpu_bytes_per_s: dict[int, float], batch: float) -> float:
-    """q* = B_cpu(b) / (B_cpu(b) + B_pcie), B_cpu by `interpolate` (as the Rust planner does), without the
-    planner's future-hit credit."""
-    cpu = interpolate(cpu_bytes_per_s, batch)
-    return cpu / (cpu + pcie_bytes_per_s)
-
-
-def interpolate(curve: dict[int, float], batch: float) -> float:
-    """`curve` (bytes/s by tokens per expert) at `batch`: linear between points, the first value below them, and
-    `curve[b_max] * b_max / batch` above the largest (compute-bound: constant time per token and expert), the Rust
-    planner's rule (`BandwidthProfile::cpu_at`)."""
-    points = sorted(curve)
-    if batch > points[-1]:
-        return curve[points[-1]] * points[-1] / batch
-    return float(np.interp(batch, points, [curve[b] for b in points]))
-
-
 def verdict(pcie_bytes_per_s: float, cpu_bytes_per_s: dict[int, float]) -> tuple[str, float]:
     """("hybrid" or "offload", q* at b=1): hybrid when q*(1) >= `HYBRID_MIN_Q_STAR`."""
-    q1 = q_star(pcie_bytes_per_s, cpu_bytes_per_s, 1)
+    q1 = q_star(pcie_bytes_per_s, cpu_bytes_per_s, 1)  # the planner's rule (`BandwidthProfile::q`), from Rust
     return ("hybrid" if q1 >= HYBRID_MIN_Q_STAR else "offload"), q1
 
 
@@ -222,7 +205,7 @@ def find_profile(
         backend, q1 = verdict(pcie, curve)
         log.info(
             "bandwidth profile %s: B_pcie %.1f GB/s, B_cpu(1) %.1f GB/s, q*(1) %.2f -> %s",
-            path, pcie / 1e9, interpolate(curve, 1) / 1e9, q1, backend,
+            path, pcie / 1e9, cpu_bytes_per_s_at(curve, 1) / 1e9, q1, backend,
         )  # fmt: skip
         return profile
     for other in sorted(directory.glob("*.json")) if directory.is_dir() else []:

@@ -52,6 +52,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from freetoken.engine.types import GenerationChunk, SamplingParams
+from freetoken.server.engine_client import EngineClient
 from freetoken.server.errors import (
     ApiError,
     ApiFlavor,
@@ -596,7 +597,7 @@ class _BlockStream:
 
 
 def _stream_events(
-    engine: Any, prompt_ids: list[int], req: MessagesRequest, plan: OutputPlan, message_id: str, model: str
+    engine: EngineClient, prompt_ids: list[int], req: MessagesRequest, plan: OutputPlan, message_id: str, model: str
 ) -> AsyncGenerator[bytes, None]:
     """The SSE events of one streamed message; raises on failure (`guard_stream`)."""
     num_prompt_tokens = len(prompt_ids)

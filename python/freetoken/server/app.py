@@ -56,6 +56,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from freetoken.heap import release_free_memory
 from freetoken.server import anthropic, cache, completions, openai, responses, status_page, telemetry
+from freetoken.server.engine_client import EngineClient
 from freetoken.server.errors import ApiError, ApiFlavor, ErrorCode, error_body
 from freetoken.server.generation import ClientDisconnected
 from freetoken.server.notices import request_notes
@@ -283,7 +284,7 @@ async def get_model(request: Request) -> Response:
     return JSONResponse(_model_card(state, flavor_of(request.scope)))
 
 
-async def _abort_on_exit(server: uvicorn.Server, engine: Any, graceful_shutdown_s: float) -> None:
+async def _abort_on_exit(server: uvicorn.Server, engine: EngineClient, graceful_shutdown_s: float) -> None:
     """Once uvicorn is told to exit, give running requests `graceful_shutdown_s`, then stop the engine.
 
     Stopping the engine ends the requests still running with finish_reason "abort", so their streams
@@ -297,7 +298,7 @@ async def _abort_on_exit(server: uvicorn.Server, engine: Any, graceful_shutdown_
 
 
 def build_app(
-    engine: Any,
+    engine: EngineClient,
     *,
     served_model_name: str,
     api_key: str | None = None,
@@ -437,7 +438,7 @@ class HeaderTimeoutProtocol(H11Protocol):
 
 
 def run_server(
-    engine: Any,
+    engine: EngineClient,
     *,
     host: str = "127.0.0.1",
     port: int = 1919,

@@ -23,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from freetoken.engine.types import MAX_LOGPROBS
+from freetoken.server.engine_client import EngineClient
 from freetoken.server.errors import ApiError, ErrorCode, invalid_request
 from freetoken.server.generation import (
     aclose_shielded,
@@ -101,7 +102,7 @@ def _sampling(body: dict[str, Any]) -> Sampling:
 
 
 async def _stream_events(
-    engine: Any, prompt_ids: list[int], sampling: Sampling, echo: str, request_id: str, created: int, model: str
+    engine: EngineClient, prompt_ids: list[int], sampling: Sampling, echo: str, request_id: str, created: int, model: str
 ) -> AsyncGenerator[bytes, None]:
     """The SSE events of one streamed text completion, ending with ``[DONE]``."""
     base = {"id": request_id, "object": "text_completion", "created": created, "model": model}

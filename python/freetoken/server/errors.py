@@ -16,6 +16,8 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from freetoken.errors import FreetokenError
+
 
 class ApiFlavor(enum.Enum):
     """Which API's error shape a request gets."""
@@ -62,7 +64,7 @@ _TYPES_BY_STATUS: dict[int, tuple[str, str]] = {
 }
 
 
-class ApiError(Exception):
+class ApiError(FreetokenError):
     """An error answered to the client in the API's own shape.
 
     Attributes:

@@ -31,7 +31,9 @@ from starlette.requests import Request
 from freetoken.engine import RequestError
 from freetoken.engine.structured import GrammarError, GrammarMatcher, json_grammar
 from freetoken.engine.types import GenerationChunk, SamplingParams, TokenLogprob
+from freetoken.errors import FreetokenError
 from freetoken.server import telemetry
+from freetoken.server.engine_client import EngineClient
 from freetoken.server.errors import ApiError, ApiFlavor, ErrorCode, invalid_request
 from freetoken.server.notices import note_once_per_request
 from freetoken.tokenizer import PromptTooLong
@@ -50,7 +52,7 @@ logger = logging.getLogger("freetoken.server")
 _RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "add_generation_prompt", "tokenize"})
 
 
-class ClientDisconnected(Exception):
+class ClientDisconnected(FreetokenError):
     """The client went away before its response was ready; nothing can be sent back."""
 
 
@@ -107,7 +109,7 @@ class ToolChoice:
 
 
 async def render_prompt(
-    engine: Any,
+    engine: EngineClient,
     messages: list[dict[str, Any]],
     tools: list[dict[str, Any]] | None,
     template_kwargs: dict[str, Any],
@@ -189,7 +191,7 @@ class OutputPlan:
 
 
 def plan_output(
-    engine: Any, prompt: Prompt, tools: list[dict[str, Any]] | None, tool_choice: ToolChoice
+    engine: EngineClient, prompt: Prompt, tools: list[dict[str, Any]] | None, tool_choice: ToolChoice
 ) -> OutputPlan:
     """The output plan of one request; `tools` are those offered in the prompt (None when none are).
 
@@ -229,7 +231,7 @@ class JsonFormat:
 
 
 async def format_grammar(
-    engine: Any, fmt: JsonFormat, plan: OutputPlan, tools: list[dict[str, Any]] | None = None
+    engine: EngineClient, fmt: JsonFormat, plan: OutputPlan, tools: list[dict[str, Any]] | None = None
 ) -> GrammarMatcher:
     """Compile `fmt` into a grammar matcher for one choice (`GrammarMatcher.fork` for more), off the event loop.
 
@@ -284,7 +286,7 @@ def _schema_error(error: GrammarError, param: str) -> ApiError:
 
 
 async def constrain_output(
-    engine: Any,
+    engine: EngineClient,
     plan: OutputPlan,
     params: SamplingParams,
     prompt_ids: list[int],
@@ -318,7 +320,7 @@ async def constrain_output(
     check_request(engine, prompt_ids, params, messages_param=messages_param)
 
 
-def check_request(engine: Any, prompt_ids: list[int], params: SamplingParams, *, messages_param: str) -> None:
+def check_request(engine: EngineClient, prompt_ids: list[int], params: SamplingParams, *, messages_param: str) -> None:
     """The engine's checks of a request (`AsyncEngine.check_request`: token ids in the vocabulary, ...), run before
     the response starts, so that a streamed bad request is a 400 and never a 200 that ends in an error event.
 
@@ -428,7 +430,7 @@ def fit_context(
     return room
 
 
-def fit_output_budget(engine: Any, n: int, max_tokens: int, explicit: bool, *, max_tokens_param: str) -> int:
+def fit_output_budget(engine: EngineClient, n: int, max_tokens: int, explicit: bool, *, max_tokens_param: str) -> int:
     """Check `n` choices of `max_tokens` each against the engine's cap on one request's output tokens
     (`EngineConfig.max_request_output_tokens`); return the per-choice budget.
 
@@ -477,7 +479,7 @@ async def aclose_shielded(chunks: AsyncIterator[Any]) -> None:
 
 
 async def closing_chunks(
-    engine: Any, prompt_ids: list[int], params: SamplingParams, request_id: str, group: str | None = None
+    engine: EngineClient, prompt_ids: list[int], params: SamplingParams, request_id: str, group: str | None = None
 ) -> AsyncIterator[GenerationChunk]:
     """Yield the engine's chunks for one request; the engine generator is closed on any exit.
 
@@ -521,7 +523,7 @@ def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 async def merged_chunks(
-    engine: Any, prompt_ids: list[int], params: list[SamplingParams], request_id: str
+    engine: EngineClient, prompt_ids: list[int], params: list[SamplingParams], request_id: str
 ) -> AsyncIterator[tuple[int, GenerationChunk]]:
     """(choice index, chunk) of one engine request per entry of `params`, as they arrive.
 
@@ -563,7 +565,7 @@ async def merged_chunks(
 
 
 async def parsed_chunks(
-    engine: Any, prompt_ids: list[int], params: SamplingParams, plan: OutputPlan, request_id: str
+    engine: EngineClient, prompt_ids: list[int], params: SamplingParams, plan: OutputPlan, request_id: str
 ) -> AsyncIterator[tuple[ParsedDelta, GenerationChunk]]:
     """One engine request's chunks, each with what the output parser made of its text (a forced call's
     opening joins the first, the parser's held-back tail the last); a 500 when the engine ends the request
@@ -598,7 +600,7 @@ class EventConverter(Protocol):
 
 
 async def converted_events(
-    engine: Any,
+    engine: EngineClient,
     prompt_ids: list[int],
     params: SamplingParams,
     plan: OutputPlan,
@@ -659,7 +661,7 @@ async def _drain(
 
 
 async def collect(
-    request: Request, engine: Any, prompt_ids: list[int], params: list[SamplingParams], request_id: str
+    request: Request, engine: EngineClient, prompt_ids: list[int], params: list[SamplingParams], request_id: str
 ) -> list[Completion]:
     """Run one engine request per entry of `params` (the choices) to the end; abort them all and raise
     `ClientDisconnected` if the client leaves first."""

@@ -23,6 +23,8 @@ pub enum ErrorKind {
     Trace,
     /// A worker thread failed (a bug; reported rather than crossing as a panic).
     Internal,
+    /// The other side of a handshake did not answer in time (a device that never posted).
+    Timeout,
 }
 
 /// Errors of the host expert pool ([`crate::pool`]).
@@ -291,6 +293,26 @@ pub enum DriverError {
     #[error("{0}")]
     Invalid(String),
     /// The device did not post a layer's routing in time.
+    #[error("decode step {step}: the device did not post MoE layer {layer}'s routing within {waited:?}")]
+    DeviceTimeout {
+        /// Generation of the step.
+        step: u32,
+        /// Pool layer that was never posted.
+        layer: usize,
+        /// How long the driver waited.
+        waited: std::time::Duration,
+    },
+    /// The driver did not serve a layer in time (`DecodeDriver::wait_served`).
+    #[error("decode step {step}: MoE layer {layer} was not served within {waited:?}")]
+    NotServed {
+        /// Generation of the step.
+        step: u32,
+        /// Pool layer waited for.
+        layer: usize,
+        /// How long the caller waited.
+        waited: std::time::Duration,
+    },
+    /// The copy stream's fills did not land in time (a wedged copy engine).
     #[error("{0}")]
     Timeout(String),
     /// A CUDA driver call failed, or the CUDA driver library could not be loaded.
@@ -302,6 +324,38 @@ pub enum DriverError {
     /// The CPU experts failed.
     #[error(transparent)]
     Kernel(#[from] KernelError),
+    /// The caller's work at a point of the layer step failed (a Python callback).
+    #[error("{0}")]
+    Hook(String),
+    /// An error while serving one MoE layer of a driven step.
+    #[error("MoE layer {layer}: {source}")]
+    Layer {
+        /// Pool layer.
+        layer: usize,
+        /// What went wrong there.
+        source: Box<DriverError>,
+    },
+}
+
+impl DriverError {
+    /// `source`, marked as raised while serving pool layer `layer`.
+    pub fn at_layer(layer: usize, source: DriverError) -> Self {
+        Self::Layer {
+            layer,
+            source: Box::new(source),
+        }
+    }
+
+    /// The step and layer of a timeout on the handshake, if this is one.
+    pub fn timed_out_at(&self) -> Option<(u32, usize)> {
+        match self {
+            Self::DeviceTimeout { step, layer, .. } | Self::NotServed { step, layer, .. } => {
+                Some((*step, *layer))
+            }
+            Self::Layer { source, .. } => source.timed_out_at(),
+            _ => None,
+        }
+    }
 }
 
 impl DriverError {
@@ -309,9 +363,13 @@ impl DriverError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             Self::Invalid(_) => ErrorKind::Value,
-            Self::Timeout(_) | Self::Cuda(_) => ErrorKind::Internal,
+            Self::DeviceTimeout { .. } | Self::NotServed { .. } | Self::Timeout(_) => {
+                ErrorKind::Timeout
+            }
+            Self::Cuda(_) | Self::Hook(_) => ErrorKind::Internal,
             Self::Plan(e) => e.kind(),
             Self::Kernel(e) => e.kind(),
+            Self::Layer { source, .. } => source.kind(),
         }
     }
 }

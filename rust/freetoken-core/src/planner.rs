@@ -34,6 +34,14 @@
 //! Those with the lowest `p_e` (ties: fewer tokens first) go to the CPU and the rest fill. If a
 //! fill finds every slot pinned, that expert runs on the CPU instead.
 //!
+//! # Refinement
+//! Whoever runs a plan reports what its paths actually did ([`Planner::record_fills`],
+//! [`Planner::record_cpu`]); each path keeps an exponential moving average of measured /
+//! profiled bandwidth ([`BandwidthTracker`], weight [`REFINE_ALPHA`] per layer step, bounded to
+//! [[`MIN_RATIO`], [`MAX_RATIO`]]) that scales its whole profile, so q* follows the box when
+//! another process loads the PCIe or memory bus. [`Planner::refined_profile`] is what q* uses;
+//! the Python side only reads it.
+//!
 //! # Pins
 //! Each `plan` first releases the previous plan's pins: the router of layer `l+1` depends on the
 //! output of layer `l`, so by the time its ids reach the host, layer `l`'s slots are no longer read.
@@ -124,6 +132,63 @@ impl BandwidthProfile {
     }
 }
 
+/// EMA weight of one layer step's measurement (about 1/alpha layer steps of memory: with 0.02,
+/// about one token's layer steps on a 48-layer model).
+pub const REFINE_ALPHA: f64 = 0.02;
+/// Lower bound of a path's refined / profiled ratio (one noisy run cannot swing q*).
+pub const MIN_RATIO: f64 = 0.25;
+/// Upper bound of a path's refined / profiled ratio.
+pub const MAX_RATIO: f64 = 4.0;
+
+/// Exponential moving average of one miss path's measured bandwidth, absolute and relative to
+/// its profile.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct BandwidthTracker {
+    ratio: Option<f64>,
+    bytes_per_s: Option<f64>,
+    num_samples: u64,
+}
+
+impl BandwidthTracker {
+    /// A timed run: `nbytes` moved or read in `seconds`, against `profiled` bytes/s at the same
+    /// batch (None without a profile: only the absolute EMA moves); `samples` runs summed into
+    /// one, weighted as that many. Non-positive inputs are ignored.
+    pub fn add(&mut self, nbytes: f64, seconds: f64, profiled: Option<f64>, samples: u32) {
+        if !(seconds > 0.0 && nbytes > 0.0) || samples == 0 {
+            return;
+        }
+        let measured = nbytes / seconds;
+        let alpha = 1.0 - (1.0 - REFINE_ALPHA).powi(samples as i32);
+        let ema = |old: Option<f64>, new: f64| Some(old.map_or(new, |o| o + alpha * (new - o)));
+        self.bytes_per_s = ema(self.bytes_per_s, measured);
+        if let Some(p) = profiled.filter(|p| *p > 0.0) {
+            self.ratio = ema(self.ratio, measured / p);
+        }
+        self.num_samples += u64::from(samples);
+    }
+
+    /// The factor that scales the profile: the ratio's EMA bounded to [`MIN_RATIO`],
+    /// [`MAX_RATIO`]; 1 before any sample.
+    pub fn scale(&self) -> f64 {
+        self.ratio.map_or(1.0, |r| r.clamp(MIN_RATIO, MAX_RATIO))
+    }
+
+    /// EMA of measured / profiled (unbounded), None before a sample against a profile.
+    pub fn ratio(&self) -> Option<f64> {
+        self.ratio
+    }
+
+    /// EMA of the measured bytes/s, None before any sample.
+    pub fn bytes_per_s(&self) -> Option<f64> {
+        self.bytes_per_s
+    }
+
+    /// Timed runs so far.
+    pub fn num_samples(&self) -> u64 {
+        self.num_samples
+    }
+}
+
 /// Per-layer counters, cumulative since construction or [`Planner::reset_stats`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LayerCounters {
@@ -204,6 +269,10 @@ pub struct Planner {
     misses: Vec<(f32, u32, u32)>,
     /// Scratch: per expert, slot (or -1 for CPU) in this step.
     dest: Vec<i32>,
+    /// Measured host -> device fill bandwidth.
+    pcie_bw: BandwidthTracker,
+    /// Measured CPU expert throughput.
+    cpu_bw: BandwidthTracker,
 }
 
 impl Planner {
@@ -231,6 +300,8 @@ impl Planner {
             distinct: Vec::with_capacity(cfg.num_experts),
             misses: Vec::with_capacity(cfg.num_experts),
             dest: vec![-1; cfg.num_experts],
+            pcie_bw: BandwidthTracker::default(),
+            cpu_bw: BandwidthTracker::default(),
             slots,
             cfg,
         })
@@ -246,9 +317,50 @@ impl Planner {
         &self.cfg
     }
 
-    /// Replaces the bandwidth profile.
+    /// Replaces the bandwidth profile; the refinement starts over against it.
     pub fn set_profile(&mut self, profile: Option<BandwidthProfile>) {
         self.cfg.profile = profile;
+        self.pcie_bw = BandwidthTracker::default();
+        self.cpu_bw = BandwidthTracker::default();
+    }
+
+    /// Books one layer step's timed fills: `nbytes` copied host -> device in `seconds` of copy
+    /// engine time (`samples` layer steps summed).
+    pub fn record_fills(&mut self, nbytes: usize, seconds: f64, samples: u32) {
+        let profiled = self.cfg.profile.as_ref().map(|p| p.pcie_bytes_per_s);
+        self.pcie_bw.add(nbytes as f64, seconds, profiled, samples);
+    }
+
+    /// Books one layer step's CPU experts: `nbytes` of expert weights read in `seconds` at
+    /// `batch` tokens per expert (`samples` layer steps summed).
+    pub fn record_cpu(&mut self, nbytes: usize, seconds: f64, batch: f64, samples: u32) {
+        let profiled = self.cfg.profile.as_ref().map(|p| p.cpu_at(batch));
+        self.cpu_bw.add(nbytes as f64, seconds, profiled, samples);
+    }
+
+    /// The measured bandwidths: (PCIe fills, CPU experts).
+    pub fn bandwidth(&self) -> (&BandwidthTracker, &BandwidthTracker) {
+        (&self.pcie_bw, &self.cpu_bw)
+    }
+
+    /// The profile as measured so far: each path's profile scaled by its bounded ratio (the
+    /// profile itself before any sample); None without a profile. q* uses this.
+    pub fn refined_profile(&self) -> Option<BandwidthProfile> {
+        let p = self.cfg.profile.as_ref()?;
+        let (sp, sc) = (self.pcie_bw.scale(), self.cpu_bw.scale());
+        Some(BandwidthProfile {
+            pcie_bytes_per_s: p.pcie_bytes_per_s * sp,
+            cpu_bytes_per_s: p.cpu_bytes_per_s.iter().map(|&(b, v)| (b, v * sc)).collect(),
+        })
+    }
+
+    /// q* of the refined profile at `batch` tokens per expert with reuse credit `reuse_credit`
+    /// (see the module doc); None without a profile.
+    pub fn q_star(&self, batch: f64, reuse_credit: f64) -> Option<f64> {
+        let p = self.cfg.profile.as_ref()?;
+        let c = p.cpu_at(batch) * self.cpu_bw.scale();
+        let pcie = p.pcie_bytes_per_s * self.pcie_bw.scale();
+        Some(c / (c + pcie * (1.0 + reuse_credit.max(0.0))))
     }
 
     /// Per-layer counters.
@@ -348,10 +460,10 @@ impl Planner {
             }
             Backend::Hybrid if n == 0 => 0,
             Backend::Hybrid => {
-                let prof = self.cfg.profile.as_ref().expect("checked above");
                 let mean_tokens = self.misses.iter().map(|m| m.1 as f64).sum::<f64>() / n as f64;
                 let mean_p = self.misses.iter().map(|m| m.0 as f64).sum::<f64>() / n as f64;
-                plan.q = prof.q(mean_tokens, self.cfg.reuse_weight * mean_p);
+                let credit = self.cfg.reuse_weight * mean_p;
+                plan.q = self.q_star(mean_tokens, credit).unwrap_or(1.0);
                 ((plan.q * (n + 1) as f64).floor() as usize).min(n)
             }
         };
@@ -507,6 +619,35 @@ mod tests {
                 assert_eq!(plan.fill_experts.len(), n - k);
             }
         }
+    }
+
+    #[test]
+    fn refinement_scales_the_profile_within_bounds() {
+        let prof = BandwidthProfile::new(10e9, vec![(1.0, 10e9), (16.0, 40e9)]).unwrap();
+        let mut p = planner(16, Some(prof));
+        assert!((p.q_star(1.0, 0.0).unwrap() - 0.5).abs() < 1e-12);
+        // CPU at twice its profile (25 GB/s interpolated at 8.5): the first sample sets the EMA.
+        p.record_cpu(50_000_000_000, 1.0, 8.5, 1);
+        assert!((p.bandwidth().1.ratio().unwrap() - 2.0).abs() < 1e-9);
+        let r = p.refined_profile().unwrap();
+        assert_eq!(r.cpu_bytes_per_s, vec![(1.0, 20e9), (16.0, 80e9)]);
+        assert!((p.q_star(1.0, 0.0).unwrap() - 2.0 / 3.0).abs() < 1e-12);
+        // A later sample moves it by alpha; many samples at once by 1 - (1 - alpha)^n.
+        p.record_cpu(25_000_000_000, 1.0, 8.5, 1);
+        let want = 2.0 + REFINE_ALPHA * (1.0 - 2.0);
+        assert!((p.bandwidth().1.ratio().unwrap() - want).abs() < 1e-9);
+        // PCIe a hundred times slower: bounded to MIN_RATIO.
+        p.record_fills(1_000_000, 1e-2 * 100.0, 1);
+        assert_eq!(p.refined_profile().unwrap().pcie_bytes_per_s, 10e9 * MIN_RATIO);
+        assert_eq!(p.bandwidth().0.num_samples(), 1);
+        // Without a profile only the absolute EMA moves.
+        let mut bare = planner(4, None);
+        bare.record_fills(1000, 1e-6, 3);
+        assert_eq!(bare.bandwidth().0.bytes_per_s(), Some(1e9));
+        assert_eq!(bare.bandwidth().0.ratio(), None);
+        assert!(bare.refined_profile().is_none() && bare.q_star(1.0, 0.0).is_none());
+        bare.record_fills(0, 1.0, 1); // ignored
+        assert_eq!(bare.bandwidth().0.num_samples(), 3);
     }
 
     #[test]

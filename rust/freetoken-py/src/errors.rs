@@ -14,7 +14,7 @@ pyo3::create_exception!(
 );
 
 /// (class name, builtin base, kind, docstring).
-const CLASSES: [(&str, &str, ErrorKind, &str); 8] = [
+const CLASSES: [(&str, &str, ErrorKind, &str); 9] = [
     (
         "OutOfRangeError",
         "IndexError",
@@ -62,6 +62,12 @@ const CLASSES: [(&str, &str, ErrorKind, &str); 8] = [
         "RuntimeError",
         ErrorKind::Internal,
         "A bug: a worker thread failed. Please report it.",
+    ),
+    (
+        "DeviceTimeoutError",
+        "TimeoutError",
+        ErrorKind::Timeout,
+        "The device or the decode driver did not answer in time; `layer` and `step` name where.",
     ),
 ];
 

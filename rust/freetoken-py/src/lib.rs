@@ -24,9 +24,17 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<planner::PyPlan>()?;
     m.add_class::<cpu::PyCpuExperts>()?;
     m.add_class::<driver::PyDecodeDriver>()?;
+    m.add_class::<driver::PyLayerServer>()?;
+    m.add_class::<driver::PyLayerReport>()?;
+    m.add_class::<driver::PyStepReport>()?;
+    m.add_class::<driver::PyCudaSlots>()?;
+    m.add_class::<driver::PyHandshakeBuffers>()?;
+    m.add_function(wrap_pyfunction!(driver::mail_layout, m)?)?;
     m.add_class::<trace::PyTraceWriter>()?;
     m.add_function(wrap_pyfunction!(cpu::supported_isas, m)?)?;
     m.add_function(wrap_pyfunction!(planner::aligned_len, m)?)?;
+    m.add_function(wrap_pyfunction!(planner::cpu_bytes_per_s_at, m)?)?;
+    m.add_function(wrap_pyfunction!(planner::q_star, m)?)?;
     m.add_function(wrap_pyfunction!(planner::align_slots, m)?)?;
     m.add_function(wrap_pyfunction!(quant::expert_layout, m)?)?;
     m.add_function(wrap_pyfunction!(quant::dequantize_expert, m)?)?;

@@ -106,6 +106,14 @@ fn profile(
     }
 }
 
+/// `(B_pcie, {batch: B_cpu})` as Python sees a profile.
+type ProfileTuple = (f64, HashMap<i64, f64>);
+
+fn profile_tuple(p: &BandwidthProfile) -> ProfileTuple {
+    let curve = p.cpu_bytes_per_s.iter().map(|&(b, v)| (b as i64, v)).collect();
+    (p.pcie_bytes_per_s, curve)
+}
+
 /// Decides, per layer step, hits, fills and CPU runs (q*), and counts them per layer.
 #[pyclass(frozen, name = "Planner", module = "freetoken._core")]
 pub struct PyPlanner {
@@ -177,10 +185,30 @@ impl PyPlanner {
     fn q_star(&self, batch: f64, reuse: f64) -> PyResult<f64> {
         let g = lock(&self.inner);
         let w = g.config().reuse_weight;
-        match &g.config().profile {
-            Some(p) => Ok(p.q(batch, w * reuse)),
-            None => Err(invalid("no bandwidth profile set")),
+        g.q_star(batch, w * reuse)
+            .ok_or_else(|| invalid("no bandwidth profile set"))
+    }
+
+    /// The profile as refined by measurement: `(B_pcie, {batch: B_cpu})` in bytes/s, or None.
+    fn refined_profile(&self) -> Option<ProfileTuple> {
+        lock(&self.inner).refined_profile().as_ref().map(profile_tuple)
+    }
+
+    /// The profile as given (`ft bench bw`): `(B_pcie, {batch: B_cpu})` in bytes/s, or None.
+    fn profile(&self) -> Option<ProfileTuple> {
+        lock(&self.inner).config().profile.as_ref().map(profile_tuple)
+    }
+
+    /// Each miss path's measurement: `{"pcie"|"cpu": (bytes/s EMA or None, measured/profiled
+    /// EMA or None, samples)}`.
+    fn bandwidth<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let g = lock(&self.inner);
+        let (pcie, cpu) = g.bandwidth();
+        let d = PyDict::new(py);
+        for (name, t) in [("pcie", pcie), ("cpu", cpu)] {
+            d.set_item(name, (t.bytes_per_s(), t.ratio(), t.num_samples()))?;
         }
+        Ok(d)
     }
 
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -243,6 +271,21 @@ impl PyPlanner {
     fn num_experts(&self) -> usize {
         lock(&self.inner).config().num_experts
     }
+}
+
+/// `B_cpu(batch)` of a `{batch: bytes/s}` curve by the planner's rule (`BandwidthProfile::cpu_at`:
+/// linear between points, the first value below them, compute-bound above the largest).
+#[pyfunction]
+pub fn cpu_bytes_per_s_at(curve: HashMap<i64, f64>, batch: f64) -> PyResult<f64> {
+    let pts = curve.into_iter().map(|(b, v)| (b as f64, v)).collect();
+    Ok(BandwidthProfile::new(1.0, pts).py()?.cpu_at(batch))
+}
+
+/// `q* = B_cpu(b) / (B_cpu(b) + B_pcie)` of a profile, without the planner's reuse credit.
+#[pyfunction]
+pub fn q_star(pcie_bytes_per_s: f64, cpu_bytes_per_s: HashMap<i64, f64>, batch: f64) -> PyResult<f64> {
+    let pts = cpu_bytes_per_s.into_iter().map(|(b, v)| (b as f64, v)).collect();
+    Ok(BandwidthProfile::new(pcie_bytes_per_s, pts).py()?.q(batch, 0.0))
 }
 
 /// Rows and tiles of the kernel's aligned layout for `num_pairs` pairs: `(num_rows, num_tiles)`.

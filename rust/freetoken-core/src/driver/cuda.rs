@@ -164,19 +164,26 @@ impl CudaCopier {
 
 impl SlotCopier for CudaCopier {
     fn attach(&mut self) -> Result<(), DriverError> {
-        // SAFETY: a retained primary context; out-pointer to a field.
+        // Called on each thread that queues copies (the decode driver's, and the one running
+        // eager steps); the events are made once.
+        // SAFETY: a retained primary context; out-pointers to fields.
         unsafe {
             check("cuCtxSetCurrent", (self.api.ctx_set_current)(self.ctx))?;
             for e in &mut self.timed {
+                if e.is_null() {
+                    check(
+                        "cuEventCreate",
+                        (self.api.event_create)(e, CU_EVENT_DEFAULT),
+                    )?;
+                }
+            }
+            if self.event.is_null() {
                 check(
                     "cuEventCreate",
-                    (self.api.event_create)(e, CU_EVENT_DEFAULT),
+                    (self.api.event_create)(&mut self.event, CU_EVENT_DISABLE_TIMING),
                 )?;
             }
-            check(
-                "cuEventCreate",
-                (self.api.event_create)(&mut self.event, CU_EVENT_DISABLE_TIMING),
-            )
+            Ok(())
         }
     }
 

@@ -28,8 +28,15 @@
 //!
 //! A step that fails here (plan error, a device that never posts) still publishes every remaining
 //! flag over an empty plan, so the device finishes the step instead of spinning, and
-//! [`DecodeDriver::finish`] returns the error.
+//! [`DecodeDriver::finish`] returns the error ([`DriverError::DeviceTimeout`] names the layer and
+//! step a device never posted).
+//!
+//! The layer step itself (plan, fills, CPU experts, bandwidth samples) is [`server::LayerServer`],
+//! which eager and prefill steps call through the bindings too; this module adds the handshake.
+//! This doc is the one description of the protocol; the Python side (`freetoken.moe.handshake`)
+//! and `docs/architecture.md` link here.
 pub mod cuda;
+pub mod server;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -38,14 +45,15 @@ use std::time::{Duration, Instant};
 
 use crossbeam_channel::{Receiver, Sender};
 
-use crate::align::{align_after, aligned_len};
-use crate::cpu::{CpuExperts, Hidden};
+use crate::align::aligned_len;
 use crate::error::DriverError;
-use crate::planner::{Backend, Planner};
+use crate::planner::Backend;
+use server::{LayerHooks, LayerInputs, LayerServer, LayerStep};
 
 /// Copies experts from the host pool into device slots for the driver thread.
 pub trait SlotCopier: Send {
-    /// Called once on the driver thread before any copy (binds a CUDA context there).
+    /// Called on each thread before its first copy (binds a CUDA context there); may be called
+    /// again on another thread, and must then keep what it made the first time.
     fn attach(&mut self) -> Result<(), DriverError> {
         Ok(())
     }
@@ -70,6 +78,12 @@ pub trait SlotCopier: Send {
     /// `flag` must be a 4-byte aligned host word that the device can write (mapped, page-locked)
     /// and that outlives the queued work.
     unsafe fn publish(&mut self, flag: *mut u32, value: u32) -> Result<bool, DriverError>;
+}
+
+/// Byte offsets of the mailbox's parts for `size` rows: `(weights, hidden, end)`; the ids start
+/// at 0 (see [`Handshake`]).
+pub fn mail_offsets(size: usize, top_k: usize, hidden: usize) -> (usize, usize, usize) {
+    (8 * size * top_k, 12 * size * top_k, mail_len(size, top_k, hidden))
 }
 
 /// A fill's destination must be one of `num_slots` slots of `stride` bytes.
@@ -191,9 +205,6 @@ pub struct DriverConfig {
     pub backend: Backend,
     /// Experts per token (k).
     pub top_k: usize,
-    /// Rows of the device weight tensor the slot kernel indexes (slots and any layer buffers):
-    /// the id range of the tile alignment.
-    pub slot_rows: usize,
     /// How long to wait for the device to post a layer before failing the step.
     pub timeout: Duration,
 }
@@ -214,8 +225,8 @@ pub struct StepJob {
     pub idle: bool,
 }
 
-/// What one step did, for the bandwidth refinement and the counters.
-#[derive(Clone, Debug, Default)]
+/// What one step did, for the counters (the bandwidth samples went to the planner already).
+#[derive(Debug, Default)]
 pub struct StepReport {
     /// Experts copied into slots, and their bytes.
     pub fills: usize,
@@ -252,13 +263,14 @@ pub struct StepReport {
     /// with fills had it raised by the host after waiting for them).
     pub stream_flags: usize,
     /// Why the step failed, if it did.
-    pub error: Option<String>,
+    pub error: Option<DriverError>,
 }
 
 struct Worker {
-    planner: Arc<Mutex<Planner>>,
-    cpu: Arc<CpuExperts>,
-    copier: Box<dyn SlotCopier>,
+    server: Arc<Mutex<LayerServer>>,
+    num_layers: usize,
+    hidden: usize,
+    slot_rows: usize,
     hs: Handshake,
     cfg: DriverConfig,
     /// Leading float32 of `cpu_out` that may be non-zero (from any earlier step, of any size).
@@ -309,38 +321,26 @@ impl DecodeDriver {
     /// Every pointer of `hs` must stay valid for its stated length until the driver is dropped,
     /// and be page-locked and mapped for the device when the device takes part.
     pub unsafe fn new(
-        planner: Arc<Mutex<Planner>>,
-        cpu: Arc<CpuExperts>,
-        copier: Box<dyn SlotCopier>,
+        server: Arc<Mutex<LayerServer>>,
         hs: Handshake,
         cfg: DriverConfig,
     ) -> Result<Self, DriverError> {
-        {
-            let p = planner.lock().unwrap_or_else(|e| e.into_inner());
-            let pc = p.config();
-            let pool = cpu.pool();
-            if pc.num_layers != pool.num_layers() || pc.num_experts != pool.num_experts() {
-                return Err(DriverError::Invalid(format!(
-                    "the planner covers {} layers x {} experts, the pool {} x {}",
-                    pc.num_layers,
-                    pc.num_experts,
-                    pool.num_layers(),
-                    pool.num_experts()
-                )));
-            }
-            if cfg.top_k == 0 || cfg.slot_rows == 0 {
-                return Err(DriverError::Invalid(
-                    "top_k and slot_rows must be positive".into(),
-                ));
-            }
+        if cfg.top_k == 0 {
+            return Err(DriverError::Invalid("top_k must be positive".into()));
         }
-        let (cpu_flag, num_layers, timeout) = (hs.cpu_flag, cpu.pool().num_layers(), cfg.timeout);
+        let (num_layers, hidden, slot_rows) = {
+            let g = server.lock().unwrap_or_else(|e| e.into_inner());
+            let pool = g.cpu().pool();
+            (pool.num_layers(), pool.hidden_size(), g.slot_rows())
+        };
+        let (cpu_flag, timeout) = (hs.cpu_flag, cfg.timeout);
         let (job_tx, job_rx) = crossbeam_channel::bounded::<StepJob>(1);
         let (rep_tx, rep_rx) = crossbeam_channel::bounded::<StepReport>(1);
         let mut worker = Worker {
-            planner,
-            cpu,
-            copier,
+            server,
+            num_layers,
+            hidden,
+            slot_rows,
             hs,
             cpu_out_dirty: hs.cpu_out_len,
             mail_copy: Vec::new(),
@@ -349,24 +349,17 @@ impl DecodeDriver {
         let handle = std::thread::Builder::new()
             .name("ft-decode-driver".into())
             .spawn(move || {
-                let attached = worker.copier.attach();
+                // Binds the copier here at once; a failure comes back from each step's serve.
+                let _ = worker.lock().attach();
                 while let Ok(job) = job_rx.recv() {
-                    let report = match &attached {
-                        Ok(()) => {
-                            let run = std::panic::AssertUnwindSafe(|| worker.step(job));
-                            std::panic::catch_unwind(run).unwrap_or_else(|_| {
-                                // A bug: still release every layer so the device finishes.
-                                let mut r = StepReport::default();
-                                worker.abort(&job, 0, &mut r, "the decode driver panicked".into());
-                                r
-                            })
-                        }
-                        Err(e) => {
-                            let mut r = StepReport::default();
-                            worker.abort(&job, 0, &mut r, e.to_string());
-                            r
-                        }
-                    };
+                    let run = std::panic::AssertUnwindSafe(|| worker.step(job));
+                    let report = std::panic::catch_unwind(run).unwrap_or_else(|_| {
+                        // A bug: still release every layer so the device finishes.
+                        let mut r = StepReport::default();
+                        let e = DriverError::Invalid("the decode driver panicked".into());
+                        worker.abort(&job, 0, &mut r, e);
+                        r
+                    });
                     if rep_tx.send(report).is_err() {
                         break;
                     }
@@ -426,10 +419,11 @@ impl DecodeDriver {
         if wait_for(f, generation, self.timeout) {
             Ok(())
         } else {
-            Err(DriverError::Timeout(format!(
-                "decode step {generation}: MoE layer {layer} was not served within {:?}",
-                self.timeout
-            )))
+            Err(DriverError::NotServed {
+                step: generation,
+                layer,
+                waited: self.timeout,
+            })
         }
     }
 
@@ -466,18 +460,48 @@ unsafe fn flag<'a>(p: *mut u32) -> &'a AtomicU32 {
     unsafe { AtomicU32::from_ptr(p) }
 }
 
-impl Worker {
-    fn layers(&self) -> usize {
-        self.cpu.pool().num_layers()
+/// The driver's side of a layer step's handshake: raises the flags as the server gets there.
+struct FlagHooks {
+    plan_flag: *mut u32,
+    fill_flag: *mut u32,
+    generation: u32,
+}
+
+impl LayerHooks for FlagHooks {
+    fn planned(&mut self, num_fills: usize) -> Result<(), DriverError> {
+        // The hits' tiles can run at once; the fills' wait for the fill flag, which the copy
+        // stream raises after them (the host at once when there are none).
+        // SAFETY: flags of the handshake, alive as long as the driver. ORDERING: Release
+        // publishes the plan before its flag.
+        unsafe { flag(self.plan_flag) }.store(self.generation, Ordering::Release);
+        if num_fills == 0 {
+            // SAFETY: as above.
+            unsafe { flag(self.fill_flag) }.store(self.generation, Ordering::Release);
+        }
+        Ok(())
     }
 
-    fn hidden(&self) -> usize {
-        self.cpu.pool().hidden_size()
+    fn fills_queued(
+        &mut self,
+        copier: &mut dyn SlotCopier,
+        num_fills: usize,
+    ) -> Result<bool, DriverError> {
+        if num_fills == 0 {
+            return Ok(false);
+        }
+        // SAFETY: a mapped host flag of the handshake, alive as long as the driver.
+        unsafe { copier.publish(self.fill_flag, self.generation) }
+    }
+}
+
+impl Worker {
+    fn lock(&self) -> std::sync::MutexGuard<'_, LayerServer> {
+        self.server.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn check(&self, job: &StepJob) -> Result<(), DriverError> {
-        let (k, h) = (self.cfg.top_k, self.hidden());
-        let (a, b, c) = plan_layout(job.size, k, self.cfg.slot_rows, job.block_m);
+        let (k, h) = (self.cfg.top_k, self.hidden);
+        let (a, b, c) = plan_layout(job.size, k, self.slot_rows, job.block_m);
         if mail_len(job.size, k, h) > self.hs.mail_len
             || a + b + 2 * c > self.hs.plan_len
             || job.size * h > self.hs.cpu_out_len
@@ -499,19 +523,20 @@ impl Worker {
     fn step(&mut self, job: StepJob) -> StepReport {
         let mut report = StepReport::default();
         if let Err(e) = self.check(&job) {
-            self.abort(&job, 0, &mut report, e.to_string());
+            self.abort(&job, 0, &mut report, e);
             return report;
         }
-        for layer in 0..self.layers() {
+        for layer in 0..self.num_layers {
             let t0 = Instant::now();
             // SAFETY: flags are `[num_layers]` (Handshake contract).
             let posted = unsafe { flag(self.hs.mail_flag.add(layer)) };
             if !wait_for(posted, job.generation, self.cfg.timeout) {
-                let msg = format!(
-                    "decode step {}: the device did not post MoE layer {layer}'s routing within {:?}",
-                    job.generation, self.cfg.timeout
-                );
-                self.abort(&job, layer, &mut report, msg);
+                let e = DriverError::DeviceTimeout {
+                    step: job.generation,
+                    layer,
+                    waited: self.cfg.timeout,
+                };
+                self.abort(&job, layer, &mut report, e);
                 return report;
             }
             report.wait_seconds += t0.elapsed().as_secs_f64();
@@ -523,7 +548,7 @@ impl Worker {
                 self.serve(layer, &job, &mut report)
             };
             if let Err(e) = served {
-                self.abort(&job, layer, &mut report, format!("MoE layer {layer}: {e}"));
+                self.abort(&job, layer, &mut report, DriverError::at_layer(layer, e));
                 return report;
             }
             // SAFETY: as above. ORDERING: Release publishes the plan, the landed fills and
@@ -538,17 +563,16 @@ impl Worker {
         report
     }
 
-    /// Plans one layer step and does the host's part of it; returns once fills have landed and
-    /// the plan and CPU output are written (the plan flag is up already, the fill flag is up or
-    /// queued behind the fills).
+    /// Serves one layer step from the mailbox ([`LayerServer::serve`]); returns once fills have
+    /// landed and the plan and CPU output are written (the plan flag is up already, the fill flag
+    /// is up or queued behind the fills).
     fn serve(
         &mut self,
         layer: usize,
         job: &StepJob,
         report: &mut StepReport,
     ) -> Result<(), DriverError> {
-        let t0 = Instant::now();
-        let (k, h) = (self.cfg.top_k, self.hidden());
+        let (k, h) = (self.cfg.top_k, self.hidden);
         let (b, size) = (job.batch, job.size);
         let n = mail_len(size, k, h);
         self.mail_copy.resize(n.div_ceil(8), 0);
@@ -557,131 +581,64 @@ impl Worker {
         unsafe {
             std::ptr::copy_nonoverlapping(self.hs.mail, self.mail_copy.as_mut_ptr() as *mut u8, n)
         };
+        let (w_at, h_at, _) = mail_offsets(size, k, h);
         // SAFETY: offsets within the `n` bytes copied into an 8-byte aligned buffer: the int64
         // ids first, the float32 blocks at multiples of 4 bytes.
-        let (ids, weights, hidden) = unsafe {
+        let (ids, inputs) = unsafe {
             let base = self.mail_copy.as_ptr() as *const u8;
             (
                 std::slice::from_raw_parts(base as *const i64, b * k),
-                std::slice::from_raw_parts(base.add(8 * size * k) as *const f32, b * k),
-                std::slice::from_raw_parts(base.add(12 * size * k) as *const f32, b * h),
+                LayerInputs {
+                    weights: base.add(w_at) as *const f32,
+                    hidden: base.add(h_at) as *const f32,
+                    ready: true,
+                },
             )
         };
-        let plan = {
-            let mut planner = self.planner.lock().unwrap_or_else(|e| e.into_inner());
-            planner.plan(layer as i64, ids, k, self.cfg.backend)?
-        };
-        // The plan: slots of the real rows, -1 for padding rows, then the tile alignment.
-        let (ns, nr, nt) = plan_layout(size, k, self.cfg.slot_rows, job.block_m);
+        let (ns, nr, nt) = plan_layout(size, k, self.slot_rows, job.block_m);
         // SAFETY: the plan buffer holds ns + nr + 2 nt int64 (checked in `check`).
-        let buf = unsafe { std::slice::from_raw_parts_mut(self.hs.plan, ns + nr + 2 * nt) };
-        for (dst, &s) in buf.iter_mut().zip(&plan.topk_slots) {
-            *dst = s as i64;
-        }
-        buf[b * k..ns].fill(-1);
-        align_plan(buf, ns, self.cfg.slot_rows, job.block_m, &plan.fill_slots);
-        report.plan_seconds += t0.elapsed().as_secs_f64();
-        // The hits' tiles can run at once; the fills' wait for the fill flag, which the copy
-        // stream raises after them (the host at once when there are none).
-        // SAFETY: flags are `[num_layers]` (Handshake contract). ORDERING: Release after the plan.
-        unsafe { flag(self.hs.plan_flag.add(layer)) }.store(job.generation, Ordering::Release);
-        let fill_flag = self.hs.fill_flag.wrapping_add(layer);
-        if plan.fill_experts.is_empty() {
-            // SAFETY: as above.
-            unsafe { flag(fill_flag) }.store(job.generation, Ordering::Release);
-        }
-        let pool = self.cpu.pool().clone();
-        let copier = &mut self.copier;
-        let mut issued: Result<(), DriverError> = Ok(());
-        let mut issue_seconds = 0.0;
-        let mut published = false;
-        let issue_ran = std::cell::Cell::new(false);
-        let mut issue = || {
-            issue_ran.set(true);
-            let t = Instant::now();
-            issued = plan
-                .fill_experts
-                .iter()
-                .zip(&plan.fill_slots)
-                .try_for_each(|(&e, &slot)| {
-                    let (src, nbytes) = pool
-                        .expert_ptr(layer as i64, e as i64)
-                        .map_err(crate::error::KernelError::from)?;
-                    // SAFETY: `src` is a pool expert of `nbytes`, and the pool outlives the step.
-                    unsafe { copier.copy(slot as usize, src, nbytes) }
-                });
-            if issued.is_ok() && !plan.fill_experts.is_empty() {
-                // SAFETY: a mapped host flag of the handshake, alive as long as the driver.
-                match unsafe { copier.publish(fill_flag, job.generation) } {
-                    Ok(p) => published = p,
-                    Err(e) => issued = Err(e),
-                }
-            }
-            issue_seconds = t.elapsed().as_secs_f64();
-        };
+        let plan = unsafe { std::slice::from_raw_parts_mut(self.hs.plan, ns + nr + 2 * nt) };
         // The device reads `size * h`; earlier steps may have left more non-zero.
-        let n = (size * h).max(self.cpu_out_dirty);
-        // SAFETY: n <= cpu_out_len (`check`, and `cpu_out_dirty` never exceeds it).
-        let cpu_out = unsafe { std::slice::from_raw_parts_mut(self.hs.cpu_out, n) };
-        if !plan.cpu_experts.is_empty() {
-            cpu_out[..size * h].fill(0.0);
-            let experts: Vec<i64> = plan.cpu_experts.iter().map(|&e| e as i64).collect();
-            let t0 = Instant::now();
-            // The fills are queued while the workers start on the CPU experts.
-            let ran = self.cpu.forward_with(
-                layer as i64,
-                Hidden::F32(hidden),
-                ids,
-                weights,
-                k,
-                &experts,
-                &mut cpu_out[..b * h],
-                &mut issue,
-            );
-            report.cpu_seconds += t0.elapsed().as_secs_f64();
-            if !issue_ran.get() {
-                // The planner counts the fills as resident: queue them even if the CPU part failed.
-                issue();
-            }
-            ran?;
-            report.cpu_experts += experts.len();
-            report.cpu_picks += plan.topk_slots.iter().filter(|&&s| s < 0).count();
-            report.cpu_layers += 1;
+        let n_out = (size * h).max(self.cpu_out_dirty);
+        // SAFETY: n_out <= cpu_out_len (`check`, and `cpu_out_dirty` never exceeds it).
+        let cpu_out = unsafe { std::slice::from_raw_parts_mut(self.hs.cpu_out, n_out) };
+        let step = LayerStep {
+            layer,
+            backend: self.cfg.backend,
+            ids,
+            top_k: k,
+            size,
+            block_m: job.block_m,
+            split_fill_tiles: true,
+        };
+        let mut hooks = FlagHooks {
+            plan_flag: self.hs.plan_flag.wrapping_add(layer),
+            fill_flag: self.hs.fill_flag.wrapping_add(layer),
+            generation: job.generation,
+        };
+        let server = Arc::clone(&self.server);
+        let mut server = server.lock().unwrap_or_else(|e| e.into_inner());
+        // SAFETY: the inputs point into `mail_copy`, which nothing writes during the call.
+        let outcome = unsafe { server.serve(&step, inputs, plan, cpu_out, &mut hooks, report) }?;
+        if outcome.num_cpu > 0 {
+            cpu_out[b * h..size * h].fill(0.0);
             self.cpu_out_dirty = self.cpu_out_dirty.max(b * h);
-        } else {
-            issue();
-            if self.cpu_out_dirty > 0 {
-                cpu_out[..self.cpu_out_dirty].fill(0.0);
-                self.cpu_out_dirty = 0;
-            }
-        }
-        report.issue_seconds += issue_seconds;
-        report.stream_flags += usize::from(published);
-        issued?;
-        report.fills += plan.fill_experts.len();
-        report.fill_bytes += plan.fill_experts.len() * pool.expert_nbytes();
-        if !plan.fill_experts.is_empty() {
-            let t0 = Instant::now();
-            let timed = self.copier.wait()?;
-            report.fill_wait_seconds += t0.elapsed().as_secs_f64();
-            if let Some(seconds) = timed {
-                report.timed_fill_bytes += plan.fill_experts.len() * pool.expert_nbytes();
-                report.timed_fill_seconds += seconds;
-                report.timed_fill_layers += 1;
-            }
+        } else if self.cpu_out_dirty > 0 {
+            cpu_out[..self.cpu_out_dirty].fill(0.0);
+            self.cpu_out_dirty = 0;
         }
         Ok(())
     }
 
     /// An empty plan for `job.size` rows (every pick skipped) and a zero CPU output.
     fn write_empty(&mut self, job: &StepJob) {
-        let (k, h) = (self.cfg.top_k, self.hidden());
-        let (ns, nr, nt) = plan_layout(job.size, k, self.cfg.slot_rows, job.block_m);
+        let (k, h) = (self.cfg.top_k, self.hidden);
+        let (ns, nr, nt) = plan_layout(job.size, k, self.slot_rows, job.block_m);
         if ns + nr + 2 * nt <= self.hs.plan_len {
             // SAFETY: length checked against the plan buffer's capacity.
             let buf = unsafe { std::slice::from_raw_parts_mut(self.hs.plan, ns + nr + 2 * nt) };
             buf[..ns].fill(-1);
-            align_plan(buf, ns, self.cfg.slot_rows, job.block_m, &[]);
+            server::align_plan(buf, ns, self.slot_rows, job.block_m, &[]);
         }
         let n = (job.size * h)
             .max(self.cpu_out_dirty)
@@ -692,15 +649,15 @@ impl Worker {
     }
 
     /// Fails the step at `layer`: publishes an empty plan for it and every later layer so the
-    /// device runs to the end of its graph, and records `msg`.
-    fn abort(&mut self, job: &StepJob, layer: usize, report: &mut StepReport, msg: String) {
+    /// device runs to the end of its graph, and records `error`.
+    fn abort(&mut self, job: &StepJob, layer: usize, report: &mut StepReport, error: DriverError) {
         // Copies already queued must land (or time out) before their slots count as resident.
-        let _ = self.copier.wait();
+        let _ = self.lock().drain();
         // The device may be fetching the failed layer's plan, published already, while the empty
         // one replaces it: a mix of both layouts for the same rows, so every index stays in range
         // and only the failed step's output is wrong.
         self.write_empty(job);
-        for l in layer..self.layers() {
+        for l in layer..self.num_layers {
             // SAFETY: flags are `[num_layers]`. ORDERING: Release after the empty plan.
             unsafe {
                 for f in [self.hs.plan_flag, self.hs.fill_flag, self.hs.cpu_flag] {
@@ -708,17 +665,8 @@ impl Worker {
                 }
             }
         }
-        report.error = Some(msg);
+        report.error = Some(error);
     }
-}
-
-/// Writes the tile alignment of the plan's first `ns` entries (its topk slots) after them: sorted
-/// pairs by [`align_after`], then the tile slots split by readiness ([`split_tiles`], `filled`:
-/// the slots filled in this layer step). `buf` holds the whole plan (sizes by [`plan_layout`]).
-fn align_plan(buf: &mut [i64], ns: usize, slot_rows: usize, block_m: usize, filled: &[i32]) {
-    let (nr, nt) = aligned_len(ns, slot_rows, block_m);
-    align_after(&mut buf[..ns + nr + nt], ns, slot_rows, block_m);
-    split_tiles(&mut buf[ns + nr..ns + nr + 2 * nt], filled);
 }
 
 /// Splits the tile slots `tiles[2 * n]` (row 0 as [`align_after`] wrote it, row 1 ignored) by

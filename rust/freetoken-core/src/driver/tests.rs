@@ -3,8 +3,9 @@
 //! the pool and the reference expert.
 use super::*;
 use crate::align::align_pairs;
-use crate::cpu::reference_expert;
-use crate::planner::{BandwidthProfile, PlannerConfig};
+use crate::cpu::{reference_expert, CpuExperts};
+use crate::planner::{BandwidthProfile, Planner, PlannerConfig};
+use std::sync::Mutex;
 use crate::pool::{ExpertPool, PoolShape};
 
 const L: usize = 3;
@@ -30,6 +31,7 @@ struct Shared {
 
 struct Rig {
     pool: Arc<ExpertPool>,
+    planner: Arc<Mutex<Planner>>,
     shared: Box<Shared>,
     driver: DecodeDriver,
 }
@@ -85,23 +87,16 @@ fn rig(backend: Backend, timeout: Duration) -> Rig {
     let cfg = DriverConfig {
         backend,
         top_k: K,
-        slot_rows: SLOTS,
         timeout,
     };
+    let planner = Arc::new(Mutex::new(planner));
+    let server = LayerServer::new(planner.clone(), cpu, Box::new(copier), SLOTS).unwrap();
     // SAFETY: every pointer of `hs` points into `shared`, boxed and alive for the whole test (the
     // tests drop the driver first); host memory, so nothing needs to be page-locked.
-    let driver = unsafe {
-        DecodeDriver::new(
-            Arc::new(Mutex::new(planner)),
-            cpu,
-            Box::new(copier),
-            hs,
-            cfg,
-        )
-        .unwrap()
-    };
+    let driver = unsafe { DecodeDriver::new(Arc::new(Mutex::new(server)), hs, cfg).unwrap() };
     Rig {
         pool,
+        planner,
         shared,
         driver,
     }
@@ -242,16 +237,25 @@ fn every_backend_serves_steps_through_the_handshake() {
             total_filled += filled;
             r.driver.wait_served(L - 1, generation).unwrap();
             let report = r.driver.finish().unwrap();
-            assert_eq!(report.error, None);
+            assert!(report.error.is_none(), "{:?}", report.error);
             assert_eq!(report.cpu_picks, cpu_picks);
             total_cpu += cpu_picks;
             if backend == Backend::Cpu {
                 assert_eq!(report.fills, 0);
             }
         }
+        let planner = r.planner.lock().unwrap();
+        let (pcie, cpu) = planner.bandwidth();
         if backend != Backend::Offload {
             assert!(total_cpu > 0, "{backend:?} ran nothing on the CPU");
+            // The server booked the CPU experts' bandwidth in the planner (refining q*).
+            assert!(cpu.num_samples() > 0 && cpu.ratio().is_some(), "{backend:?}");
         }
+        if backend != Backend::Cpu {
+            // The host copier times every group of fills.
+            assert!(pcie.num_samples() > 0, "{backend:?}");
+        }
+        drop(planner);
         if backend != Backend::Cpu {
             assert!(total_filled > 0, "{backend:?} filled no slot");
         }
@@ -268,8 +272,12 @@ fn a_device_that_never_posts_fails_the_step_and_releases_every_layer() {
         "an aborted step releases every layer"
     );
     assert!(r.driver.wait_served(L, 1).is_err());
-    let msg = report.error.expect("a timeout");
-    assert!(msg.contains("did not post MoE layer 0"), "{msg}");
+    let err = report.error.expect("a timeout");
+    assert_eq!(err.timed_out_at(), Some((1, 0)), "{err}");
+    assert_eq!(err.kind(), crate::error::ErrorKind::Timeout);
+    assert!(err.to_string().contains("did not post MoE layer 0"), "{err}");
+    let late = r.driver.wait_served(L - 1, 7).unwrap_err();
+    assert_eq!(late.timed_out_at(), Some((7, L - 1)), "{late}");
     let sh = &mut *r.shared;
     for l in 0..L {
         for f in [&mut sh.plan_flag, &mut sh.fill_flag, &mut sh.cpu_flag] {
@@ -282,7 +290,7 @@ fn a_device_that_never_posts_fails_the_step_and_releases_every_layer() {
     // The driver still serves the next step.
     r.driver.start(job(2, 1, 1)).unwrap();
     device_step(&mut r, 2, 1, 1, &[[3, 5]]);
-    assert_eq!(r.driver.finish().unwrap().error, None);
+    assert!(r.driver.finish().unwrap().error.is_none());
 }
 
 #[test]
@@ -296,15 +304,18 @@ fn bad_routing_and_oversized_steps_are_errors_not_hangs() {
     for l in 0..L {
         atomic(&mut sh.mail_flag, l).store(1, Ordering::Release);
     }
-    let msg = r.driver.finish().unwrap().error.expect("a plan error");
-    assert!(msg.contains("out of range"), "{msg}");
+    let err = r.driver.finish().unwrap().error.expect("a plan error");
+    assert_eq!(err.kind(), crate::error::ErrorKind::Index, "{err}");
+    let msg = err.to_string();
+    assert!(msg.contains("MoE layer 0") && msg.contains("out of range"), "{msg}");
     r.driver.start(job(2, 5, 5)).unwrap();
     let msg = r
         .driver
         .finish()
         .unwrap()
         .error
-        .expect("too large for the buffers");
+        .expect("too large for the buffers")
+        .to_string();
     assert!(msg.contains("the buffers hold"), "{msg}");
     assert!(r.driver.start(job(3, 2, 1)).is_err(), "batch above size");
     assert!(r.driver.finish().is_err(), "nothing running");
@@ -327,14 +338,12 @@ fn an_idle_step_answers_empty_plans_without_planning() {
         }
     }
     let report = r.driver.finish().unwrap();
-    assert_eq!(
-        (report.error, report.fills, report.cpu_experts),
-        (None, 0, 0)
-    );
+    assert!(report.error.is_none());
+    assert_eq!((report.fills, report.cpu_experts), (0, 0));
     assert!(sh.plan[..2 * K].iter().all(|&s| s == -1));
     r.driver.start(job(2, 1, 1)).unwrap();
     device_step(&mut r, 2, 1, 1, &[[6, 2]]);
-    assert_eq!(r.driver.finish().unwrap().error, None);
+    assert!(r.driver.finish().unwrap().error.is_none());
 }
 
 #[test]
@@ -351,6 +360,6 @@ fn cpu_output_of_a_bigger_earlier_step_never_leaks_into_a_later_one() {
         r.driver.start(job(generation, size, size)).unwrap();
         let (cpu_picks, _) = device_step(&mut r, generation, size, size, &ids);
         assert_eq!(cpu_picks > 0, generation == 1);
-        assert_eq!(r.driver.finish().unwrap().error, None);
+        assert!(r.driver.finish().unwrap().error.is_none());
     }
 }
