@@ -18,6 +18,7 @@ from freetoken.engine.kv_cache import KVCache, plan_kv_cache
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.engine.scheduler import Scheduler
 from freetoken.engine.sequence import Sequence
+from freetoken.engine.state_checkpoints import MarkSet, StateCheckpoints, default_budget_bytes
 from freetoken.engine.state_pool import RecurrentStatePool
 from freetoken.engine.stop import OutputText
 from freetoken.engine.structured import GrammarBackend
@@ -98,16 +99,18 @@ class LLMEngine:
                 engine_cfg.max_num_seqs, RecurrentStatePool.bytes_per_slot(model_cfg, dtype) / 1e6,
                 len(model_cfg.linear_layers), self.state_pool.nbytes / 1e9,
             )
+        self.checkpoints = self._make_checkpoints(model_cfg, engine_cfg, tokenizer, dtype)
         self.experts = model.experts
         self.admission = Admission(engine_cfg.max_seqs_per_request or default_share(engine_cfg.max_num_seqs))
         self.scheduler = Scheduler(
             self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens,
             prefix_cache=not engine_cfg.no_prefix_cache, admission=self.admission, state_pool=self.state_pool,
+            checkpoints=self.checkpoints,
         )
         if engine_cfg.no_prefix_cache:
             log.info("prefix cache: off (--no-prefix-cache); every prompt is prefilled in full")
-        elif self.state_pool is not None:
-            log.info("prefix cache: off for a hybrid model (its linear layers' state is not snapshotted yet); "
+        elif self.state_pool is not None and self.checkpoints is None:
+            log.info("prefix cache: off for a hybrid model without state checkpoints (--state-checkpoints off); "
                      "every prompt is prefilled in full")
         else:
             log.info(
@@ -128,6 +131,27 @@ class LLMEngine:
         self._rng = random.Random(engine_cfg.seed)
         self.num_steps = 0
         self.routing = describe_routing(model)
+
+    def _make_checkpoints(
+        self, model_cfg: ModelConfig, engine_cfg: EngineConfig, tokenizer: Tokenizer | None, dtype: torch.dtype
+    ) -> StateCheckpoints | None:
+        """Hybrid models' recurrent-state snapshots (`freetoken.engine.state_checkpoints`), None when off."""
+        budget = default_budget_bytes(engine_cfg, model_cfg, dtype) if self.state_pool is not None else 0
+        if not budget:
+            return None
+        marks = MarkSet.from_tokenizer(tokenizer) if tokenizer is not None else MarkSet([])
+        checkpoints = StateCheckpoints(
+            engine_cfg.state_checkpoints, marks, self.state_pool, self.kv, budget,
+            engine_cfg.state_checkpoint_spacing, model_cfg, dtype,
+        )
+        log.info(
+            "state checkpoints: %s; %d snapshots x %.1f MB = %.2f GB (--state-checkpoint-gb)%s",
+            checkpoints.mode, checkpoints.pool.capacity, checkpoints.nbytes_each / 1e6,
+            checkpoints.pool.capacity * checkpoints.nbytes_each / 1e9,
+            f"; marks after {len(marks.sequences)} token sequences, every {engine_cfg.state_checkpoint_spacing} "
+            "tokens deep in a prompt" if checkpoints.mode == "marks" else "",
+        )
+        return checkpoints
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, engine_cfg: EngineConfig) -> LLMEngine:
@@ -239,6 +263,7 @@ class LLMEngine:
         except BaseException:
             # The step may have written part of its K/V, or advanced `num_computed` past K/V it never finished:
             # its sequences drop their blocks (none of them indexed yet) and would start again from their tokens.
+            self.scheduler.abandon(scheduled)
             for seq in sorted(scheduled.seqs, key=lambda s: s.arrival, reverse=True):
                 self.scheduler.preempt(seq)
             raise
@@ -295,6 +320,7 @@ class LLMEngine:
             "prefix_cache": self.scheduler.prefix_cache.stats(),
             **({"state_slots_total": self.state_pool.num_slots, "state_slots_free": self.state_pool.num_free}
                if self.state_pool is not None else {}),
+            **({"state_checkpoints": self.checkpoints.stats()} if self.checkpoints is not None else {}),
             "num_steps": self.num_steps,
             "routing": self.routing,
             "moe_backend": self.experts.stats() if hasattr(self.experts, "stats") else {"backend": "fused"},
