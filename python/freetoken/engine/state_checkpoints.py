@@ -23,6 +23,8 @@ cached KV blocks only up to the snapshot it resumes from.
 Which marks are snapshotted (mode "marks"). Capturing a state mid-chunk costs one more launch per linear layer of
 the prefill (the chunk is not split into steps: `GatedDeltaNet` hands the state out between sub-spans), and each
 snapshot costs its bytes (63 MB on Qwen3.5-35B-A3B), so a prompt with hundreds of marks keeps:
+  - its first mark (in a chat, within or at the end of the system prompt and tools, the prefix every session of
+    a harness shares, and the one left when an early message is edited),
   - its last `TAIL_MARKS` marks (the ends of the latest messages, where the next turn appends or strips thinking),
   - marks at least `spacing` tokens after the previous kept one, or after where the prompt resumed
     (`--state-checkpoint-spacing`; deep history edits such as replaced tool outputs re-prefill at most about that),
@@ -107,10 +109,11 @@ class MarkSet:
 
 
 def select_marks(marks: list[int], start: int, end: int, spacing: int, tail: int = TAIL_MARKS) -> list[int]:
-    """Which of a prompt's `marks` (ascending, in (start, end]) to snapshot: the last `tail`, those at least
-    `spacing` after the previous kept one (or after `start`, where the prompt resumed), and `end` (the prompt's
-    end) itself. Ascending, without repeats."""
+    """Which of a prompt's `marks` (ascending, in (start, end]) to snapshot: the first, the last `tail`, those at
+    least `spacing` after the previous kept one, and `end` (the prompt's end) itself. Ascending, without
+    repeats."""
     kept = set(marks[-tail:]) if tail else set()
+    kept.update(marks[:1])
     last = start
     for p in marks:
         if p - last >= spacing:
