@@ -60,6 +60,24 @@ def test_pool_never_evicts_a_pinned_snapshot():
     assert dropped == [a, b] and len(pool) == 1
 
 
+def test_pool_host_tier_takes_what_the_device_evicts():
+    dropped: list[Snapshot] = []
+    demoted: list[Snapshot] = []
+    pool = SnapshotPool(2, lambda p: Snapshot(p, {}, []), dropped.append, host_capacity=2, demote=demoted.append)
+    snaps = []
+    for p in range(5):
+        snaps.append(pool.allocate(p))
+        pool.unpin(snaps[-1])
+    # Device: 3, 4; host: 1, 2 (0 was demoted first, then evicted from the full host tier).
+    assert demoted == snaps[:3] and dropped == [snaps[0]]
+    assert pool.num_device == 2 and pool.num_host == 2 and len(pool) == 4
+    pool.touch(snaps[1])  # a restore read it: 2 is now the host tier's least recently used
+    pool.unpin(pool.allocate(5))
+    assert dropped == [snaps[0], snaps[2]] and pool.num_evicted == 2 and pool.num_demoted == 4
+    pool.drop(snaps[1])
+    assert pool.num_host == 1
+
+
 def test_pool_of_zero_capacity_takes_nothing():
     assert make_pool(0, []).allocate(5) is None
 
@@ -382,3 +400,36 @@ def test_bad_mode_is_refused():
         EngineConfig(state_checkpoints="sometimes").validate()
     with pytest.raises(ValueError, match="--state-checkpoint-gb"):
         EngineConfig(state_checkpoint_gb=-1).validate()
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_and_host_tier_equal_cold(tmp_path):
+    """On CUDA (Triton kernels, decode in CUDA graphs): two sessions alternate over room for three snapshots on the
+    GPU, so snapshots go to the host tier and are restored from there; every answer equals a cold engine's."""
+    from freetoken.engine.state_checkpoints import snapshot_nbytes
+
+    path = build_qwen3_5_demo_checkpoint(tmp_path, seed=0)
+    cfg = ModelConfig.from_dir(path)
+    each = snapshot_nbytes(cfg, torch.float32, BS)
+
+    def engine(**kwargs) -> LLMEngine:
+        return LLMEngine.from_dir(path, EngineConfig(device="cuda", dtype="float32", moe_backend="fused",
+                                                     max_model_len=1024, kv_cache_tokens=4096, **kwargs))
+
+    warm = engine(state_checkpoint_gb=3.5 * each / 1e9, state_checkpoint_host_gb=40 * each / 1e9)
+    tokenizer = warm.tokenizer
+    prompts = {s: tokenizer.encode(tokenizer.apply_chat_template(session(1, salt=f"S{s}. "), tools=TOOLS))
+               for s in range(2)}
+    turns = []
+    for turn in range(3):
+        for s in list(prompts):
+            r = one(warm, prompts[s], greedy(6), rid=f"s{s}t{turn}")
+            turns.append((prompts[s], r))
+            prompts[s] = prompts[s] + r.token_ids + tokenizer.encode(
+                f"<|im_end|>\n<|im_start|>user\nTurn {turn}.<|im_end|>\n<|im_start|>assistant\n")
+    stats = warm.stats()["state_checkpoints"]
+    assert stats["num_demoted"] > 0 and stats["num_live_host"] > 0 and stats["num_restores"] >= 4
+    del warm
+    reference = engine(state_checkpoints="off")
+    for prompt, r in turns:
+        assert r.token_ids == one(reference, prompt, greedy(6)).token_ids

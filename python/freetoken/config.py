@@ -308,6 +308,8 @@ class EngineConfig:
             (every hybrid prompt prefilled in full).
         state_checkpoint_gb: the snapshots' memory budget on the compute device, in GB, evicted least recently
             used; 0 sizes it to 64 snapshots, at most 10 % of the device budget.
+        state_checkpoint_host_gb: on CUDA, host memory (pinned) for snapshots evicted from the device, in GB; 0:
+            none (evicted snapshots are dropped).
         state_checkpoint_spacing: "marks": tokens between the marks kept deep in a prompt (its last marks and its
             end are always kept).
         replay_routing: benchmarks only, with `dummy_weights`: the MoE routers replay a routing trace instead of
@@ -346,6 +348,7 @@ class EngineConfig:
     no_prefix_cache: bool = False
     state_checkpoints: str = "marks"
     state_checkpoint_gb: float = 0.0
+    state_checkpoint_host_gb: float = 8.0
     state_checkpoint_spacing: int = 1024
     replay_routing: str = ""
     max_seqs_per_request: int = 0
@@ -384,6 +387,8 @@ class EngineConfig:
             )
         if self.state_checkpoint_gb < 0:
             raise ValueError(f"--state-checkpoint-gb must be >= 0 (0: automatic), got {self.state_checkpoint_gb}")
+        if self.state_checkpoint_host_gb < 0:
+            raise ValueError(f"--state-checkpoint-host-gb must be >= 0 (0: none), got {self.state_checkpoint_host_gb}")
         if not self.kv_cache_gb > 0:
             raise ValueError(f"--kv-cache-gb must be > 0, got {self.kv_cache_gb}")
         if self.moe_backend not in MOE_BACKENDS:

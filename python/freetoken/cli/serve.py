@@ -45,6 +45,8 @@ _HELP = {
     "chunk's end, upstream's scheme), off (re-prefill every prompt)",
     "state_checkpoint_gb": "memory for recurrent-state snapshots in GB, evicted least recently used; 0 = 64 "
     "snapshots, at most 10%% of the device budget",
+    "state_checkpoint_host_gb": "on CUDA: host memory (pinned) in GB for snapshots evicted from the GPU, restored "
+    "from there; 0 = none",
     "state_checkpoint_spacing": "with --state-checkpoints marks: tokens between the marks snapshotted deep in a "
     "prompt (its last marks and its end are always snapshotted)",
     "replay_routing": "benchmarks only, needs --dummy-weights: MoE routers replay a routing trace instead of routing: "

@@ -18,7 +18,7 @@ from freetoken.engine.kv_cache import KVCache, plan_kv_cache
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.engine.scheduler import Scheduler
 from freetoken.engine.sequence import Sequence
-from freetoken.engine.state_checkpoints import MarkSet, StateCheckpoints, default_budget_bytes
+from freetoken.engine.state_checkpoints import MarkSet, StateCheckpoints, default_budget_bytes, host_budget_bytes
 from freetoken.engine.state_pool import RecurrentStatePool
 from freetoken.engine.stop import OutputText
 from freetoken.engine.structured import GrammarBackend
@@ -142,12 +142,13 @@ class LLMEngine:
         marks = MarkSet.from_tokenizer(tokenizer) if tokenizer is not None else MarkSet([])
         checkpoints = StateCheckpoints(
             engine_cfg.state_checkpoints, marks, self.state_pool, self.kv, budget,
-            engine_cfg.state_checkpoint_spacing, model_cfg, dtype,
+            engine_cfg.state_checkpoint_spacing, model_cfg, dtype, host_budget_bytes(engine_cfg, model_cfg, dtype),
         )
         log.info(
-            "state checkpoints: %s; %d snapshots x %.1f MB = %.2f GB (--state-checkpoint-gb)%s",
+            "state checkpoints: %s; %d snapshots x %.1f MB = %.2f GB (--state-checkpoint-gb), %d more in host memory "
+            "(--state-checkpoint-host-gb)%s",
             checkpoints.mode, checkpoints.pool.capacity, checkpoints.nbytes_each / 1e6,
-            checkpoints.pool.capacity * checkpoints.nbytes_each / 1e9,
+            checkpoints.pool.capacity * checkpoints.nbytes_each / 1e9, checkpoints.pool.host_capacity,
             f"; marks after {len(marks.sequences)} token sequences, every {engine_cfg.state_checkpoint_spacing} "
             "tokens deep in a prompt" if checkpoints.mode == "marks" else "",
         )

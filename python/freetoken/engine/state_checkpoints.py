@@ -34,7 +34,9 @@ the end of every prefill chunk, as upstream does; mode "off" never (and hybrids 
 
 Lifetime: snapshots live in `SnapshotPool`, a byte budget (`--state-checkpoint-gb`, default `default_budget_bytes`)
 with least-recently-used eviction; a snapshot being written by a running step is pinned (reference counted) and
-cannot be evicted until the step commits or fails.
+cannot be evicted until the step commits or fails. On CUDA, a snapshot evicted from the device goes to a host-RAM
+tier (`--state-checkpoint-host-gb`, pinned memory, LRU too) and is restored from there over PCIe (63 MB: a few ms,
+against seconds of re-prefill): old snapshots, the ones OpenCode-style edits deep in the history need, survive.
 """
 
 from __future__ import annotations
@@ -150,38 +152,67 @@ class Snapshot:
 
 
 class SnapshotPool:
-    """Snapshots within a byte budget, evicted least recently used; pinned ones stay.
+    """Snapshots within a byte budget, evicted least recently used; pinned ones stay. With a host tier, a snapshot
+    evicted from the device moves to host memory (`demote`) and leaves only when the host tier evicts it in turn.
 
     Args:
-        capacity: most snapshots held at once (the byte budget over `snapshot_nbytes`).
+        capacity: most snapshots on the compute device at once (its byte budget over `snapshot_nbytes`).
         make: allocates the tensors of one snapshot for a position: `make(position) -> Snapshot`.
         on_drop: called with each snapshot that leaves the pool (evicted or dropped), to unindex it.
+        host_capacity: most snapshots in the host tier (0: none).
+        demote: moves a snapshot's tensors to host memory, in place (needed with a host tier).
     """
 
-    def __init__(self, capacity: int, make: Callable[[int], Snapshot], on_drop: Callable[[Snapshot], None]) -> None:
+    def __init__(self, capacity: int, make: Callable[[int], Snapshot], on_drop: Callable[[Snapshot], None],
+                 host_capacity: int = 0, demote: Callable[[Snapshot], None] | None = None) -> None:
         self.capacity = capacity
+        self.host_capacity = host_capacity if demote is not None else 0
         self._make = make
         self._on_drop = on_drop
-        self._lru: OrderedDict[Snapshot, None] = OrderedDict()  # unpinned snapshots, least recently used first
+        self._demote = demote
+        self._lru: OrderedDict[Snapshot, None] = OrderedDict()  # unpinned device snapshots, least recent first
         self._pinned: dict[Snapshot, None] = {}
+        self._host: OrderedDict[Snapshot, None] = OrderedDict()  # the host tier, least recently used first
         self.num_evicted = 0
+        self.num_demoted = 0
 
     def __len__(self) -> int:
+        return self.num_device + len(self._host)
+
+    @property
+    def num_device(self) -> int:
+        """Snapshots on the compute device (pinned ones included)."""
         return len(self._lru) + len(self._pinned)
 
+    @property
+    def num_host(self) -> int:
+        """Snapshots in the host tier."""
+        return len(self._host)
+
     def allocate(self, position: int) -> Snapshot | None:
-        """A new snapshot, pinned once, evicting the least recently used unpinned one when the pool is full;
-        None when every held snapshot is pinned (or the capacity is 0)."""
-        if len(self) >= self.capacity:
+        """A new snapshot on the device, pinned once. When the device tier is full its least recently used
+        unpinned snapshot goes to the host tier (whose own least recently used one is evicted when it is full), or
+        is evicted without one. None when every device snapshot is pinned (or the capacity is 0)."""
+        if self.num_device >= self.capacity:
             if not self._lru:
                 return None
             victim, _ = self._lru.popitem(last=False)
-            self.num_evicted += 1
-            self._on_drop(victim)
+            if self.host_capacity:
+                if len(self._host) >= self.host_capacity:
+                    self._evict(self._host.popitem(last=False)[0])
+                self._demote(victim)
+                self._host[victim] = None
+                self.num_demoted += 1
+            else:
+                self._evict(victim)
         snap = self._make(position)
         snap.pins = 1
         self._pinned[snap] = None
         return snap
+
+    def _evict(self, snap: Snapshot) -> None:
+        self.num_evicted += 1
+        self._on_drop(snap)
 
     def pin(self, snap: Snapshot) -> None:
         """One more reference: the snapshot cannot be evicted until `unpin`."""
@@ -204,14 +235,16 @@ class SnapshotPool:
             self._lru[snap] = None
 
     def touch(self, snap: Snapshot) -> None:
-        """Mark an unpinned snapshot most recently used (a restore read it)."""
-        if snap in self._lru:
-            self._lru.move_to_end(snap)
+        """Mark an unpinned snapshot most recently used in its tier (a restore read it)."""
+        for tier in (self._lru, self._host):
+            if snap in tier:
+                tier.move_to_end(snap)
 
     def drop(self, snap: Snapshot) -> None:
         """Remove a snapshot now, pinned or not (its KV was evicted, a step writing it failed, a duplicate)."""
         self._lru.pop(snap, None)
         self._pinned.pop(snap, None)
+        self._host.pop(snap, None)
         snap.pins = 0
         self._on_drop(snap)
 
@@ -222,6 +255,14 @@ def snapshot_nbytes(model_cfg: ModelConfig, dtype: torch.dtype, block_size: int)
     size = torch.empty((), dtype=dtype).element_size()
     tail = 2 * model_cfg.num_kv_layers * block_size * model_cfg.num_key_value_heads * model_cfg.head_dim * size
     return RecurrentStatePool.bytes_per_slot(model_cfg, dtype) + tail
+
+
+def host_budget_bytes(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """The host tier's budget: `--state-checkpoint-host-gb` on a CUDA device when checkpoints are on (0 on a CPU
+    device, where the device tier already is host memory)."""
+    if torch.device(cfg.device).type != "cuda" or not default_budget_bytes(cfg, model_cfg, dtype):
+        return 0
+    return int(cfg.state_checkpoint_host_gb * 1e9)
 
 
 def default_budget_bytes(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int:
@@ -288,7 +329,7 @@ class StateCheckpoints:
     """
 
     def __init__(self, mode: str, marks: MarkSet, state_pool: RecurrentStatePool, kv, budget_bytes: int,
-                 spacing: int, model_cfg: ModelConfig, dtype: torch.dtype) -> None:
+                 spacing: int, model_cfg: ModelConfig, dtype: torch.dtype, host_budget_bytes: int = 0) -> None:
         if mode not in ("marks", "chunk"):
             raise ValueError(f"--state-checkpoints {mode!r}: checkpoints take 'marks' or 'chunk'")
         self.mode = mode
@@ -299,7 +340,9 @@ class StateCheckpoints:
         self.block_size = kv.block_size
         self.nbytes_each = snapshot_nbytes(model_cfg, dtype, kv.block_size)
         self.budget_bytes = budget_bytes
-        self.pool = SnapshotPool(budget_bytes // self.nbytes_each, self._make, self._unindex)
+        self.host_budget_bytes = host_budget_bytes
+        self.pool = SnapshotPool(budget_bytes // self.nbytes_each, self._make, self._unindex,
+                                 host_budget_bytes // self.nbytes_each, self._demote)
         self._index: dict[int, dict[tuple[int, ...], Snapshot]] = {}  # node -> tail tokens -> snapshot
         self._plans: dict[object, list[int]] = {}  # prefilling sequence -> positions still to snapshot
         self.num_restores = 0
@@ -317,6 +360,15 @@ class StateCheckpoints:
         bs = self.block_size
         tail = [(torch.empty_like(k[:bs]), torch.empty_like(v[:bs])) for k, v in self.kv.layers]
         return Snapshot(position, states, tail)
+
+    @staticmethod
+    def _demote(snap: Snapshot) -> None:
+        """Move a snapshot's tensors into pinned host memory (the host tier; restores copy them back)."""
+        def host(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
+
+        snap.states = {layer: (host(c), host(s)) for layer, (c, s) in snap.states.items()}
+        snap.tail = [(host(k), host(v)) for k, v in snap.tail]
 
     def _unindex(self, snap: Snapshot) -> None:
         by_tail = self._index.get(snap.node)
@@ -454,8 +506,9 @@ class StateCheckpoints:
             self.pool.drop(c.snapshot)
 
     def stats(self) -> dict:
-        """Counters (JSON-able): mode, restores and the tokens they saved, snapshots taken, live, evicted (LRU)
-        and invalidated (their KV evicted), bytes live and the budget."""
+        """Counters (JSON-able): mode, restores and the tokens they saved, snapshots taken, live (on the device and
+        in the host tier), moved to the host, evicted (LRU) and invalidated (their KV evicted), bytes live and the
+        budgets."""
         live = len(self.pool)
         return {
             "mode": self.mode,
@@ -463,9 +516,13 @@ class StateCheckpoints:
             "num_restored_tokens": self.num_restored_tokens,
             "num_snapshots": self.num_snapshots,
             "num_live": live,
+            "num_live_host": self.pool.num_host,
+            "num_demoted": self.pool.num_demoted,
             "num_evicted": self.pool.num_evicted,
             "num_invalidated": self.num_invalidated,
             "bytes_live": live * self.nbytes_each,
             "bytes_budget": self.budget_bytes,
+            "bytes_host_budget": self.host_budget_bytes,
             "capacity": self.pool.capacity,
+            "host_capacity": self.pool.host_capacity,
         }

@@ -161,7 +161,8 @@ def plan_host_memory(
         part -> (bytes, what to change to shrink it). Parts: "expert pool" (bf16, every routed expert, for the
         expert-cache backends), "weights" (the model's own weights when it runs on the CPU; the routed experts
         too with the fused backend), "expert slots" (the slot cache, in host memory on a CPU device), "KV cache"
-        (on a CPU device; `plan_kv_cache`), "recurrent state" (hybrid models on a CPU device), "pinned staging" (CUDA with an expert-cache backend). Parts that
+        (on a CPU device; `plan_kv_cache`), "recurrent state" and "state checkpoints" (hybrid models on a CPU
+        device), "state checkpoint host tier" (hybrid models on CUDA), "pinned staging" (CUDA with an expert-cache backend). Parts that
         are zero are left out.
     """
     from freetoken.engine.kv_cache import plan_kv_cache
@@ -182,7 +183,12 @@ def plan_host_memory(
         parts["KV cache"] = (plan_kv_cache(model_cfg, cfg, dtype).nbytes, "lower --kv-cache-gb or --kv-cache-tokens")
         parts["recurrent state"] = (state_pool_nbytes(cfg, model_cfg, dtype), "lower --max-num-seqs")
         parts["state checkpoints"] = (state_checkpoint_nbytes(cfg, model_cfg, dtype), "lower --state-checkpoint-gb")
-    elif backend != "fused":
+    else:
+        from freetoken.engine.state_checkpoints import host_budget_bytes
+
+        parts["state checkpoint host tier"] = (host_budget_bytes(cfg, model_cfg, dtype),
+                                               "lower --state-checkpoint-host-gb")
+    if device.type != "cpu" and backend != "fused":
         staging = PINNED_STAGING_TENSORS * 2 * cfg.max_prefill_tokens * model_cfg.hidden_size * 4
         parts["pinned staging"] = (staging, "lower --max-prefill-tokens")
     return {part: value for part, value in parts.items() if value[0] > 0}
