@@ -85,12 +85,13 @@ def test_follow_up_turns_report_cached_tokens_and_equal_cold(marks, cold):
 
 
 def test_responses_and_anthropic_report_cached_tokens(marks, cold):
-    prompt = SYSTEM + " Which usage fields does each API report?"
+    # Two inputs under one system prompt (instructions): the second resumes at the system message's end mark.
     client = oai(marks)
-    client.responses.create(model="m", input=prompt, max_output_tokens=6, temperature=0)
-    again = client.responses.create(model="m", input=prompt + " Again.", max_output_tokens=6, temperature=0)
+    kwargs = {"model": "m", "instructions": SYSTEM, "max_output_tokens": 6, "temperature": 0}
+    client.responses.create(input="Which usage fields does each API report?", **kwargs)
+    again = client.responses.create(input="And which does Responses report?", **kwargs)
     assert again.usage.input_tokens_details.cached_tokens > 0
-    reference = oai(cold).responses.create(model="m", input=prompt + " Again.", max_output_tokens=6, temperature=0)
+    reference = oai(cold).responses.create(input="And which does Responses report?", **kwargs)
     assert reference.usage.input_tokens_details.cached_tokens == 0
     assert again.output_text == reference.output_text
     messages = [{"role": "user", "content": SYSTEM + " And the Messages API?"}]
