@@ -403,6 +403,7 @@ def test_bad_mode_is_refused():
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_graphs_and_host_tier_equal_cold(tmp_path):
     """On CUDA (Triton kernels, decode in CUDA graphs): two sessions alternate over room for three snapshots on the
     GPU, so snapshots go to the host tier and are restored from there; every answer equals a cold engine's."""
