@@ -13,14 +13,13 @@ import time
 import numpy as np
 import pytest
 import torch
-from test_cli import assert_user_error, ft
-
 from freetoken import __version__
 from freetoken._core import ExpertPool
 from freetoken.moe import choose_backend
 from freetoken.moe import profile as prof
 from freetoken.moe.expert_cache import REFINE_EVERY, BandwidthTracker, ExpertCacheBackend
 from freetoken.moe.profile import ExpertShape, ProfileError
+from test_cli import assert_user_error, ft
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 UUID = "GPU-11111111-2222-3333-4444-555555555555"
@@ -324,9 +323,47 @@ def test_gpu_fill_events_are_read_without_a_sync():
 
 
 def test_nvidia_driver_version_parsing():
-    from freetoken.cli.bench import nvidia_driver_version
+    from freetoken.bench.box import nvidia_driver_version
 
     assert nvidia_driver_version("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.03  Thu Jan 1\n") == "580.159.03"
     text = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.03  Release Build  (dvs-builder@U16)\n"
     assert nvidia_driver_version(text) == "580.159.03"
     assert nvidia_driver_version("") is None
+
+
+def test_a_missing_profile_is_measured_once(tmp_path, cuda_uuid):
+    """`ft serve` on a GPU without a profile measures one (`measure`) and runs what it says; a profile that exists
+    is read, not measured again; `--no-auto-profile` (no `measure`) keeps offload."""
+    cuda = torch.device("cuda")
+    calls = []
+
+    def measure():
+        calls.append(1)
+        profile = make_profile(cpu1=49e9)
+        write(tmp_path, profile)
+        return profile
+
+    name, profile = choose_backend("auto", cuda, SHAPE, tmp_path, measure=measure)
+    assert (name, len(calls)) == ("hybrid", 1) and profile["planner"]["pcie_bytes_per_s"] == 54e9
+    assert choose_backend("auto", cuda, SHAPE, tmp_path, measure=measure)[0] == "hybrid" and len(calls) == 1
+    assert choose_backend("hybrid", cuda, ExpertShape(4096, 1536), tmp_path, measure=lambda: make_profile())[0] == (
+        "hybrid"
+    )
+    assert choose_backend("offload", cuda, ExpertShape(4096, 1536), tmp_path, measure=measure) == ("offload", None)
+    assert choose_backend("auto", cuda, ExpertShape(4096, 1536), tmp_path) == ("offload", None)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_measure_profile_on_the_gpu(tmp_path):
+    """The real measurement `ft serve` runs on first start writes a profile that `find_profile` then reads."""
+    from freetoken.bench.box import measure_profile
+    from freetoken.config import ModelConfig
+    from freetoken.models.presets import preset_config_path
+
+    cfg = ModelConfig.from_dict(json.loads(preset_config_path("qwen3-30b-a3b").read_text()), source="qwen3-30b-a3b")
+    shape = ExpertShape(cfg.hidden_size, cfg.moe_intermediate_size)
+    profile = measure_profile(shape, cfg, 0, tmp_path)
+    assert profile["planner"]["pcie_bytes_per_s"] > 1e9
+    found = prof.find_profile(str(torch.cuda.get_device_properties(0).uuid), shape, tmp_path)
+    assert found is not None and found["planner"] == profile["planner"]

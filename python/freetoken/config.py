@@ -325,6 +325,9 @@ class EngineConfig:
         stream_pause_timeout_s: a request paused this long (its client read nothing) is aborted and freed.
         allow_nonfinite: serve weights with NaN or inf values (a sampled check at load refuses them otherwise,
             `freetoken.models.loader.check_finite_weights`).
+        no_auto_profile: on CUDA without a bandwidth profile of this GPU and expert shape, do not measure one at
+            start (`freetoken.bench.box.measure_profile`, ~10 s, written for later starts): `auto` then runs
+            `offload`.
     """
 
     device: str = "cpu"
@@ -356,6 +359,7 @@ class EngineConfig:
     stream_buffer_chunks: int = 64
     stream_pause_timeout_s: float = 30.0
     allow_nonfinite: bool = False
+    no_auto_profile: bool = False
 
     def validate(self) -> None:
         """Raise ValueError naming the flag when a setting is out of range (a zero `max_num_seqs` would hang) or

@@ -26,9 +26,9 @@ _HELP = {
     "kv_block_size": "tokens per paged KV-cache block",
     "kv_cache_tokens": "KV-cache capacity in tokens over all requests; 0 = max_num_seqs full contexts",
     "kv_cache_gb": "most memory the KV cache may take, in GB",
-    "moe_backend": "where routed experts run: auto (cpu on a CPU device; on CUDA hybrid when the `ft bench bw` "
-    "profile of this GPU and model says so, else offload), fused (all on the GPU), offload (host pool + GPU slot "
-    "cache), cpu (misses run on the host), hybrid (q* split; needs the profile)",
+    "moe_backend": "where routed experts run: auto (cpu on a CPU device; on CUDA hybrid when the bandwidth profile "
+    "of this GPU and model says so, else offload; a missing profile is measured at start), fused (all on the GPU), "
+    "offload (host pool + GPU slot cache), cpu (misses run on the host), hybrid (q* split)",
     "gpu_memory_gb": "GPU memory budget in GB for weights, KV cache and expert slots; 0 = 90%% of free memory",
     "expert_slots": "expert slots in the GPU cache; 0 = as many as the budget leaves",
     "expert_cache_policy": "slot replacement policy: lfu, lru, layer_lru",
@@ -61,6 +61,8 @@ _HELP = {
     "stream_pause_timeout_s": "seconds a request stays paused (its client reading nothing) before it is aborted and "
     "freed",
     "allow_nonfinite": "serve weights with NaN or inf values (a sampled check at load refuses them otherwise)",
+    "no_auto_profile": "on a GPU without a bandwidth profile (`ft bench bw`), do not measure one at start (~10 s, "
+    "once per GPU and model shape): --moe-backend auto then runs offload",
 }
 
 
