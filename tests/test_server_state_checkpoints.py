@@ -19,8 +19,9 @@ SYSTEM = (
     "You are a coding agent inside a repository. Use the tools, answer briefly, cite file names. The repository "
     "holds a Rust core and a Python engine; its tests run on the CPU."
 )
-TOOLS = [{"type": "function", "function": {"name": "read", "description": "Read a file",
-                                           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "read", "description": "Read a file",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
 
 
 @pytest.fixture(scope="module")

@@ -156,8 +156,9 @@ def first_diff(a: list[int], b: list[int]) -> int:
 
 
 SYSTEM = "You are a coding agent. Read files with the tools, keep answers short, cite paths. " * 3
-TOOLS = [{"type": "function", "function": {"name": "read", "description": "Read a file",
-                                           "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+TOOLS = [{"type": "function", "function": {
+    "name": "read", "description": "Read a file",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
 
 
 def session(turns: int, salt: str = "") -> list[dict]:
@@ -221,7 +222,8 @@ def test_thinking_stripped_resumes_at_the_last_unchanged_mark(qwen35):
     one(engine, qwen35.encode(history[:-2], TOOLS), greedy(4))  # the user asks step 1
     base = qwen35.encode(history, TOOLS)  # its tool call and output came back
     # The turn as the model wrote it, thinking included (run as a prompt: the demo model writes no thinking).
-    p1 = base + qwen35.tokenizer.encode("<think>\nThe tool output shows x * 1.\n</think>\n\nModule 1 multiplies by one.")
+    p1 = base + qwen35.tokenizer.encode(
+        "<think>\nThe tool output shows x * 1.\n</think>\n\nModule 1 multiplies by one.")
     one(engine, p1)
     stripped = history + [{"role": "assistant", "content": "Module 1 multiplies by one."},
                           {"role": "user", "content": "Now module 2?"}]

@@ -162,8 +162,8 @@ def plan_host_memory(
         expert-cache backends), "weights" (the model's own weights when it runs on the CPU; the routed experts
         too with the fused backend), "expert slots" (the slot cache, in host memory on a CPU device), "KV cache"
         (on a CPU device; `plan_kv_cache`), "recurrent state" and "state checkpoints" (hybrid models on a CPU
-        device), "state checkpoint host tier" (hybrid models on CUDA), "pinned staging" (CUDA with an expert-cache backend). Parts that
-        are zero are left out.
+        device), "state checkpoint host tier" (hybrid models on CUDA), "pinned staging" (CUDA with an
+        expert-cache backend). Parts that are zero are left out.
     """
     from freetoken.engine.kv_cache import plan_kv_cache
 
