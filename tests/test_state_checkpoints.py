@@ -11,7 +11,7 @@ import pytest
 import torch
 from freetoken.config import EngineConfig, ModelConfig
 from freetoken.engine.llm_engine import LLMEngine
-from freetoken.engine.state_checkpoints import MarkSet, Snapshot, SnapshotPool, select_marks
+from freetoken.engine.state_checkpoints import MarkSet, Snapshot, SnapshotPool, StateCheckpoints, select_marks
 from freetoken.engine.types import SamplingParams
 from freetoken.models.demo_qwen3_5 import build_qwen3_5_demo_checkpoint
 from freetoken.models.loader import load_checkpoint
@@ -76,6 +76,20 @@ def test_pool_host_tier_takes_what_the_device_evicts():
     assert dropped == [snaps[0], snaps[2]] and pool.num_evicted == 2 and pool.num_demoted == 4
     pool.drop(snaps[1])
     assert pool.num_host == 1
+
+
+def test_demote_moves_every_tensor_into_one_host_buffer():
+    states = {0: (torch.randn(6, 3, dtype=torch.bfloat16), torch.randn(2, 4, 4)),
+              2: (torch.randn(5, 3, dtype=torch.bfloat16), torch.randn(2, 4, 4))}
+    tail = [(torch.randn(16, 2, 8), torch.randn(16, 2, 8))]
+    snap = Snapshot(5, dict(states), list(tail))
+    StateCheckpoints._demote(snap)
+    for layer, (conv, ssm) in states.items():
+        assert torch.equal(snap.states[layer][0], conv) and torch.equal(snap.states[layer][1], ssm)
+        assert snap.states[layer][0].dtype == torch.bfloat16
+    assert torch.equal(snap.tail[0][0], tail[0][0]) and torch.equal(snap.tail[0][1], tail[0][1])
+    storages = {t.untyped_storage().data_ptr() for pair in [*snap.states.values(), *snap.tail] for t in pair}
+    assert len(storages) == 1
 
 
 def test_pool_of_zero_capacity_takes_nothing():

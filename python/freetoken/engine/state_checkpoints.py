@@ -363,12 +363,21 @@ class StateCheckpoints:
 
     @staticmethod
     def _demote(snap: Snapshot) -> None:
-        """Move a snapshot's tensors into pinned host memory (the host tier; restores copy them back)."""
-        def host(t: torch.Tensor) -> torch.Tensor:
-            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
-
-        snap.states = {layer: (host(c), host(s)) for layer, (c, s) in snap.states.items()}
-        snap.tail = [(host(k), host(v)) for k, v in snap.tail]
+        """Move a snapshot's tensors into one pinned host buffer (the host tier; restores copy them back): one
+        page-locked allocation per snapshot, not one per tensor (each costs a driver call the first time)."""
+        tensors = [t for pair in snap.states.values() for t in pair] + [t for pair in snap.tail for t in pair]
+        align = 64
+        offsets, size = [], 0
+        for t in tensors:
+            offsets.append(size)
+            size += -(-t.numel() * t.element_size() // align) * align
+        buf = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())  # (the tier is CUDA's)
+        views = iter([
+            buf[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+            for o, t in zip(offsets, tensors, strict=True)
+        ])
+        snap.states = {layer: (next(views), next(views)) for layer in snap.states}
+        snap.tail = [(next(views), next(views)) for _ in snap.tail]
 
     def _unindex(self, snap: Snapshot) -> None:
         by_tail = self._index.get(snap.node)
