@@ -83,6 +83,11 @@ def test_follow_up_turns_report_cached_tokens_and_equal_cold(marks, cold):
     assert after["mode"] == "marks" and after["num_live"] > 0 and after["bytes_live"] > 0
     assert {"num_evicted", "num_invalidated", "bytes_budget", "num_snapshots"} <= set(after)
     assert "state_checkpoints" not in httpx.get(cold.base_url + "/v1/stats", timeout=30).json()
+    # The same counters for Prometheus.
+    samples = dict(line.rsplit(" ", 1) for line in httpx.get(marks.base_url + "/metrics", timeout=30).text.splitlines()
+                   if line.startswith("freetoken_state_checkpoint"))
+    assert float(samples["freetoken_state_checkpoint_restores_total"]) >= after["num_restores"]
+    assert float(samples["freetoken_state_checkpoint_live"]) > 0
 
 
 def test_responses_and_anthropic_report_cached_tokens(marks, cold):
