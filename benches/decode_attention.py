@@ -93,7 +93,7 @@ def main() -> None:
                 if err > 2e-2:
                     sys.exit(f"{name} differs from the single pass by {err} at batch {batch}, context {ctx}")
 
-                def step(part=part):
+                def step(part=part, q=q, tables=tables, lens=lens, scale=scale):  # bound now: time_graph replays it
                     for layer in range(args.layers):
                         k, v = caches[layer % num_caches]
                         paged_decode_attention(q, k, v, tables, lens, bs, scale, part)

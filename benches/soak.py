@@ -181,7 +181,7 @@ async def stalled_request(client: httpx.AsyncClient, stats: Stats, rng: random.R
 
 async def client_loop(client: httpx.AsyncClient, stats: Stats, deadline: float, seed: int) -> None:
     rng = random.Random(seed)
-    kinds, weights = zip(*KINDS.items())
+    kinds, weights = zip(*KINDS.items(), strict=True)
     while time.monotonic() < deadline:
         kind = rng.choices(kinds, weights)[0]
         try:

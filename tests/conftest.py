@@ -7,14 +7,19 @@ goes to a file whose tail is printed when it fails to start.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import anthropic
 import freetoken
@@ -22,10 +27,43 @@ import httpx
 import openai
 import pytest
 import torch
+from freetoken.config import ModelConfig
+from freetoken.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from freetoken.engine.llm_engine import LLMEngine
 
 if not torch.cuda.is_available():
     # Triton kernels run in Triton's interpreter on the CPU (set before any kernel is defined), so CI checks them.
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _interpreter_rounds_bf16_to_nearest() -> None:
+    """Make Triton's interpreter round float32 -> bfloat16 casts to nearest even, as the GPU does (`fptrunc`, PTX
+    `cvt.rn.bf16.f32`): Triton 3.9's interpreter truncates them, so half of a kernel's bfloat16 outputs came out
+    one ulp off torch's (measured on the gated delta kernels) and bf16 comparisons on the CPU meant nothing."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    cast = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            data = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16).numpy()
+            return interpreter.TensorHandle(data.view(np.uint16), dst_type.scalar)
+        return cast(self, src, dst_type)
+
+    builder.cast_impl = cast_impl
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpreter_rounds_bf16_to_nearest()
+
+
+# The `gpu` marker's check and skip (tests/gpu_marker.py).
+pytest_plugins = ["gpu_marker", "pytester"]
 
 SERVED_MODEL_NAME = "freetoken-test"
 MAX_MODEL_LEN = 512
@@ -109,6 +147,27 @@ def start_server(
         time.sleep(0.2)
     server.stop()
     pytest.fail(f"ft serve did not answer /health within {STARTUP_TIMEOUT_S:.0f} s:\n{server.log_tail()}")
+
+
+@contextmanager
+def in_process_server(app) -> Iterator[str]:
+    """Serve the ASGI `app` with uvicorn on a thread of this process, on a free port; yields its base URL and stops
+    it on exit (for tests that reach into the engine while it serves)."""
+    import uvicorn
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the in-process server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
 
 
 @pytest.fixture(scope="session")
@@ -195,3 +254,64 @@ def _parse_sse(raw: bytes) -> list[tuple[str | None, str]]:
 def parse_sse():
     """A function splitting an SSE body into (event name or None, data) pairs (UTF-8 checked per event)."""
     return _parse_sse
+
+
+# The engine tests' prompts (tests/test_engine.py), encoded by the `demo` fixture.
+PROMPTS = [
+    "Hello, my name is Ada and I like",
+    "The quick brown fox jumps over the",
+    "def fib(n):\n    return",
+    "1 2 3 4 5 6 7 8 9 10 11 12",
+    "Once upon a time, in a land far away, there lived a",
+    "Q:",
+]
+
+
+@dataclass
+class Model:
+    """The demo model, loaded once, with what engines need to be built around it."""
+
+    path: Path
+    model: torch.nn.Module
+    cfg: ModelConfig
+    tokenizer: Tokenizer
+    prompts: list[list[int]] = field(default_factory=list)
+
+    def engine(self, **kwargs: Any) -> LLMEngine:
+        """An engine around the loaded model (CPU, float32, `max_model_len` 256 unless given)."""
+        from freetoken.config import EngineConfig
+        from freetoken.engine.llm_engine import LLMEngine
+
+        kwargs.setdefault("max_model_len", 256)
+        return LLMEngine(self.model, self.cfg, EngineConfig(device="cpu", dtype="float32", **kwargs), self.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> Model:
+    """The demo checkpoint (seed 0) loaded once per module on the CPU in float32, with `PROMPTS` encoded
+    (tests/test_engine.py and the engine-level prefix-cache tests)."""
+    from freetoken.models.demo import build_demo_checkpoint
+    from freetoken.models.loader import load_checkpoint
+    from freetoken.moe import FusedExperts
+
+    path = build_demo_checkpoint(tmp_path_factory.mktemp("demo"), seed=0)
+    cfg = ModelConfig.from_dir(path)
+    model = load_checkpoint(path, FusedExperts(), torch.device("cpu"), torch.float32, cfg=cfg)
+    tokenizer = Tokenizer.from_dir(path)
+    return Model(path, model, cfg, tokenizer, [tokenizer.encode(p) for p in PROMPTS])
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The demo model with its weights stored in bfloat16 (so the pool holds exactly the fused weights): 16 experts,
+    4 per token (tests/test_moe_backends.py and tests/test_prefill.py)."""
+    from freetoken.models.demo import build_demo_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    path = build_demo_checkpoint(tmp_path_factory.mktemp("demo"), seed=5, num_experts=16, num_experts_per_tok=4)
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(path / "model.safetensors").items()}
+    save_file(tensors, path / "model.safetensors")
+    config = json.loads((path / "config.json").read_text())
+    config["torch_dtype"] = "bfloat16"
+    (path / "config.json").write_text(json.dumps(config))
+    return path

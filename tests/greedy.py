@@ -32,15 +32,22 @@ def hf_greedy(model, prompt: list[int], max_tokens: int = 32) -> list[int]:
     return gen[0, len(prompt):].tolist()
 
 
-def follows_reference_bf16(ref, prompts: list[list[int]], got: list[list[int]], steps: int, label: str) -> int:
+def follows_reference_bf16(
+    ref, prompts: list[list[int]], got: list[list[int]], steps: int, label: str, ref32=None
+) -> int:
     """How many of `got` (greedy tokens per prompt) equal the reference model's `steps` greedy steps on CUDA.
 
     Both round logits to bfloat16, so where the reference's top two logits are within two bfloat16 steps (a tie at
     that precision) another kernel order may pick the other token: a sequence may part from the reference only at
-    such a tie (asserted, naming `label` and the step).
+    such a tie (asserted, naming `label` and the step). With `ref32` (the reference in float32 on CUDA), the tie
+    is also as wide as the reference's own bfloat16 error at that step: the largest difference of its bfloat16
+    logits from its float32 ones on the same tokens. A recurrent model's bfloat16 rounding builds up in its state
+    and a router's top-k turns a small change into another expert, so there the reference's logits are off its
+    float32 ones by 0.3-0.6 typically and by 6 at some steps (Qwen3.5's scaled-down test models, CPU, 12 steps),
+    far past two ulps; a margin inside that error says nothing about which token is right.
     """
     full = 0
-    for prompt, tokens in zip(prompts, got):
+    for prompt, tokens in zip(prompts, got, strict=True):
         ids = torch.tensor([prompt], device="cuda")
         with torch.no_grad():
             out = ref.generate(
@@ -48,14 +55,21 @@ def follows_reference_bf16(ref, prompts: list[list[int]], got: list[list[int]], 
                 eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True,
             )
         expected = out.sequences[0, len(prompt):].tolist()
-        first = next((i for i, (a, b) in enumerate(zip(tokens, expected)) if a != b), None)
+        first = next((i for i, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b), None)
         if first is None:
             full += 1
             continue
-        top = out.scores[first][0].float().topk(2).values
+        scores = out.scores[first][0].float()
+        top = scores.topk(2).values
         ulp = 2.0 ** (torch.floor(torch.log2(top[0].abs())).item() - 7)  # bfloat16 spacing at that magnitude
-        assert (top[0] - top[1]).item() <= 2 * ulp, (
+        noise = 0.0
+        if ref32 is not None:
+            prefix = torch.tensor([prompt + expected[:first]], device="cuda")
+            with torch.no_grad():
+                logits32 = ref32(prefix).logits[0, -1].float()
+            noise = (scores - logits32).abs().max().item()
+        assert (top[0] - top[1]).item() <= 2 * ulp + noise, (
             f"{label}: first difference at step {first} where the reference's top-2 margin is "
-            f"{(top[0] - top[1]).item()} (> 2 bf16 ulp = {2 * ulp})"
+            f"{(top[0] - top[1]).item()} (> 2 bf16 ulp = {2 * ulp} + its bf16 error there {noise})"
         )
     return full

@@ -150,6 +150,7 @@ def cuda_uuid(monkeypatch):
     monkeypatch.setattr("freetoken.moe.gpu_uuid", lambda device: UUID)
 
 
+@pytest.mark.cuda_mocked
 def test_auto_choice(tmp_path, cuda_uuid, caplog):
     caplog.set_level(logging.INFO, logger="freetoken")
     cuda = torch.device("cuda")
@@ -167,6 +168,7 @@ def test_auto_choice(tmp_path, cuda_uuid, caplog):
     assert choose_backend("fused", cuda, SHAPE, tmp_path) == ("fused", None)
 
 
+@pytest.mark.cuda_mocked
 def test_hybrid_needs_a_profile(tmp_path, cuda_uuid):
     with pytest.raises(ValueError, match="run `ft bench bw"):
         choose_backend("hybrid", torch.device("cuda"), SHAPE, tmp_path)
@@ -331,6 +333,7 @@ def test_nvidia_driver_version_parsing():
     assert nvidia_driver_version("") is None
 
 
+@pytest.mark.cuda_mocked
 def test_a_missing_profile_is_measured_once(tmp_path, cuda_uuid):
     """`ft serve` on a GPU without a profile measures one (`measure`) and runs what it says; a profile that exists
     is read, not measured again; `--no-auto-profile` (no `measure`) keeps offload."""

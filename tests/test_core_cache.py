@@ -107,11 +107,11 @@ def test_planner_errors() -> None:
         p.plan(2, np.zeros((1, 2), np.int64))
     with pytest.raises(IndexError):
         p.plan(0, np.array([[0, 16]]))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"topk_ids must be \[B, k\]"):
         p.plan(0, np.zeros((1, 2, 2), np.int64))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="must be given together"):
         _planner(pcie_bytes_per_s=1e9)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="needs a positive B_pcie"):
         _planner(pcie_bytes_per_s=-1.0, cpu_bytes_per_s={1: 1e9})
 
 
@@ -137,15 +137,15 @@ def test_trace_roundtrip_and_simulation(tmp_path: Path) -> None:
     assert (step, layer, ids.tolist()) == (1, 1, [[1, 5]])
     r = _core.simulate_trace(str(path), capacity=16, policy="lru")
     assert r["hits"] + r["misses"] == 12 and r["hits"] == 4
+    (tmp_path / "bad").write_bytes(b"nope")
     with pytest.raises(_core.TraceFormatError):
-        (tmp_path / "bad").write_bytes(b"nope")
         _core.read_trace(str(tmp_path / "bad"))
     with pytest.raises(FileNotFoundError):
         _core.read_trace(str(tmp_path / "missing"))
     w = _core.TraceWriter(str(path), 2, 8, 2)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="layer 2 out of range"):
         w.record(0, 2, np.array([[0, 1]]))
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="expert id 8 out of range"):
         w.record(0, 0, np.array([[0, 8]]))
 
 

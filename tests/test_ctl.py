@@ -12,12 +12,13 @@ import freetoken
 from conftest import API_KEY, MAX_MODEL_LEN, SERVED_MODEL_NAME, free_port
 
 
-def ft_ctl(*args: str) -> subprocess.CompletedProcess:
+def ft_ctl(*args: str, **run_kwargs) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "FREETOKEN_API_KEY"}
     package_root = str(Path(freetoken.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-m", "freetoken.cli.main", "ctl", *args], capture_output=True,
-                          text=True, env=env, timeout=60, stdin=subprocess.DEVNULL)
+    run_kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **run_kwargs}
+    return subprocess.run([sys.executable, "-m", "freetoken.cli.main", "ctl", *args], text=True, env=env,
+                          timeout=60, stdin=subprocess.DEVNULL, check=False, **run_kwargs)
 
 
 def test_status_report(server, http):
@@ -31,11 +32,27 @@ def test_status_report(server, http):
     assert "backend    cpu" in out
     assert f"kv cache   0/{stats['kv_blocks_total']} blocks in use" in out
     assert f"{stats['server']['num_generation_tokens']} generated" in out
+    prefix = stats["prefix_cache"]
+    assert (f"prefix     {prefix['num_hit_tokens']} of {prefix['num_lookup_tokens']} prompt tokens reused" in out
+            and "hit_rate" not in out), out
+
+
+def test_status_into_a_closed_pipe(server):
+    """`ft ctl status | head -1`: the reader leaves before ft writes; ft stops without a traceback."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # closed before ft writes a byte: its first write fails with EPIPE
+    try:
+        done = ft_ctl("status", "--server", server.base_url, stdout=write_end)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 1 and "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
 
 
 def test_status_json_and_key(keyed_server):
     refused = ft_ctl("status", "--server", keyed_server.base_url)
     assert refused.returncode == 1 and "needs its API key" in refused.stderr
+    wrong = ft_ctl("status", "--server", keyed_server.base_url, "--api-key", "not-" + API_KEY)
+    assert wrong.returncode == 1 and "refused the API key given" in wrong.stderr, wrong.stderr
     result = ft_ctl("status", "--json", "--server", keyed_server.base_url, "--api-key", API_KEY)
     assert result.returncode == 0 and json.loads(result.stdout)["server"]["model"] == SERVED_MODEL_NAME
 

@@ -62,8 +62,8 @@ class Rig:
             slots = self.plan[: size * K].reshape(size, K)
             assert (slots[batch:] == -1).all()
             expected = np.zeros((batch, H), dtype=np.float32)
-            cpu_experts = sorted({int(e) for e, s in zip(ids[:batch].ravel(), slots[:batch].ravel()) if s < 0})
-            for e, s in zip(ids[:batch].ravel(), slots[:batch].ravel()):
+            cpu_experts = sorted({int(e) for e, s in zip(ids[:batch].ravel(), slots[:batch].ravel(), strict=True) if s < 0})
+            for e, s in zip(ids[:batch].ravel(), slots[:batch].ravel(), strict=True):
                 if s >= 0:  # the slot holds the expert's bytes
                     start = self.pool.expert_offset(layer, int(e))
                     n = self.pool.expert_nbytes

@@ -16,45 +16,8 @@ from freetoken.engine.async_engine import AsyncEngine
 from freetoken.engine.llm_engine import LLMEngine, RequestError
 from freetoken.engine.types import GenerationChunk, SamplingParams
 from freetoken.models.demo import build_demo_checkpoint
-from freetoken.models.loader import load_checkpoint
-from freetoken.moe import FusedExperts
-from freetoken.tokenizer import Tokenizer
 
-PROMPTS = [
-    "Hello, my name is Ada and I like",
-    "The quick brown fox jumps over the",
-    "def fib(n):\n    return",
-    "1 2 3 4 5 6 7 8 9 10 11 12",
-    "Once upon a time, in a land far away, there lived a",
-    "Q:",
-]
-
-
-@dataclass
-class Model:
-    """The demo model, loaded once, with what engines need to be built around it."""
-
-    path: object
-    model: object
-    cfg: ModelConfig
-    tokenizer: Tokenizer
-    prompts: list[list[int]] = field(default_factory=list)
-
-    def engine(self, **kwargs) -> LLMEngine:
-        kwargs.setdefault("max_model_len", 256)
-        return LLMEngine(self.model, self.cfg, EngineConfig(device="cpu", dtype="float32", **kwargs), self.tokenizer)
-
-
-@pytest.fixture(scope="module")
-def demo(tmp_path_factory) -> Model:
-    path = build_demo_checkpoint(tmp_path_factory.mktemp("demo"), seed=0)
-    import torch
-
-    cfg = ModelConfig.from_dir(path)
-    model = load_checkpoint(path, FusedExperts(), torch.device("cpu"), torch.float32, cfg=cfg)
-    tokenizer = Tokenizer.from_dir(path)
-    return Model(path, model, cfg, tokenizer, [tokenizer.encode(p) for p in PROMPTS])
-
+from conftest import PROMPTS, Model
 
 @dataclass
 class Result:
@@ -392,7 +355,7 @@ def test_earliest_stop_string_wins(demo, solo):
 
 
 def test_text_without_stop_equals_decode(demo, solo):
-    for prompt, r in zip(demo.prompts, solo, strict=True):
+    for _prompt, r in zip(demo.prompts, solo, strict=True):
         assert r.text == demo.tokenizer.decode(r.token_ids, skip_special_tokens=True)
 
 

@@ -80,6 +80,26 @@ def test_offload_driven_graphs_equal_fused(tmp_path, monkeypatch, layers_per_gra
     assert sum(stats["steps"]) >= 16 * len(engine.experts.pool_layer)
 
 
+@pytest.mark.xfail(
+    reason="open bug: offload's driven CUDA-graph decode parts from fused when steps evict slots (timing-dependent)",
+    strict=False,
+)
+def test_offload_driven_graphs_equal_fused_under_evictions(tmp_path):
+    """As `test_offload_driven_graphs_equal_fused`, with 32 slots for the 64 experts of a 16-expert, top-4 demo: every
+    decode step evicts, so fills land in slots earlier layers and steps read. Open bug (issue 22, found through the
+    Qwen3.5 hybrid's test): on the H200 this parted from fused at step 3 (the chosen tokens' log-probabilities
+    already 0.027 apart before), while the whole pool in slots gave fused's bits and the same model's piecewise and
+    staged paths were not run; benches/diag_hybrid_offload.py narrows it down (the hits' tiles after the fills, the
+    driven step without a graph)."""
+    path = build_demo_checkpoint(tmp_path / "demo", seed=6, num_experts=16, num_experts_per_tok=4)
+    fused = _greedy(path, "cuda", "bfloat16", PROMPTS, 16)
+    engine = LLMEngine.from_dir(
+        path, EngineConfig(device="cuda", dtype="bfloat16", kv_cache_gb=0.5, moe_backend="offload", expert_slots=32)
+    )
+    assert engine.runner.decode is not None and engine.runner.decode.handshake is not None
+    assert greedy_tokens(engine, PROMPTS, 16) == fused
+
+
 def _chosen_logprobs(engine: LLMEngine, prompts, max_tokens: int) -> list[list[tuple[int, float, list[float]]]]:
     """Greedy tokens of each prompt as (token, its log-probability, the top-2 log-probabilities)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -121,8 +141,8 @@ def test_driven_host_experts_follow_fused(tmp_path, mode, slots):
     engine = LLMEngine(model, model.config, cfg, tokenizer=None)
     assert engine.runner.decode.handshake is not None
     got = _chosen_logprobs(engine, PROMPTS, 12)
-    for g, w in zip(got, want):
-        for step, ((tg, lg, _), (tw, lw, top)) in enumerate(zip(g, w)):
+    for g, w in zip(got, want, strict=False):
+        for step, ((tg, lg, _), (tw, lw, top)) in enumerate(zip(g, w, strict=False)):
             if tg != tw:
                 assert _close(top[1], top[0]), f"step {step}: {tg} instead of {tw}, fused's top-2 {top} not a tie"
                 break

@@ -17,6 +17,7 @@ from freetoken._core import InvalidArgumentError, align_slots, aligned_len
 from freetoken.kernels import paged_attention
 from freetoken.kernels.fused_moe import align_pairs, block_m_for, fused_moe, fused_moe_reference, fused_moe_tiles
 from freetoken.kernels.layer_ops import _round_to
+from gpu_marker import GPU_WHEN_AVAILABLE
 from freetoken.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -25,6 +26,7 @@ from freetoken.kernels.paged_attention import (
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
 ATOL = 2e-2 if DTYPE == torch.bfloat16 else 1e-4
+pytestmark = GPU_WHEN_AVAILABLE  # the kernels run on CUDA where there is one
 
 
 @pytest.mark.parametrize("num_tokens,top_k", [(1, 8), (3, 2), (33, 4)])
@@ -36,7 +38,7 @@ def test_align_pairs_groups_by_expert(num_tokens, top_k):
     real = sorted_pairs[sorted_pairs < num_pairs]
     assert sorted(real.tolist()) == list(range(num_pairs))  # every pair exactly once
     tiles = sorted_pairs.view(-1, 16)
-    for tile, expert in zip(tiles.tolist(), block_expert.tolist()):
+    for tile, expert in zip(tiles.tolist(), block_expert.tolist(), strict=True):
         pairs = [p for p in tile if p < num_pairs]
         if expert < 0:
             assert not pairs
@@ -239,7 +241,7 @@ def test_router_topk_matches_softmax_topk(tokens, experts, top_k, renorm):
     torch.testing.assert_close(weights.float().cpu(), want_w, atol=ATOL, rtol=ATOL)
     # Ties go to the lower expert id; every id is picked once.
     flat = torch.zeros(1, experts, dtype=DTYPE, device=DEVICE)
-    tie_ids, tie_w = router_topk(flat, top_k, renorm, DTYPE)
+    tie_ids, _ = router_topk(flat, top_k, renorm, DTYPE)
     assert tie_ids.tolist() == [list(range(top_k))]
     with pytest.raises(ValueError, match="top_k"):
         router_topk(logits.to(DEVICE), experts + 1, renorm, DTYPE)

@@ -156,7 +156,7 @@ def test_decode_runner_path_reports_the_same_logprobs(checkpoint):
 def test_bad_logprobs_is_a_request_error(checkpoint, value):
     path, _ = checkpoint
     engine = _engine(path)
-    with pytest.raises(RequestError, match="^logprobs"):
+    with pytest.raises(RequestError, match=r"^logprobs"):
         engine.add_request("r", PROMPTS[0], SamplingParams(max_tokens=1, logprobs=value))
 
 

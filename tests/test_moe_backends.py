@@ -8,33 +8,17 @@ them matches to bf16 rounding of the hidden states.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from freetoken._core import ExpertPool
 from freetoken.models.attention import AttentionMetadata
-from freetoken.models.demo import build_demo_checkpoint
 from freetoken.models.loader import load_checkpoint
 from freetoken.moe.expert_cache import ExpertCacheBackend
 from freetoken.moe.fused import FusedExperts
+from gpu_marker import DEVICES
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 PROFILE = dict(pcie_bytes_per_s=50e9, cpu_bytes_per_s={1: 20e9, 4: 40e9, 16: 60e9})
-
-
-@pytest.fixture(scope="module")
-def bf16_checkpoint(tmp_path_factory):
-    """The demo model with its weights stored in bfloat16 (so the pool holds exactly the fused weights)."""
-    path = build_demo_checkpoint(tmp_path_factory.mktemp("demo"), seed=5, num_experts=16, num_experts_per_tok=4)
-    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(path / "model.safetensors").items()}
-    save_file(tensors, path / "model.safetensors")
-    config = json.loads((path / "config.json").read_text())
-    config["torch_dtype"] = "bfloat16"
-    (path / "config.json").write_text(json.dumps(config))
-    return path
 
 
 def _logits(model, prompt: list[int]) -> torch.Tensor:
@@ -72,7 +56,7 @@ def test_backend_logits_equal_fused(bf16_checkpoint, mode, num_slots, device):
     # Relative to the largest logit: float32 rounding, or bf16 rounding of the host kernels' inputs.
     tol = (2e-3 if cpu else 1e-5) if device.type == "cpu" else (3e-2 if cpu else 0.0)
     for run in got:
-        for logits, want in zip(run, expected):
+        for logits, want in zip(run, expected, strict=True):
             assert (logits - want).abs().max().item() <= tol * want.abs().max().item()
     if mode == "cpu":
         assert fills == 0 and hits == 0 and cpu > 0

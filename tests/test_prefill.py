@@ -31,7 +31,8 @@ from freetoken.moe.prefill import (
     PrefillCosts,
     choose_strategy,
 )
-from test_moe_backends import DEVICES, PROFILE, bf16_checkpoint  # noqa: F401 (a fixture)
+from gpu_marker import DEVICES
+from test_moe_backends import PROFILE
 
 PROMPT = [(7 * i + 3) % 500 + 1 for i in range(37)]
 
@@ -68,7 +69,7 @@ def _chunked_logits(model, prompt: list[int], chunk: int, prefill: bool = True) 
         ("cpu", "cpu", 0, 0),
     ],
 )
-def test_prefill_strategies_equal_fused(bf16_checkpoint, device, mode, strategy, buffers, num_slots):  # noqa: F811
+def test_prefill_strategies_equal_fused(bf16_checkpoint, device, mode, strategy, buffers, num_slots):
     device = torch.device(device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     model = load_checkpoint(bf16_checkpoint, FusedExperts(), device, dtype)
@@ -92,7 +93,7 @@ def test_prefill_strategies_equal_fused(bf16_checkpoint, device, mode, strategy,
         assert backend.stats()["prefill"]["bytes_streamed"] > 0
 
 
-def test_streaming_leaves_the_slot_cache_as_it_was(bf16_checkpoint):  # noqa: F811
+def test_streaming_leaves_the_slot_cache_as_it_was(bf16_checkpoint):
     """Decode-hot experts survive a streamed prefill: same residents before and after, and only the experts that
     were not resident crossed into the buffers."""
     cpu = torch.device("cpu")
@@ -259,6 +260,7 @@ def test_exploration_measures_a_close_untried_strategy_once():
         assert picks == ["hybrid", "hybrid", *tried, "hybrid", "hybrid"], (n, picks)
 
 
+@pytest.mark.cuda_mocked
 def test_budget_makes_room_for_layer_buffers_or_says_why_not(monkeypatch, caplog):
     from freetoken.models.presets import preset_config_path
 
@@ -299,6 +301,7 @@ def test_budget_makes_room_for_layer_buffers_or_says_why_not(monkeypatch, caplog
                              "offload") == (6144, 2)
 
 
+@pytest.mark.cuda_mocked
 def test_budget_that_holds_the_whole_pool_takes_no_layer_buffers(monkeypatch):
     """Under auto, a budget whose slots can hold every expert keeps them all resident rather than evicting some
     for layer buffers that would have nothing to stream; a forced `stream` still gets its buffers."""
@@ -316,7 +319,7 @@ def test_budget_that_holds_the_whole_pool_takes_no_layer_buffers(monkeypatch):
     assert buffers == 2 and slots < num_experts
 
 
-def test_bad_prefill_settings_are_refused(bf16_checkpoint):  # noqa: F811
+def test_bad_prefill_settings_are_refused(bf16_checkpoint):
     pool = ExpertPool.from_checkpoint(bf16_checkpoint)
     cpu = torch.device("cpu")
     with pytest.raises(ValueError, match="--prefill-strategy stream needs layer buffers"):
@@ -333,7 +336,7 @@ def test_bad_prefill_settings_are_refused(bf16_checkpoint):  # noqa: F811
         EngineConfig(prefill_strategy="magic").validate()
 
 
-def test_long_prompt_chunks_never_stall_a_running_decode(bf16_checkpoint):  # noqa: F811
+def test_long_prompt_chunks_never_stall_a_running_decode(bf16_checkpoint):
     """A decode that is running gets a token on every step while a long prompt is prefilled chunk by chunk with
     streamed layers, and both outputs equal those of the same requests run alone."""
     cpu = torch.device("cpu")

@@ -26,6 +26,7 @@ from freetoken.kernels.gated_delta import (
 )
 from freetoken.models.attention import AttentionMetadata
 
+from gpu_marker import gpu_when_available
 from greedy import greedy_tokens, hf_greedy
 from reference_qwen3_5 import make_reference_checkpoint
 
@@ -211,6 +212,7 @@ def on_kernel_device():
     torch.set_default_device("cpu")
 
 
+@gpu_when_available
 def test_recurrent_kernel_matches_torch(on_kernel_device):
     """The Triton decode kernel (Triton's interpreter on the CPU) against the torch recurrence, odd sizes, padding
     rows that share the scratch slot, a bf16 input."""
@@ -276,6 +278,7 @@ def test_preset_plans_the_real_model():
     assert 4.0e9 < non_expert_nbytes(cfg, torch.bfloat16) < 5.5e9
 
 
+@gpu_when_available
 def test_chunk_kernels_match_torch(on_kernel_device):
     """The Triton prefill kernels (Triton's interpreter on the CPU): spans shorter than, equal to and past a 64-token
     chunk, grouped value heads, Dv not a power of two, from a non-zero state advanced in place."""
@@ -292,9 +295,81 @@ def test_chunk_kernels_match_torch(on_kernel_device):
         torch.testing.assert_close(state, want_state, atol=tol, rtol=tol)
 
 
+def _bf16_steps_apart(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """Per element, how many bfloat16 values lie between two bfloat16 tensors (0: equal)."""
+    a, b = (x.view(torch.int16).int() for x in (got, want))
+    # Sign-magnitude bits to a monotonic integer line, so steps across zero count too.
+    a, b = (torch.where(x < 0, -(x & 0x7FFF), x) for x in (a, b))
+    return (a - b).abs()
+
+
+@gpu_when_available
+def test_kernels_round_bfloat16_as_torch(on_kernel_device):
+    """bfloat16 q/k/v (and beta): the Triton prefill and decode kernels (Triton's interpreter on the CPU, which the
+    conftest makes round to nearest as the GPU does) give torch's bfloat16 outputs, bit for bit except a rare one-ulp
+    tie of their float32 sums, and its float32 states: no intermediate is rounded to bfloat16 where torch keeps
+    float32 (the l2norm, the decay and beta, the output's one rounding)."""
+    torch.manual_seed(5)
+    dtype = torch.bfloat16
+    length, heads_k, heads_v, dk, dv = 80, 2, 4, 32, 32
+    q, k = torch.randn(length, heads_k, dk, dtype=dtype), torch.randn(length, heads_k, dk, dtype=dtype)
+    v = torch.randn(length, heads_v, dv, dtype=dtype)
+    g, beta = -torch.rand(length, heads_v) * 2, torch.rand(length, heads_v).to(dtype)
+    state = torch.randn(heads_v, dk, dv)
+    want, want_state = chunk_gated_delta_rule_torch(q, k, v, g, beta, state)
+    got = chunk_gated_delta_rule(q, k, v, g, beta, state)
+    steps = _bf16_steps_apart(got, want)
+    assert steps.max() <= 1 and (steps > 0).float().mean() < 0.01, (steps > 0).float().mean()
+    torch.testing.assert_close(state, want_state, atol=1e-5, rtol=1e-5)
+    states = torch.randn(6, heads_v, dk, dv)
+    want_states, slots = states.clone(), torch.tensor([4, 1, 0])
+    want = recurrent_gated_delta_rule_torch(q[:3], k[:3], v[:3], g[:3], beta[:3], want_states, slots)
+    got = recurrent_gated_delta_rule(q[:3], k[:3], v[:3], g[:3], beta[:3], states, slots)
+    steps = _bf16_steps_apart(got, want)
+    assert steps.max() <= 1 and (steps > 0).float().mean() < 0.01, (steps > 0).float().mean()
+    torch.testing.assert_close(states, want_states, atol=1e-5, rtol=1e-5)
+
+
+# Shared memory per block on the H200 (sm_90: 227 KiB opt-in), and the share of it a kernel may take, leaving room
+# for Triton's other versions of the tiling and for GPUs with less.
+H200_SHARED_MEMORY = 232_448
+SHARED_MEMORY_MARGIN = 0.75
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
+def test_chunk_scan_fits_shared_memory(dtype):
+    """The prefill scan kernel at Qwen3.5-35B-A3B's head sizes (Dk = Dv = 128, value heads in groups of 2), with the
+    tiling `chunk_gated_delta_rule` launches it with, needs at most 3/4 of the H200's shared memory per block, from
+    Triton's compiler for sm_90 without a GPU (tests/triton_shared_memory.py; 3 pipeline stages needed 296,456 B
+    in float32, over the limit). In a subprocess: the interpreter this suite runs under compiles nothing."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from freetoken.kernels.gated_delta import CHUNK_SIZE, scan_launch_config
+
+    launch = scan_launch_config(dtype, 128)
+    elem = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
+    signature = {"q_ptr": f"*{elem}", "k_ptr": f"*{elem}", "o_ptr": f"*{elem}", "w_ptr": "*fp32", "u_ptr": "*fp32",
+                 "gcum_ptr": "*fp32", "state_ptr": "*fp32", "length": "i32", "scale": "fp32"}
+    spec = {"signature": signature, "num_stages": launch["num_stages"],
+            "constexprs": {"GROUP": 2, "CHUNK": CHUNK_SIZE, "DK": 128, "DV": 128, "BLOCK_V": launch["BLOCK_V"]}}
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    helper = Path(__file__).with_name("triton_shared_memory.py")
+    done = subprocess.run(
+        [sys.executable, str(helper), "freetoken.kernels.gated_delta", "_chunk_scan_kernel", json.dumps(spec)],
+        env=env, capture_output=True, text=True, timeout=500, check=True,
+    )
+    need = int(done.stdout.split()[-1])
+    assert need <= SHARED_MEMORY_MARGIN * H200_SHARED_MEMORY, f"{need} B of shared memory with {launch}"
+
+
+@gpu_when_available
 def test_deltanet_layer_with_kernels_matches_torch(monkeypatch, tmp_path):
-    """A Gated DeltaNet layer through the Triton kernels (on CUDA, or interpreted on the CPU) against its torch path, on the
-    strided views the layer feeds them: a step of two prefill spans, then a decode step, states compared after
+    """A Gated DeltaNet layer through the Triton kernels (on CUDA, or interpreted on the CPU) against its torch path,
+    on the strided views the layer feeds them: a step of two prefill spans, then a decode step, states compared after
     each."""
     from freetoken.engine.state_pool import RecurrentStatePool
     from freetoken.models import qwen3_5_moe
@@ -322,7 +397,7 @@ def test_deltanet_layer_with_kernels_matches_torch(monkeypatch, tmp_path):
     for x, query_lens in ((torch.randn(12, cfg.hidden_size), [7, 5]), (torch.randn(2, cfg.hidden_size), [1, 1])):
         want, got = run(pools[0], x, query_lens, False), run(pools[1], x, query_lens, True)
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-        for a, b in zip(pools[0].layers[0], pools[1].layers[0]):
+        for a, b in zip(pools[0].layers[0], pools[1].layers[0], strict=True):
             torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 

@@ -7,6 +7,8 @@ Skipped without a GPU; on the GPU box: python -m pytest tests/test_qwen3_5_gpu.p
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -96,12 +98,15 @@ def test_expert_cache_decode_with_the_hybrid(tmp_path):
 
 
 def test_bfloat16_greedy_follows_transformers(tmp_path):
-    """16 greedy steps in bfloat16 equal transformers' on the same GPU, except from a near-tie (the top-2 logits of
-    the reference within 2 bf16 ulps), as tests/test_gpu.py allows for Qwen3-MoE; most sequences match all 16."""
+    """16 greedy steps in bfloat16 equal transformers' on the same GPU, except from a near-tie: the top-2 logits of
+    the reference within 2 bf16 ulps plus the reference's own bf16 error at that step (its logits against its
+    float32 logits on the same tokens; `follows_reference_bf16` says why a hybrid needs that); most sequences match
+    all 16."""
     full = total = 0
     for seed in range(4):
-        ref = make_reference_checkpoint(tmp_path / f"ref{seed}", seed=seed, lm_head_std=0.6).to("cuda", torch.bfloat16)
+        ref32 = make_reference_checkpoint(tmp_path / f"ref{seed}", seed=seed, lm_head_std=0.6).to("cuda")
+        ref = copy.deepcopy(ref32).to(torch.bfloat16)
         got = _greedy(tmp_path / f"ref{seed}", "cuda", "bfloat16", PROMPTS, 16)
-        full += follows_reference_bf16(ref, PROMPTS, got, 16, f"seed {seed}")
+        full += follows_reference_bf16(ref, PROMPTS, got, 16, f"seed {seed}", ref32=ref32)
         total += len(PROMPTS)
     assert full >= total - 2, f"only {full} of {total} sequences matched all 16 steps"

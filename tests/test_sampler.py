@@ -149,7 +149,7 @@ def test_logit_bias_moves_sampling_not_logprobs():
 
 @pytest.mark.parametrize("bias", [{1: 100.5}, {1: float("nan")}, {-1: 1.0}, {"1": 1.0}, {1: True}, [1]])
 def test_bad_logit_bias_is_refused(bias):
-    with pytest.raises(ValueError, match="^logit_bias"):
+    with pytest.raises(ValueError, match=r"^logit_bias"):
         SamplingParams(logit_bias=bias).validate()
 
 

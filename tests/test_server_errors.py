@@ -99,6 +99,10 @@ OPENAI_BAD = [
     ("n zero", _openai(n=0), "n", "invalid_value"),
     ("prompt over context", _openai(messages=[{"role": "user", "content": LONG_TEXT}]), "messages",
      "context_length_exceeded"),
+    ("tool parameters not an object", _openai(tools=[{"type": "function", "function": {"name": "f",
+     "parameters": "notaschema"}}]), "tools[0].function.parameters", "invalid_type"),
+    ("tool description not a string", _openai(tools=[{"type": "function", "function": {"name": "f",
+     "description": 5}}]), "tools[0].function.description", "invalid_type"),
 ]
 
 

@@ -181,7 +181,8 @@ def _endpoint_fields() -> dict[str, tuple[dict[str, st.SearchStrategy], dict[str
         "response_format": maybe(st.one_of(
             st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object"])}),
             st.fixed_dictionaries({"type": st.just("json_schema"),
-                                   "json_schema": maybe(st.fixed_dictionaries({"name": text}, optional={"schema": junk}))}),
+                                   "json_schema": maybe(st.fixed_dictionaries({"name": text},
+                                                                              optional={"schema": junk}))}),
         )),
         "chat_template_kwargs": maybe(st.fixed_dictionaries({}, optional={"enable_thinking": maybe(st.booleans())})),
         "logprobs": maybe(st.booleans()),
@@ -249,7 +250,8 @@ def _endpoint_fields() -> dict[str, tuple[dict[str, st.SearchStrategy], dict[str
             st.sampled_from(["auto", "none", "required"]),
             st.fixed_dictionaries({"type": st.just("function"), "name": maybe(st.just("f"))}),
         )),
-        "reasoning": maybe(st.fixed_dictionaries({}, optional={"effort": maybe(st.sampled_from(["none", "low", "high"]))})),
+        "reasoning": maybe(st.fixed_dictionaries({}, optional={
+            "effort": maybe(st.sampled_from(["none", "low", "high"]))})),
         "previous_response_id": maybe(st.one_of(st.none(), text)),
         "parallel_tool_calls": junk,
         "metadata": junk,

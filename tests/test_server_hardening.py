@@ -168,3 +168,23 @@ def test_n_times_max_tokens_is_capped(limited_server: ServerProcess) -> None:
         capped = client.post("/v1/chat/completions", json={**base, "ignore_eos": True})
         assert capped.status_code == 200, capped.text
         assert capped.json()["usage"]["completion_tokens"] <= MAX_REQUEST_OUTPUT_TOKENS
+
+
+@pytest.mark.parametrize(("path", "field", "body"), [
+    ("/v1/messages", "max_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
+    ("/v1/responses", "max_output_tokens", {"input": "hi"}),
+    ("/v1/completions", "max_tokens", {"prompt": "hi"}),
+])
+def test_every_api_caps_one_requests_output(limited_server: ServerProcess, path: str, field: str, body: dict) -> None:
+    """--max-request-output-tokens holds on each API, not only chat completions: a budget over it is a 400 naming
+    the field; /v1/responses without max_output_tokens (as Codex sends) gets the cap, not the context's rest."""
+    base = {"model": "m", "temperature": 0, **body}
+    with httpx.Client(base_url=limited_server.base_url, timeout=300) as client:
+        refused = client.post(path, json={**base, field: MAX_REQUEST_OUTPUT_TOKENS + 1})
+        assert refused.status_code == 400, refused.text
+        assert "--max-request-output-tokens" in refused.text and field in refused.text
+        assert "n x" not in refused.text  # these APIs have no n: the message speaks of the budget alone
+        if path == "/v1/responses":
+            capped = client.post(path, json=base)
+            assert capped.status_code == 200, capped.text
+            assert capped.json()["usage"]["output_tokens"] <= MAX_REQUEST_OUTPUT_TOKENS

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
-import uvicorn
-from conftest import free_port
+from conftest import in_process_server
 
 # Long against the first request's own start-up on a loaded 2-core machine (1.1 s seen in CI-like runs), so
 # "sent at acceptance, long before the first token" is told apart from "sent with the first token".
@@ -49,17 +47,8 @@ def slow_server() -> Iterator[str]:
     engine = LLMEngine.from_dir(demo_checkpoint_dir(), EngineConfig(device="cpu", max_model_len=512))
     app = build_app(SlowPrefill(AsyncEngine(engine, "demo"), PREFILL_S), served_model_name="demo",
                     keepalive_s=KEEPALIVE_S)
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 120
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the in-process server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=30)
+    with in_process_server(app) as base_url:
+        yield base_url
 
 
 def _timed_events(base_url: str, path: str, body: dict) -> list[tuple[float, str]]:

@@ -105,7 +105,7 @@ def test_completions_legacy_shape(openai_client, http):
     streamed = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
     assert [t for s in streamed for t in s.tokens] == lp.tokens
     assert [o for s in streamed for o in s.text_offset] == lp.text_offset
-    assert all(abs(a - b) < 1e-5 for a, b in zip([v for s in streamed for v in s.token_logprobs], lp.token_logprobs))
+    assert all(abs(a - b) < 1e-5 for a, b in zip([v for s in streamed for v in s.token_logprobs], lp.token_logprobs, strict=True))
     # echo: offsets start after the echoed prompt.
     echoed = http.post("/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 2, "temperature": 0,
                                                  "echo": True, "logprobs": 0}).json()

@@ -60,7 +60,7 @@ def test_metrics_follow_requests(http):
     assert value(after, "freetoken_kv_cache_blocks") > 0 and value(after, "freetoken_engine_steps_total") > 0
     cpu_runs = [value(after, "freetoken_expert_cache_cpu_runs_total", layer=str(i)) for i in range(4)]
     cpu_runs_before = [value(before, "freetoken_expert_cache_cpu_runs_total", layer=str(i)) for i in range(4)]
-    assert all(a > b for a, b in zip(cpu_runs, cpu_runs_before))
+    assert all(a > b for a, b in zip(cpu_runs, cpu_runs_before, strict=True))
     assert value(after, "freetoken_expert_cache_cpu_read_bytes_total", layer="0") > 0
     assert ("freetoken_num_requests_waiting", ()) in after and ("freetoken_kv_cache_usage_ratio", ()) in after
 

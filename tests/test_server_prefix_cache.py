@@ -117,7 +117,7 @@ def test_anthropic_usage_splits_the_prompt(server, cold, http, parse_sse):
     # Streamed: message_start says what is cached before the answer starts; message_delta has the split too.
     body = {"model": "m", "messages": messages, "max_tokens": 6, "temperature": 0, "stream": True}
     with http.stream("POST", "/v1/messages", json=body) as response:
-        events = {name: data for name, data in parse_sse(response.read())}
+        events = dict(parse_sse(response.read()))
     start = json.loads(events["message_start"])["message"]["usage"]
     delta = json.loads(events["message_delta"])["usage"]
     for usage in (start, delta):

@@ -68,12 +68,12 @@ class ExpertPool:
         """Loads the routed experts of a Hugging Face MoE checkpoint (Qwen3-MoE layout).
 
         Reads ``config.json`` (``hidden_size``, ``moe_intermediate_size``, ``num_experts``,
-        ``num_local_experts`` or ``n_routed_experts``, ``num_hidden_layers``, ``mlp_only_layers``, ``decoder_sparse_step``;
-        ``text_config`` when present) and ``model.safetensors`` or the shards named by
+        ``num_local_experts`` or ``n_routed_experts``, ``num_hidden_layers``, ``mlp_only_layers``,
+        ``decoder_sparse_step``; ``text_config`` when present) and ``model.safetensors`` or the shards named by
         ``model.safetensors.index.json``. MoE layers are the ``L`` not in ``mlp_only_layers`` with
         ``(L + 1) % decoder_sparse_step == 0`` (or, when the config has ``first_k_dense_replace``
-        as DeepSeek-V2/V3 do, ``L >= first_k_dense_replace`` with ``L % moe_layer_freq == 0``). Tensors, per model layer ``L``: either per expert
-        ``model.layers.{L}.mlp.experts.{E}.{gate,up,down}_proj.weight`` or fused
+        as DeepSeek-V2/V3 do, ``L >= first_k_dense_replace`` with ``L % moe_layer_freq == 0``). Tensors, per model
+        layer ``L``: either per expert ``model.layers.{L}.mlp.experts.{E}.{gate,up,down}_proj.weight`` or fused
         ``model.layers.{L}.mlp.experts.gate_up_proj`` ``[E, 2I, H]`` and ``...down_proj`` ``[E, H, I]``
         (transposed ``[E, H, 2I]`` / ``[E, I, H]`` accepted). BF16, F16 and F32 are packed as bf16.
 
@@ -115,6 +115,37 @@ class ExpertPool:
             InvalidArgumentError: A size is zero or ``moe_layers`` is inconsistent.
         """
 
+    @staticmethod
+    def zeroed(
+        num_layers: int,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        format: str = "bf16",
+        block: tuple[int, int] = (0, 0),
+        moe_layers: list[int] | None = None,
+    ) -> ExpertPool:
+        """A zeroed pool whose experts are stored in ``format``, to be filled through ``expert_view``
+        (``freetoken.quant.checkpoint.fill_quantized_pool`` packs a quantized checkpoint into it).
+
+        Args:
+            num_layers: MoE layers held (pool layers).
+            num_experts: Routed experts per layer (E).
+            hidden_size: H.
+            intermediate_size: Expert intermediate size I.
+            format: ``bf16``, ``fp8_block``, ``nvfp4`` or ``mxfp4`` (``freetoken.quant.formats``); each expert is
+                its weights and scales, contiguous, ``expert_nbytes`` bytes.
+            block: FP8's ``weight_block_size`` (rows, cols); ignored by the other formats.
+            moe_layers: Model layer index of each pool layer (default ``range(num_layers)``).
+
+        Raises:
+            InvalidArgumentError: An unknown format, a size that does not split into whole blocks, or
+                inconsistent ``moe_layers``.
+        """
+
+    @property
+    def format(self) -> str:
+        """The experts' format: ``bf16``, ``fp8_block``, ``nvfp4`` or ``mxfp4``."""
     @property
     def num_layers(self) -> int:
         """MoE layers held (pool layers)."""
@@ -403,6 +434,47 @@ class Planner:
 
 IsaName = Literal["scalar", "avx2", "avx512_bf16", "amx_bf16"]
 
+def expert_layout(
+    format: str, hidden_size: int, intermediate_size: int, block: tuple[int, int] = (0, 0)
+) -> dict[str, Any]:
+    """The Rust layout of one expert: ``{section: (offset, nbytes)}`` for ``gate_up``, ``down``,
+    ``gate_up_scale``, ``down_scale``, ``tensor_scale``, and ``expert_nbytes`` (the mirror of
+    ``freetoken.quant.formats.ExpertFormat.layout``).
+
+    Raises:
+        InvalidArgumentError: An unknown format or sizes that do not split into whole blocks.
+    """
+
+def dequantize_expert(
+    format: str,
+    hidden_size: int,
+    intermediate_size: int,
+    expert: npt.NDArray[np.uint8],
+    block: tuple[int, int] = (0, 0),
+) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+    """One quantized expert (``expert_nbytes`` uint8 in the pool layout) dequantized by the Rust codecs:
+    ``(gate_up [2I * H], down [H * I])`` float32, flat.
+
+    Raises:
+        InvalidArgumentError: bf16 or an unknown format, bad sizes, or too few bytes.
+    """
+
+def quantized_expert_forward(
+    format: str,
+    hidden_size: int,
+    intermediate_size: int,
+    expert: npt.NDArray[np.uint8],
+    x: npt.NDArray[np.float32],
+    isa: str = "scalar",
+    block: tuple[int, int] = (0, 0),
+) -> npt.NDArray[np.float32]:
+    """SwiGLU of one quantized expert on ``x [n, H]`` (float32, C-contiguous) by the CPU kernels of path
+    ``isa`` (``supported_isas()``), single-threaded, GIL released: ``[n * H]`` float32.
+
+    Raises:
+        InvalidArgumentError: An unknown or unsupported isa, a bad format or size, or ``x`` not ``[n, H]``.
+    """
+
 def supported_isas() -> list[IsaName]:
     """Kernel paths this CPU supports, slowest first."""
 
@@ -512,8 +584,8 @@ class DecodeDriver:
     tile alignment, the tiles of hits and of fills apart) and sets ``plan_flag[l]``; it copies fills into the
     slots (on the CUDA stream given, through the CUDA driver API, or ``memcpy`` into host ``slots``) and sets
     ``fill_flag[l]`` once they have landed (by a write on that stream after them where it can), runs the CPU
-    experts, writes their sum, then sets ``cpu_flag[l]``. Layouts are in ``freetoken_core::driver::Handshake``. All buffers must be page-locked
-    and mapped for the device when it takes part.
+    experts, writes their sum, then sets ``cpu_flag[l]``. Layouts are in ``freetoken_core::driver::Handshake``. All
+    buffers must be page-locked and mapped for the device when it takes part.
     """
 
     def __init__(

@@ -17,6 +17,8 @@ SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen
 # `model.language_model.` (vision tower under `model.visual.`, skipped) and its config under `text_config`.
 QWEN3_5_ARCHITECTURES = ("Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 LAYER_TYPES = ("full_attention", "linear_attention")
+# `--dtype` values: "auto" (bfloat16 on CUDA, float32 on the CPU), then torch dtypes by their torch names.
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 MOE_BACKENDS = ("auto", "fused", "offload", "cpu", "hybrid")
 EXPERT_CACHE_POLICIES = ("lru", "layer_lru", "lfu")
 PREFILL_STRATEGIES = ("auto", "stream", "fill", "cpu", "hybrid")
@@ -191,7 +193,8 @@ class ModelConfig:
             )
         if not 0 < self.num_experts_per_tok <= max(self.num_experts, 1):
             raise ConfigError(
-                f"{source}: num_experts_per_tok ({self.num_experts_per_tok}) must be in 1..num_experts ({self.num_experts})"
+                f"{source}: num_experts_per_tok ({self.num_experts_per_tok}) must be in "
+                f"1..num_experts ({self.num_experts})"
             )
         if self.decoder_sparse_step < 1:
             raise ConfigError(f"{source}: decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
@@ -263,6 +266,14 @@ class ModelConfig:
     def expert_numel(self) -> int:
         """Elements in one routed expert: gate and up [I, H] each, down [H, I]."""
         return 3 * self.hidden_size * self.moe_intermediate_size
+
+    @property
+    def expert_nbytes(self) -> int:
+        """Bytes of one routed expert as the checkpoint stores it, weights and scales (`freetoken.quant.formats`;
+        bf16 checkpoints: 2 * expert_numel). Raises QuantConfigError for an unsupported quantization_config."""
+        from freetoken.quant.formats import quant_spec
+
+        return quant_spec(self.raw).format.layout(self.hidden_size, self.moe_intermediate_size).expert_nbytes
 
 
 @dataclass
@@ -374,6 +385,8 @@ class EngineConfig:
             raise ValueError(f"--device {self.device}: torch sees no CUDA device here; use --device cpu")
         if device.type not in ("cpu", "cuda"):
             raise ValueError(f"--device {self.device!r}: freetoken runs on cpu or cuda")
+        if self.dtype not in DTYPES:  # answered before the weights load, not after
+            raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         for name in (
             "max_num_seqs", "max_prefill_tokens", "kv_block_size", "stream_buffer_chunks", "max_request_output_tokens",
             "state_checkpoint_spacing",

@@ -149,6 +149,7 @@ class Tokenizer:
         vocab_size: number of token ids the tokenizer can produce, added tokens included
             (151669 for Qwen3). The model's embedding may be larger (padded; 151936 for Qwen3).
         bos_token_id: id of tokenizer_config's bos_token, or None (Qwen3 has none).
+        chat_template_source: the chat template's text, or None.
     """
 
     def __init__(
@@ -159,10 +160,13 @@ class Tokenizer:
         add_bos_token: bool,
         chat_template: jinja2.Template | None,
         eos_token_ids: list[int],
+        chat_template_source: str | None = None,
     ):
         self._tokenizer = tokenizer
         self._special_tokens = special_tokens
         self._chat_template = chat_template
+        # The template's text: output parsers pick a family's variant by the markup it writes.
+        self.chat_template_source = chat_template_source
         self.vocab_size: int = tokenizer.get_vocab_size(with_added_tokens=True)
         bos = special_tokens.get("bos_token")
         self.bos_token_id: int | None = tokenizer.token_to_id(bos) if bos is not None else None
@@ -244,6 +248,7 @@ class Tokenizer:
             add_bos_token=bool(config.get("add_bos_token", False)),
             chat_template=chat_template,
             eos_token_ids=eos_token_ids,
+            chat_template_source=template_source or None,
         )
 
     def encode(self, text: str) -> list[int]:

@@ -79,7 +79,7 @@ def gpu_info(index: int) -> dict[str, Any]:
     import torch
 
     props = torch.cuda.get_device_properties(index)
-    pci = [getattr(props, f"pci_{k}_id", None) for k in ("domain", "bus", "device")]  # torch >= 2.5
+    pci: list[Any] = [getattr(props, f"pci_{k}_id", None) for k in ("domain", "bus", "device")]  # torch >= 2.5
     bus_id = None if None in pci else "{:04x}:{:02x}:{:02x}.0".format(*pci)
     keys = ("current_link_speed", "current_link_width", "max_link_speed", "max_link_width")
     link = {k: _read(f"/sys/bus/pci/devices/{bus_id}/{k}") if bus_id else None for k in keys}

@@ -38,6 +38,7 @@ and no profile is written. Every visible GPU gets its own profile (restrict with
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `ft bench` and its flags to the subcommands of `ft` (`freetoken.cli.main.build_parser`)."""
     from freetoken.models.presets import preset_names
 
     p = sub.add_parser("bench", help="measure this box", description="Measurements of this box.")

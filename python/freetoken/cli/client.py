@@ -46,17 +46,40 @@ def get_json(server: str, path: str, api_key: str | None = None, timeout_s: floa
         ServerError: nothing answers (`unreachable`; the message names the `ft serve` command), the key is
             missing or refused, another HTTP error, or a body that is not JSON.
     """
+    return _request_json(server, path, api_key, None, timeout_s)
+
+
+def post_json(server: str, path: str, body: Any, api_key: str | None = None, timeout_s: float = 600.0) -> Any:
+    """``POST {server}{path}`` with a JSON body; the answer as JSON.
+
+    Raises:
+        ServerError: as `get_json`; an API error answer (4xx/5xx with an error body) gives its message.
+    """
+    return _request_json(server, path, api_key, body, timeout_s)
+
+
+def _request_json(server: str, path: str, api_key: str | None, body: Any, timeout_s: float) -> Any:
     url = base_url(server)
-    request = urllib.request.Request(url + path)
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data)
+    if data is not None:
+        request.add_header("Content-Type", "application/json")
     if api_key:
         request.add_header("Authorization", f"Bearer {api_key}")
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
             return json.load(response)
     except urllib.error.HTTPError as exc:
+        if exc.code == 401 and api_key:
+            raise ServerError(f"{url} refused the API key given (--api-key or FREETOKEN_API_KEY): it is not "
+                              "the key its `ft serve --api-key` set") from None
         if exc.code == 401:
             raise ServerError(f"{url} needs its API key: pass --api-key or set FREETOKEN_API_KEY") from None
-        raise ServerError(f"{url}{path} answered HTTP {exc.code}; is it a freetoken server?") from None
+        try:
+            message = json.load(exc)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            raise ServerError(f"{url}{path} answered HTTP {exc.code}; is it a freetoken server?") from None
+        raise ServerError(f"HTTP {exc.code}: {message}") from None
     except (urllib.error.URLError, OSError) as exc:
         reason = getattr(exc, "reason", exc)
         hint = "" if url == DEFAULT_SERVER else " with --host/--port to match"

@@ -1,4 +1,6 @@
-"""`ft ctl status`: what a running server serves and how it is doing, as one short report (or --json)."""
+"""`ft ctl status`: what a running server serves and how it is doing, as one short report (or --json); `ft ctl cache`:
+the expert-slot cache's and the KV cache's sizes, and resizing them while the server serves (`POST /v1/cache/resize`,
+`freetoken.engine.resize`)."""
 
 from __future__ import annotations
 
@@ -6,10 +8,11 @@ import argparse
 import json
 import sys
 
-from freetoken.cli.client import ServerError, add_server_args, base_url, get_json
+from freetoken.cli.client import ServerError, add_server_args, base_url, get_json, post_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `ft ctl` and its flags to the subcommands of `ft` (`freetoken.cli.main.build_parser`)."""
     p = sub.add_parser("ctl", help="talk to a running server", description="Talk to a running freetoken server.")
     verbs = p.add_subparsers(dest="ctl_command", required=True, metavar="VERB")
     status = verbs.add_parser(
@@ -21,6 +24,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_server_args(status)
     status.add_argument("--json", action="store_true", help="print /v1/stats as JSON instead")
     status.set_defaults(func=run_status, parser=status)
+    cache = verbs.add_parser(
+        "cache",
+        help="show or resize the expert-slot cache and the KV cache of a running server",
+        description="Without sizes: print the expert-slot cache's and the KV cache's sizes and the memory headroom "
+        "(GET /v1/cache). With sizes: resize them while the server serves (POST /v1/cache/resize): requests wait "
+        "for it, resident experts and cached prefixes that still fit survive; a size that does not fit is "
+        "refused before anything changes.",
+    )
+    add_server_args(cache)
+    cache.add_argument("--expert-gb", type=float, help="the expert-slot cache's new size in GB (1e9 bytes)")
+    cache.add_argument("--kv-gb", type=float, help="the KV cache's new size in GB (1e9 bytes)")
+    cache.add_argument("--expert-slots", type=int, help="the expert-slot cache's new size in slots")
+    cache.add_argument("--kv-blocks", type=int, help="the KV cache's new size in blocks")
+    cache.add_argument("--json", action="store_true", help="print the server's JSON answer instead")
+    cache.set_defaults(func=run_cache, parser=cache)
     p.set_defaults(parser=p)
 
 
@@ -37,17 +55,32 @@ def status_lines(models: dict, stats: dict) -> list[str]:
     if moe.get("num_slots") is not None:
         gb = moe["num_slots"] * moe.get("expert_nbytes", 0) / 1e9
         lines.append(f"experts    {moe.get('num_resident', 0)}/{moe['num_slots']} slots resident ({gb:.2f} GB)")
+    kv_gb = ((stats.get("cache") or {}).get("kv_cache") or {}).get("gb")
     lines += [
-        f"kv cache   {total - free}/{total} blocks in use",
-        f"requests   {stats.get('num_running', 0)} running, {stats.get('num_waiting', 0)} waiting, "
-        f"{server.get('num_requests', 0)} answered",
-        f"tokens     {server.get('num_generation_tokens', 0)} generated, {server.get('num_prompt_tokens', 0)} prompt; "
-        f"decode {server.get('decode_tokens_per_s', 0):.1f} tok/s",
+        f"kv cache   {total - free}/{total} blocks in use" + ("" if kv_gb is None else f" ({kv_gb:.2f} GB)"),
+        (
+            f"requests   {stats.get('num_running', 0)} running, {stats.get('num_waiting', 0)} waiting, "
+            f"{server.get('num_requests', 0)} answered"
+        ),
+        (
+            f"tokens     {server.get('num_generation_tokens', 0)} generated, "
+            f"{server.get('num_prompt_tokens', 0)} prompt; decode {server.get('decode_tokens_per_s', 0):.1f} tok/s"
+        ),
     ]
-    if isinstance(stats.get("prefix_cache"), dict):
-        items = ", ".join(f"{k} {v}" for k, v in stats["prefix_cache"].items() if isinstance(v, (int, float)))
-        lines.append(f"prefix     {items}")
+    prefix = stats.get("prefix_cache")
+    if isinstance(prefix, dict):
+        lines.append(f"prefix     {_prefix_line(prefix)}")
     return lines
+
+
+def _prefix_line(prefix: dict) -> str:
+    """The prefix cache in one line: off, or the prompt tokens it served since start and the blocks it holds."""
+    if prefix.get("enabled") is False:
+        return "off (--no-prefix-cache, or a model it cannot serve yet)"
+    hit, looked_up = prefix.get("num_hit_tokens", 0), prefix.get("num_lookup_tokens", 0)
+    share = f"{100 * hit / looked_up:.0f}%" if looked_up else "–"
+    return (f"{hit} of {looked_up} prompt tokens reused ({share}); {prefix.get('num_cached_blocks', 0)} blocks "
+            f"cached, {prefix.get('num_evictions', 0)} evictions")
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -63,4 +96,65 @@ def run_status(args: argparse.Namespace) -> int:
         return 1
     print(f"server     {base_url(args.server)}")
     print("\n".join(status_lines(models, stats)))
+    return 0
+
+
+def cache_lines(cache: dict) -> list[str]:
+    """The report's lines from a ``GET /v1/cache`` body."""
+    experts, kv, budget = cache.get("expert_cache"), cache.get("kv_cache") or {}, cache.get("budget") or {}
+    lines = []
+    if experts is None:
+        lines.append("experts    no expert-slot cache (fused or cpu backend)")
+    else:
+        lines.append(
+            f"experts    {experts['gb']:.4g} GB: {experts['num_slots']} slots of {experts['slot_nbytes'] / 1e6:.3g} MB, "
+            f"{experts['num_resident']} resident of {experts['num_experts']} experts ({experts['policy']})"
+        )
+    lines.append(
+        f"kv cache   {kv.get('gb', 0):.4g} GB: {kv.get('num_blocks')} blocks x {kv.get('block_size')} tokens, "
+        f"{kv.get('num_held_blocks')} held, {kv.get('num_cached_blocks')} cached prefix blocks"
+    )
+    headroom = budget.get("headroom_gb")
+    lines.append("headroom   " + ("unknown" if headroom is None else f"{headroom:.4g} GB ({budget.get('bounded_by')})"))
+    if cache.get("resizing"):
+        lines.append("resizing   a resize is running")
+    return lines
+
+
+def describe(answer: dict) -> str:
+    """One line for a resize's answer: each cache's old and new size, what survived, the time."""
+    parts = []
+    before, after = answer["before"], answer["after"]
+    if before["expert_cache"] is not None and before["expert_cache"]["num_slots"] != after["expert_cache"]["num_slots"]:
+        b, a = before["expert_cache"], after["expert_cache"]
+        parts.append(
+            f"expert cache {b['gb']:g} -> {a['gb']:g} GB ({b['num_slots']} -> {a['num_slots']} slots, "
+            f"{a['num_resident']} of {b['num_resident']} resident experts kept)"
+        )
+    b, a = before["kv_cache"], after["kv_cache"]
+    if b["num_blocks"] != a["num_blocks"]:
+        parts.append(
+            f"KV cache {b['gb']:g} -> {a['gb']:g} GB ({b['num_tokens']} -> {a['num_tokens']} tokens, "
+            f"{a['num_cached_blocks']} of {b['num_cached_blocks']} prefix blocks kept)"
+        )
+    return "; ".join(parts) or "sizes unchanged"
+
+
+def run_cache(args: argparse.Namespace) -> int:
+    """Print the caches' sizes, or resize them and print one line; 1 with a one-line reason on failure."""
+    sizes = {name: getattr(args, name) for name in ("expert_gb", "kv_gb", "expert_slots", "kv_blocks")}
+    sizes = {name: value for name, value in sizes.items() if value is not None}
+    try:
+        if not sizes:
+            cache = get_json(args.server, "/v1/cache", args.api_key)
+            print(json.dumps(cache, indent=2) if args.json else "\n".join(cache_lines(cache)))
+            return 0
+        answer = post_json(args.server, "/v1/cache/resize", sizes, args.api_key)
+    except ServerError as exc:
+        print(f"ft ctl cache: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(answer, indent=2))
+    else:
+        print(f"resized in {answer['seconds']:.2f} s: {describe(answer)}" + "".join(f"; {n}" for n in answer["notes"]))
     return 0

@@ -182,7 +182,7 @@ def _openclaw(served: ServedModel, args: list[str], config_dir: Path) -> LaunchP
                         "id": served.model, "name": served.model, "reasoning": False, "input": ["text"],
                         "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
                         "contextWindow": served.max_model_len, "maxTokens": served.max_model_len,
-                    }],  # fmt: skip
+                    }],
                 }
             },
         },
@@ -284,6 +284,7 @@ def describe(plan: LaunchPlan, removed: list[str], executable: str | None) -> st
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `ft launch` and its flags to the subcommands of `ft` (`freetoken.cli.main.build_parser`)."""
     p = sub.add_parser(
         "launch",
         usage="ft launch [-h] [--server SERVER] [--api-key API_KEY] [--dry-run] HARNESS [-- ARGS...]",

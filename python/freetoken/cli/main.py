@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from freetoken import __version__
@@ -14,6 +15,7 @@ log = logging.getLogger("freetoken.cli")
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The `ft` argument parser: global flags and one subcommand per verb (serve, bench, launch, ctl, top)."""
     parser = argparse.ArgumentParser(prog="ft", description="freetoken: serve MoE LLMs bigger than the GPU")
     parser.add_argument("--version", action="version", version=f"freetoken {__version__}")
     parser.add_argument("--log-level", default="INFO", choices=["DEBUG", "INFO", "WARNING", "ERROR"])
@@ -43,7 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     # ConfigError and the loader's CheckpointError are ValueErrors; the loader is not imported here, so that a
     # user error found before loading (a bad path, flag or config.json) answers without importing torch.
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the handler, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        # The reader went away (`ft ctl status | head -1`): stop quietly, as `cat` does. Further writes, and
+        # the interpreter's flush at exit, go to /dev/null instead of raising again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (FileNotFoundError, ValueError) as e:
         print(f"ft {args.command}: {e}", file=sys.stderr)
         return 2

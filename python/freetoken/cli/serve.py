@@ -85,6 +85,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `ft serve` and its flags to the subcommands of `ft` (`freetoken.cli.main.build_parser`)."""
     p = sub.add_parser(
         "serve",
         help="serve a model over the OpenAI and Anthropic HTTP APIs",
@@ -188,7 +189,7 @@ def check_port_free(host: str, port: int) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
     except OSError as exc:
-        raise SystemExit(f"ft serve: cannot listen on {host}:{port} ({exc.strerror}); pick another --port or --host")
+        raise SystemExit(f"ft serve: cannot listen on {host}:{port} ({exc.strerror}); pick another --port or --host") from None
 
 
 def run(args: argparse.Namespace) -> int:

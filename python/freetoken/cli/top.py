@@ -8,6 +8,7 @@ from freetoken.cli.client import add_server_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Add `ft top` and its flags to the subcommands of `ft` (`freetoken.cli.main.build_parser`)."""
     p = sub.add_parser(
         "top",
         help="live view of a running server: tok/s, latency, expert-cache split per layer, queue",

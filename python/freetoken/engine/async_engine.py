@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from freetoken.engine.llm_engine import LLMEngine, RequestError
+from freetoken.engine.resize import ResizeConflict, ResizeError, resize
 from freetoken.heap import release_free_memory
 from freetoken.engine.types import GenerationChunk, SamplingParams
 
@@ -66,6 +67,15 @@ class _Resume:
     request_id: str
 
 
+@dataclass
+class _Resize:
+    """A cache resize (`freetoken.engine.resize.resize`'s keyword arguments) and the future of its answer."""
+
+    sizes: dict
+    loop: asyncio.AbstractEventLoop
+    done: asyncio.Future
+
+
 class _Stop:
     pass
 
@@ -97,6 +107,7 @@ class AsyncEngine:
         self._streams: dict[str, _Add] = {}
         self._thread: threading.Thread | None = None
         self._stats: dict = engine.stats()
+        self._resizing = False  # a cache resize is queued or running (event loop only)
 
     async def start(self) -> None:
         """Start the engine thread (idempotent)."""
@@ -119,6 +130,8 @@ class AsyncEngine:
                     break
                 if isinstance(command, _Add):
                     command.loop.call_soon_threadsafe(command.out.put_nowait, aborted)
+                elif isinstance(command, _Resize):
+                    _settle(command, RuntimeError("the server is shutting down; the cache resize was not done"))
 
     def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """`LLMEngine.check_request`, from the event loop: what `generate` would refuse, found before it runs.
@@ -137,6 +150,30 @@ class AsyncEngine:
     def stats(self) -> dict:
         """The latest engine counters (JSON-able), as of the last step."""
         return dict(self._stats)
+
+    @property
+    def resizing(self) -> bool:
+        """Whether a cache resize is queued or running."""
+        return self._resizing
+
+    async def resize_cache(self, **sizes) -> dict:
+        """Resize the expert-slot cache and/or the KV cache at the engine thread's next safe point, between two
+        steps (`freetoken.engine.resize.resize`; `sizes` are its keyword arguments); requests wait meanwhile.
+
+        Returns its answer. Raises ResizeConflict when a resize is already queued or running, and what `resize`
+        raises (ResizeRefused before anything changed, ResizeRolledBack after an allocation failed). Cancelling the
+        caller does not cancel the resize, and the next one is refused until it has ended.
+        """
+        if self._resizing:
+            raise ResizeConflict("a cache resize is already running; retry when it has ended")
+        self._resizing = True
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        done.add_done_callback(lambda _: setattr(self, "_resizing", False))
+        if self._thread is None:
+            await self.start()
+        self._commands.put(_Resize(sizes, loop, done))
+        return await asyncio.shield(done)
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None, group: str | None = None
@@ -243,6 +280,16 @@ class AsyncEngine:
             stream = self._streams.get(command.request_id)
             if stream is not None and stream.paused:
                 self._resume(stream)
+        elif isinstance(command, _Resize):
+            # Between two steps: the step in flight has ended; running and queued requests wait for this.
+            try:
+                answer: dict | BaseException = resize(self.engine, **command.sizes)
+            except Exception as e:  # noqa: BLE001 (refused, rolled back, or a bug: answered, the thread lives on)
+                if not isinstance(e, ResizeError):
+                    log.exception("cache resize failed")
+                answer = e
+            _settle(command, answer)
+            self._stats = self.engine.stats()
         return True
 
     def _loop(self) -> None:
@@ -286,3 +333,20 @@ class AsyncEngine:
             self._deliver(
                 request_id, error if error is not None else GenerationChunk(text="", token_ids=[], finish_reason="abort")
             )
+
+
+def _settle(command: _Resize, answer: dict | BaseException) -> None:
+    """Hand a resize's answer (or exception) to its future on the event loop (nothing when the loop is closed)."""
+
+    def settle() -> None:
+        if command.done.done():
+            return
+        if isinstance(answer, BaseException):
+            command.done.set_exception(answer)
+        else:
+            command.done.set_result(answer)
+
+    try:
+        command.loop.call_soon_threadsafe(settle)
+    except RuntimeError:  # the event loop is closed: nobody is waiting
+        pass

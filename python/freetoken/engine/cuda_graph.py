@@ -103,7 +103,7 @@ class DecodeRunner:
             self.logits = torch.zeros(n, cfg.vocab_size, dtype=torch.float32, device=device)
             moe = cfg.moe_layers
             # (first layer, MoE layer that ends the span or -1): spans run between the MoE layers' experts.
-            self.spans = list(zip([0] + [m + 1 for m in moe], moe + [-1]))
+            self.spans = list(zip([0] + [m + 1 for m in moe], moe + [-1], strict=True))
             self.span_graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
             make = getattr(model.experts, "device_handshake", None)
             if use_graphs and make is not None:

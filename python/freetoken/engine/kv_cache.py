@@ -8,6 +8,7 @@ vLLM's PagedAttention (Kwon et al., SOSP 2023).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,11 @@ class BlockAllocator:
         """Return blocks to the free list."""
         self._free.extend(reversed(blocks))
 
+    def reset(self, num_blocks: int, num_used: int) -> None:
+        """A pool of `num_blocks` whose blocks below `num_used` are in use (a resized KV cache, `KVCache.adopt`)."""
+        self.num_blocks = num_blocks
+        self._free = list(range(num_blocks - 1, num_used - 1, -1))
+
 
 class KVCache:
     """Per-layer K and V tensors plus the block allocator.
@@ -120,6 +126,54 @@ class KVCache:
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         """Bytes of K and V for one token over all layers."""
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of K and V of one block over all layers."""
+        k = self.layers[0][0]
+        return 2 * len(self.layers) * self.block_size * k[0].numel() * k.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the K and V tensors, the null block included."""
+        return (self.num_blocks + 1) * self.bytes_per_block
+
+    def allocate_layers(self, num_blocks: int, allocate: Callable[..., torch.Tensor] = torch.zeros) -> list:
+        """New per-layer (k, v) tensors for `num_blocks` blocks and the null block, shaped and placed as `layers`,
+        for `adopt`; nothing changes here. `allocate` is `torch.zeros`' signature (the seam where a resize meets an
+        out-of-memory error, `freetoken.engine.resize`).
+
+        Raises:
+            torch.OutOfMemoryError (or the CPU allocator's RuntimeError): what was allocated is dropped.
+        """
+        k0 = self.layers[0][0]
+        shape = ((num_blocks + 1) * self.block_size, *k0.shape[1:])
+        return [
+            (allocate(shape, dtype=k0.dtype, device=k0.device), allocate(shape, dtype=k0.dtype, device=k0.device))
+            for _ in self.layers
+        ]
+
+    def adopt(self, layers: list, keep: list[int]) -> None:
+        """Move to `layers` (from `allocate_layers`): old block `keep[i]` becomes block i, with its K/V copied;
+        every other new block is free. The caller remaps block ids (`PrefixCache.remap`, the block tables).
+
+        Args:
+            layers: per layer (k, v), each [(num_blocks + 1) * block_size, num_kv_heads, head_dim].
+            keep: old block ids to carry over, at most the new pool's `num_blocks`.
+        """
+        bs = self.block_size
+        num_blocks = layers[0][0].shape[0] // bs - 1
+        if len(keep) > num_blocks:
+            raise ValueError(f"{len(keep)} KV blocks to keep do not fit in {num_blocks}")
+        if keep:
+            blocks = torch.tensor(keep, dtype=torch.int64, device=layers[0][0].device)
+            rows = (blocks[:, None] * bs + torch.arange(bs, device=blocks.device)).reshape(-1)  # (len(keep) * bs,)
+            for (k, v), (new_k, new_v) in zip(self.layers, layers, strict=True):
+                new_k[: rows.numel()].copy_(k[rows])
+                new_v[: rows.numel()].copy_(v[rows])
+        self.layers = layers
+        self.num_blocks = self.null_block = num_blocks
+        self.allocator.reset(num_blocks, len(keep))
 
     def copy_block(self, src: int, dst: int) -> None:
         """Copy the K/V of block `src` into block `dst`, in every layer (queued on the current stream)."""

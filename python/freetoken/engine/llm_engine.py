@@ -16,6 +16,7 @@ from freetoken.config import EngineConfig, ModelConfig
 from freetoken.engine.admission import Admission, default_share
 from freetoken.engine.kv_cache import KVCache, plan_kv_cache
 from freetoken.engine.model_runner import ModelRunner
+from freetoken.engine.resize import cache_sizes
 from freetoken.engine.scheduler import Scheduler
 from freetoken.engine.sequence import Sequence
 from freetoken.engine.state_checkpoints import MarkSet, StateCheckpoints, default_budget_bytes, host_budget_bytes
@@ -131,6 +132,8 @@ class LLMEngine:
         self._rng = random.Random(engine_cfg.seed)
         self.num_steps = 0
         self.routing = describe_routing(model)
+        self.num_resizes = 0  # cache resizes done (`freetoken.engine.resize`), and the last one's answer
+        self.last_resize: dict | None = None
 
     def _make_checkpoints(
         self, model_cfg: ModelConfig, engine_cfg: EngineConfig, tokenizer: Tokenizer | None, dtype: torch.dtype
@@ -325,4 +328,5 @@ class LLMEngine:
             "num_steps": self.num_steps,
             "routing": self.routing,
             "moe_backend": self.experts.stats() if hasattr(self.experts, "stats") else {"backend": "fused"},
+            "cache": cache_sizes(self),
         }

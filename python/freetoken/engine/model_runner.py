@@ -3,6 +3,8 @@ forward pass, and samples the next token of every sequence whose uncomputed toke
 
 from __future__ import annotations
 
+import gc
+
 import torch
 
 from freetoken.engine.cuda_graph import DecodeRunner
@@ -36,10 +38,27 @@ class ModelRunner:
         self.kv = kv
         self.device = device
         self.decode: DecodeRunner | None = None
-        if device.type == "cuda" and max_num_seqs > 0:
+        self._decode_args = (max_num_seqs, max_model_len, not enforce_eager, piecewise)
+        self.build_decode()
+
+    def build_decode(self) -> None:
+        """Build the decode runner (CUDA only): its static buffers, the expert backend's device handshake (which
+        holds the slots' address) and its CUDA graphs, which hold the KV and slot tensors' addresses. A resize of
+        either (`freetoken.engine.resize`) calls `release_decode` first and this again after."""
+        max_num_seqs, max_model_len, use_graphs, piecewise = self._decode_args
+        if self.device.type == "cuda" and max_num_seqs > 0:
             self.decode = DecodeRunner(
-                model, kv, max_num_seqs, max_model_len, use_graphs=not enforce_eager, piecewise=piecewise
+                self.model, self.kv, max_num_seqs, max_model_len, use_graphs=use_graphs, piecewise=piecewise
             )
+
+    def release_decode(self) -> None:
+        """Drop the decode runner: its graphs and graph memory pool, and the decode driver thread (its drop joins
+        it), so the slots and KV tensors they point into may be freed."""
+        self.decode = None
+        if self.device.type == "cuda":
+            gc.collect()  # the graphs and the driver go with the last reference, now, not at some later collection
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
 
     @torch.inference_mode()
     def run(self, step: ScheduledStep) -> tuple[list[int | None], list[TokenLogprob | None]]:
@@ -78,7 +97,7 @@ class ModelRunner:
                 meta.state_splits, meta.state_capture = step.captures.splits, step.captures.write
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         if experts is not None:
-            prefill = sum(q for s, q in zip(step.seqs, step.query_lens) if q > 1 or s.num_computed < s.prompt_len)
+            prefill = sum(q for s, q in zip(step.seqs, step.query_lens, strict=True) if q > 1 or s.num_computed < s.prompt_len)
             experts.begin_step(len(input_ids), prefill, self.model.config.num_experts_per_tok)
         hidden = self.model(ids, meta, self.kv.layers)
         rows: list[int] = []

@@ -66,6 +66,7 @@ class PrefixMatch:
 
     @property
     def num_blocks(self) -> int:
+        """KV blocks the match covers."""
         return len(self.blocks)
 
 
@@ -219,6 +220,38 @@ class PrefixCache:
         self._index[key] = (node, block)
         self._key_of[block] = key
         return node
+
+    def keep_on_resize(self, num_blocks: int) -> list[int]:
+        """The blocks a KV cache resized to `num_blocks` keeps, in their new order: every block a sequence holds,
+        then the cached blocks nobody holds, most recently released first (the heads of chains before their
+        tails, as `release` orders them), as many as fit.
+
+        Raises:
+            ValueError: the held blocks alone do not fit.
+        """
+        held = [b for b, refs in enumerate(self._refs) if refs > 0]
+        if len(held) > num_blocks:
+            raise ValueError(f"running requests hold {len(held)} KV blocks; {num_blocks} cannot keep them")
+        cached = list(reversed(self._evictable))[: num_blocks - len(held)]
+        return held + cached
+
+    def remap(self, keep: Sequence[int]) -> dict[int, int]:
+        """Follow a resized KV cache (`KVCache.adopt`) whose block i is old block `keep[i]`: reference counts,
+        index and LRU order move to the new ids; cached blocks left out leave the index (counted as evictions).
+        Call it after `KVCache.adopt`, which resets the allocator to the new size. Returns {old id: new id} for the
+        block tables."""
+        new_of = {old: new for new, old in enumerate(keep)}
+        refs = [0] * self.allocator.num_blocks
+        for old, new in new_of.items():
+            refs[new] = self._refs[old]
+        self._refs = refs
+        for block in [b for b in self._key_of if b not in new_of]:
+            del self._index[self._key_of.pop(block)]
+            self.num_evictions += 1
+        self._index = {key: (node, new_of[block]) for key, (node, block) in self._index.items()}
+        self._key_of = {new_of[block]: key for block, key in self._key_of.items()}
+        self._evictable = OrderedDict((new_of[b], None) for b in self._evictable if b in new_of)
+        return new_of
 
     def stats(self) -> dict:
         """Counters (JSON-able): lookups, tokens looked up and reused, evictions, blocks cached and evictable,

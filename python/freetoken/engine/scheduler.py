@@ -41,6 +41,7 @@ class ScheduledStep:
 
     @property
     def num_tokens(self) -> int:
+        """Tokens the step computes, over all its sequences."""
         return sum(self.query_lens)
 
 
@@ -87,9 +88,11 @@ class Scheduler:
         self.paused: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
+        """Queue `seq` behind the waiting sequences."""
         self.waiting.append(seq)
 
     def has_work(self) -> bool:
+        """Whether a sequence is waiting or running."""
         return bool(self.waiting or self.running)
 
     def remove(self, seq: Sequence) -> None:

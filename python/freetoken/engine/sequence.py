@@ -72,4 +72,5 @@ class Sequence:
 
     @property
     def finished(self) -> bool:
+        """Whether the sequence has a finish reason (stop, length or abort)."""
         return self.finish_reason is not None

@@ -18,9 +18,9 @@ Variants:
     A_ij = beta_i exp(G_i - G_j) k_i . k_j, T = (I + A)^-1 gives W = T (beta exp(G) k) and U = T (beta v); across
     chunks, V' = U - W S, O = (exp(G) q) S + (mask(q k^T exp(G_i - G_j))) V', S <- exp(G_C) S + (exp(G_C - G) k)^T V'.
     torch (`chunk_gated_delta_rule_torch`, the CPU path and the reference); on CUDA Triton kernels
-    (`_chunk_prepare_kernel`: cumulative decay, A, its inverse by forward substitution, W and U per chunk, all chunks in parallel;
-    `_chunk_scan_kernel`: the sequential pass over chunks per (value head, block of Dv columns), the state block in
-    registers).
+    (`_chunk_prepare_kernel`: cumulative decay, A, its inverse by forward substitution, W and U per chunk, all chunks
+    in parallel; `_chunk_scan_kernel`: the sequential pass over chunks per (value head, block of Dv columns), the state
+    block in registers).
 
 Shapes: q, k [L, Hk, Dk]; v [L, Hv, Dv]; g, beta [L, Hv] (float32 g); states [num_slots, Hv, Dk, Dv] float32.
 Tests: python -m pytest tests/test_qwen3_5.py -q (torch paths; the Triton kernels in Triton's interpreter);
@@ -189,7 +189,9 @@ def _l2norm_rows(x):
     return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
 
 
-@triton.jit
+# One compiled kernel for every span length (Triton would specialise `length` on divisibility by 16 and on 1,
+# a compile of tens of seconds each for the float32 dots on the GPU box's CPU).
+@triton.jit(do_not_specialize=["length"])
 def _chunk_prepare_kernel(
     k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, gcum_ptr,
     length,
@@ -231,7 +233,8 @@ def _chunk_prepare_kernel(
     tl.store(gcum_ptr + rows * stride_ct + h, gc, mask=ok)
 
 
-@triton.jit
+# Not specialised on `length`, as `_chunk_prepare_kernel`.
+@triton.jit(do_not_specialize=["length"])
 def _chunk_scan_kernel(
     q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, state_ptr, o_ptr,
     length, scale,
@@ -278,6 +281,21 @@ def _chunk_scan_kernel(
     tl.store(s_ptrs, s, mask=v_ok[None, :])
 
 
+def scan_launch_config(dtype: torch.dtype, dv: int) -> dict[str, int]:
+    """`_chunk_scan_kernel`'s tiling for q/k of `dtype` and value head size `dv`: BLOCK_V state columns per program
+    and the software-pipelining depth of its per-chunk loads.
+
+    Each pipeline stage buffers a chunk's q, k (in q's dtype) and W (float32) tiles, [64, Dk] each, in shared memory:
+    at Dk 128 a stage is 96 KiB with float32 q/k and 64 KiB with bfloat16, so Triton's default of 3 stages needed
+    296,456 B (float32) and 165,384 B (bfloat16) against the H200's 232,448 B per block. Two stages for 2-byte
+    inputs (123,652 B) keep the next chunk's loads in flight; float32 inputs take one (106,496 B), as their dots
+    (IEEE float32, FMA rather than tensor cores) are compute-bound anyway. Figures from Triton 3.9's compiler for
+    sm_90 (`tests/test_qwen3_5.py::test_chunk_scan_fits_shared_memory` recomputes them without a GPU).
+    """
+    return {"BLOCK_V": min(32, max(16, triton.next_power_of_2(dv))),
+            "num_stages": 1 if torch.empty((), dtype=dtype).element_size() >= 4 else 2}
+
+
 def chunk_gated_delta_rule(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
 ) -> torch.Tensor:
@@ -306,11 +324,11 @@ def chunk_gated_delta_rule(
         GROUP=group, CHUNK=CHUNK_SIZE, DK=dk, DV=dv, DV_PAD=dv_pad,
     )
     out = torch.empty(length, num_v_heads, dv, dtype=v.dtype, device=v.device)
-    block_v = min(32, dv_pad)
-    _chunk_scan_kernel[(num_v_heads, triton.cdiv(dv, block_v))](
+    launch = scan_launch_config(q.dtype, dv)
+    _chunk_scan_kernel[(num_v_heads, triton.cdiv(dv, launch["BLOCK_V"]))](
         q, k, w, u, gcum, state, out, length, dk**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
         gcum.stride(0), state.stride(0), state.stride(1), out.stride(0), out.stride(1),
-        GROUP=group, CHUNK=CHUNK_SIZE, DK=dk, DV=dv, BLOCK_V=block_v,
+        GROUP=group, CHUNK=CHUNK_SIZE, DK=dk, DV=dv, **launch,
     )
     return out

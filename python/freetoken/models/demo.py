@@ -263,7 +263,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte → printable character map used by byte-level BPE vocabularies."""
     printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
     printable += list(range(ord("®"), ord("ÿ") + 1))
-    chars = dict(zip(printable, printable))
+    chars = dict(zip(printable, printable, strict=True))
     extra = 0
     for b in range(256):
         if b not in chars:

@@ -18,20 +18,22 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from freetoken.config import ModelConfig
+from freetoken.config import DTYPES, ModelConfig
 from freetoken.models import qwen3_5_moe
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM, RotaryEmbedding
 from freetoken.moe.backend import ExpertBackend
+from freetoken.quant.formats import quant_spec
 
 log = logging.getLogger(__name__)
 
 FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
-TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TORCH_DTYPES = {name: getattr(torch, name) for name in DTYPES if name != "auto"}
 
 
 class CheckpointError(ValueError):
@@ -94,10 +96,12 @@ class CheckpointReader:
         self._handles: dict[Path, object] = {}
 
     def has(self, name: str) -> bool:
+        """Whether the checkpoint holds a tensor called `name`."""
         return name in self.index.files
 
-    def get(self, name: str, shape: tuple[int, ...]) -> torch.Tensor:
-        """Return tensor `name` (CPU, checkpoint dtype). Raises CheckpointError when missing or mis-shaped."""
+    def get(self, name: str, shape: tuple[int, ...], dtypes: Iterable[str] = FLOAT_DTYPES) -> torch.Tensor:
+        """Return tensor `name` (CPU, checkpoint dtype), whose safetensors dtype must be one of `dtypes`.
+        Raises CheckpointError when missing, mis-shaped or of another dtype."""
         path = self.index.files.get(name)
         if path is None:
             raise CheckpointError(f"tensor {name!r} missing from the checkpoint (expected shape {list(shape)})")
@@ -105,9 +109,9 @@ class CheckpointReader:
         if got != tuple(shape):
             raise CheckpointError(f"{path.name}: tensor {name!r} has shape {list(got)}, expected {list(shape)}")
         dtype = self.index.dtypes[name]
-        if dtype not in FLOAT_DTYPES:
+        if dtype not in dtypes:
             raise CheckpointError(
-                f"{path.name}: tensor {name!r} has dtype {dtype}; expected one of {', '.join(FLOAT_DTYPES)}"
+                f"{path.name}: tensor {name!r} has dtype {dtype}; expected one of {', '.join(dtypes)}"
             )
         handle = self._handles.get(path)
         if handle is None:
@@ -115,6 +119,7 @@ class CheckpointReader:
         return handle.get_tensor(name)  # type: ignore[attr-defined]
 
     def close(self) -> None:
+        """Drop the open safetensors files (tensors already read stay valid)."""
         self._handles.clear()
 
 
@@ -200,11 +205,17 @@ def load_checkpoint(
 
     Raises:
         FileNotFoundError: config.json, the safetensors file or a shard of the index is missing.
-        CheckpointError: a tensor is missing, mis-shaped or of a non-float dtype.
-        ConfigError: config.json is unsupported.
+        CheckpointError: a tensor or a quantization scale is missing, mis-shaped or of an unexpected dtype; or
+            quantized experts for a backend that cannot serve them yet.
+        ConfigError: config.json is unsupported (QuantConfigError: its quantization_config).
     """
+    from freetoken.quant import checkpoint as quantized
+
     model_dir = Path(model_dir)
     cfg = cfg or ModelConfig.from_dir(model_dir)
+    spec = quant_spec(cfg.raw, model_dir, str(model_dir / "config.json"))
+    if spec.format.quantized:
+        spec.format.check_shape(cfg.hidden_size, cfg.moe_intermediate_size, str(model_dir / "config.json"))
     reader = CheckpointReader(index or TensorIndex.scan(model_dir))
     model = _empty_model(cfg, device, dtype)
     prefix = text_prefix(reader, cfg)
@@ -218,12 +229,31 @@ def load_checkpoint(
                 "set tie_word_embeddings=true if the model ties its embeddings"
             )
         stored = _checkpoint_name(name, prefix)
-        param.copy_(reader.get(stored, tuple(param.shape)))
+        module = stored.removesuffix(".weight")
+        if spec.format.quantized and quantized.is_quantized_linear(reader, spec, module):
+            # Non-expert linears are dequantized once here; only the routed experts stay quantized.
+            param.copy_(quantized.read_linear(reader, spec, module, tuple(param.shape)))
+        else:
+            param.copy_(reader.get(stored, tuple(param.shape)))
         expected.add(stored)
     for layer in cfg.moe_layers if experts.wants_weights else ():
-        experts.load_layer(layer, *_load_experts(reader, cfg, layer, device, dtype, prefix))
+        if spec.format.quantized:
+            load_quantized = getattr(experts, "load_layer_quantized", None)
+            if load_quantized is None:
+                raise CheckpointError(
+                    f"{model_dir}: {spec.format.name} experts are not served by {type(experts).__name__} yet; "
+                    "use --moe-backend fused"
+                )
+            layout = spec.format.layout(cfg.hidden_size, cfg.moe_intermediate_size)
+            packed = quantized.read_experts(reader, spec, layout, cfg.num_experts, layer, prefix)
+            load_quantized(layer, layout, packed.to(device))
+        else:
+            experts.load_layer(layer, *_load_experts(reader, cfg, layer, device, dtype, prefix))
     expert_prefixes = tuple(f"{prefix}layers.{layer}.mlp.experts." for layer in cfg.moe_layers)
-    unused = [n for n in reader.index.files if n not in expected and not n.startswith(expert_prefixes)]
+    unused = [
+        n for n in reader.index.files
+        if n not in expected and not n.startswith(expert_prefixes) and not quantized.is_scale_tensor(n)
+    ]
     if cfg.tie_word_embeddings:
         unused = [n for n in unused if n != "lm_head.weight"]
     if cfg.is_qwen3_5:

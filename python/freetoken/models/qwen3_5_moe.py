@@ -383,7 +383,7 @@ def init_dummy_(model: Qwen3_5MoeForCausalLM, gen: torch.Generator, std: float) 
     one-centred ones, 1 for the DeltaNet output norm), dt_bias 1 and A = 1..16 (log stored), as transformers'
     `_init_weights` draws them."""
     for name, param in model.named_parameters():
-        if name.endswith("linear_attn.norm.weight") or name.endswith("dt_bias"):
+        if name.endswith(("linear_attn.norm.weight", "dt_bias")):
             param.fill_(1.0)
         elif name.endswith("norm.weight"):
             param.zero_()

@@ -173,6 +173,7 @@ class DenseMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H], in x's dtype and device."""
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -207,6 +208,7 @@ class SparseMoeBlock(nn.Module):
         self.experts: ExpertBackend | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> the routed experts' weighted sum [T, H]; raises RuntimeError without an expert backend."""
         if self.experts is None:
             raise RuntimeError(f"layer {self.layer}: no expert backend attached (Model.attach_experts)")
         ids, weights = self.gate(x)

@@ -51,6 +51,11 @@ def state_checkpoint_nbytes(cfg: EngineConfig, model_cfg: ModelConfig, dtype: to
     return budget // each * each
 
 
+def activation_reserve_nbytes(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
+    """Device bytes the budget keeps for activations and the allocator (`ACTIVATION_TENSORS`, `RESERVE_BYTES`)."""
+    return RESERVE_BYTES + ACTIVATION_TENSORS * cfg.max_prefill_tokens * model_cfg.hidden_size * 4
+
+
 def wanted_layer_buffers(cfg: EngineConfig, backend: str) -> int:
     """Full-layer prefill buffers the settings ask for: 2 (double-buffered), 1 with `--no-prefill-overlap`, none
     for the `cpu` backend or an on-demand `--prefill-strategy`."""
@@ -94,7 +99,7 @@ def plan_expert_slots(
     kv = plan_kv_cache(model_cfg, cfg, dtype).nbytes
     state = state_pool_nbytes(cfg, model_cfg, dtype)
     checkpoints = state_checkpoint_nbytes(cfg, model_cfg, dtype)
-    activations = RESERVE_BYTES + ACTIVATION_TENSORS * cfg.max_prefill_tokens * model_cfg.hidden_size * 4
+    activations = activation_reserve_nbytes(cfg, model_cfg)
     left = budget - weights - kv - state - checkpoints - activations
     if buffers and cfg.prefill_strategy != "stream" and left >= num_experts * expert_stride:
         buffers = 0  # every expert fits in a slot: nothing would stream, and the buffers would evict experts
@@ -158,11 +163,11 @@ def plan_host_memory(
     """What `ft serve` will allocate in host memory, by part, before anything is allocated.
 
     Returns:
-        part -> (bytes, what to change to shrink it). Parts: "expert pool" (bf16, every routed expert, for the
-        expert-cache backends), "weights" (the model's own weights when it runs on the CPU; the routed experts
-        too with the fused backend), "expert slots" (the slot cache, in host memory on a CPU device), "KV cache"
-        (on a CPU device; `plan_kv_cache`), "recurrent state" and "state checkpoints" (hybrid models on a CPU
-        device), "state checkpoint host tier" (hybrid models on CUDA), "pinned staging" (CUDA with an
+        part -> (bytes, what to change to shrink it). Parts: "expert pool" (every routed expert in its checkpoint
+        format, for the expert-cache backends), "weights" (the model's own weights when it runs on the CPU; the
+        routed experts too with the fused backend), "expert slots" (the slot cache, in host memory on a CPU device),
+        "KV cache" (on a CPU device; `plan_kv_cache`), "recurrent state" and "state checkpoints" (hybrid models on
+        a CPU device), "state checkpoint host tier" (hybrid models on CUDA), "pinned staging" (CUDA with an
         expert-cache backend). Parts that are zero are left out.
     """
     from freetoken.engine.kv_cache import plan_kv_cache
@@ -171,15 +176,20 @@ def plan_host_memory(
     size = torch.empty((), dtype=dtype).element_size()
     num_experts = len(model_cfg.moe_layers) * model_cfg.num_experts
     experts = num_experts * model_cfg.expert_numel
+    # Quantized experts stay in their format everywhere (pool, slots, fused); bf16 ones take the model dtype.
+    quantized = model_cfg.expert_nbytes != 2 * model_cfg.expert_numel
+    stored = num_experts * model_cfg.expert_nbytes
     parts: dict[str, tuple[int, str]] = {}
     if backend != "fused":
-        parts["expert pool"] = (experts * 2, "a smaller model or a machine with more RAM")
+        parts["expert pool"] = (stored, "a smaller model or a machine with more RAM")
     if device.type == "cpu":
-        weights = non_expert_nbytes(model_cfg, dtype) + (experts * size if backend == "fused" else 0)
+        fused = stored if quantized else experts * size
+        weights = non_expert_nbytes(model_cfg, dtype) + (fused if backend == "fused" else 0)
         parts["weights"] = (weights, "a smaller model or a machine with more RAM")
         if backend not in ("fused", "cpu"):
             slots = min(cfg.expert_slots or num_experts, num_experts)
-            parts["expert slots"] = (slots * model_cfg.expert_numel * size, "lower --expert-slots")
+            slot_nbytes = model_cfg.expert_nbytes if quantized else model_cfg.expert_numel * size
+            parts["expert slots"] = (slots * slot_nbytes, "lower --expert-slots")
         parts["KV cache"] = (plan_kv_cache(model_cfg, cfg, dtype).nbytes, "lower --kv-cache-gb or --kv-cache-tokens")
         parts["recurrent state"] = (state_pool_nbytes(cfg, model_cfg, dtype), "lower --max-num-seqs")
         parts["state checkpoints"] = (state_checkpoint_nbytes(cfg, model_cfg, dtype), "lower --state-checkpoint-gb")

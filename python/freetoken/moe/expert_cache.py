@@ -15,7 +15,8 @@ planning and bookkeeping of every backend.
 
 Online refinement of q*: the backend times what it actually does, never adding a sync. CPU runs are timed with
 `perf_counter` around `CpuExperts.forward` (bytes = experts run x `expert_nbytes`, at b = mean tokens per expert);
-fills with CUDA events recorded on the copy stream around one layer step's copies in `TIME_FILLS_EVERY`, read (`Event.query`, non-blocking)
+fills with CUDA events recorded on the copy stream around one layer step's copies in `TIME_FILLS_EVERY`, read
+(`Event.query`, non-blocking)
 at later layer steps (on the CPU device, the memcpy is timed with `perf_counter`). Each path keeps an exponential
 moving average of measured / profiled bandwidth (`BandwidthTracker`); every `REFINE_EVERY` layer steps the
 planner gets the profile scaled by those ratios, each bounded to [1/4, 4] (`set_profile`), so q* follows the box
@@ -32,6 +33,7 @@ as it is) or one of the on-demand plans above.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections import deque
@@ -458,7 +460,7 @@ class ExpertCacheBackend:
         first = pool_layer * self.pool.num_experts
         if self.copy_stream is None:
             t0 = time.perf_counter()
-            for expert, slot in zip(experts.tolist(), slots.tolist()):
+            for expert, slot in zip(experts.tolist(), slots.tolist(), strict=True):
                 self.slots[slot].copy_(self.pool_experts[first + expert])
             self.pcie.add(len(experts) * n, time.perf_counter() - t0)
             return
@@ -469,7 +471,7 @@ class ExpertCacheBackend:
         with torch.cuda.stream(self.copy_stream):
             if timed:
                 start.record(self.copy_stream)
-            for expert, slot in zip(experts.tolist(), slots.tolist()):
+            for expert, slot in zip(experts.tolist(), slots.tolist(), strict=True):
                 self.slots[slot].copy_(self.pool_experts[first + expert], non_blocking=True)
             if timed:
                 end.record(self.copy_stream)
@@ -479,6 +481,57 @@ class ExpertCacheBackend:
             if len(self._pending_fills) == MAX_PENDING_FILLS:
                 self._pending_fills.popleft()
             self._pending_fills.append((start, end, len(experts) * n))
+
+    def resize(self, num_slots: int, allocate: Callable[..., torch.Tensor] = torch.empty) -> None:
+        """Change the cache to `num_slots` slots at a safe point (no step in flight, no decode driver holding the
+        slots' address: `freetoken.engine.resize` drops it first). The planner keeps the residents that fit, the
+        most valuable by its policy (`Planner.resize`), and each is copied again from the pinned pool, the source of
+        truth, so the old slots are released before the new ones are allocated. The prefill layer buffers follow.
+
+        Args:
+            num_slots: slots of the new cache, >= 1.
+            allocate: `torch.empty`'s signature: where the new slots are allocated (a test injects an OOM here).
+
+        Raises:
+            torch.OutOfMemoryError (or the CPU allocator's RuntimeError): the new slots did not fit; the cache is
+                back at its old size with its residents (rolled back) before this raises.
+        """
+        if num_slots < 1:
+            raise ValueError(f"an expert cache needs at least one slot, got {num_slots}")
+        buffers = 0 if self.streamer is None else self.streamer.num_buffers
+        streamed = (0, 0) if self.streamer is None else (self.streamer.layers_streamed, self.streamer.bytes_copied)
+        rows = lambda n: n + buffers * self.pool.num_experts
+        old = self.num_slots
+        self.slots = self.gate_up = self.down = self.streamer = None  # type: ignore[assignment]  # freed, rebuilt below
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        try:
+            slots = allocate((rows(num_slots), self.pool.expert_stride), dtype=torch.uint8, device=self.device)
+        except Exception:
+            self._install_slots(allocate((rows(old), self.pool.expert_stride), dtype=torch.uint8, device=self.device),
+                                old, buffers, streamed)
+            raise
+        self.planner.resize(num_slots)
+        self._install_slots(slots, num_slots, buffers, streamed)
+
+    def _install_slots(self, slots: torch.Tensor, num_slots: int, buffers: int, streamed: tuple[int, int]) -> None:
+        """Take `slots` as the cache and layer buffers, and copy every resident expert from the pool into its slot."""
+        self.slots, self.num_slots = slots, num_slots
+        self.gate_up, self.down = expert_views(slots, self.pool.hidden_size, self.pool.intermediate_size)
+        if buffers:
+            self.streamer = LayerStreamer(
+                self.pool, self.pool_experts, slots, num_slots, buffers, self.planner, self.copy_stream
+            )
+            self.streamer.layers_streamed, self.streamer.bytes_copied = streamed
+        e = self.pool.num_experts
+        for layer in range(self.pool.num_layers):
+            layer_slots = self.planner.layer_slots(layer)
+            experts = np.flatnonzero(layer_slots >= 0)
+            with torch.cuda.stream(self.copy_stream) if self.copy_stream is not None else contextlib.nullcontext():
+                for expert, slot in zip(experts.tolist(), layer_slots[experts].tolist(), strict=True):
+                    slots[slot].copy_(self.pool_experts[layer * e + expert], non_blocking=True)
+        if self.copy_stream is not None:
+            self.copy_stream.synchronize()
 
     def device_handshake(self, top_k: int, sizes: list[int]):
         """The handshake through which a decode step captured whole in one CUDA graph is served by the Rust

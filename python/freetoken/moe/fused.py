@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 
 from freetoken.moe.compute import grouped_swiglu
+from freetoken.quant.experts import QuantizedExperts
+from freetoken.quant.formats import ExpertLayout
 
 
 class FusedExperts:
@@ -20,11 +22,17 @@ class FusedExperts:
     def __init__(self) -> None:
         self.gate_up: dict[int, torch.Tensor] = {}
         self.down: dict[int, torch.Tensor] = {}
+        self.quantized: dict[int, QuantizedExperts] = {}
 
     def load_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """Keep the layer's experts as given (already on the compute device, in the model dtype)."""
         self.gate_up[layer] = gate_up
         self.down[layer] = down
+
+    def load_layer_quantized(self, layer: int, layout: ExpertLayout, packed: torch.Tensor) -> None:
+        """Keep the layer's experts quantized: `packed` [E, expert_nbytes] uint8 in `layout` (pool layout), on the
+        compute device; `forward` dequantizes them (`freetoken.quant.experts`)."""
+        self.quantized[layer] = QuantizedExperts(layout, packed)
 
     def begin_step(self, num_tokens: int, num_prefill_tokens: int, top_k: int) -> None:
         """Nothing to choose: every expert is resident."""
@@ -32,10 +40,13 @@ class FusedExperts:
     @property
     def nbytes(self) -> int:
         """Bytes held by all experts."""
-        return sum(t.numel() * t.element_size() for t in (*self.gate_up.values(), *self.down.values()))
+        dense = sum(t.numel() * t.element_size() for t in (*self.gate_up.values(), *self.down.values()))
+        return dense + sum(q.nbytes for q in self.quantized.values())
 
     def forward(
         self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
     ) -> torch.Tensor:
         """See `ExpertBackend.forward`: [T, H] hidden, [T, k] ids and weights -> [T, H]."""
+        if layer in self.quantized:
+            return self.quantized[layer].forward(hidden, topk_ids, topk_weights)
         return grouped_swiglu(hidden, self.gate_up[layer], self.down[layer], topk_ids, topk_weights)

@@ -125,8 +125,8 @@ class Calibration:
     reads a finished one without waiting. Each sample moves its (strategy, class) scale by `alpha` towards
     measured / predicted, bounded to [`min_scale`, `max_scale`]. The first timing of each (strategy, class) is
     not a sample: it includes compiling that chunk size's kernels, and one inflated first sample would rule the
-    strategy out for good (a strategy that loses is not run, so not measured, again). Classes are powers of 4 of the chunk's tokens
-    (what the model misses differs between a 64-token extend and an 8192-token chunk).
+    strategy out for good (a strategy that loses is not run, so not measured, again). Classes are powers of 4 of the
+    chunk's tokens (what the model misses differs between a 64-token extend and an 8192-token chunk).
 
     Args:
         device: the compute device; CUDA events on its current stream, perf_counter on the CPU.

@@ -16,8 +16,9 @@ Schema (`SCHEMA_VERSION` 1; bandwidths in bytes/s; CPU curves keyed by tokens pe
      "verdict": {"backend": "offload" | "hybrid", "q_star_b1": float, "hybrid_min_q_star": float}}
 
 `planner` holds the figures q* uses: those measured with copies and CPU kernels running at once (they share the
-memory bus): B_cpu(b) overlapped at each b, and B_pcie the median over b of the copies overlapped with them. A profile is used only when it is readable, of this schema, not stale (`MAX_AGE_S`, same freetoken
-version), and made on this GPU for this expert shape; otherwise the reason is logged and it is ignored.
+memory bus): B_cpu(b) overlapped at each b, and B_pcie the median over b of the copies overlapped with them. A profile
+is used only when it is readable, of this schema, not stale (`MAX_AGE_S`, same freetoken version), and made on this GPU
+for this expert shape; otherwise the reason is logged and it is ignored.
 """
 
 from __future__ import annotations
@@ -72,9 +73,11 @@ class ExpertShape:
 
     @property
     def expert_nbytes(self) -> int:
+        """Bytes of one expert in the pool (gate, up and down projections in bf16)."""
         return 3 * self.hidden_size * self.intermediate_size * 2
 
     def to_dict(self) -> dict[str, Any]:
+        """The profile's JSON form of the shape (the fields and `expert_nbytes`)."""
         return {**asdict(self), "expert_nbytes": self.expert_nbytes}
 
     def label(self) -> str:

@@ -12,6 +12,8 @@ Routes:
     POST /v1/messages               Anthropic (see `anthropic.py`).
     POST /v1/messages/count_tokens  Anthropic token count.
     GET  /v1/stats                  the stats snapshot as JSON (see `telemetry.py`).
+    GET  /v1/cache                  the expert-slot cache and KV cache sizes and the memory headroom (`cache.py`).
+    POST /v1/cache/resize           resize them while serving (`cache.py`; what `ft ctl cache` calls).
     GET  /metrics                   the same snapshot and the request metrics, Prometheus text format.
     GET  /                          the status page (see `status_page.py`); always open (it holds no data).
 
@@ -53,7 +55,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from freetoken.heap import release_free_memory
-from freetoken.server import anthropic, completions, openai, responses, status_page, telemetry
+from freetoken.server import anthropic, cache, completions, openai, responses, status_page, telemetry
 from freetoken.server.errors import ApiError, ApiFlavor, ErrorCode, error_body
 from freetoken.server.generation import ClientDisconnected
 from freetoken.server.notices import request_notes
@@ -88,7 +90,7 @@ def error_response(err: ApiError, flavor: ApiFlavor) -> JSONResponse:
 
 
 def _presented_key(scope: Scope) -> str | None:
-    headers = {name: value for name, value in scope.get("headers", [])}
+    headers = dict(scope.get("headers", []))
     x_api_key = headers.get(b"x-api-key")
     if x_api_key:
         return x_api_key.decode("latin-1").strip()
@@ -177,8 +179,8 @@ class ApiMiddleware:
             logger.exception("unexpected error in %s %s", scope["method"], scope["path"])
             if started():
                 return
-            err = ApiError(500, ErrorCode.INTERNAL_ERROR, "internal server error; see the server log")
-            await error_response(err, flavor)(scope, receive, send)
+            internal = ApiError(500, ErrorCode.INTERNAL_ERROR, "internal server error; see the server log")
+            await error_response(internal, flavor)(scope, receive, send)
 
 
 def log_client_error(scope: Scope, err: ApiError) -> None:
@@ -287,7 +289,7 @@ async def _abort_on_exit(server: uvicorn.Server, engine: Any, graceful_shutdown_
     Stopping the engine ends the requests still running with finish_reason "abort", so their streams
     close with an error event and uvicorn's wait for open connections ends.
     """
-    while not server.should_exit:
+    while not server.should_exit:  # noqa: ASYNC110 (uvicorn sets a flag, not an event: polled)
         await asyncio.sleep(0.1)
     await asyncio.sleep(graceful_shutdown_s)
     logger.info("shutting down: aborting the requests still running")
@@ -345,6 +347,8 @@ def build_app(
         Route("/v1/responses/{response_id}", responses.delete_response, methods=["DELETE"]),
         Route("/v1/messages", anthropic.messages, methods=["POST"]),
         Route("/v1/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
+        Route("/v1/cache", cache.get_cache, methods=["GET"]),
+        Route("/v1/cache/resize", cache.resize_cache, methods=["POST"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/", status_page.status_page, methods=["GET"]),
     ]
@@ -476,7 +480,7 @@ def run_server(
         timeout_graceful_shutdown=math.ceil(graceful_shutdown_s) + 10,
         lifespan="on",
         http=protocol,
-        timeout_keep_alive=keep_alive_timeout_s,  # type: ignore[arg-type]  (uvicorn passes it to call_later)
+        timeout_keep_alive=keep_alive_timeout_s,  # type: ignore[arg-type]  # uvicorn passes it to call_later
         limit_concurrency=max_connections or None,
     )
     server = uvicorn.Server(config)

@@ -31,6 +31,7 @@ from freetoken.server.generation import (
     collect,
     context_fit,
     fit_context,
+    fit_output_budget,
 )
 from freetoken.server.logprobs import completion_logprobs
 from freetoken.server.notices import note_unknown_fields
@@ -147,6 +148,10 @@ async def completions(request: Request) -> Response:
     sampling.params.max_tokens = fit_context(
         len(prompt_ids), sampling.max_tokens, context_fit(state),
         max_tokens_param=sampling.max_tokens_param, messages_param="prompt",
+    )
+    sampling.params.max_tokens = fit_output_budget(
+        engine, 1, sampling.params.max_tokens, body.get(sampling.max_tokens_param) is not None,
+        max_tokens_param=sampling.max_tokens_param,
     )
     check_request(engine, prompt_ids, sampling.params, messages_param="prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"

@@ -43,6 +43,9 @@ class ErrorCode(str, enum.Enum):
     METHOD_NOT_ALLOWED = "method_not_allowed"
     REQUEST_ABORTED = "request_aborted"
     INTERNAL_ERROR = "internal_error"
+    RESIZE_REFUSED = "resize_refused"
+    RESIZE_IN_PROGRESS = "resize_in_progress"
+    RESIZE_ROLLED_BACK = "resize_rolled_back"
 
 
 # status -> (OpenAI error type, Anthropic error type)
@@ -51,7 +54,9 @@ _TYPES_BY_STATUS: dict[int, tuple[str, str]] = {
     401: ("invalid_request_error", "authentication_error"),
     404: ("invalid_request_error", "not_found_error"),
     405: ("invalid_request_error", "invalid_request_error"),
+    409: ("invalid_request_error", "invalid_request_error"),
     413: ("invalid_request_error", "request_too_large"),
+    422: ("invalid_request_error", "invalid_request_error"),
     500: ("server_error", "api_error"),
     503: ("server_error", "overloaded_error"),
 }

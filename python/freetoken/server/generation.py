@@ -202,7 +202,7 @@ def plan_output(
     `OutputParser.tool_call_prefix`) is left to choose.
     """
     parse_tools = bool(tools) and tool_choice.mode != "none"
-    options = ParserOptions(prompt_text=prompt.text, parse_tools=parse_tools)
+    options = ParserOptions(prompt_text=prompt.text, parse_tools=parse_tools, tools=tools if parse_tools else None)
     if not (parse_tools and tool_choice.mode in ("required", "function")):
         return OutputPlan(engine.tokenizer, options, "")
     parser = parser_for(engine.tokenizer, options)
@@ -440,10 +440,12 @@ def fit_output_budget(engine: Any, n: int, max_tokens: int, explicit: bool, *, m
         return max_tokens
     if not explicit:
         return max(1, cap // n)
+    asked = f"{max_tokens_param} is {max_tokens} tokens;" if n == 1 else (
+        f"n x {max_tokens_param} is {n} x {max_tokens} = {n * max_tokens} tokens;")
     raise invalid_request(
         ErrorCode.INVALID_VALUE,
-        f"n x {max_tokens_param} is {n} x {max_tokens} = {n * max_tokens} tokens; this server allows {cap} per "
-        f"request (--max-request-output-tokens); lower {max_tokens_param} to at most {max(1, cap // n)} or n",
+        f"{asked} this server allows {cap} per request (--max-request-output-tokens); lower {max_tokens_param} "
+        f"to at most {max(1, cap // n)}" + ("" if n == 1 else " or n"),
         max_tokens_param,
     )
 
@@ -616,7 +618,7 @@ async def converted_events(
     chunks = parsed_chunks(engine, prompt_ids, params, plan, request_id)
     last: GenerationChunk | None = None
     try:
-        async for parsed, last in chunks:
+        async for parsed, last in chunks:  # noqa: B007 (`last` is read after the loop)
             for event in converter.events(parsed):
                 yield event
     finally:

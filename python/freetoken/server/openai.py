@@ -250,7 +250,11 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
                 ErrorCode.UNSUPPORTED, f"{path}.type must be 'function', got {kind!r}", join_path(path, "type")
             )
         function = get_field(tool, "function", dict, parent=path, required=True)
-        get_field(function, "name", str, parent=join_path(path, "function"), required=True)
+        function_path = join_path(path, "function")
+        get_field(function, "name", str, parent=function_path, required=True)
+        # The chat template renders these as they are: a string `parameters` would reach the model as a schema.
+        get_field(function, "description", str, parent=function_path)
+        get_field(function, "parameters", dict, parent=function_path)
     return tools or None
 
 

@@ -61,6 +61,7 @@ from freetoken.server.generation import (
     converted_events,
     context_fit,
     fit_context,
+    fit_output_budget,
     plan_output,
     render_prompt,
 )
@@ -576,6 +577,9 @@ async def responses(request: Request) -> Response:
     params.max_tokens = fit_context(
         len(prompt.ids), max_output_tokens, context_fit(state), max_tokens_param="max_output_tokens",
         messages_param="input",
+    )
+    params.max_tokens = fit_output_budget(
+        engine, 1, params.max_tokens, max_output_tokens is not None, max_tokens_param="max_output_tokens"
     )
     fmt = response_format[1] if response_format is not None else None
     await constrain_output(engine, plan, params, prompt.ids, fmt, offered, messages_param="input")

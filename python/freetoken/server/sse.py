@@ -92,8 +92,8 @@ async def guard_stream(
             yield event
     except Exception:
         logger.exception("request %s failed mid-stream", request_id)
-        err = ApiError(500, ErrorCode.INTERNAL_ERROR, "internal server error; see the server log")
-        for event in error_events(err):
+        internal = ApiError(500, ErrorCode.INTERNAL_ERROR, "internal server error; see the server log")
+        for event in error_events(internal):
             yield event
     finally:
         with anyio.CancelScope(shield=True):

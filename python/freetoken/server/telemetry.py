@@ -309,6 +309,12 @@ class EngineCollector(Collector):
         yield _gauge("prefill_tokens_per_second", f"prompt tokens prefilled per second over the last {RATE_WINDOW_S} s",
                      server["prefill_tokens_per_s"])
         yield from _expert_cache_metrics(stats.get("moe_backend") or {})
+        cache = stats.get("cache") or {}
+        if cache.get("kv_cache"):
+            yield _gauge("kv_cache_bytes", "bytes of the paged KV cache", cache["kv_cache"]["nbytes"])
+        if cache.get("expert_cache"):
+            yield _gauge("expert_cache_bytes", "bytes of the GPU expert-slot cache", cache["expert_cache"]["nbytes"])
+        yield _counter("cache_resizes", "expert-slot / KV cache resizes done", cache.get("num_resizes"))
         prefix = stats.get("prefix_cache")
         if isinstance(prefix, dict) and prefix.get("enabled", True):
             yield from _section_metrics(prefix, PREFIX_CACHE_METRICS, "prefix_cache")
@@ -405,4 +411,4 @@ def layer_split(moe: dict[str, Any]) -> list[tuple[int, int, int]]:
     hits, fills, cpu = layers.get("hits"), layers.get("fills"), layers.get("cpu_runs")
     if not hits:
         return []
-    return list(zip(hits, fills or [0] * len(hits), cpu or [0] * len(hits)))
+    return list(zip(hits, fills or [0] * len(hits), cpu or [0] * len(hits), strict=True))

@@ -105,11 +105,16 @@ class Frame:
         total, free = stats.get("kv_blocks_total") or 0, stats.get("kv_blocks_free") or 0
         lines = Text()
         lines.append(f"running {stats.get('num_running', '–')}  waiting {stats.get('num_waiting', '–')}  ")
+        sizes = stats.get("cache") or {}  # GB of each cache (`freetoken.engine.resize.cache_sizes`), when served
         lines.append("KV blocks ")
         lines.append_text(_bar(total - free, total))
+        if sizes.get("kv_cache"):
+            lines.append(f" ({sizes['kv_cache']['gb']:.3g} GB)")
         if moe.get("num_slots"):
             lines.append("  expert slots ")
             lines.append_text(_bar(moe.get("num_resident", 0), moe["num_slots"]))
+            if sizes.get("expert_cache"):
+                lines.append(f" ({sizes['expert_cache']['gb']:.3g} GB)")
         table = Table(box=None, padding=(0, 2), show_edge=False)
         for name in ("endpoint", "age", "prompt", "output"):
             table.add_column(name, style="dim" if name == "endpoint" else None)
@@ -129,7 +134,8 @@ class Frame:
         window = "since start"
         if self.previous is not None:
             before = layer_split(self.previous.get("moe_backend") or {})
-            delta = [tuple(a - b for a, b in zip(now, then)) for now, then in zip(split, before)]
+            # strict=False: a restarted server may report other layers; the check below then drops the delta
+            delta = [tuple(a - b for a, b in zip(now, then, strict=False)) for now, then in zip(split, before, strict=False)]
             # a restarted server's counters fall: its cumulative split is then the honest view
             if len(before) == len(split) and all(v >= 0 for row in delta for v in row) and any(map(any, delta)):
                 split, window = delta, "last interval"

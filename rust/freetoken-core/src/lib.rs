@@ -23,6 +23,7 @@ pub mod error;
 pub mod numa;
 pub mod planner;
 pub mod pool;
+pub mod quant;
 pub mod trace;
 
 /// The crate version, as Cargo sets it.

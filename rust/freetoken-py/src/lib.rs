@@ -10,6 +10,7 @@ mod driver;
 mod errors;
 mod planner;
 mod pool;
+mod quant;
 mod trace;
 
 /// The `freetoken._core` extension module.
@@ -27,6 +28,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cpu::supported_isas, m)?)?;
     m.add_function(wrap_pyfunction!(planner::aligned_len, m)?)?;
     m.add_function(wrap_pyfunction!(planner::align_slots, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::expert_layout, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::dequantize_expert, m)?)?;
+    m.add_function(wrap_pyfunction!(quant::quantized_expert_forward, m)?)?;
     m.add_function(wrap_pyfunction!(trace::read_trace, m)?)?;
     m.add_function(wrap_pyfunction!(trace::simulate_trace, m)?)?;
     m.add_function(wrap_pyfunction!(trace::synthetic_trace, m)?)?;

@@ -2,6 +2,7 @@
 use std::sync::Arc;
 
 use freetoken_core::pool::{checkpoint, ExpertPool, PoolShape};
+use freetoken_core::quant::ExpertFormat;
 use numpy::PyArray1;
 use pyo3::prelude::*;
 
@@ -27,6 +28,18 @@ impl PyExpertPool {
             Ok(PyArray1::borrow_from_array(&v, slf.clone().into_any()))
         }
     }
+}
+
+/// `moe_layers`, default `range(num_layers)`, checked to have `num_layers` entries.
+fn layers_arg(num_layers: usize, moe_layers: Option<Vec<usize>>) -> PyResult<Vec<usize>> {
+    let moe_layers = moe_layers.unwrap_or_else(|| (0..num_layers).collect());
+    if moe_layers.len() != num_layers {
+        return Err(invalid(format!(
+            "moe_layers has {} entries but num_layers is {num_layers}",
+            moe_layers.len()
+        )));
+    }
+    Ok(moe_layers)
 }
 
 #[pymethods]
@@ -60,13 +73,7 @@ impl PyExpertPool {
         moe_layers: Option<Vec<usize>>,
         num_threads: Option<usize>,
     ) -> PyResult<Self> {
-        let moe_layers = moe_layers.unwrap_or_else(|| (0..num_layers).collect());
-        if moe_layers.len() != num_layers {
-            return Err(invalid(format!(
-                "moe_layers has {} entries but num_layers is {num_layers}",
-                moe_layers.len()
-            )));
-        }
+        let moe_layers = layers_arg(num_layers, moe_layers)?;
         if num_threads == Some(0) {
             return Err(invalid("num_threads must be positive"));
         }
@@ -75,11 +82,44 @@ impl PyExpertPool {
             num_experts,
             hidden_size,
             intermediate_size,
+            format: ExpertFormat::Bf16,
         };
         let pool = interruptible(py, move || ExpertPool::random(shape, seed, num_threads))?.py()?;
         Ok(Self {
             inner: Arc::new(pool),
         })
+    }
+
+    #[staticmethod]
+    #[pyo3(signature = (num_layers, num_experts, hidden_size, intermediate_size, format="bf16", block=(0, 0), moe_layers=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn zeroed(
+        py: Python<'_>,
+        num_layers: usize,
+        num_experts: usize,
+        hidden_size: usize,
+        intermediate_size: usize,
+        format: &str,
+        block: (usize, usize),
+        moe_layers: Option<Vec<usize>>,
+    ) -> PyResult<Self> {
+        let moe_layers = layers_arg(num_layers, moe_layers)?;
+        let shape = PoolShape {
+            moe_layers,
+            num_experts,
+            hidden_size,
+            intermediate_size,
+            format: ExpertFormat::from_name(format, block).py()?,
+        };
+        let pool = interruptible(py, move || ExpertPool::zeroed(shape))?.py()?;
+        Ok(Self {
+            inner: Arc::new(pool),
+        })
+    }
+
+    #[getter]
+    fn format(&self) -> &'static str {
+        self.inner.format().name()
     }
 
     #[getter]

@@ -1,9 +1,10 @@
 """Model output parsers: generated text -> content, reasoning and tool calls, streamed or whole.
 
 Each model family writes reasoning and tool calls its own way (Qwen3: ``<think>...</think>`` and
-``<tool_call>{json}</tool_call>``). A family registers one `OutputParser` factory here with a test on
-the tokenizer; the server asks `parser_for` and never branches on the family. A new family adds a
-module and one `register` call.
+``<tool_call>{json}</tool_call>``; Qwen3.5 and Qwen3-Coder: ``<tool_call><function=NAME><parameter=ARG>``,
+`qwen3_xml`). A family registers one `OutputParser` factory here with a test on the tokenizer (and its chat
+template, `Tokenizer.chat_template_source`); the server asks `parser_for` and never branches on the family. A new
+family adds a module and one `register` call.
 
 Parsers are incremental: `OutputParser.feed` takes each text delta the engine emits and returns a
 `ParsedDelta`; `finish` flushes what was held back. They never leak part of a tag into content (a
@@ -121,10 +122,13 @@ class ParserOptions:
     Attributes:
         prompt_text: the rendered prompt (a template may open the reasoning block in it).
         parse_tools: tools were offered, so tool calls are parsed; otherwise their markup is content.
+        tools: the offered tools (chat template format, each with its parameters' schema) when parsed, else None:
+            a family whose calls write arguments as text types them by it.
     """
 
     prompt_text: str
     parse_tools: bool
+    tools: list[dict[str, Any]] | None = None
 
 
 class PlainTextParser:
@@ -177,9 +181,13 @@ class ParserFamily:
 _FAMILIES: list[ParserFamily] = []
 
 
-def register(family: ParserFamily) -> None:
-    """Add a family; families are tried in registration order."""
-    _FAMILIES.append(family)
+def register(family: ParserFamily, first: bool = False) -> None:
+    """Add a family; families are tried in registration order, those registered `first` before the others (a
+    variant of a family, with a narrower test, goes before it)."""
+    if first:
+        _FAMILIES.insert(0, family)
+    else:
+        _FAMILIES.append(family)
 
 
 def parser_for(tokenizer: Any, options: ParserOptions) -> OutputParser:
@@ -197,7 +205,9 @@ def parse_text(parser: OutputParser, text: str, before: ParsedDelta | None = Non
 
 def collect_deltas(deltas: list[ParsedDelta]) -> ParsedOutput:
     """Join streamed deltas into the whole output."""
-    content, reasoning, calls = [], [], []
+    content: list[str] = []
+    reasoning: list[str] = []
+    calls: list[ToolCall] = []
     for delta in deltas:
         content.append(delta.content)
         reasoning.append(delta.reasoning)
@@ -208,7 +218,7 @@ def collect_deltas(deltas: list[ParsedDelta]) -> ParsedOutput:
     return ParsedOutput("".join(content), "".join(reasoning), calls)
 
 
-from freetoken.server.parsers import qwen3
+from freetoken.server.parsers import qwen3, qwen3_xml  # noqa: E402 (after the base classes the family modules import)
 
 __all__ = [
     "OutputParser",
@@ -223,5 +233,6 @@ __all__ = [
     "parse_text",
     "parser_for",
     "qwen3",
+    "qwen3_xml",
     "register",
 ]

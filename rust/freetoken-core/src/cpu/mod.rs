@@ -116,6 +116,14 @@ impl CpuExperts {
         if num_threads == Some(0) {
             return Err(KernelError::Invalid("num_threads must be positive".into()));
         }
+        if pool.format() != crate::quant::ExpertFormat::Bf16 {
+            // The quantized kernels are `crate::quant::kernels`; the worker split calls them once
+            // the layer step takes quantized pools.
+            return Err(KernelError::Invalid(format!(
+                "CpuExperts runs bf16 pools; this pool holds {} experts",
+                pool.format().name()
+            )));
+        }
         Ok(Self {
             pool,
             workers: WorkerPool::new(num_threads),
@@ -520,6 +528,7 @@ mod tests {
             num_experts: 6,
             hidden_size: 67,
             intermediate_size: 33,
+            format: crate::quant::ExpertFormat::Bf16,
         };
         let pool = Arc::new(ExpertPool::random(shape, 1, None).unwrap());
         let (h, b, k) = (67, 5, 2);

@@ -181,6 +181,7 @@ unsafe impl Send for Handshake {}
 
 // SAFETY: the only pointer the handle keeps is `cpu_flag`, read atomically (`wait_served`).
 unsafe impl Send for DecodeDriver {}
+// SAFETY: as for `Send`: shared handles only read `cpu_flag`, atomically.
 unsafe impl Sync for DecodeDriver {}
 
 /// What does not change between steps.

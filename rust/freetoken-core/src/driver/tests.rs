@@ -40,6 +40,7 @@ fn rig(backend: Backend, timeout: Duration) -> Rig {
         num_experts: E,
         hidden_size: H,
         intermediate_size: I,
+        format: crate::quant::ExpertFormat::Bf16,
     };
     let pool = Arc::new(ExpertPool::random(shape, 7, Some(1)).unwrap());
     let stride = pool.shape().expert_stride();
@@ -87,6 +88,8 @@ fn rig(backend: Backend, timeout: Duration) -> Rig {
         slot_rows: SLOTS,
         timeout,
     };
+    // SAFETY: every pointer of `hs` points into `shared`, boxed and alive for the whole test (the
+    // tests drop the driver first); host memory, so nothing needs to be page-locked.
     let driver = unsafe {
         DecodeDriver::new(
             Arc::new(Mutex::new(planner)),

@@ -122,6 +122,7 @@ pub fn shape_from_config(path: &Path) -> Result<PoolShape, PoolError> {
         num_experts,
         hidden_size,
         intermediate_size,
+        format: crate::quant::ExpertFormat::Bf16,
     };
     shape.validate().map_err(|e| PoolError::BadConfig {
         path: path.into(),
@@ -206,7 +207,17 @@ pub fn load(dir: &Path, num_threads: Option<usize>) -> Result<ExpertPool, PoolEr
             what: "model directory".into(),
         });
     }
-    let shape = shape_from_config(&dir.join("config.json"))?;
+    let config = dir.join("config.json");
+    let shape = shape_from_config(&config)?;
+    if read_json(&config)?.get("quantization_config").is_some() {
+        return Err(PoolError::BadConfig {
+            path: config,
+            msg:
+                "a quantized checkpoint: its experts are packed into an ExpertPool.zeroed pool by \
+                  freetoken.quant, not read by this bf16 loader"
+                    .into(),
+        });
+    }
     let (map, map_file_path) = weight_map(dir)?;
     // Group the needed tensors by shard.
     let mut by_shard: HashMap<PathBuf, Vec<(String, Target)>> = HashMap::new();

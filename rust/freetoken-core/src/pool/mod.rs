@@ -4,12 +4,13 @@
 //! two ways to fill it: from a checkpoint ([`checkpoint`]) or with deterministic random weights.
 //! Not: pinning with CUDA (Python registers `(ptr, nbytes)`), the GPU slots (see [`crate::cache`]).
 //!
-//! Layout, `[layer][expert]{gate_up, down}`, each expert contiguous so one copy moves it:
+//! Layout, `[layer][expert]{gate_up, down, scales}`, each expert contiguous so one copy moves it:
 //! ```text
-//! arena ─┬─ layer 0 ─┬─ expert 0: gate_up [2I, H] bf16 (gate rows 0..I, up rows I..2I) │ down [H, I] bf16 │ pad
+//! arena ─┬─ layer 0 ─┬─ expert 0: gate_up [2I, H] (gate rows 0..I, up rows I..2I) │ down [H, I] │ scales │ pad
 //!        │           ├─ expert 1: ...
 //!        ├─ layer 1 ─ ...
 //! ```
+//! in the pool's [`ExpertFormat`] (bf16: no scales; quantized formats: see [`crate::quant`]).
 //! `layer` everywhere in this module is the *pool* layer: an index into [`PoolShape::moe_layers`],
 //! which lists the model layer of each pool layer. The stride between experts is
 //! `expert_nbytes` rounded up to [`EXPERT_ALIGN`] bytes.
@@ -19,6 +20,7 @@ pub mod checkpoint;
 use crate::bf16::f32_to_bf16;
 use crate::error::PoolError;
 use crate::numa;
+use crate::quant::ExpertFormat;
 use arena::Arena;
 
 /// Alignment of every expert inside the arena, in bytes (DMA- and AVX-512-friendly).
@@ -35,6 +37,8 @@ pub struct PoolShape {
     pub hidden_size: usize,
     /// Expert intermediate size (I, `moe_intermediate_size`).
     pub intermediate_size: usize,
+    /// How each expert's weights are stored (bf16, or a quantized format with its scales).
+    pub format: ExpertFormat,
 }
 
 impl PoolShape {
@@ -59,6 +63,8 @@ impl PoolShape {
                 self.moe_layers
             )));
         }
+        self.format
+            .check_shape(self.hidden_size, self.intermediate_size)?;
         if self.num_experts > u16::MAX as usize {
             return Err(PoolError::Config(format!(
                 "num_experts {} exceeds 65535",
@@ -68,9 +74,11 @@ impl PoolShape {
         Ok(())
     }
 
-    /// Bytes of one expert's weights: `3 * I * H * 2` (bf16 gate, up, down).
+    /// Bytes of one expert's weights and scales: `3 * I * H * 2` for bf16 (gate, up, down).
     pub fn expert_nbytes(&self) -> usize {
-        3 * self.intermediate_size * self.hidden_size * 2
+        self.format
+            .layout(self.hidden_size, self.intermediate_size)
+            .expert_nbytes
     }
 
     /// Distance between consecutive experts in the arena, in bytes.
@@ -107,6 +115,12 @@ impl ExpertPool {
         Ok(Self { shape, arena })
     }
 
+    /// A zeroed pool for `shape`, to be filled through [`ExpertPool::expert_bytes_mut`] (quantized
+    /// experts are packed by Python, `freetoken.quant`).
+    pub fn zeroed(shape: PoolShape) -> Result<Self, PoolError> {
+        Self::alloc(shape)
+    }
+
     /// Builds a pool of deterministic random weights (same `seed` and shape, same bytes).
     ///
     /// Values are uniform in `±1/sqrt(fan_in)` (fan_in = H for gate/up, I for down), rounded to
@@ -117,6 +131,12 @@ impl ExpertPool {
         seed: u64,
         num_threads: Option<usize>,
     ) -> Result<Self, PoolError> {
+        if shape.format != ExpertFormat::Bf16 {
+            return Err(PoolError::Config(format!(
+                "random experts are bf16; a {} pool is built with ExpertPool::zeroed and filled",
+                shape.format.name()
+            )));
+        }
         let pool = Self::alloc(shape)?;
         let total = pool.num_layers() * pool.num_experts();
         let threads = num_threads
@@ -191,7 +211,12 @@ impl ExpertPool {
         &self.shape.moe_layers
     }
 
-    /// Bytes of one expert (`3 * I * H * 2`), without padding.
+    /// The experts' format.
+    pub fn format(&self) -> ExpertFormat {
+        self.shape.format
+    }
+
+    /// Bytes of one expert (weights and scales; `3 * I * H * 2` for bf16), without padding.
     pub fn expert_nbytes(&self) -> usize {
         self.shape.expert_nbytes()
     }
@@ -249,15 +274,31 @@ impl ExpertPool {
         ))
     }
 
-    /// Weights of one expert, checked.
+    /// Weights of one expert of a bf16 pool, checked (a quantized pool's: [`ExpertPool::expert_bytes`]).
     pub fn expert(&self, layer: i64, expert: i64) -> Result<ExpertWeights<'_>, PoolError> {
         let (l, e) = self.check(layer, expert)?;
+        if self.format() != ExpertFormat::Bf16 {
+            return Err(PoolError::Config(format!(
+                "the pool holds {} experts, not bf16 weights",
+                self.format().name()
+            )));
+        }
         Ok(self.expert_unchecked(l, e))
     }
 
-    /// Weights of one expert; panics (debug) or reads another expert (release) on bad indices.
+    /// The bytes of one expert (`expert_nbytes`, any format), checked.
+    pub fn expert_bytes(&self, layer: i64, expert: i64) -> Result<&[u8], PoolError> {
+        let (p, n) = self.expert_ptr(layer, expert)?;
+        // SAFETY: `expert_ptr` checked the indices; the range lies inside the arena, which is
+        // immutable once built and lives as long as `self`.
+        Ok(unsafe { std::slice::from_raw_parts(p, n) })
+    }
+
+    /// Weights of one expert of a bf16 pool; panics (debug) or reads another expert (release) on
+    /// bad indices or a quantized pool.
     pub fn expert_unchecked(&self, layer: usize, expert: usize) -> ExpertWeights<'_> {
         debug_assert!(layer < self.num_layers() && expert < self.num_experts());
+        debug_assert!(self.format() == ExpertFormat::Bf16);
         let (h, i) = (self.shape.hidden_size, self.shape.intermediate_size);
         let n = 3 * i * h;
         // SAFETY: the range lies inside the arena (see `expert_ptr`); offsets are multiples of
@@ -344,6 +385,7 @@ mod tests {
             num_experts: 4,
             hidden_size: 33,
             intermediate_size: 17,
+            format: ExpertFormat::Bf16,
         }
     }
 
@@ -376,6 +418,28 @@ mod tests {
             .map(|&x| crate::bf16::bf16_to_f32(x).abs())
             .fold(0.0, f32::max);
         assert!(max > 0.0 && max <= 1.0 / 33f32.sqrt() * 1.01);
+    }
+
+    #[test]
+    fn quantized_pools_use_the_format_sizes() {
+        let mut s = shape();
+        s.hidden_size = 64;
+        s.intermediate_size = 32;
+        s.format = ExpertFormat::Nvfp4;
+        let pool = ExpertPool::zeroed(s.clone()).unwrap();
+        let layout = ExpertFormat::Nvfp4.layout(64, 32);
+        assert_eq!(pool.expert_nbytes(), layout.expert_nbytes);
+        assert_eq!(
+            pool.expert_nbytes(),
+            3 * 64 * 32 / 2 + 3 * 64 * 32 / 16 + 12
+        );
+        let (p1, _) = pool.expert_ptr(0, 1).unwrap();
+        assert_eq!(p1 as usize - pool.ptr() as usize, s.expert_stride());
+        assert_eq!(pool.expert_bytes(1, 3).unwrap().len(), layout.expert_nbytes);
+        assert!(pool.expert(0, 0).is_err());
+        assert!(ExpertPool::random(s.clone(), 0, None).is_err());
+        s.intermediate_size = 24; // not a whole number of 16-element blocks
+        assert!(ExpertPool::zeroed(s).is_err());
     }
 
     #[test]

@@ -1,0 +1,84 @@
+"""Routed experts kept in a quantized format on the compute device, for the `fused` backend.
+
+`QuantizedExperts` holds one MoE layer's experts as packed bytes in the pool layout (`freetoken.quant.formats`);
+`grouped_swiglu` reads them through `DequantizedView`, which dequantizes one expert when the computation asks for
+it, so the full-precision weights never exist all at once on the CPU path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from freetoken.moe.compute import grouped_swiglu
+from freetoken.quant.formats import ExpertLayout
+from freetoken.quant.reference import dequantize_experts
+
+
+@dataclass
+class QuantizedExperts:
+    """One layer's routed experts in a quantized format.
+
+    Attributes:
+        layout: the experts' `ExpertLayout` (format, H, I, where each section sits).
+        packed: [E, expert_nbytes] uint8 in the pool layout, on the compute device.
+    """
+
+    layout: ExpertLayout
+    packed: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held (weights and scales)."""
+        return self.packed.numel()
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        """`freetoken.moe.compute.grouped_swiglu` over these experts: [T, H] hidden, [T, k] ids and weights ->
+        [T, H] in hidden's dtype.
+
+        On the CPU each expert that has tokens is dequantized (float32, `reference.dequantize_experts`) when its
+        turn comes. On CUDA the layer is dequantized to hidden's dtype for the bf16 grouped kernel (a correct but
+        not a fast path: the Triton kernels that dequantize in their inner loop replace it).
+        """
+        if hidden.is_cuda:
+            gate_up, down = dequantize_experts(self.layout, self.packed)
+            return grouped_swiglu(
+                hidden,
+                gate_up.to(hidden.dtype),
+                down.to(hidden.dtype),
+                topk_ids,
+                topk_weights,
+            )
+        view = DequantizedView(self)
+        return grouped_swiglu(hidden, view.gate_up, view.down, topk_ids, topk_weights)
+
+
+class DequantizedView:
+    """Stand-ins for the stacked `gate_up` [E, 2I, H] and `down` [E, H, I] that `grouped_swiglu` indexes by expert:
+    `view.gate_up[e]` and `view.down[e]` dequantize expert `e` (float32) once and keep the last one."""
+
+    def __init__(self, experts: QuantizedExperts) -> None:
+        self._experts = experts
+        self._last: tuple[int, tuple[torch.Tensor, torch.Tensor]] | None = None
+        num = experts.packed.shape[0]
+        h, i = experts.layout.hidden, experts.layout.inter
+        self.gate_up = _Part(self, 0, (num, 2 * i, h))
+        self.down = _Part(self, 1, (num, h, i))
+
+    def expert(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, H], down [H, I]) float32 of expert `index`."""
+        if self._last is None or self._last[0] != index:
+            gate_up, down = dequantize_experts(self._experts.layout, self._experts.packed[index : index + 1])
+            self._last = (index, (gate_up[0], down[0]))
+        return self._last[1]
+
+
+class _Part:
+    """One of `DequantizedView`'s two stacks: `shape` and indexing by expert, as `grouped_swiglu` uses them."""
+
+    def __init__(self, view: DequantizedView, which: int, shape: tuple[int, int, int]) -> None:
+        self._view, self._which, self.shape = view, which, shape
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self._view.expert(int(index))[self._which]
