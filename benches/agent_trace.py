@@ -30,6 +30,23 @@ table per run, a summary, and a final JSON line.
     python benches/agent_trace.py --server http://127.0.0.1:1919
     # tiny, on the CPU demo model (seconds)
     python benches/agent_trace.py --model demo --serve-args "--device cpu --dummy-weights" --scale 0.01 --turns 4
+
+Hybrid models (Qwen3.5) and their recurrent-state checkpoints (issue 22): `--state-checkpoints marks chunk off`
+starts one server per mode (`ft serve --state-checkpoints MODE`; `off` runs only the `--compare-variants`, its
+figures hardly depend on the variant) instead of the prefix-cache comparison, and prints per turn the re-prefilled
+tokens and TTFT of each mode side by side, and each server's checkpoint counters (`/v1/stats`). Against a running
+server (`--server`) the mode is the server's own. OpenCode's pruning thresholds scale with `--prune-protect-tokens`
+and `--prune-minimum-tokens`, so a short session reaches them.
+
+    # on the GPU box: Qwen3.5-35B-A3B, dummy weights, replayed routing, 24 GB, 13 turns to about 60k tokens
+    python benches/agent_trace.py --model qwen3.5-35b-a3b --state-checkpoints marks chunk off \\
+        --variants openclaw opencode --compare-variants openclaw --sessions 1 --turns 13 --tool-tokens 1000 5000 \\
+        --prune-protect-tokens 12000 --prune-minimum-tokens 6000 --max-tokens 16 \\
+        --serve-args "--device cuda --dummy-weights --replay-routing synthetic --gpu-memory-gb 24 --max-model-len 70000"
+    # on the CPU, the Qwen3.5 demo checkpoint (built first: freetoken.models.demo_qwen3_5)
+    python -c "from freetoken.models.demo_qwen3_5 import build_qwen3_5_demo_checkpoint as b; b('/tmp/q35demo')"
+    python benches/agent_trace.py --model /tmp/q35demo --state-checkpoints marks chunk off --serve-args \\
+        "--device cpu --max-model-len 4096" --scale 0.01 --turns 5 --sessions 1 --max-tokens 8
 """
 
 from __future__ import annotations
@@ -67,6 +84,7 @@ PRUNE_MINIMUM_TOKENS = 20_000
 PRUNED = "[Old tool result content cleared]"
 TOOLS = ("read_file", "edit_file", "bash", "grep", "glob", "web_fetch")
 VARIANTS = ("plain", "openclaw", "opencode")
+CHECKPOINT_MODES = ("marks", "chunk", "off")
 STARTUP_TIMEOUT_S = 1800.0  # loading a 30B-class model with dummy weights and capturing graphs takes minutes
 WORDS = (
     "the a an of to in for on with by from at as is are be was were this that these those it its file function "
@@ -178,7 +196,8 @@ def advance(session: Session, turn: int, reply: str) -> None:
         session.entries.append(Entry("user", gen.prose(max(4, int(60 * scale)))))
 
 
-def harness_view(session: Session) -> list[Entry]:
+def harness_view(session: Session, protect_tokens: float = PRUNE_PROTECT_TOKENS,
+                 minimum_tokens: float = PRUNE_MINIMUM_TOKENS) -> list[Entry]:
     """What the session's harness sends: `plain` all of it; `openclaw` thinking only on the latest assistant
     message; `opencode` after `prune` (old tool outputs as `PRUNED`)."""
     entries = session.entries
@@ -187,7 +206,7 @@ def harness_view(session: Session) -> list[Entry]:
         return [e if i == last or e.role != "assistant" else Entry(**{**e.__dict__, "thinking": ""})
                 for i, e in enumerate(entries)]
     if session.variant == "opencode":
-        prune(entries, PRUNE_PROTECT_TOKENS * session.scale, PRUNE_MINIMUM_TOKENS * session.scale)
+        prune(entries, protect_tokens * session.scale, minimum_tokens * session.scale)
         return [Entry(**{**e.__dict__, "text": PRUNED}) if e.pruned else e for e in entries]
     return entries
 
@@ -311,9 +330,10 @@ def stream_anthropic(client, model: str, session: Session, view: list[Entry], ma
             yield "", {"prompt": prompt, "cached": cached, "completion": event.usage.output_tokens}
 
 
-def run_turn(client, api: str, model: str, session: Session, turn: int, max_tokens: int, seed: int) -> TurnResult:
+def run_turn(client, api: str, model: str, session: Session, turn: int, max_tokens: int, seed: int,
+             prune_tokens: tuple[float, float] = (PRUNE_PROTECT_TOKENS, PRUNE_MINIMUM_TOKENS)) -> TurnResult:
     """Send the session's conversation as its harness would, stream the reply, and append it for the next turn."""
-    view = harness_view(session)
+    view = harness_view(session, *prune_tokens)
     stream = stream_openai if api == "openai" else stream_anthropic
     t0 = last = time.perf_counter()
     first = None
@@ -365,7 +385,8 @@ def run_sessions(base_url: str, api: str, model: str, variant: str, num_sessions
                               tag=f"{variant}-x{num_sessions}")
         for turn in range(args.turns):
             try:
-                r = run_turn(client, api, model, session, turn, args.max_tokens, args.seed)
+                r = run_turn(client, api, model, session, turn, args.max_tokens, args.seed,
+                             (args.prune_protect_tokens, args.prune_minimum_tokens))
             except (openai.APIError, anthropic.APIError, RuntimeError) as e:  # the session ends; the run goes on
                 log(f"  {variant} x{num_sessions} {name} turn {turn} failed: {e}")
                 with lock:
@@ -476,14 +497,19 @@ def server_knows(flag: str) -> bool:
     return flag in out.stdout
 
 
+def server_stats(base_url: str, api_key: str) -> dict:
+    """The server's /v1/stats ({} when it has none)."""
+    try:
+        return httpx.get(base_url + "/v1/stats", headers={"Authorization": f"Bearer {api_key}"}, timeout=30).json()
+    except (httpx.HTTPError, ValueError):
+        return {}
+
+
 def server_info(base_url: str, api_key: str) -> tuple[str, dict]:
     """(the served model's name, the routing the server reports in /v1/stats, or why it is unknown)."""
     headers = {"Authorization": f"Bearer {api_key}"}
     model = httpx.get(base_url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
-    try:
-        routing = httpx.get(base_url + "/v1/stats", headers=headers, timeout=30).json().get("routing")
-    except (httpx.HTTPError, ValueError):
-        routing = None
+    routing = server_stats(base_url, api_key).get("routing")
     return model, routing or {"source": "unknown (no routing in /v1/stats)"}
 
 
@@ -506,11 +532,36 @@ def run_all(base_url: str, label: str, variants: list[str], sessions: list[int],
             results, errors = run_sessions(base_url, args.api, model, variant, n, args)
             summary = summarize(results, args.watchdog_s) if results else {"turns": 0}
             summary["errors"] = errors
+            checkpoints = server_stats(base_url, args.api_key).get("state_checkpoints")
+            if checkpoints is not None:  # hybrid models: the counters so far (they add up over the server's runs)
+                summary["state_checkpoints"] = checkpoints
+                console.print(f"{label}: state checkpoints {json.dumps(checkpoints)}")
             console.print(turn_table(f"{label}: {variant}, {n} session(s)", results, args.watchdog_s))
             runs.append({"server": label, "routing": routing, "variant": variant, "sessions": n, **summary,
                          "per_turn": [{k: v for k, v in r.__dict__.items() if k != "reply"} | {
                              "reprefilled_tokens": r.reprefilled_tokens} for r in results]})
     return runs
+
+
+def mode_table(runs: list[dict]) -> Table:
+    """Single-session runs side by side per checkpoint mode: per (variant, turn) the prompt, and each mode's
+    re-prefilled tokens and TTFT."""
+    modes = list(dict.fromkeys(r["server"] for r in runs))
+    table = Table(title="re-prefilled tokens and TTFT per turn, by checkpoint mode (1 session)")
+    for column in ("variant", "turn", "prompt", *(f"re-prefilled {m.split()[-1]}" for m in modes),
+                   *(f"TTFT s {m.split()[-1]}" for m in modes)):
+        table.add_column(column, justify="right")
+    turns: dict[tuple[str, int], dict[str, dict]] = {}
+    for run in runs:
+        if run["sessions"] == 1:
+            for t in run["per_turn"]:
+                turns.setdefault((run["variant"], t["turn"]), {})[run["server"]] = t
+    for (variant, turn), by_mode in sorted(turns.items()):
+        prompt = next(iter(by_mode.values()))["prompt_tokens"]
+        table.add_row(variant, str(turn), str(prompt),
+                      *(str(by_mode[m]["reprefilled_tokens"]) if m in by_mode else "-" for m in modes),
+                      *(f"{by_mode[m]['ttft_s']:.3f}" if m in by_mode else "-" for m in modes))
+    return table
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -533,6 +584,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--watchdog-s", type=float, default=120.0)
     ap.add_argument("--request-timeout-s", type=float, default=900.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--state-checkpoints", nargs="*", choices=CHECKPOINT_MODES, default=[],
+                    help="hybrid models: one server per mode (ft serve --state-checkpoints MODE), instead of the "
+                    "prefix-cache comparison; 'off' runs the --compare-variants only")
+    ap.add_argument("--prune-protect-tokens", type=float, default=PRUNE_PROTECT_TOKENS,
+                    help="opencode: newest tool-output tokens never pruned (OpenCode's PRUNE_PROTECT)")
+    ap.add_argument("--prune-minimum-tokens", type=float, default=PRUNE_MINIMUM_TOKENS,
+                    help="opencode: prune only when at least this many tool-output tokens go (PRUNE_MINIMUM)")
     args = ap.parse_args(argv)
     console = Console(no_color="NO_COLOR" in os.environ, width=140)
     runs = []
@@ -540,6 +598,14 @@ def main(argv: list[str] | None = None) -> int:
         runs += run_all(args.server.rstrip("/"), "as given", args.variants, args.sessions, args, console)
         console.print("--server: the server's own configuration only (--model starts one with and one without "
                       "--no-prefix-cache)")
+    elif args.state_checkpoints:
+        serve_args = shlex.split(args.serve_args)
+        for mode in args.state_checkpoints:
+            variants = args.compare_variants if mode == "off" else args.variants
+            sessions = [1] if mode == "off" else args.sessions
+            with Server(args.model, [*serve_args, "--state-checkpoints", mode]) as server:
+                runs += run_all(server.base_url, f"checkpoints {mode}", variants, sessions, args, console)
+        console.print(mode_table(runs))
     else:
         serve_args = shlex.split(args.serve_args)
         with Server(args.model, serve_args) as server:

@@ -108,12 +108,14 @@ class ServerProcess:
         return self.proc.returncode
 
 
-def start_server(log_dir: Path, *extra_args: str, port: int | None = None) -> ServerProcess:
-    """Start `ft serve` on the demo checkpoint (CPU) on `port` (default: a free one) and wait until /health
-    answers."""
+def start_server(
+    log_dir: Path, *extra_args: str, port: int | None = None, model_dir: Path | None = None
+) -> ServerProcess:
+    """Start `ft serve` on `model_dir` (default: the demo checkpoint) on the CPU on `port` (default: a free one) and
+    wait until /health answers."""
     from freetoken.models.demo import demo_checkpoint_dir
 
-    model_dir = demo_checkpoint_dir()
+    model_dir = model_dir or demo_checkpoint_dir()
     port = port or free_port()
     env = os.environ.copy()
     # The server imports the same freetoken as this process (the installed one, or the source tree).

@@ -401,22 +401,32 @@ def test_deltanet_layer_with_kernels_matches_torch(monkeypatch, tmp_path):
             torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 
-def test_prefix_cache_is_off_for_hybrids_and_a_skipped_prefix_is_refused(tmp_path):
-    """The KV prefix cache cannot resume linear layers (their state is not snapshotted yet), so a hybrid engine runs
-    with it off; were it on, a sequence admitted on cached K/V would run its linear layers from the zero state, and
-    the scheduler refuses that loudly."""
+def test_prefix_cache_is_off_for_hybrids_without_checkpoints_and_a_skipped_prefix_is_refused(tmp_path):
+    """The KV prefix cache cannot resume linear layers without a snapshot of their state
+    (`freetoken.engine.state_checkpoints`): with `--state-checkpoints off` a hybrid engine runs with it off; were it
+    on, admission still resumes only from a snapshot (none: the prompt is prefilled in full), and a sequence handed
+    cached K/V without one is refused loudly."""
     from freetoken.models.demo_qwen3_5 import build_qwen3_5_demo_checkpoint
 
-    engine = _engine(build_qwen3_5_demo_checkpoint(tmp_path, seed=1))
-    assert not engine.scheduler.prefix_cache.enabled
+    engine = _engine(build_qwen3_5_demo_checkpoint(tmp_path, seed=1), state_checkpoints="off")
+    assert not engine.scheduler.prefix_cache.enabled and engine.checkpoints is None
     engine.scheduler.prefix_cache.enabled = True
     params = SamplingParams(max_tokens=2, temperature=0.0)
-    engine.add_request("first", PROMPTS[1], params)
-    while engine.has_work():
-        engine.step()
-    engine.add_request("second", PROMPTS[1], params)
+    outputs = {}
+    for rid in ("first", "second"):
+        engine.add_request(rid, PROMPTS[1], params)
+        while engine.has_work():
+            for out in engine.step():
+                outputs.setdefault(rid, []).append(out.chunk)
+    assert outputs["second"][-1].num_cached_tokens == 0
+    assert [c.token_ids for c in outputs["second"]] == [c.token_ids for c in outputs["first"]]
+    scheduler = engine.scheduler
+    engine.add_request("third", PROMPTS[1], params)
+    seq = scheduler.waiting[0]
+    match = scheduler.prefix_cache.match(seq.token_ids)
+    assert match.num_blocks > 0
     with pytest.raises(RuntimeError, match="without a recurrent-state snapshot"):
-        engine.step()
+        scheduler._admit(seq, match, 64)
     assert engine.state_pool.num_free == engine.state_pool.num_slots
 
 

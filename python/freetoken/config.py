@@ -24,6 +24,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 MOE_BACKENDS = ("auto", "fused", "offload", "cpu", "hybrid")
 EXPERT_CACHE_POLICIES = ("lru", "layer_lru", "lfu")
 PREFILL_STRATEGIES = ("auto", "stream", "fill", "cpu", "hybrid")
+STATE_CHECKPOINT_MODES = ("marks", "chunk", "off")
 
 
 class ConfigError(FreetokenError, ValueError):
@@ -314,6 +315,16 @@ class EngineConfig:
             compute (for comparison).
         no_prefix_cache: prefill every prompt in full instead of reusing the K/V blocks of a cached prefix
             (`freetoken.engine.prefix_cache`; for comparison and debugging).
+        state_checkpoints: hybrid models' recurrent-state snapshots (`freetoken.engine.state_checkpoints`), which
+            let them reuse a cached prefix: "marks" (after the special tokens harnesses cut history at, and each
+            prompt's end), "chunk" (at the end of every prefill chunk, upstream's scheme, for comparison) or "off"
+            (every hybrid prompt prefilled in full).
+        state_checkpoint_gb: the snapshots' memory budget on the compute device, in GB, evicted least recently
+            used; 0 sizes it to 64 snapshots, at most 10 % of the device budget.
+        state_checkpoint_host_gb: on CUDA, host memory (pinned) for snapshots evicted from the device, in GB; 0:
+            none (evicted snapshots are dropped).
+        state_checkpoint_spacing: "marks": tokens between the marks kept deep in a prompt (its last marks and its
+            end are always kept).
         replay_routing: benchmarks only, with `dummy_weights`: the MoE routers replay a routing trace instead of
             routing ("synthetic": the calibrated synthetic trace of `benches/moe_backends.py`; or a `.fttrace`
             file), so the expert cache sees a real model's misses (`freetoken.moe.routing_replay`); "" is off.
@@ -351,6 +362,10 @@ class EngineConfig:
     prefill_strategy: str = "auto"
     no_prefill_overlap: bool = False
     no_prefix_cache: bool = False
+    state_checkpoints: str = "marks"
+    state_checkpoint_gb: float = 0.0
+    state_checkpoint_host_gb: float = 8.0
+    state_checkpoint_spacing: int = 1024
     replay_routing: str = ""
     max_seqs_per_request: int = 0
     max_request_output_tokens: int = 262144
@@ -375,7 +390,8 @@ class EngineConfig:
         if self.dtype not in DTYPES:  # answered before the weights load, not after
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         for name in (
-            "max_num_seqs", "max_prefill_tokens", "kv_block_size", "stream_buffer_chunks", "max_request_output_tokens"
+            "max_num_seqs", "max_prefill_tokens", "kv_block_size", "stream_buffer_chunks", "max_request_output_tokens",
+            "state_checkpoint_spacing",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
@@ -384,6 +400,14 @@ class EngineConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: automatic), got {getattr(self, name)}")
         if not self.stream_pause_timeout_s > 0:
             raise ValueError(f"--stream-pause-timeout-s must be > 0, got {self.stream_pause_timeout_s}")
+        if self.state_checkpoints not in STATE_CHECKPOINT_MODES:
+            raise ValueError(
+                f"--state-checkpoints {self.state_checkpoints!r}: choose from {', '.join(STATE_CHECKPOINT_MODES)}"
+            )
+        if self.state_checkpoint_gb < 0:
+            raise ValueError(f"--state-checkpoint-gb must be >= 0 (0: automatic), got {self.state_checkpoint_gb}")
+        if self.state_checkpoint_host_gb < 0:
+            raise ValueError(f"--state-checkpoint-host-gb must be >= 0 (0: none), got {self.state_checkpoint_host_gb}")
         if not self.kv_cache_gb > 0:
             raise ValueError(f"--kv-cache-gb must be > 0, got {self.kv_cache_gb}")
         if self.moe_backend not in MOE_BACKENDS:

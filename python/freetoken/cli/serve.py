@@ -40,6 +40,15 @@ _HELP = {
     "(whole layers, double-buffered), fill (copy routed misses), cpu, hybrid",
     "no_prefill_overlap": "one prefill layer buffer: each layer's copy waits for the previous layer's compute",
     "no_prefix_cache": "prefill every prompt in full: no reuse of the KV blocks of a prompt prefix seen before",
+    "state_checkpoints": "hybrid models (Qwen3.5): snapshot the recurrent state to reuse cached prefixes: marks "
+    "(after </think>, tool-call and tool-response tags, <|im_end|>, and each prompt's end), chunk (each prefill "
+    "chunk's end, upstream's scheme), off (re-prefill every prompt)",
+    "state_checkpoint_gb": "memory for recurrent-state snapshots in GB, evicted least recently used; 0 = 64 "
+    "snapshots, at most 10%% of the device budget",
+    "state_checkpoint_host_gb": "on CUDA: host memory (pinned) in GB for snapshots evicted from the GPU, restored "
+    "from there; 0 = none",
+    "state_checkpoint_spacing": "with --state-checkpoints marks: tokens between the marks snapshotted deep in a "
+    "prompt (its last marks and its end are always snapshotted)",
     "replay_routing": "benchmarks only, needs --dummy-weights: MoE routers replay a routing trace instead of routing: "
     "'synthetic' (Zipf-skewed, calibrated to published statistics; as benches/moe_backends.py) or a .fttrace file; "
     "shown in /v1/stats 'routing'",

@@ -19,6 +19,7 @@ from freetoken.engine.model_runner import ModelRunner
 from freetoken.engine.resize import cache_sizes
 from freetoken.engine.scheduler import Scheduler
 from freetoken.engine.sequence import Sequence
+from freetoken.engine.state_checkpoints import MarkSet, StateCheckpoints, default_budget_bytes, host_budget_bytes
 from freetoken.engine.state_pool import RecurrentStatePool
 from freetoken.engine.stop import OutputText
 from freetoken.engine.structured import GrammarBackend
@@ -100,16 +101,18 @@ class LLMEngine:
                 engine_cfg.max_num_seqs, RecurrentStatePool.bytes_per_slot(model_cfg, dtype) / 1e6,
                 len(model_cfg.linear_layers), self.state_pool.nbytes / 1e9,
             )
+        self.checkpoints = self._make_checkpoints(model_cfg, engine_cfg, tokenizer, dtype)
         self.experts = model.experts
         self.admission = Admission(engine_cfg.max_seqs_per_request or default_share(engine_cfg.max_num_seqs))
         self.scheduler = Scheduler(
             self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens,
             prefix_cache=not engine_cfg.no_prefix_cache, admission=self.admission, state_pool=self.state_pool,
+            checkpoints=self.checkpoints,
         )
         if engine_cfg.no_prefix_cache:
             log.info("prefix cache: off (--no-prefix-cache); every prompt is prefilled in full")
-        elif self.state_pool is not None:
-            log.info("prefix cache: off for a hybrid model (its linear layers' state is not snapshotted yet); "
+        elif self.state_pool is not None and self.checkpoints is None:
+            log.info("prefix cache: off for a hybrid model without state checkpoints (--state-checkpoints off); "
                      "every prompt is prefilled in full")
         else:
             log.info(
@@ -132,6 +135,28 @@ class LLMEngine:
         self.routing = describe_routing(model)
         self.num_resizes = 0  # cache resizes done (`freetoken.engine.resize`), and the last one's answer
         self.last_resize: dict | None = None
+
+    def _make_checkpoints(
+        self, model_cfg: ModelConfig, engine_cfg: EngineConfig, tokenizer: Tokenizer | None, dtype: torch.dtype
+    ) -> StateCheckpoints | None:
+        """Hybrid models' recurrent-state snapshots (`freetoken.engine.state_checkpoints`), None when off."""
+        budget = default_budget_bytes(engine_cfg, model_cfg, dtype) if self.state_pool is not None else 0
+        if not budget:
+            return None
+        marks = MarkSet.from_tokenizer(tokenizer) if tokenizer is not None else MarkSet([])
+        checkpoints = StateCheckpoints(
+            engine_cfg.state_checkpoints, marks, self.state_pool, self.kv, budget,
+            engine_cfg.state_checkpoint_spacing, model_cfg, dtype, host_budget_bytes(engine_cfg, model_cfg, dtype),
+        )
+        log.info(
+            "state checkpoints: %s; %d snapshots x %.1f MB = %.2f GB (--state-checkpoint-gb), %d more in host memory "
+            "(--state-checkpoint-host-gb)%s",
+            checkpoints.mode, checkpoints.pool.capacity, checkpoints.nbytes_each / 1e6,
+            checkpoints.pool.capacity * checkpoints.nbytes_each / 1e9, checkpoints.pool.host_capacity,
+            f"; marks after {len(marks.sequences)} token sequences, every {engine_cfg.state_checkpoint_spacing} "
+            "tokens deep in a prompt" if checkpoints.mode == "marks" else "",
+        )
+        return checkpoints
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, engine_cfg: EngineConfig) -> LLMEngine:
@@ -243,6 +268,7 @@ class LLMEngine:
         except BaseException:
             # The step may have written part of its K/V, or advanced `num_computed` past K/V it never finished:
             # its sequences drop their blocks (none of them indexed yet) and would start again from their tokens.
+            self.scheduler.abandon(scheduled)
             for seq in sorted(scheduled.seqs, key=lambda s: s.arrival, reverse=True):
                 self.scheduler.preempt(seq)
             raise
@@ -299,6 +325,7 @@ class LLMEngine:
             "prefix_cache": self.scheduler.prefix_cache.stats(),
             **({"state_slots_total": self.state_pool.num_slots, "state_slots_free": self.state_pool.num_free}
                if self.state_pool is not None else {}),
+            **({"state_checkpoints": self.checkpoints.stats()} if self.checkpoints is not None else {}),
             "num_steps": self.num_steps,
             "routing": self.routing,
             "moe_backend": self.experts.stats(),

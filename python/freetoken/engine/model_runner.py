@@ -93,6 +93,8 @@ class ModelRunner:
         )
         if getattr(self.model, "state_pool", None) is not None:  # hybrid: each sequence's recurrent-state slot
             meta.state_slots = torch.tensor([s.state_slot for s in step.seqs], dtype=torch.int64, device=self.device)
+            if step.captures is not None and any(step.captures.splits):  # snapshots inside prompt chunks
+                meta.state_splits, meta.state_capture = step.captures.splits, step.captures.write
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         if experts is not None:
             prefill = sum(q for s, q in zip(step.seqs, step.query_lens, strict=True) if q > 1 or s.num_computed < s.prompt_len)

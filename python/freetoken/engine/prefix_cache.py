@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from freetoken.engine.kv_cache import BlockAllocator
@@ -94,6 +94,9 @@ class PrefixCache:
         self.num_lookup_tokens = 0
         self.num_hit_tokens = 0
         self.num_evictions = 0
+        # Called with the node of each evicted block: state checkpoints (`freetoken.engine.state_checkpoints`) drop
+        # the snapshots that extend it, whose KV is gone.
+        self.on_evict: Callable[[int], None] | None = None
 
     @property
     def capacity_tokens(self) -> int:
@@ -165,8 +168,10 @@ class PrefixCache:
         blocks = self.allocator.allocate(fresh)
         for _ in range(n - fresh):
             block, _ = self._evictable.popitem(last=False)
-            del self._index[self._key_of.pop(block)]
+            node, _ = self._index.pop(self._key_of.pop(block))
             self.num_evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(node)
             blocks.append(block)
         for block in blocks:
             self._refs[block] = 1

@@ -10,6 +10,11 @@ is recomputed from its tokens later (vLLM's recompute preemption).
 A waiting sequence is admitted on the longest prefix of its tokens that the prefix cache holds
 (`freetoken.engine.prefix_cache`): it shares those blocks and prefills only the rest. After each finished step,
 `commit` indexes the blocks the step filled.
+
+Hybrid models (a recurrent-state pool) resume only from a recurrent-state snapshot
+(`freetoken.engine.state_checkpoints`): a waiting sequence is admitted at the deepest snapshot of its prefix, on the
+cached blocks before it (never more of the prefix cache's match), with the snapshot's state in its slot; without
+checkpoints (`--state-checkpoints off`) the prefix cache is off for them.
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from freetoken.engine.admission import Admission
 from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.prefix_cache import ROOT, BlockKey, PrefixCache, PrefixMatch
 from freetoken.engine.sequence import Sequence
+from freetoken.engine.state_checkpoints import Snapshot, StateCheckpoints, StepCaptures
 from freetoken.engine.state_pool import RecurrentStatePool
 
 
@@ -30,6 +36,8 @@ class ScheduledStep:
 
     seqs: list[Sequence]
     query_lens: list[int]
+    # Recurrent-state snapshots the step takes (hybrid models with checkpoints), None when none.
+    captures: StepCaptures | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -48,8 +56,9 @@ class Scheduler:
         admission: the per-request share of the batch (`freetoken.engine.admission`); by default a request's
             choices may use the whole batch.
         state_pool: hybrid models' recurrent-state pool: each running sequence holds a slot, taken at admission and
-            given back with its blocks. The prefix cache is then off: K/V alone cannot resume a sequence whose
-            linear layers compress the prefix into a state (that needs state snapshots, not built yet).
+            given back with its blocks. K/V alone cannot resume a sequence whose linear layers compress the prefix
+            into a state: the prefix cache serves it only through `checkpoints`, and is off without them.
+        checkpoints: recurrent-state snapshots of hybrid models (`freetoken.engine.state_checkpoints`).
     """
 
     def __init__(
@@ -60,10 +69,16 @@ class Scheduler:
         prefix_cache: bool = True,
         admission: Admission | None = None,
         state_pool: RecurrentStatePool | None = None,
+        checkpoints: StateCheckpoints | None = None,
     ) -> None:
         self.kv = kv
         self.state_pool = state_pool
-        self.prefix_cache = PrefixCache(kv.allocator, kv.block_size, enabled=prefix_cache and state_pool is None)
+        self.checkpoints = checkpoints if state_pool is not None and prefix_cache else None
+        self.prefix_cache = PrefixCache(
+            kv.allocator, kv.block_size, enabled=prefix_cache and (state_pool is None or self.checkpoints is not None)
+        )
+        if self.checkpoints is not None:
+            self.prefix_cache.on_evict = self.checkpoints.on_evict
         self.max_num_seqs = max_num_seqs
         self.admission = admission or Admission(max_num_seqs)
         self.max_prefill_tokens = max(1, max_prefill_tokens)
@@ -130,7 +145,17 @@ class Scheduler:
             while (seq.num_hashed_blocks + 1) * bs <= seq.num_computed:
                 i = seq.num_hashed_blocks
                 seq.kv_parent = self.prefix_cache.insert(seq.kv_parent, seq.token_ids, i, seq.block_table[i])
+                seq.kv_nodes.append(seq.kv_parent)
                 seq.num_hashed_blocks = i + 1
+        if self.checkpoints is not None:
+            self.checkpoints.commit(
+                step.seqs, step.query_lens, step.captures, lambda seq, b: seq.kv_nodes[b - 1] if b else ROOT
+            )
+
+    def abandon(self, step: ScheduledStep) -> None:
+        """`step` failed: drop the snapshots it was taking (their states were never finished)."""
+        if self.checkpoints is not None:
+            self.checkpoints.discard(step.captures)
 
     def _free(self, seq: Sequence) -> None:
         self.prefix_cache.release(seq.block_table)
@@ -138,6 +163,9 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_hashed_blocks = 0
         seq.kv_parent = ROOT
+        seq.kv_nodes = []
+        if self.checkpoints is not None:
+            self.checkpoints.forget(seq)
         if seq.state_slot >= 0:
             self.state_pool.free(seq.state_slot)
             seq.state_slot = -1
@@ -169,12 +197,24 @@ class Scheduler:
             return None
         return self.prefix_cache.key(seq.kv_parent, seq.token_ids, b)
 
-    def _admit(self, seq: Sequence, match: PrefixMatch, budget: int) -> int:
-        """Start `seq` on the cached blocks of `match` and give it blocks for its first chunk.
+    def _resume_point(self, tokens: list[int]) -> tuple[PrefixMatch, Snapshot | None]:
+        """Where a prompt would start: the cached blocks it shares and, for a hybrid model, the snapshot it
+        resumes from (the deepest one of its prefix; the blocks then stop at the snapshot's last full block)."""
+        match = self.prefix_cache.match(tokens)
+        if self.state_pool is None:
+            return match, None
+        snap = self.checkpoints.find(tokens, match.nodes) if self.checkpoints is not None else None
+        b = snap.position // self.kv.block_size if snap is not None else 0
+        return PrefixMatch(match.blocks[:b], match.nodes[:b]), snap
+
+    def _admit(self, seq: Sequence, match: PrefixMatch, budget: int, snap: Snapshot | None = None) -> int:
+        """Start `seq` on the cached blocks of `match` and give it blocks for its first chunk; a hybrid model's
+        sequence also takes its state slot, restored from `snap` when given (`_resume_point`).
 
         Every token of a sequence that is cached entirely, up to its last, is reused but that last one: the
         logits of the next token must come from this sequence. Its last block is shared, and a sequence never
         writes into a shared block, so it gets a private copy of that block and recomputes the last position.
+        A snapshot's partial last block is a private block its tail K/V is copied into.
 
         Returns the first chunk's length, or 0 (nothing held) when the KV cache has too few blocks.
         """
@@ -187,8 +227,9 @@ class Scheduler:
         self.prefix_cache.acquire(shared)
         seq.block_table = list(shared)
         seq.num_hashed_blocks = len(shared)
-        seq.num_computed = len(shared) * bs
-        seq.kv_parent = match.nodes[len(shared) - 1] if shared else ROOT
+        seq.num_computed = snap.position if snap is not None else len(shared) * bs
+        seq.kv_nodes = list(match.nodes[: len(shared)])
+        seq.kv_parent = seq.kv_nodes[-1] if shared else ROOT
         if copy_src is not None:
             self.prefix_cache.acquire([copy_src])  # so that the allocation cannot evict it
             if self.prefix_cache.num_free < 1:
@@ -204,17 +245,34 @@ class Scheduler:
         if not self._grow(seq, chunk):
             self._free(seq)
             return 0
+        if self.state_pool is not None:
+            if seq.num_computed and snap is None:  # a bug upstream: reused K/V would meet a zero state
+                self._free(seq)
+                raise RuntimeError(
+                    f"request {seq.request_id}: admitted on {seq.num_computed} cached tokens without a "
+                    "recurrent-state snapshot; a hybrid model may skip prefill only from a snapshot"
+                )
+            seq.state_slot = self.state_pool.allocate()
+            if snap is not None:
+                tail = seq.block_table[len(shared)] if snap.position % bs else None
+                self.checkpoints.restore(snap, seq.state_slot, tail)
+            if self.checkpoints is not None:
+                self.checkpoints.admitted(seq)
         self.prefix_cache.count_lookup(num_tokens, seq.num_computed)
         if seq.num_cached_tokens is None:
-            seq.num_cached_tokens, seq.num_cache_write_tokens = self._reuse(seq.prompt_len, match)
+            seq.num_cached_tokens, seq.num_cache_write_tokens = self._reuse(seq.prompt_len, match, snap)
         return chunk
 
-    def _reuse(self, num_tokens: int, match: PrefixMatch) -> tuple[int, int]:
-        """(tokens reused, tokens it adds to the cache) of a prompt of `num_tokens` admitted on `match`: the matched
-        tokens but the last when all match; and the prompt's other full blocks."""
+    def _reuse(self, num_tokens: int, match: PrefixMatch, snap: Snapshot | None = None) -> tuple[int, int]:
+        """(tokens reused, tokens it adds to the cache) of a prompt of `num_tokens` admitted on `match` (and, on a
+        hybrid model, `snap`): the matched tokens but the last when all match, or the snapshot's position; and the
+        prompt's other full blocks."""
         bs = self.kv.block_size
         matched = match.num_blocks * bs
-        reused = num_tokens - 1 if matched == num_tokens else matched
+        if snap is not None:
+            reused = snap.position
+        else:
+            reused = num_tokens - 1 if matched == num_tokens else matched
         written = (num_tokens // bs) * bs - matched if self.prefix_cache.enabled else 0
         return reused, written
 
@@ -225,7 +283,10 @@ class Scheduler:
         the GIL): the engine may index or evict blocks before the request is admitted, so it is an estimate, and
         `Sequence.num_cached_tokens` has the count at admission.
         """
-        return self._reuse(len(prompt_ids), self.prefix_cache.match(prompt_ids))
+        try:
+            return self._reuse(len(prompt_ids), *self._resume_point(prompt_ids))
+        except RuntimeError:  # the engine thread changed the snapshot index while this read it: say none
+            return 0, 0
 
     def schedule(self) -> ScheduledStep:
         """Pick the next step's work. Returns an empty step only when there is no work.
@@ -287,19 +348,12 @@ class Scheduler:
                 if self.prefix_cache.key(parent, seq.token_ids, match.num_blocks) in in_flight:
                     i += 1
                     continue
-            chunk = self._admit(seq, match, budget)
+            snap = None
+            if self.state_pool is not None:
+                match, snap = self._resume_point(seq.token_ids)
+            chunk = self._admit(seq, match, budget, snap)
             if not chunk:
                 break
-            if self.state_pool is not None:
-                if seq.num_computed:
-                    # A fresh slot is the zero state: reused K/V of a prefix would meet linear layers that never
-                    # saw it. Hybrid models may skip a prefix only with a state snapshot taken at its end.
-                    self._free(seq)
-                    raise RuntimeError(
-                        f"request {seq.request_id}: admitted on {seq.num_computed} cached tokens without a "
-                        "recurrent-state snapshot; the KV prefix cache must not skip prefill on hybrid models"
-                    )
-                seq.state_slot = self.state_pool.allocate()
             del self.waiting[i]
             self.running.append(seq)
             step.seqs.append(seq)
@@ -308,4 +362,6 @@ class Scheduler:
             key = self._next_block_key(seq)
             if key is not None:
                 in_flight.add(key)
+        if self.checkpoints is not None and step.seqs:
+            step.captures = self.checkpoints.plan_step(step.seqs, step.query_lens)
         return step

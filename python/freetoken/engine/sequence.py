@@ -30,7 +30,8 @@ class Sequence:
         state_slot: its slot in the recurrent-state pool while running (hybrid models), else -1.
         num_hashed_blocks: leading full blocks whose content the prefix cache knows (found there at admission, or
             indexed after the step that filled them); `kv_parent` is the index node of the last of them
-            (`prefix_cache.ROOT` when none), the parent of the next block's key.
+            (`prefix_cache.ROOT` when none), the parent of the next block's key; `kv_nodes` the node of each of
+            those blocks, in order (state checkpoints key a snapshot by the node of its last full block).
         num_cached_tokens: prompt tokens whose K/V came from the prefix cache at the first admission (None until
             then); `num_cache_write_tokens`: prompt tokens in full blocks this sequence computes itself, which
             the cache keeps for later requests (0 with the prefix cache off).
@@ -49,6 +50,7 @@ class Sequence:
     state_slot: int = -1
     num_hashed_blocks: int = 0
     kv_parent: int = 0
+    kv_nodes: list[int] = field(default_factory=list)
     num_cached_tokens: int | None = None
     num_cache_write_tokens: int = 0
     finish_reason: FinishReason | None = None

@@ -8,6 +8,7 @@ by all layers.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,10 @@ class AttentionMetadata:
             can be captured in a CUDA graph); kv_block_size is then the cache's block size.
         state_slots: [B] int64, per sequence its slot in the recurrent-state pool (`freetoken.engine.state_pool`);
             None for models without linear-attention layers.
+        state_splits: per sequence, offsets inside its query span (ascending, 0 < offset < query length) after
+            which the linear layers call `state_capture(layer, seq index, offset, conv row, ssm row)` with the
+            sequence's state at that point (snapshots at marks, `freetoken.engine.state_checkpoints`); None when
+            the step takes none.
     """
 
     positions: torch.Tensor
@@ -57,6 +62,8 @@ class AttentionMetadata:
     seq_lens: torch.Tensor | None = None
     kv_block_size: int = 0
     state_slots: torch.Tensor | None = None
+    state_splits: list[list[int]] | None = None
+    state_capture: Callable[[int, int, int, torch.Tensor, torch.Tensor], None] | None = None
 
     @classmethod
     def build(

@@ -212,10 +212,18 @@ class GatedDeltaNet(nn.Module):
             start = 0
             slot_list = slots.tolist()
             for i, length in enumerate(meta.query_lens):
-                rows = slice(start, start + length)
                 slot = slot_list[i]
-                q, k, v = self._split(causal_conv_span(mixed[rows], conv, weight, slot))
-                core[rows] = self._chunk(q, k, v, g[rows], beta[rows], ssm[slot])
+                # Sub-spans end where a snapshot is taken (`AttentionMetadata.state_splits`): the state after each
+                # is handed out before the next one advances it.
+                splits = meta.state_splits[i] if meta.state_splits is not None else []
+                lo = 0
+                for hi in [*splits, length]:
+                    rows = slice(start + lo, start + hi)
+                    q, k, v = self._split(causal_conv_span(mixed[rows], conv, weight, slot))
+                    core[rows] = self._chunk(q, k, v, g[rows], beta[rows], ssm[slot])
+                    if hi < length:
+                        meta.state_capture(self.layer, i, hi, conv[slot], ssm[slot])
+                    lo = hi
                 start += length
         out = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
         return self.out_proj(out.reshape(num_tokens, self.value_dim))

@@ -41,6 +41,16 @@ def state_pool_nbytes(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dt
     return (cfg.max_num_seqs + 1) * RecurrentStatePool.bytes_per_slot(model_cfg, dtype)
 
 
+def state_checkpoint_nbytes(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Bytes of the hybrid models' recurrent-state snapshots (`freetoken.engine.state_checkpoints`), whole
+    snapshots within their budget (0 when off or without linear layers)."""
+    from freetoken.engine.state_checkpoints import default_budget_bytes, snapshot_nbytes
+
+    budget = default_budget_bytes(cfg, model_cfg, dtype)
+    each = snapshot_nbytes(model_cfg, dtype, cfg.kv_block_size) if budget else 1
+    return budget // each * each
+
+
 def activation_reserve_nbytes(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
     """Device bytes the budget keeps for activations and the allocator (`ACTIVATION_TENSORS`, `RESERVE_BYTES`)."""
     return RESERVE_BYTES + ACTIVATION_TENSORS * cfg.max_prefill_tokens * model_cfg.hidden_size * 4
@@ -88,8 +98,9 @@ def plan_expert_slots(
     weights = non_expert_nbytes(model_cfg, dtype)
     kv = plan_kv_cache(model_cfg, cfg, dtype).nbytes
     state = state_pool_nbytes(cfg, model_cfg, dtype)
+    checkpoints = state_checkpoint_nbytes(cfg, model_cfg, dtype)
     activations = activation_reserve_nbytes(cfg, model_cfg)
-    left = budget - weights - kv - state - activations
+    left = budget - weights - kv - state - checkpoints - activations
     if buffers and cfg.prefill_strategy != "stream" and left >= num_experts * expert_stride:
         buffers = 0  # every expert fits in a slot: nothing would stream, and the buffers would evict experts
     fits = lambda n: left - n * layer_nbytes >= n * layer_nbytes  # noqa: E731 (the slots keep as much)
@@ -112,17 +123,19 @@ def plan_expert_slots(
         buffers = 0
     left -= buffers * layer_nbytes
     log.info(
-        "GPU budget %.1f GB: non-expert weights %.2f GB, KV cache %.2f GB, recurrent state %.2f GB, activations "
-        "%.2f GB, prefill layer buffers %d x %.2f GB, expert slots %.2f GB",
-        budget / 1e9, weights / 1e9, kv / 1e9, state / 1e9, activations / 1e9, buffers, layer_nbytes / 1e9,
+        "GPU budget %.1f GB: non-expert weights %.2f GB, KV cache %.2f GB, recurrent state %.2f GB, state "
+        "checkpoints %.2f GB, activations %.2f GB, prefill layer buffers %d x %.2f GB, expert slots %.2f GB",
+        budget / 1e9, weights / 1e9, kv / 1e9, state / 1e9, checkpoints / 1e9, activations / 1e9, buffers,
+        layer_nbytes / 1e9,
         max(left, 0) / 1e9,
     )
     if left < expert_stride:
         raise ValueError(
             f"--gpu-memory-gb {budget / 1e9:.1f}: non-expert weights ({weights / 1e9:.1f} GB), KV cache "
-            f"({kv / 1e9:.1f} GB), recurrent state ({state / 1e9:.1f} GB) and activations "
-            f"({activations / 1e9:.1f} GB) leave no room for an expert slot; "
-            "raise --gpu-memory-gb or lower --kv-cache-gb / --max-prefill-tokens (/ --max-num-seqs: state)"
+            f"({kv / 1e9:.1f} GB), recurrent state ({state / 1e9:.1f} GB), state checkpoints "
+            f"({checkpoints / 1e9:.1f} GB) and activations ({activations / 1e9:.1f} GB) leave no room for an expert "
+            "slot; raise --gpu-memory-gb or lower --kv-cache-gb / --max-prefill-tokens (/ --max-num-seqs: state, "
+            "--state-checkpoint-gb)"
         )
     return min(left // expert_stride, num_experts), buffers
 
@@ -153,8 +166,9 @@ def plan_host_memory(
         part -> (bytes, what to change to shrink it). Parts: "expert pool" (every routed expert in its checkpoint
         format, for the expert-cache backends), "weights" (the model's own weights when it runs on the CPU; the
         routed experts too with the fused backend), "expert slots" (the slot cache, in host memory on a CPU device),
-        "KV cache" (on a CPU device; `plan_kv_cache`), "recurrent state" (hybrid models on a CPU device), "pinned
-        staging" (CUDA with an expert-cache backend). Parts that are zero are left out.
+        "KV cache" (on a CPU device; `plan_kv_cache`), "recurrent state" and "state checkpoints" (hybrid models on
+        a CPU device), "state checkpoint host tier" (hybrid models on CUDA), "pinned staging" (CUDA with an
+        expert-cache backend). Parts that are zero are left out.
     """
     from freetoken.engine.kv_cache import plan_kv_cache
 
@@ -178,7 +192,13 @@ def plan_host_memory(
             parts["expert slots"] = (slots * slot_nbytes, "lower --expert-slots")
         parts["KV cache"] = (plan_kv_cache(model_cfg, cfg, dtype).nbytes, "lower --kv-cache-gb or --kv-cache-tokens")
         parts["recurrent state"] = (state_pool_nbytes(cfg, model_cfg, dtype), "lower --max-num-seqs")
-    elif backend != "fused":
+        parts["state checkpoints"] = (state_checkpoint_nbytes(cfg, model_cfg, dtype), "lower --state-checkpoint-gb")
+    else:
+        from freetoken.engine.state_checkpoints import host_budget_bytes
+
+        parts["state checkpoint host tier"] = (host_budget_bytes(cfg, model_cfg, dtype),
+                                               "lower --state-checkpoint-host-gb")
+    if device.type != "cpu" and backend != "fused":
         staging = PINNED_STAGING_TENSORS * 2 * cfg.max_prefill_tokens * model_cfg.hidden_size * 4
         parts["pinned staging"] = (staging, "lower --max-prefill-tokens")
     return {part: value for part, value in parts.items() if value[0] > 0}

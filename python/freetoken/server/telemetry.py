@@ -317,7 +317,10 @@ class EngineCollector(Collector):
         yield _counter("cache_resizes", "expert-slot / KV cache resizes done", cache.get("num_resizes"))
         prefix = stats.get("prefix_cache")
         if isinstance(prefix, dict) and prefix.get("enabled", True):
-            yield from _prefix_cache_metrics(prefix)
+            yield from _section_metrics(prefix, PREFIX_CACHE_METRICS, "prefix_cache")
+        checkpoints = stats.get("state_checkpoints")
+        if isinstance(checkpoints, dict):
+            yield from _section_metrics(checkpoints, STATE_CHECKPOINT_METRICS, "state_checkpoints")
 
 
 # The prefix cache's counters (`freetoken.engine.prefix_cache.PrefixCache.stats`) -> (name, kind, help).
@@ -333,12 +336,25 @@ PREFIX_CACHE_METRICS = {
 }
 
 
-def _prefix_cache_metrics(prefix: dict[str, Any]) -> Iterator[Metric]:
-    """`PREFIX_CACHE_METRICS` for the keys present, and any other numeric key as a gauge of its own name."""
-    for key, value in prefix.items():
+# Hybrid models' state checkpoints (`freetoken.engine.state_checkpoints.StateCheckpoints.stats`).
+STATE_CHECKPOINT_METRICS = {
+    "num_restores": ("state_checkpoint_restores", "counter", "requests resumed from a recurrent-state snapshot"),
+    "num_restored_tokens": ("state_checkpoint_restored_tokens", "counter", "prompt tokens not prefilled: restored"),
+    "num_snapshots": ("state_checkpoint_snapshots", "counter", "recurrent-state snapshots taken"),
+    "num_evicted": ("state_checkpoint_evictions", "counter", "snapshots evicted (least recently used)"),
+    "num_invalidated": ("state_checkpoint_invalidations", "counter", "snapshots dropped with their KV blocks"),
+    "num_demoted": ("state_checkpoint_demotions", "counter", "snapshots moved from the GPU to the host tier"),
+    "num_live": ("state_checkpoint_live", "gauge", "snapshots held (GPU and host tier)"),
+}
+
+
+def _section_metrics(section: dict[str, Any], table: dict[str, tuple[str, str, str]], prefix: str) -> Iterator[Metric]:
+    """`table`'s metrics for the keys of a stats section present, and any other numeric key as a gauge named
+    `prefix`_key."""
+    for key, value in section.items():
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             continue
-        name, kind, doc = PREFIX_CACHE_METRICS.get(key, (f"prefix_cache_{key}", "gauge", f"prefix cache {key}"))
+        name, kind, doc = table.get(key, (f"{prefix}_{key}", "gauge", f"{prefix.replace('_', ' ')} {key}"))
         yield _counter(name, doc, value) if kind == "counter" else _gauge(name, doc, value)
 
 
