@@ -1,4 +1,4 @@
-"""Diagnostic for issue 22 (tests/test_qwen3_5_gpu.py::test_expert_cache_decode_with_the_hybrid): the offload
+"""Diagnostic for issue 22 (tests/models/test_qwen3_5_gpu.py::test_expert_cache_decode_with_the_hybrid): the offload
 backend's driven decode parts from fused when its slots hold half the pool (the first run of this script, at
 02:51: every Qwen3.5 path matched fused that time, but Qwen3-MoE with 32 slots of 64 experts did not, where with
 64 slots it did), so the fault is the driven step's under evictions, not the hybrid's. Per configuration: tokens equal to fused or not, the first step that differs, and the largest

@@ -256,7 +256,7 @@ def parse_sse():
     return _parse_sse
 
 
-# The engine tests' prompts (tests/test_engine.py), encoded by the `demo` fixture.
+# The engine tests' prompts (tests/engine/test_engine.py), encoded by the `demo` fixture.
 PROMPTS = [
     "Hello, my name is Ada and I like",
     "The quick brown fox jumps over the",
@@ -289,7 +289,7 @@ class Model:
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory: pytest.TempPathFactory) -> Model:
     """The demo checkpoint (seed 0) loaded once per module on the CPU in float32, with `PROMPTS` encoded
-    (tests/test_engine.py and the engine-level prefix-cache tests)."""
+    (tests/engine/test_engine.py and the engine-level prefix-cache tests)."""
     from freetoken.models.demo import build_demo_checkpoint
     from freetoken.models.loader import load_checkpoint
     from freetoken.moe import FusedExperts
@@ -304,7 +304,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Model:
 @pytest.fixture(scope="module")
 def bf16_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo model with its weights stored in bfloat16 (so the pool holds exactly the fused weights): 16 experts,
-    4 per token (tests/test_moe_backends.py and tests/test_prefill.py)."""
+    4 per token (tests/moe/test_moe_backends.py and tests/moe/test_prefill.py)."""
     from freetoken.models.demo import build_demo_checkpoint
     from safetensors.torch import load_file, save_file
 

@@ -12,7 +12,7 @@ Variants:
   - `fused_moe_reference`: the same maths in plain torch, the correctness reference.
 
 Shapes (project letters): M tokens, K hidden, N expert intermediate, E experts (or slots), k top-k.
-Test: python -m pytest tests/test_kernels.py     Bench: python benches/decode_fused.py
+Test: python -m pytest tests/kernels/test_kernels.py     Bench: python benches/decode_fused.py
 """
 
 from __future__ import annotations

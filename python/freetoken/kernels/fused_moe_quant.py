@@ -14,7 +14,7 @@ Decoding by bit fields (not a float8 cast) runs the same under TRITON_INTERPRET=
 the native e4m3 conversion (and FP8 tensor-core dots) is the next step where it measures faster.
 
 Shapes (project letters): M tokens, K hidden, N expert intermediate, S slots (or E experts), k top-k.
-Test: TRITON_INTERPRET=1 python -m pytest tests/test_kernels_quant.py   (GPU sizes: -m gpu on a CUDA machine)
+Test: TRITON_INTERPRET=1 python -m pytest tests/kernels/test_kernels_quant.py   (GPU sizes: -m gpu on a CUDA machine)
 Bench: python benches/quant_moe.py
 """
 

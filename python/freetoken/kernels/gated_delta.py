@@ -23,8 +23,8 @@ Variants:
     block in registers).
 
 Shapes: q, k [L, Hk, Dk]; v [L, Hv, Dv]; g, beta [L, Hv] (float32 g); states [num_slots, Hv, Dk, Dv] float32.
-Tests: python -m pytest tests/test_qwen3_5.py -q (torch paths; the Triton kernels in Triton's interpreter);
-on a GPU: python -m pytest tests/test_qwen3_5.py -q -m gpu
+Tests: python -m pytest tests/models/test_qwen3_5.py -q (torch paths; the Triton kernels in Triton's interpreter);
+on a GPU: python -m pytest tests/models/test_qwen3_5.py -q -m gpu
 """
 
 from __future__ import annotations
@@ -290,7 +290,7 @@ def scan_launch_config(dtype: torch.dtype, dv: int) -> dict[str, int]:
     296,456 B (float32) and 165,384 B (bfloat16) against the H200's 232,448 B per block. Two stages for 2-byte
     inputs (123,652 B) keep the next chunk's loads in flight; float32 inputs take one (106,496 B), as their dots
     (IEEE float32, FMA rather than tensor cores) are compute-bound anyway. Figures from Triton 3.9's compiler for
-    sm_90 (`tests/test_qwen3_5.py::test_chunk_scan_fits_shared_memory` recomputes them without a GPU).
+    sm_90 (`tests/models/test_qwen3_5.py::test_chunk_scan_fits_shared_memory` recomputes them without a GPU).
     """
     return {"BLOCK_V": min(32, max(16, triton.next_power_of_2(dv))),
             "num_stages": 1 if torch.empty((), dtype=dtype).element_size() >= 4 else 2}

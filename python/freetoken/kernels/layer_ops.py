@@ -6,7 +6,7 @@ elementwise and reduction kernels, RoPE on q and k as 10 (negate, concatenate, t
 KV-cache write as 2 and a softmax router's top-k and renormalisation as ~6 (torch profiler of a decode step,
 benches/moe_backends.py --profile). Here each group is one kernel that repeats the torch modules' roundings in
 `freetoken.models.qwen3_moe` (which follow transformers' Qwen3-MoE) one by one, so the result is bit for bit
-torch's on the GPU (checked in bfloat16 on the H200, tests/test_gpu.py): RMSNorm statistics in float32 and the
+torch's on the GPU (checked in bfloat16 on the H200, tests/engine/test_gpu.py): RMSNorm statistics in float32 and the
 normalised value rounded to the input dtype before the weight multiplies it (as `Qwen3MoeRMSNorm`), the residual
 sum rounded before it is normalised, RoPE's two products and their sum each rounded (three bf16 ops in torch:
 where the compiled kernel skipped one of those roundings, the last bit of ~20% of q/k elements moved, and bf16
@@ -14,7 +14,7 @@ greedy decoding left transformers' tokens at more near-ties, 2 of 8 sequences wh
 `_round_to`), the router softmax in float32.
 
 Shapes: T tokens, H hidden, D head dim, E experts, k top-k, Nq / Nkv query / KV heads, S KV-cache slots.
-Test: python -m pytest tests/test_kernels.py (interpreted on the CPU in CI, compiled on CUDA in tests/test_gpu.py).
+Test: python -m pytest tests/kernels/test_kernels.py (interpreted on the CPU in CI, compiled on CUDA in tests/engine/test_gpu.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ Variants:
 
 Layout: k_cache, v_cache [num_slots, num_kv_heads, head_dim], slot = block * block_size + offset (see
 freetoken.models.attention).
-Test: python -m pytest tests/test_kernels.py
+Test: python -m pytest tests/kernels/test_kernels.py
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """freetoken._core SlotMap, Planner and routing traces.
 
-Run: python -m pytest tests/test_core_cache.py
+Run: python -m pytest tests/rust/test_core_cache.py
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ cached: the last position is recomputed into a copy of the last block, through t
 aligned), an edit in the middle, the same prompt resent, n = 3 identical prompts at once (sharing blocks while
 one computes them), and many sessions through a small KV budget (evictions).
 
-Skipped without a GPU (CI); on the GPU box: `python -m pytest tests/test_gpu_prefix_cache.py -v`.
+Skipped without a GPU (CI); on the GPU box: `python -m pytest tests/engine/test_gpu_prefix_cache.py -v`.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ def test_cached_equals_cold_float32(tmp_path, backend, extra):
 
 
 def _near_tie(top: list[float]) -> bool:
-    """The two most likely tokens equal to bf16 rounding of the logits (as tests/test_gpu.py's `_close`)."""
+    """The two most likely tokens equal to bf16 rounding of the logits (as tests/engine/test_gpu.py's `_close`)."""
     return abs(top[0] - top[1]) <= 0.05 + 0.02 * abs(top[0])
 
 

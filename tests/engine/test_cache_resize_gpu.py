@@ -2,7 +2,7 @@
 graphs (`freetoken.engine.resize`): the text equals the same request without resizes, resident experts survive
 (the resize answers' counters), the decode runner is rebuilt on the new slots, and the speed follows the size.
 
-Skipped without a GPU; on the GPU box: `python -m pytest tests/test_cache_resize_gpu.py -q -s` (the demo model, about
+Skipped without a GPU; on the GPU box: `python -m pytest tests/engine/test_cache_resize_gpu.py -q -s` (the demo model, about
 a minute) and `FREETOKEN_TEST_REAL=1 ...` adds Qwen3-30B-A3B's real shapes on dummy weights (16 -> 24 -> 12 GB).
 """
 

@@ -27,7 +27,7 @@ from freetoken.cli.client import ServerError
 from freetoken.tui.app import Poller
 from freetoken.tui.view import SHADES, Frame
 
-DATA = Path(__file__).parent / "data" / "stats"
+DATA = Path(__file__).parents[1] / "data" / "stats"
 ANSI_COLOR = re.compile(r"\x1b\[[0-9;]*3[0-9][;m]")  # a foreground colour
 
 

@@ -315,7 +315,7 @@ def test_qk_norm_rope_is_the_torch_norms_rope_and_cache_write(tokens, nq, nkv, h
                      cos.to(DEVICE), sin.to(DEVICE), k_cache, v_cache, slots.to(DEVICE))
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's bf16; tests/test_gpu.py checks the compiled kernel")
+@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's bf16; tests/engine/test_gpu.py checks the compiled kernel")
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the NaN head, in Triton's numpy interpreter
 def test_qk_norm_rope_rounds_bf16_as_torch_and_keeps_nan():
     """bf16 in the interpreter: the kernel's own rounding (`_round_to`, integer ops) gives torch's bf16 ops bit for

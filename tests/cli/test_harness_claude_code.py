@@ -23,7 +23,7 @@ import pytest
 from conftest import free_port
 from harness.recorder import Recorder
 
-FIXTURES = Path(__file__).parent / "fixtures" / "harness" / "claude_code"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "harness" / "claude_code"
 CLAUDE_TIMEOUT_S = 600
 
 

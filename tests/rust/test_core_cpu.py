@@ -1,6 +1,6 @@
 """freetoken._core.CpuExperts against torch, on every kernel path this CPU supports.
 
-Run: python -m pytest tests/test_core_cpu.py
+Run: python -m pytest tests/rust/test_core_cpu.py
 """
 
 from __future__ import annotations

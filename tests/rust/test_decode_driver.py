@@ -1,7 +1,7 @@
 """`freetoken._core.DecodeDriver` from Python, on host memory: this test plays the device's side of the handshake
 (posts routing, waits for each layer's flags) and checks the plans and CPU sums against the pool and
 `CpuExperts`; bad buffers and a device that never posts are errors, not hangs. (On CUDA the graph plays the device:
-tests/test_gpu.py.)"""
+tests/engine/test_gpu.py.)"""
 
 from __future__ import annotations
 

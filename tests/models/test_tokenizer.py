@@ -1,6 +1,6 @@
 """freetoken.tokenizer against transformers and against Qwen's own tiktoken tokenizer.
 
-Run: python -m pytest tests/test_tokenizer.py -q
+Run: python -m pytest tests/models/test_tokenizer.py -q
 """
 
 import json

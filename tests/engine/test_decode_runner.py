@@ -1,6 +1,6 @@
 """The fixed-shape decode step (`DecodeRunner`: Triton paged attention, static buffers; whole or piecewise around
 the routed experts) gives the tokens of the eager torch path. On the CPU it runs uncaptured, with the Triton
-kernels in the interpreter; on CUDA (tests/test_gpu.py) the same step runs as CUDA graphs."""
+kernels in the interpreter; on CUDA (tests/engine/test_gpu.py) the same step runs as CUDA graphs."""
 
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ Targets (issue 22): logits max abs diff <= 1e-4 and 32 greedy tokens identical, 
 Qwen3.5-35B-A3B config (conditional-generation and causal-LM checkpoints), alone and batched, with prefill chunks
 that cut sequences (and the delta rule's 64-token chunks) anywhere; both expert layouts; every expert backend; the
 recurrent-state pool's slots through admission, finish, abort and preemption. GPU checks are marked `gpu`:
-    python -m pytest tests/test_qwen3_5.py -q -m gpu
+    python -m pytest tests/models/test_qwen3_5.py -q -m gpu
 """
 
 from __future__ import annotations

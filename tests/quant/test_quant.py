@@ -25,10 +25,10 @@ from freetoken.quant.checkpoint import build_quantized_checkpoint, read_experts
 from freetoken.quant.formats import QuantSpec
 from safetensors.torch import load_file, save_file
 
-from tests.test_loader import _logits
+from test_loader import _logits
 
 # A byte-exact copy of shared/models/qwen3.5-122b-a10b-fp8/config.json (Qwen/Qwen3.5-122B-A10B-FP8).
-REAL_FP8_CONFIG = Path(__file__).parent / "data/configs/qwen3.5-122b-a10b-fp8.json"
+REAL_FP8_CONFIG = Path(__file__).parents[1] / "data/configs/qwen3.5-122b-a10b-fp8.json"
 SMALL = {"vocab_size": 2048, "num_hidden_layers": 3, "mlp_only_layers": [1]}
 FP8_SMALL = fp8_block(32, 32)  # the demo's sizes (H 64, I 32) in whole blocks
 ALL_CODES = torch.arange(256, dtype=torch.uint8)

@@ -1,6 +1,6 @@
 """freetoken._core.ExpertPool: layout, views, checkpoint loading and its errors.
 
-Run: python -m pytest tests/test_core_pool.py
+Run: python -m pytest tests/rust/test_core_pool.py
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import start_server
 
-BENCH = Path(__file__).resolve().parents[1] / "benches" / "agent_trace.py"
+BENCH = Path(__file__).resolve().parents[2] / "benches" / "agent_trace.py"
 
 
 def _bench():

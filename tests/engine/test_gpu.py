@@ -1,6 +1,6 @@
 """On a CUDA device: the same engine gives the CPU's greedy tokens, and bfloat16 follows transformers.
 
-Skipped without a GPU (CI); run on the GPU box with `python -m pytest tests/test_gpu.py`.
+Skipped without a GPU (CI); run on the GPU box with `python -m pytest tests/engine/test_gpu.py`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ logits of `fused` for prompts that span several chunks, with one or two layer bu
 cache as it was; the cost model picks streaming for long chunks only; the GPU budget makes room for the buffers or
 says it cannot; and a long prompt's chunks never stall a running decode.
 
-CPU device, float32 compute over bf16-stored weights (as tests/test_moe_backends.py); the same tests run on CUDA
+CPU device, float32 compute over bf16-stored weights (as tests/moe/test_moe_backends.py); the same tests run on CUDA
 when there is one.
 """
 

@@ -1,6 +1,6 @@
 """The demo Qwen3-MoE checkpoint loads in transformers 5 exactly as a real one would.
 
-Run: python -m pytest tests/test_demo.py -q
+Run: python -m pytest tests/models/test_demo.py -q
 """
 
 import json

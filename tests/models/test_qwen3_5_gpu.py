@@ -2,7 +2,7 @@
 (Triton prefill, CUDA-graph decode over the state pool) against the CPU path, bfloat16 against transformers, and the
 expert cache's driven decode with the hybrid.
 
-Skipped without a GPU; on the GPU box: python -m pytest tests/test_qwen3_5_gpu.py -q
+Skipped without a GPU; on the GPU box: python -m pytest tests/models/test_qwen3_5_gpu.py -q
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-FIXTURES = Path(__file__).parent / "fixtures" / "harness"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "harness"
 CLAUDE_CODE = sorted((FIXTURES / "claude_code").glob("*.json"))
 
 

@@ -25,7 +25,7 @@ import pytest
 from conftest import free_port, start_server
 from harness.recorder import Recorder
 
-FIXTURES = Path(__file__).parent / "fixtures" / "harness" / "codex"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "harness" / "codex"
 # Codex's first prompt is ~6k tokens (instructions and tool schemas).
 CODEX_CONTEXT = 16384
 STEER = {"max_output_tokens": 16, "tool_choice": "none", "reasoning": {"effort": "none"},
