@@ -119,14 +119,16 @@ class TextGen:
         while size < n:
             r = self.rng.randint(0, 999)
             name, arg = self.rng.choice(WORDS), self.rng.choice(WORDS)
-            line = self.rng.choice((
-                f"def {name}_{r}({arg}, value={r % 7}):",
-                f"    {arg}_{r} = {name}.{arg}({r}, {r * 3 % 101})",
-                f"    if {arg} is None or len({arg}) > {r}:",
-                f"        return {name}_{r} + {r % 13}",
-                f"# {self.rng.choice(WORDS)} {self.rng.choice(WORDS)} {self.rng.choice(WORDS)}: {r}",
-                f"src/{name}/{arg}_{r}.py:{r % 400 + 1}: {self.rng.choice(WORDS)} {name} {arg}",
-            ))
+            line = self.rng.choice(
+                (
+                    f"def {name}_{r}({arg}, value={r % 7}):",
+                    f"    {arg}_{r} = {name}.{arg}({r}, {r * 3 % 101})",
+                    f"    if {arg} is None or len({arg}) > {r}:",
+                    f"        return {name}_{r} + {r % 13}",
+                    f"# {self.rng.choice(WORDS)} {self.rng.choice(WORDS)} {self.rng.choice(WORDS)}: {r}",
+                    f"src/{name}/{arg}_{r}.py:{r % 400 + 1}: {self.rng.choice(WORDS)} {name} {arg}",
+                )
+            )
             lines.append(line)
             size += len(line) + 1
         return "\n".join(lines)
@@ -161,21 +163,29 @@ class Session:
     tool_tokens: tuple[int, int]
 
 
-def new_session(name: str, variant: str, seed: int, system_tokens: int, tool_tokens: tuple[int, int],
-                scale: float, tag: str = "") -> Session:
+def new_session(
+    name: str, variant: str, seed: int, system_tokens: int, tool_tokens: tuple[int, int], scale: float, tag: str = ""
+) -> Session:
     """A session whose system prompt and tool schemas come to about `system_tokens` (a quarter of it the tools'
     descriptions), with the task as its first user message. Its text is seeded by (`seed`, `tag`, `name`), not by
     the variant: sessions of the same tag and name send the same conversation in every variant."""
     gen = TextGen(f"{seed}-{tag}-{name}")
     per_tool = system_tokens // 4 // len(TOOLS)
-    tools = [{
-        "name": tool,
-        "description": gen.prose(per_tool),
-        "parameters": {"type": "object", "properties": {
-            "path": {"type": "string", "description": gen.prose(8)},
-            "command": {"type": "string", "description": gen.prose(8)},
-        }, "required": ["path"]},
-    } for tool in TOOLS]
+    tools = [
+        {
+            "name": tool,
+            "description": gen.prose(per_tool),
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "path": {"type": "string", "description": gen.prose(8)},
+                    "command": {"type": "string", "description": gen.prose(8)},
+                },
+                "required": ["path"],
+            },
+        }
+        for tool in TOOLS
+    ]
     system = "You are a coding agent working in a repository.\n" + gen.prose(system_tokens - len(TOOLS) * per_tool)
     task = Entry("user", "Task: " + gen.prose(max(8, int(120 * scale))))
     return Session(name, variant, scale, gen, system, tools, [task], tool_tokens)
@@ -196,15 +206,18 @@ def advance(session: Session, turn: int, reply: str) -> None:
         session.entries.append(Entry("user", gen.prose(max(4, int(60 * scale)))))
 
 
-def harness_view(session: Session, protect_tokens: float = PRUNE_PROTECT_TOKENS,
-                 minimum_tokens: float = PRUNE_MINIMUM_TOKENS) -> list[Entry]:
+def harness_view(
+    session: Session, protect_tokens: float = PRUNE_PROTECT_TOKENS, minimum_tokens: float = PRUNE_MINIMUM_TOKENS
+) -> list[Entry]:
     """What the session's harness sends: `plain` all of it; `openclaw` thinking only on the latest assistant
     message; `opencode` after `prune` (old tool outputs as `PRUNED`)."""
     entries = session.entries
     if session.variant == "openclaw":
         last = max((i for i, e in enumerate(entries) if e.role == "assistant"), default=-1)
-        return [e if i == last or e.role != "assistant" else Entry(**{**e.__dict__, "thinking": ""})
-                for i, e in enumerate(entries)]
+        return [
+            e if i == last or e.role != "assistant" else Entry(**{**e.__dict__, "thinking": ""})
+            for i, e in enumerate(entries)
+        ]
     if session.variant == "opencode":
         prune(entries, protect_tokens * session.scale, minimum_tokens * session.scale)
         return [Entry(**{**e.__dict__, "text": PRUNED}) if e.pruned else e for e in entries]
@@ -239,8 +252,13 @@ def openai_messages(session: Session, view: list[Entry]) -> list[dict]:
         elif e.role == "tool":
             messages.append({"role": "tool", "tool_call_id": e.call_id, "content": e.text})
         else:
-            message = {"role": "assistant", "content": e.text, "tool_calls": [{
-                "id": e.call_id, "type": "function", "function": {"name": e.tool, "arguments": json.dumps(e.args)}}]}
+            message = {
+                "role": "assistant",
+                "content": e.text,
+                "tool_calls": [
+                    {"id": e.call_id, "type": "function", "function": {"name": e.tool, "arguments": json.dumps(e.args)}}
+                ],
+            }
             if e.thinking:
                 message["reasoning_content"] = e.thinking
             messages.append(message)
@@ -263,8 +281,10 @@ def anthropic_messages(view: list[Entry]) -> list[dict]:
             user_blocks().append({"type": "tool_result", "tool_use_id": e.call_id, "content": e.text})
         else:
             blocks = [{"type": "thinking", "thinking": e.thinking, "signature": "bench"}] if e.thinking else []
-            blocks += [{"type": "text", "text": e.text}, {"type": "tool_use", "id": e.call_id, "name": e.tool,
-                                                          "input": e.args}]
+            blocks += [
+                {"type": "text", "text": e.text},
+                {"type": "tool_use", "id": e.call_id, "name": e.tool, "input": e.args},
+            ]
             messages.append({"role": "assistant", "content": blocks})
     return messages
 
@@ -292,15 +312,25 @@ def stream_openai(client, model: str, session: Session, view: list[Entry], max_t
     """Yields (text piece, usage dict or None) of one streamed chat completion."""
     tools = [{"type": "function", "function": t} for t in session.tools]
     stream = client.chat.completions.create(
-        model=model, messages=openai_messages(session, view), tools=tools, stream=True, max_tokens=max_tokens,
-        temperature=0.0, seed=seed, stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model=model,
+        messages=openai_messages(session, view),
+        tools=tools,
+        stream=True,
+        max_tokens=max_tokens,
+        temperature=0.0,
+        seed=seed,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     for chunk in stream:
         usage = None
         if chunk.usage is not None:
             details = getattr(chunk.usage, "prompt_tokens_details", None)
-            usage = {"prompt": chunk.usage.prompt_tokens, "completion": chunk.usage.completion_tokens,
-                     "cached": (getattr(details, "cached_tokens", None) or 0) if details is not None else 0}
+            usage = {
+                "prompt": chunk.usage.prompt_tokens,
+                "completion": chunk.usage.completion_tokens,
+                "cached": (getattr(details, "cached_tokens", None) or 0) if details is not None else 0,
+            }
         piece = ""
         for choice in chunk.choices:
             delta = choice.delta
@@ -312,11 +342,19 @@ def stream_openai(client, model: str, session: Session, view: list[Entry], max_t
 def stream_anthropic(client, model: str, session: Session, view: list[Entry], max_tokens: int, seed: int):
     """Yields (text piece, usage dict or None) of one streamed Anthropic message. Prompt tokens are
     input + cache_read + cache_creation input tokens (Anthropic's `input_tokens` leaves the cached ones out)."""
-    tools = [{"name": t["name"], "description": t["description"], "input_schema": t["parameters"]}
-             for t in session.tools]
+    tools = [
+        {"name": t["name"], "description": t["description"], "input_schema": t["parameters"]} for t in session.tools
+    ]
     prompt = cached = 0
-    stream = client.messages.create(model=model, system=session.system, messages=anthropic_messages(view),
-                                    tools=tools, max_tokens=max_tokens, stream=True, extra_body={"temperature": 0.0})
+    stream = client.messages.create(
+        model=model,
+        system=session.system,
+        messages=anthropic_messages(view),
+        tools=tools,
+        max_tokens=max_tokens,
+        stream=True,
+        extra_body={"temperature": 0.0},
+    )
     for event in stream:
         if event.type == "message_start":
             u = event.message.usage
@@ -324,14 +362,24 @@ def stream_anthropic(client, model: str, session: Session, view: list[Entry], ma
             prompt = (u.input_tokens or 0) + cached + (getattr(u, "cache_creation_input_tokens", None) or 0)
         elif event.type == "content_block_delta":
             d = event.delta
-            yield (getattr(d, "text", None) or getattr(d, "thinking", None) or getattr(d, "partial_json", None)
-                   or ""), None
+            yield (
+                (getattr(d, "text", None) or getattr(d, "thinking", None) or getattr(d, "partial_json", None) or ""),
+                None,
+            )
         elif event.type == "message_delta":
             yield "", {"prompt": prompt, "cached": cached, "completion": event.usage.output_tokens}
 
 
-def run_turn(client, api: str, model: str, session: Session, turn: int, max_tokens: int, seed: int,
-             prune_tokens: tuple[float, float] = (PRUNE_PROTECT_TOKENS, PRUNE_MINIMUM_TOKENS)) -> TurnResult:
+def run_turn(
+    client,
+    api: str,
+    model: str,
+    session: Session,
+    turn: int,
+    max_tokens: int,
+    seed: int,
+    prune_tokens: tuple[float, float] = (PRUNE_PROTECT_TOKENS, PRUNE_MINIMUM_TOKENS),
+) -> TurnResult:
     """Send the session's conversation as its harness would, stream the reply, and append it for the next turn."""
     view = harness_view(session, *prune_tokens)
     stream = stream_openai if api == "openai" else stream_anthropic
@@ -355,13 +403,21 @@ def run_turn(client, api: str, model: str, session: Session, turn: int, max_toke
     reply = "".join(pieces)
     advance(session, turn, reply)
     return TurnResult(
-        session.name, turn, first - t0, usage["prompt"] or 0, usage["cached"], n,
-        (n - 1) / (last - first) if n > 1 and last > first else None, max_gap, reply,
+        session.name,
+        turn,
+        first - t0,
+        usage["prompt"] or 0,
+        usage["cached"],
+        n,
+        (n - 1) / (last - first) if n > 1 and last > first else None,
+        max_gap,
+        reply,
     )
 
 
-def run_sessions(base_url: str, api: str, model: str, variant: str, num_sessions: int,
-                 args) -> tuple[list[TurnResult], list[str]]:
+def run_sessions(
+    base_url: str, api: str, model: str, variant: str, num_sessions: int, args
+) -> tuple[list[TurnResult], list[str]]:
     """`num_sessions` concurrent sessions of `args.turns` turns each (one thread per session): the turns measured,
     and the errors that ended a session early (an API error: a prompt past the context, a server fault)."""
     import anthropic
@@ -381,12 +437,21 @@ def run_sessions(base_url: str, api: str, model: str, variant: str, num_sessions
     def one(i: int) -> None:
         name = f"s{i}"
         # Each run its own text: a run must not find its prompts in the prefix cache of the runs before it.
-        session = new_session(name, variant, args.seed, system, tool_tokens, args.scale,
-                              tag=f"{variant}-x{num_sessions}")
+        session = new_session(
+            name, variant, args.seed, system, tool_tokens, args.scale, tag=f"{variant}-x{num_sessions}"
+        )
         for turn in range(args.turns):
             try:
-                r = run_turn(client, api, model, session, turn, args.max_tokens, args.seed,
-                             (args.prune_protect_tokens, args.prune_minimum_tokens))
+                r = run_turn(
+                    client,
+                    api,
+                    model,
+                    session,
+                    turn,
+                    args.max_tokens,
+                    args.seed,
+                    (args.prune_protect_tokens, args.prune_minimum_tokens),
+                )
             except (openai.APIError, anthropic.APIError, RuntimeError) as e:  # the session ends; the run goes on
                 log(f"  {variant} x{num_sessions} {name} turn {turn} failed: {e}")
                 with lock:
@@ -394,8 +459,10 @@ def run_sessions(base_url: str, api: str, model: str, variant: str, num_sessions
                 return
             with lock:
                 results.append(r)
-            log(f"  {variant} x{num_sessions} {name} turn {turn}: prompt {r.prompt_tokens}, cached {r.cached_tokens}, "
-                f"TTFT {r.ttft_s:.3f} s, decode {r.decode_tok_per_s or 0:.1f} tok/s")
+            log(
+                f"  {variant} x{num_sessions} {name} turn {turn}: prompt {r.prompt_tokens}, cached {r.cached_tokens}, "
+                f"TTFT {r.ttft_s:.3f} s, decode {r.decode_tok_per_s or 0:.1f} tok/s"
+            )
 
     with ThreadPoolExecutor(num_sessions) as pool:
         for future in [pool.submit(one, i) for i in range(num_sessions)]:
@@ -411,8 +478,11 @@ def summarize(results: list[TurnResult], watchdog_s: float) -> dict:
     for r in results:
         if r.turn >= lasts.get(r.session, r).turn:
             lasts[r.session] = r
-    ratios = [lasts[s].decode_tok_per_s / firsts[s].decode_tok_per_s for s in firsts
-              if lasts[s].decode_tok_per_s and firsts[s].decode_tok_per_s]
+    ratios = [
+        lasts[s].decode_tok_per_s / firsts[s].decode_tok_per_s
+        for s in firsts
+        if lasts[s].decode_tok_per_s and firsts[s].decode_tok_per_s
+    ]
     return {
         "turns": len(results),
         "ttft_p50_s": round(float(np.percentile(ttft, 50)), 4),
@@ -431,9 +501,16 @@ def turn_table(title: str, results: list[TurnResult], watchdog_s: float) -> Tabl
     for column in ("session", "turn", "prompt", "cached", "re-prefilled", "TTFT s", "decode tok/s", "watchdog"):
         table.add_column(column, justify="right")
     for r in results:
-        table.add_row(r.session, str(r.turn), str(r.prompt_tokens), str(r.cached_tokens), str(r.reprefilled_tokens),
-                      f"{r.ttft_s:.3f}", f"{r.decode_tok_per_s:.1f}" if r.decode_tok_per_s else "-",
-                      "OVER" if r.max_gap_s > watchdog_s else "")
+        table.add_row(
+            r.session,
+            str(r.turn),
+            str(r.prompt_tokens),
+            str(r.cached_tokens),
+            str(r.reprefilled_tokens),
+            f"{r.ttft_s:.3f}",
+            f"{r.decode_tok_per_s:.1f}" if r.decode_tok_per_s else "-",
+            "OVER" if r.max_gap_s > watchdog_s else "",
+        )
     return table
 
 
@@ -450,8 +527,17 @@ class Server:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="agent-trace-serve-", suffix=".log", delete=False)
-        cmd = [sys.executable, "-m", "freetoken.cli.main", "serve", "--model", model, "--port", str(self.port),
-               *serve_args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "freetoken.cli.main",
+            "serve",
+            "--model",
+            model,
+            "--port",
+            str(self.port),
+            *serve_args,
+        ]
         log(f"starting: {shlex.join(cmd)} (log: {self.log.name})")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
 
@@ -492,8 +578,9 @@ class Server:
 
 def server_knows(flag: str) -> bool:
     """Whether this checkout's `ft serve` has `flag`."""
-    out = subprocess.run([sys.executable, "-m", "freetoken.cli.main", "serve", "--help"], capture_output=True,
-                         text=True, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "freetoken.cli.main", "serve", "--help"], capture_output=True, text=True, check=False
+    )
     return flag in out.stdout
 
 
@@ -516,8 +603,9 @@ def server_info(base_url: str, api_key: str) -> tuple[str, dict]:
 def warm_up(base_url: str, api_key: str, model: str) -> None:
     """One short request, so that no measured turn pays the server's first-request costs (kernel compiles)."""
     body = {"model": model, "messages": [{"role": "user", "content": "Warm up."}], "max_tokens": 4, "temperature": 0}
-    httpx.post(base_url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {api_key}"},
-               timeout=600).raise_for_status()
+    httpx.post(
+        base_url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {api_key}"}, timeout=600
+    ).raise_for_status()
 
 
 def run_all(base_url: str, label: str, variants: list[str], sessions: list[int], args, console: Console) -> list:
@@ -537,9 +625,20 @@ def run_all(base_url: str, label: str, variants: list[str], sessions: list[int],
                 summary["state_checkpoints"] = checkpoints
                 console.print(f"{label}: state checkpoints {json.dumps(checkpoints)}")
             console.print(turn_table(f"{label}: {variant}, {n} session(s)", results, args.watchdog_s))
-            runs.append({"server": label, "routing": routing, "variant": variant, "sessions": n, **summary,
-                         "per_turn": [{k: v for k, v in r.__dict__.items() if k != "reply"} | {
-                             "reprefilled_tokens": r.reprefilled_tokens} for r in results]})
+            runs.append(
+                {
+                    "server": label,
+                    "routing": routing,
+                    "variant": variant,
+                    "sessions": n,
+                    **summary,
+                    "per_turn": [
+                        {k: v for k, v in r.__dict__.items() if k != "reply"}
+                        | {"reprefilled_tokens": r.reprefilled_tokens}
+                        for r in results
+                    ],
+                }
+            )
     return runs
 
 
@@ -548,8 +647,13 @@ def mode_table(runs: list[dict]) -> Table:
     re-prefilled tokens and TTFT."""
     modes = list(dict.fromkeys(r["server"] for r in runs))
     table = Table(title="re-prefilled tokens and TTFT per turn, by checkpoint mode (1 session)")
-    for column in ("variant", "turn", "prompt", *(f"re-prefilled {m.split()[-1]}" for m in modes),
-                   *(f"TTFT s {m.split()[-1]}" for m in modes)):
+    for column in (
+        "variant",
+        "turn",
+        "prompt",
+        *(f"re-prefilled {m.split()[-1]}" for m in modes),
+        *(f"TTFT s {m.split()[-1]}" for m in modes),
+    ):
         table.add_column(column, justify="right")
     turns: dict[tuple[str, int], dict[str, dict]] = {}
     for run in runs:
@@ -558,9 +662,13 @@ def mode_table(runs: list[dict]) -> Table:
                 turns.setdefault((run["variant"], t["turn"]), {})[run["server"]] = t
     for (variant, turn), by_mode in sorted(turns.items()):
         prompt = next(iter(by_mode.values()))["prompt_tokens"]
-        table.add_row(variant, str(turn), str(prompt),
-                      *(str(by_mode[m]["reprefilled_tokens"]) if m in by_mode else "-" for m in modes),
-                      *(f"{by_mode[m]['ttft_s']:.3f}" if m in by_mode else "-" for m in modes))
+        table.add_row(
+            variant,
+            str(turn),
+            str(prompt),
+            *(str(by_mode[m]["reprefilled_tokens"]) if m in by_mode else "-" for m in modes),
+            *(f"{by_mode[m]['ttft_s']:.3f}" if m in by_mode else "-" for m in modes),
+        )
     return table
 
 
@@ -574,8 +682,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--api-key", default="unused")
     ap.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS))
     ap.add_argument("--sessions", type=int, nargs="+", default=[1, 3], help="concurrent sessions per run")
-    ap.add_argument("--compare-variants", nargs="*", choices=VARIANTS, default=["plain"],
-                    help="variants run again (1 session) on a server started with --no-prefix-cache")
+    ap.add_argument(
+        "--compare-variants",
+        nargs="*",
+        choices=VARIANTS,
+        default=["plain"],
+        help="variants run again (1 session) on a server started with --no-prefix-cache",
+    )
     ap.add_argument("--turns", type=int, default=18)
     ap.add_argument("--system-tokens", type=int, default=18_000, help="system prompt + tool schemas")
     ap.add_argument("--tool-tokens", type=int, nargs=2, default=[500, 4000], help="tool result sizes (min max)")
@@ -584,20 +697,34 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--watchdog-s", type=float, default=120.0)
     ap.add_argument("--request-timeout-s", type=float, default=900.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--state-checkpoints", nargs="*", choices=CHECKPOINT_MODES, default=[],
-                    help="hybrid models: one server per mode (ft serve --state-checkpoints MODE), instead of the "
-                    "prefix-cache comparison; 'off' runs the --compare-variants only")
-    ap.add_argument("--prune-protect-tokens", type=float, default=PRUNE_PROTECT_TOKENS,
-                    help="opencode: newest tool-output tokens never pruned (OpenCode's PRUNE_PROTECT)")
-    ap.add_argument("--prune-minimum-tokens", type=float, default=PRUNE_MINIMUM_TOKENS,
-                    help="opencode: prune only when at least this many tool-output tokens go (PRUNE_MINIMUM)")
+    ap.add_argument(
+        "--state-checkpoints",
+        nargs="*",
+        choices=CHECKPOINT_MODES,
+        default=[],
+        help="hybrid models: one server per mode (ft serve --state-checkpoints MODE), instead of the "
+        "prefix-cache comparison; 'off' runs the --compare-variants only",
+    )
+    ap.add_argument(
+        "--prune-protect-tokens",
+        type=float,
+        default=PRUNE_PROTECT_TOKENS,
+        help="opencode: newest tool-output tokens never pruned (OpenCode's PRUNE_PROTECT)",
+    )
+    ap.add_argument(
+        "--prune-minimum-tokens",
+        type=float,
+        default=PRUNE_MINIMUM_TOKENS,
+        help="opencode: prune only when at least this many tool-output tokens go (PRUNE_MINIMUM)",
+    )
     args = ap.parse_args(argv)
     console = Console(no_color="NO_COLOR" in os.environ, width=140)
     runs = []
     if args.server:
         runs += run_all(args.server.rstrip("/"), "as given", args.variants, args.sessions, args, console)
-        console.print("--server: the server's own configuration only (--model starts one with and one without "
-                      "--no-prefix-cache)")
+        console.print(
+            "--server: the server's own configuration only (--model starts one with and one without --no-prefix-cache)"
+        )
     elif args.state_checkpoints:
         serve_args = shlex.split(args.serve_args)
         for mode in args.state_checkpoints:
@@ -616,19 +743,39 @@ def main(argv: list[str] | None = None) -> int:
             with Server(args.model, [*serve_args, "--no-prefix-cache"]) as server:
                 runs += run_all(server.base_url, "no prefix cache", args.compare_variants, [1], args, console)
     summary = Table(title="agent-trace runs")
-    columns = {"turns": "turns", "final_prompt_tokens": "last prompt", "cached_tokens": "cached",
-               "reprefilled_tokens": "re-prefilled", "ttft_p50_s": "TTFT p50 s", "ttft_p99_s": "p99 s",
-               "ttft_max_s": "max s", "watchdog_violations": "over watchdog",
-               "decode_last_over_first": "decode last/first"}
+    columns = {
+        "turns": "turns",
+        "final_prompt_tokens": "last prompt",
+        "cached_tokens": "cached",
+        "reprefilled_tokens": "re-prefilled",
+        "ttft_p50_s": "TTFT p50 s",
+        "ttft_p99_s": "p99 s",
+        "ttft_max_s": "max s",
+        "watchdog_violations": "over watchdog",
+        "decode_last_over_first": "decode last/first",
+    }
     keys = tuple(columns)
     for column in ("server", "variant", "sessions", *columns.values()):
         summary.add_column(column, justify="right")
     for run in runs:
         summary.add_row(run["server"], run["variant"], str(run["sessions"]), *(str(run.get(k, "-")) for k in keys))
     console.print(summary)
-    print(json.dumps({"bench": "agent_trace", "api": args.api, "scale": args.scale, "turns": args.turns,
-                      "max_tokens": args.max_tokens, "watchdog_s": args.watchdog_s, "seed": args.seed,
-                      "routing": runs[0]["routing"] if runs else None, "runs": runs}), flush=True)
+    print(
+        json.dumps(
+            {
+                "bench": "agent_trace",
+                "api": args.api,
+                "scale": args.scale,
+                "turns": args.turns,
+                "max_tokens": args.max_tokens,
+                "watchdog_s": args.watchdog_s,
+                "seed": args.seed,
+                "routing": runs[0]["routing"] if runs else None,
+                "runs": runs,
+            }
+        ),
+        flush=True,
+    )
     return 1 if any(run["errors"] for run in runs) else 0
 
 

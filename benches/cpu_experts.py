@@ -28,7 +28,9 @@ import numpy as np
 from freetoken._core import CpuExperts, ExpertPool
 
 
-def time_calls(cpu: CpuExperts, pool: ExpertPool, experts: int, batch: int, gap_s: float, seconds: float) -> list[float]:
+def time_calls(
+    cpu: CpuExperts, pool: ExpertPool, experts: int, batch: int, gap_s: float, seconds: float
+) -> list[float]:
     """Seconds per call of `experts` experts at `batch` tokens each, calls `gap_s` apart, for about `seconds`."""
     gen = np.random.default_rng(experts)
     hidden = gen.standard_normal((batch, pool.hidden_size), dtype=np.float32)
@@ -67,8 +69,12 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=768)
     args = ap.parse_args()
-    for name, bad in (("--threads", min(args.threads) < 1), ("--experts", min(args.experts) < 1),
-                      ("--batch", args.batch < 1), ("--seconds", args.seconds <= 0)):
+    for name, bad in (
+        ("--threads", min(args.threads) < 1),
+        ("--experts", min(args.experts) < 1),
+        ("--batch", args.batch < 1),
+        ("--seconds", args.seconds <= 0),
+    ):
         if bad:
             ap.error(f"{name} must be positive")
     log = lambda *a: print(*a, file=sys.stderr, flush=True)
@@ -85,9 +91,17 @@ def main() -> None:
                     times = time_calls(cpu, pool, experts, args.batch, gap / 1e6, args.seconds)
                     med = statistics.median(times)
                     p90 = sorted(times)[int(0.9 * (len(times) - 1))]
-                    row = {"threads": threads, "spin_us": spin, "gap_us": gap, "experts": experts,
-                           "batch": args.batch, "median_us": round(med * 1e6, 1), "p90_us": round(p90 * 1e6, 1),
-                           "gbps": round(experts * pool.expert_nbytes / med / 1e9, 1), "calls": len(times)}
+                    row = {
+                        "threads": threads,
+                        "spin_us": spin,
+                        "gap_us": gap,
+                        "experts": experts,
+                        "batch": args.batch,
+                        "median_us": round(med * 1e6, 1),
+                        "p90_us": round(p90 * 1e6, 1),
+                        "gbps": round(experts * pool.expert_nbytes / med / 1e9, 1),
+                        "calls": len(times),
+                    }
                     rows.append(row)
                     print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
         cpu.idle_spin_us = 0.0

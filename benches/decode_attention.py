@@ -100,17 +100,34 @@ def main() -> None:
 
                 row[name] = time_graph(step, args.replays)  # ms per step (all layers)
             rows.append(row)
-            print(f"{batch:>5} {ctx:>7} " + " ".join(
-                f"{row[n] * 1000 / args.layers:>16.1f} {row[n]:>8.2f}" for n in names), flush=True)
+            print(
+                f"{batch:>5} {ctx:>7} "
+                + " ".join(f"{row[n] * 1000 / args.layers:>16.1f} {row[n]:>8.2f}" for n in names),
+                flush=True,
+            )
     best = {}
     for row in rows:
         split = min((n for n in names[1:]), key=lambda n: row[n])
         best[f"b{row['batch']}_c{row['context']}"] = {"best": split, "speedup": round(row["single"] / row[split], 2)}
-        print(f"batch {row['batch']} context {row['context']}: best {split}, "
-              f"{row['single'] / row[split]:.2f}x the single pass", file=sys.stderr)
-    print(json.dumps({"bench": "decode_attention", "layers": args.layers, "heads": args.heads,
-                      "kv_heads": args.kv_heads, "head_dim": args.head_dim, "max_model_len": max_len,
-                      "ms_per_step": rows, "best": best}))
+        print(
+            f"batch {row['batch']} context {row['context']}: best {split}, "
+            f"{row['single'] / row[split]:.2f}x the single pass",
+            file=sys.stderr,
+        )
+    print(
+        json.dumps(
+            {
+                "bench": "decode_attention",
+                "layers": args.layers,
+                "heads": args.heads,
+                "kv_heads": args.kv_heads,
+                "head_dim": args.head_dim,
+                "max_model_len": max_len,
+                "ms_per_step": rows,
+                "best": best,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

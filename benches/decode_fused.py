@@ -74,12 +74,20 @@ def main() -> None:
     experts = FusedExperts()
     model = init_dummy_weights(cfg, experts, device, torch.bfloat16, seed=0)
     build_s = time.perf_counter() - t0
-    engine_cfg = EngineConfig(device="cuda", dtype="bfloat16", moe_backend="fused", max_num_seqs=max(args.batch), kv_cache_gb=4.0,
-                              max_model_len=4096)
+    engine_cfg = EngineConfig(
+        device="cuda",
+        dtype="bfloat16",
+        moe_backend="fused",
+        max_num_seqs=max(args.batch),
+        kv_cache_gb=4.0,
+        max_model_len=4096,
+    )
     engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
     weights_gb = (sum(p.numel() * p.element_size() for p in model.parameters()) + experts.nbytes) / 1e9
-    print(f"{args.preset}: {weights_gb:.1f} GB of weights on {torch.cuda.get_device_name()} (built in {build_s:.0f} s)",
-          file=sys.stderr)
+    print(
+        f"{args.preset}: {weights_gb:.1f} GB of weights on {torch.cuda.get_device_name()} (built in {build_s:.0f} s)",
+        file=sys.stderr,
+    )
     measure(engine, 1, 16, 4)  # warm-up
     if args.profile:
         profile(engine)
@@ -87,12 +95,28 @@ def main() -> None:
     for batch in args.batch:
         times = measure(engine, batch, args.prompt_len, args.decode_steps)
         step_s = statistics.median(times)
-        rows.append({"batch": batch, "step_ms": round(step_s * 1e3, 2), "tok_per_s": round(batch / step_s, 1),
-                     "steps": len(times)})
+        rows.append(
+            {
+                "batch": batch,
+                "step_ms": round(step_s * 1e3, 2),
+                "tok_per_s": round(batch / step_s, 1),
+                "steps": len(times),
+            }
+        )
         print(f"batch {batch:3d}: median step {step_s * 1e3:7.2f} ms  decode {batch / step_s:8.1f} tok/s")
-    print(json.dumps({"bench": "decode_fused", "model": args.preset, "backend": "fused", "dtype": "bfloat16",
-                      "weights_gb": round(weights_gb, 1), "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1),
-                      "rows": rows}))
+    print(
+        json.dumps(
+            {
+                "bench": "decode_fused",
+                "model": args.preset,
+                "backend": "fused",
+                "dtype": "bfloat16",
+                "weights_gb": round(weights_gb, 1),
+                "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1),
+                "rows": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Diagnostic for issue 22 (tests/models/test_qwen3_5_gpu.py::test_expert_cache_decode_with_the_hybrid): the offload
 backend's driven decode parts from fused when its slots hold half the pool (the first run of this script, at
 02:51: every Qwen3.5 path matched fused that time, but Qwen3-MoE with 32 slots of 64 experts did not, where with
-64 slots it did), so the fault is the driven step's under evictions, not the hybrid's. Per configuration: tokens equal to fused or not, the first step that differs, and the largest
+64 slots it did), so the fault is the driven step's under evictions, not the hybrid's. Per configuration: tokens
+equal to fused or not, the first step that differs, and the largest
 log-probability difference of the chosen tokens before it (bf16, CUDA).
 
     PYTHONPATH=$PWD/python python benches/diag_hybrid_offload.py
@@ -37,8 +38,11 @@ def run(path: Path, **engine_args) -> list[list[tuple[int, float]]]:
         for o in engine.step():
             out[o.request_id].extend((lp.token_id, lp.logprob) for lp in o.chunk.logprobs)
     runner = engine.runner.decode
-    kind = "eager" if runner is None or not (runner.graphs or getattr(runner, "span_graphs", {})) else (
-        "driven" if runner.handshake is not None else "piecewise" if runner.piecewise else "whole")
+    kind = (
+        "eager"
+        if runner is None or not (runner.graphs or getattr(runner, "span_graphs", {}))
+        else ("driven" if runner.handshake is not None else "piecewise" if runner.piecewise else "whole")
+    )
     stats = engine.experts.stats().get("layers", {}) if hasattr(engine.experts, "stats") else {}
     print(f"    decode: {kind}; fills per layer {stats.get('fills')}", file=sys.stderr)
     return [out[str(i)] for i in range(len(PROMPTS))]
@@ -46,10 +50,10 @@ def run(path: Path, **engine_args) -> list[list[tuple[int, float]]]:
 
 def compare(label: str, got, want) -> None:
     parts = []
-    for g, w in zip(got, want):
-        first = next((i for i, (a, b) in enumerate(zip(g, w)) if a[0] != b[0]), None)
+    for g, w in zip(got, want, strict=True):
+        first = next((i for i, (a, b) in enumerate(zip(g, w, strict=False)) if a[0] != b[0]), None)
         upto = len(g) if first is None else first
-        drift = max((abs(a[1] - b[1]) for a, b in zip(g[:upto], w[:upto])), default=0.0)
+        drift = max((abs(a[1] - b[1]) for a, b in zip(g[:upto], w[:upto], strict=True)), default=0.0)
         parts.append(f"{'equal' if first is None else f'differs at step {first}'} (max |dlogprob| before: {drift:.4f})")
     print(f"{label}: " + "; ".join(parts), flush=True)
 
@@ -65,8 +69,11 @@ def main() -> None:
     q3 = build_demo_checkpoint(tmp / "q3", seed=6, num_experts=16, num_experts_per_tok=4)
     fused3 = run(q3)
     for repeat in range(2):
-        compare(f"qwen3-moe offload 32 slots, driven graphs (run {repeat})",
-                run(q3, moe_backend="offload", expert_slots=32), fused3)
+        compare(
+            f"qwen3-moe offload 32 slots, driven graphs (run {repeat})",
+            run(q3, moe_backend="offload", expert_slots=32),
+            fused3,
+        )
     saved_slots = expert_cache.ExpertCacheBackend.run_slots
 
     def serial_slots(self, hidden, weights, pairs, tiles, out, before_stage=None):
@@ -76,8 +83,11 @@ def main() -> None:
 
     expert_cache.ExpertCacheBackend.run_slots = serial_slots
     try:
-        compare("qwen3-moe offload 32 slots, driven graphs, hits after the fills",
-                run(q3, moe_backend="offload", expert_slots=32), fused3)
+        compare(
+            "qwen3-moe offload 32 slots, driven graphs, hits after the fills",
+            run(q3, moe_backend="offload", expert_slots=32),
+            fused3,
+        )
     finally:
         expert_cache.ExpertCacheBackend.run_slots = saved_slots
     saved_run, saved_capture = cuda_graph.DecodeRunner._run_driven, cuda_graph.DecodeRunner._capture
@@ -98,15 +108,21 @@ def main() -> None:
 
     cuda_graph.DecodeRunner._run_driven, cuda_graph.DecodeRunner._capture = eager_driven, eager_capture
     try:
-        compare("qwen3-moe offload 32 slots, driven step run eagerly (no graph)",
-                run(q3, moe_backend="offload", expert_slots=32), fused3)
+        compare(
+            "qwen3-moe offload 32 slots, driven step run eagerly (no graph)",
+            run(q3, moe_backend="offload", expert_slots=32),
+            fused3,
+        )
     finally:
         cuda_graph.DecodeRunner._run_driven, cuda_graph.DecodeRunner._capture = saved_run, saved_capture
     q35 = build_qwen3_5_demo_checkpoint(tmp / "q35", seed=6, num_experts=16, num_experts_per_tok=4)
     fused = run(q35)
     for repeat in range(2):
-        compare(f"qwen3.5 offload 32 slots, driven graphs (run {repeat})",
-                run(q35, moe_backend="offload", expert_slots=32), fused)
+        compare(
+            f"qwen3.5 offload 32 slots, driven graphs (run {repeat})",
+            run(q35, moe_backend="offload", expert_slots=32),
+            fused,
+        )
 
 
 if __name__ == "__main__":

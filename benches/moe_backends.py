@@ -44,6 +44,7 @@ import time
 
 import numpy as np
 import torch
+
 from freetoken._core import CpuExperts, ExpertPool
 from freetoken.bench.bandwidth import measure_cpu, measure_overlapped, measure_pcie
 from freetoken.config import EXPERT_CACHE_POLICIES, EngineConfig, ModelConfig
@@ -57,7 +58,6 @@ from freetoken.moe.expert_cache import ExpertCacheBackend
 from freetoken.moe.fused import FusedExperts
 from freetoken.moe.pinned import PinnedRegion
 from freetoken.moe.routing_replay import install_trace, synthetic_tables
-
 
 BANDWIDTH_RUNS = 3  # each bandwidth measured at the start is the best of this many ~1 s runs
 ROW_BANDWIDTH_S = 0.5  # seconds of each bandwidth run beside a row (three before its timed steps, three after)
@@ -153,8 +153,13 @@ def profile_steps(engine: LLMEngine, backend, batch: int, log) -> float | None:
         log(prof.key_averages().table(sort_by=key, row_limit=25, max_name_column_width=50))
     events = prof.events()
     steps = [(e.time_range.start, e.time_range.end) for e in events if e.name == "decode_step"]
-    busy = sorted((e.time_range.start, e.time_range.end) for e in events if e.name != "decode_step"
-                  and "_wait_fetch" not in e.name and (e.device_type == DeviceType.CUDA or e.name == "cpu_experts"))
+    busy = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if e.name != "decode_step"
+        and "_wait_fetch" not in e.name
+        and (e.device_type == DeviceType.CUDA or e.name == "cpu_experts")
+    )
     if not steps or not any(e.device_type == DeviceType.CUDA for e in events):
         return None
     covered = 0.0
@@ -238,15 +243,29 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--backends", nargs="+", default=["fused", "static", "offload", "cpu", "hybrid"])
-    ap.add_argument("--policy", default=EngineConfig.expert_cache_policy, choices=EXPERT_CACHE_POLICIES,
-                    help="slot replacement policy of the expert cache (default: ft serve's)")
-    ap.add_argument("--cpu-threads", type=int, default=0,
-                    help="threads of the expert cache's host kernels (0: ft serve's default, all CPUs but one on CUDA)")
-    ap.add_argument("--profile", action="store_true",
-                    help="print the torch profiler's top ops (CPU and GPU time) of 4 decode steps per row, to stderr, "
-                    "and add the share of the step outside kernels, copies and CPU expert work (outside_share)")
-    ap.add_argument("--cprofile", action="store_true",
-                    help="print Python's profile (cProfile, by own time) of 8 decode steps per row, to stderr")
+    ap.add_argument(
+        "--policy",
+        default=EngineConfig.expert_cache_policy,
+        choices=EXPERT_CACHE_POLICIES,
+        help="slot replacement policy of the expert cache (default: ft serve's)",
+    )
+    ap.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=0,
+        help="threads of the expert cache's host kernels (0: ft serve's default, all CPUs but one on CUDA)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="print the torch profiler's top ops (CPU and GPU time) of 4 decode steps per row, to stderr, "
+        "and add the share of the step outside kernels, copies and CPU expert work (outside_share)",
+    )
+    ap.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="print Python's profile (cProfile, by own time) of 8 decode steps per row, to stderr",
+    )
     args = ap.parse_args()
     cfg = ModelConfig.from_dict(json.loads(preset_config_path(args.preset).read_text()), source=args.preset)
     device = torch.device("cuda")
@@ -254,7 +273,9 @@ def main() -> None:
     log = lambda *a: print(*a, file=sys.stderr, flush=True)
 
     t0 = time.perf_counter()
-    pool = ExpertPool.random(len(layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, moe_layers=layers)
+    pool = ExpertPool.random(
+        len(layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, moe_layers=layers
+    )
     arena = torch.frombuffer(pool.arena_view(), dtype=torch.uint8)
     _pinned = PinnedRegion(pool.ptr, pool.nbytes, keep=pool)  # registered while main runs
     per_layer = cfg.num_experts * pool.expert_stride
@@ -267,27 +288,40 @@ def main() -> None:
     # The lambdas bind `b` and `scratch` as defaults: each runs within its iteration; `scratch` is deleted below.
     b_pcie = best(lambda s=scratch: measure_pcie(pool, arena, s, torch.cuda.Stream()))
     b_cpu = {b: best(lambda b=b: measure_cpu(cpu, pool, b)) for b in (1, 2, 4, 8, 16)}
-    b_both = {b: best(lambda b=b, s=scratch: sum(measure_overlapped(cpu, pool, arena, s, torch.cuda.Stream(), b)))
-              for b in b_cpu}
+    b_both = {
+        b: best(lambda b=b, s=scratch: sum(measure_overlapped(cpu, pool, arena, s, torch.cuda.Stream(), b)))
+        for b in b_cpu
+    }
     del scratch
-    log(f"B_pcie {b_pcie / 1e9:.1f} GB/s; B_cpu " + ", ".join(f"b={b}: {v / 1e9:.1f} GB/s" for b, v in b_cpu.items())
-        + "; B_both " + ", ".join(f"b={b}: {v / 1e9:.1f} GB/s" for b, v in b_both.items()))
+    log(
+        f"B_pcie {b_pcie / 1e9:.1f} GB/s; B_cpu "
+        + ", ".join(f"b={b}: {v / 1e9:.1f} GB/s" for b, v in b_cpu.items())
+        + "; B_both "
+        + ", ".join(f"b={b}: {v / 1e9:.1f} GB/s" for b, v in b_both.items())
+    )
 
-    model = init_dummy_weights(cfg, ExpertCacheBackend("cpu", pool, device, 0, cpu_threads=None), device, torch.bfloat16)
+    model = init_dummy_weights(
+        cfg, ExpertCacheBackend("cpu", pool, device, 0, cpu_threads=None), device, torch.bfloat16
+    )
     rows = []
     for batch in args.batch:
         total = args.warmup + args.steps + 8
-        tables = synthetic_tables(len(layers), cfg.num_experts, cfg.num_experts_per_tok, total, batch=batch,
-                                  seed=batch)
+        tables = synthetic_tables(len(layers), cfg.num_experts, cfg.num_experts_per_tok, total, batch=batch, seed=batch)
         # Tokens per routed expert of a layer step, the b of B_cpu(b) and B_both(b) in the bound.
         per_expert = statistics.mean(
-            ids.size / np.unique(ids).size for table in tables for ids in table.reshape(total, -1))
+            ids.size / np.unique(ids).size for table in tables for ids in table.reshape(total, -1)
+        )
         b_near = min(b_cpu, key=lambda b: abs(b - per_expert))
         for backend_name in args.backends:
-            for budget in (args.budgets if backend_name not in ("fused", "cpu") else [0.0]):
+            for budget in args.budgets if backend_name not in ("fused", "cpu") else [0.0]:
                 engine_cfg = EngineConfig(
-                    device="cuda", dtype="bfloat16", moe_backend="fused" if backend_name == "fused" else "cpu",
-                    max_num_seqs=batch, max_model_len=1024, kv_cache_gb=0.5, gpu_memory_gb=budget,
+                    device="cuda",
+                    dtype="bfloat16",
+                    moe_backend="fused" if backend_name == "fused" else "cpu",
+                    max_num_seqs=batch,
+                    max_model_len=1024,
+                    kv_cache_gb=0.5,
+                    gpu_memory_gb=budget,
                 )
                 model.attach_experts(FusedExperts())  # the last row's backend goes before this one's is built
                 gc.collect()
@@ -299,7 +333,8 @@ def main() -> None:
                     fused_layers = gpu_arena.view(len(layers), cfg.num_experts, -1)
                     for li, layer in enumerate(layers):
                         inner.load_layer(
-                            layer, *expert_views(fused_layers[li], cfg.hidden_size, cfg.moe_intermediate_size))
+                            layer, *expert_views(fused_layers[li], cfg.hidden_size, cfg.moe_intermediate_size)
+                        )
                     del fused_layers
                 elif backend_name == "static":
                     # No prefill layer buffers: llama.cpp's placement keeps whole layers, nothing else.
@@ -310,18 +345,28 @@ def main() -> None:
                     inner = StaticLayers(pool, gpu_arena, n_layers, cpu)
                 else:
                     slots, buffers = plan_expert_slots(
-                        engine_cfg, cfg, torch.bfloat16, pool.expert_stride, backend_name)
+                        engine_cfg, cfg, torch.bfloat16, pool.expert_stride, backend_name
+                    )
                     inner = ExpertCacheBackend(
-                        backend_name, pool, device, slots, pcie_bytes_per_s=b_pcie, cpu_bytes_per_s=b_cpu,
-                        layer_buffers=buffers, cpu_threads=args.cpu_threads or None, policy=args.policy,
+                        backend_name,
+                        pool,
+                        device,
+                        slots,
+                        pcie_bytes_per_s=b_pcie,
+                        cpu_bytes_per_s=b_cpu,
+                        layer_buffers=buffers,
+                        cpu_threads=args.cpu_threads or None,
+                        policy=args.policy,
                     )
                 model.attach_experts(inner)
                 clock = install_trace(model, tables, "synthetic")
                 torch.cuda.reset_peak_memory_stats()
                 t_row = time.perf_counter()
                 engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
-                log(f"{backend_name} b={batch} {budget} GB: engine ready (graphs captured) in "
-                    f"{time.perf_counter() - t_row:.0f} s")
+                log(
+                    f"{backend_name} b={batch} {budget} GB: engine ready (graphs captured) in "
+                    f"{time.perf_counter() - t_row:.0f} s"
+                )
                 outside = None
                 if args.profile:
                     outside = profile_steps(engine, inner, batch, log)
@@ -350,10 +395,14 @@ def main() -> None:
                 start_bw = {"pcie": b_pcie, "cpu": b_cpu[b_near], "both": b_both[b_near]}
                 start_s = max(bound_terms(h2d, cpu_b, start_bw).values()) * batch
                 row = {
-                    "backend": backend_name, "budget_gb": budget, "batch": batch,
-                    "tok_per_s": round(batch / step_s, 2), "step_ms": round(step_s * 1e3, 2),
+                    "backend": backend_name,
+                    "budget_gb": budget,
+                    "batch": batch,
+                    "tok_per_s": round(batch / step_s, 2),
+                    "step_ms": round(step_s * 1e3, 2),
                     "hit_rate": round(hits / lookups, 3) if lookups else None,
-                    "pcie_mb_per_tok": round(h2d / 1e6, 1), "cpu_mb_per_tok": round(cpu_b / 1e6, 1),
+                    "pcie_mb_per_tok": round(h2d / 1e6, 1),
+                    "cpu_mb_per_tok": round(cpu_b / 1e6, 1),
                     "bound_ms": round(bound_s * 1e3, 2),
                     "achieved_over_bound": round(bound_s / step_s, 2) if bound_s else None,
                     "bound_by": max(terms, key=terms.get) if bound_s else None,
@@ -386,10 +435,20 @@ def main() -> None:
     for r in rows:
         if r["backend"] == "hybrid" and (r["budget_gb"], r["batch"]) in static:
             r["vs_static"] = round(r["tok_per_s"] / static[(r["budget_gb"], r["batch"])], 2)
-    print(json.dumps({"bench": "moe_backends", "model": args.preset, "b_pcie_gbps": round(b_pcie / 1e9, 1),
-                      "b_cpu_gbps": {b: round(v / 1e9, 1) for b, v in b_cpu.items()},
-                      "b_both_gbps": {b: round(v / 1e9, 1) for b, v in b_both.items()},
-                      "trace": "synthetic skew=0.45 reuse=0.35 window=16", "policy": args.policy, "rows": rows}))
+    print(
+        json.dumps(
+            {
+                "bench": "moe_backends",
+                "model": args.preset,
+                "b_pcie_gbps": round(b_pcie / 1e9, 1),
+                "b_cpu_gbps": {b: round(v / 1e9, 1) for b, v in b_cpu.items()},
+                "b_both_gbps": {b: round(v / 1e9, 1) for b, v in b_both.items()},
+                "trace": "synthetic skew=0.45 reuse=0.35 window=16",
+                "policy": args.policy,
+                "rows": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

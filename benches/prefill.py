@@ -32,6 +32,9 @@ import time
 
 import numpy as np
 import torch
+from rich.console import Console
+from rich.table import Table
+
 from freetoken._core import CpuExperts, ExpertPool
 from freetoken.bench.bandwidth import measure_overlapped, measure_pcie, planner_figures
 from freetoken.config import EngineConfig, ModelConfig
@@ -46,8 +49,6 @@ from freetoken.moe.fused import FusedExperts
 from freetoken.moe.pinned import PinnedRegion
 from freetoken.moe.profile import BATCHES
 from freetoken.moe.routing_replay import install_trace, synthetic_tables
-from rich.console import Console
-from rich.table import Table
 
 CHUNK = 8192
 DECODE_STEPS = 16  # decode steps between the prefix and the extends (they warm the slot cache)
@@ -106,9 +107,14 @@ def extend_table(rows: list[dict], extends: list[int]) -> Table:
         fixed = {s: got[s]["extend_s"] for s in FIXED if s in got}
         auto = got.get("auto")
         best = min(fixed, key=fixed.get) if fixed else None
-        table.add_row(str(n), *(f"{fixed[s]:.4f}" if s in fixed else "-" for s in FIXED),
-                      f"{auto['extend_s']:.4f}" if auto else "-", ",".join(auto["chosen"]) if auto else "-",
-                      best or "-", f"{auto['auto_over_best']:.3f}" if auto and best else "-")
+        table.add_row(
+            str(n),
+            *(f"{fixed[s]:.4f}" if s in fixed else "-" for s in FIXED),
+            f"{auto['extend_s']:.4f}" if auto else "-",
+            ",".join(auto["chosen"]) if auto else "-",
+            best or "-",
+            f"{auto['auto_over_best']:.3f}" if auto and best else "-",
+        )
     return table
 
 
@@ -120,20 +126,29 @@ def main() -> None:
     ap.add_argument("--extends", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
     ap.add_argument("--repeats", type=int, default=3, help="extends timed per row (median)")
     ap.add_argument("--warmup", type=int, default=1, help="untimed extends per length before a fixed strategy's")
-    ap.add_argument("--auto-warmup", type=int, default=6,
-                    help="untimed extends per length before auto's (it measures its candidates on the first ones)")
+    ap.add_argument(
+        "--auto-warmup",
+        type=int,
+        default=6,
+        help="untimed extends per length before auto's (it measures its candidates on the first ones)",
+    )
     ap.add_argument("--parts", nargs="+", default=["prompt", "extend"], choices=["prompt", "extend"])
-    ap.add_argument("--profile", action="store_true",
-                    help="log the torch profiler's top ops of one 64-token extend per strategy, to stderr")
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="log the torch profiler's top ops of one 64-token extend per strategy, to stderr",
+    )
     args = ap.parse_args()
-    log = lambda *a: print(*a, file=sys.stderr, flush=True)  # noqa: E731
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)
     cfg = ModelConfig.from_dict(json.loads(preset_config_path(args.preset).read_text()), source=args.preset)
     device = torch.device("cuda")
     layers = cfg.moe_layers
     k = cfg.num_experts_per_tok
 
     t0 = time.perf_counter()
-    pool = ExpertPool.random(len(layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, moe_layers=layers)
+    pool = ExpertPool.random(
+        len(layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, moe_layers=layers
+    )
     arena = torch.frombuffer(pool.arena_view(), dtype=torch.uint8)
     _pinned = PinnedRegion(pool.ptr, pool.nbytes, keep=pool)  # registered while main runs
     log(f"pool: {pool.nbytes / 1e9:.1f} GB built and pinned in {time.perf_counter() - t0:.0f} s")
@@ -142,20 +157,31 @@ def main() -> None:
     b_pcie = measure_pcie(pool, arena, scratch, torch.cuda.Stream())
     # What the backends get: the profile's figures (`ft bench bw`), copies and CPU kernels measured together.
     planner_pcie, planner_cpu = planner_figures(
-        {b: measure_overlapped(cpu, pool, arena, scratch, torch.cuda.Stream(), b) for b in BATCHES})
+        {b: measure_overlapped(cpu, pool, arena, scratch, torch.cuda.Stream(), b) for b in BATCHES}
+    )
     del scratch, cpu
     all_bytes = len(layers) * cfg.num_experts * pool.expert_nbytes
     bound_all = all_bytes / b_pcie
-    log(f"B_pcie {b_pcie / 1e9:.1f} GB/s alone (all experts: {bound_all:.3f} s); planner figures: B_pcie "
-        f"{planner_pcie / 1e9:.1f}, B_cpu " + ", ".join(f"b={b}: {v / 1e9:.1f}" for b, v in planner_cpu.items()))
+    log(
+        f"B_pcie {b_pcie / 1e9:.1f} GB/s alone (all experts: {bound_all:.3f} s); planner figures: B_pcie "
+        f"{planner_pcie / 1e9:.1f}, B_cpu " + ", ".join(f"b={b}: {v / 1e9:.1f}" for b, v in planner_cpu.items())
+    )
 
     max_len = max(args.prompts + [CHUNK + DECODE_STEPS + max(args.extends)])
-    engine_cfg = EngineConfig(device="cuda", dtype="bfloat16", gpu_memory_gb=args.budget, max_model_len=max_len,
-                              kv_cache_tokens=max_len, kv_cache_gb=8.0, max_num_seqs=1)
+    engine_cfg = EngineConfig(
+        device="cuda",
+        dtype="bfloat16",
+        gpu_memory_gb=args.budget,
+        max_model_len=max_len,
+        kv_cache_tokens=max_len,
+        kv_cache_gb=8.0,
+        max_num_seqs=1,
+    )
     host_only = ExpertCacheBackend("cpu", pool, device, 0)  # holds no device memory: attached between rows
     model = init_dummy_weights(cfg, host_only, device, torch.bfloat16)
-    kv = KVCache(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_len // 16 + 2, 16,
-                 torch.bfloat16, device)
+    kv = KVCache(
+        cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, max_len // 16 + 2, 16, torch.bfloat16, device
+    )
     rows = []
 
     def emit(row):
@@ -177,8 +203,16 @@ def main() -> None:
         for length in args.prompts:
             times = prefill(model, kv, length)
             compute[length] = times
-            emit({"part": "prompt", "prompt": length, "strategy": "fused", "overlap": None,
-                  "total_s": round(sum(times), 3), "chunk_s": round(max(times), 3)})
+            emit(
+                {
+                    "part": "prompt",
+                    "prompt": length,
+                    "strategy": "fused",
+                    "overlap": None,
+                    "total_s": round(sum(times), 3),
+                    "chunk_s": round(max(times), 3),
+                }
+            )
         model.attach_experts(host_only)
         del fused, gpu_arena, per_layer
         torch.cuda.empty_cache()
@@ -186,8 +220,16 @@ def main() -> None:
     def cache_backend(strategy: str, overlap: bool) -> ExpertCacheBackend:
         ecfg = EngineConfig(**{**engine_cfg.__dict__, "prefill_strategy": strategy, "no_prefill_overlap": not overlap})
         slots, buffers = plan_expert_slots(ecfg, cfg, torch.bfloat16, pool.expert_stride, "hybrid")
-        return ExpertCacheBackend("hybrid", pool, device, slots, pcie_bytes_per_s=planner_pcie,
-                                  cpu_bytes_per_s=planner_cpu, layer_buffers=buffers, prefill_strategy=strategy)
+        return ExpertCacheBackend(
+            "hybrid",
+            pool,
+            device,
+            slots,
+            pcie_bytes_per_s=planner_pcie,
+            cpu_bytes_per_s=planner_cpu,
+            layer_buffers=buffers,
+            prefill_strategy=strategy,
+        )
 
     for strategy, overlap in (("stream", True), ("stream", False), ("auto", True)) if args.prompts else ():
         torch.cuda.empty_cache()
@@ -202,21 +244,30 @@ def main() -> None:
             full = times[: length // CHUNK] or times  # whole chunks (or the one short one)
             chunk_s = statistics.median(full)
             gpu_s = statistics.median(compute[length][: len(full)])
-            emit({
-                "part": "prompt", "prompt": length, "strategy": strategy, "overlap": overlap,
-                "total_s": round(sum(times), 3), "chunk_s": round(chunk_s, 3),
-                "bound_s": round(bound_all, 3), "streamed_bound_s": round(streamed / len(times) / b_pcie, 3),
-                "compute_s": round(gpu_s, 3), "over_max_bound_compute": round(chunk_s / max(bound_all, gpu_s), 3),
-                "steps_by_strategy": backend.stats()["prefill"]["steps_by_strategy"],
-                "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
-            })
+            emit(
+                {
+                    "part": "prompt",
+                    "prompt": length,
+                    "strategy": strategy,
+                    "overlap": overlap,
+                    "total_s": round(sum(times), 3),
+                    "chunk_s": round(chunk_s, 3),
+                    "bound_s": round(bound_all, 3),
+                    "streamed_bound_s": round(streamed / len(times) / b_pcie, 3),
+                    "compute_s": round(gpu_s, 3),
+                    "over_max_bound_compute": round(chunk_s / max(bound_all, gpu_s), 3),
+                    "steps_by_strategy": backend.stats()["prefill"]["steps_by_strategy"],
+                    "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
+                }
+            )
         model.attach_experts(host_only)
         del backend
 
     # Part 2: short extends after a long prefix, the cache warmed by decode steps; routing replayed from a trace.
     if "extend" in args.parts:
-        clock = install_trace(model, synthetic_tables(len(layers), cfg.num_experts, k, TRACE_TOKENS, seed=1),
-                              "synthetic")
+        clock = install_trace(
+            model, synthetic_tables(len(layers), cfg.num_experts, k, TRACE_TOKENS, seed=1), "synthetic"
+        )
         start = CHUNK + DECODE_STEPS
         for strategy in (*FIXED, "auto"):
             torch.cuda.empty_cache()
@@ -239,11 +290,19 @@ def main() -> None:
                 after = counters(backend)
                 per = {key: (after[key] - before[key]) / args.repeats for key in after}
                 lookups = per["hits"] + per["fills"] + per["cpu_runs"]
-                emit({"part": "extend", "prefix": CHUNK, "extend": n, "strategy": strategy,
-                      "chosen": sorted(set(picks), key=picks.index), "extend_s": round(statistics.median(times), 4),
-                      "hit_rate": round(per["hits"] / lookups, 3) if lookups else None,
-                      "pcie_gb": round((per["bytes_h2d"] + per["bytes_streamed"]) / 1e9, 3),
-                      "cpu_gb": round(per["bytes_cpu"] / 1e9, 3)})
+                emit(
+                    {
+                        "part": "extend",
+                        "prefix": CHUNK,
+                        "extend": n,
+                        "strategy": strategy,
+                        "chosen": sorted(set(picks), key=picks.index),
+                        "extend_s": round(statistics.median(times), 4),
+                        "hit_rate": round(per["hits"] / lookups, 3) if lookups else None,
+                        "pcie_gb": round((per["bytes_h2d"] + per["bytes_streamed"]) / 1e9, 3),
+                        "cpu_gb": round(per["bytes_cpu"] / 1e9, 3),
+                    }
+                )
                 if args.profile and n == 64:
                     profile_extend(model, kv, n, start, log)
             if strategy == "auto":
@@ -259,12 +318,21 @@ def main() -> None:
             got["auto"].update(best_fixed=best, auto_over_best=round(got["auto"]["extend_s"] / fixed[best], 3))
     if "extend" in args.parts:
         Console(no_color="NO_COLOR" in os.environ, width=140).print(extend_table(rows, args.extends))
-    print(json.dumps({"bench": "prefill", "model": args.preset, "budget_gb": args.budget,
-                      "b_pcie_gbps": round(b_pcie / 1e9, 1), "all_experts_bound_s": round(bound_all, 3),
-                      "planner_pcie_gbps": round(planner_pcie / 1e9, 1),
-                      "planner_cpu_gbps": {b: round(v / 1e9, 1) for b, v in planner_cpu.items()},
-                      "trace": "synthetic skew=0.45 reuse=0.35 window=16 (prefix, decode warm-up, extends)",
-                      "rows": rows}))
+    print(
+        json.dumps(
+            {
+                "bench": "prefill",
+                "model": args.preset,
+                "budget_gb": args.budget,
+                "b_pcie_gbps": round(b_pcie / 1e9, 1),
+                "all_experts_bound_s": round(bound_all, 3),
+                "planner_pcie_gbps": round(planner_pcie / 1e9, 1),
+                "planner_cpu_gbps": {b: round(v / 1e9, 1) for b, v in planner_cpu.items()},
+                "trace": "synthetic skew=0.45 reuse=0.35 window=16 (prefix, decode warm-up, extends)",
+                "rows": rows,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import json
 import statistics
 
 import torch
+
 from freetoken.kernels.fused_moe import fused_moe
 from freetoken.kernels.fused_moe_quant import fused_moe_quant
 from freetoken.quant import BF16, MXFP4, NVFP4, fp8_block
@@ -71,14 +72,16 @@ def main() -> None:
             layout = fmt.layout(HIDDEN, INTER)
             slots = slots_of(fmt, args.slots)
             if fmt.quantized:
-                us = time_call(lambda: fused_moe_quant(x, slots, layout, ids, weights), args.iters)
+                us = time_call(
+                    lambda x=x, s=slots, lay=layout, i=ids, w=weights: fused_moe_quant(x, s, lay, i, w), args.iters
+                )
             else:
                 words = slots.view(torch.bfloat16)
                 gate_up, down = (
                     words[:, : 2 * INTER * HIDDEN].view(-1, 2 * INTER, HIDDEN),
                     words[:, 2 * INTER * HIDDEN :].view(-1, HIDDEN, INTER),
                 )
-                us = time_call(lambda: fused_moe(x, gate_up, down, ids, weights), args.iters)
+                us = time_call(lambda x=x, gu=gate_up, d=down, i=ids, w=weights: fused_moe(x, gu, d, i, w), args.iters)
             nbytes = distinct * layout.expert_nbytes
             us_per_byte = us / nbytes
             base_us_per_byte = base_us_per_byte or us_per_byte

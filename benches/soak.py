@@ -125,7 +125,7 @@ async def one_request(client: httpx.AsyncClient, kind: str, stats: Stats, rng: r
             async for line in response.aiter_lines():
                 if not line.startswith("data: "):
                     continue
-                data = line[len("data: "):]
+                data = line[len("data: ") :]
                 if data == "[DONE]":
                     break
                 event = json.loads(data)
@@ -162,8 +162,10 @@ async def stalled_request(client: httpx.AsyncClient, stats: Stats, rng: random.R
     it after --stream-pause-timeout-s."""
     host, port = str(client.base_url).removeprefix("http://").rstrip("/").split(":")
     body = json.dumps(chat(max_tokens=400, stream=True, logprobs=True, top_logprobs=20, ignore_eos=True)).encode()
-    request = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    request = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode() + body
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.setblocking(False)
@@ -209,8 +211,23 @@ async def sample_server(base_url: str, pid: int, stop: asyncio.Event, samples: d
 
 
 def start_server(log_path: Path, port: int, extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "freetoken.cli.main", "serve", "--model", "demo", "--device", "cpu",
-           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "1024", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "freetoken.cli.main",
+        "serve",
+        "--model",
+        "demo",
+        "--device",
+        "cpu",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "1024",
+        *extra,
+    ]
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     deadline = time.monotonic() + 300
@@ -302,8 +319,11 @@ async def fairness(args: argparse.Namespace, base_url: str) -> dict:
 
         await asyncio.gather(*(large() for _ in range(2)), *(small() for _ in range(4)))
     return {
-        "bench": "fairness", "server_args": args.server_arg, "duration_s": args.duration_s,
-        "small_requests": len(stats.ttft_s), "large_requests": len(big_latency_s),
+        "bench": "fairness",
+        "server_args": args.server_arg,
+        "duration_s": args.duration_s,
+        "small_requests": len(stats.ttft_s),
+        "large_requests": len(big_latency_s),
         "ttft_small_s": {"p50": round(percentile(stats.ttft_s, 50), 3), "p99": round(percentile(stats.ttft_s, 99), 3)},
         "large_latency_s": {"p50": round(percentile(big_latency_s, 50), 2)},
         "unanswered": len(stats.unanswered),
@@ -314,13 +334,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--duration-s", type=float, default=180.0, help="load duration (default: 180)")
     parser.add_argument("--clients", type=int, default=32, help="concurrent clients (default: 32)")
-    parser.add_argument("--rss-bound-mb", type=float, default=1500.0,
-                        help="most RSS growth over the baseline during the load (default: 1500)")
+    parser.add_argument(
+        "--rss-bound-mb",
+        type=float,
+        default=1500.0,
+        help="most RSS growth over the baseline during the load (default: 1500)",
+    )
     parser.add_argument("--drain-s", type=float, default=120.0, help="most wait for the last requests (default: 120)")
     parser.add_argument("--settle-s", type=float, default=60.0, help="most wait for the server to go idle after")
     parser.add_argument("--request-timeout-s", type=float, default=300.0, help="client timeout per request")
-    parser.add_argument("--server-arg", action="append", default=[],
-                        help="extra ft serve flag (repeatable), e.g. --server-arg=--max-seqs-per-request=16")
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra ft serve flag (repeatable), e.g. --server-arg=--max-seqs-per-request=16",
+    )
     parser.add_argument("--fairness", action="store_true", help="measure small requests' TTFT beside n:16 ones")
     args = parser.parse_args()
 
@@ -336,9 +364,11 @@ def main() -> int:
         if args.fairness:
             record = asyncio.run(fairness(args, base_url))
             ttft = record["ttft_small_s"]
-            print(f"fairness {args.server_arg or 'default share'}: small streamed TTFT p50 {ttft['p50']:.2f} s "
-                  f"p99 {ttft['p99']:.2f} s over {record['small_requests']} requests beside "
-                  f"{record['large_requests']} n:16 requests (p50 {record['large_latency_s']['p50']:.1f} s)")
+            print(
+                f"fairness {args.server_arg or 'default share'}: small streamed TTFT p50 {ttft['p50']:.2f} s "
+                f"p99 {ttft['p99']:.2f} s over {record['small_requests']} requests beside "
+                f"{record['large_requests']} n:16 requests (p50 {record['large_latency_s']['p50']:.1f} s)"
+            )
             print(json.dumps(record))
             return 0
         stats, samples = asyncio.run(soak(args, base_url, proc.pid))
@@ -354,14 +384,18 @@ def main() -> int:
     for kind in KINDS:
         lat = stats.latencies_s.get(kind, [])
         codes = dict(sorted(stats.statuses.get(kind, {}).items()))
-        print(f"{kind:12s} {len(lat):5d} requests  statuses {codes}  latency p50 {percentile(lat, 50):.2f} s "
-              f"p99 {percentile(lat, 99):.2f} s")
+        print(
+            f"{kind:12s} {len(lat):5d} requests  statuses {codes}  latency p50 {percentile(lat, 50):.2f} s "
+            f"p99 {percentile(lat, 99):.2f} s"
+        )
     baseline, peak, after = samples["baseline_mb"], max(samples["rss_mb"]), samples["after_mb"]
     ttft50, ttft99 = percentile(stats.ttft_s, 50), percentile(stats.ttft_s, 99)
-    print(f"soak {wall_s:.0f} s, {args.clients} clients: {five_xx} x 5xx, {len(stats.unanswered)} unanswered, "
-          f"{len(stats.stream_errors)} stream errors; small streamed TTFT p50 {ttft50:.2f} s p99 {ttft99:.2f} s; "
-          f"RSS baseline {baseline:.0f} MB, peak {peak:.0f} MB, after {after:.0f} MB; most paused "
-          f"{max(samples['paused'], default=0)}; healthy after: {samples['healthy']}")
+    print(
+        f"soak {wall_s:.0f} s, {args.clients} clients: {five_xx} x 5xx, {len(stats.unanswered)} unanswered, "
+        f"{len(stats.stream_errors)} stream errors; small streamed TTFT p50 {ttft50:.2f} s p99 {ttft99:.2f} s; "
+        f"RSS baseline {baseline:.0f} MB, peak {peak:.0f} MB, after {after:.0f} MB; most paused "
+        f"{max(samples['paused'], default=0)}; healthy after: {samples['healthy']}"
+    )
     for line in (stats.unanswered + stats.stream_errors)[:20]:
         print("  ", line)
     checks = {
@@ -373,14 +407,24 @@ def main() -> int:
         "idle_and_kv_free_after": samples["idle"] and samples["kv_free"],
     }
     record = {
-        "bench": "soak", "duration_s": args.duration_s, "wall_s": round(wall_s, 1), "clients": args.clients,
+        "bench": "soak",
+        "duration_s": args.duration_s,
+        "wall_s": round(wall_s, 1),
+        "clients": args.clients,
         "requests": {kind: dict(codes) for kind, codes in stats.statuses.items()},
-        "num_5xx": five_xx, "unanswered": len(stats.unanswered), "stream_errors": len(stats.stream_errors),
+        "num_5xx": five_xx,
+        "unanswered": len(stats.unanswered),
+        "stream_errors": len(stats.stream_errors),
         "transport_errors": dict(stats.transport_errors),
         "ttft_small_s": {"p50": round(ttft50, 3), "p99": round(ttft99, 3), "n": len(stats.ttft_s)},
-        "rss_mb": {"baseline": round(baseline), "peak": round(peak), "after": round(after),
-                   "bound_over_baseline": args.rss_bound_mb},
-        "most_paused": max(samples["paused"], default=0), "checks": checks,
+        "rss_mb": {
+            "baseline": round(baseline),
+            "peak": round(peak),
+            "after": round(after),
+            "bound_over_baseline": args.rss_bound_mb,
+        },
+        "most_paused": max(samples["paused"], default=0),
+        "checks": checks,
     }
     print(json.dumps(record))
     if not all(checks.values()):

@@ -22,11 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anthropic
-import freetoken
 import httpx
 import openai
 import pytest
 import torch
+
+import freetoken
 from freetoken.config import ModelConfig
 from freetoken.tokenizer import Tokenizer
 
@@ -241,9 +242,9 @@ def _parse_sse(raw: bytes) -> list[tuple[str | None, str]]:
         data = []
         for line in text.split("\n"):
             if line.startswith("event:"):
-                name = line[len("event:"):].strip()
+                name = line[len("event:") :].strip()
             elif line.startswith("data:"):
-                data.append(line[len("data:"):].strip())
+                data.append(line[len("data:") :].strip())
         if name is None and not data:
             continue  # a comment only (": keep-alive"), which SSE parsers skip
         events.append((name, "\n".join(data)))
@@ -305,8 +306,9 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> Model:
 def bf16_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The demo model with its weights stored in bfloat16 (so the pool holds exactly the fused weights): 16 experts,
     4 per token (tests/moe/test_moe_backends.py and tests/moe/test_prefill.py)."""
-    from freetoken.models.demo import build_demo_checkpoint
     from safetensors.torch import load_file, save_file
+
+    from freetoken.models.demo import build_demo_checkpoint
 
     path = build_demo_checkpoint(tmp_path_factory.mktemp("demo"), seed=5, num_experts=16, num_experts_per_tok=4)
     tensors = {k: v.to(torch.bfloat16) for k, v in load_file(path / "model.safetensors").items()}

@@ -42,6 +42,7 @@ def gpu_when_available(test):
     """Decorator: the `gpu` marker on a test that uses CUDA when present (and the CPU otherwise), on CUDA machines."""
     return pytest.mark.gpu(test) if CUDA else test
 
+
 _CUDA_SOURCE = re.compile(
     # device="cuda", torch.device("cuda"), .to("cuda")
     r"""(?:\bdevice\s*=\s*|torch\.device\(\s*|\.to\(\s*)["']cuda\b"""
@@ -97,7 +98,7 @@ def cuda_use_without_marker(item: pytest.Item) -> str | None:
     if func is not None and (line := _source_uses_cuda(func)) is not None:
         return f"its source uses CUDA: {line!r}"
     fixture_info = getattr(item, "_fixtureinfo", None)
-    for name, defs in (fixture_info.name2fixturedefs.items() if fixture_info is not None else ()):
+    for name, defs in fixture_info.name2fixturedefs.items() if fixture_info is not None else ():
         for fixturedef in defs:
             path = Path(inspect.getsourcefile(fixturedef.func) or "/").resolve()
             if item.config.rootpath in path.parents and (line := _source_uses_cuda(fixturedef.func)) is not None:

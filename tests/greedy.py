@@ -26,10 +26,15 @@ def hf_greedy(model, prompt: list[int], max_tokens: int = 32) -> list[int]:
     ids = torch.tensor([prompt])
     with torch.no_grad():
         gen = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
-            do_sample=False, eos_token_id=None, pad_token_id=0,
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_tokens,
+            min_new_tokens=max_tokens,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
         )
-    return gen[0, len(prompt):].tolist()
+    return gen[0, len(prompt) :].tolist()
 
 
 def follows_reference_bf16(
@@ -51,10 +56,17 @@ def follows_reference_bf16(
         ids = torch.tensor([prompt], device="cuda")
         with torch.no_grad():
             out = ref.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=steps,
+                min_new_tokens=steps,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+                output_scores=True,
+                return_dict_in_generate=True,
             )
-        expected = out.sequences[0, len(prompt):].tolist()
+        expected = out.sequences[0, len(prompt) :].tolist()
         first = next((i for i, (a, b) in enumerate(zip(tokens, expected, strict=False)) if a != b), None)
         if first is None:
             full += 1

@@ -6,8 +6,9 @@ Each case runs a small test file in a fresh pytest (pytester) with the plugin lo
 
 from __future__ import annotations
 
-import gpu_marker
 import pytest
+
+import gpu_marker
 
 # The CUDA in this file is test source in strings, run by an inner pytest; this file itself never uses CUDA.
 pytestmark = pytest.mark.cuda_mocked
@@ -31,8 +32,10 @@ def _run(pytester: pytest.Pytester, source: str) -> pytest.RunResult:
         ("def test_x():\n    torch.zeros(1, device='cuda')\n", "its source uses CUDA"),
         ("def test_x():\n    torch.zeros(1).cuda()\n", "its source uses CUDA"),
         ("def test_x():\n    torch.cuda.synchronize()\n", "its source uses CUDA"),
-        ("@pytest.mark.parametrize('device', ['cpu', 'cuda'])\ndef test_x(device):\n    pass\n",
-         "its parameter device='cuda' is a CUDA device"),
+        (
+            "@pytest.mark.parametrize('device', ['cpu', 'cuda'])\ndef test_x(device):\n    pass\n",
+            "its parameter device='cuda' is a CUDA device",
+        ),
         (
             (
                 "@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a CUDA device')\n"
@@ -57,7 +60,9 @@ def test_unmarked_cuda_use_fails_at_setup(pytester, source, why):
 
 
 def test_marked_or_exempt_or_cpu_only_tests_pass(pytester):
-    result = _run(pytester, """
+    result = _run(
+        pytester,
+        """
 import pytest
 import torch
 from gpu_marker import DEVICES
@@ -80,7 +85,8 @@ def test_cpu_path():
 @pytest.mark.parametrize("device", DEVICES)
 def test_devices(device):
     torch.zeros(1, device=device)
-""")
+""",
+    )
     if gpu_marker.CUDA:
         result.assert_outcomes(passed=5, skipped=1)
     else:  # the gpu-marked test and the cuda entry of DEVICES are skipped
@@ -94,7 +100,9 @@ def test_cuda_allocation_during_an_unmarked_test_fails_on_a_cuda_machine(pyteste
     monkeypatch.setattr(gpu_marker, "CUDA", True)
     monkeypatch.setattr(gpu_marker, "_cuda_state", lambda: (True, allocations[0]))
     monkeypatch.setattr(gpu_marker, "ALLOCATIONS_FOR_TEST", allocations, raising=False)
-    result = _run(pytester, """
+    result = _run(
+        pytester,
+        """
 import gpu_marker
 import pytest
 
@@ -107,6 +115,7 @@ def test_allocates_nothing():
 @pytest.mark.gpu
 def test_marked_allocates():
     gpu_marker.ALLOCATIONS_FOR_TEST[0] += 1
-""")
+""",
+    )
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["*test_allocates_quietly used CUDA (initialized it or allocated on it) without*"])

@@ -19,7 +19,11 @@ import sys
 
 
 def shared_memory_bytes(
-    kernel, signature: dict[str, str], constexprs: dict[str, int], num_stages: int, num_warps: int = 4,
+    kernel,
+    signature: dict[str, str],
+    constexprs: dict[str, int],
+    num_stages: int,
+    num_warps: int = 4,
     arch: int = 90,
 ) -> int:
     """Bytes of shared memory `kernel` (a `triton.jit` function) needs per block on CUDA compute capability `arch`.
@@ -57,5 +61,13 @@ def shared_memory_bytes(
 if __name__ == "__main__":
     module, name, spec = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
     kernel = getattr(importlib.import_module(module), name)
-    print(shared_memory_bytes(kernel, spec["signature"], spec["constexprs"], spec["num_stages"],
-                              spec.get("num_warps", 4), spec.get("arch", 90)))
+    print(
+        shared_memory_bytes(
+            kernel,
+            spec["signature"],
+            spec["constexprs"],
+            spec["num_stages"],
+            spec.get("num_warps", 4),
+            spec.get("arch", 90),
+        )
+    )

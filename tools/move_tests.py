@@ -30,30 +30,65 @@ TESTS = ROOT / "tests"
 # Package folder -> test modules (without .py). A module lives where the code it tests lives.
 MAPPING: dict[str, list[str]] = {
     "rust": [  # the Rust core through its bindings (freetoken._core)
-        "test_core_cache", "test_core_cpu", "test_core_interrupt", "test_core_pool", "test_core_stubs",
+        "test_core_cache",
+        "test_core_cpu",
+        "test_core_interrupt",
+        "test_core_pool",
+        "test_core_stubs",
         "test_decode_driver",
     ],
     "engine": [
-        "test_backpressure", "test_cache_resize", "test_cache_resize_gpu", "test_decode_runner", "test_engine",
-        "test_engine_prefix_cache", "test_errors", "test_exactness", "test_state_checkpoints",
-        "test_gpu", "test_gpu_prefix_cache", "test_logprobs", "test_prefix_cache", "test_sampler", "test_structured",
+        "test_backpressure",
+        "test_cache_resize",
+        "test_cache_resize_gpu",
+        "test_decode_runner",
+        "test_engine",
+        "test_engine_prefix_cache",
+        "test_errors",
+        "test_exactness",
+        "test_state_checkpoints",
+        "test_gpu",
+        "test_gpu_prefix_cache",
+        "test_logprobs",
+        "test_prefix_cache",
+        "test_sampler",
+        "test_structured",
     ],
     "moe": ["test_bench_bw", "test_moe_backends", "test_pinned", "test_prefill", "test_routing_replay"],
     "quant": ["test_quant", "test_quant_core"],
     "kernels": ["test_kernels", "test_kernels_quant"],
     "models": ["test_demo", "test_loader", "test_qwen3_5", "test_qwen3_5_gpu", "test_tokenizer"],
     "server": [
-        "test_parsers", "test_parsers_xml", "test_server_agent_outputs", "test_server_anthropic", "test_server_cache",
+        "test_parsers",
+        "test_parsers_xml",
+        "test_server_agent_outputs",
+        "test_server_anthropic",
+        "test_server_cache",
         "test_server_completions",
-        "test_server_concurrency", "test_server_errors", "test_server_fuzz", "test_server_hardening",
-        "test_server_harness", "test_server_injection", "test_server_keepalive", "test_server_logprobs",
-        "test_server_metrics", "test_server_openai", "test_server_prefix_cache", "test_server_responses",
+        "test_server_concurrency",
+        "test_server_errors",
+        "test_server_fuzz",
+        "test_server_hardening",
+        "test_server_harness",
+        "test_server_injection",
+        "test_server_keepalive",
+        "test_server_logprobs",
+        "test_server_metrics",
+        "test_server_openai",
+        "test_server_prefix_cache",
+        "test_server_responses",
         "test_server_state_checkpoints",
         "test_status_page",
     ],
     "cli": [  # ft's verbs, the harnesses ft launch starts, and the benches run as programs
-        "test_agent_trace", "test_cli", "test_ctl", "test_harness_claude_code", "test_harness_codex",
-        "test_harness_replay", "test_launch", "test_top",
+        "test_agent_trace",
+        "test_cli",
+        "test_ctl",
+        "test_harness_claude_code",
+        "test_harness_codex",
+        "test_harness_replay",
+        "test_launch",
+        "test_top",
     ],
 }
 # Test modules that test the test suite itself stay at the top.
@@ -96,7 +131,7 @@ def _update_pythonpath(folders: list[str]) -> None:
     pyproject = ROOT / "pyproject.toml"
     text = pyproject.read_text()
     entries = ", ".join(['"tests"'] + [f'"tests/{folder}"' for folder in folders])
-    new, count = re.subn(r'^pythonpath = \[[^\]]*\]', f"pythonpath = [{entries}]", text, flags=re.M)
+    new, count = re.subn(r"^pythonpath = \[[^\]]*\]", f"pythonpath = [{entries}]", text, flags=re.M)
     if count != 1:
         sys.exit("pyproject.toml: no `pythonpath = [...]` line under [tool.pytest.ini_options]")
     pyproject.write_text(new)

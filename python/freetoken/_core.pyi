@@ -393,7 +393,9 @@ class Planner:
             InvalidArgumentError: Bad shape or backend, or hybrid without a profile.
         """
 
-    def set_profile(self, pcie_bytes_per_s: float | None = None, cpu_bytes_per_s: dict[int, float] | None = None) -> None:
+    def set_profile(
+        self, pcie_bytes_per_s: float | None = None, cpu_bytes_per_s: dict[int, float] | None = None
+    ) -> None:
         """Replaces (or, with no arguments, removes) the bandwidth profile."""
 
     def refined_profile(self) -> tuple[float, dict[int, float]] | None:

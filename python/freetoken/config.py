@@ -175,17 +175,22 @@ class ModelConfig:
             partial_rotary_factor=num(float, "partial_rotary_factor", partial_rotary),
             attn_output_gate=bool(get("attn_output_gate", False, required=False)),
             shared_expert_intermediate_size=num(int, "shared_expert_intermediate_size", 0),
-            weight_prefix=(
-                "model.language_model." if arch == "Qwen3_5MoeForConditionalGeneration" else "model."
-            ),
+            weight_prefix=("model.language_model." if arch == "Qwen3_5MoeForConditionalGeneration" else "model."),
             raw=raw,
         )
         cfg._check(source)
         return cfg
 
     def _check(self, source: str) -> None:
-        for key in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-                    "head_dim", "max_position_embeddings"):
+        for key in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             if getattr(self, key) < 1:
                 raise ConfigError(f"{source}: {key} must be >= 1, got {getattr(self, key)}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -208,11 +213,17 @@ class ModelConfig:
                 f"{', '.join(LAYER_TYPES)}; got {list(self.layer_types)}"
             )
         if self.linear_layers:
-            for key in ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim",
-                        "linear_value_head_dim", "linear_conv_kernel_dim"):
+            for key in (
+                "linear_num_key_heads",
+                "linear_num_value_heads",
+                "linear_key_head_dim",
+                "linear_value_head_dim",
+                "linear_conv_kernel_dim",
+            ):
                 if getattr(self, key) < 1:
-                    raise ConfigError(f"{source}: {key} must be >= 1 with linear_attention layers, got "
-                                      f"{getattr(self, key)}")
+                    raise ConfigError(
+                        f"{source}: {key} must be >= 1 with linear_attention layers, got {getattr(self, key)}"
+                    )
             if self.linear_num_value_heads % self.linear_num_key_heads:
                 raise ConfigError(
                     f"{source}: linear_num_value_heads ({self.linear_num_value_heads}) is not a multiple of "
@@ -254,9 +265,7 @@ class ModelConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """True when decoder layer `layer` (0-based) has routed experts rather than a dense MLP."""
         return (
-            layer not in self.mlp_only_layers
-            and self.num_experts > 0
-            and (layer + 1) % self.decoder_sparse_step == 0
+            layer not in self.mlp_only_layers and self.num_experts > 0 and (layer + 1) % self.decoder_sparse_step == 0
         )
 
     @property
@@ -390,7 +399,11 @@ class EngineConfig:
         if self.dtype not in DTYPES:  # answered before the weights load, not after
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         for name in (
-            "max_num_seqs", "max_prefill_tokens", "kv_block_size", "stream_buffer_chunks", "max_request_output_tokens",
+            "max_num_seqs",
+            "max_prefill_tokens",
+            "kv_block_size",
+            "stream_buffer_chunks",
+            "max_request_output_tokens",
             "state_checkpoint_spacing",
         ):
             if getattr(self, name) < 1:

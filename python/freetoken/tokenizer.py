@@ -27,7 +27,7 @@ from tokenizers.decoders import ByteLevel as ByteLevelDecoder
 
 from freetoken.errors import FreetokenError
 
-__all__ = ["Tokenizer", "IncrementalDetokenizer", "PromptTooLong"]
+__all__ = ["IncrementalDetokenizer", "PromptTooLong", "Tokenizer"]
 
 # Names of the special tokens transformers passes to every chat template (special_tokens_map).
 _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -189,9 +189,7 @@ class Tokenizer:
         self._plain: HFTokenizer | None = None  # a copy that reads control-token text as plain text
         # Longest token, in characters of its vocabulary string (bytes, for a byte-level BPE): a text of c
         # characters is at least c / max_token_chars tokens, whatever it holds.
-        self.max_token_chars: int = max(
-            [*(len(piece) for piece in tokenizer.get_vocab(with_added_tokens=True)), 1]
-        )
+        self.max_token_chars: int = max([*(len(piece) for piece in tokenizer.get_vocab(with_added_tokens=True)), 1])
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> Tokenizer:
@@ -298,7 +296,7 @@ class Tokenizer:
             ValueError: as `apply_chat_template`.
             PromptTooLong: the prompt has more than `max_tokens` tokens.
         """
-        escape = lambda text: self._client_re.sub(self._escape_one, text)  # noqa: E731
+        escape = lambda text: self._client_re.sub(self._escape_one, text)
         rendered = self.apply_chat_template(
             _map_strings(messages, escape),
             tools=_map_strings(tools, escape) if tools else None,

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import start_server
 
 BENCH = Path(__file__).resolve().parents[2] / "benches" / "agent_trace.py"
@@ -29,21 +30,42 @@ agent_trace = _bench()
 
 @pytest.fixture(scope="module")
 def replay_server(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("agent-trace"), "--dummy-weights", "--replay-routing", "synthetic",
-                          "--max-model-len", "2048")
+    server = start_server(
+        tmp_path_factory.mktemp("agent-trace"),
+        "--dummy-weights",
+        "--replay-routing",
+        "synthetic",
+        "--max-model-len",
+        "2048",
+    )
     yield server
     server.stop()
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("api", "variants", "sessions"), [
-    ("openai", agent_trace.VARIANTS, (1, 2)), ("anthropic", ("openclaw",), (1,))])
+@pytest.mark.parametrize(
+    ("api", "variants", "sessions"), [("openai", agent_trace.VARIANTS, (1, 2)), ("anthropic", ("openclaw",), (1,))]
+)
 def test_tiny_run_against_the_demo(replay_server, capsys, api, variants, sessions):
     turns = 3
-    code = agent_trace.main([
-        "--server", replay_server.base_url, "--api", api, "--scale", "0.005", "--turns", str(turns),
-        "--sessions", *map(str, sessions), "--max-tokens", "3", "--variants", *variants,
-    ])
+    code = agent_trace.main(
+        [
+            "--server",
+            replay_server.base_url,
+            "--api",
+            api,
+            "--scale",
+            "0.005",
+            "--turns",
+            str(turns),
+            "--sessions",
+            *map(str, sessions),
+            "--max-tokens",
+            "3",
+            "--variants",
+            *variants,
+        ]
+    )
     assert code == 0
     record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert record["bench"] == "agent_trace"
@@ -64,8 +86,22 @@ def test_tiny_run_against_the_demo(replay_server, capsys, api, variants, session
 
 def test_a_failed_session_is_reported_and_the_run_goes_on(replay_server, capsys):
     """A conversation past the server's context (2048 tokens) ends its session with the API's error; exit 1."""
-    code = agent_trace.main(["--server", replay_server.base_url, "--scale", "0.2", "--turns", "2", "--sessions", "1",
-                             "--max-tokens", "2", "--variants", "plain"])
+    code = agent_trace.main(
+        [
+            "--server",
+            replay_server.base_url,
+            "--scale",
+            "0.2",
+            "--turns",
+            "2",
+            "--sessions",
+            "1",
+            "--max-tokens",
+            "2",
+            "--variants",
+            "plain",
+        ]
+    )
     assert code == 1
     run = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"][0]
     assert run["turns"] == 0 and len(run["errors"]) == 1 and "s0 turn 0" in run["errors"][0]

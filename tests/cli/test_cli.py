@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from conftest import free_port
 
 
@@ -143,8 +144,13 @@ def test_busy_port_is_refused_before_loading(model_dir):
         (["--dtype", "float64"], "--dtype"),
         (["--device", "tpu"], "--device"),
         (["--device", "cuda:x"], "--device"),
-        pytest.param(["--device", "cuda"], "--device", marks=pytest.mark.skipif(
-            __import__("torch").cuda.is_available(), reason="this machine has CUDA: serve would start")),
+        pytest.param(
+            ["--device", "cuda"],
+            "--device",
+            marks=pytest.mark.skipif(
+                __import__("torch").cuda.is_available(), reason="this machine has CUDA: serve would start"
+            ),
+        ),
         (["--moe-backend", "magic"], "magic"),
         (["--replay-routing", "synthetic"], "--dummy-weights"),
     ],
@@ -204,6 +210,8 @@ def test_demo_serves_a_long_context_with_a_small_kv_cache(tmp_path):
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)
+
+
 def test_kv_cache_too_big_for_host_memory_is_refused():
     """A KV cache the box cannot hold (CPU device) is refused before allocating, naming the flag; it grew to
     20.9 GB and met the OOM killer without a word."""
@@ -233,7 +241,9 @@ def test_kv_warning_names_the_limit_that_bit(caplog):
     assert "--kv-cache-gb" in caplog.text
 
 
-@pytest.mark.parametrize("tensor", ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight"])
+@pytest.mark.parametrize(
+    "tensor", ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight"]
+)
 def test_nonfinite_weights_are_refused_unless_allowed(tmp_path, model_dir, tensor):
     """A checkpoint with NaN weights (here one whole tensor: an attention weight, or a routed expert's) is refused
     at load, naming the tensor and --allow-nonfinite; with the flag it loads. It was served, answering '!!!!'."""

@@ -17,13 +17,22 @@ def ft_ctl(*args: str, **run_kwargs) -> subprocess.CompletedProcess:
     package_root = str(Path(freetoken.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
     run_kwargs = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, **run_kwargs}
-    return subprocess.run([sys.executable, "-m", "freetoken.cli.main", "ctl", *args], text=True, env=env,
-                          timeout=60, stdin=subprocess.DEVNULL, check=False, **run_kwargs)
+    return subprocess.run(
+        [sys.executable, "-m", "freetoken.cli.main", "ctl", *args],
+        text=True,
+        env=env,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+        check=False,
+        **run_kwargs,
+    )
 
 
 def test_status_report(server, http):
-    http.post("/v1/chat/completions", json={"model": "m", "messages": [{"role": "user", "content": "hi"}],
-                                            "max_tokens": 3, "ignore_eos": True})
+    http.post(
+        "/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "ignore_eos": True},
+    )
     result = ft_ctl("status", "--server", server.base_url)
     assert result.returncode == 0, result.stderr
     out = result.stdout
@@ -33,8 +42,10 @@ def test_status_report(server, http):
     assert f"kv cache   0/{stats['kv_blocks_total']} blocks in use" in out
     assert f"{stats['server']['num_generation_tokens']} generated" in out
     prefix = stats["prefix_cache"]
-    assert (f"prefix     {prefix['num_hit_tokens']} of {prefix['num_lookup_tokens']} prompt tokens reused" in out
-            and "hit_rate" not in out), out
+    assert (
+        f"prefix     {prefix['num_hit_tokens']} of {prefix['num_lookup_tokens']} prompt tokens reused" in out
+        and "hit_rate" not in out
+    ), out
 
 
 def test_status_into_a_closed_pipe(server):

@@ -20,6 +20,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from conftest import free_port
 from harness.recorder import Recorder
 

@@ -22,14 +22,19 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from conftest import free_port, start_server
 from harness.recorder import Recorder
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "harness" / "codex"
 # Codex's first prompt is ~6k tokens (instructions and tool schemas).
 CODEX_CONTEXT = 16384
-STEER = {"max_output_tokens": 16, "tool_choice": "none", "reasoning": {"effort": "none"},
-         "text": {"format": {"type": "json_schema", "name": "done", "schema": {"type": "boolean"}}}}
+STEER = {
+    "max_output_tokens": 16,
+    "tool_choice": "none",
+    "reasoning": {"effort": "none"},
+    "text": {"format": {"type": "json_schema", "name": "done", "schema": {"type": "boolean"}}},
+}
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +75,15 @@ def test_codex_exec_two_turns(long_server, tmp_path):
     common = ["--skip-git-repo-check", "-c", 'sandbox_mode="read-only"']
     try:
         for args in (["exec", *common, "List the files here."], ["exec", "resume", "--last", *common, "Thanks."]):
-            done = subprocess.run([binary, *args], env=env, cwd=work, stdin=subprocess.DEVNULL, capture_output=True,
-                                  text=True, timeout=600)
+            done = subprocess.run(
+                [binary, *args],
+                env=env,
+                cwd=work,
+                stdin=subprocess.DEVNULL,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
             assert done.returncode == 0, (args, done.stdout[-3000:], done.stderr[-3000:])
     finally:
         proxy.should_exit = True
@@ -113,17 +125,40 @@ def test_replay_recorded_codex_requests(long_server, path):
     assert "'web_search'" in log and "dropped" in log  # the hosted tool was dropped, with its log line
 
 
-APPLY_PATCH = {"type": "custom", "name": "apply_patch", "description": "Edit files with a patch.",
-               "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch"'}}
-AGENTS = {"type": "namespace", "name": "multi_agent_v1", "description": "Sub-agents.", "tools": [
-    {"type": "function", "name": "close_agent", "parameters": {
-        "type": "object", "properties": {"target": {"type": "string", "enum": ["a1"]}}, "required": ["target"],
-        "additionalProperties": False}}]}
+APPLY_PATCH = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Edit files with a patch.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch"'},
+}
+AGENTS = {
+    "type": "namespace",
+    "name": "multi_agent_v1",
+    "description": "Sub-agents.",
+    "tools": [
+        {
+            "type": "function",
+            "name": "close_agent",
+            "parameters": {
+                "type": "object",
+                "properties": {"target": {"type": "string", "enum": ["a1"]}},
+                "required": ["target"],
+                "additionalProperties": False,
+            },
+        }
+    ],
+}
 
 
 def test_custom_tool_is_answered_as_custom_tool_call(openai_client):
-    kwargs = {"model": "m", "input": "Patch it.", "tools": [APPLY_PATCH], "max_output_tokens": 24, "temperature": 0,
-              "tool_choice": {"type": "function", "name": "apply_patch"}}
+    kwargs = {
+        "model": "m",
+        "input": "Patch it.",
+        "tools": [APPLY_PATCH],
+        "max_output_tokens": 24,
+        "temperature": 0,
+        "tool_choice": {"type": "function", "name": "apply_patch"},
+    }
     response = openai_client.responses.create(**kwargs)
     [call] = [item for item in response.output if item.type == "custom_tool_call"]
     assert call.name == "apply_patch" and call.call_id.startswith("call_") and isinstance(call.input, str)
@@ -137,8 +172,14 @@ def test_custom_tool_is_answered_as_custom_tool_call(openai_client):
 
 
 def test_namespace_members_are_offered_and_calls_carry_the_namespace(openai_client, http):
-    kwargs = {"model": "m", "input": "Close it.", "tools": [AGENTS], "max_output_tokens": 24, "temperature": 0,
-              "tool_choice": "required"}
+    kwargs = {
+        "model": "m",
+        "input": "Close it.",
+        "tools": [AGENTS],
+        "max_output_tokens": 24,
+        "temperature": 0,
+        "tool_choice": "required",
+    }
     response = openai_client.responses.create(**kwargs)
     [call] = [item for item in response.output if item.type == "function_call"]
     assert call.name == "close_agent" and json.loads(call.arguments) == {"target": "a1"}
@@ -146,8 +187,12 @@ def test_namespace_members_are_offered_and_calls_carry_the_namespace(openai_clie
 
 
 def test_hosted_tools_are_dropped_and_logged(http, server):
-    body = {"model": "m", "input": "Search.", "max_output_tokens": 2,
-            "tools": [{"type": "web_search", "external_web_access": False}, {"type": "image_generation"}]}
+    body = {
+        "model": "m",
+        "input": "Search.",
+        "max_output_tokens": 2,
+        "tools": [{"type": "web_search", "external_web_access": False}, {"type": "image_generation"}],
+    }
     response = http.post("/v1/responses", json=body)
     assert response.status_code == 200, response.text
     auto = http.post("/v1/responses", json={**body, "tool_choice": "required"})
@@ -163,20 +208,26 @@ def test_custom_tool_history_round_trip(openai_client):
         {"type": "custom_tool_call", "call_id": "call_1", "name": "apply_patch", "input": "*** Begin Patch"},
         {"type": "custom_tool_call_output", "call_id": "call_1", "output": "Done!"},
     ]
-    response = openai_client.responses.create(model="m", input=history, tools=[APPLY_PATCH], max_output_tokens=2,
-                                              temperature=0)
-    plain = openai_client.responses.create(model="m", input=history[:1], tools=[APPLY_PATCH], max_output_tokens=2,
-                                           temperature=0)
+    response = openai_client.responses.create(
+        model="m", input=history, tools=[APPLY_PATCH], max_output_tokens=2, temperature=0
+    )
+    plain = openai_client.responses.create(
+        model="m", input=history[:1], tools=[APPLY_PATCH], max_output_tokens=2, temperature=0
+    )
     assert response.usage.input_tokens > plain.usage.input_tokens + 8
 
 
 def test_compact(http):
-    body = {"model": "m", "instructions": "Be brief.", "input": [
-        {"type": "message", "role": "user", "content": "List the files."},
-        {"type": "function_call", "call_id": "c1", "name": "ls", "arguments": "{}"},
-        {"type": "function_call_output", "call_id": "c1", "output": "a.py b.py"},
-        {"type": "message", "role": "assistant", "content": "a.py and b.py"},
-    ]}
+    body = {
+        "model": "m",
+        "instructions": "Be brief.",
+        "input": [
+            {"type": "message", "role": "user", "content": "List the files."},
+            {"type": "function_call", "call_id": "c1", "name": "ls", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": "a.py b.py"},
+            {"type": "message", "role": "assistant", "content": "a.py and b.py"},
+        ],
+    }
     response = http.post("/v1/responses/compact", json={**body, "max_output_tokens": 8})
     assert response.status_code == 200, response.text
     compacted = response.json()

@@ -54,8 +54,11 @@ def check_message_stream(events: list[tuple[str | None, str]]) -> None:
 @pytest.mark.parametrize("fixture", CLAUDE_CODE, ids=[path.stem for path in CLAUDE_CODE])
 def test_claude_code_requests_replay(long_server, parse_sse, fixture):
     record = json.loads(fixture.read_text())
-    headers = {"anthropic-version": "2023-06-01", "anthropic-beta": "claude-code-20250219",
-               "x-api-key": "sk-ant-test-dummy"}
+    headers = {
+        "anthropic-version": "2023-06-01",
+        "anthropic-beta": "claude-code-20250219",
+        "x-api-key": "sk-ant-test-dummy",
+    }
     with httpx.Client(base_url=long_server.base_url, timeout=300) as client:
         response = client.post(record["path"], json=record["body"], headers=headers)
         assert response.status_code == 200, (response.text, long_server.log_tail())

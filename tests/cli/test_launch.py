@@ -14,12 +14,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import freetoken
 import httpx
 import pytest
 import yaml
-from conftest import API_KEY, MAX_MODEL_LEN, SERVED_MODEL_NAME, free_port
 
+import freetoken
+from conftest import API_KEY, MAX_MODEL_LEN, SERVED_MODEL_NAME, free_port
 from freetoken.cli.launch import HARNESSES, is_cloud_credential
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11: codex's -c values are TOML
@@ -74,8 +74,12 @@ def ft_launch(*args: str, path: str, cache_dir: Path, extra_env: dict | None = N
 
 def chat(base: str, key: str, model: str) -> None:
     """One OpenAI chat completion through the configured endpoint (`base` ends in /v1)."""
-    r = httpx.post(f"{base}/chat/completions", headers={"Authorization": f"Bearer {key}"}, timeout=60,
-                   json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    r = httpx.post(
+        f"{base}/chat/completions",
+        headers={"Authorization": f"Bearer {key}"},
+        timeout=60,
+        json={"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+    )
     assert r.status_code == 200, r.text
 
 
@@ -85,9 +89,12 @@ def follow(name: str, argv: list[str], env: dict[str, str]) -> tuple[str, str]:
         base, key, model = env["ANTHROPIC_BASE_URL"], env["ANTHROPIC_AUTH_TOKEN"], env["ANTHROPIC_MODEL"]
         for tier in ("OPUS", "SONNET", "HAIKU"):
             assert env[f"ANTHROPIC_DEFAULT_{tier}_MODEL"] == model
-        r = httpx.post(f"{base}/v1/messages", timeout=60,
-                       headers={"Authorization": f"Bearer {key}", "anthropic-version": "2023-06-01"},
-                       json={"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+        r = httpx.post(
+            f"{base}/v1/messages",
+            timeout=60,
+            headers={"Authorization": f"Bearer {key}", "anthropic-version": "2023-06-01"},
+            json={"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert r.status_code == 200, r.text
         return model, key
     if name == "codex":
@@ -102,8 +109,12 @@ def follow(name: str, argv: list[str], env: dict[str, str]) -> tuple[str, str]:
         assert overrides["model_providers.freetoken.wire_api"] == "responses"
         base = overrides["model_providers.freetoken.base_url"]
         key, model = env[overrides["model_providers.freetoken.env_key"]], overrides["model"]
-        r = httpx.post(f"{base}/responses", headers={"Authorization": f"Bearer {key}"}, timeout=60,
-                       json={"model": model, "input": "hi", "max_output_tokens": 2})
+        r = httpx.post(
+            f"{base}/responses",
+            headers={"Authorization": f"Bearer {key}"},
+            timeout=60,
+            json={"model": model, "input": "hi", "max_output_tokens": 2},
+        )
         assert r.status_code == 200, r.text
         return model, key
     if name == "opencode":
@@ -149,8 +160,16 @@ def follow(name: str, argv: list[str], env: dict[str, str]) -> tuple[str, str]:
 @pytest.mark.parametrize("name", sorted(HARNESSES))
 def test_launch_points_the_harness_at_the_server(name, server, fake_path, tmp_path):
     bin_dir, dump_dir = fake_path
-    result = ft_launch(name, "--server", server.base_url, "--", "--user-flag", "value with space",
-                       path=f"{bin_dir}{os.pathsep}{os.environ['PATH']}", cache_dir=tmp_path / "cache")
+    result = ft_launch(
+        name,
+        "--server",
+        server.base_url,
+        "--",
+        "--user-flag",
+        "value with space",
+        path=f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        cache_dir=tmp_path / "cache",
+    )
     assert result.returncode == 0, result.stderr
     dump = json.loads((dump_dir / f"{name}.json").read_text())
     argv, env = dump["argv"], dump["env"]
@@ -167,11 +186,18 @@ def test_launch_points_the_harness_at_the_server(name, server, fake_path, tmp_pa
 
 def test_claude_gets_the_servers_key(keyed_server, fake_path, tmp_path):
     bin_dir, dump_dir = fake_path
-    result = ft_launch("claude", "--server", keyed_server.base_url, path=str(bin_dir), cache_dir=tmp_path,
-                       extra_env={"FREETOKEN_API_KEY": ""})
+    result = ft_launch(
+        "claude",
+        "--server",
+        keyed_server.base_url,
+        path=str(bin_dir),
+        cache_dir=tmp_path,
+        extra_env={"FREETOKEN_API_KEY": ""},
+    )
     assert result.returncode == 1 and "needs its API key" in result.stderr
-    result = ft_launch("claude", "--server", keyed_server.base_url, "--api-key", API_KEY, path=str(bin_dir),
-                       cache_dir=tmp_path)
+    result = ft_launch(
+        "claude", "--server", keyed_server.base_url, "--api-key", API_KEY, path=str(bin_dir), cache_dir=tmp_path
+    )
     assert result.returncode == 0, result.stderr
     env = json.loads((dump_dir / "claude.json").read_text())["env"]
     assert env["ANTHROPIC_AUTH_TOKEN"] == API_KEY and "ANTHROPIC_API_KEY" not in env
@@ -180,8 +206,16 @@ def test_claude_gets_the_servers_key(keyed_server, fake_path, tmp_path):
 
 def test_dry_run_masks_and_runs_nothing(server, fake_path, tmp_path):
     bin_dir, dump_dir = fake_path
-    result = ft_launch("opencode", "--server", server.base_url, "--dry-run", "--api-key", "local-key-123",
-                       path=str(bin_dir), cache_dir=tmp_path / "cache")
+    result = ft_launch(
+        "opencode",
+        "--server",
+        server.base_url,
+        "--dry-run",
+        "--api-key",
+        "local-key-123",
+        path=str(bin_dir),
+        cache_dir=tmp_path / "cache",
+    )
     assert result.returncode == 0, result.stderr
     out = result.stdout
     for var in CLOUD_ENV:

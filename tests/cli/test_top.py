@@ -18,11 +18,11 @@ import sys
 import time
 from pathlib import Path
 
-import freetoken
 import pytest
-from conftest import SERVED_MODEL_NAME, free_port, start_server
 from rich.console import Console
 
+import freetoken
+from conftest import SERVED_MODEL_NAME, free_port, start_server
 from freetoken.cli.client import ServerError
 from freetoken.tui.app import Poller
 from freetoken.tui.view import SHADES, Frame
@@ -134,8 +134,14 @@ def ft_top(*args: str, env_extra: dict | None = None) -> subprocess.CompletedPro
     env.update(env_extra or {})
     package_root = str(Path(freetoken.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
-    return subprocess.run([sys.executable, "-m", "freetoken.cli.main", "top", *args], capture_output=True,
-                          text=True, env=env, timeout=60, stdin=subprocess.DEVNULL)
+    return subprocess.run(
+        [sys.executable, "-m", "freetoken.cli.main", "top", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def test_once_plain_and_no_color(server):
@@ -158,7 +164,7 @@ def test_once_without_a_server():
 @pytest.mark.skipif(shutil.which("tmux") is None, reason="no tmux installed")
 def test_live_view_in_a_pty_survives_a_restart_and_quits_on_q(tmp_path):
     socket, session = f"ft-top-{os.getpid()}", "top"
-    tmux = lambda *a: subprocess.run(["tmux", "-L", socket, *a], capture_output=True, text=True)  # noqa: E731
+    tmux = lambda *a: subprocess.run(["tmux", "-L", socket, *a], capture_output=True, text=True)
 
     def screen() -> str:
         return tmux("capture-pane", "-p", "-t", session).stdout
@@ -178,9 +184,11 @@ def test_live_view_in_a_pty_survives_a_restart_and_quits_on_q(tmp_path):
     port = int(srv.base_url.rsplit(":", 1)[1])
     package_root = str(Path(freetoken.__file__).resolve().parents[1])
     # COLUMNS/LINES: the pane's size, which rich reads first (under pytest it measured 80x25 in the 120x60 pane).
-    command = (f"env PYTHONPATH={package_root} TERM=xterm-256color COLUMNS=120 LINES=60 {sys.executable} -m "
-               f"freetoken.cli.main top "
-               f"--server {srv.base_url}")
+    command = (
+        f"env PYTHONPATH={package_root} TERM=xterm-256color COLUMNS=120 LINES=60 {sys.executable} -m "
+        f"freetoken.cli.main top "
+        f"--server {srv.base_url}"
+    )
     try:
         assert tmux("new-session", "-d", "-s", session, "-x", "120", "-y", "60", command).returncode == 0
         wait_for(lambda t: SERVED_MODEL_NAME in t and "live" in t and "q quits" in t)

@@ -112,6 +112,7 @@ def test_a_small_request_does_not_wait_for_a_large_ones_choices(demo):
         engine = AsyncEngine(llm, "demo")
         first_token_step: list[int] = []
         try:
+
             async def choice(i: int) -> int:
                 tokens = await _tokens_of(engine.generate(prompt, greedy(120), request_id=f"big-{i}", group="big"))
                 return llm.num_steps if tokens == 120 else -1

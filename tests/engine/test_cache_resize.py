@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from freetoken.config import EngineConfig
 from freetoken.engine import resize as resize_module
 from freetoken.engine.llm_engine import LLMEngine
@@ -24,8 +25,16 @@ OTHER = list(range(200, 222))
 
 
 def make_engine(**kwargs) -> LLMEngine:
-    cfg = {"device": "cpu", "dtype": "float32", "moe_backend": "offload", "expert_slots": 12, "max_model_len": MAX_MODEL_LEN,
-               "kv_block_size": BS, "kv_cache_tokens": 256, "max_num_seqs": 4}
+    cfg = {
+        "device": "cpu",
+        "dtype": "float32",
+        "moe_backend": "offload",
+        "expert_slots": 12,
+        "max_model_len": MAX_MODEL_LEN,
+        "kv_block_size": BS,
+        "kv_cache_tokens": 256,
+        "max_num_seqs": 4,
+    }
     return LLMEngine.from_dir(demo_checkpoint_dir(), EngineConfig(**{**cfg, **kwargs}))
 
 

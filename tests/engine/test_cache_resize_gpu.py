@@ -2,8 +2,9 @@
 graphs (`freetoken.engine.resize`): the text equals the same request without resizes, resident experts survive
 (the resize answers' counters), the decode runner is rebuilt on the new slots, and the speed follows the size.
 
-Skipped without a GPU; on the GPU box: `python -m pytest tests/engine/test_cache_resize_gpu.py -q -s` (the demo model, about
-a minute) and `FREETOKEN_TEST_REAL=1 ...` adds Qwen3-30B-A3B's real shapes on dummy weights (16 -> 24 -> 12 GB).
+Skipped without a GPU; on the GPU box: `python -m pytest tests/engine/test_cache_resize_gpu.py -q -s` (the demo
+model, about a minute) and `FREETOKEN_TEST_REAL=1 ...` adds Qwen3-30B-A3B's real shapes on dummy weights
+(16 -> 24 -> 12 GB).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import time
 
 import pytest
 import torch
+
 from freetoken.config import EngineConfig
 from freetoken.engine import AsyncEngine
 from freetoken.engine.llm_engine import LLMEngine
@@ -85,8 +87,12 @@ def test_resize_while_a_stream_decodes_on_cuda(tmp_path):
     decode = engine.runner.decode
     assert decode is not None and decode.handshake is not None and decode.span_graphs  # graphs captured again
     # The handshake was built again on the 12 new slots (the caching allocator may hand back the old address).
-    buffers = 0 if engine.experts.streamer is None else engine.experts.streamer.num_buffers * engine.experts.pool.num_experts
-    assert engine.experts.num_slots == 12 and decode.handshake.slot_rows == engine.experts.slots.shape[0] == 12 + buffers
+    buffers = (
+        0 if engine.experts.streamer is None else engine.experts.streamer.num_buffers * engine.experts.pool.num_experts
+    )
+    assert (
+        engine.experts.num_slots == 12 and decode.handshake.slot_rows == engine.experts.slots.shape[0] == 12 + buffers
+    )
     assert engine.experts.stats()["decode_driver"]["steps"] >= 40  # decoding went on through the driver
 
 
@@ -97,8 +103,15 @@ def test_resize_real_shapes_16_24_12_gb():
     from freetoken.models.presets import preset_dir
 
     path = preset_dir("qwen3-30b-a3b")
-    cfg = {"device": "cuda", "dtype": "bfloat16", "dummy_weights": True, "kv_cache_gb": 1.0, "max_model_len": 4096,
-               "moe_backend": "offload", "prefill_strategy": "fill"}
+    cfg = {
+        "device": "cuda",
+        "dtype": "bfloat16",
+        "dummy_weights": True,
+        "kv_cache_gb": 1.0,
+        "max_model_len": 4096,
+        "moe_backend": "offload",
+        "prefill_strategy": "fill",
+    }
     engine = LLMEngine.from_dir(path, EngineConfig(**cfg, expert_slots=1))
     slots = {gb: int(gb * 1e9) // engine.experts.pool.expert_stride for gb in (16, 24, 12)}
     resize(engine, expert_gb=16.0)
@@ -106,8 +119,10 @@ def test_resize_real_shapes_16_24_12_gb():
     resize(engine, expert_slots=1)  # the measured run starts from a cold cache of 16 GB again
     resize(engine, expert_gb=16.0)
     tokens, answers, rates = _stream(engine, 96, {32: {"expert_gb": 24.0}, 64: {"expert_gb": 12.0}})
-    print(f"decode tok/s at 16, 24, 12 GB: {', '.join(f'{r:.1f}' for r in rates)}; "
-          f"resize seconds: {[a['seconds'] for a in answers]}")
+    print(
+        f"decode tok/s at 16, 24, 12 GB: {', '.join(f'{r:.1f}' for r in rates)}; "
+        f"resize seconds: {[a['seconds'] for a in answers]}"
+    )
     assert tokens == plain
     _check_answers(answers, [slots[24], slots[12]])
     assert rates[1] > rates[2], rates

@@ -12,7 +12,6 @@ from freetoken.config import EngineConfig
 from freetoken.engine.cuda_graph import DecodeRunner
 from freetoken.engine.llm_engine import LLMEngine
 from freetoken.models.demo import build_demo_checkpoint
-
 from greedy import greedy_tokens
 
 PROMPTS = [[3, 17, 100, 42, 7], [5, 6, 400, 401, 402, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
@@ -28,7 +27,8 @@ def _greedy(engine: LLMEngine) -> list[list[int]]:
 
 
 @pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need Triton's interpreter (conftest sets it without a GPU)"
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="CPU tensors need Triton's interpreter (conftest sets it without a GPU)",
 )
 @pytest.mark.parametrize("backend,piecewise", [("fused", False), ("fused", True), ("offload", True), ("cpu", True)])
 def test_decode_runner_equals_torch_path(checkpoint, backend, piecewise):
@@ -43,7 +43,8 @@ def test_decode_runner_equals_torch_path(checkpoint, backend, piecewise):
 
 
 @pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need Triton's interpreter (conftest sets it without a GPU)"
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="CPU tensors need Triton's interpreter (conftest sets it without a GPU)",
 )
 def test_fused_layer_kernels_give_the_torch_path_logprobs(checkpoint, monkeypatch):
     """The model's CUDA path (one GEMM for q/k/v, the fused RMSNorm and router kernels of
@@ -79,6 +80,7 @@ def test_fuse_qkv_keeps_values_and_notices_replaced_weights(checkpoint, monkeypa
     q/k norm + RoPE + KV-write kernel) gives the torch path's output and KV cache; a projection replaced afterwards
     turns the fused path off instead of computing with the stale copy."""
     import torch
+
     from freetoken.config import ModelConfig
     from freetoken.models import qwen3_moe
     from freetoken.models.attention import AttentionMetadata

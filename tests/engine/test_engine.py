@@ -11,13 +11,14 @@ import asyncio
 from dataclasses import dataclass, field
 
 import pytest
+
+from conftest import PROMPTS, Model
 from freetoken.config import EngineConfig, ModelConfig
 from freetoken.engine.async_engine import AsyncEngine
 from freetoken.engine.llm_engine import LLMEngine, RequestError
 from freetoken.engine.types import GenerationChunk, SamplingParams
 from freetoken.models.demo import build_demo_checkpoint
 
-from conftest import PROMPTS, Model
 
 @dataclass
 class Result:
@@ -363,8 +364,9 @@ def test_text_without_stop_equals_decode(demo, solo):
 
 
 def _sampled(demo: Model, seed: int | None, **kwargs) -> list[int]:
-    params = SamplingParams(max_tokens=8, temperature=kwargs.pop("temperature", 1.0), seed=seed, ignore_eos=True,
-                            **kwargs)
+    params = SamplingParams(
+        max_tokens=8, temperature=kwargs.pop("temperature", 1.0), seed=seed, ignore_eos=True, **kwargs
+    )
     return alone(demo, demo.prompts[0], params).token_ids
 
 
@@ -376,8 +378,10 @@ def test_seed_is_deterministic(demo):
 
 
 def test_seeded_sampling_is_independent_of_the_batch(demo):
-    params = {str(s): (demo.prompts[s % 3], SamplingParams(max_tokens=8, temperature=1.0, seed=s, ignore_eos=True))
-              for s in range(5)}
+    params = {
+        str(s): (demo.prompts[s % 3], SamplingParams(max_tokens=8, temperature=1.0, seed=s, ignore_eos=True))
+        for s in range(5)
+    }
     batched = run(demo.engine(), params)
     for rid, (prompt, p) in params.items():
         assert batched[rid].token_ids == alone(demo, prompt, p).token_ids
@@ -646,8 +650,10 @@ def test_stop_strings_skip_the_reasoning_block(demo, reasoning_tags):
     text = opening + "I could say STOP or </ here.\n</think>\n\nThe answer STOP is cut."
     stop = ["STOP", "</", "k>\n\nThe"]
     ids = tokenizer.encode(text)
-    for tags, expected in [(reasoning_tags, opening + "I could say STOP or </ here.\n</think>\n\nThe answer "),
-                           (None, opening + "I could say ")]:
+    for tags, expected in [
+        (reasoning_tags, opening + "I could say STOP or </ here.\n</think>\n\nThe answer "),
+        (None, opening + "I could say "),
+    ]:
         released, matched = "", None
         output = OutputText(tokenizer, tokenizer.encode("hi"), stop, tags)
         for token in ids:

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine import Result, assert_all_blocks_free, collect, greedy, run
+
 from freetoken.engine.llm_engine import LLMEngine
 from freetoken.engine.types import SamplingParams
-from test_engine import Result, assert_all_blocks_free, collect, greedy, run
 
 BS = 4
 
@@ -81,7 +82,9 @@ def test_fully_cached_prompt_never_writes_the_shared_block(demo):
     engine.add_request("x", prompt, greedy())
     r = collect(engine, {}, after_step)["x"]
     assert r.last.num_cached_tokens == 23
-    assert all(torch.equal(k[last * BS : (last + 1) * BS], b) for (k, _), b in zip(engine.kv.layers, k_before, strict=True))
+    assert all(
+        torch.equal(k[last * BS : (last + 1) * BS], b) for (k, _), b in zip(engine.kv.layers, k_before, strict=True)
+    )
     assert r.token_ids == cold(demo, prompt, kv_block_size=BS).token_ids
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 
 import pytest
+
 from freetoken import _core
 from freetoken.errors import FreetokenError
 

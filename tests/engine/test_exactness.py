@@ -13,7 +13,6 @@ from safetensors.torch import load_file, save_file
 from freetoken.config import EngineConfig
 from freetoken.engine.llm_engine import LLMEngine
 from freetoken.models.attention import AttentionMetadata
-
 from greedy import greedy_tokens, hf_greedy
 from reference import make_reference_checkpoint
 
@@ -52,8 +51,9 @@ def test_logits_match_reference(checkpoint):
         with torch.no_grad():
             expected = ref(torch.tensor([prompt])).logits[0]
         n = len(prompt)
-        meta = AttentionMetadata.build([n], [n], [list(range(engine.kv.blocks_for(n)))], engine.kv.block_size,
-                                       engine.device)
+        meta = AttentionMetadata.build(
+            [n], [n], [list(range(engine.kv.blocks_for(n)))], engine.kv.block_size, engine.device
+        )
         with torch.no_grad():
             got = model.compute_logits(model(torch.tensor(prompt), meta, engine.kv.layers))
         assert (got - expected).abs().max().item() <= 1e-4
@@ -77,8 +77,11 @@ def test_fused_expert_layout_loads_the_same(checkpoint, tmp_path):
     for layer in cfg.moe_layers:
         p = f"model.layers.{layer}.mlp.experts"
         fused[f"{p}.gate_up_proj"] = torch.stack(
-            [torch.cat([tensors[f"{p}.{e}.gate_proj.weight"], tensors[f"{p}.{e}.up_proj.weight"]]) for e in
-             range(cfg.num_experts)])
+            [
+                torch.cat([tensors[f"{p}.{e}.gate_proj.weight"], tensors[f"{p}.{e}.up_proj.weight"]])
+                for e in range(cfg.num_experts)
+            ]
+        )
         fused[f"{p}.down_proj"] = torch.stack([tensors[f"{p}.{e}.down_proj.weight"] for e in range(cfg.num_experts)])
     for name in ("config.json",):
         (tmp_path / name).write_bytes((path / name).read_bytes())

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from freetoken.config import EngineConfig
 from freetoken.engine.llm_engine import LLMEngine
 from freetoken.engine.types import SamplingParams
@@ -134,8 +135,13 @@ def test_driven_host_experts_follow_fused(tmp_path, mode, slots):
     model = load_checkpoint(path, FusedExperts(), device, torch.bfloat16)
     want = _chosen_logprobs(LLMEngine(model, model.config, cfg, tokenizer=None), PROMPTS, 12)
     backend = ExpertCacheBackend(
-        mode, ExpertPool.from_checkpoint(path), device, slots, cpu_threads=4,
-        pcie_bytes_per_s=50e9, cpu_bytes_per_s={1: 20e9, 4: 40e9},
+        mode,
+        ExpertPool.from_checkpoint(path),
+        device,
+        slots,
+        cpu_threads=4,
+        pcie_bytes_per_s=50e9,
+        cpu_bytes_per_s={1: 20e9, 4: 40e9},
     )
     model.attach_experts(backend)
     engine = LLMEngine(model, model.config, cfg, tokenizer=None)
@@ -161,6 +167,7 @@ def test_constrained_decoding_on_cuda_graph_path(tmp_path, backend):
     import json
 
     import jsonschema
+
     from freetoken.engine.structured import json_grammar
     from schemas import CARD_SCHEMA
 

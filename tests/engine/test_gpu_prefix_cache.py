@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from freetoken.config import EngineConfig
 from freetoken.engine.llm_engine import LLMEngine
 from freetoken.engine.types import SamplingParams
@@ -57,7 +58,7 @@ def _cases(cached: LLMEngine) -> list[tuple[str, list[list[int]]]]:
 
 
 def _engines(path, dtype: str, backend: str, **kwargs) -> tuple[LLMEngine, LLMEngine]:
-    make = lambda off: LLMEngine.from_dir(  # noqa: E731
+    make = lambda off: LLMEngine.from_dir(
         path,
         EngineConfig(device="cuda", dtype=dtype, kv_cache_gb=0.5, moe_backend=backend, no_prefix_cache=off, **kwargs),
     )

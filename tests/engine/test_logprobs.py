@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+
 from freetoken.config import EngineConfig
 from freetoken.engine.cuda_graph import DecodeRunner
 from freetoken.engine.llm_engine import LLMEngine, RequestError
@@ -136,7 +137,8 @@ def test_token_logprobs_rows():
 
 
 @pytest.mark.skipif(
-    os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors need Triton's interpreter (conftest sets it without a GPU)"
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="CPU tensors need Triton's interpreter (conftest sets it without a GPU)",
 )
 def test_decode_runner_path_reports_the_same_logprobs(checkpoint):
     path, _ = checkpoint
@@ -176,7 +178,9 @@ def test_cuda_graph_decode_logprobs_equal_cpu(checkpoint):
     """On CUDA the decode steps replay CUDA graphs; their logits (a static buffer) give the CPU's logprobs."""
     path, _ = checkpoint
     params = SamplingParams(max_tokens=NUM_TOKENS, temperature=0.0, ignore_eos=True, logprobs=3)
-    engine = LLMEngine.from_dir(path, EngineConfig(device="cuda", dtype="float32", kv_cache_gb=0.5, moe_backend="fused"))
+    engine = LLMEngine.from_dir(
+        path, EngineConfig(device="cuda", dtype="float32", kv_cache_gb=0.5, moe_backend="fused")
+    )
     assert engine.runner.decode is not None and engine.runner.decode.graphs
     got = [_flat(c) for c in _run(engine, PROMPTS, params)]
     expected = [_flat(c) for c in _run(_engine(path), PROMPTS, params)]

@@ -7,11 +7,12 @@ tokens as the index does), so the property test compares two formulations of the
 from __future__ import annotations
 
 import pytest
-from freetoken.engine.kv_cache import BlockAllocator
-from freetoken.engine.prefix_cache import ROOT, PrefixCache
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from freetoken.engine.kv_cache import BlockAllocator
+from freetoken.engine.prefix_cache import ROOT, PrefixCache
 
 BS = 4
 
@@ -247,9 +248,13 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             self._release(match.blocks)
             return
         table = match.blocks + self._allocate(need)
-        seq = {"tokens": list(tokens), "table": table, "hashed": match.num_blocks,
-               "node": match.nodes[-1] if match.nodes else ROOT,
-               "entry": self.model.entries[match.blocks[-1]][2] if match.blocks else 0}
+        seq = {
+            "tokens": list(tokens),
+            "table": table,
+            "hashed": match.num_blocks,
+            "node": match.nodes[-1] if match.nodes else ROOT,
+            "entry": self.model.entries[match.blocks[-1]][2] if match.blocks else 0,
+        }
         self._commit(seq)
         self.seqs.append(seq)
 

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from freetoken.engine.sampler import apply_logit_bias, sample, sample_with_logprobs
 from freetoken.engine.types import SamplingParams
 
@@ -175,15 +176,20 @@ def test_penalties_follow_openai_and_ctrl_definitions():
     assert logits[0].tolist() == [2.0, -1.0, 0.5, 3.0, 1.0]
     assert apply_penalties(logits, [SamplingParams()] * 3, [tokens] * 3, [2] * 3) is logits
     # sampling: greedy picks token 3 raw, token 0 once 3's three repeats cost 1.75
-    picked, _ = sample_with_logprobs(logits[:1], [SamplingParams(temperature=0, frequency_penalty=0.5,
-                                                                 presence_penalty=0.25)], [None], [tokens], [2])
+    picked, _ = sample_with_logprobs(
+        logits[:1], [SamplingParams(temperature=0, frequency_penalty=0.5, presence_penalty=0.25)], [None], [tokens], [2]
+    )
     assert picked == [0]
 
 
 @pytest.mark.parametrize(
     "params",
-    [SamplingParams(presence_penalty=2.5), SamplingParams(frequency_penalty=-3), SamplingParams(repetition_penalty=0),
-     SamplingParams(repetition_penalty="x")],
+    [
+        SamplingParams(presence_penalty=2.5),
+        SamplingParams(frequency_penalty=-3),
+        SamplingParams(repetition_penalty=0),
+        SamplingParams(repetition_penalty="x"),
+    ],
 )
 def test_bad_penalties_are_refused(params):
     with pytest.raises(ValueError, match="penalty"):

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_engine import Result, assert_all_blocks_free, collect, greedy, run
+
 from freetoken.config import EngineConfig, ModelConfig
 from freetoken.engine.llm_engine import LLMEngine
 from freetoken.engine.state_checkpoints import MarkSet, Snapshot, SnapshotPool, StateCheckpoints, select_marks
@@ -17,7 +19,6 @@ from freetoken.models.demo_qwen3_5 import build_qwen3_5_demo_checkpoint
 from freetoken.models.loader import load_checkpoint
 from freetoken.moe import FusedExperts
 from freetoken.tokenizer import Tokenizer
-from test_engine import Result, assert_all_blocks_free, collect, greedy, run
 
 BS = 16
 
@@ -54,7 +55,7 @@ def test_pool_never_evicts_a_pinned_snapshot():
     pool.unpin(a)
     c = pool.allocate(3)
     assert dropped == [a] and c is not None and b.pins == 1
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="unpinned more often"):
         pool.unpin(a)
     pool.drop(b)  # a failed step's snapshot leaves at once, pinned or not
     assert dropped == [a, b] and len(pool) == 1
@@ -79,8 +80,10 @@ def test_pool_host_tier_takes_what_the_device_evicts():
 
 
 def test_demote_moves_every_tensor_into_one_host_buffer():
-    states = {0: (torch.randn(6, 3, dtype=torch.bfloat16), torch.randn(2, 4, 4)),
-              2: (torch.randn(5, 3, dtype=torch.bfloat16), torch.randn(2, 4, 4))}
+    states = {
+        0: (torch.randn(6, 3, dtype=torch.bfloat16), torch.randn(2, 4, 4)),
+        2: (torch.randn(5, 3, dtype=torch.bfloat16), torch.randn(2, 4, 4)),
+    }
     tail = [(torch.randn(16, 2, 8), torch.randn(16, 2, 8))]
     snap = Snapshot(5, dict(states), list(tail))
     StateCheckpoints._demote(snap)
@@ -106,8 +109,10 @@ def test_marks_single_and_multi_token():
 
 def test_marks_come_from_the_template_and_tokenizer(qwen35):
     marks = MarkSet.from_tokenizer(qwen35.tokenizer)
-    expected = {tuple(qwen35.tokenizer.encode(s)) for s in
-                ("</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<|im_end|>")}
+    expected = {
+        tuple(qwen35.tokenizer.encode(s))
+        for s in ("</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<|im_end|>")
+    }
     assert set(marks.sequences) == expected
 
 
@@ -166,13 +171,20 @@ def cold(qwen35: Qwen35, prompt: list[int], max_tokens: int = 12) -> list[int]:
 
 
 def first_diff(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
 SYSTEM = "You are a coding agent. Read files with the tools, keep answers short, cite paths. " * 3
-TOOLS = [{"type": "function", "function": {
-    "name": "read", "description": "Read a file",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read",
+            "description": "Read a file",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    }
+]
 
 
 def session(turns: int, salt: str = "") -> list[dict]:
@@ -182,9 +194,18 @@ def session(turns: int, salt: str = "") -> list[dict]:
     for t in range(turns):
         messages += [
             {"role": "user", "content": f"{salt}Step {t}: what does module {t} do?"},
-            {"role": "assistant", "content": "", "reasoning_content": f"I should read module {t} first.",
-             "tool_calls": [{"type": "function", "id": f"c{t}",
-                             "function": {"name": "read", "arguments": {"path": f"src/m{t}.py"}}}]},
+            {
+                "role": "assistant",
+                "content": "",
+                "reasoning_content": f"I should read module {t} first.",
+                "tool_calls": [
+                    {
+                        "type": "function",
+                        "id": f"c{t}",
+                        "function": {"name": "read", "arguments": {"path": f"src/m{t}.py"}},
+                    }
+                ],
+            },
             {"role": "tool", "tool_call_id": f"c{t}", "content": f"def f{t}(x):\n    return x * {t}\n" * 3},
         ]
     return messages
@@ -197,8 +218,11 @@ def test_follow_up_turn_resumes_at_the_prompt_end_and_equals_cold(qwen35):
     r1 = one(engine, p1)
     assert r1.last.num_cached_tokens == 0 and r1.token_ids == cold(qwen35, p1)
     # The next turn: the answer and a new message appended (token ids, so the answer is exactly what ran).
-    p2 = p1 + r1.token_ids + qwen35.tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd the next one?<|im_end|>\n"
-                                                     "<|im_start|>assistant\n")
+    p2 = (
+        p1
+        + r1.token_ids
+        + qwen35.tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd the next one?<|im_end|>\n<|im_start|>assistant\n")
+    )
     r2 = one(engine, p2)
     # The deepest snapshot: the first turn's last decoded mark or its prompt end (the answer's last token, sampled
     # but never run, has no state).
@@ -237,10 +261,13 @@ def test_thinking_stripped_resumes_at_the_last_unchanged_mark(qwen35):
     base = qwen35.encode(history, TOOLS)  # its tool call and output came back
     # The turn as the model wrote it, thinking included (run as a prompt: the demo model writes no thinking).
     p1 = base + qwen35.tokenizer.encode(
-        "<think>\nThe tool output shows x * 1.\n</think>\n\nModule 1 multiplies by one.")
+        "<think>\nThe tool output shows x * 1.\n</think>\n\nModule 1 multiplies by one."
+    )
     one(engine, p1)
-    stripped = history + [{"role": "assistant", "content": "Module 1 multiplies by one."},
-                          {"role": "user", "content": "Now module 2?"}]
+    stripped = history + [
+        {"role": "assistant", "content": "Module 1 multiplies by one."},
+        {"role": "user", "content": "Now module 2?"},
+    ]
     p2 = qwen35.encode(stripped, TOOLS)
     changed = first_diff(p1, p2)
     # The template drops the thinking of every turn before the last user message: the tool-call turn's too.
@@ -280,8 +307,13 @@ def test_sessions_evicting_each_others_snapshots(qwen35):
             r = one(engine, prompt, greedy(4), rid=f"s{s}t{turn}")
             assert r.token_ids == cold(qwen35, prompt, 4), (s, turn)
             cached.append(r.last.num_cached_tokens)
-            prompts[s] = prompt + r.token_ids + qwen35.tokenizer.encode(
-                f"<|im_end|>\n<|im_start|>user\nTurn {turn}.<|im_end|>\n<|im_start|>assistant\n")
+            prompts[s] = (
+                prompt
+                + r.token_ids
+                + qwen35.tokenizer.encode(
+                    f"<|im_end|>\n<|im_start|>user\nTurn {turn}.<|im_end|>\n<|im_start|>assistant\n"
+                )
+            )
     stats = engine.stats()["state_checkpoints"]
     assert stats["num_evicted"] > 0 and stats["num_live"] <= 8
     assert cached[:2] == [0, 0] and all(c > 0 for c in cached[2:])
@@ -430,20 +462,28 @@ def test_cuda_graphs_and_host_tier_equal_cold(tmp_path):
     each = snapshot_nbytes(cfg, torch.float32, BS)
 
     def engine(**kwargs) -> LLMEngine:
-        return LLMEngine.from_dir(path, EngineConfig(device="cuda", dtype="float32", moe_backend="fused",
-                                                     max_model_len=1024, kv_cache_tokens=4096, **kwargs))
+        return LLMEngine.from_dir(
+            path,
+            EngineConfig(
+                device="cuda", dtype="float32", moe_backend="fused", max_model_len=1024, kv_cache_tokens=4096, **kwargs
+            ),
+        )
 
     warm = engine(state_checkpoint_gb=3.5 * each / 1e9, state_checkpoint_host_gb=40 * each / 1e9)
     tokenizer = warm.tokenizer
-    prompts = {s: tokenizer.encode(tokenizer.apply_chat_template(session(1, salt=f"S{s}. "), tools=TOOLS))
-               for s in range(2)}
+    prompts = {
+        s: tokenizer.encode(tokenizer.apply_chat_template(session(1, salt=f"S{s}. "), tools=TOOLS)) for s in range(2)
+    }
     turns = []
     for turn in range(3):
         for s in list(prompts):
             r = one(warm, prompts[s], greedy(6), rid=f"s{s}t{turn}")
             turns.append((prompts[s], r))
-            prompts[s] = prompts[s] + r.token_ids + tokenizer.encode(
-                f"<|im_end|>\n<|im_start|>user\nTurn {turn}.<|im_end|>\n<|im_start|>assistant\n")
+            prompts[s] = (
+                prompts[s]
+                + r.token_ids
+                + tokenizer.encode(f"<|im_end|>\n<|im_start|>user\nTurn {turn}.<|im_end|>\n<|im_start|>assistant\n")
+            )
     stats = warm.stats()["state_checkpoints"]
     assert stats["num_demoted"] > 0 and stats["num_live_host"] > 0 and stats["num_restores"] >= 4
     del warm

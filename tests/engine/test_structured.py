@@ -9,6 +9,7 @@ import time
 import jsonschema
 import pytest
 import torch
+
 from freetoken.engine.sampler import sample_with_logprobs
 from freetoken.engine.structured import (
     GrammarBackend,
@@ -89,8 +90,10 @@ def test_mask_cost_per_token(grammars):
             break
         matcher.accept(token)
     mean_ms = sum(times) / len(times) * 1e3
-    print(f"grammar mask + apply, 1 row, V={backend.vocab_size}: {mean_ms:.2f} ms/token mean, "
-          f"{max(times) * 1e3:.2f} ms max, over {len(times)} tokens")
+    print(
+        f"grammar mask + apply, 1 row, V={backend.vocab_size}: {mean_ms:.2f} ms/token mean, "
+        f"{max(times) * 1e3:.2f} ms max, over {len(times)} tokens"
+    )
     assert mean_ms < 1000  # a loose bound: tests share 2 cores with other work
 
 
@@ -139,9 +142,18 @@ def test_error_state_allows_only_eos(grammars):
     assert set(torch.nonzero(torch.isfinite(masked[0])).flatten().tolist()) == set(backend.eos_token_ids)
 
 
-SHELL_TOOL = {"type": "function", "function": {"name": "shell", "parameters": {
-    "type": "object", "properties": {"cmd": {"type": "string", "maxLength": 8}}, "required": ["cmd"],
-    "additionalProperties": False}}}
+SHELL_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "shell",
+        "parameters": {
+            "type": "object",
+            "properties": {"cmd": {"type": "string", "maxLength": 8}},
+            "required": ["cmd"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 def test_tool_calls_or_answer(grammars):
@@ -153,8 +165,9 @@ def test_tool_calls_or_answer(grammars):
 
     backend, tokenizer = grammars
     options = ParserOptions(prompt_text="<think>\n\n</think>\n\n", parse_tools=True)
-    grammar = json_grammar(SCHEMA, Qwen3Parser(options).reasoning_grammar(),
-                           Qwen3Parser(options).tool_calls_grammar([SHELL_TOOL]))
+    grammar = json_grammar(
+        SCHEMA, Qwen3Parser(options).reasoning_grammar(), Qwen3Parser(options).tool_calls_grammar([SHELL_TOOL])
+    )
     tool_open = tokenizer.token_to_id(TOOL_OPEN)
     for push_call in (False, True):
         matcher = backend.matcher(grammar)
@@ -164,8 +177,9 @@ def test_tool_calls_or_answer(grammars):
             logits = torch.randn(1, backend.vocab_size, generator=gen) * 4
             if not tokens:
                 logits[0, tool_open] += 100 if push_call else -100
-            (token,), _ = sample_with_logprobs(logits, [SamplingParams(seed=1, grammar=matcher)],
-                                               [torch.Generator().manual_seed(len(tokens))])
+            (token,), _ = sample_with_logprobs(
+                logits, [SamplingParams(seed=1, grammar=matcher)], [torch.Generator().manual_seed(len(tokens))]
+            )
             if token in backend.eos_token_ids:
                 break
             tokens.append(token)

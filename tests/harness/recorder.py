@@ -82,8 +82,9 @@ class Recorder:
                     yield chunk
 
             kept = {k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_HEADERS}
-            return StreamingResponse(body_iter(), status_code=upstream.status_code, headers=kept,
-                                     background=BackgroundTask(upstream.aclose))
+            return StreamingResponse(
+                body_iter(), status_code=upstream.status_code, headers=kept, background=BackgroundTask(upstream.aclose)
+            )
 
         methods = ["GET", "POST", "DELETE", "PUT", "PATCH", "HEAD", "OPTIONS"]
         return Starlette(routes=[Route("/{path:path}", forward, methods=methods)])

@@ -17,11 +17,11 @@ from freetoken._core import InvalidArgumentError, align_slots, aligned_len
 from freetoken.kernels import paged_attention
 from freetoken.kernels.fused_moe import align_pairs, block_m_for, fused_moe, fused_moe_reference, fused_moe_tiles
 from freetoken.kernels.layer_ops import _round_to
-from gpu_marker import GPU_WHEN_AVAILABLE
 from freetoken.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
 )
+from gpu_marker import GPU_WHEN_AVAILABLE
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPE = torch.bfloat16 if DEVICE == "cuda" else torch.float32
@@ -68,7 +68,8 @@ def test_host_alignment_equals_device(num_tokens, top_k, block_m):
 
 @pytest.mark.parametrize(
     "num_tokens,hidden,inter,num_experts,top_k",
-    [(1, 64, 32, 8, 2), (5, 96, 48, 16, 4), (33, 64, 80, 8, 3)] + ([(64, 2048, 768, 128, 8)] if DEVICE == "cuda" else []),
+    [(1, 64, 32, 8, 2), (5, 96, 48, 16, 4), (33, 64, 80, 8, 3)]
+    + ([(64, 2048, 768, 128, 8)] if DEVICE == "cuda" else []),
 )
 def test_fused_moe_matches_reference(num_tokens, hidden, inter, num_experts, top_k):
     gen = torch.Generator().manual_seed(hidden + num_tokens)
@@ -305,17 +306,41 @@ def test_qk_norm_rope_is_the_torch_norms_rope_and_cache_write(tokens, nq, nkv, h
     want_q, want_k, want_v = _qk_norm_rope_reference(qkv, nq, nkv, q_norm, k_norm, cos, sin, slots, num_slots)
     k_cache = torch.zeros(num_slots, nkv, head_dim, dtype=DTYPE, device=DEVICE)
     v_cache = torch.zeros_like(k_cache)
-    q = qk_norm_rope(qkv.to(DEVICE), nq, nkv, q_norm.weight.to(DEVICE), k_norm.weight.to(DEVICE), 1e-6,
-                     cos.to(DEVICE), sin.to(DEVICE), k_cache, v_cache, slots.to(DEVICE))
+    q = qk_norm_rope(
+        qkv.to(DEVICE),
+        nq,
+        nkv,
+        q_norm.weight.to(DEVICE),
+        k_norm.weight.to(DEVICE),
+        1e-6,
+        cos.to(DEVICE),
+        sin.to(DEVICE),
+        k_cache,
+        v_cache,
+        slots.to(DEVICE),
+    )
     torch.testing.assert_close(v_cache.cpu(), want_v, atol=0, rtol=0)  # copied, untouched rows stay zero
     torch.testing.assert_close(q.cpu(), want_q, atol=ATOL, rtol=ATOL)
     torch.testing.assert_close(k_cache.cpu(), want_k, atol=ATOL, rtol=ATOL)
     with pytest.raises(ValueError, match="qk_norm_rope"):
-        qk_norm_rope(qkv.to(DEVICE), nq + 1, nkv, q_norm.weight.to(DEVICE), k_norm.weight.to(DEVICE), 1e-6,
-                     cos.to(DEVICE), sin.to(DEVICE), k_cache, v_cache, slots.to(DEVICE))
+        qk_norm_rope(
+            qkv.to(DEVICE),
+            nq + 1,
+            nkv,
+            q_norm.weight.to(DEVICE),
+            k_norm.weight.to(DEVICE),
+            1e-6,
+            cos.to(DEVICE),
+            sin.to(DEVICE),
+            k_cache,
+            v_cache,
+            slots.to(DEVICE),
+        )
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter's bf16; tests/engine/test_gpu.py checks the compiled kernel")
+@pytest.mark.skipif(
+    DEVICE != "cpu", reason="the interpreter's bf16; tests/engine/test_gpu.py checks the compiled kernel"
+)
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the NaN head, in Triton's numpy interpreter
 def test_qk_norm_rope_rounds_bf16_as_torch_and_keeps_nan():
     """bf16 in the interpreter: the kernel's own rounding (`_round_to`, integer ops) gives torch's bf16 ops bit for
@@ -351,8 +376,20 @@ def _round_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
 def test_round_to_bf16_is_torchs_cast():
     """`_round_to` (integer ops) rounds float32 to bf16 as torch's cast does: ties to even, overflow to inf, and
     every NaN kept NaN (the device's canonical NaN is 0x7FFFFFFF, whose low half would carry into the sign)."""
-    bits = [0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001, 0x7FC00000, 0x7F800000, 0xFF800000, 0x7F7FFFFF, 0x3F808000,
-            0x3F818000, 0x3F80C000, 0x00000001, 0x80000000]
+    bits = [
+        0x7FFFFFFF,
+        0xFFFFFFFF,
+        0x7F800001,
+        0x7FC00000,
+        0x7F800000,
+        0xFF800000,
+        0x7F7FFFFF,
+        0x3F808000,
+        0x3F818000,
+        0x3F80C000,
+        0x00000001,
+        0x80000000,
+    ]
     special = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
     x = torch.cat([special, 1e3 * torch.randn(500, generator=torch.Generator().manual_seed(1))]).to(DEVICE)
     out = torch.empty_like(x)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from freetoken.kernels.fused_moe_quant import fused_moe_quant, fused_moe_quant_reference
 from freetoken.quant import MXFP4, NVFP4, fp8_block
 from freetoken.quant import reference as ref

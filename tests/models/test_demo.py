@@ -55,7 +55,11 @@ def test_demo_dir_is_built_once_and_complete(demo_dir, cache_dir):
     assert demo_dir == cache_dir / "models" / demo.DEMO_NAME
     files = {p.name for p in demo_dir.iterdir()}
     assert files == {
-        "config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
     }
     mtime = (demo_dir / "model.safetensors").stat().st_mtime_ns
     assert demo.demo_checkpoint_dir() == demo_dir

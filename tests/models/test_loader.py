@@ -9,6 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
 from freetoken.config import ConfigError, EngineConfig, ModelConfig
 from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.llm_engine import LLMEngine
@@ -17,8 +20,6 @@ from freetoken.models.attention import AttentionMetadata
 from freetoken.models.demo import build_demo_checkpoint
 from freetoken.models.loader import CheckpointError, init_dummy_weights, load_checkpoint
 from freetoken.moe import FusedExperts
-from safetensors import safe_open
-from safetensors.torch import load_file, save_file
 
 CPU = torch.device("cpu")
 PROMPT = [1707, 11, 847, 829, 374, 1149, 323]
@@ -109,7 +110,9 @@ def test_index_lists_tensor_absent_from_its_shard(tmp_path):
     index = json.loads((path / "model.safetensors.index.json").read_text())
     index["weight_map"]["model.layers.9.self_attn.q_proj.weight"] = "model-00001-of-00002.safetensors"
     (path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match=r"model-00001-of-00002\.safetensors.*layers\.9\.self_attn\.q_proj.*index"):
+    with pytest.raises(
+        CheckpointError, match=r"model-00001-of-00002\.safetensors.*layers\.9\.self_attn\.q_proj.*index"
+    ):
         _load(path)
 
 
@@ -127,8 +130,17 @@ def test_corrupt_safetensors_file(tmp_path, small):
         _load(path)
 
 
-@pytest.mark.parametrize("name", [ATTN, EXPERT, "model.norm.weight", "model.layers.1.mlp.down_proj.weight",
-                                  "model.layers.2.mlp.gate.weight", "lm_head.weight"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        ATTN,
+        EXPERT,
+        "model.norm.weight",
+        "model.layers.1.mlp.down_proj.weight",
+        "model.layers.2.mlp.gate.weight",
+        "lm_head.weight",
+    ],
+)
 def test_missing_tensor(tmp_path, small, name):
     path = _copy(small, tmp_path / "m")
     _rewrite(path, lambda t: t.pop(name))
@@ -259,8 +271,9 @@ def _dummy(cfg: ModelConfig, seed: int, dtype=torch.float32):
     return init_dummy_weights(cfg, experts, CPU, dtype, seed=seed), experts
 
 
-@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True}, {"decoder_sparse_step": 2},
-                                       {"attention_bias": True}])
+@pytest.mark.parametrize(
+    "overrides", [{}, {"tie_word_embeddings": True}, {"decoder_sparse_step": 2}, {"attention_bias": True}]
+)
 def test_dummy_weights_complete_and_deterministic(overrides):
     from freetoken.models.demo import demo_config
 

@@ -25,7 +25,6 @@ from freetoken.kernels.gated_delta import (
     recurrent_gated_delta_rule_torch,
 )
 from freetoken.models.attention import AttentionMetadata
-
 from gpu_marker import gpu_when_available
 from greedy import greedy_tokens, hf_greedy
 from reference_qwen3_5 import make_reference_checkpoint
@@ -134,8 +133,9 @@ def _prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     """float32 logits of every position of `prompt`, one eager step from a fresh state slot."""
     model = engine.runner.model
     n = len(prompt)
-    meta = AttentionMetadata.build([n], [n], [list(range(engine.kv.blocks_for(n)))], engine.kv.block_size,
-                                   engine.device)
+    meta = AttentionMetadata.build(
+        [n], [n], [list(range(engine.kv.blocks_for(n)))], engine.kv.block_size, engine.device
+    )
     slot = engine.state_pool.allocate()
     meta.state_slots = torch.tensor([slot])
     model.experts.begin_step(n, n, model.config.num_experts_per_tok)
@@ -156,8 +156,11 @@ def test_fused_expert_layout_loads_the_same(checkpoint, expected, tmp_path):
     for layer in cfg.moe_layers:
         p = f"{prefix}layers.{layer}.mlp.experts"
         fused[f"{p}.gate_up_proj"] = torch.stack(
-            [torch.cat([tensors[f"{p}.{e}.gate_proj.weight"], tensors[f"{p}.{e}.up_proj.weight"]])
-             for e in range(cfg.num_experts)])
+            [
+                torch.cat([tensors[f"{p}.{e}.gate_proj.weight"], tensors[f"{p}.{e}.up_proj.weight"]])
+                for e in range(cfg.num_experts)
+            ]
+        )
         fused[f"{p}.down_proj"] = torch.stack([tensors[f"{p}.{e}.down_proj.weight"] for e in range(cfg.num_experts)])
     (tmp_path / "config.json").write_bytes((path / "config.json").read_bytes())
     save_file(fused, tmp_path / "model.safetensors")
@@ -197,8 +200,12 @@ def test_chunked_rule_matches_recurrent():
         g, beta = -torch.rand(length, heads_v) * 2, torch.rand(length, heads_v)
         out, final = chunk_gated_delta_rule_torch(q, k, v, g, beta, state)
         states = state[None].repeat(2, 1, 1, 1)
-        steps = [recurrent_gated_delta_rule_torch(q[t:t + 1], k[t:t + 1], v[t:t + 1], g[t:t + 1], beta[t:t + 1],
-                                                  states, torch.tensor([1])) for t in range(length)]
+        steps = [
+            recurrent_gated_delta_rule_torch(
+                q[t : t + 1], k[t : t + 1], v[t : t + 1], g[t : t + 1], beta[t : t + 1], states, torch.tensor([1])
+            )
+            for t in range(length)
+        ]
         torch.testing.assert_close(out, torch.cat(steps), atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(final, states[1], atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(states[0], state)  # other slots untouched
@@ -241,16 +248,22 @@ def test_demo_checkpoint_matches_reference_in_both_layouts(tmp_path):
     from freetoken.models.demo_qwen3_5 import build_qwen3_5_demo_checkpoint
 
     fused = build_qwen3_5_demo_checkpoint(tmp_path / "fused", seed=5)
-    per_expert = build_qwen3_5_demo_checkpoint(tmp_path / "per-expert", seed=5, expert_layout="per_expert",
-                                               num_shards=3)
+    per_expert = build_qwen3_5_demo_checkpoint(
+        tmp_path / "per-expert", seed=5, expert_layout="per_expert", num_shards=3
+    )
     ref, info = Qwen3_5MoeForConditionalGeneration.from_pretrained(per_expert, output_loading_info=True)
     assert all(name.startswith("model.visual.") for name in info["missing_keys"])
     assert not info["unexpected_keys"]
     prompt = PROMPTS[1]
     engine = _engine(fused)
     model = engine.runner.model
-    meta = AttentionMetadata.build([len(prompt)], [len(prompt)], [list(range(engine.kv.blocks_for(len(prompt))))],
-                                   engine.kv.block_size, engine.device)
+    meta = AttentionMetadata.build(
+        [len(prompt)],
+        [len(prompt)],
+        [list(range(engine.kv.blocks_for(len(prompt))))],
+        engine.kv.block_size,
+        engine.device,
+    )
     meta.state_slots = torch.tensor([engine.state_pool.allocate()])
     with torch.no_grad():
         got = model.compute_logits(model(torch.tensor(prompt), meta, engine.kv.layers))
@@ -352,15 +365,31 @@ def test_chunk_scan_fits_shared_memory(dtype):
 
     launch = scan_launch_config(dtype, 128)
     elem = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
-    signature = {"q_ptr": f"*{elem}", "k_ptr": f"*{elem}", "o_ptr": f"*{elem}", "w_ptr": "*fp32", "u_ptr": "*fp32",
-                 "gcum_ptr": "*fp32", "state_ptr": "*fp32", "length": "i32", "scale": "fp32"}
-    spec = {"signature": signature, "num_stages": launch["num_stages"],
-            "constexprs": {"GROUP": 2, "CHUNK": CHUNK_SIZE, "DK": 128, "DV": 128, "BLOCK_V": launch["BLOCK_V"]}}
+    signature = {
+        "q_ptr": f"*{elem}",
+        "k_ptr": f"*{elem}",
+        "o_ptr": f"*{elem}",
+        "w_ptr": "*fp32",
+        "u_ptr": "*fp32",
+        "gcum_ptr": "*fp32",
+        "state_ptr": "*fp32",
+        "length": "i32",
+        "scale": "fp32",
+    }
+    spec = {
+        "signature": signature,
+        "num_stages": launch["num_stages"],
+        "constexprs": {"GROUP": 2, "CHUNK": CHUNK_SIZE, "DK": 128, "DV": 128, "BLOCK_V": launch["BLOCK_V"]},
+    }
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     helper = Path(__file__).with_name("triton_shared_memory.py")
     done = subprocess.run(
         [sys.executable, str(helper), "freetoken.kernels.gated_delta", "_chunk_scan_kernel", json.dumps(spec)],
-        env=env, capture_output=True, text=True, timeout=500, check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=500,
+        check=True,
     )
     need = int(done.stdout.split()[-1])
     assert need <= SHARED_MEMORY_MARGIN * H200_SHARED_MEMORY, f"{need} B of shared memory with {launch}"
@@ -389,8 +418,16 @@ def test_deltanet_layer_with_kernels_matches_torch(monkeypatch, tmp_path):
     def run(pool, x, query_lens, kernels):
         monkeypatch.setattr(qwen3_5_moe, "KERNEL_DEVICES", {DEVICE} if kernels else set())
         meta = AttentionMetadata(
-            positions=None, slot_mapping=None, query_lens=query_lens, context_lens=[], decode_gather=None,
-            decode_mask=None, decode_rows=None, prefill_spans=[], state_slots=torch.tensor([1, 0], device=DEVICE))
+            positions=None,
+            slot_mapping=None,
+            query_lens=query_lens,
+            context_lens=[],
+            decode_gather=None,
+            decode_mask=None,
+            decode_rows=None,
+            prefill_spans=[],
+            state_slots=torch.tensor([1, 0], device=DEVICE),
+        )
         with torch.no_grad():
             return layer(x.to(DEVICE), pool.layers[0], meta)
 

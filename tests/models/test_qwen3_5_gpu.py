@@ -21,7 +21,6 @@ from freetoken.kernels.gated_delta import (
     recurrent_gated_delta_rule_torch,
 )
 from freetoken.models.demo_qwen3_5 import build_qwen3_5_demo_checkpoint
-
 from greedy import follows_reference_bf16, greedy_tokens
 from reference_qwen3_5 import make_reference_checkpoint
 
@@ -65,8 +64,12 @@ def test_kernels_at_real_head_sizes(dtype):
     want_states = states.clone()
     want = recurrent_gated_delta_rule_torch(q, k, v, g, beta, want_states, slots)
     got = recurrent_gated_delta_rule(q, k, v, g, beta, states, slots)
-    torch.testing.assert_close(got[:3].float(), want[:3].float(), atol=1e-2 if dtype != torch.float32 else 1e-5,
-                               rtol=1e-2 if dtype != torch.float32 else 1e-5)
+    torch.testing.assert_close(
+        got[:3].float(),
+        want[:3].float(),
+        atol=1e-2 if dtype != torch.float32 else 1e-5,
+        rtol=1e-2 if dtype != torch.float32 else 1e-5,
+    )
     torch.testing.assert_close(states[:7], want_states[:7], atol=1e-5, rtol=1e-5)
 
 
@@ -83,8 +86,9 @@ def test_hybrid_cuda_graph_decode_equals_eager(tmp_path):
     """float32: the captured decode step (padding rows on the state pool's scratch slot) equals --enforce-eager."""
     path = build_qwen3_5_demo_checkpoint(tmp_path / "demo", seed=4)
     prompts = [[(7 * i + j) % 5000 + 1 for j in range(5 + i % 7)] for i in range(6)]
-    assert _greedy(path, "cuda", "float32", prompts, 24) == _greedy(path, "cuda", "float32", prompts, 24,
-                                                                    enforce_eager=True)
+    assert _greedy(path, "cuda", "float32", prompts, 24) == _greedy(
+        path, "cuda", "float32", prompts, 24, enforce_eager=True
+    )
 
 
 def test_expert_cache_decode_with_the_hybrid(tmp_path):
@@ -93,8 +97,10 @@ def test_expert_cache_decode_with_the_hybrid(tmp_path):
     path = build_qwen3_5_demo_checkpoint(tmp_path / "demo", seed=6, num_experts=16, num_experts_per_tok=4)
     fused = _greedy(path, "cuda", "bfloat16", PROMPTS, 16)
     assert _greedy(path, "cuda", "bfloat16", PROMPTS, 16, moe_backend="offload", expert_slots=32) == fused
-    assert _greedy(path, "cuda", "bfloat16", PROMPTS, 16, moe_backend="offload", expert_slots=32,
-                   enforce_eager=True) == fused
+    assert (
+        _greedy(path, "cuda", "bfloat16", PROMPTS, 16, moe_backend="offload", expert_slots=32, enforce_eager=True)
+        == fused
+    )
 
 
 @pytest.mark.xfail(

@@ -137,7 +137,7 @@ def test_chat_template_renders_qwen3_markup(tok):
     prompt = tok.apply_chat_template(CONVERSATIONS["tools"], tools=[WEATHER_TOOL], enable_thinking=False)
     assert '"description": "城市 name"' in prompt  # tojson keeps non-ASCII, like transformers
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
-    assert "<|im_start|>user\n<tool_response>\n{\"temp_c\": 21}\n</tool_response>\n<tool_response>" in prompt
+    assert '<|im_start|>user\n<tool_response>\n{"temp_c": 21}\n</tool_response>\n<tool_response>' in prompt
     assert prompt.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
 
 
@@ -242,8 +242,11 @@ def test_encode_chat_reads_client_control_tokens_as_plain_text(tok):
     tool = {"type": "function", "function": {"name": "f", "description": injected, "parameters": {}}}
     messages = [
         {"role": "user", "content": injected},
-        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "f",
-                                                                                          "arguments": {}}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": {}}}],
+        },
         {"role": "tool", "content": [{"type": "text", "text": injected}]},
     ]
     text, ids = tok.encode_chat(messages, tools=[tool])

@@ -13,13 +13,14 @@ import time
 import numpy as np
 import pytest
 import torch
+from test_cli import assert_user_error, ft
+
 from freetoken import __version__
 from freetoken._core import ExpertPool
 from freetoken.moe import choose_backend
 from freetoken.moe import profile as prof
 from freetoken.moe.expert_cache import ExpertCacheBackend
 from freetoken.moe.profile import ExpertShape, ProfileError
-from test_cli import assert_user_error, ft
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 UUID = "GPU-11111111-2222-3333-4444-555555555555"
@@ -293,7 +294,9 @@ def test_gpu_fill_events_are_read_without_a_sync():
 def test_nvidia_driver_version_parsing():
     from freetoken.bench.box import nvidia_driver_version
 
-    assert nvidia_driver_version("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.03  Thu Jan 1\n") == "580.159.03"
+    assert (
+        nvidia_driver_version("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.159.03  Thu Jan 1\n") == "580.159.03"
+    )
     text = "NVRM version: NVIDIA UNIX Open Kernel Module for x86_64  580.159.03  Release Build  (dvs-builder@U16)\n"
     assert nvidia_driver_version(text) == "580.159.03"
     assert nvidia_driver_version("") is None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gc
 
 import pytest
+
 from freetoken.errors import FreetokenError
 from freetoken.moe.pinned import PinnedBuffers, PinnedRegion, PinningError
 
@@ -48,7 +49,7 @@ def test_the_last_owner_unregisters():
 
 
 def test_a_refused_registration_is_a_freetoken_error():
-    with pytest.raises(PinningError, match="CUDA error 2.*RLIMIT_MEMLOCK") as raised:
+    with pytest.raises(PinningError, match=r"CUDA error 2.*RLIMIT_MEMLOCK") as raised:
         PinnedRegion(0x3000, 10**9, cudart=FakeCudart(fail=2))
     assert isinstance(raised.value, FreetokenError) and isinstance(raised.value, RuntimeError)
     rt = FakeCudart()

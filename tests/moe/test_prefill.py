@@ -15,6 +15,8 @@ import time
 
 import pytest
 import torch
+from test_moe_backends import PROFILE
+
 from freetoken._core import ExpertPool
 from freetoken.config import EngineConfig, ModelConfig
 from freetoken.engine.kv_cache import KVCache
@@ -32,7 +34,6 @@ from freetoken.moe.prefill import (
     choose_strategy,
 )
 from gpu_marker import DEVICES
-from test_moe_backends import PROFILE
 
 PROMPT = [(7 * i + 3) % 500 + 1 for i in range(37)]
 
@@ -271,34 +272,45 @@ def test_budget_makes_room_for_layer_buffers_or_says_why_not(monkeypatch, caplog
     base = dict(device="cuda", dtype="bfloat16", kv_cache_gb=0.5, max_model_len=1024)
     slots, buffers = plan_expert_slots(EngineConfig(gpu_memory_gb=24, **base), cfg, torch.bfloat16, stride, "offload")
     assert buffers == 2 and slots * stride / 1e9 > 2 * layer_gb
-    one = plan_expert_slots(EngineConfig(gpu_memory_gb=24, no_prefill_overlap=True, **base), cfg, torch.bfloat16,
-                            stride, "offload")
+    one = plan_expert_slots(
+        EngineConfig(gpu_memory_gb=24, no_prefill_overlap=True, **base), cfg, torch.bfloat16, stride, "offload"
+    )
     assert one[1] == 1 and one[0] == slots + cfg.num_experts
-    assert plan_expert_slots(EngineConfig(gpu_memory_gb=24, prefill_strategy="fill", **base), cfg, torch.bfloat16,
-                             stride, "offload")[1] == 0
+    assert (
+        plan_expert_slots(
+            EngineConfig(gpu_memory_gb=24, prefill_strategy="fill", **base), cfg, torch.bfloat16, stride, "offload"
+        )[1]
+        == 0
+    )
     # Tighter budgets: one buffer (no overlap), then none (on-demand fills), and the log says which.
     with caplog.at_level(logging.WARNING, logger="freetoken.moe.budget"):
-        slots, buffers = plan_expert_slots(EngineConfig(gpu_memory_gb=9, **base), cfg, torch.bfloat16, stride,
-                                           "offload")
+        slots, buffers = plan_expert_slots(
+            EngineConfig(gpu_memory_gb=9, **base), cfg, torch.bfloat16, stride, "offload"
+        )
     assert buffers == 1 and slots * stride / 1e9 >= layer_gb
     assert "no room for 2 prefill layer buffers" in caplog.text
     with caplog.at_level(logging.WARNING, logger="freetoken.moe.budget"):
-        slots, buffers = plan_expert_slots(EngineConfig(gpu_memory_gb=8, **base), cfg, torch.bfloat16, stride,
-                                           "offload")
+        slots, buffers = plan_expert_slots(
+            EngineConfig(gpu_memory_gb=8, **base), cfg, torch.bfloat16, stride, "offload"
+        )
     assert buffers == 0 and slots > 0
     assert "no room for a prefill layer buffer" in caplog.text
     with pytest.raises(ValueError, match="--prefill-strategy stream"):
-        plan_expert_slots(EngineConfig(gpu_memory_gb=8, prefill_strategy="stream", **base), cfg, torch.bfloat16,
-                          stride, "offload")
+        plan_expert_slots(
+            EngineConfig(gpu_memory_gb=8, prefill_strategy="stream", **base), cfg, torch.bfloat16, stride, "offload"
+        )
     # --expert-slots and the CPU device: buffers only when something can stream (or when asked for).
-    assert plan_expert_slots(EngineConfig(gpu_memory_gb=24, expert_slots=6144, **base), cfg, torch.bfloat16,
-                             stride, "offload") == (6144, 0)
-    assert plan_expert_slots(EngineConfig(gpu_memory_gb=24, expert_slots=100, **base), cfg, torch.bfloat16,
-                             stride, "offload") == (100, 2)
+    assert plan_expert_slots(
+        EngineConfig(gpu_memory_gb=24, expert_slots=6144, **base), cfg, torch.bfloat16, stride, "offload"
+    ) == (6144, 0)
+    assert plan_expert_slots(
+        EngineConfig(gpu_memory_gb=24, expert_slots=100, **base), cfg, torch.bfloat16, stride, "offload"
+    ) == (100, 2)
     cpu = {**base, "device": "cpu"}
     assert plan_expert_slots(EngineConfig(**cpu), cfg, torch.bfloat16, stride, "offload") == (6144, 0)
-    assert plan_expert_slots(EngineConfig(prefill_strategy="stream", **cpu), cfg, torch.bfloat16, stride,
-                             "offload") == (6144, 2)
+    assert plan_expert_slots(
+        EngineConfig(prefill_strategy="stream", **cpu), cfg, torch.bfloat16, stride, "offload"
+    ) == (6144, 2)
 
 
 @pytest.mark.cuda_mocked
@@ -314,8 +326,9 @@ def test_budget_that_holds_the_whole_pool_takes_no_layer_buffers(monkeypatch):
     base = dict(device="cuda", dtype="bfloat16", kv_cache_gb=0.5, max_model_len=1024, gpu_memory_gb=65)
     # 65 GB leaves room for the 58 GB pool, but not for it and two 1.2 GB layer buffers.
     assert plan_expert_slots(EngineConfig(**base), cfg, torch.bfloat16, stride, "offload") == (num_experts, 0)
-    slots, buffers = plan_expert_slots(EngineConfig(prefill_strategy="stream", **base), cfg, torch.bfloat16, stride,
-                                       "offload")
+    slots, buffers = plan_expert_slots(
+        EngineConfig(prefill_strategy="stream", **base), cfg, torch.bfloat16, stride, "offload"
+    )
     assert buffers == 2 and slots < num_experts
 
 

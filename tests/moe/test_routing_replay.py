@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+
 from freetoken._core import read_trace, synthetic_trace
 from freetoken.config import EngineConfig
 from freetoken.engine.llm_engine import LLMEngine
@@ -52,8 +53,9 @@ def demo_dir(tmp_path_factory):
 
 
 def _engine(demo_dir, device_: str = "cpu", dtype: str = "float32", **kwargs) -> LLMEngine:
-    cfg = EngineConfig(device=device_, dtype=dtype, dummy_weights=True, seed=3, max_model_len=128, kv_cache_gb=0.5,
-                       **kwargs)
+    cfg = EngineConfig(
+        device=device_, dtype=dtype, dummy_weights=True, seed=3, max_model_len=128, kv_cache_gb=0.5, **kwargs
+    )
     return LLMEngine.from_dir(demo_dir, cfg)
 
 
@@ -143,8 +145,15 @@ def test_cuda_graphs_replay_the_trace(demo_dir, backend, dtype):
 
     def run(enforce_eager: bool) -> tuple[list[list[int]], int]:
         slots = {"expert_slots": 6} if backend == "offload" else {}
-        engine = _engine(demo_dir, device_="cuda", dtype=dtype, replay_routing="synthetic", moe_backend=backend,
-                         enforce_eager=enforce_eager, **slots)
+        engine = _engine(
+            demo_dir,
+            device_="cuda",
+            dtype=dtype,
+            replay_routing="synthetic",
+            moe_backend=backend,
+            enforce_eager=enforce_eager,
+            **slots,
+        )
         assert enforce_eager or engine.runner.decode is not None
         model = engine.runner.model
         clock = model.model.layers[model.config.moe_layers[0]].mlp.gate.clock

@@ -7,9 +7,12 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import freetoken.engine  # noqa: F401  (before freetoken.models.loader, which imports only after the engine)
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
+from test_loader import _logits
+
+import freetoken.engine  # noqa: F401  (before freetoken.models.loader, which imports only after the engine)
 from freetoken.config import ModelConfig
 from freetoken.models.loader import (
     CheckpointError,
@@ -23,9 +26,6 @@ from freetoken.quant import BF16, MXFP4, NVFP4, QuantConfigError, fp8_block, qua
 from freetoken.quant import reference as ref
 from freetoken.quant.checkpoint import build_quantized_checkpoint, read_experts
 from freetoken.quant.formats import QuantSpec
-from safetensors.torch import load_file, save_file
-
-from test_loader import _logits
 
 # A byte-exact copy of shared/models/qwen3.5-122b-a10b-fp8/config.json (Qwen/Qwen3.5-122B-A10B-FP8).
 REAL_FP8_CONFIG = Path(__file__).parents[1] / "data/configs/qwen3.5-122b-a10b-fp8.json"

@@ -4,17 +4,18 @@ dequantize-then-matmul reference, and a quantized pool holds the checkpoint's by
 
 from __future__ import annotations
 
-import freetoken.engine  # noqa: F401  (before freetoken.models.loader, which imports only after the engine)
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
+
+import freetoken.engine  # noqa: F401  (before freetoken.models.loader, which imports only after the engine)
 from freetoken import _core
 from freetoken.config import ModelConfig
 from freetoken.quant import BF16, MXFP4, NVFP4, fp8_block, quant_spec
 from freetoken.quant import reference as ref
 from freetoken.quant.checkpoint import build_quantized_checkpoint, fill_quantized_pool
-from safetensors.torch import load_file
 
 FORMATS = [fp8_block(), fp8_block(16, 32), NVFP4, MXFP4]
 IDS = ["fp8_128", "fp8_16x32", "nvfp4", "mxfp4"]
@@ -93,7 +94,7 @@ def test_quantized_pool_holds_the_checkpoint_at_its_real_size(tmp_path):
     assert pool.expert_nbytes < 0.6 * 2 * cfg.expert_numel  # about half of bf16 (plus the scales)
     fill_quantized_pool(pool, src, cfg, spec)
     experts = np.stack([pool.expert_view(1, e) for e in range(cfg.num_experts)])
-    gate_up, down = ref.dequantize_experts(layout, torch.from_numpy(experts))
+    _gate_up, down = ref.dequantize_experts(layout, torch.from_numpy(experts))
     tensors = load_file(src / "model.safetensors")
     name = f"model.layers.{cfg.moe_layers[1]}.mlp.experts.5."
     want = ref.dequantize_fp8_block(

@@ -67,8 +67,16 @@ def test_forward_matches_torch(isa: str, batch: int, hidden: int, inter: int) ->
 def test_forward_matches_transformers_experts(tmp_path) -> None:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=32, num_experts=8, num_experts_per_tok=2,
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_experts=8,
+        num_experts_per_tok=2,
     )
     torch.manual_seed(0)
     model = transformers.Qwen3MoeForCausalLM(cfg).to(torch.bfloat16)

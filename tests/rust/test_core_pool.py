@@ -127,7 +127,7 @@ def test_per_expert_sharded_checkpoint(tmp_path: Path, dtype: torch.dtype) -> No
     weight_map = {}
     for name, tensors in shards.items():
         safetensors_torch.save_file(tensors, str(tmp_path / name))
-        weight_map.update({k: name for k in tensors})
+        weight_map.update(dict.fromkeys(tensors, name))
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     pool = _core.ExpertPool.from_checkpoint(str(tmp_path), num_threads=2)
     if dtype == torch.bfloat16:
@@ -143,17 +143,32 @@ def test_fused_checkpoint(tmp_path: Path, transposed: bool) -> None:
     tensors = {}
     for ml, (gate, up, down) in w.items():
         gu = torch.cat([gate, up], dim=1)  # [E, 2I, H]
-        tensors[f"model.layers.{ml}.mlp.experts.gate_up_proj"] = (gu.transpose(1, 2) if transposed else gu).contiguous().to(torch.bfloat16)
-        tensors[f"model.layers.{ml}.mlp.experts.down_proj"] = (down.transpose(1, 2) if transposed else down).contiguous().to(torch.bfloat16)
+        tensors[f"model.layers.{ml}.mlp.experts.gate_up_proj"] = (
+            (gu.transpose(1, 2) if transposed else gu).contiguous().to(torch.bfloat16)
+        )
+        tensors[f"model.layers.{ml}.mlp.experts.down_proj"] = (
+            (down.transpose(1, 2) if transposed else down).contiguous().to(torch.bfloat16)
+        )
     safetensors_torch.save_file(tensors, str(tmp_path / "model.safetensors"))
-    _check_pool(_core.ExpertPool.from_checkpoint(str(tmp_path)), {k: tuple(t.to(torch.bfloat16) for t in v) for k, v in w.items()})
+    _check_pool(
+        _core.ExpertPool.from_checkpoint(str(tmp_path)),
+        {k: tuple(t.to(torch.bfloat16) for t in v) for k, v in w.items()},
+    )
 
 
 def test_transformers_checkpoint(tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3MoeConfig(
-        vocab_size=64, hidden_size=H, intermediate_size=48, moe_intermediate_size=I, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=1, head_dim=16, num_experts=E, num_experts_per_tok=2,
+        vocab_size=64,
+        hidden_size=H,
+        intermediate_size=48,
+        moe_intermediate_size=I,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        num_experts=E,
+        num_experts_per_tok=2,
         mlp_only_layers=[1],
     )
     torch.manual_seed(0)
@@ -207,7 +222,7 @@ def test_loader_errors_name_file_and_tensor(tmp_path: Path) -> None:
         _core.ExpertPool.from_checkpoint(str(tmp_path))
 
     (tmp_path / "model.safetensors.index.json").write_text(
-        json.dumps({"weight_map": {k: "missing-shard.safetensors" for k in _good()}})
+        json.dumps({"weight_map": dict.fromkeys(_good(), "missing-shard.safetensors")})
     )
     with pytest.raises(FileNotFoundError, match=r"missing-shard\.safetensors"):
         _core.ExpertPool.from_checkpoint(str(tmp_path))

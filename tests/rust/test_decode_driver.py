@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+
 from freetoken._core import (
     CpuExperts,
     DecodeDriver,
@@ -48,7 +49,12 @@ class Rig:
 
     def handshake_buffers(self, **replace) -> HandshakeBuffers:
         names = ("mail_flag", "plan_flag", "fill_flag", "cpu_flag")
-        arrays = {**dict(zip(names, self.flags)), "mail": self.mail, "plan": self.plan, "cpu_out": self.cpu_out}
+        arrays = {
+            **dict(zip(names, self.flags, strict=True)),
+            "mail": self.mail,
+            "plan": self.plan,
+            "cpu_out": self.cpu_out,
+        }
         return HandshakeBuffers(**{**arrays, **replace})
 
     def device_step(self, generation: int, ids: np.ndarray, batch: int) -> tuple[int, int]:
@@ -73,7 +79,9 @@ class Rig:
             slots = self.plan[: size * K].reshape(size, K)
             assert (slots[batch:] == -1).all()
             expected = np.zeros((batch, H), dtype=np.float32)
-            cpu_experts = sorted({int(e) for e, s in zip(ids[:batch].ravel(), slots[:batch].ravel(), strict=True) if s < 0})
+            cpu_experts = sorted(
+                {int(e) for e, s in zip(ids[:batch].ravel(), slots[:batch].ravel(), strict=True) if s < 0}
+            )
             for e, s in zip(ids[:batch].ravel(), slots[:batch].ravel(), strict=True):
                 if s >= 0:  # the slot holds the expert's bytes
                     start = self.pool.expert_offset(layer, int(e))
@@ -141,8 +149,14 @@ def test_bad_buffers_and_calls_are_clear_errors():
     with pytest.raises(InvalidArgumentError, match="one flag per MoE layer"):
         rig.handshake_buffers(mail_flag=rig.flags[0, :2])
     with pytest.raises(InvalidArgumentError, match="one per MoE layer"):
-        DecodeDriver(rig.server, rig.handshake_buffers(**dict.fromkeys(
-            ("mail_flag", "plan_flag", "fill_flag", "cpu_flag"), np.zeros(2, np.uint32))), "hybrid", K)
+        DecodeDriver(
+            rig.server,
+            rig.handshake_buffers(
+                **dict.fromkeys(("mail_flag", "plan_flag", "fill_flag", "cpu_flag"), np.zeros(2, np.uint32))
+            ),
+            "hybrid",
+            K,
+        )
     with pytest.raises(InvalidArgumentError, match="dtype float32"):
         rig.handshake_buffers(cpu_out=rig.cpu_out.astype(np.float64))
     with pytest.raises(InvalidArgumentError, match="either slots"):
@@ -160,7 +174,7 @@ def test_bad_buffers_and_calls_are_clear_errors():
     rig.driver.start(1, 1, 2, BLOCK_M)
     rig.mail[:8].view(np.int64)[0] = E  # an expert id out of range, posted for every layer
     rig.flags[0] = 2
-    with pytest.raises(OutOfRangeError, match="MoE layer 0.*out of range"):
+    with pytest.raises(OutOfRangeError, match=r"MoE layer 0.*out of range"):
         rig.driver.finish()
 
 
@@ -174,6 +188,7 @@ def test_device_kernels_of_the_handshake_in_the_interpreter():
     at zero for the next layer; `_wait_fetch` copies once the flag holds the generation, adds into
     the destination with `accumulate`, and marks a layer it gave up on."""
     import torch
+
     from freetoken.moe.handshake import _fetch, _post_mail, _wait_fetch, mail_views
 
     size = 3
@@ -185,8 +200,22 @@ def test_device_kernels_of_the_handshake_in_the_interpreter():
     views = mail_views(buf, size, K, H)
     arrived, mail_flag = torch.zeros(1, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
     gen_dev = torch.tensor([7], dtype=torch.int32)
-    _post_mail[(size,)](ids, weights, hidden, *views, arrived, mail_flag[1:], gen_dev, H, ids.stride(0),
-                        weights.stride(0), hidden.stride(0), TOP_K=K, BLOCK_K=2, BLOCK_H=16)
+    _post_mail[(size,)](
+        ids,
+        weights,
+        hidden,
+        *views,
+        arrived,
+        mail_flag[1:],
+        gen_dev,
+        H,
+        ids.stride(0),
+        weights.stride(0),
+        hidden.stride(0),
+        TOP_K=K,
+        BLOCK_K=2,
+        BLOCK_H=16,
+    )
     assert mail_flag.tolist() == [0, 7] and arrived.item() == 0
     assert torch.equal(views[0], ids)
     assert torch.equal(views[1], weights.float())

@@ -11,6 +11,7 @@ import json
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from freetoken.server.parsers import (
     ParsedOutput,
     ParserOptions,
@@ -82,20 +83,36 @@ CASES = [
     (PROMPT, True, '<tool_call>\n{"name": "get_w', ParsedOutput("", "", [])),
     (PROMPT, True, "A <tool_call>\n", ParsedOutput("A", "", [])),
     # the closing tag inside an argument is text of the argument
-    (PROMPT, True, '<tool_call>\n{"name": "write", "arguments": {"text": "a </tool_call> b"}}\n</tool_call>\nDone.',
-     ParsedOutput("Done.", "", [ToolCall("write", '{"text": "a </tool_call> b"}')])),
-    (PROMPT, True, '<tool_call>\n{"arguments": {"text": "</tool_call>"}, "name": "write"}\n</tool_call>',
-     ParsedOutput("", "", [ToolCall("write", '{"text": "</tool_call>"}')])),
+    (
+        PROMPT,
+        True,
+        '<tool_call>\n{"name": "write", "arguments": {"text": "a </tool_call> b"}}\n</tool_call>\nDone.',
+        ParsedOutput("Done.", "", [ToolCall("write", '{"text": "a </tool_call> b"}')]),
+    ),
+    (
+        PROMPT,
+        True,
+        '<tool_call>\n{"arguments": {"text": "</tool_call>"}, "name": "write"}\n</tool_call>',
+        ParsedOutput("", "", [ToolCall("write", '{"text": "</tool_call>"}')]),
+    ),
     # no closing tag after the object: the call stands, what follows is content
-    (PROMPT, True, '<tool_call>\n{"name": "ls", "arguments": {}}\nAnd more.',
-     ParsedOutput("And more.", "", [ToolCall("ls", "{}")])),
+    (
+        PROMPT,
+        True,
+        '<tool_call>\n{"name": "ls", "arguments": {}}\nAnd more.',
+        ParsedOutput("And more.", "", [ToolCall("ls", "{}")]),
+    ),
     # tools not offered: the markup is content
     (PROMPT, False, "A " + WEATHER, ParsedOutput("A " + WEATHER, "", [])),
     # unclosed reasoning stays reasoning
     (PROMPT, True, "<think>\nStill thinking", ParsedOutput("", "Still thinking", [])),
     (PROMPT, True, "Ends with space ", ParsedOutput("Ends with space ", "", [])),
-    (PROMPT, True, "Text mentioning </think> and <think> later", ParsedOutput(
-        "Text mentioning </think> and <think> later", "", [])),
+    (
+        PROMPT,
+        True,
+        "Text mentioning </think> and <think> later",
+        ParsedOutput("Text mentioning </think> and <think> later", "", []),
+    ),
     (PROMPT, True, "héllo wörld 🙂 <tool", ParsedOutput("héllo wörld 🙂 <tool", "", [])),
 ]
 
@@ -198,8 +215,27 @@ def test_random_markup_never_raises():
     equals the whole parse."""
     import random
 
-    pieces = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<", "</", "<tool", "think>", "\n", " ",
-              '{"name": "f", "arguments": {', '"a": 1}', "}", "{", '"', "text", "é🙂", ",", "null"]
+    pieces = [
+        "<think>",
+        "</think>",
+        "<tool_call>",
+        "</tool_call>",
+        "<",
+        "</",
+        "<tool",
+        "think>",
+        "\n",
+        " ",
+        '{"name": "f", "arguments": {',
+        '"a": 1}',
+        "}",
+        "{",
+        '"',
+        "text",
+        "é🙂",
+        ",",
+        "null",
+    ]
     rng = random.Random(0)
     for _ in range(300):
         text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
@@ -216,7 +252,7 @@ _TRICKY_TEXT = st.lists(
     st.sampled_from(list('ab <>/{}[]":,\\\n') + ["</tool_call>", "<tool_call>", "</think>", "é", "🙂"]), max_size=8
 ).map("".join)
 _JSON_VALUES = st.recursive(
-    st.none() | st.booleans() | st.integers(-10**6, 10**6) | _TRICKY_TEXT,
+    st.none() | st.booleans() | st.integers(-(10**6), 10**6) | _TRICKY_TEXT,
     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_TRICKY_TEXT, inner, max_size=3),
     max_leaves=6,
 )

@@ -8,6 +8,7 @@ import json
 import random
 
 import pytest
+
 from freetoken.server.parsers import (
     ParsedOutput,
     ParserOptions,
@@ -20,11 +21,24 @@ from freetoken.server.parsers.qwen3 import Qwen3Parser
 from freetoken.server.parsers.qwen3_xml import Qwen3XmlParser, convert_parameter
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
-        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
-        "hours": {"type": "array", "items": {"type": "integer"}}, "where": {"type": "object"},
-        "note": {"type": ["string", "null"]}, "ratio": {"type": "number"},
-    }}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "metric": {"type": "boolean"},
+                    "hours": {"type": "array", "items": {"type": "integer"}},
+                    "where": {"type": "object"},
+                    "note": {"type": ["string", "null"]},
+                    "ratio": {"type": "number"},
+                },
+            },
+        },
+    },
     {"type": "function", "function": {"name": "ls", "parameters": {"type": "object", "properties": {}}}},
 ]
 
@@ -40,26 +54,52 @@ def _call(name: str, **params: str) -> str:
 
 
 CASES = [
-    ("Let me check." + _call("get_weather", city="Paris", days="3"),
-     ParsedOutput("Let me check.", "", [ToolCall("get_weather", '{"city": "Paris", "days": 3}')])),
-    ("<think>\nweather?\n</think>\n\n" + _call("get_weather", city="New York\nNY", metric="true", hours="[1, 2]",
-                                            where='{"lat": 1.5}', note="null", ratio="0.5"),
-     ParsedOutput("", "weather?", [ToolCall(
-         "get_weather",
-         '{"city": "New York\\nNY", "metric": true, "hours": [1, 2], "where": {"lat": 1.5}, "note": null, '
-         '"ratio": 0.5}')])),
-    (_call("ls") + "\n" + _call("get_weather", days="two", unknown="{\"a\": 1}"),
-     ParsedOutput("", "", [ToolCall("ls", "{}"),
-                           ToolCall("get_weather", '{"days": "two", "unknown": "{\\"a\\": 1}"}')])),
+    (
+        "Let me check." + _call("get_weather", city="Paris", days="3"),
+        ParsedOutput("Let me check.", "", [ToolCall("get_weather", '{"city": "Paris", "days": 3}')]),
+    ),
+    (
+        "<think>\nweather?\n</think>\n\n"
+        + _call(
+            "get_weather",
+            city="New York\nNY",
+            metric="true",
+            hours="[1, 2]",
+            where='{"lat": 1.5}',
+            note="null",
+            ratio="0.5",
+        ),
+        ParsedOutput(
+            "",
+            "weather?",
+            [
+                ToolCall(
+                    "get_weather",
+                    '{"city": "New York\\nNY", "metric": true, "hours": [1, 2], "where": {"lat": 1.5}, "note": null, '
+                    '"ratio": 0.5}',
+                )
+            ],
+        ),
+    ),
+    (
+        _call("ls") + "\n" + _call("get_weather", days="two", unknown='{"a": 1}'),
+        ParsedOutput(
+            "", "", [ToolCall("ls", "{}"), ToolCall("get_weather", '{"days": "two", "unknown": "{\\"a\\": 1}"}')]
+        ),
+    ),
     # A value holding tags of the form itself, and Python's literal for a boolean.
-    (_call("get_weather", city="<function=x> </function>", metric="True"),
-     ParsedOutput("", "", [ToolCall("get_weather", '{"city": "<function=x> </function>", "metric": true}')])),
+    (
+        _call("get_weather", city="<function=x> </function>", metric="True"),
+        ParsedOutput("", "", [ToolCall("get_weather", '{"city": "<function=x> </function>", "metric": true}')]),
+    ),
     # The JSON form still reads, and a block of neither form is dropped.
     ('<tool_call>\n{"name": "ls", "arguments": {}}\n</tool_call>', ParsedOutput("", "", [ToolCall("ls", "{}")])),
     ("a<tool_call>\nnot a call\n</tool_call>b", ParsedOutput("ab", "", [])),
     # Cut off: a call keeps the parameters that closed; missing </function> closes at </tool_call>.
-    ("<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n<parameter=city>\nPar",
-     ParsedOutput("", "", [ToolCall("get_weather", '{"days": 3}')])),
+    (
+        "<tool_call>\n<function=get_weather>\n<parameter=days>\n3\n</parameter>\n<parameter=city>\nPar",
+        ParsedOutput("", "", [ToolCall("get_weather", '{"days": 3}')]),
+    ),
     ("<tool_call>\n<function=ls>\n</tool_call>after", ParsedOutput("after", "", [ToolCall("ls", "{}")])),
     ("<tool_call>\n<funct", ParsedOutput("", "", [])),
     ("Text with <function=x> but no block", ParsedOutput("Text with <function=x> but no block", "", [])),
@@ -95,12 +135,22 @@ def test_without_tools_the_markup_is_content():
     assert parse_text(_parser(parse_tools=False), text) == ParsedOutput(text, "", [])
 
 
-@pytest.mark.parametrize(("text", "schema", "value"), [
-    ("42", {"type": "integer"}, 42), ("4.0", {"type": "integer"}, 4), ("4.5", {"type": "integer"}, "4.5"),
-    ("-1e3", {"type": "number"}, -1000.0), ("false", {"type": "boolean"}, False), ("yes", {"type": "boolean"}, "yes"),
-    ("[1]", {"anyOf": [{"type": "array"}, {"type": "null"}]}, [1]), ("None", {"type": "null"}, None),
-    ("42", {"type": "string"}, "42"), ("42", None, "42"), (" 7 ", {"type": ["integer", "string"]}, 7),
-])
+@pytest.mark.parametrize(
+    ("text", "schema", "value"),
+    [
+        ("42", {"type": "integer"}, 42),
+        ("4.0", {"type": "integer"}, 4),
+        ("4.5", {"type": "integer"}, "4.5"),
+        ("-1e3", {"type": "number"}, -1000.0),
+        ("false", {"type": "boolean"}, False),
+        ("yes", {"type": "boolean"}, "yes"),
+        ("[1]", {"anyOf": [{"type": "array"}, {"type": "null"}]}, [1]),
+        ("None", {"type": "null"}, None),
+        ("42", {"type": "string"}, "42"),
+        ("42", None, "42"),
+        (" 7 ", {"type": ["integer", "string"]}, 7),
+    ],
+)
 def test_parameters_take_the_schema_types(text, schema, value):
     assert convert_parameter(text, schema) == value
 
@@ -115,9 +165,25 @@ def test_tool_call_prefix_names_the_function():
 
 def test_random_markup_never_raises():
     """Random mixes of the form's tags, fragments and text: no exception, and one piece at a time equals whole."""
-    atoms = ["<tool_call>", "</tool_call>", "<function=ls>", "<function=get_weather>", "</function>",
-             "<parameter=days>", "<parameter=city>", "</parameter>", "\n", "3", "Paris", "<", "{", "<think>",
-             "</think>", "<func", "</para"]
+    atoms = [
+        "<tool_call>",
+        "</tool_call>",
+        "<function=ls>",
+        "<function=get_weather>",
+        "</function>",
+        "<parameter=days>",
+        "<parameter=city>",
+        "</parameter>",
+        "\n",
+        "3",
+        "Paris",
+        "<",
+        "{",
+        "<think>",
+        "</think>",
+        "<func",
+        "</para",
+    ]
     rng = random.Random(5)
     for _ in range(300):
         text = "".join(rng.choice(atoms) for _ in range(rng.randint(1, 14)))
@@ -137,10 +203,16 @@ def test_chosen_by_the_template_and_reads_what_it_renders(demo_tokenizer):
     tokenizer = Tokenizer.from_dir(preset_dir("qwen3.5-35b-a3b"))
     assert isinstance(parser_for(tokenizer, options), Qwen3XmlParser)
     arguments = {"city": "Paris", "days": 3, "hours": [1, 2]}
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "", "tool_calls": [
-        {"type": "function", "function": {"name": "get_weather", "arguments": arguments}}]}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": arguments}}],
+        },
+    ]
     rendered = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=False)
-    block = rendered[rendered.rindex("<tool_call>"):rendered.rindex("</tool_call>") + len("</tool_call>")]
+    block = rendered[rendered.rindex("<tool_call>") : rendered.rindex("</tool_call>") + len("</tool_call>")]
     out = parse_text(parser_for(tokenizer, options), block)
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", arguments)]
 
@@ -170,12 +242,25 @@ def test_server_sends_xml_calls_as_tool_calls_and_tool_use(xml_server, parse_sse
     import httpx
     import openai
 
-    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
     messages = [{"role": "user", "content": "Weather in Paris?"}]
-    body = {"model": "m", "messages": messages, "tools": tools, "max_tokens": 12, "temperature": 0,
-            "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
-            "chat_template_kwargs": {"enable_thinking": False}}
+    body = {
+        "model": "m",
+        "messages": messages,
+        "tools": tools,
+        "max_tokens": 12,
+        "temperature": 0,
+        "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
     client = openai.OpenAI(base_url=xml_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60.0)
     sdk_body = {k: v for k, v in body.items() if k != "chat_template_kwargs"}
     extra = {"chat_template_kwargs": body["chat_template_kwargs"]}
@@ -183,17 +268,23 @@ def test_server_sends_xml_calls_as_tool_calls_and_tool_use(xml_server, parse_sse
     call = choice.message.tool_calls[0]
     assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
     assert "<" not in (choice.message.content or "")
-    with (httpx.Client(base_url=xml_server.base_url, timeout=60.0) as http,
-          http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response):
+    with (
+        httpx.Client(base_url=xml_server.base_url, timeout=60.0) as http,
+        http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response,
+    ):
         events = [json.loads(data) for _, data in parse_sse(response.read()) if data != "[DONE]"]
     deltas = [d for e in events for c in e["choices"] for d in c["delta"].get("tool_calls") or []]
     assert deltas[0]["function"]["name"] == "get_weather"
     assert "".join(d["function"].get("arguments") or "" for d in deltas) == call.function.arguments
     claude = anthropic.Anthropic(base_url=xml_server.base_url, api_key="unused", max_retries=0, timeout=60.0)
     message = claude.messages.create(
-        model="claude-any", messages=messages, max_tokens=12, tool_choice={"type": "tool", "name": "get_weather"},
+        model="claude-any",
+        messages=messages,
+        max_tokens=12,
+        tool_choice={"type": "tool", "name": "get_weather"},
         tools=[{"name": "get_weather", "input_schema": tools[0]["function"]["parameters"]}],
-        thinking={"type": "disabled"}, extra_body={"temperature": 0},
+        thinking={"type": "disabled"},
+        extra_body={"temperature": 0},
     )
     uses = [b for b in message.content if b.type == "tool_use"]
     assert uses[0].name == "get_weather" and isinstance(uses[0].input, dict)

@@ -57,9 +57,7 @@ def test_system_blocks_and_content_blocks(anthropic_client):
 
 def test_count_tokens_matches_usage(anthropic_client):
     message = _greedy(anthropic_client, system="Count me.", max_tokens=2)
-    counted = anthropic_client.messages.count_tokens(
-        model="claude-any", system="Count me.", messages=HELLO
-    )
+    counted = anthropic_client.messages.count_tokens(model="claude-any", system="Count me.", messages=HELLO)
     assert counted.input_tokens == _prompt_tokens(message.usage)
 
 
@@ -129,21 +127,29 @@ def test_sampling_params_accepted(anthropic_client):
 
 
 def test_tool_use_history_renders(anthropic_client):
-    tools = [{
-        "name": "get_weather",
-        "description": "Weather in a city",
-        "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    }]
+    tools = [
+        {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        }
+    ]
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
-        {"role": "assistant", "content": [
-            {"type": "text", "text": "Let me check."},
-            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
-        ]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny, 21 C"},
-            {"type": "text", "text": "Summarise."},
-        ]},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Let me check."},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny, 21 C"},
+                {"type": "text", "text": "Summarise."},
+            ],
+        },
     ]
     with_tools = anthropic_client.messages.count_tokens(model="claude-any", messages=messages, tools=tools)
     without = anthropic_client.messages.count_tokens(model="claude-any", messages=messages)
@@ -186,8 +192,15 @@ def test_tool_choice_tool_gives_tool_use(anthropic_client):
 
 
 def test_tool_use_stream_events(http, parse_sse):
-    body = {"model": "claude-any", "messages": HELLO, "max_tokens": 20, "temperature": 0, "stream": True,
-            "tools": TOOLS, "tool_choice": FORCE_WEATHER}
+    body = {
+        "model": "claude-any",
+        "messages": HELLO,
+        "max_tokens": 20,
+        "temperature": 0,
+        "stream": True,
+        "tools": TOOLS,
+        "tool_choice": FORCE_WEATHER,
+    }
     with http.stream("POST", "/v1/messages", json=body) as response:
         assert response.status_code == 200
         events = [(name, json.loads(data)) for name, data in parse_sse(response.read())]
@@ -237,25 +250,38 @@ def test_multi_turn_tool_loop_with_thinking(anthropic_client):
     """A Claude-Code-like history: thinking, several tool_use blocks, tool_result arrays, unknown blocks."""
     messages = [
         {"role": "user", "content": "Weather in Paris and Rome?"},
-        {"role": "assistant", "content": [
-            {"type": "thinking", "thinking": "Two calls.", "signature": "sig"},
-            {"type": "redacted_thinking", "data": "xyz"},
-            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
-            {"type": "tool_use", "id": "toolu_2", "name": "get_weather", "input": {"city": "Rome"}},
-        ]},
-        {"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sunny"}]},
-            {"type": "tool_result", "tool_use_id": "toolu_2", "content": "rain", "is_error": False},
-            {"type": "some_future_block", "payload": {"x": 1}},
-        ]},
-        {"role": "assistant", "content": [
-            {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {}},
-            {"type": "text", "text": "Paris sunny, Rome rain."},
-        ]},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "thinking", "thinking": "Two calls.", "signature": "sig"},
+                {"type": "redacted_thinking", "data": "xyz"},
+                {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}},
+                {"type": "tool_use", "id": "toolu_2", "name": "get_weather", "input": {"city": "Rome"}},
+            ],
+        },
+        {
+            "role": "user",
+            "content": [
+                {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "sunny"}]},
+                {"type": "tool_result", "tool_use_id": "toolu_2", "content": "rain", "is_error": False},
+                {"type": "some_future_block", "payload": {"x": 1}},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {}},
+                {"type": "text", "text": "Paris sunny, Rome rain."},
+            ],
+        },
         {"role": "user", "content": [{"type": "text", "text": "Thanks.", "cache_control": {"type": "ephemeral"}}]},
     ]
     message = anthropic_client.messages.create(
-        model="claude-any", messages=messages, tools=TOOLS, max_tokens=4, extra_body=GREEDY,
+        model="claude-any",
+        messages=messages,
+        tools=TOOLS,
+        max_tokens=4,
+        extra_body=GREEDY,
         thinking={"type": "enabled", "budget_tokens": 1024},
     )
     assert message.stop_reason in ("end_turn", "max_tokens", "tool_use")
@@ -265,7 +291,11 @@ def test_multi_turn_tool_loop_with_thinking(anthropic_client):
     )
     assert counted.input_tokens == _prompt_tokens(message.usage)
     with anthropic_client.messages.stream(
-        model="claude-any", messages=messages, tools=TOOLS, max_tokens=4, extra_body=GREEDY,
+        model="claude-any",
+        messages=messages,
+        tools=TOOLS,
+        max_tokens=4,
+        extra_body=GREEDY,
         thinking={"type": "enabled", "budget_tokens": 1024},
     ) as stream:
         final = stream.get_final_message()
@@ -277,14 +307,17 @@ def test_thinking_and_tool_use_blocks_accepted_by_the_sdk():
     its stream (no signature_delta) accumulates in the SDK to the same blocks."""
     from anthropic.lib.streaming._messages import accumulate_event
     from anthropic.types import Message, RawMessageStreamEvent
+    from pydantic import TypeAdapter
+
     from freetoken.server.anthropic import _BlockStream, message_body
     from freetoken.server.generation import Completion
     from freetoken.server.parsers import ParserOptions, parse_text
     from freetoken.server.parsers.qwen3 import Qwen3Parser
-    from pydantic import TypeAdapter
 
-    text = ('<think>\nParis first.\n</think>\n\nChecking.\n<tool_call>\n{"name": "get_weather", "arguments": '
-            '{"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": "list_files", "arguments": {}}\n</tool_call>')
+    text = (
+        '<think>\nParis first.\n</think>\n\nChecking.\n<tool_call>\n{"name": "get_weather", "arguments": '
+        '{"city": "Paris"}}\n</tool_call>\n<tool_call>\n{"name": "list_files", "arguments": {}}\n</tool_call>'
+    )
     options = ParserOptions(prompt_text="", parse_tools=True)
     output = parse_text(Qwen3Parser(options), text)
     completion = Completion(text, "stop", None, 10, 20)
@@ -294,14 +327,15 @@ def test_thinking_and_tool_use_blocks_accepted_by_the_sdk():
     assert body.content[2].input == {"city": "Paris"} and body.content[3].input == {}
 
     parser, blocks = Qwen3Parser(options), _BlockStream()
-    raw = [b for i in range(0, len(text), 7) for b in blocks.events(parser.feed(text[i:i + 7]))]
+    raw = [b for i in range(0, len(text), 7) for b in blocks.events(parser.feed(text[i : i + 7]))]
     raw += blocks.events(parser.finish()) + blocks.close()
     adapter = TypeAdapter(RawMessageStreamEvent)
     start = {"type": "message_start", "message": {**body.model_dump(), "content": []}}
     snapshot, json_bufs = None, {}
     for payload in [start] + [json.loads(e.split(b"data: ", 1)[1]) for e in raw if b"event: ping" not in e]:
-        snapshot = accumulate_event(event=adapter.validate_python(payload), current_snapshot=snapshot,
-                                    json_bufs=json_bufs)
+        snapshot = accumulate_event(
+            event=adapter.validate_python(payload), current_snapshot=snapshot, json_bufs=json_bufs
+        )
     assert [(b.type, getattr(b, "input", None)) for b in snapshot.content] == [
         (b.type, getattr(b, "input", None)) for b in body.content
     ]

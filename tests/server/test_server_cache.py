@@ -13,9 +13,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from conftest import free_port, in_process_server
 from test_ctl import ft_ctl
 from test_top import ft_top
+
+from conftest import free_port, in_process_server
 
 PROMPT = "Once upon a time there was a small cache that wanted to grow"
 
@@ -46,8 +47,15 @@ def served() -> Iterator[tuple[str, object, Gate]]:
     from freetoken.models.demo import demo_checkpoint_dir
     from freetoken.server.app import build_app
 
-    cfg = EngineConfig(device="cpu", dtype="float32", moe_backend="offload", expert_slots=12, max_model_len=128,
-                       kv_block_size=4, kv_cache_tokens=512)
+    cfg = EngineConfig(
+        device="cpu",
+        dtype="float32",
+        moe_backend="offload",
+        expert_slots=12,
+        max_model_len=128,
+        kv_block_size=4,
+        kv_cache_tokens=512,
+    )
     engine = LLMEngine.from_dir(demo_checkpoint_dir(), cfg)
     gate = Gate(engine)
     app = build_app(AsyncEngine(engine, "demo"), served_model_name="demo")
@@ -58,10 +66,19 @@ def served() -> Iterator[tuple[str, object, Gate]]:
 
 def _stream(base_url: str, on_chunk=None, max_tokens: int = 12) -> str:
     """A streamed greedy completion's text; `on_chunk(i)` runs after content chunk i arrives."""
-    body = {"model": "demo", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": "demo",
+        "prompt": PROMPT,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     text, n = "", 0
-    with httpx.Client(base_url=base_url, timeout=120) as client, client.stream("POST", "/v1/completions", json=body) as r:
+    with (
+        httpx.Client(base_url=base_url, timeout=120) as client,
+        client.stream("POST", "/v1/completions", json=body) as r,
+    ):
         assert r.status_code == 200
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -92,7 +109,9 @@ def test_resize_mid_stream_keeps_the_text_and_shows_everywhere(served):
 
     def on_chunk(i: int) -> None:
         if i in (3, 7):
-            sizes = {"expert_slots": 20, "kv_blocks": 100} if i == 3 else {"expert_gb": 8 * 12288 / 1e9, "kv_blocks": 64}
+            sizes = (
+                {"expert_slots": 20, "kv_blocks": 100} if i == 3 else {"expert_gb": 8 * 12288 / 1e9, "kv_blocks": 64}
+            )
             r = httpx.post(base_url + "/v1/cache/resize", json=sizes, timeout=60)
             assert r.status_code == 200, r.text
             answers.append(r.json())
@@ -123,8 +142,11 @@ def test_second_resize_while_one_waits_gets_409(served):
     stream = threading.Thread(target=lambda: results.setdefault("text", _stream(base_url)))
     stream.start()
     assert gate.waiting.wait(30), "the engine thread never reached its next step"
-    first = threading.Thread(target=lambda: results.setdefault(
-        "first", httpx.post(base_url + "/v1/cache/resize", json={"expert_slots": 10}, timeout=60)))
+    first = threading.Thread(
+        target=lambda: results.setdefault(
+            "first", httpx.post(base_url + "/v1/cache/resize", json={"expert_slots": 10}, timeout=60)
+        )
+    )
     first.start()
     deadline = time.monotonic() + 30
     while not httpx.get(base_url + "/v1/cache").json()["resizing"]:

@@ -16,8 +16,7 @@ def test_shape_and_usage(openai_client, demo_tokenizer):
     assert choice.finish_reason in ("stop", "length")
     assert response.usage.prompt_tokens == len(demo_tokenizer.encode(PROMPT))
     assert 1 <= response.usage.completion_tokens <= 5
-    default = openai_client.completions.create(model="m", prompt=PROMPT, temperature=0,
-                                               extra_body={"ignore_eos": True})
+    default = openai_client.completions.create(model="m", prompt=PROMPT, temperature=0, extra_body={"ignore_eos": True})
     assert default.usage.completion_tokens == 16  # the API's default max_tokens
 
     ids = demo_tokenizer.encode(PROMPT)
@@ -29,9 +28,11 @@ def test_shape_and_usage(openai_client, demo_tokenizer):
 
 def test_streaming_matches(openai_client):
     full = openai_client.completions.create(model="m", prompt=PROMPT, max_tokens=8, temperature=0)
-    chunks = list(openai_client.completions.create(
-        model="m", prompt=PROMPT, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}
-    ))
+    chunks = list(
+        openai_client.completions.create(
+            model="m", prompt=PROMPT, max_tokens=8, temperature=0, stream=True, stream_options={"include_usage": True}
+        )
+    )
     assert all(c.object == "text_completion" and c.id.startswith("cmpl-") for c in chunks)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
     finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]

@@ -13,6 +13,7 @@ import time
 
 import httpx
 import pytest
+
 from conftest import MAX_MODEL_LEN
 
 CHAT = "/v1/chat/completions"
@@ -26,8 +27,14 @@ PROMPTS = [
 
 
 def _body(path: str, prompt: str, max_tokens: int = NUM_TOKENS) -> dict:
-    return {"model": "m", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "ignore_eos": True}
+    return {
+        "model": "m",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
 
 
 def _stream_text(base_url: str, path: str, body: dict) -> tuple[str, int]:
@@ -37,14 +44,15 @@ def _stream_text(base_url: str, path: str, body: dict) -> tuple[str, int]:
         body = {**body, "stream_options": {"include_usage": True}}
     parts: list[str] = []
     num_tokens = -1
-    with httpx.Client(base_url=base_url, timeout=120.0) as client, client.stream(
-        "POST", path, json=body, headers=headers
-    ) as response:
+    with (
+        httpx.Client(base_url=base_url, timeout=120.0) as client,
+        client.stream("POST", path, json=body, headers=headers) as response,
+    ):
         assert response.status_code == 200, response.read()
         for line in response.iter_lines():
             if not line.startswith("data:") or line == "data: [DONE]":
                 continue
-            data = json.loads(line[len("data:"):])
+            data = json.loads(line[len("data:") :])
             assert "error" not in data and data.get("type") != "error", data
             if path == CHAT:
                 for choice in data["choices"]:
@@ -66,7 +74,7 @@ def _leave_mid_stream(base_url: str, started: threading.Event) -> str:
         events = []
         for line in r.iter_lines():
             if line.startswith("data:"):
-                events.append(json.loads(line[len("data:"):]))
+                events.append(json.loads(line[len("data:") :]))
                 if len(events) == 4:
                     break
         started.set()
@@ -94,14 +102,14 @@ def test_concurrent_streams_match_sequential_and_disconnect_frees_slot(server, h
             barrier.wait()
             path, prompt = requests[i]
             results[i] = _stream_text(server.base_url, path, _body(path, prompt))
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     def leave() -> None:
         try:
             barrier.wait()
             left.append(_leave_mid_stream(server.base_url, leaver_started))
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
@@ -124,8 +132,10 @@ def test_concurrent_streams_match_sequential_and_disconnect_frees_slot(server, h
     deadline = time.monotonic() + 2.0
     while True:
         engine = _engine(http)
-        if engine["num_running"] == 0 and engine["num_waiting"] == 0 and (
-            engine["kv_blocks_free"] == engine["kv_blocks_total"]
+        if (
+            engine["num_running"] == 0
+            and engine["num_waiting"] == 0
+            and (engine["kv_blocks_free"] == engine["kv_blocks_total"])
         ):
             break
         assert time.monotonic() < deadline, f"the engine did not free the leaver's slot: {engine}"

@@ -15,6 +15,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+
 from conftest import API_KEY, MAX_MODEL_LEN, start_server
 
 CHAT = "/v1/chat/completions"
@@ -78,8 +79,12 @@ OPENAI_BAD = [
     ("bad role", _openai(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role", "invalid_value"),
     ("content wrong type", _openai(messages=[{"role": "user", "content": 5}]), "messages[0].content", "invalid_type"),
     ("missing user content", _openai(messages=[{"role": "user"}]), "messages[0].content", "missing_field"),
-    ("tool without id", _openai(messages=[*USER, {"role": "tool", "content": "x"}]), "messages[1].tool_call_id",
-     "missing_field"),
+    (
+        "tool without id",
+        _openai(messages=[*USER, {"role": "tool", "content": "x"}]),
+        "messages[1].tool_call_id",
+        "missing_field",
+    ),
     ("temperature type", _openai(temperature="hot"), "temperature", "invalid_type"),
     ("temperature range", _openai(temperature=3.5), "temperature", "invalid_value"),
     ("negative temperature", _openai(temperature=-0.1), "temperature", "invalid_value"),
@@ -90,24 +95,41 @@ OPENAI_BAD = [
     ("max_tokens float", _openai(max_tokens=2.5), "max_tokens", "invalid_type"),
     ("max_completion_tokens zero", _openai(max_completion_tokens=0), "max_completion_tokens", "invalid_value"),
     ("stream type", _openai(stream="yes"), "stream", "invalid_type"),
-    ("stream_options without stream", _openai(stream_options={"include_usage": True}), "stream_options",
-     "invalid_value"),
+    (
+        "stream_options without stream",
+        _openai(stream_options={"include_usage": True}),
+        "stream_options",
+        "invalid_value",
+    ),
     ("stop type", _openai(stop=5), "stop", "invalid_type"),
     ("stop item type", _openai(stop=["a", 5]), "stop[1]", "invalid_type"),
     ("seed type", _openai(seed="x"), "seed", "invalid_type"),
     ("n over the limit", _openai(n=17), "n", "invalid_value"),
     ("n zero", _openai(n=0), "n", "invalid_value"),
-    ("prompt over context", _openai(messages=[{"role": "user", "content": LONG_TEXT}]), "messages",
-     "context_length_exceeded"),
-    ("tool parameters not an object", _openai(tools=[{"type": "function", "function": {"name": "f",
-     "parameters": "notaschema"}}]), "tools[0].function.parameters", "invalid_type"),
-    ("tool description not a string", _openai(tools=[{"type": "function", "function": {"name": "f",
-     "description": 5}}]), "tools[0].function.description", "invalid_type"),
+    (
+        "prompt over context",
+        _openai(messages=[{"role": "user", "content": LONG_TEXT}]),
+        "messages",
+        "context_length_exceeded",
+    ),
+    (
+        "tool parameters not an object",
+        _openai(tools=[{"type": "function", "function": {"name": "f", "parameters": "notaschema"}}]),
+        "tools[0].function.parameters",
+        "invalid_type",
+    ),
+    (
+        "tool description not a string",
+        _openai(tools=[{"type": "function", "function": {"name": "f", "description": 5}}]),
+        "tools[0].function.description",
+        "invalid_type",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("body", "mentions", "code"), [case[1:] for case in OPENAI_BAD],
-                         ids=[case[0] for case in OPENAI_BAD])
+@pytest.mark.parametrize(
+    ("body", "mentions", "code"), [case[1:] for case in OPENAI_BAD], ids=[case[0] for case in OPENAI_BAD]
+)
 def test_openai_bad_requests(http, body, mentions, code):
     response = http.post(CHAT, content=body, headers={"content-type": "application/json"})
     assert_openai_error(response, 400, mentions=mentions, code=code)
@@ -122,13 +144,25 @@ ANTHROPIC_BAD = [
     ("missing messages", _without(_anthropic(), "messages"), "messages", "missing_field"),
     ("missing model", _without(_anthropic(), "model"), "model", "missing_field"),
     ("empty messages", _anthropic(messages=[]), "messages", "invalid_value"),
-    ("tool role in messages", _anthropic(messages=[{"role": "tool", "content": "x"}]), "messages[0].role",
-     "invalid_value"),
+    (
+        "tool role in messages",
+        _anthropic(messages=[{"role": "tool", "content": "x"}]),
+        "messages[0].role",
+        "invalid_value",
+    ),
     ("only system messages", _anthropic(messages=[{"role": "system", "content": "x"}]), "messages", "invalid_value"),
-    ("content wrong type", _anthropic(messages=[{"role": "user", "content": {"a": 1}}]), "messages[0].content",
-     "invalid_type"),
-    ("block without type", _anthropic(messages=[{"role": "user", "content": [{"text": "x"}]}]),
-     "messages[0].content[0].type", "missing_field"),
+    (
+        "content wrong type",
+        _anthropic(messages=[{"role": "user", "content": {"a": 1}}]),
+        "messages[0].content",
+        "invalid_type",
+    ),
+    (
+        "block without type",
+        _anthropic(messages=[{"role": "user", "content": [{"text": "x"}]}]),
+        "messages[0].content[0].type",
+        "missing_field",
+    ),
     ("system wrong type", _anthropic(system=7), "system", "invalid_type"),
     ("temperature over 1", _anthropic(temperature=1.5), "temperature", "invalid_value"),
     ("top_p type", _anthropic(top_p="x"), "top_p", "invalid_type"),
@@ -137,13 +171,18 @@ ANTHROPIC_BAD = [
     ("max_tokens type", _anthropic(max_tokens="4"), "max_tokens", "invalid_type"),
     ("stop_sequences type", _anthropic(stop_sequences="x"), "stop_sequences", "invalid_type"),
     ("stream type", _anthropic(stream=1), "stream", "invalid_type"),
-    ("prompt over context", _anthropic(messages=[{"role": "user", "content": LONG_TEXT}]), "prompt is too long",
-     "context_length_exceeded"),
+    (
+        "prompt over context",
+        _anthropic(messages=[{"role": "user", "content": LONG_TEXT}]),
+        "prompt is too long",
+        "context_length_exceeded",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("body", "mentions", "code"), [case[1:] for case in ANTHROPIC_BAD],
-                         ids=[case[0] for case in ANTHROPIC_BAD])
+@pytest.mark.parametrize(
+    ("body", "mentions", "code"), [case[1:] for case in ANTHROPIC_BAD], ids=[case[0] for case in ANTHROPIC_BAD]
+)
 def test_anthropic_bad_requests(http, body, mentions, code):
     response = http.post(MESSAGES, content=body, headers={"anthropic-version": "2023-06-01"})
     assert_anthropic_error(response, 400, "invalid_request_error", mentions=mentions, code=code)
@@ -178,9 +217,7 @@ def test_unknown_routes_and_methods(http):
     assert_openai_error(http.get("/v1/nothing"), 404, code="unknown_url")
     assert_openai_error(http.post("/v2/chat/completions", json={}), 404, code="unknown_url")
     assert_anthropic_error(http.post("/v1/messages/nothing", json={}), 404, "not_found_error", code="unknown_url")
-    assert_anthropic_error(
-        http.get("/v1/other", headers={"anthropic-version": "2023-06-01"}), 404, "not_found_error"
-    )
+    assert_anthropic_error(http.get("/v1/other", headers={"anthropic-version": "2023-06-01"}), 404, "not_found_error")
     assert_openai_error(http.get(CHAT), 405, code="method_not_allowed")
     assert_anthropic_error(http.get(MESSAGES), 405, "invalid_request_error", code="method_not_allowed")
     assert_openai_error(http.get("/v1/models/not-this-one"), 404, code="model_not_found")
@@ -221,7 +258,7 @@ def _first_events(server, path: str, body: dict, count: int) -> list[dict]:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data:"):
-                data.append(json.loads(line[len("data:"):]))
+                data.append(json.loads(line[len("data:") :]))
             if len(data) >= count:
                 break
     return data
@@ -233,8 +270,7 @@ BUDGET = MAX_MODEL_LEN - 64
 
 @pytest.mark.parametrize("path", [CHAT, MESSAGES])
 def test_client_disconnect_mid_stream_aborts(server, http, path):
-    body = {"model": "m", "messages": USER, "max_tokens": BUDGET, "stream": True, "temperature": 0,
-            "ignore_eos": True}
+    body = {"model": "m", "messages": USER, "max_tokens": BUDGET, "stream": True, "temperature": 0, "ignore_eos": True}
     steps_before = _engine_steps(http)
     num_aborted = server.log_tail(1_000_000).count(ABORTED)
     first = _first_events(server, path, body, 5)[0]
@@ -264,11 +300,13 @@ def test_client_leaving_mid_body_is_logged_without_a_traceback(server, http):
     url = urlsplit(server.base_url)
     before = server.log_tail(1_000_000)
     with socket.create_connection((url.hostname, url.port)) as sock:
-        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: 1000\r\n\r\n{\"model\": \"m\", ")
+        sock.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b'Content-Length: 1000\r\n\r\n{"model": "m", '
+        )
         time.sleep(0.2)
     _wait_for_log(server, "before its request body was complete", before.count("before its request body was complete"))
-    after = server.log_tail(1_000_000)[len(before):]
+    after = server.log_tail(1_000_000)[len(before) :]
     assert "Traceback" not in after and "unexpected error" not in after
     assert http.get("/health").status_code == 200
 
@@ -283,12 +321,14 @@ class TestApiKey:
         base = keyed_server.base_url
         assert_openai_error(httpx.get(base + "/v1/models"), 401, code="invalid_api_key")
         assert_openai_error(
-            httpx.post(base + CHAT, content=_openai(), headers={"Authorization": "Bearer wrong"}), 401,
+            httpx.post(base + CHAT, content=_openai(), headers={"Authorization": "Bearer wrong"}),
+            401,
             code="invalid_api_key",
         )
         assert_anthropic_error(httpx.post(base + MESSAGES, content=_anthropic()), 401, "authentication_error")
         assert_anthropic_error(
-            httpx.post(base + MESSAGES, content=_anthropic(), headers={"x-api-key": "wrong"}), 401,
+            httpx.post(base + MESSAGES, content=_anthropic(), headers={"x-api-key": "wrong"}),
+            401,
             "authentication_error",
         )
 
@@ -347,8 +387,15 @@ def test_oversized_and_deeply_nested_bodies(http):
 
 def test_client_disconnect_aborts_every_choice(server, http):
     """With n choices streamed, a client that leaves aborts all of their engine requests."""
-    body = {"model": "m", "messages": USER, "max_tokens": BUDGET, "stream": True, "temperature": 0,
-            "ignore_eos": True, "n": 3}
+    body = {
+        "model": "m",
+        "messages": USER,
+        "max_tokens": BUDGET,
+        "stream": True,
+        "temperature": 0,
+        "ignore_eos": True,
+        "n": 3,
+    }
     steps_before = _engine_steps(http)
     num_aborted = server.log_tail(1_000_000).count(ABORTED)
     request_id = _first_events(server, CHAT, body, 8)[0]["id"]

@@ -76,9 +76,7 @@ raw_literal = st.integers(min_value=0, max_value=len(RAW_LITERALS) - 1).map(Raw)
 scalars = st.one_of(st.none(), st.booleans(), numbers, text)
 junk = st.recursive(
     st.one_of(scalars, scalars, scalars, raw_literal),
-    lambda children: st.one_of(
-        st.lists(children, max_size=3), st.dictionaries(text, children, max_size=3)
-    ),
+    lambda children: st.one_of(st.lists(children, max_size=3), st.dictionaries(text, children, max_size=3)),
     max_leaves=8,
 )
 
@@ -89,16 +87,30 @@ logit_bias_keys = st.one_of(
     st.integers(min_value=0, max_value=151_700).map(str),
     st.sampled_from(["151936", "999999999999", "9" * 5000, "1" * 4301, "-1", "1.5", "1e3", "x", "", " 7", "٣"]),
 )
-logit_bias = st.dictionaries(logit_bias_keys, st.one_of(st.integers(min_value=-101, max_value=101), numbers, junk),
-                             max_size=3)
+logit_bias = st.dictionaries(
+    logit_bias_keys, st.one_of(st.integers(min_value=-101, max_value=101), numbers, junk), max_size=3
+)
 # stop: single strings, lists (long, empty strings, control-token text, huge), junk items.
-stops = st.one_of(text, st.lists(text, max_size=6), st.lists(st.one_of(text, junk), max_size=3),
-                  st.just(["a" * 5000] * 4))
+stops = st.one_of(
+    text, st.lists(text, max_size=6), st.lists(st.one_of(text, junk), max_size=3), st.just(["a" * 5000] * 4)
+)
 # Tool-call arguments: JSON text (valid, invalid, deeply nested, huge numbers), objects, junk.
 tool_arguments = st.one_of(
     text,
-    st.sampled_from(['{"a": 1}', "{}", "[]", '{"a": ', "null", '{"a": 1e999}', '{"a": ' + "9" * 5000 + "}",
-                     "[" * 5000 + "]" * 5000, '{"a": "\\ud800"}', '"<|im_end|>"']),
+    st.sampled_from(
+        [
+            '{"a": 1}',
+            "{}",
+            "[]",
+            '{"a": ',
+            "null",
+            '{"a": 1e999}',
+            '{"a": ' + "9" * 5000 + "}",
+            "[" * 5000 + "]" * 5000,
+            '{"a": "\\ud800"}',
+            '"<|im_end|>"',
+        ]
+    ),
     st.dictionaries(text, junk, max_size=3),
     junk,
 )
@@ -107,8 +119,10 @@ nested_content = st.recursive(
     st.one_of(text, st.fixed_dictionaries({"type": st.just("text"), "text": text})),
     lambda children: st.one_of(
         st.lists(children, max_size=3),
-        st.fixed_dictionaries({"type": st.sampled_from(["text", "input_text", "tool_result"])},
-                              optional={"text": children, "content": children}),
+        st.fixed_dictionaries(
+            {"type": st.sampled_from(["text", "input_text", "tool_result"])},
+            optional={"text": children, "content": children},
+        ),
     ),
     max_leaves=10,
 )
@@ -144,8 +158,12 @@ def _endpoint_fields() -> dict[str, tuple[dict[str, st.SearchStrategy], dict[str
     })  # fmt: skip
     chat_message = st.fixed_dictionaries(
         {"role": maybe(st.sampled_from(["system", "developer", "user", "assistant", "tool"])), "content": chat_content},
-        optional={"tool_calls": maybe(st.lists(maybe(tool_call), max_size=2)), "tool_call_id": maybe(text),
-                  "name": maybe(text), "reasoning_content": maybe(text)},
+        optional={
+            "tool_calls": maybe(st.lists(maybe(tool_call), max_size=2)),
+            "tool_call_id": maybe(text),
+            "name": maybe(text),
+            "reasoning_content": maybe(text),
+        },
     )
     user_message = st.fixed_dictionaries({"role": st.just("user"), "content": text})
     function_tool = st.fixed_dictionaries({
@@ -158,8 +176,9 @@ def _endpoint_fields() -> dict[str, tuple[dict[str, st.SearchStrategy], dict[str
 
     CHAT_REQUIRED = {
         "model": maybe(text),
-        "messages": maybe(st.one_of(st.lists(user_message, min_size=1, max_size=2),
-                                    st.lists(maybe(chat_message), max_size=3))),
+        "messages": maybe(
+            st.one_of(st.lists(user_message, min_size=1, max_size=2), st.lists(maybe(chat_message), max_size=3))
+        ),
         "max_tokens": maybe(small_tokens),
     }
     CHAT_FIELDS = {
@@ -198,14 +217,29 @@ def _endpoint_fields() -> dict[str, tuple[dict[str, st.SearchStrategy], dict[str
 
     COMPLETIONS_REQUIRED = {
         "model": maybe(text),
-        "prompt": maybe(st.one_of(text, st.lists(text, min_size=1, max_size=2),
-                                  st.lists(st.integers(min_value=-2, max_value=200_000), max_size=4))),
+        "prompt": maybe(
+            st.one_of(
+                text,
+                st.lists(text, min_size=1, max_size=2),
+                st.lists(st.integers(min_value=-2, max_value=200_000), max_size=4),
+            )
+        ),
         "max_tokens": maybe(small_tokens),
     }
     COMPLETIONS_FIELDS = {
         name: CHAT_FIELDS[name]
-        for name in ("temperature", "top_p", "top_k", "seed", "n", "stop", "stream", "stream_options", "ignore_eos",
-                     "logit_bias")
+        for name in (
+            "temperature",
+            "top_p",
+            "top_k",
+            "seed",
+            "n",
+            "stop",
+            "stream",
+            "stream_options",
+            "ignore_eos",
+            "logit_bias",
+        )
     } | {
         "echo": maybe(st.booleans()),
         "logprobs": maybe(st.one_of(st.none(), st.integers(min_value=0, max_value=5))),
@@ -222,13 +256,26 @@ def _endpoint_fields() -> dict[str, tuple[dict[str, st.SearchStrategy], dict[str
     input_item = st.one_of(
         st.fixed_dictionaries(
             {"role": maybe(st.sampled_from(["user", "assistant", "system", "developer"]))},
-            optional={"type": maybe(st.just("message")),
-                      "content": maybe(st.one_of(text, st.lists(input_part, max_size=2), nested_content))},
+            optional={
+                "type": maybe(st.just("message")),
+                "content": maybe(st.one_of(text, st.lists(input_part, max_size=2), nested_content)),
+            },
         ),
-        st.fixed_dictionaries({"type": st.just("function_call"), "call_id": maybe(text), "name": maybe(text),
-                               "arguments": maybe(tool_arguments)}),
-        st.fixed_dictionaries({"type": st.just("function_call_output"), "call_id": maybe(text),
-                               "output": maybe(st.one_of(text, st.lists(input_part, max_size=2), nested_content))}),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("function_call"),
+                "call_id": maybe(text),
+                "name": maybe(text),
+                "arguments": maybe(tool_arguments),
+            }
+        ),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("function_call_output"),
+                "call_id": maybe(text),
+                "output": maybe(st.one_of(text, st.lists(input_part, max_size=2), nested_content)),
+            }
+        ),
         st.fixed_dictionaries({"type": st.just("reasoning")}, optional={"summary": junk, "content": junk}),
         st.fixed_dictionaries({"type": text}),
     )
@@ -279,8 +326,9 @@ def _endpoint_fields() -> dict[str, tuple[dict[str, st.SearchStrategy], dict[str
     })  # fmt: skip
     MESSAGES_REQUIRED = {
         "model": maybe(text),
-        "messages": maybe(st.one_of(st.lists(user_message, min_size=1, max_size=2),
-                                    st.lists(maybe(anthropic_message), max_size=3))),
+        "messages": maybe(
+            st.one_of(st.lists(user_message, min_size=1, max_size=2), st.lists(maybe(anthropic_message), max_size=3))
+        ),
         "max_tokens": maybe(small_tokens),
     }
     MESSAGES_FIELDS = {
@@ -502,8 +550,9 @@ def test_fuzz_chat_completions(http, parse_sse, sent):
 def test_fuzz_completions(http, parse_sse, sent):
     body, ascii_only, cut = sent
     _cap_budget(body, "max_tokens")
-    send(http, COMPLETIONS, encode(body, ascii_only, cut), check_completions, anthropic_shape=False,
-         parse_sse=parse_sse)
+    send(
+        http, COMPLETIONS, encode(body, ascii_only, cut), check_completions, anthropic_shape=False, parse_sse=parse_sse
+    )
 
 
 @FUZZ
@@ -511,8 +560,7 @@ def test_fuzz_completions(http, parse_sse, sent):
 def test_fuzz_responses(http, parse_sse, sent):
     body, ascii_only, cut = sent
     _cap_budget(body, "max_output_tokens")
-    send(http, RESPONSES, encode(body, ascii_only, cut), check_responses, anthropic_shape=False,
-         parse_sse=parse_sse)
+    send(http, RESPONSES, encode(body, ascii_only, cut), check_responses, anthropic_shape=False, parse_sse=parse_sse)
 
 
 @FUZZ
@@ -526,8 +574,9 @@ def test_fuzz_messages(http, parse_sse, sent):
 @given(sent=sent_bodies(MESSAGES))
 def test_fuzz_count_tokens(http, parse_sse, sent):
     body, ascii_only, cut = sent
-    send(http, COUNT_TOKENS, encode(body, ascii_only, cut), check_count_tokens, anthropic_shape=True,
-         parse_sse=parse_sse)
+    send(
+        http, COUNT_TOKENS, encode(body, ascii_only, cut), check_count_tokens, anthropic_shape=True, parse_sse=parse_sse
+    )
 
 
 @pytest.mark.parametrize(
@@ -541,8 +590,15 @@ def test_fuzz_count_tokens(http, parse_sse, sent):
         (b'{"model": "m", "prompt": "x\\ud800"}', "prompt"),
         (b'{"model": "m", "prompt": "x", "seed": ' + b"1" * 5000 + b"}", None),
     ],
-    ids=["nan", "huge-number", "lone-surrogate", "responses-echo-infinity", "responses-echo-surrogate",
-         "completions-surrogate", "int-past-digit-limit"],
+    ids=[
+        "nan",
+        "huge-number",
+        "lone-surrogate",
+        "responses-echo-infinity",
+        "responses-echo-surrogate",
+        "completions-surrogate",
+        "int-past-digit-limit",
+    ],
 )
 def test_found_by_fuzzing(http, raw, param):
     """Bodies the fuzzer found answered with 500 before: now a 400 naming the field."""
@@ -558,8 +614,12 @@ def test_tiny_temperature_samples_greedily(http):
     a 500; below MIN_TEMPERATURE it now samples greedily."""
     outputs = []
     for temperature in (0, 4.7278972267409074e-52, 1e-6):
-        body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
-                "temperature": temperature}
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "temperature": temperature,
+        }
         response = http.post(CHAT, json=body)
         assert response.status_code == 200, response.text
         outputs.append(response.json()["choices"][0]["message"]["content"])

@@ -91,8 +91,9 @@ def test_a_connection_with_unfinished_headers_is_closed(limited_server: ServerPr
         sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
         head, _, body = sock.recv(65536).partition(b"\r\n\r\n")
         assert b"200 OK" in head
-        length = int(next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length"))
-                     .split(b":")[1])
+        length = int(
+            next(line for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")).split(b":")[1]
+        )
         while len(body) < length:
             body += sock.recv(65536)
         sock.sendall(b"GET /hea")
@@ -170,11 +171,14 @@ def test_n_times_max_tokens_is_capped(limited_server: ServerProcess) -> None:
         assert capped.json()["usage"]["completion_tokens"] <= MAX_REQUEST_OUTPUT_TOKENS
 
 
-@pytest.mark.parametrize(("path", "field", "body"), [
-    ("/v1/messages", "max_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
-    ("/v1/responses", "max_output_tokens", {"input": "hi"}),
-    ("/v1/completions", "max_tokens", {"prompt": "hi"}),
-])
+@pytest.mark.parametrize(
+    ("path", "field", "body"),
+    [
+        ("/v1/messages", "max_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
+        ("/v1/responses", "max_output_tokens", {"input": "hi"}),
+        ("/v1/completions", "max_tokens", {"prompt": "hi"}),
+    ],
+)
 def test_every_api_caps_one_requests_output(limited_server: ServerProcess, path: str, field: str, body: dict) -> None:
     """--max-request-output-tokens holds on each API, not only chat completions: a budget over it is a 400 naming
     the field; /v1/responses without max_output_tokens (as Codex sends) gets the cap, not the context's rest."""

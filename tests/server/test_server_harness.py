@@ -14,6 +14,7 @@ from collections.abc import Iterator
 import anthropic
 import openai
 import pytest
+
 from conftest import MAX_MODEL_LEN, ServerProcess, start_server
 
 USER = [{"role": "user", "content": "Say hello."}]
@@ -128,8 +129,12 @@ def test_anthropic_prefill_is_continued(anthropic_client, http, parse_sse, demo_
     assert count(anthropic_client, messages=messages) == expected
     message = anthropic_client.messages.create(model="claude-any", messages=messages, max_tokens=2, extra_body=GREEDY)
     assert prompt_tokens(message.usage) == expected
-    body = {"model": "m", "messages": [*USER, {"role": "assistant", "content": [{"type": "text", "text": prefill}]}],
-            "max_tokens": 2, **GREEDY}
+    body = {
+        "model": "m",
+        "messages": [*USER, {"role": "assistant", "content": [{"type": "text", "text": prefill}]}],
+        "max_tokens": 2,
+        **GREEDY,
+    }
     assert anthropic_usage_streamed(http, parse_sse, body)[0] == expected
 
 
@@ -157,8 +162,10 @@ def test_openai_continue_final_message(openai_client, http, demo_tokenizer):
 
 
 def test_server_tools_are_not_offered(anthropic_client, demo_tokenizer):
-    server_tools = [{"type": "web_search_20250305", "name": "web_search", "max_uses": 3},
-                    {"type": "web_fetch_20250910", "name": "web_fetch"}]
+    server_tools = [
+        {"type": "web_search_20250305", "name": "web_search", "max_uses": 3},
+        {"type": "web_fetch_20250910", "name": "web_fetch"},
+    ]
     expected = num_tokens(demo_tokenizer, USER, [as_function(WEATHER)])
     assert count(anthropic_client, messages=USER, tools=[*server_tools, WEATHER]) == expected
     message = anthropic_client.messages.create(
@@ -171,8 +178,10 @@ def test_server_tools_are_not_offered(anthropic_client, demo_tokenizer):
 def _tool_search_history(result_content) -> list[dict]:
     return [
         *USER,
-        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "ToolSearch",
-                                           "input": {"query": "files"}}]},
+        {
+            "role": "assistant",
+            "content": [{"type": "tool_use", "id": "toolu_1", "name": "ToolSearch", "input": {"query": "files"}}],
+        },
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": result_content}]},
     ]
 
@@ -180,9 +189,17 @@ def _tool_search_history(result_content) -> list[dict]:
 def _rendered_history(tool_text: str) -> list[dict]:
     return [
         *USER,
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "toolu_1", "type": "function", "function": {"name": "ToolSearch", "arguments": {"query": "files"}}}
-        ]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "toolu_1",
+                    "type": "function",
+                    "function": {"name": "ToolSearch", "arguments": {"query": "files"}},
+                }
+            ],
+        },
         {"role": "tool", "content": tool_text, "tool_call_id": "toolu_1"},
     ]
 
@@ -198,7 +215,8 @@ def test_deferred_tools_wait_for_a_tool_reference(anthropic_client, http, parse_
     # A tool_reference in a tool_result: its text is rendered, and the tool is offered from then on.
     history = _tool_search_history([{"type": "tool_reference", "tool_name": "search_files"}])
     expected = num_tokens(
-        demo_tokenizer, _rendered_history("Tool search_files is now available."),
+        demo_tokenizer,
+        _rendered_history("Tool search_files is now available."),
         [as_function(tool_search), as_function(SEARCH)],
     )
     assert count(anthropic_client, messages=history, tools=tools) == expected
@@ -209,12 +227,22 @@ def test_deferred_tools_wait_for_a_tool_reference(anthropic_client, http, parse_
     body = {"model": "m", "messages": history, "tools": tools, "max_tokens": 2, **GREEDY}
     assert anthropic_usage_streamed(http, parse_sse, body)[0] == expected
     # A deferred tool already called in the history is loaded too.
-    called = [*USER, {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_2", "name": "search_files",
-                                                        "input": {}}]},
-              {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "a.py"}]}]
-    rendered = [*USER, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "toolu_2", "type": "function", "function": {"name": "search_files", "arguments": {}}}]},
-        {"role": "tool", "content": "a.py", "tool_call_id": "toolu_2"}]
+    called = [
+        *USER,
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_2", "name": "search_files", "input": {}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "a.py"}]},
+    ]
+    rendered = [
+        *USER,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "toolu_2", "type": "function", "function": {"name": "search_files", "arguments": {}}}
+            ],
+        },
+        {"role": "tool", "content": "a.py", "tool_call_id": "toolu_2"},
+    ]
     assert count(anthropic_client, messages=called, tools=tools) == num_tokens(
         demo_tokenizer, rendered, [as_function(tool_search), as_function(SEARCH)]
     )
@@ -228,10 +256,16 @@ IMAGE_TEXT = "[image (image/png) omitted: this model reads text only]"
 
 
 def test_anthropic_images_and_documents_become_placeholders(anthropic_client, http, parse_sse, demo_tokenizer, server):
-    pdf = {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="},
-           "title": "spec"}
-    text_doc = {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "Line one."},
-                "title": "notes"}
+    pdf = {
+        "type": "document",
+        "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="},
+        "title": "spec",
+    }
+    text_doc = {
+        "type": "document",
+        "source": {"type": "text", "media_type": "text/plain", "data": "Line one."},
+        "title": "notes",
+    }
     messages = [
         {"role": "user", "content": [{"type": "text", "text": "Look:"}, {"type": "image", "source": PNG}, pdf,
                                      text_doc]},
@@ -267,7 +301,8 @@ def test_openai_image_parts_become_placeholders(openai_client, demo_tokenizer):
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}},
     ]}]  # fmt: skip
     expected = num_tokens(
-        demo_tokenizer, [{"role": "user", "content": "What is this?\n[image omitted: this model reads text only]"}],
+        demo_tokenizer,
+        [{"role": "user", "content": "What is this?\n[image omitted: this model reads text only]"}],
         thinking=None,
     )
     response = openai_client.chat.completions.create(model="m", messages=messages, max_tokens=2, temperature=0)
@@ -284,13 +319,15 @@ def test_responses_images_and_files_become_placeholders(openai_client, demo_toke
         {"type": "input_image", "image_url": "data:image/png;base64,AA"},
         {"type": "input_file", "filename": "a.pdf", "file_data": "data:application/pdf;base64,AA"},
     ]}]  # fmt: skip
-    text = ("Read these.\n[image omitted: this model reads text only]\n"
-            "[file (a.pdf) omitted: this model reads text only]")
+    text = (
+        "Read these.\n[image omitted: this model reads text only]\n[file (a.pdf) omitted: this model reads text only]"
+    )
     expected = num_tokens(demo_tokenizer, [{"role": "user", "content": text}], thinking=None)
     response = openai_client.responses.create(model="m", input=items, max_output_tokens=2, temperature=0)
     assert response.usage.input_tokens == expected
-    events = list(openai_client.responses.create(model="m", input=items, max_output_tokens=2, temperature=0,
-                                                 stream=True))
+    events = list(
+        openai_client.responses.create(model="m", input=items, max_output_tokens=2, temperature=0, stream=True)
+    )
     assert events[-1].type in ("response.completed", "response.incomplete")
     assert events[-1].response.usage.input_tokens == expected
 
@@ -315,8 +352,9 @@ def test_anthropic_max_tokens_is_lowered_to_the_room_left(anthropic_client, http
     room = MAX_MODEL_LEN - used
     messages = [{"role": "user", "content": text}]
     before = server.log_tail(1_000_000).count("max_tokens 32000 lowered to")
-    message = anthropic_client.messages.create(model="claude-any", messages=messages, max_tokens=32000,
-                                               extra_body=GREEDY)
+    message = anthropic_client.messages.create(
+        model="claude-any", messages=messages, max_tokens=32000, extra_body=GREEDY
+    )
     assert prompt_tokens(message.usage) == used
     assert message.usage.output_tokens <= room
     if message.stop_reason == "max_tokens":
@@ -373,8 +411,11 @@ def test_prompt_too_long_in_each_apis_wording(anthropic_client, openai_client, h
     error = info.value.body["error"]
     match = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum", error["message"])
     assert match and int(match[1]) > int(match[2]) == MAX_MODEL_LEN - 1, error
-    streamed = http.post("/v1/messages", json={"model": "m", "messages": TOO_LONG, "max_tokens": 10, "stream": True},
-                         headers=ANTHROPIC_HEADERS)
+    streamed = http.post(
+        "/v1/messages",
+        json={"model": "m", "messages": TOO_LONG, "max_tokens": 10, "stream": True},
+        headers=ANTHROPIC_HEADERS,
+    )
     assert streamed.status_code == 400 and streamed.json()["error"]["message"].startswith("prompt is too long: ")
     for call in (
         lambda: openai_client.chat.completions.create(model="m", messages=TOO_LONG, max_tokens=4),
@@ -401,12 +442,18 @@ def test_strict_max_tokens_refuses_in_each_apis_wording(strict_server):
 
     with httpx.Client(base_url=strict_server.base_url, timeout=60) as client:
         for stream in (False, True):
-            response = client.post("/v1/messages", json={"model": "m", "messages": USER, "max_tokens": 32000,
-                                                         "stream": stream}, headers=ANTHROPIC_HEADERS)
+            response = client.post(
+                "/v1/messages",
+                json={"model": "m", "messages": USER, "max_tokens": 32000, "stream": stream},
+                headers=ANTHROPIC_HEADERS,
+            )
             assert response.status_code == 400, response.text
             message = response.json()["error"]["message"]
-            match = re.fullmatch(r"input length and `max_tokens` exceed context limit: (\d+) \+ 32000 > (\d+), "
-                                 r"decrease input length or `max_tokens` and try again", message)
+            match = re.fullmatch(
+                r"input length and `max_tokens` exceed context limit: (\d+) \+ 32000 > (\d+), "
+                r"decrease input length or `max_tokens` and try again",
+                message,
+            )
             assert match and int(match[2]) == MAX_MODEL_LEN, message
         for path, body in [
             ("/v1/chat/completions", {"messages": USER, "max_tokens": 32000}),
@@ -419,8 +466,12 @@ def test_strict_max_tokens_refuses_in_each_apis_wording(strict_server):
             assert response.json()["error"]["code"] == "context_length_exceeded"
             assert response.json()["error"]["param"] in ("max_tokens", "max_completion_tokens", "max_output_tokens")
         # What fits is served.
-        assert client.post("/v1/messages", json={"model": "m", "messages": USER, "max_tokens": 2},
-                           headers=ANTHROPIC_HEADERS).status_code == 200
+        assert (
+            client.post(
+                "/v1/messages", json={"model": "m", "messages": USER, "max_tokens": 2}, headers=ANTHROPIC_HEADERS
+            ).status_code
+            == 200
+        )
 
 
 def test_default_thinking_flag(strict_server, demo_tokenizer):
@@ -429,8 +480,9 @@ def test_default_thinking_flag(strict_server, demo_tokenizer):
     with httpx.Client(base_url=strict_server.base_url, timeout=60) as client:
         counted = client.post("/v1/messages/count_tokens", json={"model": "m", "messages": USER})
         assert counted.json()["input_tokens"] == num_tokens(demo_tokenizer, USER, thinking=True)
-        off = client.post("/v1/messages/count_tokens", json={"model": "m", "messages": USER,
-                                                             "thinking": {"type": "disabled"}})
+        off = client.post(
+            "/v1/messages/count_tokens", json={"model": "m", "messages": USER, "thinking": {"type": "disabled"}}
+        )
         assert off.json()["input_tokens"] == num_tokens(demo_tokenizer, USER, thinking=False)
 
 
@@ -446,11 +498,15 @@ def test_client_errors_and_unknown_fields_are_logged(http, server):
     assert missing.status_code == 400
     assert "POST /v1/messages -> 400 missing_field (field max_tokens): max_tokens is required" in server.log_tail()
     for _ in range(2):
-        ok = http.post("/v1/messages", json={"model": "m", "messages": USER, "max_tokens": 1,
-                                             "frobnicate_level": 3}, headers=ANTHROPIC_HEADERS)
+        ok = http.post(
+            "/v1/messages",
+            json={"model": "m", "messages": USER, "max_tokens": 1, "frobnicate_level": 3},
+            headers=ANTHROPIC_HEADERS,
+        )
         assert ok.status_code == 200, ok.text
-        ok = http.post("/v1/chat/completions", json={"model": "m", "messages": USER, "max_tokens": 1,
-                                                     "frobnicate_level": 3})
+        ok = http.post(
+            "/v1/chat/completions", json={"model": "m", "messages": USER, "max_tokens": 1, "frobnicate_level": 3}
+        )
         assert ok.status_code == 200, ok.text
     log = server.log_tail(1_000_000)
     assert log.count("/v1/messages: field 'frobnicate_level' is not known to this server and is ignored") == 1

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
+
 from conftest import in_process_server
 
 # Long against the first request's own start-up on a loaded 2-core machine (1.1 s seen in CI-like runs), so
@@ -45,8 +46,9 @@ def slow_server() -> Iterator[str]:
     from freetoken.server.app import build_app
 
     engine = LLMEngine.from_dir(demo_checkpoint_dir(), EngineConfig(device="cpu", max_model_len=512))
-    app = build_app(SlowPrefill(AsyncEngine(engine, "demo"), PREFILL_S), served_model_name="demo",
-                    keepalive_s=KEEPALIVE_S)
+    app = build_app(
+        SlowPrefill(AsyncEngine(engine, "demo"), PREFILL_S), served_model_name="demo", keepalive_s=KEEPALIVE_S
+    )
     with in_process_server(app) as base_url:
         yield base_url
 
@@ -72,8 +74,11 @@ def _data(block: str) -> dict | None:
 
 
 def test_anthropic_message_start_then_pings_before_the_first_token(slow_server):
-    events = _timed_events(slow_server, "/v1/messages", {
-        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
+    events = _timed_events(
+        slow_server,
+        "/v1/messages",
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True},
+    )
     payloads = [(t, _data(block)) for t, block in events]
     first_block = next(t for t, p in payloads if p and p["type"] == "content_block_start")
     assert first_block >= PREFILL_S
@@ -86,8 +91,11 @@ def test_anthropic_message_start_then_pings_before_the_first_token(slow_server):
 
 
 def test_openai_role_chunk_and_comments_before_the_first_token(slow_server):
-    events = _timed_events(slow_server, "/v1/chat/completions", {
-        "model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True})
+    events = _timed_events(
+        slow_server,
+        "/v1/chat/completions",
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "stream": True},
+    )
     t0, first = events[0]
     assert t0 < PREFILL_S / 2 and _data(first)["choices"][0]["delta"]["role"] == "assistant"
     comments = [t for t, block in events if block.startswith(":")]
@@ -96,8 +104,9 @@ def test_openai_role_chunk_and_comments_before_the_first_token(slow_server):
 
 
 def test_responses_created_and_in_progress_before_the_first_token(slow_server):
-    events = _timed_events(slow_server, "/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": 3,
-                                                          "stream": True})
+    events = _timed_events(
+        slow_server, "/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": 3, "stream": True}
+    )
     kinds = [(t, (_data(block) or {}).get("type")) for t, block in events]
     assert [k for _, k in kinds[:2]] == ["response.created", "response.in_progress"]
     assert kinds[1][0] < PREFILL_S / 2

@@ -55,8 +55,9 @@ def test_chat_non_streamed(openai_client, demo_tokenizer):
 
 def test_chat_streamed_matches_non_streamed(openai_client):
     full = _chat(openai_client, logprobs=True, top_logprobs=2)
-    stream = list(_chat(openai_client, logprobs=True, top_logprobs=2, stream=True,
-                        stream_options={"include_usage": True}))
+    stream = list(
+        _chat(openai_client, logprobs=True, top_logprobs=2, stream=True, stream_options={"include_usage": True})
+    )
     entries = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
     assert len(entries) == stream[-1].usage.completion_tokens == full.usage.completion_tokens
     for got, expected in zip(entries, full.choices[0].logprobs.content, strict=True):
@@ -81,8 +82,10 @@ def test_chat_bad_logprobs_are_400(http):
         response = http.post("/v1/chat/completions", json=body)
         assert response.status_code == 400, (extra, response.text)
         assert response.json()["error"]["param"] == param
-    ok = http.post("/v1/chat/completions", json={"model": "m", "messages": HELLO, "max_tokens": 1,
-                                                 "logprobs": True, "top_logprobs": 20})
+    ok = http.post(
+        "/v1/chat/completions",
+        json={"model": "m", "messages": HELLO, "max_tokens": 1, "logprobs": True, "top_logprobs": 20},
+    )
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["logprobs"]["content"][0]["top_logprobs"]) == 20
 
 
@@ -99,16 +102,21 @@ def test_completions_legacy_shape(openai_client, http):
         offset += len(token)
         assert len(top) <= 2 and all(v <= value + 1e-6 or k == token for k, v in top.items())
         assert max(top.values()) == value  # greedy: the sampled token is the most likely
-    stream = list(openai_client.completions.create(
-        model="m", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, stream=True
-    ))
+    stream = list(
+        openai_client.completions.create(model="m", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=2, stream=True)
+    )
     streamed = [c.choices[0].logprobs for c in stream if c.choices and c.choices[0].logprobs]
     assert [t for s in streamed for t in s.tokens] == lp.tokens
     assert [o for s in streamed for o in s.text_offset] == lp.text_offset
-    assert all(abs(a - b) < 1e-5 for a, b in zip([v for s in streamed for v in s.token_logprobs], lp.token_logprobs, strict=True))
+    assert all(
+        abs(a - b) < 1e-5
+        for a, b in zip([v for s in streamed for v in s.token_logprobs], lp.token_logprobs, strict=True)
+    )
     # echo: offsets start after the echoed prompt.
-    echoed = http.post("/v1/completions", json={"model": "m", "prompt": PROMPT, "max_tokens": 2, "temperature": 0,
-                                                 "echo": True, "logprobs": 0}).json()
+    echoed = http.post(
+        "/v1/completions",
+        json={"model": "m", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 0},
+    ).json()
     assert echoed["choices"][0]["logprobs"]["text_offset"][0] == len(PROMPT)
     assert echoed["choices"][0]["logprobs"]["top_logprobs"][0] == {}
     assert openai_client.completions.create(model="m", prompt=PROMPT, max_tokens=2).choices[0].logprobs is None

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from conftest import API_KEY, start_server
 from prometheus_client.parser import text_string_to_metric_families
 
+from conftest import API_KEY, start_server
 from freetoken.server.app import ApiMiddleware
 from freetoken.server.telemetry import RATE_WINDOW_S, _RateWindow, quantile
 
@@ -42,19 +42,30 @@ def test_metrics_follow_requests(http):
     assert http.post(CHAT, json={"model": "m", "messages": "not a list"}).status_code == 400
     after = scrape(http)
 
-    assert value(after, "freetoken_requests_total", endpoint=CHAT, status="200") \
-        - value(before, "freetoken_requests_total", endpoint=CHAT, status="200") == 2
-    assert value(after, "freetoken_requests_total", endpoint=CHAT, status="400") \
-        - value(before, "freetoken_requests_total", endpoint=CHAT, status="400") == 1
+    assert (
+        value(after, "freetoken_requests_total", endpoint=CHAT, status="200")
+        - value(before, "freetoken_requests_total", endpoint=CHAT, status="200")
+        == 2
+    )
+    assert (
+        value(after, "freetoken_requests_total", endpoint=CHAT, status="400")
+        - value(before, "freetoken_requests_total", endpoint=CHAT, status="400")
+        == 1
+    )
     generated = value(after, "freetoken_generation_tokens_total") - value(before, "freetoken_generation_tokens_total")
     prompt = value(after, "freetoken_prompt_tokens_total") - value(before, "freetoken_prompt_tokens_total")
     assert generated == 2 * usage["completion_tokens"] and prompt == 2 * usage["prompt_tokens"]
-    for histogram, count in (("freetoken_time_to_first_token_seconds", 2),
-                             ("freetoken_time_per_output_token_seconds", 2)):
+    for histogram, count in (
+        ("freetoken_time_to_first_token_seconds", 2),
+        ("freetoken_time_per_output_token_seconds", 2),
+    ):
         assert value(after, histogram + "_count") - value(before, histogram + "_count") == count
         assert value(after, histogram + "_sum") > value(before, histogram + "_sum")
-    assert value(after, "freetoken_request_duration_seconds_count", endpoint=CHAT) \
-        - value(before, "freetoken_request_duration_seconds_count", endpoint=CHAT) == 3
+    assert (
+        value(after, "freetoken_request_duration_seconds_count", endpoint=CHAT)
+        - value(before, "freetoken_request_duration_seconds_count", endpoint=CHAT)
+        == 3
+    )
 
     # engine and expert-cache figures: the demo model's 4 MoE layers, cpu backend
     assert value(after, "freetoken_kv_cache_blocks") > 0 and value(after, "freetoken_engine_steps_total") > 0
@@ -75,18 +86,28 @@ def test_metrics_follow_requests(http):
     cached = http.post(CHAT, json=body).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
     reused = scrape(http)
     assert cached > 0
-    assert value(reused, "freetoken_prefix_cache_hit_tokens_total") \
-        - value(after, "freetoken_prefix_cache_hit_tokens_total") == cached
-    assert value(reused, "freetoken_prefix_cache_lookups_total") - value(after, "freetoken_prefix_cache_lookups_total") \
+    assert (
+        value(reused, "freetoken_prefix_cache_hit_tokens_total")
+        - value(after, "freetoken_prefix_cache_hit_tokens_total")
+        == cached
+    )
+    assert (
+        value(reused, "freetoken_prefix_cache_lookups_total") - value(after, "freetoken_prefix_cache_lookups_total")
         == 1
+    )
     assert value(reused, "freetoken_prefix_cache_blocks") > 0
     # scrapes and stats reads are not requests
     assert ("freetoken_requests_total", (("endpoint", "/metrics"), ("status", "200"))) not in after
 
 
 def test_in_flight_and_decode_rate_while_streaming(http):
-    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 60, "ignore_eos": True,
-            "stream": True}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 60,
+        "ignore_eos": True,
+        "stream": True,
+    }
     with http.stream("POST", CHAT, json=body) as response:
         lines = response.iter_lines()
         for _ in range(10):

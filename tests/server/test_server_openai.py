@@ -10,6 +10,7 @@ import httpx
 import jsonschema
 import pydantic
 import pytest
+
 from conftest import MAX_MODEL_LEN, SERVED_MODEL_NAME
 from schemas import CARD_SCHEMA
 
@@ -18,9 +19,7 @@ HELLO = [{"role": "user", "content": "Say hello."}]
 
 def _greedy(openai_client, messages=HELLO, **kwargs):
     kwargs.setdefault("max_tokens", 8)
-    return openai_client.chat.completions.create(
-        model="any-name", messages=messages, temperature=0, **kwargs
-    )
+    return openai_client.chat.completions.create(model="any-name", messages=messages, temperature=0, **kwargs)
 
 
 def test_health_and_models(http, openai_client):
@@ -61,9 +60,7 @@ def test_max_tokens_gives_length(openai_client):
     response = _greedy(openai_client, max_tokens=3, extra_body={"ignore_eos": True})
     assert response.choices[0].finish_reason == "length"
     assert response.usage.completion_tokens == 3
-    response = openai_client.chat.completions.create(
-        model="m", messages=HELLO, temperature=0, max_completion_tokens=2
-    )
+    response = openai_client.chat.completions.create(model="m", messages=HELLO, temperature=0, max_completion_tokens=2)
     assert response.usage.completion_tokens <= 2
 
 
@@ -122,10 +119,19 @@ def test_stop_strings(openai_client):
 
 def test_seed_reproducible(openai_client):
     def sample(seed):
-        return openai_client.chat.completions.create(
-            model="m", messages=HELLO, max_tokens=8, temperature=1.0, top_p=0.9, seed=seed,
-            extra_body={"top_k": 50},
-        ).choices[0].message.content
+        return (
+            openai_client.chat.completions.create(
+                model="m",
+                messages=HELLO,
+                max_tokens=8,
+                temperature=1.0,
+                top_p=0.9,
+                seed=seed,
+                extra_body={"top_k": 50},
+            )
+            .choices[0]
+            .message.content
+        )
 
     assert sample(1234) == sample(1234)
 
@@ -139,22 +145,27 @@ def test_roles_and_content_parts(openai_client, demo_tokenizer):
             "role": "assistant",
             "content": None,
             "tool_calls": [
-                {"id": "call_1", "type": "function",
-                 "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}},
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                },
             ],
         },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
         {"role": "assistant", "content": "Sunny."},
         {"role": "user", "content": "Thanks."},
     ]
-    tools = [{
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "description": "Weather in a city",
-            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-        },
-    }]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "get_weather",
+                "description": "Weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+            },
+        }
+    ]
     response = openai_client.chat.completions.create(
         model="m", messages=messages, tools=tools, max_tokens=3, temperature=0
     )
@@ -164,9 +175,17 @@ def test_roles_and_content_parts(openai_client, demo_tokenizer):
         {"role": "system", "content": "You are terse."},
         {"role": "system", "content": "Answer in English."},
         {"role": "user", "content": "What is\nthe weather?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
-        ]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
         {"role": "assistant", "content": "Sunny."},
         {"role": "user", "content": "Thanks."},
@@ -178,8 +197,12 @@ def test_roles_and_content_parts(openai_client, demo_tokenizer):
 
 def test_utf8_streaming(http, parse_sse):
     """Every streamed event decodes as UTF-8 on its own (parse_sse checks), and deltas join to the whole text."""
-    body = {"model": "m", "messages": [{"role": "user", "content": "Écris « héllo » 🙂 en 中文"}],
-            "max_tokens": 24, "temperature": 0}
+    body = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Écris « héllo » 🙂 en 中文"}],
+        "max_tokens": 24,
+        "temperature": 0,
+    }
     full = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
     with http.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as response:
         events = parse_sse(response.read())
@@ -207,17 +230,20 @@ def test_concurrent_requests(server):
     assert all(size > 0 for size in asyncio.run(main()))
 
 
-WEATHER_TOOLS = [{
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+WEATHER_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather in a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+        },
     },
-}, {
-    "type": "function",
-    "function": {"name": "list_files", "parameters": {"type": "object", "properties": {}}},
-}]
+    {
+        "type": "function",
+        "function": {"name": "list_files", "parameters": {"type": "object", "properties": {}}},
+    },
+]
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
@@ -258,8 +284,10 @@ def test_tool_choice_none_leaves_tools_out(openai_client, demo_tokenizer):
 def test_bad_tool_choice_is_400(http):
     base = {"model": "m", "messages": HELLO, "max_tokens": 1}
     cases = [
-        ({"tools": WEATHER_TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
-         "tool_choice.function.name"),
+        (
+            {"tools": WEATHER_TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice.function.name",
+        ),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"tools": WEATHER_TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
         ({"tools": WEATHER_TOOLS, "tool_choice": {"type": "function"}}, "tool_choice.function"),
@@ -281,16 +309,22 @@ def test_logit_bias(openai_client, http, demo_tokenizer):
     assert len({e.token for e in forced.choices[0].logprobs.content}) == 1
     base = {"model": "m", "messages": HELLO, "max_tokens": 1}
     for bias, param in [
-        ([1], "logit_bias"), ({"x": 1}, "logit_bias"), ({"-3": 1}, "logit_bias"), ({"5": 101}, "logit_bias.5"),
-        ({"5": "high"}, "logit_bias.5"), ({str(10**9): 1}, "logit_bias"),
+        ([1], "logit_bias"),
+        ({"x": 1}, "logit_bias"),
+        ({"-3": 1}, "logit_bias"),
+        ({"5": 101}, "logit_bias.5"),
+        ({"5": "high"}, "logit_bias.5"),
+        ({str(10**9): 1}, "logit_bias"),
     ]:
         for stream in (False, True):  # streamed too: a 400 before the first byte, never a 200 with an error event
             response = http.post("/v1/chat/completions", json={**base, "logit_bias": bias, "stream": stream})
             assert response.status_code == 400, (bias, response.text)
             error = response.json()["error"]
             assert error["param"] == param and "logit_bias" in error["message"], (bias, error)
-    response = http.post("/v1/completions", json={"model": "m", "prompt": "hi", "max_tokens": 1, "stream": True,
-                                                  "logit_bias": {str(10**9): 1}})
+    response = http.post(
+        "/v1/completions",
+        json={"model": "m", "prompt": "hi", "max_tokens": 1, "stream": True, "logit_bias": {str(10**9): 1}},
+    )
     assert response.status_code == 400 and response.json()["error"]["param"] == "logit_bias", response.text
 
 
@@ -300,25 +334,54 @@ def test_multi_turn_tool_history(openai_client, http):
     def history(arguments):
         return [
             {"role": "user", "content": "Weather in Paris and Rome, then list files."},
-            {"role": "assistant", "content": None, "reasoning_content": "Two cities.", "tool_calls": [
-                {"id": "call_a", "type": "function", "function": {"name": "get_weather", "arguments": arguments[0]}},
-                {"id": "call_b", "type": "function", "function": {"name": "get_weather", "arguments": arguments[1]}},
-            ]},
+            {
+                "role": "assistant",
+                "content": None,
+                "reasoning_content": "Two cities.",
+                "tool_calls": [
+                    {
+                        "id": "call_a",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": arguments[0]},
+                    },
+                    {
+                        "id": "call_b",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": arguments[1]},
+                    },
+                ],
+            },
             {"role": "tool", "tool_call_id": "call_a", "content": "sunny"},
             {"role": "tool", "tool_call_id": "call_b", "content": [{"type": "text", "text": "rain"}]},
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"id": "call_c", "type": "function", "function": {"name": "list_files", "arguments": "{}"}}]},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": "call_c", "type": "function", "function": {"name": "list_files", "arguments": "{}"}}
+                ],
+            },
             {"role": "tool", "tool_call_id": "call_c", "content": "a.py"},
         ]
 
     as_strings = history(['{"city": "Paris"}', '{"city": "Rome"}'])
     response = openai_client.chat.completions.create(
-        model="m", messages=as_strings, tools=WEATHER_TOOLS, tool_choice="auto", max_tokens=4, temperature=0,
+        model="m",
+        messages=as_strings,
+        tools=WEATHER_TOOLS,
+        tool_choice="auto",
+        max_tokens=4,
+        temperature=0,
         extra_body={"chat_template_kwargs": {"enable_thinking": False}},
     )
     assert response.choices[0].finish_reason in ("stop", "length", "tool_calls")
-    body = {"model": "m", "messages": history([{"city": "Paris"}, {"city": "Rome"}]), "tools": WEATHER_TOOLS,
-            "max_tokens": 4, "temperature": 0, "chat_template_kwargs": {"enable_thinking": False}}
+    body = {
+        "model": "m",
+        "messages": history([{"city": "Paris"}, {"city": "Rome"}]),
+        "tools": WEATHER_TOOLS,
+        "max_tokens": 4,
+        "temperature": 0,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
     raw = http.post("/v1/chat/completions", json=body)
     assert raw.status_code == 200, raw.text
     assert raw.json()["usage"]["prompt_tokens"] == response.usage.prompt_tokens
@@ -373,18 +436,26 @@ def test_response_format_instructs(openai_client, demo_tokenizer, http):
     assert response.usage.prompt_tokens == len(demo_tokenizer.encode(prompt))
     schema = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
     with_system = [{"role": "system", "content": "Be terse."}, *HELLO]
-    response = _greedy(openai_client, messages=with_system, max_tokens=2, response_format={
-        "type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}})
+    response = _greedy(
+        openai_client,
+        messages=with_system,
+        max_tokens=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "reply", "schema": schema, "strict": True}},
+    )
     plain = _greedy(openai_client, messages=with_system, max_tokens=2)
     assert response.usage.prompt_tokens > plain.usage.prompt_tokens
     assert _greedy(openai_client, max_tokens=2, response_format={"type": "text"}).usage.prompt_tokens == (
-        _greedy(openai_client, max_tokens=2).usage.prompt_tokens)
-    for response_format, param in [({"type": "xml"}, "response_format.type"),
-                                   ({"type": "json_schema"}, "response_format.json_schema"),
-                                   ({"type": "json_schema", "json_schema": {"schema": {}}},
-                                    "response_format.json_schema.name")]:
-        bad = http.post("/v1/chat/completions", json={"model": "m", "messages": HELLO, "max_tokens": 1,
-                                                      "response_format": response_format})
+        _greedy(openai_client, max_tokens=2).usage.prompt_tokens
+    )
+    for response_format, param in [
+        ({"type": "xml"}, "response_format.type"),
+        ({"type": "json_schema"}, "response_format.json_schema"),
+        ({"type": "json_schema", "json_schema": {"schema": {}}}, "response_format.json_schema.name"),
+    ]:
+        bad = http.post(
+            "/v1/chat/completions",
+            json={"model": "m", "messages": HELLO, "max_tokens": 1, "response_format": response_format},
+        )
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
 
 
@@ -409,8 +480,15 @@ def test_response_format_json_schema_is_enforced(openai_client, strict):
             assert choice.finish_reason == "stop", choice
             jsonschema.validate(json.loads(choice.message.content), CARD_SCHEMA)
     stream = openai_client.chat.completions.create(
-        model="m", messages=HELLO, max_tokens=200, response_format=fmt, extra_body=NO_THINKING, stream=True,
-        temperature=1.0, seed=11, n=2,
+        model="m",
+        messages=HELLO,
+        max_tokens=200,
+        response_format=fmt,
+        extra_body=NO_THINKING,
+        stream=True,
+        temperature=1.0,
+        seed=11,
+        n=2,
     )
     texts = ["", ""]
     finishes = {}
@@ -433,7 +511,12 @@ class Card(pydantic.BaseModel):
 def test_sdk_parse_helper(openai_client):
     """The SDK's ``parse`` sends a strict schema made from a pydantic model and validates the reply with it."""
     completion = openai_client.chat.completions.parse(
-        model="m", messages=HELLO, max_tokens=200, response_format=Card, temperature=1.0, seed=5,
+        model="m",
+        messages=HELLO,
+        max_tokens=200,
+        response_format=Card,
+        temperature=1.0,
+        seed=5,
         extra_body=NO_THINKING,
     )
     card = completion.choices[0].message.parsed
@@ -444,7 +527,11 @@ def test_response_format_json_object(openai_client):
     """Any object: unbounded, so the random demo model may run out of tokens; what it wrote is still the
     start of one JSON object, and a finished one parses."""
     response = openai_client.chat.completions.create(
-        model="m", messages=HELLO, max_tokens=24, response_format={"type": "json_object"}, extra_body=NO_THINKING,
+        model="m",
+        messages=HELLO,
+        max_tokens=24,
+        response_format={"type": "json_object"},
+        extra_body=NO_THINKING,
         temperature=0,
     )
     content = response.choices[0].message.content
@@ -458,13 +545,24 @@ def test_response_format_json_object(openai_client):
 def test_response_format_with_tools(openai_client, http):
     """Tools offered with a response format: the reply is the JSON or tool calls whose arguments match the
     tool's schema (the demo model takes either, by seed), never anything else."""
-    parameters = {"type": "object", "properties": {"cmd": {"type": "string", "maxLength": 8}}, "required": ["cmd"],
-                  "additionalProperties": False}
+    parameters = {
+        "type": "object",
+        "properties": {"cmd": {"type": "string", "maxLength": 8}},
+        "required": ["cmd"],
+        "additionalProperties": False,
+    }
     tools = [{"type": "function", "function": {"name": "shell", "parameters": parameters}}]
     fmt = {"type": "json_schema", "json_schema": {"name": "card", "schema": CARD_SCHEMA}}
     response = openai_client.chat.completions.create(
-        model="m", messages=HELLO, max_tokens=200, response_format=fmt, tools=tools, extra_body=NO_THINKING,
-        temperature=1.0, seed=2, n=4,
+        model="m",
+        messages=HELLO,
+        max_tokens=200,
+        response_format=fmt,
+        tools=tools,
+        extra_body=NO_THINKING,
+        temperature=1.0,
+        seed=2,
+        n=4,
     )
     for choice in response.choices:
         if choice.finish_reason == "tool_calls":
@@ -476,23 +574,39 @@ def test_response_format_with_tools(openai_client, http):
             assert choice.finish_reason == "stop", choice
             jsonschema.validate(json.loads(choice.message.content), CARD_SCHEMA)
     bad_tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]
-    bad = http.post("/v1/chat/completions", json={"model": "m", "messages": HELLO, "max_tokens": 4, "tools": bad_tools,
-                                                  "response_format": {"type": "json_object"}})
+    bad = http.post(
+        "/v1/chat/completions",
+        json={
+            "model": "m",
+            "messages": HELLO,
+            "max_tokens": 4,
+            "tools": bad_tools,
+            "response_format": {"type": "json_object"},
+        },
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools", bad.text
 
 
 def test_response_format_errors(http):
     def post(response_format, **extra):
-        return http.post("/v1/chat/completions", json={"model": "m", "messages": HELLO, "max_tokens": 4,
-                                                       "response_format": response_format, **extra})
+        return http.post(
+            "/v1/chat/completions",
+            json={"model": "m", "messages": HELLO, "max_tokens": 4, "response_format": response_format, **extra},
+        )
 
     for response_format, param in [
-        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}},
-         "response_format.json_schema.schema"),
-        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}},
-         "response_format.json_schema.schema"),
-        ({"type": "json_schema", "json_schema": {"name": "x", "schema": "object"}},
-         "response_format.json_schema.schema"),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strin"}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/nowhere"}}},
+            "response_format.json_schema.schema",
+        ),
+        (
+            {"type": "json_schema", "json_schema": {"name": "x", "schema": "object"}},
+            "response_format.json_schema.schema",
+        ),
         ("json", "response_format"),
     ]:
         bad = post(response_format)

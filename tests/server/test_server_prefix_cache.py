@@ -15,6 +15,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+
 from conftest import ServerProcess, start_server
 
 SYSTEM = (
@@ -63,8 +64,10 @@ def reused(num_prompt_tokens: int) -> int:
 def test_second_turn_reports_cached_tokens_and_equals_cold(server, cold):
     history = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Where do the tests live?"}]
     first = chat(server, history)
-    history += [{"role": "assistant", "content": first.choices[0].message.content or "tests/"},
-                {"role": "user", "content": "And the benchmarks?"}]
+    history += [
+        {"role": "assistant", "content": first.choices[0].message.content or "tests/"},
+        {"role": "user", "content": "And the benchmarks?"},
+    ]
     second = chat(server, history)
     reference = chat(cold, history)
     assert second.choices[0].message.content == reference.choices[0].message.content
@@ -151,18 +154,27 @@ def test_strict_prefix_and_mid_edit_equal_cold(server, cold):
 
 def test_many_sessions_under_a_small_kv_budget(small, cold):
     """Six three-turn sessions round-robin through 512 tokens of KV: blocks are evicted, answers stay cold's."""
-    sessions = [[{"role": "system", "content": f"Session {s}. " + SYSTEM},
-                 {"role": "user", "content": f"Question {s}: what is in the repository?"}] for s in range(6)]
+    sessions = [
+        [
+            {"role": "system", "content": f"Session {s}. " + SYSTEM},
+            {"role": "user", "content": f"Question {s}: what is in the repository?"},
+        ]
+        for s in range(6)
+    ]
     evictions_before = stats(small)["num_evictions"]
     cached_seen = 0
     for turn in range(3):
         for s, history in enumerate(sessions):
             got = chat(small, history, max_tokens=8)
             assert got.choices[0].message.content == chat(cold, history, max_tokens=8).choices[0].message.content, (
-                s, turn)
+                s,
+                turn,
+            )
             cached_seen += got.usage.prompt_tokens_details.cached_tokens
-            history += [{"role": "assistant", "content": got.choices[0].message.content or "ok"},
-                        {"role": "user", "content": f"Turn {turn} of session {s}: go on."}]
+            history += [
+                {"role": "assistant", "content": got.choices[0].message.content or "ok"},
+                {"role": "user", "content": f"Turn {turn} of session {s}: go on."},
+            ]
     after = stats(small)
     assert after["num_evictions"] > evictions_before
     assert after["capacity_tokens"] == 512
@@ -172,8 +184,9 @@ def test_many_sessions_under_a_small_kv_budget(small, cold):
 def test_concurrent_shared_prefix_and_preemption(small, cold):
     """Eight concurrent requests on one system prompt through the small server (4 running, 512 tokens of KV, so
     long answers preempt each other): each answer equals cold's, and the shared prompt was reused."""
-    messages = [[{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Item {i}, briefly."}]
-                for i in range(8)]
+    messages = [
+        [{"role": "system", "content": SYSTEM}, {"role": "user", "content": f"Item {i}, briefly."}] for i in range(8)
+    ]
     hits_before = stats(small)["num_hit_tokens"]
     with ThreadPoolExecutor(8) as pool:
         got = list(pool.map(lambda m: chat(small, m, max_tokens=40), messages))
@@ -197,7 +210,14 @@ def test_n_choices_share_the_prompt(server, cold):
 def test_stats_counters(server):
     s = stats(server)
     assert s["enabled"] is True
-    for key in ("num_lookups", "num_lookup_tokens", "num_hit_tokens", "num_evictions", "num_cached_blocks",
-                "num_evictable_blocks", "capacity_tokens"):
+    for key in (
+        "num_lookups",
+        "num_lookup_tokens",
+        "num_hit_tokens",
+        "num_evictions",
+        "num_cached_blocks",
+        "num_evictable_blocks",
+        "capacity_tokens",
+    ):
         assert isinstance(s[key], int) and s[key] >= 0, key
     assert s["num_lookups"] > 0 and s["capacity_tokens"] > 0

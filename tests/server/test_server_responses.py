@@ -7,15 +7,19 @@ import json
 import jsonschema
 import openai
 import pytest
-from conftest import SERVED_MODEL_NAME
 from test_server_openai import CARD_SCHEMA
 
-TOOLS = [{
-    "type": "function",
-    "name": "shell",
-    "description": "Run a command",
-    "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]},
-}, {"type": "web_search"}]
+from conftest import SERVED_MODEL_NAME
+
+TOOLS = [
+    {
+        "type": "function",
+        "name": "shell",
+        "description": "Run a command",
+        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]},
+    },
+    {"type": "web_search"},
+]
 
 
 def test_shape_and_usage(openai_client, demo_tokenizer):
@@ -38,8 +42,14 @@ def test_shape_and_usage(openai_client, demo_tokenizer):
 
 
 def test_forced_function_call_and_stream(openai_client):
-    kwargs = {"model": "m", "input": "List files.", "tools": TOOLS, "max_output_tokens": 20, "temperature": 0,
-              "tool_choice": {"type": "function", "name": "shell"}}
+    kwargs = {
+        "model": "m",
+        "input": "List files.",
+        "tools": TOOLS,
+        "max_output_tokens": 20,
+        "temperature": 0,
+        "tool_choice": {"type": "function", "name": "shell"},
+    }
     response = openai_client.responses.create(**kwargs)
     calls = [item for item in response.output if item.type == "function_call"]
     assert len(calls) == 1 and calls[0].name == "shell" and calls[0].call_id.startswith("call_")
@@ -101,18 +111,21 @@ def test_reasoning_and_calls_validate_as_sdk_events():
     final response's items equal those of the non-streamed parse."""
     import json
 
-    from freetoken.server.parsers import ParserOptions, parse_text
-    from freetoken.server.parsers.qwen3 import Qwen3Parser
-    from freetoken.server.responses import ToolKinds, _ItemStream, output_items
     from openai.types.responses import ResponseStreamEvent
     from pydantic import TypeAdapter
 
-    text = ('<think>\nNeed ls.\n</think>\n\nRunning it.\n<tool_call>\n{"name": "shell", "arguments": '
-            '{"cmd": "ls -la"}}\n</tool_call>')
+    from freetoken.server.parsers import ParserOptions, parse_text
+    from freetoken.server.parsers.qwen3 import Qwen3Parser
+    from freetoken.server.responses import ToolKinds, _ItemStream, output_items
+
+    text = (
+        '<think>\nNeed ls.\n</think>\n\nRunning it.\n<tool_call>\n{"name": "shell", "arguments": '
+        '{"cmd": "ls -la"}}\n</tool_call>'
+    )
     options = ParserOptions(prompt_text="", parse_tools=True)
     whole = output_items(parse_text(Qwen3Parser(options), text), ToolKinds())
     parser, items = Qwen3Parser(options), _ItemStream(ToolKinds())
-    raw = [e for i in range(0, len(text), 5) for e in items.events(parser.feed(text[i:i + 5]))]
+    raw = [e for i in range(0, len(text), 5) for e in items.events(parser.feed(text[i : i + 5]))]
     raw += items.events(parser.finish()) + items.close()
     adapter = TypeAdapter(ResponseStreamEvent)
     events = [adapter.validate_python(json.loads(e.split(b"data: ", 1)[1])) for e in raw]
@@ -127,8 +140,13 @@ def test_text_format_json_schema(openai_client, http):
     """``text.format`` constrains the output as chat completions' response_format does (reasoning effort
     "none" turns the demo template's thinking off), and the response echoes the format."""
     fmt = {"type": "json_schema", "name": "card", "schema": CARD_SCHEMA, "strict": True}
-    kwargs = {"model": "m", "input": "Make a card.", "max_output_tokens": 200, "text": {"format": fmt},
-              "reasoning": {"effort": "none"}}
+    kwargs = {
+        "model": "m",
+        "input": "Make a card.",
+        "max_output_tokens": 200,
+        "text": {"format": fmt},
+        "reasoning": {"effort": "none"},
+    }
     response = openai_client.responses.create(**kwargs, temperature=0)
     assert response.status == "completed"
     jsonschema.validate(json.loads(response.output_text), CARD_SCHEMA)
@@ -147,21 +165,27 @@ def test_previous_response_id_continues_the_conversation(openai_client, demo_tok
     no_thinking = {"reasoning": {"effort": "none"}, "max_output_tokens": 6, "temperature": 0}
     first = openai_client.responses.create(model="m", input="Say hi.", instructions="Be terse.", **no_thinking)
     assert first.store is True
-    second = openai_client.responses.create(
-        model="m", input="Again.", previous_response_id=first.id, **no_thinking
-    )
+    second = openai_client.responses.create(model="m", input="Again.", previous_response_id=first.id, **no_thinking)
     assert second.previous_response_id == first.id
     # The prompt is the first input and output, then the new input; the first's instructions are not carried over.
-    history = [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": first.output_text},
-               {"role": "user", "content": "Again."}]
+    history = [
+        {"role": "user", "content": "Say hi."},
+        {"role": "assistant", "content": first.output_text},
+        {"role": "user", "content": "Again."},
+    ]
     prompt = demo_tokenizer.apply_chat_template(history, add_generation_prompt=True, enable_thinking=False)
     assert second.usage.input_tokens == len(demo_tokenizer.encode(prompt))
 
     # A chain, streamed: the third continues the second (and so the first); what it streamed is what is stored.
-    events = list(openai_client.responses.create(
-        model="m", input=[{"role": "user", "content": "Once more."}], previous_response_id=second.id, stream=True,
-        **no_thinking,
-    ))
+    events = list(
+        openai_client.responses.create(
+            model="m",
+            input=[{"role": "user", "content": "Once more."}],
+            previous_response_id=second.id,
+            stream=True,
+            **no_thinking,
+        )
+    )
     third = events[-1].response
     assert third.previous_response_id == second.id
     assert third.usage.input_tokens > second.usage.input_tokens + second.usage.output_tokens
@@ -181,8 +205,9 @@ def test_previous_response_id_errors_and_store_false(openai_client, http):
     assert unsaved.store is False
     with pytest.raises(openai.NotFoundError):
         openai_client.responses.retrieve(unsaved.id)
-    bad = http.post("/v1/responses", json={"model": "m", "input": "y", "max_output_tokens": 1,
-                                           "previous_response_id": unsaved.id})
+    bad = http.post(
+        "/v1/responses", json={"model": "m", "input": "y", "max_output_tokens": 1, "previous_response_id": unsaved.id}
+    )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "previous_response_id"
 
     kept = openai_client.responses.create(model="m", input="x", max_output_tokens=1)

@@ -12,6 +12,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+
 from conftest import ServerProcess, start_server
 from freetoken.models.demo_qwen3_5 import build_qwen3_5_demo_checkpoint
 
@@ -19,9 +20,16 @@ SYSTEM = (
     "You are a coding agent inside a repository. Use the tools, answer briefly, cite file names. The repository "
     "holds a Rust core and a Python engine; its tests run on the CPU."
 )
-TOOLS = [{"type": "function", "function": {
-    "name": "read", "description": "Read a file",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "read",
+            "description": "Read a file",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}},
+        },
+    }
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +46,9 @@ def marks(tmp_path_factory, model_dir) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def cold(tmp_path_factory, model_dir) -> Iterator[ServerProcess]:
-    proc = start_server(tmp_path_factory.mktemp("cold"), "--max-model-len", "2048", "--state-checkpoints", "off",
-                        model_dir=model_dir)
+    proc = start_server(
+        tmp_path_factory.mktemp("cold"), "--max-model-len", "2048", "--state-checkpoints", "off", model_dir=model_dir
+    )
     yield proc
     proc.stop()
 
@@ -49,8 +58,9 @@ def oai(server: ServerProcess) -> openai.OpenAI:
 
 
 def chat(server: ServerProcess, messages: list[dict], max_tokens: int = 8, **kwargs):
-    return oai(server).chat.completions.create(model="m", messages=messages, max_tokens=max_tokens, temperature=0,
-                                               tools=TOOLS, **kwargs)
+    return oai(server).chat.completions.create(
+        model="m", messages=messages, max_tokens=max_tokens, temperature=0, tools=TOOLS, **kwargs
+    )
 
 
 def stats(server: ServerProcess) -> dict:
@@ -61,8 +71,13 @@ def history(turn: int, tag: str = "") -> list[dict]:
     messages = [{"role": "system", "content": SYSTEM + tag}, {"role": "user", "content": "What does engine.py do?"}]
     for t in range(turn):
         messages += [
-            {"role": "assistant", "content": "", "tool_calls": [
-                {"id": f"c{t}", "type": "function", "function": {"name": "read", "arguments": '{"path": "e.py"}'}}]},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [
+                    {"id": f"c{t}", "type": "function", "function": {"name": "read", "arguments": '{"path": "e.py"}'}}
+                ],
+            },
             {"role": "tool", "tool_call_id": f"c{t}", "content": f"def step_{t}(self):\n    return self.run()\n"},
         ]
     return messages
@@ -84,8 +99,11 @@ def test_follow_up_turns_report_cached_tokens_and_equal_cold(marks, cold):
     assert {"num_evicted", "num_invalidated", "bytes_budget", "num_snapshots"} <= set(after)
     assert "state_checkpoints" not in httpx.get(cold.base_url + "/v1/stats", timeout=30).json()
     # The same counters for Prometheus.
-    samples = dict(line.rsplit(" ", 1) for line in httpx.get(marks.base_url + "/metrics", timeout=30).text.splitlines()
-                   if line.startswith("freetoken_state_checkpoint"))
+    samples = dict(
+        line.rsplit(" ", 1)
+        for line in httpx.get(marks.base_url + "/metrics", timeout=30).text.splitlines()
+        if line.startswith("freetoken_state_checkpoint")
+    )
     assert float(samples["freetoken_state_checkpoint_restores_total"]) >= after["num_restores"]
     assert float(samples["freetoken_state_checkpoint_live"]) > 0
 
@@ -107,7 +125,8 @@ def test_responses_and_anthropic_report_cached_tokens(marks, cold):
     got = ant.messages.create(model="m", messages=follow, max_tokens=6, extra_body={"temperature": 0})
     assert got.usage.cache_read_input_tokens > 0
     ref = anthropic.Anthropic(base_url=cold.base_url, api_key="unused", max_retries=0, timeout=300.0).messages.create(
-        model="m", messages=follow, max_tokens=6, extra_body={"temperature": 0})
+        model="m", messages=follow, max_tokens=6, extra_body={"temperature": 0}
+    )
     assert ref.usage.cache_read_input_tokens == 0
     assert got.content[0].text == ref.content[0].text
 
@@ -124,9 +143,19 @@ def test_concurrent_and_n_choices_equal_cold(marks, cold):
 
 def test_aborted_stream_leaves_answers_exact(marks, cold):
     messages = history(2, tag=" Aborted.")
-    with httpx.stream("POST", marks.base_url + "/v1/chat/completions", timeout=300, json={
-        "model": "m", "messages": messages, "max_tokens": 200, "temperature": 0, "stream": True, "tools": TOOLS,
-    }) as response:
+    with httpx.stream(
+        "POST",
+        marks.base_url + "/v1/chat/completions",
+        timeout=300,
+        json={
+            "model": "m",
+            "messages": messages,
+            "max_tokens": 200,
+            "temperature": 0,
+            "stream": True,
+            "tools": TOOLS,
+        },
+    ) as response:
         for _ in response.iter_lines():
             break  # the client goes away after the first event
     follow = messages + [{"role": "user", "content": "Go on."}]

@@ -30,7 +30,7 @@ def test_page_is_self_contained(http):
     response = http.get("/")
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
     assert not re.search(r"""(src|href)\s*=\s*["']?(https?:)?//""", response.text)
-    assert "fetch(\"/v1/stats\")" in response.text or "/v1/stats" in response.text
+    assert 'fetch("/v1/stats")' in response.text or "/v1/stats" in response.text
 
 
 def test_page_is_open_with_an_api_key(keyed_server):
@@ -46,8 +46,13 @@ def browser():
 
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                 "--window-size=1400,1000"):
+    for flag in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1400,1000",
+    ):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=options)
     yield driver
@@ -59,7 +64,7 @@ def test_live_numbers_and_streamed_chat(server, browser, tmp_path):
     from selenium.webdriver.support.ui import WebDriverWait
 
     wait = WebDriverWait(browser, 60, poll_frequency=0.2)
-    text = lambda element_id: browser.find_element(By.ID, element_id).text  # noqa: E731
+    text = lambda element_id: browser.find_element(By.ID, element_id).text
     browser.get(server.base_url + "/")
     wait.until(lambda _: text("conn") == "live")
     assert text("model") == "freetoken-test" and text("backend") == "cpu"

@@ -55,9 +55,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         type=Path,
         help="model directory, or 'demo' as ft serve takes it: expert shape and top-k from its config.json",
     )
-    source.add_argument(
-        "--preset", choices=preset_names(), help=f"a shipped real config (default: {DEFAULT_PRESET})"
-    )
+    source.add_argument("--preset", choices=preset_names(), help=f"a shipped real config (default: {DEFAULT_PRESET})")
     bw.add_argument("--seconds", type=float, default=1.0, help="length of each timed measurement, s (default: 1)")
     bw.add_argument("--pool-gb", type=float, default=6.0, help="random expert pool (working set), GB (default: 6)")
     bw.add_argument("--cpu-threads", type=int, default=0, help="threads of the host expert kernel; 0 = all CPUs")
@@ -95,7 +93,12 @@ def run_bw(args: argparse.Namespace) -> int:
 
     from freetoken.bench.box import build_profile, measure_box
     from freetoken.moe.profile import (
-        HYBRID_MIN_Q_STAR, ExpertShape, profile_dir, profile_path, verdict, write_profile,
+        HYBRID_MIN_Q_STAR,
+        ExpertShape,
+        profile_dir,
+        profile_path,
+        verdict,
+        write_profile,
     )  # fmt: skip
 
     shape = ExpertShape(cfg.hidden_size, cfg.moe_intermediate_size)

@@ -37,8 +37,11 @@ def base_url(server: str) -> str:
 def add_server_args(parser: Any) -> None:
     """`--server` and `--api-key` (default $FREETOKEN_API_KEY), as every client verb takes them."""
     parser.add_argument("--server", default=DEFAULT_SERVER, help=f"the freetoken server (default: {DEFAULT_SERVER})")
-    parser.add_argument("--api-key", default=os.environ.get("FREETOKEN_API_KEY"),
-                        help="the server's --api-key (default: $FREETOKEN_API_KEY)")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("FREETOKEN_API_KEY"),
+        help="the server's --api-key (default: $FREETOKEN_API_KEY)",
+    )
 
 
 def get_json(server: str, path: str, api_key: str | None = None, timeout_s: float = 5.0) -> Any:
@@ -73,8 +76,10 @@ def _request_json(server: str, path: str, api_key: str | None, body: Any, timeou
             return json.load(response)
     except urllib.error.HTTPError as exc:
         if exc.code == 401 and api_key:
-            raise ServerError(f"{url} refused the API key given (--api-key or FREETOKEN_API_KEY): it is not "
-                              "the key its `ft serve --api-key` set") from None
+            raise ServerError(
+                f"{url} refused the API key given (--api-key or FREETOKEN_API_KEY): it is not "
+                "the key its `ft serve --api-key` set"
+            ) from None
         if exc.code == 401:
             raise ServerError(f"{url} needs its API key: pass --api-key or set FREETOKEN_API_KEY") from None
         try:

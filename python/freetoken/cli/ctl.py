@@ -79,8 +79,10 @@ def _prefix_line(prefix: dict) -> str:
         return "off (--no-prefix-cache, or a model it cannot serve yet)"
     hit, looked_up = prefix.get("num_hit_tokens", 0), prefix.get("num_lookup_tokens", 0)
     share = f"{100 * hit / looked_up:.0f}%" if looked_up else "–"
-    return (f"{hit} of {looked_up} prompt tokens reused ({share}); {prefix.get('num_cached_blocks', 0)} blocks "
-            f"cached, {prefix.get('num_evictions', 0)} evictions")
+    return (
+        f"{hit} of {looked_up} prompt tokens reused ({share}); {prefix.get('num_cached_blocks', 0)} blocks "
+        f"cached, {prefix.get('num_evictions', 0)} evictions"
+    )
 
 
 def run_status(args: argparse.Namespace) -> int:
@@ -107,7 +109,8 @@ def cache_lines(cache: dict) -> list[str]:
         lines.append("experts    no expert-slot cache (fused or cpu backend)")
     else:
         lines.append(
-            f"experts    {experts['gb']:.4g} GB: {experts['num_slots']} slots of {experts['slot_nbytes'] / 1e6:.3g} MB, "
+            f"experts    {experts['gb']:.4g} GB: {experts['num_slots']} slots of "
+            f"{experts['slot_nbytes'] / 1e6:.3g} MB, "
             f"{experts['num_resident']} resident of {experts['num_experts']} experts ({experts['policy']})"
         )
     lines.append(

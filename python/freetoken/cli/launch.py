@@ -159,8 +159,10 @@ def _opencode(served: ServedModel, args: list[str], config_dir: Path) -> LaunchP
                 "name": "freetoken",
                 "options": {"baseURL": served.base_url + "/v1", "apiKey": "{env:FREETOKEN_API_KEY}"},
                 "models": {
-                    served.model: {"name": served.model, "limit": {"context": served.max_model_len,
-                                                                    "output": served.max_model_len}},
+                    served.model: {
+                        "name": served.model,
+                        "limit": {"context": served.max_model_len, "output": served.max_model_len},
+                    },
                 },
             }
         },
@@ -178,11 +180,17 @@ def _openclaw(served: ServedModel, args: list[str], config_dir: Path) -> LaunchP
                     "baseUrl": served.base_url + "/v1",
                     "apiKey": "${FREETOKEN_API_KEY}",
                     "api": "openai-completions",
-                    "models": [{
-                        "id": served.model, "name": served.model, "reasoning": False, "input": ["text"],
-                        "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
-                        "contextWindow": served.max_model_len, "maxTokens": served.max_model_len,
-                    }],
+                    "models": [
+                        {
+                            "id": served.model,
+                            "name": served.model,
+                            "reasoning": False,
+                            "input": ["text"],
+                            "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
+                            "contextWindow": served.max_model_len,
+                            "maxTokens": served.max_model_len,
+                        }
+                    ],
                 }
             },
         },
@@ -202,8 +210,7 @@ def _hermes(served: ServedModel, args: list[str], config_dir: Path) -> LaunchPla
         },
     }
     home = config_dir / "home"
-    return LaunchPlan(["hermes", *args], {"HERMES_HOME": str(home)},
-                      {home / "config.yaml": _json(config)})
+    return LaunchPlan(["hermes", *args], {"HERMES_HOME": str(home)}, {home / "config.yaml": _json(config)})
 
 
 def _dsh(served: ServedModel, args: list[str], config_dir: Path) -> LaunchPlan:
@@ -217,8 +224,15 @@ def _dsh(served: ServedModel, args: list[str], config_dir: Path) -> LaunchPlan:
                     "api": "openai-completions",
                     "baseURL": served.base_url + "/v1",
                     "apiKeyEnv": "FREETOKEN_API_KEY",
-                    "models": [{"id": served.model, "name": served.model, "input": ["text"],
-                                "contextWindow": served.max_model_len, "maxTokens": served.max_model_len}],
+                    "models": [
+                        {
+                            "id": served.model,
+                            "name": served.model,
+                            "input": ["text"],
+                            "contextWindow": served.max_model_len,
+                            "maxTokens": served.max_model_len,
+                        }
+                    ],
                 }
             }
         },
@@ -254,8 +268,9 @@ def discover(server: str, api_key: str | None) -> ServedModel:
         card = body["data"][0]
         return ServedModel(base_url(server), str(card["id"]), int(card["max_model_len"]), api_key or PLACEHOLDER_KEY)
     except (KeyError, IndexError, TypeError, ValueError):
-        raise ServerError(f"{base_url(server)}/v1/models lists no model with max_model_len; is it a freetoken "
-                          "server?") from None
+        raise ServerError(
+            f"{base_url(server)}/v1/models lists no model with max_model_len; is it a freetoken server?"
+        ) from None
 
 
 def child_env(parent: Mapping[str, str], plan: LaunchPlan) -> tuple[dict[str, str], list[str]]:
@@ -306,8 +321,10 @@ def run(args: argparse.Namespace) -> int:
     extra = args.passthrough  # what followed `--` (split off by `ft`'s main)
     executable = shutil.which(harness.executable)
     if executable is None and not args.dry_run:
-        print(f"ft launch: {harness.title} (`{harness.executable}`) is not installed; install it with: "
-              f"{harness.install}", file=sys.stderr)
+        print(
+            f"ft launch: {harness.title} (`{harness.executable}`) is not installed; install it with: {harness.install}",
+            file=sys.stderr,
+        )
         return 1
     try:
         served = discover(args.server, args.api_key)
@@ -324,8 +341,11 @@ def run(args: argparse.Namespace) -> int:
         path.write_text(text)
         if "api_key" in text or "apiKey" in text:
             path.chmod(0o600)
-    print(f"ft launch: {harness.title} on {served.model} at {served.base_url}"
-          + (f" ({len(removed)} cloud credentials removed)" if removed else ""), file=sys.stderr)
+    print(
+        f"ft launch: {harness.title} on {served.model} at {served.base_url}"
+        + (f" ({len(removed)} cloud credentials removed)" if removed else ""),
+        file=sys.stderr,
+    )
     sys.stdout.flush()
     sys.stderr.flush()
     os.execvpe(executable, [executable, *plan.argv[1:]], env)

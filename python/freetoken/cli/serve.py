@@ -105,12 +105,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--served-model-name", default=None, help="model name in the APIs (default: the directory name)")
     p.add_argument("--api-key", default=None, help="require this key (Authorization: Bearer or x-api-key)")
     p.add_argument(
-        "--strict-max-tokens", action="store_true",
+        "--strict-max-tokens",
+        action="store_true",
         help="refuse (400) a max_tokens past the room the prompt leaves in the context; by default it is lowered "
         "to that room (agent harnesses ask for 32000 tokens or more whatever the model)",
     )
     p.add_argument(
-        "--default-thinking", action="store_true",
+        "--default-thinking",
+        action="store_true",
         help="Anthropic requests without a `thinking` field think (the Anthropic API's default is off)",
     )
     p.add_argument(
@@ -118,16 +120,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="serve /metrics to loopback clients without --api-key (a local Prometheus scraper)",
     )  # fmt: skip
     p.add_argument(
-        "--header-timeout-s", type=float, default=10.0,
+        "--header-timeout-s",
+        type=float,
+        default=10.0,
         help="close a connection whose request headers are not complete this many seconds after it opened or "
         "after its previous response (default: 10)",
     )
     p.add_argument(
-        "--keep-alive-timeout-s", type=float, default=5.0,
+        "--keep-alive-timeout-s",
+        type=float,
+        default=5.0,
         help="close an idle keep-alive connection after this many seconds (default: 5)",
     )
     p.add_argument(
-        "--max-connections", type=int, default=1024,
+        "--max-connections",
+        type=int,
+        default=1024,
         help="open connections past this get 503 to their requests; 0 = no limit (default: 1024)",
     )
     add_engine_args(p)
@@ -189,7 +197,9 @@ def check_port_free(host: str, port: int) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
     except OSError as exc:
-        raise SystemExit(f"ft serve: cannot listen on {host}:{port} ({exc.strerror}); pick another --port or --host") from None
+        raise SystemExit(
+            f"ft serve: cannot listen on {host}:{port} ({exc.strerror}); pick another --port or --host"
+        ) from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -214,7 +224,8 @@ def run(args: argparse.Namespace) -> int:
     if cfg.max_model_len > model_cfg.max_position_embeddings:
         log.warning(
             "--max-model-len %d is past the model's max_position_embeddings (%d): quality past it is not assured",
-            cfg.max_model_len, model_cfg.max_position_embeddings,
+            cfg.max_model_len,
+            model_cfg.max_position_embeddings,
         )
 
     from freetoken.engine import AsyncEngine, LLMEngine
@@ -229,9 +240,16 @@ def run(args: argparse.Namespace) -> int:
         log.info("routing: the model's own routers")
     log.info("serving %r on http://%s:%d", name, args.host, args.port)
     run_server(
-        AsyncEngine(engine, name), host=args.host, port=args.port, served_model_name=name, api_key=args.api_key,
-        strict_max_tokens=args.strict_max_tokens, default_thinking=args.default_thinking,
-        metrics_open=args.metrics_open, header_timeout_s=args.header_timeout_s,
-        keep_alive_timeout_s=args.keep_alive_timeout_s, max_connections=args.max_connections,
+        AsyncEngine(engine, name),
+        host=args.host,
+        port=args.port,
+        served_model_name=name,
+        api_key=args.api_key,
+        strict_max_tokens=args.strict_max_tokens,
+        default_thinking=args.default_thinking,
+        metrics_open=args.metrics_open,
+        header_timeout_s=args.header_timeout_s,
+        keep_alive_timeout_s=args.keep_alive_timeout_s,
+        max_connections=args.max_connections,
     )
     return 0

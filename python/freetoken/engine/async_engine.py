@@ -24,8 +24,8 @@ import torch
 
 from freetoken.engine.llm_engine import LLMEngine, RequestError
 from freetoken.engine.resize import ResizeConflict, ResizeError, resize
-from freetoken.heap import release_free_memory
 from freetoken.engine.types import GenerationChunk, SamplingParams
+from freetoken.heap import release_free_memory
 
 log = logging.getLogger(__name__)
 
@@ -271,7 +271,7 @@ class AsyncEngine:
             self._streams[command.request_id] = command
             try:
                 self.engine.add_request(command.request_id, command.prompt_ids, command.params, command.group)
-            except Exception as e:  # noqa: BLE001 (RequestError or any other bad-request failure: the thread lives on)
+            except Exception as e:
                 self._deliver(command.request_id, e)
         elif isinstance(command, _Abort):
             self._streams.pop(command.request_id, None)
@@ -284,7 +284,7 @@ class AsyncEngine:
             # Between two steps: the step in flight has ended; running and queued requests wait for this.
             try:
                 answer: dict | BaseException = resize(self.engine, **command.sizes)
-            except Exception as e:  # noqa: BLE001 (refused, rolled back, or a bug: answered, the thread lives on)
+            except Exception as e:
                 if not isinstance(e, ResizeError):
                     log.exception("cache resize failed")
                 answer = e
@@ -331,7 +331,8 @@ class AsyncEngine:
         for request_id in list(self._streams):
             self.engine.abort(request_id)
             self._deliver(
-                request_id, error if error is not None else GenerationChunk(text="", token_ids=[], finish_reason="abort")
+                request_id,
+                error if error is not None else GenerationChunk(text="", token_ids=[], finish_reason="abort"),
             )
 
 

@@ -175,7 +175,8 @@ class DecodeRunner:
             x = self.moe_out[:size] if driven else self.moe_out[:size] + self.cpu_out[:size].to(residual.dtype)
         # The MoE layer's residual stream goes straight into x_resid (the next span's residual).
         h, _, _ = model.run_until_moe(
-            x, residual, start, (self.cos[:size], self.sin[:size]), self.kv.layers, meta, self.x_resid[:size])
+            x, residual, start, (self.cos[:size], self.sin[:size]), self.kv.layers, meta, self.x_resid[:size]
+        )
         if moe_layer < 0:
             self.logits[:size].copy_(model.compute_logits(h))
             return None
@@ -209,8 +210,14 @@ class DecodeRunner:
             h, ids, weights = routed
             hs.post(moe_layer, ids, weights, h)
             _, pairs, tiles = hs.fetch_plan(moe_layer, size)
-            experts.run_slots(h, weights, pairs, tiles, self.moe_out[:size],
-                              before_stage=lambda _, layer=moe_layer: hs.wait_fills(layer))
+            experts.run_slots(
+                h,
+                weights,
+                pairs,
+                tiles,
+                self.moe_out[:size],
+                before_stage=lambda _, layer=moe_layer: hs.wait_fills(layer),
+            )
             hs.fetch_cpu(moe_layer, size, self.moe_out[:size])
 
     def _run_driven(self, size: int, batch: int) -> None:
@@ -284,8 +291,11 @@ class DecodeRunner:
             graph, pool, logits = _capture(partial(self._forward, size), pool)
             self.graphs[size] = (graph, logits)
         kind = (
-            "whole-step, experts served by the decode driver" if self.handshake is not None
-            else "piecewise (one graph per span between MoE layers)" if self.piecewise else "whole-step"
+            "whole-step, experts served by the decode driver"
+            if self.handshake is not None
+            else "piecewise (one graph per span between MoE layers)"
+            if self.piecewise
+            else "whole-step"
         )
         log.info("captured %s CUDA graphs of the decode step for batch sizes %s", kind, self.sizes)
 

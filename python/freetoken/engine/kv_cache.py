@@ -50,7 +50,9 @@ def plan_kv_cache(model_cfg: ModelConfig, engine_cfg: EngineConfig, dtype: torch
         )
     if num_blocks * block < max_model_len:
         # Name the limit that bit: the token count asked for, or the memory cap that cut it down.
-        by_tokens = engine_cfg.kv_cache_tokens and engine_cfg.kv_cache_tokens * per_token <= engine_cfg.kv_cache_gb * 1e9
+        by_tokens = (
+            engine_cfg.kv_cache_tokens and engine_cfg.kv_cache_tokens * per_token <= engine_cfg.kv_cache_gb * 1e9
+        )
         log.warning(
             "KV cache holds %d tokens; max_model_len lowered from %d to fit (raise %s)",
             num_blocks * block,

@@ -90,7 +90,10 @@ class LLMEngine:
         )
         log.info(
             "KV cache: %d blocks x %d tokens = %d tokens, %.2f GB",
-            plan.num_blocks, plan.block_size, plan.num_blocks * plan.block_size, plan.nbytes / 1e9,
+            plan.num_blocks,
+            plan.block_size,
+            plan.num_blocks * plan.block_size,
+            plan.nbytes / 1e9,
         )
         self.state_pool = None
         if model_cfg.linear_layers:
@@ -98,29 +101,42 @@ class LLMEngine:
             model.attach_state(self.state_pool)
             log.info(
                 "recurrent-state pool: %d slots x %.1f MB (%d linear-attention layers) = %.2f GB",
-                engine_cfg.max_num_seqs, RecurrentStatePool.bytes_per_slot(model_cfg, dtype) / 1e6,
-                len(model_cfg.linear_layers), self.state_pool.nbytes / 1e9,
+                engine_cfg.max_num_seqs,
+                RecurrentStatePool.bytes_per_slot(model_cfg, dtype) / 1e6,
+                len(model_cfg.linear_layers),
+                self.state_pool.nbytes / 1e9,
             )
         self.checkpoints = self._make_checkpoints(model_cfg, engine_cfg, tokenizer, dtype)
         self.experts = model.experts
         self.admission = Admission(engine_cfg.max_seqs_per_request or default_share(engine_cfg.max_num_seqs))
         self.scheduler = Scheduler(
-            self.kv, engine_cfg.max_num_seqs, engine_cfg.max_prefill_tokens,
-            prefix_cache=not engine_cfg.no_prefix_cache, admission=self.admission, state_pool=self.state_pool,
+            self.kv,
+            engine_cfg.max_num_seqs,
+            engine_cfg.max_prefill_tokens,
+            prefix_cache=not engine_cfg.no_prefix_cache,
+            admission=self.admission,
+            state_pool=self.state_pool,
             checkpoints=self.checkpoints,
         )
         if engine_cfg.no_prefix_cache:
             log.info("prefix cache: off (--no-prefix-cache); every prompt is prefilled in full")
         elif self.state_pool is not None and self.checkpoints is None:
-            log.info("prefix cache: off for a hybrid model without state checkpoints (--state-checkpoints off); "
-                     "every prompt is prefilled in full")
+            log.info(
+                "prefix cache: off for a hybrid model without state checkpoints (--state-checkpoints off); "
+                "every prompt is prefilled in full"
+            )
         else:
             log.info(
                 "prefix cache: on; holds up to %d tokens in the KV cache's blocks that no request holds",
                 self.scheduler.prefix_cache.capacity_tokens,
             )
         self.runner = ModelRunner(
-            model, self.kv, self.device, engine_cfg.max_num_seqs, self.max_model_len, engine_cfg.enforce_eager,
+            model,
+            self.kv,
+            self.device,
+            engine_cfg.max_num_seqs,
+            self.max_model_len,
+            engine_cfg.enforce_eager,
             piecewise=not self.experts.graph_safe,
         )
         self.eos_ids = set(tokenizer.eos_token_ids if tokenizer else ()) | set(model_cfg.eos_token_ids)
@@ -145,16 +161,28 @@ class LLMEngine:
             return None
         marks = MarkSet.from_tokenizer(tokenizer) if tokenizer is not None else MarkSet([])
         checkpoints = StateCheckpoints(
-            engine_cfg.state_checkpoints, marks, self.state_pool, self.kv, budget,
-            engine_cfg.state_checkpoint_spacing, model_cfg, dtype, host_budget_bytes(engine_cfg, model_cfg, dtype),
+            engine_cfg.state_checkpoints,
+            marks,
+            self.state_pool,
+            self.kv,
+            budget,
+            engine_cfg.state_checkpoint_spacing,
+            model_cfg,
+            dtype,
+            host_budget_bytes(engine_cfg, model_cfg, dtype),
         )
         log.info(
             "state checkpoints: %s; %d snapshots x %.1f MB = %.2f GB (--state-checkpoint-gb), %d more in host memory "
             "(--state-checkpoint-host-gb)%s",
-            checkpoints.mode, checkpoints.pool.capacity, checkpoints.nbytes_each / 1e6,
-            checkpoints.pool.capacity * checkpoints.nbytes_each / 1e9, checkpoints.pool.host_capacity,
+            checkpoints.mode,
+            checkpoints.pool.capacity,
+            checkpoints.nbytes_each / 1e6,
+            checkpoints.pool.capacity * checkpoints.nbytes_each / 1e9,
+            checkpoints.pool.host_capacity,
             f"; marks after {len(marks.sequences)} token sequences, every {engine_cfg.state_checkpoint_spacing} "
-            "tokens deep in a prompt" if checkpoints.mode == "marks" else "",
+            "tokens deep in a prompt"
+            if checkpoints.mode == "marks"
+            else "",
         )
         return checkpoints
 
@@ -323,8 +351,11 @@ class LLMEngine:
             "kv_blocks_total": self.kv.num_blocks,
             "kv_blocks_free": self.scheduler.prefix_cache.num_free,
             "prefix_cache": self.scheduler.prefix_cache.stats(),
-            **({"state_slots_total": self.state_pool.num_slots, "state_slots_free": self.state_pool.num_free}
-               if self.state_pool is not None else {}),
+            **(
+                {"state_slots_total": self.state_pool.num_slots, "state_slots_free": self.state_pool.num_free}
+                if self.state_pool is not None
+                else {}
+            ),
             **({"state_checkpoints": self.checkpoints.stats()} if self.checkpoints is not None else {}),
             "num_steps": self.num_steps,
             "routing": self.routing,

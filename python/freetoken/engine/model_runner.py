@@ -79,8 +79,11 @@ class ModelRunner:
             for seq in step.seqs:
                 seq.num_computed += 1
             tokens, logprobs = sample_with_logprobs(
-                logits, [s.params for s in step.seqs], [s.generator for s in step.seqs],
-                [s.token_ids for s in step.seqs], [s.prompt_len for s in step.seqs],
+                logits,
+                [s.params for s in step.seqs],
+                [s.generator for s in step.seqs],
+                [s.token_ids for s in step.seqs],
+                [s.prompt_len for s in step.seqs],
             )
             return list(tokens), logprobs
         input_ids: list[int] = []
@@ -97,7 +100,9 @@ class ModelRunner:
                 meta.state_splits, meta.state_capture = step.captures.splits, step.captures.write
         ids = torch.tensor(input_ids, dtype=torch.int64, device=self.device)
         if experts is not None:
-            prefill = sum(q for s, q in zip(step.seqs, step.query_lens, strict=True) if q > 1 or s.num_computed < s.prompt_len)
+            prefill = sum(
+                q for s, q in zip(step.seqs, step.query_lens, strict=True) if q > 1 or s.num_computed < s.prompt_len
+            )
             experts.begin_step(len(input_ids), prefill, self.model.config.num_experts_per_tok)
         hidden = self.model(ids, meta, self.kv.layers)
         rows: list[int] = []
@@ -114,8 +119,11 @@ class ModelRunner:
         if rows:
             logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
             tokens, logprobs = sample_with_logprobs(
-                logits, [s.params for s in sampled_seqs], [s.generator for s in sampled_seqs],
-                [s.token_ids for s in sampled_seqs], [s.prompt_len for s in sampled_seqs],
+                logits,
+                [s.params for s in sampled_seqs],
+                [s.generator for s in sampled_seqs],
+                [s.token_ids for s in sampled_seqs],
+                [s.prompt_len for s in sampled_seqs],
             )
             by_seq = {id(s): (t, lp) for s, t, lp in zip(sampled_seqs, tokens, logprobs, strict=True)}
             out = [by_seq[id(s)][0] if id(s) in by_seq else None for s in step.seqs]

@@ -83,7 +83,6 @@ class ResizePlan:
     notes: list[str] = field(default_factory=list)
 
 
-
 T = TypeVar("T")
 
 
@@ -91,6 +90,7 @@ def _given(value: T | None) -> T:
     """`value`, known not to be None here (for mypy: a size given as GB when not as a count)."""
     assert value is not None
     return value
+
 
 def _gb(nbytes: float) -> float:
     return round(nbytes / 1e9, 4)
@@ -187,7 +187,7 @@ def plan_resize(
             less than one slot, a KV cache below one context (`max_model_len`) or below the blocks requests hold,
             or a peak beyond the headroom (`headroom_bytes`).
     """
-    if expert_gb is not None and expert_slots is not None or kv_gb is not None and kv_blocks is not None:
+    if (expert_gb is not None and expert_slots is not None) or (kv_gb is not None and kv_blocks is not None):
         raise ResizeRefused("give each cache's size once: expert_gb or expert_slots, kv_gb or kv_blocks")
     if expert_gb is None and expert_slots is None and kv_gb is None and kv_blocks is None:
         raise ResizeRefused("nothing to resize: give expert_gb (or expert_slots) and/or kv_gb (or kv_blocks)")
@@ -312,8 +312,12 @@ def resize(
     engine.last_resize = answer
     slots = lambda sizes: None if sizes["expert_cache"] is None else sizes["expert_cache"]["num_slots"]
     log.info(
-        "cache resize in %.2f s: expert slots %s -> %s, KV blocks %d -> %d", answer["seconds"], slots(before),
-        slots(after), before["kv_cache"]["num_blocks"], after["kv_cache"]["num_blocks"],
+        "cache resize in %.2f s: expert slots %s -> %s, KV blocks %d -> %d",
+        answer["seconds"],
+        slots(before),
+        slots(after),
+        before["kv_cache"]["num_blocks"],
+        after["kv_cache"]["num_blocks"],
     )
     return answer
 
@@ -327,4 +331,3 @@ def _rebuild_decode(engine: LLMEngine) -> bool:
         engine.runner.decode = None
         return False
     return True
-

@@ -10,9 +10,7 @@ from freetoken.engine.structured import accept_tokens, apply_grammar_masks
 from freetoken.engine.types import SamplingParams, TokenLogprob
 
 
-def sample(
-    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
-) -> list[int]:
+def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """Pick one token per row.
 
     Args:
@@ -45,9 +43,7 @@ def sample(
     return out
 
 
-def token_logprobs(
-    logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]
-) -> list[TokenLogprob | None]:
+def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[TokenLogprob | None]:
     """The log-probabilities of the sampled `tokens`, for the rows whose params ask for them (`logprobs`).
 
     They are those of the model's distribution: log_softmax of the raw logits in float32, before temperature,
@@ -131,7 +127,7 @@ def apply_penalties(
             seen = torch.tensor(sorted(set(token_ids[row])), dtype=torch.int64, device=device)
             values = out[row, seen]
             out[row, seen] = torch.where(values > 0, values / p.repetition_penalty, values * p.repetition_penalty)
-        generated = token_ids[row][prompt_lens[row]:]
+        generated = token_ids[row][prompt_lens[row] :]
         if generated and (p.frequency_penalty or p.presence_penalty):
             counts = torch.bincount(torch.tensor(generated, dtype=torch.int64, device=device), minlength=vocab)
             counts = counts[:vocab].to(out.dtype)

@@ -45,6 +45,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -65,8 +66,12 @@ _PROBE_TOOLS = [{"type": "function", "function": {"name": "probe", "description"
 _PROBE_MESSAGES = [
     {"role": "system", "content": "s"},
     {"role": "user", "content": "u"},
-    {"role": "assistant", "content": "a", "reasoning_content": "r",
-     "tool_calls": [{"type": "function", "id": "c", "function": {"name": "probe", "arguments": "{}"}}]},
+    {
+        "role": "assistant",
+        "content": "a",
+        "reasoning_content": "r",
+        "tool_calls": [{"type": "function", "id": "c", "function": {"name": "probe", "arguments": "{}"}}],
+    },
     {"role": "tool", "tool_call_id": "c", "content": "t"},
     {"role": "assistant", "content": "b", "reasoning_content": "r"},  # last: templates drop earlier turns' thinking
 ]
@@ -147,7 +152,8 @@ class Snapshot:
     pins: int = 0
 
     @property
-    def key(self) -> tuple[int, tuple[int, ...]]:
+    def key(self) -> tuple[int | None, tuple[int, ...]]:
+        """(the prefix-cache node of the last full block, the tail's token ids): equal keys, equal prefixes."""
         return self.node, self.tail_tokens
 
 
@@ -163,8 +169,14 @@ class SnapshotPool:
         demote: moves a snapshot's tensors to host memory, in place (needed with a host tier).
     """
 
-    def __init__(self, capacity: int, make: Callable[[int], Snapshot], on_drop: Callable[[Snapshot], None],
-                 host_capacity: int = 0, demote: Callable[[Snapshot], None] | None = None) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        make: Callable[[int], Snapshot],
+        on_drop: Callable[[Snapshot], None],
+        host_capacity: int = 0,
+        demote: Callable[[Snapshot], None] | None = None,
+    ) -> None:
         self.capacity = capacity
         self.host_capacity = host_capacity if demote is not None else 0
         self._make = make
@@ -200,7 +212,7 @@ class SnapshotPool:
             if self.host_capacity:
                 if len(self._host) >= self.host_capacity:
                     self._evict(self._host.popitem(last=False)[0])
-                self._demote(victim)
+                self._demote(victim)  # type: ignore[misc]  # host_capacity > 0 only with a demote
                 self._host[victim] = None
                 self.num_demoted += 1
             else:
@@ -328,8 +340,18 @@ class StateCheckpoints:
         ValueError: an unknown mode.
     """
 
-    def __init__(self, mode: str, marks: MarkSet, state_pool: RecurrentStatePool, kv, budget_bytes: int,
-                 spacing: int, model_cfg: ModelConfig, dtype: torch.dtype, host_budget_bytes: int = 0) -> None:
+    def __init__(
+        self,
+        mode: str,
+        marks: MarkSet,
+        state_pool: RecurrentStatePool,
+        kv,
+        budget_bytes: int,
+        spacing: int,
+        model_cfg: ModelConfig,
+        dtype: torch.dtype,
+        host_budget_bytes: int = 0,
+    ) -> None:
         if mode not in ("marks", "chunk"):
             raise ValueError(f"--state-checkpoints {mode!r}: checkpoints take 'marks' or 'chunk'")
         self.mode = mode
@@ -341,9 +363,14 @@ class StateCheckpoints:
         self.nbytes_each = snapshot_nbytes(model_cfg, dtype, kv.block_size)
         self.budget_bytes = budget_bytes
         self.host_budget_bytes = host_budget_bytes
-        self.pool = SnapshotPool(budget_bytes // self.nbytes_each, self._make, self._unindex,
-                                 host_budget_bytes // self.nbytes_each, self._demote)
-        self._index: dict[int, dict[tuple[int, ...], Snapshot]] = {}  # node -> tail tokens -> snapshot
+        self.pool = SnapshotPool(
+            budget_bytes // self.nbytes_each,
+            self._make,
+            self._unindex,
+            host_budget_bytes // self.nbytes_each,
+            self._demote,
+        )
+        self._index: dict[int | None, dict[tuple[int, ...], Snapshot]] = {}  # node -> tail tokens -> snapshot
         self._plans: dict[object, list[int]] = {}  # prefilling sequence -> positions still to snapshot
         self.num_restores = 0
         self.num_restored_tokens = 0
@@ -372,10 +399,12 @@ class StateCheckpoints:
             offsets.append(size)
             size += -(-t.numel() * t.element_size() // align) * align
         buf = torch.empty(size, dtype=torch.uint8, pin_memory=torch.cuda.is_available())  # (the tier is CUDA's)
-        views = iter([
-            buf[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
-            for o, t in zip(offsets, tensors, strict=True)
-        ])
+        views = iter(
+            [
+                buf[o : o + t.numel() * t.element_size()].view(t.dtype).view(t.shape).copy_(t)
+                for o, t in zip(offsets, tensors, strict=True)
+            ]
+        )
         snap.states = {layer: (next(views), next(views)) for layer in snap.states}
         snap.tail = [(next(views), next(views)) for _ in snap.tail]
 
@@ -405,8 +434,11 @@ class StateCheckpoints:
             best = None
             for tail, snap in list(by_tail.items()):
                 end = b * bs + len(tail)
-                if end < len(tokens) and tuple(tokens[b * bs : end]) == tail and (
-                        best is None or len(tail) > len(best.tail_tokens)):
+                if (
+                    end < len(tokens)
+                    and tuple(tokens[b * bs : end]) == tail
+                    and (best is None or len(tail) > len(best.tail_tokens))
+                ):
                     best = snap
             if best is not None:
                 return best
@@ -468,8 +500,13 @@ class StateCheckpoints:
                     step.splits[i].append(p - start)
         return step if step.captures else None
 
-    def commit(self, seqs: Sequence, query_lens: Sequence[int], captures: StepCaptures | None,
-               nodes_at: Callable[[object, int], int]) -> None:
+    def commit(
+        self,
+        seqs: Sequence,
+        query_lens: Sequence[int],
+        captures: StepCaptures | None,
+        nodes_at: Callable[[Any, int], int],
+    ) -> None:
         """After a step finished: finish its captures (the span-end ones copied from the state slots now), take
         output marks of decoding sequences (mode "marks"), and index them all under `nodes_at(seq, b)`, the
         prefix-cache node of the sequence's first b blocks (its blocks are indexed by now)."""

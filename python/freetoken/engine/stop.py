@@ -16,15 +16,18 @@ class OutputText:
     """Turns generated token ids into released text, and finds stop strings."""
 
     def __init__(
-        self, tokenizer: Tokenizer, prompt_ids: list[int], stop: list[str],
+        self,
+        tokenizer: Tokenizer,
+        prompt_ids: list[int],
+        stop: list[str],
         reasoning_tags: tuple[str, str] | None = None,
     ) -> None:
         """Args:
-            tokenizer: the model's tokenizer.
-            prompt_ids: the prompt (the detokenizer starts from its end).
-            stop: the stop strings.
-            reasoning_tags: (open, close) of the model's reasoning block (see `SamplingParams.reasoning_tags`), or
-                None when the output has no reasoning.
+        tokenizer: the model's tokenizer.
+        prompt_ids: the prompt (the detokenizer starts from its end).
+        stop: the stop strings.
+        reasoning_tags: (open, close) of the model's reasoning block (see `SamplingParams.reasoning_tags`), or
+            None when the output has no reasoning.
         """
         self._detok = IncrementalDetokenizer(tokenizer, prompt_ids=prompt_ids, skip_special_tokens=True)
         self._stop = [s for s in stop if s]

@@ -95,7 +95,10 @@ class SamplingParams:
         if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if not isinstance(self.logit_bias, dict) or not all(
-            _is_int(t) and t >= 0 and isinstance(v, (int, float)) and not isinstance(v, bool)
+            _is_int(t)
+            and t >= 0
+            and isinstance(v, (int, float))
+            and not isinstance(v, bool)
             and -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS
             for t, v in self.logit_bias.items()
         ):
@@ -106,8 +109,10 @@ class SamplingParams:
         if self.grammar is not None and not isinstance(self.grammar, GrammarMatcher):
             raise ValueError(f"grammar must be null or a GrammarMatcher, got {type(self.grammar).__name__}")
         if self.reasoning_tags is not None and not (
-            isinstance(self.reasoning_tags, tuple) and len(self.reasoning_tags) == 2
-            and all(isinstance(t, str) for t in self.reasoning_tags) and self.reasoning_tags[1]
+            isinstance(self.reasoning_tags, tuple)
+            and len(self.reasoning_tags) == 2
+            and all(isinstance(t, str) for t in self.reasoning_tags)
+            and self.reasoning_tags[1]
         ):
             raise ValueError(f"reasoning_tags must be null or (open, close) strings, got {self.reasoning_tags!r}")
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty"):

@@ -27,10 +27,22 @@ import triton.language as tl
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, w_ptr, h_ptr, sorted_pair_ptr, block_expert_ptr,
-    num_pairs, N, K, top_k,
-    stride_xm, stride_we, stride_wn, stride_hm,
-    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    h_ptr,
+    sorted_pair_ptr,
+    block_expert_ptr,
+    num_pairs,
+    N,
+    K,
+    top_k,
+    stride_xm,
+    stride_we,
+    stride_wn,
+    stride_hm,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
 ):
     """h[row, n] = silu(x[t] . w[e, n]) * (x[t] . w[e, N + n]) for the rows of one expert's M tile."""
     pid_m = tl.program_id(0)
@@ -73,10 +85,22 @@ def _gate_up_kernel(
 
 @triton.jit
 def _down_kernel(
-    h_ptr, w_ptr, out_ptr, weight_ptr, sorted_pair_ptr, block_expert_ptr,
-    num_pairs, K, N,
-    stride_hm, stride_we, stride_wk, stride_om,
-    BLOCK_SIZE_M: tl.constexpr, BLOCK_SIZE_N: tl.constexpr, BLOCK_SIZE_K: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    out_ptr,
+    weight_ptr,
+    sorted_pair_ptr,
+    block_expert_ptr,
+    num_pairs,
+    K,
+    N,
+    stride_hm,
+    stride_we,
+    stride_wk,
+    stride_om,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
 ):
     """out[pair, kk] = weight[pair] * (h[row] . w[e, kk]) for the rows of one expert's M tile (kk over hidden K)."""
     pid_m = tl.program_id(0)
@@ -223,17 +247,45 @@ def fused_moe_tiles(
             before_stage(stage)
         grid = (num_rows // block_m, triton.cdiv(inter, block_n))
         _gate_up_kernel[grid](
-            hidden, w_gate_up, h, sorted_pairs, block_expert,
-            num_pairs, inter, hidden_size, top_k,
-            hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1), h.stride(0),
-            BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block_k, num_warps=4, num_stages=3,
+            hidden,
+            w_gate_up,
+            h,
+            sorted_pairs,
+            block_expert,
+            num_pairs,
+            inter,
+            hidden_size,
+            top_k,
+            hidden.stride(0),
+            w_gate_up.stride(0),
+            w_gate_up.stride(1),
+            h.stride(0),
+            BLOCK_SIZE_M=block_m,
+            BLOCK_SIZE_N=block_n,
+            BLOCK_SIZE_K=block_k,
+            num_warps=4,
+            num_stages=3,
         )
         grid = (num_rows // block_m, triton.cdiv(hidden_size, block_n))
         _down_kernel[grid](
-            h, w_down, pairs, weights, sorted_pairs, block_expert,
-            num_pairs, hidden_size, inter,
-            h.stride(0), w_down.stride(0), w_down.stride(1), pairs.stride(0),
-            BLOCK_SIZE_M=block_m, BLOCK_SIZE_N=block_n, BLOCK_SIZE_K=block_k, num_warps=4, num_stages=3,
+            h,
+            w_down,
+            pairs,
+            weights,
+            sorted_pairs,
+            block_expert,
+            num_pairs,
+            hidden_size,
+            inter,
+            h.stride(0),
+            w_down.stride(0),
+            w_down.stride(1),
+            pairs.stride(0),
+            BLOCK_SIZE_M=block_m,
+            BLOCK_SIZE_N=block_n,
+            BLOCK_SIZE_K=block_k,
+            num_warps=4,
+            num_stages=3,
         )
     return torch.sum(pairs.view(num_tokens, top_k, hidden_size), dim=1, out=out)
 

@@ -51,12 +51,22 @@ def _heads_first(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Ten
     q, k = (x.float().repeat_interleave(group, dim=1) if group > 1 else x.float() for x in (q, k))
     q = l2norm(q) * q.shape[-1] ** -0.5
     k = l2norm(k)
-    return (q.transpose(0, 1), k.transpose(0, 1), v.float().transpose(0, 1), g.float().transpose(0, 1),
-            beta.float().transpose(0, 1))
+    return (
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.float().transpose(0, 1),
+        g.float().transpose(0, 1),
+        beta.float().transpose(0, 1),
+    )
 
 
 def chunk_gated_delta_rule_torch(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
     chunk_size: int = CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The chunked gated delta rule over one sequence's span, in torch (see the module docstring).
@@ -104,7 +114,12 @@ def chunk_gated_delta_rule_torch(
 
 
 def recurrent_gated_delta_rule_torch(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
     slots: torch.Tensor,
 ) -> torch.Tensor:
     """One token of each of B sequences, their states read from and written back to `states` at `slots`.
@@ -129,11 +144,32 @@ def recurrent_gated_delta_rule_torch(
 
 @triton.jit
 def _recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slot_ptr, o_ptr,
-    stride_qb, stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_bb,
-    stride_ss, stride_sh, stride_sk, stride_ob, stride_oh,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    state_ptr,
+    slot_ptr,
+    o_ptr,
+    stride_qb,
+    stride_qh,
+    stride_kb,
+    stride_kh,
+    stride_vb,
+    stride_vh,
+    stride_gb,
+    stride_bb,
+    stride_ss,
+    stride_sh,
+    stride_sk,
+    stride_ob,
+    stride_oh,
     scale,
-    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+    GROUP: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """One token of sequence `pid(0)`, value head `pid(1)`, state columns [pid(2) * BLOCK_V, +BLOCK_V)."""
     b = tl.program_id(0)
@@ -161,7 +197,12 @@ def _recurrent_kernel(
 
 
 def recurrent_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, states: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    states: torch.Tensor,
     slots: torch.Tensor,
 ) -> torch.Tensor:
     """`recurrent_gated_delta_rule_torch` as one Triton kernel (on CUDA, or in Triton's interpreter on the CPU); same
@@ -173,14 +214,34 @@ def recurrent_gated_delta_rule(
     block_v = min(32, triton.next_power_of_2(dv))  # a [Dk, 32] float32 state block: 32 registers a thread at Dk 128
     grid = (batch, num_v_heads, triton.cdiv(dv, block_v))
     _recurrent_kernel[grid](
-        q, k, v, g, beta, states, slots, out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        states.stride(0), states.stride(1), states.stride(2), out.stride(0), out.stride(1),
+        q,
+        k,
+        v,
+        g,
+        beta,
+        states,
+        slots,
+        out,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        beta.stride(0),
+        states.stride(0),
+        states.stride(1),
+        states.stride(2),
+        out.stride(0),
+        out.stride(1),
         dk**-0.5,
-        GROUP=num_v_heads // num_k_heads, DK=dk, DV=dv, BLOCK_V=block_v,
+        GROUP=num_v_heads // num_k_heads,
+        DK=dk,
+        DV=dv,
+        BLOCK_V=block_v,
     )
     return out
-
 
 
 @triton.jit
@@ -193,11 +254,30 @@ def _l2norm_rows(x):
 # a compile of tens of seconds each for the float32 dots on the GPU box's CPU).
 @triton.jit(do_not_specialize=["length"])
 def _chunk_prepare_kernel(
-    k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, gcum_ptr,
+    k_ptr,
+    v_ptr,
+    g_ptr,
+    beta_ptr,
+    w_ptr,
+    u_ptr,
+    gcum_ptr,
     length,
-    stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt,
-    stride_wt, stride_wh, stride_ut, stride_uh, stride_ct,
-    GROUP: tl.constexpr, CHUNK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_gt,
+    stride_bt,
+    stride_wt,
+    stride_wh,
+    stride_ut,
+    stride_uh,
+    stride_ct,
+    GROUP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    DV_PAD: tl.constexpr,
 ):
     """Chunk `pid(0)` of value head `pid(1)`: G = in-chunk cumsum of g; T = (I + A)^-1 with A_ij = beta_i
     exp(G_i - G_j) k_i . k_j (i > j) by forward substitution; W = T (beta exp(G) k), U = T (beta v) (float32)."""
@@ -207,11 +287,15 @@ def _chunk_prepare_kernel(
     ok = rows < length
     dk = tl.arange(0, DK)
     dv = tl.arange(0, DV_PAD)
-    k = tl.load(k_ptr + rows[:, None] * stride_kt + (h // GROUP) * stride_kh + dk[None, :], mask=ok[:, None],
-                other=0.0).to(tl.float32)
+    k = tl.load(
+        k_ptr + rows[:, None] * stride_kt + (h // GROUP) * stride_kh + dk[None, :], mask=ok[:, None], other=0.0
+    ).to(tl.float32)
     k = _l2norm_rows(k)
-    v = tl.load(v_ptr + rows[:, None] * stride_vt + h * stride_vh + dv[None, :], mask=ok[:, None] & (dv < DV)[None, :],
-                other=0.0).to(tl.float32)
+    v = tl.load(
+        v_ptr + rows[:, None] * stride_vt + h * stride_vh + dv[None, :],
+        mask=ok[:, None] & (dv < DV)[None, :],
+        other=0.0,
+    ).to(tl.float32)
     g = tl.load(g_ptr + rows * stride_gt + h, mask=ok, other=0.0).to(tl.float32)
     beta = tl.load(beta_ptr + rows * stride_bt + h, mask=ok, other=0.0).to(tl.float32)
     gc = tl.cumsum(g, axis=0)
@@ -236,11 +320,33 @@ def _chunk_prepare_kernel(
 # Not specialised on `length`, as `_chunk_prepare_kernel`.
 @triton.jit(do_not_specialize=["length"])
 def _chunk_scan_kernel(
-    q_ptr, k_ptr, w_ptr, u_ptr, gcum_ptr, state_ptr, o_ptr,
-    length, scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_wt, stride_wh, stride_ut, stride_uh, stride_ct,
-    stride_sh, stride_sk, stride_ot, stride_oh,
-    GROUP: tl.constexpr, CHUNK: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    w_ptr,
+    u_ptr,
+    gcum_ptr,
+    state_ptr,
+    o_ptr,
+    length,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_wt,
+    stride_wh,
+    stride_ut,
+    stride_uh,
+    stride_ct,
+    stride_sh,
+    stride_sk,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_V: tl.constexpr,
 ):
     """Value head `pid(0)`, state columns block `pid(1)`: the chunks in order, the state block [DK, BLOCK_V] in
     registers: V' = U - W S; O = (exp(G) q) S + mask(q k^T exp(G_i - G_j)) V'; S <- exp(G_C) S + (exp(G_C - G) k)^T V'.
@@ -255,18 +361,21 @@ def _chunk_scan_kernel(
     causal = i[:, None] >= i[None, :]
     s_ptrs = state_ptr + h * stride_sh + dk[:, None] * stride_sk + dv[None, :]
     s = tl.load(s_ptrs, mask=v_ok[None, :], other=0.0)
-    for c in range(0, tl.cdiv(length, CHUNK)):
+    for c in range(tl.cdiv(length, CHUNK)):
         rows = c * CHUNK + i
         ok = rows < length
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + kh * stride_qh + dk[None, :], mask=ok[:, None],
-                    other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + rows[:, None] * stride_kt + kh * stride_kh + dk[None, :], mask=ok[:, None],
-                    other=0.0).to(tl.float32)
+        q = tl.load(q_ptr + rows[:, None] * stride_qt + kh * stride_qh + dk[None, :], mask=ok[:, None], other=0.0).to(
+            tl.float32
+        )
+        k = tl.load(k_ptr + rows[:, None] * stride_kt + kh * stride_kh + dk[None, :], mask=ok[:, None], other=0.0).to(
+            tl.float32
+        )
         q = _l2norm_rows(q) * scale
         k = _l2norm_rows(k)
         w = tl.load(w_ptr + rows[:, None] * stride_wt + h * stride_wh + dk[None, :], mask=ok[:, None], other=0.0)
-        u = tl.load(u_ptr + rows[:, None] * stride_ut + h * stride_uh + dv[None, :],
-                    mask=ok[:, None] & v_ok[None, :], other=0.0)
+        u = tl.load(
+            u_ptr + rows[:, None] * stride_ut + h * stride_uh + dv[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0
+        )
         # Rows past the span repeat the last cumulative decay (their g is 0): G_C is the span's.
         gc = tl.load(gcum_ptr + tl.minimum(rows, length - 1) * stride_ct + h)
         g_last = tl.load(gcum_ptr + tl.minimum(c * CHUNK + CHUNK - 1, length - 1) * stride_ct + h)
@@ -274,8 +383,11 @@ def _chunk_scan_kernel(
         attn = tl.dot(q, tl.trans(k), input_precision="ieee")
         attn = tl.where(causal, attn * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
         o = tl.dot(q * tl.exp(gc)[:, None], s, input_precision="ieee") + tl.dot(attn, v_new, input_precision="ieee")
-        tl.store(o_ptr + rows[:, None] * stride_ot + h * stride_oh + dv[None, :], o.to(o_ptr.dtype.element_ty),
-                 mask=ok[:, None] & v_ok[None, :])
+        tl.store(
+            o_ptr + rows[:, None] * stride_ot + h * stride_oh + dv[None, :],
+            o.to(o_ptr.dtype.element_ty),
+            mask=ok[:, None] & v_ok[None, :],
+        )
         k_decayed = k * tl.exp(g_last - gc)[:, None]
         s = s * tl.exp(g_last) + tl.dot(tl.trans(k_decayed), v_new, input_precision="ieee")
     tl.store(s_ptrs, s, mask=v_ok[None, :])
@@ -292,12 +404,19 @@ def scan_launch_config(dtype: torch.dtype, dv: int) -> dict[str, int]:
     (IEEE float32, FMA rather than tensor cores) are compute-bound anyway. Figures from Triton 3.9's compiler for
     sm_90 (`tests/models/test_qwen3_5.py::test_chunk_scan_fits_shared_memory` recomputes them without a GPU).
     """
-    return {"BLOCK_V": min(32, max(16, triton.next_power_of_2(dv))),
-            "num_stages": 1 if torch.empty((), dtype=dtype).element_size() >= 4 else 2}
+    return {
+        "BLOCK_V": min(32, max(16, triton.next_power_of_2(dv))),
+        "num_stages": 1 if torch.empty((), dtype=dtype).element_size() >= 4 else 2,
+    }
 
 
 def chunk_gated_delta_rule(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    state: torch.Tensor,
 ) -> torch.Tensor:
     """`chunk_gated_delta_rule_torch` in two Triton kernels (on CUDA, or in Triton's interpreter on the CPU), the
     state advanced in place.
@@ -318,17 +437,60 @@ def chunk_gated_delta_rule(
     gcum = torch.empty(length, num_v_heads, dtype=torch.float32, device=q.device)
     dv_pad = max(16, triton.next_power_of_2(dv))
     _chunk_prepare_kernel[(triton.cdiv(length, CHUNK_SIZE), num_v_heads)](
-        k, v, g, beta, w, u, gcum, length,
-        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        w.stride(0), w.stride(1), u.stride(0), u.stride(1), gcum.stride(0),
-        GROUP=group, CHUNK=CHUNK_SIZE, DK=dk, DV=dv, DV_PAD=dv_pad,
+        k,
+        v,
+        g,
+        beta,
+        w,
+        u,
+        gcum,
+        length,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        g.stride(0),
+        beta.stride(0),
+        w.stride(0),
+        w.stride(1),
+        u.stride(0),
+        u.stride(1),
+        gcum.stride(0),
+        GROUP=group,
+        CHUNK=CHUNK_SIZE,
+        DK=dk,
+        DV=dv,
+        DV_PAD=dv_pad,
     )
     out = torch.empty(length, num_v_heads, dv, dtype=v.dtype, device=v.device)
     launch = scan_launch_config(q.dtype, dv)
     _chunk_scan_kernel[(num_v_heads, triton.cdiv(dv, launch["BLOCK_V"]))](
-        q, k, w, u, gcum, state, out, length, dk**-0.5,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1),
-        gcum.stride(0), state.stride(0), state.stride(1), out.stride(0), out.stride(1),
-        GROUP=group, CHUNK=CHUNK_SIZE, DK=dk, DV=dv, **launch,
+        q,
+        k,
+        w,
+        u,
+        gcum,
+        state,
+        out,
+        length,
+        dk**-0.5,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        w.stride(0),
+        w.stride(1),
+        u.stride(0),
+        u.stride(1),
+        gcum.stride(0),
+        state.stride(0),
+        state.stride(1),
+        out.stride(0),
+        out.stride(1),
+        GROUP=group,
+        CHUNK=CHUNK_SIZE,
+        DK=dk,
+        DV=dv,
+        **launch,
     )
     return out

@@ -14,7 +14,8 @@ greedy decoding left transformers' tokens at more near-ties, 2 of 8 sequences wh
 `_round_to`), the router softmax in float32.
 
 Shapes: T tokens, H hidden, D head dim, E experts, k top-k, Nq / Nkv query / KV heads, S KV-cache slots.
-Test: python -m pytest tests/kernels/test_kernels.py (interpreted on the CPU in CI, compiled on CUDA in tests/engine/test_gpu.py).
+Test: python -m pytest tests/kernels/test_kernels.py (interpreted on the CPU in CI, compiled on CUDA in
+tests/engine/test_gpu.py).
 """
 
 from __future__ import annotations
@@ -61,14 +62,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     outer, inner, n = x3.shape
     out = torch.empty(outer * inner, n, dtype=x.dtype, device=x.device)
     if out.shape[0]:
-        _rms_norm_kernel[(out.shape[0],)](x3, weight, out, n, inner, x3.stride(0), x3.stride(1), out.stride(0), eps,
-                                          BLOCK=triton.next_power_of_2(n))
+        _rms_norm_kernel[(out.shape[0],)](
+            x3, weight, out, n, inner, x3.stride(0), x3.stride(1), out.stride(0), eps, BLOCK=triton.next_power_of_2(n)
+        )
     return out.view(x.shape)
 
 
 @triton.jit
-def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, n, stride_x, stride_r, stride_sum, stride_out, eps,
-                         BLOCK: tl.constexpr):
+def _add_rms_norm_kernel(
+    x_ptr, r_ptr, w_ptr, sum_ptr, out_ptr, n, stride_x, stride_r, stride_sum, stride_out, eps, BLOCK: tl.constexpr
+):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     ok = offs < n
@@ -95,16 +98,34 @@ def add_rms_norm(
         (normed [T, n], s [T, n]), both in x's dtype.
     """
     tensors = (x, residual) if out_sum is None else (x, residual, out_sum)
-    if (x.dim() != 2 or any(t.shape != x.shape or t.dtype != x.dtype or t.stride(-1) != 1 for t in tensors)
-            or weight.shape != (x.shape[1],) or not weight.is_contiguous()):
-        raise ValueError("add_rms_norm: needs [T, n] tensors of one dtype with a contiguous last dim and a [n] weight, "
-                         f"got {[(tuple(t.shape), t.stride(), t.dtype) for t in tensors]} and {tuple(weight.shape)}")
+    if (
+        x.dim() != 2
+        or any(t.shape != x.shape or t.dtype != x.dtype or t.stride(-1) != 1 for t in tensors)
+        or weight.shape != (x.shape[1],)
+        or not weight.is_contiguous()
+    ):
+        raise ValueError(
+            "add_rms_norm: needs [T, n] tensors of one dtype with a contiguous last dim and a [n] weight, "
+            f"got {[(tuple(t.shape), t.stride(), t.dtype) for t in tensors]} and {tuple(weight.shape)}"
+        )
     s = torch.empty_like(x) if out_sum is None else out_sum
     out = torch.empty_like(x)
     tokens, n = x.shape
     if tokens:
-        _add_rms_norm_kernel[(tokens,)](x, residual, weight, s, out, n, x.stride(0), residual.stride(0), s.stride(0),
-                                        out.stride(0), eps, BLOCK=triton.next_power_of_2(n))
+        _add_rms_norm_kernel[(tokens,)](
+            x,
+            residual,
+            weight,
+            s,
+            out,
+            n,
+            x.stride(0),
+            residual.stride(0),
+            s.stride(0),
+            out.stride(0),
+            eps,
+            BLOCK=triton.next_power_of_2(n),
+        )
     return out, s
 
 
@@ -123,9 +144,27 @@ def _round_to(v, dt: tl.constexpr):
 
 
 @triton.jit
-def _qk_norm_rope_kernel(qkv_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, q_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                         head_dim, num_q_heads, num_kv_heads, stride_qkv, stride_cos, stride_sin, stride_q,
-                         stride_cache, eps, BLOCK: tl.constexpr):
+def _qk_norm_rope_kernel(
+    qkv_ptr,
+    q_w_ptr,
+    k_w_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_ptr,
+    head_dim,
+    num_q_heads,
+    num_kv_heads,
+    stride_qkv,
+    stride_cos,
+    stride_sin,
+    stride_q,
+    stride_cache,
+    eps,
+    BLOCK: tl.constexpr,
+):
     t = tl.program_id(0)
     head = tl.program_id(1)  # query heads first, then KV heads
     offs = tl.arange(0, BLOCK)
@@ -191,30 +230,62 @@ def qk_norm_rope(
     """
     tokens = qkv.shape[0]
     head_dim = q_weight.shape[0]
-    if (qkv.dim() != 2 or qkv.stride(-1) != 1 or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim
-            or head_dim % 2 or k_weight.shape != q_weight.shape
-            or not (q_weight.is_contiguous() and k_weight.is_contiguous())
-            or any(t.shape != (tokens, head_dim) or t.stride(-1) != 1 for t in (cos, sin))
-            or slot_mapping.shape != (tokens,) or k_cache.shape[1:] != (num_kv_heads, head_dim)
-            or any(t.shape != k_cache.shape or not t.is_contiguous() or t.dtype != qkv.dtype
-                   for t in (k_cache, v_cache))):
-        raise ValueError(f"qk_norm_rope: qkv {tuple(qkv.shape)} for {num_q_heads} + 2 x {num_kv_heads} heads of "
-                         f"{head_dim}, norm weights {tuple(q_weight.shape)} and {tuple(k_weight.shape)}, cos/sin "
-                         f"{tuple(cos.shape)} and {tuple(sin.shape)}, slots {tuple(slot_mapping.shape)}, caches "
-                         f"{tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}")
+    if (
+        qkv.dim() != 2
+        or qkv.stride(-1) != 1
+        or qkv.shape[1] != (num_q_heads + 2 * num_kv_heads) * head_dim
+        or head_dim % 2
+        or k_weight.shape != q_weight.shape
+        or not (q_weight.is_contiguous() and k_weight.is_contiguous())
+        or any(t.shape != (tokens, head_dim) or t.stride(-1) != 1 for t in (cos, sin))
+        or slot_mapping.shape != (tokens,)
+        or k_cache.shape[1:] != (num_kv_heads, head_dim)
+        or any(t.shape != k_cache.shape or not t.is_contiguous() or t.dtype != qkv.dtype for t in (k_cache, v_cache))
+    ):
+        raise ValueError(
+            f"qk_norm_rope: qkv {tuple(qkv.shape)} for {num_q_heads} + 2 x {num_kv_heads} heads of "
+            f"{head_dim}, norm weights {tuple(q_weight.shape)} and {tuple(k_weight.shape)}, cos/sin "
+            f"{tuple(cos.shape)} and {tuple(sin.shape)}, slots {tuple(slot_mapping.shape)}, caches "
+            f"{tuple(k_cache.shape)} {k_cache.dtype} and {tuple(v_cache.shape)} {v_cache.dtype}"
+        )
     q = torch.empty(tokens, num_q_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     if tokens:
         _qk_norm_rope_kernel[(tokens, num_q_heads + num_kv_heads)](
-            qkv, q_weight, k_weight, cos, sin, q, k_cache, v_cache, slot_mapping, head_dim, num_q_heads,
-            num_kv_heads, qkv.stride(0), cos.stride(0), sin.stride(0), q.stride(0), k_cache.stride(0), eps,
+            qkv,
+            q_weight,
+            k_weight,
+            cos,
+            sin,
+            q,
+            k_cache,
+            v_cache,
+            slot_mapping,
+            head_dim,
+            num_q_heads,
+            num_kv_heads,
+            qkv.stride(0),
+            cos.stride(0),
+            sin.stride(0),
+            q.stride(0),
+            k_cache.stride(0),
+            eps,
             BLOCK=triton.next_power_of_2(head_dim),
         )
     return q
 
 
 @triton.jit
-def _router_topk_kernel(logits_ptr, ids_ptr, w_ptr, num_experts, stride_l,
-                        TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_E: tl.constexpr, RENORM: tl.constexpr):
+def _router_topk_kernel(
+    logits_ptr,
+    ids_ptr,
+    w_ptr,
+    num_experts,
+    stride_l,
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    RENORM: tl.constexpr,
+):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK_E)
     ok = offs < num_experts
@@ -260,7 +331,14 @@ def router_topk(
     weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
     if tokens:
         _router_topk_kernel[(tokens,)](
-            logits, ids, weights, num_experts, logits.stride(0), TOP_K=top_k,
-            BLOCK_K=triton.next_power_of_2(top_k), BLOCK_E=triton.next_power_of_2(num_experts), RENORM=renormalize,
+            logits,
+            ids,
+            weights,
+            num_experts,
+            logits.stride(0),
+            TOP_K=top_k,
+            BLOCK_K=triton.next_power_of_2(top_k),
+            BLOCK_E=triton.next_power_of_2(num_experts),
+            RENORM=renormalize,
         )
     return ids, weights

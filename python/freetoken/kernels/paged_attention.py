@@ -23,7 +23,6 @@ import torch
 import triton
 import triton.language as tl
 
-
 # Tokens per partition of the split-K decode kernel. Each partition is one program per (sequence, KV head) and one
 # online-softmax partial; 512 tokens is 8 tiles of BLOCK_N, long enough that the partials (and the reduce) stay a
 # small fraction of the KV bytes read, short enough that a 4-KV-head model at batch 1 fills the GPU from ~16k tokens
@@ -34,12 +33,34 @@ _BLOCK_N = 64
 
 @triton.jit
 def _paged_decode_kernel(
-    q_ptr, k_ptr, v_ptr, block_table_ptr, seq_lens_ptr, out_ptr, max_ptr, sum_ptr, acc_ptr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    block_table_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    max_ptr,
+    sum_ptr,
+    acc_ptr,
     scale,
-    stride_qb, stride_qh, stride_ks, stride_kh, stride_bt, stride_ob, stride_oh,
-    stride_mb, stride_mh, stride_ab, stride_ah, stride_ap,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    KV_BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, PARTITION: tl.constexpr,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_bt,
+    stride_ob,
+    stride_oh,
+    stride_mb,
+    stride_mh,
+    stride_ab,
+    stride_ah,
+    stride_ap,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KV_BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PARTITION: tl.constexpr,
 ):
     # PARTITION == 0: single pass, the program of (seq, kv_head) attends over the whole context and writes `out`.
     # Else program (seq, kv_head, part) attends over tokens [part * PARTITION, (part + 1) * PARTITION) and writes its
@@ -57,8 +78,7 @@ def _paged_decode_kernel(
         d = tl.arange(0, HEAD_DIM)
         head_ok = g < GROUP
         heads = kv_head * GROUP + g
-        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :],
-                    mask=head_ok[:, None], other=0.0)
+        q = tl.load(q_ptr + seq * stride_qb + heads[:, None] * stride_qh + d[None, :], mask=head_ok[:, None], other=0.0)
         m = tl.full((GROUP_PAD,), float("-inf"), dtype=tl.float32)
         denom = tl.zeros((GROUP_PAD,), dtype=tl.float32)
         acc = tl.zeros((GROUP_PAD, HEAD_DIM), dtype=tl.float32)
@@ -82,19 +102,38 @@ def _paged_decode_kernel(
             ml_off = seq * stride_mb + heads * stride_mh + part
             tl.store(max_ptr + ml_off, m, mask=head_ok)
             tl.store(sum_ptr + ml_off, denom, mask=head_ok)
-            tl.store(acc_ptr + seq * stride_ab + heads[:, None] * stride_ah + part * stride_ap + d[None, :], acc,
-                     mask=head_ok[:, None])
+            tl.store(
+                acc_ptr + seq * stride_ab + heads[:, None] * stride_ah + part * stride_ap + d[None, :],
+                acc,
+                mask=head_ok[:, None],
+            )
         else:
             out = acc / denom[:, None]
-            tl.store(out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
-                     out.to(out_ptr.dtype.element_ty), mask=head_ok[:, None])
+            tl.store(
+                out_ptr + seq * stride_ob + heads[:, None] * stride_oh + d[None, :],
+                out.to(out_ptr.dtype.element_ty),
+                mask=head_ok[:, None],
+            )
 
 
 @triton.jit
 def _paged_decode_reduce_kernel(
-    seq_lens_ptr, max_ptr, sum_ptr, acc_ptr, out_ptr,
-    stride_mb, stride_mh, stride_ab, stride_ah, stride_ap, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, PARTITION: tl.constexpr, PARTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    seq_lens_ptr,
+    max_ptr,
+    sum_ptr,
+    acc_ptr,
+    out_ptr,
+    stride_mb,
+    stride_mh,
+    stride_ab,
+    stride_ah,
+    stride_ap,
+    stride_ob,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    PARTITION: tl.constexpr,
+    PARTS_PAD: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     # out = sum_p exp(m_p - M) acc_p / sum_p exp(m_p - M) l_p over the sequence's partitions p (M = max_p m_p):
     # the online-softmax rescaling, applied once across partitions (Flash-Decoding, Dao et al. 2023).
@@ -115,8 +154,11 @@ def _paged_decode_reduce_kernel(
         ok = p < num_parts
         w = tl.exp(tl.load(max_ptr + ml_off + p, mask=ok, other=float("-inf")) - m_top)
         total += w * tl.load(sum_ptr + ml_off + p, mask=ok, other=0.0)
-        a = tl.load(acc_ptr + seq * stride_ab + head * stride_ah + p[:, None] * stride_ap + d[None, :],
-                    mask=ok[:, None], other=0.0)
+        a = tl.load(
+            acc_ptr + seq * stride_ab + head * stride_ah + p[:, None] * stride_ap + d[None, :],
+            mask=ok[:, None],
+            other=0.0,
+        )
         acc += w[:, None] * a
     out = tl.sum(acc, 0) / tl.sum(total, 0)
     tl.store(out_ptr + seq * stride_ob + head * stride_oh + d, out.to(out_ptr.dtype.element_ty))
@@ -135,11 +177,13 @@ def _partials(
     """float32 scratch (max [B, H, P], sum [B, H, P], acc [B, H, P, D]) of the split kernel, reused across calls."""
     buffers = _PARTIALS.setdefault((device, num_heads, num_parts, head_dim), [])
     if not buffers or buffers[-1][0].shape[0] < batch:
-        buffers.append((
-            torch.empty(batch, num_heads, num_parts, dtype=torch.float32, device=device),
-            torch.empty(batch, num_heads, num_parts, dtype=torch.float32, device=device),
-            torch.empty(batch, num_heads, num_parts, head_dim, dtype=torch.float32, device=device),
-        ))
+        buffers.append(
+            (
+                torch.empty(batch, num_heads, num_parts, dtype=torch.float32, device=device),
+                torch.empty(batch, num_heads, num_parts, dtype=torch.float32, device=device),
+                torch.empty(batch, num_heads, num_parts, head_dim, dtype=torch.float32, device=device),
+            )
+        )
     m, l, acc = buffers[-1]
     return m[:batch], l[:batch], acc[:batch]
 
@@ -189,20 +233,57 @@ def paged_decode_attention(
     # The single pass takes no scratch: `out` stands in for the partial pointers it never writes.
     m, l, acc = _partials(q.device, batch, num_heads, num_parts, head_dim) if split else (out, out, out[:, :, None])
     _paged_decode_kernel[(batch, num_kv_heads, max(num_parts, 1))](
-        q, k_cache, v_cache, block_tables, seq_lens, out, m, l, acc,
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        m,
+        l,
+        acc,
         scale,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
-        out.stride(0), out.stride(1), m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2),
-        GROUP=group, GROUP_PAD=group_pad, HEAD_DIM=head_dim,
-        KV_BLOCK_SIZE=kv_block_size, BLOCK_N=_BLOCK_N, PARTITION=partition_size if split else 0, num_warps=4,
+        q.stride(0),
+        q.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        block_tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        m.stride(0),
+        m.stride(1),
+        acc.stride(0),
+        acc.stride(1),
+        acc.stride(2),
+        GROUP=group,
+        GROUP_PAD=group_pad,
+        HEAD_DIM=head_dim,
+        KV_BLOCK_SIZE=kv_block_size,
+        BLOCK_N=_BLOCK_N,
+        PARTITION=partition_size if split else 0,
+        num_warps=4,
     )
     if not split:
         return out
     parts_pad = triton.next_power_of_2(num_parts)
     _paged_decode_reduce_kernel[(batch, num_heads)](
-        seq_lens, m, l, acc, out,
-        m.stride(0), m.stride(1), acc.stride(0), acc.stride(1), acc.stride(2), out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, PARTITION=partition_size, PARTS_PAD=parts_pad, CHUNK=min(16, parts_pad), num_warps=4,
+        seq_lens,
+        m,
+        l,
+        acc,
+        out,
+        m.stride(0),
+        m.stride(1),
+        acc.stride(0),
+        acc.stride(1),
+        acc.stride(2),
+        out.stride(0),
+        out.stride(1),
+        HEAD_DIM=head_dim,
+        PARTITION=partition_size,
+        PARTS_PAD=parts_pad,
+        CHUNK=min(16, parts_pad),
+        num_warps=4,
     )
     return out
 

@@ -161,5 +161,6 @@ def build_qwen3_5_demo_checkpoint(
     Returns:
         `dest` as a Path.
     """
-    return write_demo_dir(dest, qwen3_5_demo_config(**overrides), random_qwen3_5_weights, seed, expert_layout,
-                          num_shards)
+    return write_demo_dir(
+        dest, qwen3_5_demo_config(**overrides), random_qwen3_5_weights, seed, expert_layout, num_shards
+    )

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -173,7 +173,11 @@ def _expert_names(layer: int, expert: int, prefix: str = "model.") -> tuple[str,
 
 
 def _load_experts(
-    reader: CheckpointReader, cfg: ModelConfig, layer: int, device: torch.device, dtype: torch.dtype,
+    reader: CheckpointReader,
+    cfg: ModelConfig,
+    layer: int,
+    device: torch.device,
+    dtype: torch.dtype,
     prefix: str = "model.",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer `layer`'s experts as (gate_up [E, 2I, H], down [E, H, I]) on `device` in `dtype`; `prefix` is the text
@@ -253,7 +257,8 @@ def load_checkpoint(
             experts.load_layer(layer, *_load_experts(reader, cfg, layer, device, dtype, prefix))
     expert_prefixes = tuple(f"{prefix}layers.{layer}.mlp.experts." for layer in cfg.moe_layers)
     unused = [
-        n for n in reader.index.files
+        n
+        for n in reader.index.files
         if n not in expected and not n.startswith(expert_prefixes) and not quantized.is_scale_tensor(n)
     ]
     if cfg.tie_word_embeddings:

@@ -112,7 +112,10 @@ class GatedAttention(nn.Module):
         self.k_norm = OneCenteredRMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], kv: tuple[torch.Tensor, torch.Tensor],
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        kv: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """x [T, H] -> [T, H]; writes this step's K/V into `kv` (each [num_slots, num_kv_heads, head_dim])."""
@@ -221,7 +224,7 @@ class GatedDeltaNet(nn.Module):
                     rows = slice(start + lo, start + hi)
                     q, k, v = self._split(causal_conv_span(mixed[rows], conv, weight, slot))
                     core[rows] = self._chunk(q, k, v, g[rows], beta[rows], ssm[slot])
-                    if hi < length:
+                    if hi < length and meta.state_capture is not None:
                         meta.state_capture(self.layer, i, hi, conv[slot], ssm[slot])
                     lo = hi
                 start += length
@@ -232,9 +235,11 @@ class GatedDeltaNet(nn.Module):
         """Conv output [T, C] -> q, k [T, Hk, Dk], v [T, Hv, Dv]."""
         q, k, v = torch.split(mixed, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         num_tokens = mixed.shape[0]
-        return (q.reshape(num_tokens, self.num_k_heads, self.head_k_dim),
-                k.reshape(num_tokens, self.num_k_heads, self.head_k_dim),
-                v.reshape(num_tokens, self.num_v_heads, self.head_v_dim))
+        return (
+            q.reshape(num_tokens, self.num_k_heads, self.head_k_dim),
+            k.reshape(num_tokens, self.num_k_heads, self.head_k_dim),
+            v.reshape(num_tokens, self.num_v_heads, self.head_v_dim),
+        )
 
     def _chunk(self, q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
         """One sequence's span through the chunked rule: o [L, Hv, Dv]; `state` ([Hv, Dk, Dv] float32, a pool row)
@@ -372,7 +377,8 @@ class Qwen3_5MoeForCausalLM(qwen3_moe.Qwen3MoeForCausalLM):
         norm's output, the residual stream, -1) when `start` is past the last layer."""
         if start < len(self.model.layers):
             h, residual = self.model.layers[start].attend(
-                x, residual, rope, self._mixer_state(start, kv_caches), meta, out_residual)
+                x, residual, rope, self._mixer_state(start, kv_caches), meta, out_residual
+            )
             return h, residual, start
         h, residual = self.model.norm(x, residual)
         return h, residual, -1

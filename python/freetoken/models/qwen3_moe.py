@@ -136,8 +136,11 @@ class Attention(nn.Module):
         """q [T, heads, D], k and v [T, kv_heads, D], by three GEMMs."""
         num_tokens = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        return (q.view(num_tokens, self.num_heads, self.head_dim), k.view(num_tokens, self.num_kv_heads, self.head_dim),
-                v.view(num_tokens, self.num_kv_heads, self.head_dim))
+        return (
+            q.view(num_tokens, self.num_heads, self.head_dim),
+            k.view(num_tokens, self.num_kv_heads, self.head_dim),
+            v.view(num_tokens, self.num_kv_heads, self.head_dim),
+        )
 
     def forward(
         self,
@@ -153,8 +156,19 @@ class Attention(nn.Module):
         cos, sin = rope
         if self._stacked_on(x.device):
             qkv = F.linear(x, *self.qkv)
-            q = qk_norm_rope(qkv, self.num_heads, self.num_kv_heads, self.q_norm.weight, self.k_norm.weight,
-                             self.q_norm.eps, cos, sin, kv[0], kv[1], meta.slot_mapping)
+            q = qk_norm_rope(
+                qkv,
+                self.num_heads,
+                self.num_kv_heads,
+                self.q_norm.weight,
+                self.k_norm.weight,
+                self.q_norm.eps,
+                cos,
+                sin,
+                kv[0],
+                kv[1],
+                meta.slot_mapping,
+            )
             out = paged_attention(q, None, None, kv[0], kv[1], meta, self.scale)
         else:
             q, k, v = self._project(x)

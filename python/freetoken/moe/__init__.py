@@ -104,7 +104,7 @@ def make_expert_backend(
         from freetoken.bench.box import measure_profile
 
         index = device.index if device.index is not None else torch.cuda.current_device()
-        measure = lambda: measure_profile(shape, model_cfg, index, cpu_threads=cfg.cpu_threads)  # noqa: E731
+        measure = lambda: measure_profile(shape, model_cfg, index, cpu_threads=cfg.cpu_threads)
     name, profile = choose_backend(cfg.moe_backend, device, shape, measure=measure)
     if name == "fused":
         if cfg.prefill_strategy != "auto" or cfg.no_prefill_overlap:
@@ -135,8 +135,12 @@ def make_expert_backend(
         from freetoken.models.loader import fill_expert_pool
 
         pool = ExpertPool.random(
-            len(model_cfg.moe_layers), model_cfg.num_experts, model_cfg.hidden_size, model_cfg.moe_intermediate_size,
-            seed=cfg.seed, moe_layers=model_cfg.moe_layers,
+            len(model_cfg.moe_layers),
+            model_cfg.num_experts,
+            model_cfg.hidden_size,
+            model_cfg.moe_intermediate_size,
+            seed=cfg.seed,
+            moe_layers=model_cfg.moe_layers,
         )
         fill_expert_pool(pool, model_dir, model_cfg)
     num_slots, layer_buffers = plan_expert_slots(cfg, model_cfg, dtype, pool.expert_stride, name)

@@ -114,4 +114,3 @@ class DrivenExpertBackend(ExpertBackend, Protocol):
     def after_failed_driven_step(self) -> None:
         """A driven step failed part way: drop what its fills may have made stale."""
         ...
-

@@ -103,11 +103,12 @@ def plan_expert_slots(
     left = budget - weights - kv - state - checkpoints - activations
     if buffers and cfg.prefill_strategy != "stream" and left >= num_experts * expert_stride:
         buffers = 0  # every expert fits in a slot: nothing would stream, and the buffers would evict experts
-    fits = lambda n: left - n * layer_nbytes >= n * layer_nbytes  # noqa: E731 (the slots keep as much)
+    fits = lambda n: left - n * layer_nbytes >= n * layer_nbytes
     if buffers == 2 and not fits(2) and fits(1):
         log.warning(
             "GPU budget: no room for 2 prefill layer buffers (%.2f GB each) beside the expert cache; one buffer, "
-            "so each layer's copy waits for the previous layer's compute", layer_nbytes / 1e9,
+            "so each layer's copy waits for the previous layer's compute",
+            layer_nbytes / 1e9,
         )
         buffers = 1
     if buffers and not fits(buffers):
@@ -118,14 +119,21 @@ def plan_expert_slots(
             )
         log.warning(
             "GPU budget: no room for a prefill layer buffer (%.2f GB) beside the expert cache; "
-            "prefill fills the routed experts on demand", layer_nbytes / 1e9,
+            "prefill fills the routed experts on demand",
+            layer_nbytes / 1e9,
         )
         buffers = 0
     left -= buffers * layer_nbytes
     log.info(
         "GPU budget %.1f GB: non-expert weights %.2f GB, KV cache %.2f GB, recurrent state %.2f GB, state "
         "checkpoints %.2f GB, activations %.2f GB, prefill layer buffers %d x %.2f GB, expert slots %.2f GB",
-        budget / 1e9, weights / 1e9, kv / 1e9, state / 1e9, checkpoints / 1e9, activations / 1e9, buffers,
+        budget / 1e9,
+        weights / 1e9,
+        kv / 1e9,
+        state / 1e9,
+        checkpoints / 1e9,
+        activations / 1e9,
+        buffers,
         layer_nbytes / 1e9,
         max(left, 0) / 1e9,
     )
@@ -196,8 +204,10 @@ def plan_host_memory(
     else:
         from freetoken.engine.state_checkpoints import host_budget_bytes
 
-        parts["state checkpoint host tier"] = (host_budget_bytes(cfg, model_cfg, dtype),
-                                               "lower --state-checkpoint-host-gb")
+        parts["state checkpoint host tier"] = (
+            host_budget_bytes(cfg, model_cfg, dtype),
+            "lower --state-checkpoint-host-gb",
+        )
     if device.type != "cpu" and backend != "fused":
         staging = PINNED_STAGING_TENSORS * 2 * cfg.max_prefill_tokens * model_cfg.hidden_size * 4
         parts["pinned staging"] = (staging, "lower --max-prefill-tokens")

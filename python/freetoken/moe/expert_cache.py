@@ -178,7 +178,7 @@ class ExpertCacheBackend:
         self.gpu_flops_per_s = measure_gpu_flops(device) if device.type == "cuda" and layer_buffers else None
         self.demand = next(name for name, planner_mode in DEMAND_MODES.items() if planner_mode == mode)
         self.strategy = self.demand  # of the current step
-        self.strategy_steps = {name: 0 for name in ("stream", *DEMAND_MODES)}  # prefill steps only
+        self.strategy_steps = dict.fromkeys(("stream", *DEMAND_MODES), 0)  # prefill steps only
         self.calibration = Calibration(device)
         # Driven decode steps and the driver's seconds summed over them, by part (`DecodeDriver.finish`).
         self.driven_steps = 0
@@ -192,8 +192,11 @@ class ExpertCacheBackend:
         if self.copy_stream is None:
             return LayerServer(self.planner, self.cpu, rows, slots=self.slots.numpy().reshape(-1))
         cuda = CudaSlots(
-            ordinal=self.slots.device.index, stream=self.copy_stream.cuda_stream, ptr=self.slots.data_ptr(),
-            stride=self.slots.stride(0), rows=rows,
+            ordinal=self.slots.device.index,
+            stream=self.copy_stream.cuda_stream,
+            ptr=self.slots.data_ptr(),
+            stride=self.slots.stride(0),
+            rows=rows,
         )
         return LayerServer(self.planner, self.cpu, rows, cuda=cuda)
 
@@ -382,9 +385,17 @@ class ExpertCacheBackend:
             host_weights.copy_(topk_weights)
 
         report = self.server.serve(
-            pool_layer, DEMAND_MODES[self.strategy], host_ids.numpy(), host_weights.numpy(), host_hidden.numpy(),
-            plan_np, host_out.numpy().reshape(-1), block_m, inputs_ready=ready,
-            on_fills_queued=slot_experts if cuda else None, fetch_inputs=fetch_inputs,
+            pool_layer,
+            DEMAND_MODES[self.strategy],
+            host_ids.numpy(),
+            host_weights.numpy(),
+            host_hidden.numpy(),
+            plan_np,
+            host_out.numpy().reshape(-1),
+            block_m,
+            inputs_ready=ready,
+            on_fills_queued=slot_experts if cuda else None,
+            fetch_inputs=fetch_inputs,
         )
         if not cuda:
             slot_experts(report.num_fills)
@@ -437,8 +448,12 @@ class ExpertCacheBackend:
         try:
             slots = allocate((rows(num_slots), self.pool.expert_stride), dtype=torch.uint8, device=self.device)
         except Exception:
-            self._install_slots(allocate((rows(old), self.pool.expert_stride), dtype=torch.uint8, device=self.device),
-                                old, buffers, streamed)
+            self._install_slots(
+                allocate((rows(old), self.pool.expert_stride), dtype=torch.uint8, device=self.device),
+                old,
+                buffers,
+                streamed,
+            )
             raise
         self.planner.resize(num_slots)
         self._install_slots(slots, num_slots, buffers, streamed)
@@ -474,8 +489,13 @@ class ExpertCacheBackend:
         return DeviceHandshake(self, top_k, sizes)
 
     def run_slots(
-        self, hidden: torch.Tensor, topk_weights: torch.Tensor, sorted_pairs: torch.Tensor, tile_stages: torch.Tensor,
-        out: torch.Tensor | None, before_stage: Callable[[int], None] | None = None,
+        self,
+        hidden: torch.Tensor,
+        topk_weights: torch.Tensor,
+        sorted_pairs: torch.Tensor,
+        tile_stages: torch.Tensor,
+        out: torch.Tensor | None,
+        before_stage: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """The grouped SwiGLU (Triton) over slot ids already aligned on the device, their tiles in stages run in
         turn (`fused_moe_tiles`; the decode driver's hits, then its fills after `before_stage(1)`): [T, H],

@@ -55,13 +55,32 @@ def mail_views(
     [size, k] float32 and hidden states [size, H] float32, packed one after the other from byte 0 (the layout the
     driver reads, from the driver itself: `mail_layout`), so one copy moves them all."""
     a, b, c = mail_layout(size, top_k, hidden)
-    return (buf[:a].view(torch.int64).view(size, top_k), buf[a:b].view(torch.float32).view(size, top_k),
-            buf[b:c].view(torch.float32).view(size, hidden))
+    return (
+        buf[:a].view(torch.int64).view(size, top_k),
+        buf[a:b].view(torch.float32).view(size, top_k),
+        buf[b:c].view(torch.float32).view(size, hidden),
+    )
 
 
 @triton.jit
-def _post_mail(ids_ptr, w_ptr, h_ptr, mail_ids_ptr, mail_w_ptr, mail_h_ptr, arrived_ptr, flag_ptr, gen_ptr, hidden,
-               stride_ids, stride_w, stride_h, TOP_K: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_H: tl.constexpr):
+def _post_mail(
+    ids_ptr,
+    w_ptr,
+    h_ptr,
+    mail_ids_ptr,
+    mail_w_ptr,
+    mail_h_ptr,
+    arrived_ptr,
+    flag_ptr,
+    gen_ptr,
+    hidden,
+    stride_ids,
+    stride_w,
+    stride_h,
+    TOP_K: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
     """One row of the mailbox, written straight into mapped host memory: its ids, routing weights and hidden state
     (as float32). The last program to finish raises the layer's mail flag to this step's generation.
 
@@ -88,8 +107,9 @@ def _post_mail(ids_ptr, w_ptr, h_ptr, mail_ids_ptr, mail_w_ptr, mail_h_ptr, arri
 
 
 @triton.jit
-def _wait_fetch(flag_ptr, gen_ptr, src_ptr, dst_ptr, gave_up_ptr, n, max_spins, BLOCK: tl.constexpr,
-                ACCUMULATE: tl.constexpr):
+def _wait_fetch(
+    flag_ptr, gen_ptr, src_ptr, dst_ptr, gave_up_ptr, n, max_spins, BLOCK: tl.constexpr, ACCUMULATE: tl.constexpr
+):
     """Spin until the host flag equals this step's generation, then copy n elements host -> device (or, with
     ACCUMULATE, add them to the destination, in float32, rounded to its dtype); a program that gives up after
     `max_spins` polls writes the generation to `gave_up_ptr` (host).
@@ -114,8 +134,14 @@ def _wait_fetch(flag_ptr, gen_ptr, src_ptr, dst_ptr, gave_up_ptr, n, max_spins, 
         tl.store(dst_ptr + offs, val.to(dst_ptr.dtype.element_ty), mask=ok)
 
 
-def _fetch(flag: torch.Tensor, gen: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, gave_up: torch.Tensor,
-           accumulate: bool = False):
+def _fetch(
+    flag: torch.Tensor,
+    gen: torch.Tensor,
+    src: torch.Tensor,
+    dst: torch.Tensor,
+    gave_up: torch.Tensor,
+    accumulate: bool = False,
+):
     n = dst.numel()
     # A program per block: each block's loads cross PCIe once, in parallel (the sum of batch 1 is two blocks).
     grid = (max(1, min(64, triton.cdiv(n, FETCH_BLOCK))),)
@@ -164,8 +190,13 @@ class DeviceHandshake:
             backend.cpu.idle_spin_us = WORKER_IDLE_SPIN_US
         flags = self.flags.numpy().view(np.uint32)
         buffers = HandshakeBuffers(
-            mail_flag=flags[0], plan_flag=flags[1], fill_flag=flags[2], cpu_flag=flags[3], mail=self.mail.numpy(),
-            plan=self.plan.numpy(), cpu_out=self.cpu_out.numpy(),
+            mail_flag=flags[0],
+            plan_flag=flags[1],
+            fill_flag=flags[2],
+            cpu_flag=flags[3],
+            mail=self.mail.numpy(),
+            plan=self.plan.numpy(),
+            cpu_out=self.cpu_out.numpy(),
         )
         self.driver = DecodeDriver(backend.server, buffers, backend.mode, k, timeout_s=timeout_s)
 
@@ -221,9 +252,22 @@ class DeviceHandshake:
         size = ids.shape[0]
         mail_ids, mail_weights, mail_hidden = mail_views(self.mail, size, self.top_k, self.hidden)
         _post_mail[(size,)](
-            ids, weights, hidden, mail_ids, mail_weights, mail_hidden, self.arrived, self.flags[0, index:], self.gen,
-            self.hidden, ids.stride(0), weights.stride(0), hidden.stride(0), TOP_K=self.top_k,
-            BLOCK_K=triton.next_power_of_2(self.top_k), BLOCK_H=min(triton.next_power_of_2(self.hidden), 4096),
+            ids,
+            weights,
+            hidden,
+            mail_ids,
+            mail_weights,
+            mail_hidden,
+            self.arrived,
+            self.flags[0, index:],
+            self.gen,
+            self.hidden,
+            ids.stride(0),
+            weights.stride(0),
+            hidden.stride(0),
+            TOP_K=self.top_k,
+            BLOCK_K=triton.next_power_of_2(self.top_k),
+            BLOCK_H=min(triton.next_power_of_2(self.hidden), 4096),
         )
 
     def fetch_plan(self, layer: int, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -244,5 +288,11 @@ class DeviceHandshake:
     def fetch_cpu(self, layer: int, size: int, out: torch.Tensor) -> None:
         """Wait for the layer's CPU experts and add their float32 sum [size, H] into `out` (device, contiguous)."""
         index = self.pool_layer[layer]
-        _fetch(self.flags[3, index:], self.gen, self.cpu_out, out.view(-1)[: size * self.hidden], self.flags[4, index:],
-               accumulate=True)
+        _fetch(
+            self.flags[3, index:],
+            self.gen,
+            self.cpu_out,
+            out.view(-1)[: size * self.hidden],
+            self.flags[4, index:],
+            accumulate=True,
+        )

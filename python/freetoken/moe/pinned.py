@@ -77,7 +77,7 @@ class PinnedRegion:
     def __del__(self) -> None:
         try:
             self.close()
-        except Exception:  # noqa: BLE001 (interpreter shutdown: the CUDA runtime may be gone)
+        except Exception:
             pass
 
 

@@ -40,7 +40,6 @@ import torch
 
 from freetoken._core import cpu_bytes_per_s_at
 
-
 # Planner backend of each on-demand strategy.
 DEMAND_MODES = {"fill": "offload", "cpu": "cpu", "hybrid": "hybrid"}
 # One host round trip per MoE layer (routing to the host, planning, copies queued): ~0.6 ms measured on the lent
@@ -113,8 +112,9 @@ def choose_strategy(
     best = min(candidates, key=price)
     if calibration is None or not calibration.measured(best, num_tokens):
         return best
-    untried = [c for c in candidates
-               if not calibration.measured(c, num_tokens) and price(c) <= EXPLORE_MARGIN * price(best)]
+    untried = [
+        c for c in candidates if not calibration.measured(c, num_tokens) and price(c) <= EXPLORE_MARGIN * price(best)
+    ]
     return min(untried, key=price) if untried else best
 
 
@@ -252,8 +252,16 @@ class LayerStreamer:
         ValueError: `num_buffers` not 1 or 2, or `weights` too small.
     """
 
-    def __init__(self, pool, pool_experts: torch.Tensor, weights: torch.Tensor, num_slots: int, num_buffers: int,
-                 planner, copy_stream: torch.cuda.Stream | None) -> None:
+    def __init__(
+        self,
+        pool,
+        pool_experts: torch.Tensor,
+        weights: torch.Tensor,
+        num_slots: int,
+        num_buffers: int,
+        planner,
+        copy_stream: torch.cuda.Stream | None,
+    ) -> None:
         if num_buffers not in (1, 2):
             raise ValueError(f"layer buffers: 1 or 2, got {num_buffers}")
         e = pool.num_experts

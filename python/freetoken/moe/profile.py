@@ -216,5 +216,7 @@ def find_profile(
             )  # fmt: skip
         except ProfileError as e:
             log.warning("bandwidth profile %s not used: %s", other, e)
-    log.info("no bandwidth profile for GPU %r and expert %s in %s (run `ft bench bw`)", gpu_uuid, shape.label(), directory)
+    log.info(
+        "no bandwidth profile for GPU %r and expert %s in %s (run `ft bench bw`)", gpu_uuid, shape.label(), directory
+    )
     return None

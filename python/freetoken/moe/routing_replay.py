@@ -88,8 +88,9 @@ def trace_tables(path: str | Path) -> tuple[dict, list[np.ndarray]]:
     return header, [np.concatenate(rows).astype(np.int64) for rows in per_layer]
 
 
-def synthetic_tables(num_layers: int, num_experts: int, top_k: int, num_steps: int, batch: int = 1,
-                     seed: int = 0) -> list[np.ndarray]:
+def synthetic_tables(
+    num_layers: int, num_experts: int, top_k: int, num_steps: int, batch: int = 1, seed: int = 0
+) -> list[np.ndarray]:
     """`synthetic_trace` (defaults of `SYNTHETIC_PARAMS`) of `num_steps` steps of `batch` tokens, as per-layer
     token tables: num_layers x [num_steps * batch, top_k] int64."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -118,8 +119,9 @@ def install_trace(model: nn.Module, tables: list[np.ndarray], source: str) -> to
         raise ValueError(f"routing trace {source}: {len(tables)} MoE layers, the model has {len(blocks)}")
     for table in tables:
         if table.ndim != 2 or table.shape[1] != cfg.num_experts_per_tok:
-            raise ValueError(f"routing trace {source}: top-{table.shape[-1]}, the model routes top-"
-                             f"{cfg.num_experts_per_tok}")
+            raise ValueError(
+                f"routing trace {source}: top-{table.shape[-1]}, the model routes top-{cfg.num_experts_per_tok}"
+            )
         if table.size and not 0 <= table.min() <= table.max() < cfg.num_experts:
             raise ValueError(f"routing trace {source}: expert ids past the model's {cfg.num_experts} experts")
     device = next(model.parameters()).device
@@ -149,12 +151,17 @@ def install_replay(model: nn.Module, replay: str, seed: int = 0) -> torch.Tensor
             raise FileNotFoundError(f"--replay-routing {replay}: no such trace file (or give {SYNTHETIC!r})")
         header, tables = trace_tables(path)
         if header["num_experts"] != cfg.num_experts:
-            raise ValueError(f"--replay-routing {replay}: a trace of {header['num_experts']} experts per layer, the "
-                             f"model has {cfg.num_experts}")
+            raise ValueError(
+                f"--replay-routing {replay}: a trace of {header['num_experts']} experts per layer, the "
+                f"model has {cfg.num_experts}"
+            )
         source = str(path)
     clock = install_trace(model, tables, source)
-    log.info("routing: replayed from the %s trace (%d tokens, then it wraps); the routers' own ids are not used",
-             source, tables[0].shape[0])
+    log.info(
+        "routing: replayed from the %s trace (%d tokens, then it wraps); the routers' own ids are not used",
+        source,
+        tables[0].shape[0],
+    )
     return clock
 
 
@@ -165,6 +172,9 @@ def describe(model: nn.Module) -> dict:
 
     for layer in model.model.layers:
         if isinstance(layer.mlp, SparseMoeBlock) and isinstance(layer.mlp.gate, TraceRouter):
-            return {"source": "replay", "trace": getattr(model, "routing_source", "?"),
-                    "tokens": int(layer.mlp.gate.table.shape[0])}
+            return {
+                "source": "replay",
+                "trace": getattr(model, "routing_source", "?"),
+                "tokens": int(layer.mlp.gate.table.shape[0]),
+            }
     return {"source": "model"}

@@ -51,7 +51,8 @@ class QuantizedExperts:
                 topk_weights,
             )
         view = DequantizedView(self)
-        return grouped_swiglu(hidden, view.gate_up, view.down, topk_ids, topk_weights)
+        # duck-typed: grouped_swiglu only indexes its weights per expert, which the view dequantizes on demand
+        return grouped_swiglu(hidden, view.gate_up, view.down, topk_ids, topk_weights)  # type: ignore[arg-type]
 
 
 class DequantizedView:

@@ -229,7 +229,7 @@ def _modelopt_spec(qc: dict[str, Any], source: str) -> QuantSpec:
     group = qc.get("group_size", 16)
     if group != 16:
         raise QuantConfigError(f"{source}: NVFP4 group_size={group!r}; the format's block is 16 elements")
-    ignored = ()
+    ignored: tuple[str, ...] = ()
     for key in ("ignore", "exclude_modules", "modules_to_not_convert"):
         ignored += _names(qc.get(key), source, key)
     return QuantSpec(NVFP4, ignored, source)

@@ -38,7 +38,7 @@ every few seconds while the prompt prefills (and whenever the stream is idle); p
 content_block_delta (thinking_delta, text_delta or input_json_delta)…, content_block_stop, with one ping after
 the first block starts; message_delta (stop_reason, usage), message_stop. A block starts when its first piece
 arrives; a completion with no output has one empty text block. An ``error`` event replaces the tail when the
-request fails mid-stream. """
+request fails mid-stream."""
 
 from __future__ import annotations
 
@@ -225,14 +225,16 @@ def _convert_assistant(blocks: list[dict[str, Any]], path: str) -> dict[str, Any
         block_path = join_path(path, i)
         kind = block["type"]
         if kind == "tool_use":
-            tool_calls.append({
-                "id": get_field(block, "id", str, parent=block_path, required=True),
-                "type": "function",
-                "function": {
-                    "name": get_field(block, "name", str, parent=block_path, required=True),
-                    "arguments": get_field(block, "input", dict, parent=block_path, default={}),
-                },
-            })
+            tool_calls.append(
+                {
+                    "id": get_field(block, "id", str, parent=block_path, required=True),
+                    "type": "function",
+                    "function": {
+                        "name": get_field(block, "name", str, parent=block_path, required=True),
+                        "arguments": get_field(block, "input", dict, parent=block_path, default={}),
+                    },
+                }
+            )
         elif kind == "thinking":
             thoughts.append(get_field(block, "thinking", str, parent=block_path, default=""))
         elif kind != "redacted_thinking":  # an encrypted thought is nothing this model can read
@@ -301,7 +303,8 @@ def convert_messages(body: dict[str, Any]) -> Conversation:
         role = get_field(message, "role", str, parent=path, required=True)
         if role not in ("user", "assistant", "system"):
             raise invalid_request(
-                ErrorCode.INVALID_VALUE, f"{path}.role must be 'user', 'assistant' or 'system', got {role!r}",
+                ErrorCode.INVALID_VALUE,
+                f"{path}.role must be 'user', 'assistant' or 'system', got {role!r}",
                 join_path(path, "role"),
             )
         content_path = join_path(path, "content")
@@ -342,13 +345,16 @@ def _tools(body: dict[str, Any], referenced: set[str]) -> list[dict[str, Any]] |
             note_once_per_process(
                 f"anthropic-server-tool:{kind}",
                 "/v1/messages: server tool %r (type %s) is not offered to the model: this server runs no hosted "
-                "tools (logged once)", name, kind,
+                "tools (logged once)",
+                name,
+                kind,
             )
             continue
         if get_field(tool, "defer_loading", bool, parent=path, default=False) and name not in referenced:
             note_once_per_request(
-                "anthropic-deferred-tools", "/v1/messages: tools with defer_loading are not offered until a "
-                "tool_reference names them (first: %r)", name,
+                "anthropic-deferred-tools",
+                "/v1/messages: tools with defer_loading are not offered until a tool_reference names them (first: %r)",
+                name,
             )
             continue
         function = {"name": name}
@@ -398,8 +404,9 @@ def _template_kwargs(body: dict[str, Any], default_thinking: bool) -> dict[str, 
     get_int(thinking, "budget_tokens", lo=0, parent="thinking")
     if kind not in ("enabled", "disabled", "adaptive"):
         note_once_per_process(
-            f"anthropic-thinking:{kind}", "/v1/messages: thinking type %r is not known to this server; taken as "
-            "thinking on (logged once)", kind,
+            f"anthropic-thinking:{kind}",
+            "/v1/messages: thinking type %r is not known to this server; taken as thinking on (logged once)",
+            kind,
         )
     return {"enable_thinking": kind != "disabled"}
 
@@ -425,11 +432,27 @@ def _output_format(body: dict[str, Any]) -> JsonFormat | None:
 
 # Top-level fields of a Messages body this server reads, or knows and ignores on purpose (metadata, caching,
 # service tiers, Claude Code's context_management and output_config, output_format); any other is logged once.
-KNOWN_FIELDS = frozenset({
-    "model", "messages", "system", "max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream",
-    "tools", "tool_choice", "thinking", "metadata", "service_tier", "context_management", "output_config",
-    "output_format",
-})
+KNOWN_FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "system",
+        "max_tokens",
+        "stop_sequences",
+        "temperature",
+        "top_p",
+        "top_k",
+        "stream",
+        "tools",
+        "tool_choice",
+        "thinking",
+        "metadata",
+        "service_tier",
+        "context_management",
+        "output_config",
+        "output_format",
+    }
+)
 
 
 def parse_messages_request(
@@ -522,19 +545,20 @@ def message_body(
     if output.content or not output.tool_calls:
         content.append({"type": "text", "text": output.content})
     for call in output.tool_calls:
-        content.append({"type": "tool_use", "id": _tool_use_id(), "name": call.name,
-                        "input": _tool_input(call.arguments)})
+        content.append(
+            {"type": "tool_use", "id": _tool_use_id(), "name": call.name, "input": _tool_input(call.arguments)}
+        )
     return {
         "id": message_id,
         "type": "message",
         "role": "assistant",
         "model": model,
         "content": content,
-        **stop_fields(
-            completion.finish_reason, completion.stop_reason, stop_sequences, bool(output.tool_calls)
-        ),
+        **stop_fields(completion.finish_reason, completion.stop_reason, stop_sequences, bool(output.tool_calls)),
         "usage": _usage(
-            completion.num_prompt_tokens, completion.num_output_tokens, completion.num_cached_tokens,
+            completion.num_prompt_tokens,
+            completion.num_output_tokens,
+            completion.num_cached_tokens,
             completion.num_cache_write_tokens,
         ),
     }
@@ -552,9 +576,12 @@ class _BlockStream:
     def _start(self, block: dict[str, Any]) -> list[bytes]:
         events = self._stop()
         self._kind = block["type"]
-        events.append(sse_event(
-            "content_block_start", {"type": "content_block_start", "index": self._num_blocks, "content_block": block}
-        ))
+        events.append(
+            sse_event(
+                "content_block_start",
+                {"type": "content_block_start", "index": self._num_blocks, "content_block": block},
+            )
+        )
         if self._num_blocks == 0:
             events.append(sse_event("ping", {"type": "ping"}))
         self._num_blocks += 1
@@ -617,12 +644,16 @@ def _stream_events(
 
     def tail(last: GenerationChunk) -> list[bytes]:
         usage = _usage(
-            last.num_prompt_tokens or num_prompt_tokens, last.num_output_tokens, last.num_cached_tokens,
+            last.num_prompt_tokens or num_prompt_tokens,
+            last.num_output_tokens,
+            last.num_cached_tokens,
             last.num_cache_write_tokens,
         )
         delta = stop_fields(last.finish_reason, last.stop_reason, req.stop_sequences, blocks.used_tools)
-        return [sse_event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}),
-                sse_event("message_stop", {"type": "message_stop"})]
+        return [
+            sse_event("message_delta", {"type": "message_delta", "delta": delta, "usage": usage}),
+            sse_event("message_stop", {"type": "message_stop"}),
+        ]
 
     head = [sse_event("message_start", {"type": "message_start", "message": start})]
     return converted_events(engine, prompt_ids, req.params, plan, message_id, blocks, head, tail)
@@ -636,12 +667,14 @@ async def messages(request: Request) -> Response:
     """``POST /v1/messages``."""
     state = request.app.state
     engine = state.engine
-    req = parse_messages_request(
-        parse_json_object(await read_body(request)), default_thinking=state.default_thinking
-    )
+    req = parse_messages_request(parse_json_object(await read_body(request)), default_thinking=state.default_thinking)
     tools = None if req.tool_choice.mode == "none" else req.tools
     prompt = await render_prompt(
-        engine, req.messages, tools, req.template_kwargs, continue_final=req.continue_final,
+        engine,
+        req.messages,
+        tools,
+        req.template_kwargs,
+        continue_final=req.continue_final,
         flavor=ApiFlavor.ANTHROPIC,
     )
     plan = plan_output(engine, prompt, tools, req.tool_choice)
@@ -655,9 +688,7 @@ async def messages(request: Request) -> Response:
     model = state.served_model_name
     if req.stream:
         events = _stream_events(engine, prompt_ids, req, plan, message_id, model)
-        return EventStreamResponse(guard_stream(
-            events, message_id, _error_events, PING_EVENT, state.keepalive_s
-        ))
+        return EventStreamResponse(guard_stream(events, message_id, _error_events, PING_EVENT, state.keepalive_s))
     [completion] = await collect(request, engine, prompt_ids, [req.params], message_id)
     output = plan.parse(completion.text)
     return JSONResponse(message_body(message_id, model, completion, output, req.stop_sequences))
@@ -678,8 +709,13 @@ async def count_tokens(request: Request) -> Response:
     # Counted exactly up to COUNT_TOKENS_CONTEXTS contexts (a client deciding what to trim needs the count of a
     # prompt a little past the context); past that, refused after bounded work like any prompt.
     prompt = await render_prompt(
-        engine, req.messages, tools, req.template_kwargs, max_tokens=COUNT_TOKENS_CONTEXTS * engine.max_model_len,
-        continue_final=req.continue_final, flavor=ApiFlavor.ANTHROPIC,
+        engine,
+        req.messages,
+        tools,
+        req.template_kwargs,
+        max_tokens=COUNT_TOKENS_CONTEXTS * engine.max_model_len,
+        continue_final=req.continue_final,
+        flavor=ApiFlavor.ANTHROPIC,
     )
     plan_output(engine, prompt, tools, req.tool_choice)  # a forced tool call's opening counts too
     return JSONResponse({"input_tokens": len(prompt.ids)})

@@ -188,8 +188,13 @@ def log_client_error(scope: Scope, err: ApiError) -> None:
     """One log line for a 4xx answer: the route, the status and code, the field, and the reason."""
     if 400 <= err.status < 500:
         logger.warning(
-            "%s %s -> %d %s%s: %s", scope.get("method"), scope.get("path"), err.status, err.code.value,
-            f" (field {err.param})" if err.param else "", err.message,
+            "%s %s -> %d %s%s: %s",
+            scope.get("method"),
+            scope.get("path"),
+            err.status,
+            err.code.value,
+            f" (field {err.param})" if err.param else "",
+            err.message,
         )
 
 
@@ -279,8 +284,12 @@ async def get_model(request: Request) -> Response:
     state = request.app.state
     name = request.path_params["model"]
     if name != state.served_model_name:
-        raise ApiError(404, ErrorCode.MODEL_NOT_FOUND, f"model {name!r} is not served here; "
-                       f"this server serves {state.served_model_name!r}", "model")
+        raise ApiError(
+            404,
+            ErrorCode.MODEL_NOT_FOUND,
+            f"model {name!r} is not served here; this server serves {state.served_model_name!r}",
+            "model",
+        )
     return JSONResponse(_model_card(state, flavor_of(request.scope)))
 
 
@@ -468,8 +477,12 @@ def run_server(
         strict_max_tokens, default_thinking: see `build_app`.
     """
     app = build_app(
-        engine, served_model_name=served_model_name, api_key=api_key, metrics_open=metrics_open,
-        strict_max_tokens=strict_max_tokens, default_thinking=default_thinking,
+        engine,
+        served_model_name=served_model_name,
+        api_key=api_key,
+        metrics_open=metrics_open,
+        strict_max_tokens=strict_max_tokens,
+        default_thinking=default_thinking,
     )
     protocol = type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout_s": header_timeout_s})
     config = uvicorn.Config(

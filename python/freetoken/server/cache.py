@@ -52,16 +52,24 @@ def parse_resize(body: dict[str, Any]) -> dict[str, float | int]:
     """
     unknown = sorted(set(body) - set(RESIZE_FIELDS))
     if unknown:
-        raise invalid_request(ErrorCode.INVALID_VALUE, f"unknown field {unknown[0]!r}; expected "
-                              f"{', '.join(RESIZE_FIELDS)}", unknown[0])
+        raise invalid_request(
+            ErrorCode.INVALID_VALUE, f"unknown field {unknown[0]!r}; expected {', '.join(RESIZE_FIELDS)}", unknown[0]
+        )
     sizes: dict[str, float | int] = {}
     for name, kind in RESIZE_FIELDS.items():
         value = body.get(name)
         if value is None:
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or kind is int and not isinstance(value, int):
-            raise invalid_request(ErrorCode.INVALID_TYPE, f"{name} must be {'an integer' if kind is int else 'a number'}"
-                                  f", got {value!r}", name)
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or (kind is int and not isinstance(value, int))
+        ):
+            raise invalid_request(
+                ErrorCode.INVALID_TYPE,
+                f"{name} must be {'an integer' if kind is int else 'a number'}, got {value!r}",
+                name,
+            )
         if not math.isfinite(value) or value <= 0:
             raise invalid_request(ErrorCode.INVALID_VALUE, f"{name} must be > 0, got {value!r}", name)
         sizes[name] = kind(value)
@@ -77,8 +85,11 @@ async def resize_cache(request: Request) -> Response:
         answer = await request.app.state.engine.resize_cache(**sizes)
     except ResizeError as exc:
         code = (
-            ErrorCode.RESIZE_IN_PROGRESS if isinstance(exc, ResizeConflict)
-            else ErrorCode.RESIZE_ROLLED_BACK if isinstance(exc, ResizeRolledBack) else ErrorCode.RESIZE_REFUSED
+            ErrorCode.RESIZE_IN_PROGRESS
+            if isinstance(exc, ResizeConflict)
+            else ErrorCode.RESIZE_ROLLED_BACK
+            if isinstance(exc, ResizeRolledBack)
+            else ErrorCode.RESIZE_REFUSED
         )
         log.info("cache resize %s: %s", code.value, exc)
         raise ApiError(exc.status, code, str(exc)) from None

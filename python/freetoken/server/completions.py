@@ -77,11 +77,31 @@ def _prompt_ids(body: dict[str, Any], tokenizer: Any) -> tuple[str, list[int]]:
 
 
 # Top-level fields of a text completions body this server reads, or knows and ignores; any other is logged once.
-KNOWN_FIELDS = frozenset({
-    "model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stream", "stream_options",
-    "logit_bias", "logprobs", "echo", "suffix", "best_of", "frequency_penalty", "presence_penalty",
-    "repetition_penalty", "ignore_eos", "user",
-})
+KNOWN_FIELDS = frozenset(
+    {
+        "model",
+        "prompt",
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "n",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "logit_bias",
+        "logprobs",
+        "echo",
+        "suffix",
+        "best_of",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "ignore_eos",
+        "user",
+    }
+)
 
 
 def _sampling(body: dict[str, Any]) -> Sampling:
@@ -102,7 +122,13 @@ def _sampling(body: dict[str, Any]) -> Sampling:
 
 
 async def _stream_events(
-    engine: EngineClient, prompt_ids: list[int], sampling: Sampling, echo: str, request_id: str, created: int, model: str
+    engine: EngineClient,
+    prompt_ids: list[int],
+    sampling: Sampling,
+    echo: str,
+    request_id: str,
+    created: int,
+    model: str,
 ) -> AsyncGenerator[bytes, None]:
     """The SSE events of one streamed text completion, ending with ``[DONE]``."""
     base = {"id": request_id, "object": "text_completion", "created": created, "model": model}
@@ -147,11 +173,17 @@ async def completions(request: Request) -> Response:
     # Off the event loop: tokenizing (or decoding) a prompt of megabytes takes seconds.
     prompt_text, prompt_ids = await run_in_threadpool(_prompt_ids, body, engine.tokenizer)
     sampling.params.max_tokens = fit_context(
-        len(prompt_ids), sampling.max_tokens, context_fit(state),
-        max_tokens_param=sampling.max_tokens_param, messages_param="prompt",
+        len(prompt_ids),
+        sampling.max_tokens,
+        context_fit(state),
+        max_tokens_param=sampling.max_tokens_param,
+        messages_param="prompt",
     )
     sampling.params.max_tokens = fit_output_budget(
-        engine, 1, sampling.params.max_tokens, body.get(sampling.max_tokens_param) is not None,
+        engine,
+        1,
+        sampling.params.max_tokens,
+        body.get(sampling.max_tokens_param) is not None,
         max_tokens_param=sampling.max_tokens_param,
     )
     check_request(engine, prompt_ids, sampling.params, messages_param="prompt")
@@ -167,14 +199,19 @@ async def completions(request: Request) -> Response:
     if completion.logprobs is not None:
         logprobs = completion_logprobs(engine.tokenizer, completion.logprobs, len(prefix))
     choice = {
-        "index": 0, "text": prefix + completion.text, "logprobs": logprobs, "finish_reason": completion.finish_reason
+        "index": 0,
+        "text": prefix + completion.text,
+        "logprobs": logprobs,
+        "finish_reason": completion.finish_reason,
     }
-    return JSONResponse({
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "system_fingerprint": None,
-        "choices": [choice],
-        "usage": usage(completion.num_prompt_tokens, completion.num_output_tokens, completion.num_cached_tokens),
-    })
+    return JSONResponse(
+        {
+            "id": request_id,
+            "object": "text_completion",
+            "created": created,
+            "model": model,
+            "system_fingerprint": None,
+            "choices": [choice],
+            "usage": usage(completion.num_prompt_tokens, completion.num_output_tokens, completion.num_cached_tokens),
+        }
+    )

@@ -36,7 +36,6 @@ from freetoken.server import telemetry
 from freetoken.server.engine_client import EngineClient
 from freetoken.server.errors import ApiError, ApiFlavor, ErrorCode, invalid_request
 from freetoken.server.notices import note_once_per_request
-from freetoken.tokenizer import PromptTooLong
 from freetoken.server.parsers import (
     OutputParser,
     ParsedDelta,
@@ -45,6 +44,7 @@ from freetoken.server.parsers import (
     parse_text,
     parser_for,
 )
+from freetoken.tokenizer import PromptTooLong
 
 logger = logging.getLogger("freetoken.server")
 
@@ -132,6 +132,7 @@ async def render_prompt(
     Template errors (for example a conversation the template rejects) become a 400 naming `messages`.
     """
     tokenizer = engine.tokenizer
+    assert tokenizer is not None  # ft serve refuses a model directory without one
     template_kwargs = {k: v for k, v in template_kwargs.items() if k not in _RESERVED_TEMPLATE_KWARGS}
     limit = max_tokens or engine.max_model_len
     prefill = messages[-1].get("content") or "" if continue_final else ""
@@ -140,7 +141,10 @@ async def render_prompt(
 
     def render() -> Prompt:
         text, ids = tokenizer.encode_chat(
-            messages, tools=tools or None, add_generation_prompt=True, max_tokens=limit,
+            messages,
+            tools=tools or None,
+            add_generation_prompt=True,
+            max_tokens=limit,
             **template_kwargs,
         )
         if prefill:  # client text: plain text, as encode_chat tokenizes the messages' text
@@ -213,6 +217,7 @@ def plan_output(
         return OutputPlan(engine.tokenizer, options, "", forced)
     prefix = parser.tool_call_prefix(tool_choice.name) or ""
     if prefix:
+        assert engine.tokenizer is not None  # ft serve refuses a model directory without one
         prompt.ids = prompt.ids + engine.tokenizer.encode(prefix)
     return OutputPlan(engine.tokenizer, options, prefix)
 
@@ -313,6 +318,7 @@ async def constrain_output(
         # prompt opened its reasoning block. Thinking first would spend a budget sized for the call.
         reasoning = parser.reasoning_grammar(optional=False)
         grammar = json_grammar(None, reasoning, parser.tool_calls_grammar(plan.forced_tools))
+        assert engine.grammars is not None  # forced_tools is set only with a grammar backend (output_plan)
         try:
             params.grammar = await run_in_threadpool(engine.grammars.matcher, grammar)
         except GrammarError as exc:
@@ -424,8 +430,13 @@ def fit_context(
             )
         raise invalid_request(ErrorCode.CONTEXT_LENGTH_EXCEEDED, message, max_tokens_param, verbatim=anthropic)
     note_once_per_request(
-        "max_tokens-lowered", "%s %d lowered to %d: the prompt takes %d of the %d-token context "
-        "(--strict-max-tokens refuses instead)", max_tokens_param, max_tokens, room, num_prompt_tokens, limit,
+        "max_tokens-lowered",
+        "%s %d lowered to %d: the prompt takes %d of the %d-token context (--strict-max-tokens refuses instead)",
+        max_tokens_param,
+        max_tokens,
+        room,
+        num_prompt_tokens,
+        limit,
     )
     return room
 
@@ -442,8 +453,11 @@ def fit_output_budget(engine: EngineClient, n: int, max_tokens: int, explicit: b
         return max_tokens
     if not explicit:
         return max(1, cap // n)
-    asked = f"{max_tokens_param} is {max_tokens} tokens;" if n == 1 else (
-        f"n x {max_tokens_param} is {n} x {max_tokens} = {n * max_tokens} tokens;")
+    asked = (
+        f"{max_tokens_param} is {max_tokens} tokens;"
+        if n == 1
+        else (f"n x {max_tokens_param} is {n} x {max_tokens} = {n * max_tokens} tokens;")
+    )
     raise invalid_request(
         ErrorCode.INVALID_VALUE,
         f"{asked} this server allows {cap} per request (--max-request-output-tokens); lower {max_tokens_param} "
@@ -493,7 +507,8 @@ async def closing_chunks(
         async for chunk in chunks:
             if chunk.finish_reason == "abort":
                 raise ApiError(
-                    503, ErrorCode.REQUEST_ABORTED,
+                    503,
+                    ErrorCode.REQUEST_ABORTED,
                     "the engine aborted this request (the server is shutting down, or the client stopped reading)",
                 )
             finished = chunk.finish_reason is not None
@@ -647,16 +662,18 @@ async def _drain(
     for i, chunk in enumerate(last):
         if chunk is None or chunk.finish_reason is None:
             raise ApiError(500, ErrorCode.INTERNAL_ERROR, "the engine ended the request without a finish reason")
-        completions.append(Completion(
-            text="".join(parts[i]),
-            finish_reason=chunk.finish_reason,
-            stop_reason=chunk.stop_reason,
-            num_prompt_tokens=chunk.num_prompt_tokens or num_prompt_tokens,
-            num_output_tokens=chunk.num_output_tokens,
-            logprobs=logprobs[i],
-            num_cached_tokens=chunk.num_cached_tokens,
-            num_cache_write_tokens=chunk.num_cache_write_tokens,
-        ))
+        completions.append(
+            Completion(
+                text="".join(parts[i]),
+                finish_reason=chunk.finish_reason,
+                stop_reason=chunk.stop_reason,
+                num_prompt_tokens=chunk.num_prompt_tokens or num_prompt_tokens,
+                num_output_tokens=chunk.num_output_tokens,
+                logprobs=logprobs[i],
+                num_cached_tokens=chunk.num_cached_tokens,
+                num_cache_write_tokens=chunk.num_cache_write_tokens,
+            )
+        )
     return completions
 
 
@@ -684,7 +701,7 @@ async def collect(
             tg.start_soon(watch_disconnect, tg.cancel_scope)
             try:
                 result.append(await _drain(chunks, len(params), len(prompt_ids)))
-            except Exception as exc:  # noqa: BLE001 - re-raised below, unwrapped from the task group
+            except Exception as exc:
                 error.append(exc)
             tg.cancel_scope.cancel()
     finally:

@@ -26,12 +26,15 @@ MIN_LOGPROB = -9999.0
 
 
 def _value(logprob: float) -> float:
-    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB  # noqa: FURB136 (max() would keep a NaN)
+    return logprob if logprob >= MIN_LOGPROB else MIN_LOGPROB
 
 
 def _token(tokenizer: Any, token_id: int, logprob: float) -> dict[str, Any]:
-    return {"token": tokenizer.token_text(token_id), "logprob": _value(logprob),
-            "bytes": list(tokenizer.token_bytes(token_id))}
+    return {
+        "token": tokenizer.token_text(token_id),
+        "logprob": _value(logprob),
+        "bytes": list(tokenizer.token_bytes(token_id)),
+    }
 
 
 def chat_logprobs(tokenizer: Any, logprobs: list[TokenLogprob]) -> dict[str, Any]:

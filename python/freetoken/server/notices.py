@@ -59,8 +59,10 @@ def note_unknown_fields(body: dict[str, Any], known: Iterable[str], endpoint: st
     for key in body:
         if key not in known:
             note_once_per_process(
-                f"{endpoint}:{key}", "%s: field %r is not known to this server and is ignored (logged once)",
-                endpoint, key,
+                f"{endpoint}:{key}",
+                "%s: field %r is not known to this server and is ignored (logged once)",
+                endpoint,
+                key,
             )
 
 

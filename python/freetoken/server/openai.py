@@ -73,9 +73,9 @@ from freetoken.server.generation import (
     check_params,
     choice_params,
     collect,
+    constrain_output,
     context_fit,
     fit_context,
-    constrain_output,
     fit_output_budget,
     merged_chunks,
     plan_output,
@@ -176,8 +176,9 @@ def _content_text(message: dict[str, Any], path: str, *, required: bool) -> str:
             texts.append(omitted(_OMITTED_PARTS[kind]))
         else:
             note_once_per_process(
-                f"chat-part:{kind}", "/v1/chat/completions: content part type %r is not known to this server and is "
-                "skipped (logged once)", kind,
+                f"chat-part:{kind}",
+                "/v1/chat/completions: content part type %r is not known to this server and is skipped (logged once)",
+                kind,
             )
     return "\n".join(texts)
 
@@ -258,9 +259,7 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     return tools or None
 
 
-def parse_tool_choice(
-    body: dict[str, Any], tools: list[dict[str, Any]] | None, *, nested: bool = True
-) -> ToolChoice:
+def parse_tool_choice(body: dict[str, Any], tools: list[dict[str, Any]] | None, *, nested: bool = True) -> ToolChoice:
     """``tool_choice``: "auto" (the default), "none", "required", or a named function among `tools`.
 
     The function is named as ``{"type": "function", "function": {"name": N}}`` (chat completions) or, with
@@ -308,13 +307,15 @@ def parse_logit_bias(body: dict[str, Any]) -> dict[int, float]:
     for key in value:
         if not (isinstance(key, str) and key.isascii() and key.isdigit()):
             raise invalid_request(
-                ErrorCode.INVALID_VALUE, f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
+                ErrorCode.INVALID_VALUE,
+                f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
                 "logit_bias",
             )
         if len(key) > MAX_TOKEN_ID_DIGITS:  # no vocabulary is that large; int() refuses past 4300 digits
             raise invalid_request(
                 ErrorCode.INVALID_VALUE,
-                f"logit_bias key {key[:20]}... ({len(key)} digits) is not a token id of this model", "logit_bias",
+                f"logit_bias key {key[:20]}... ({len(key)} digits) is not a token id of this model",
+                "logit_bias",
             )
         number = get_number(value, key, lo=-MAX_LOGIT_BIAS, hi=MAX_LOGIT_BIAS, parent="logit_bias")
         if number is not None:
@@ -417,12 +418,38 @@ def with_system_instruction(messages: list[dict[str, Any]], instruction: str) ->
 
 # Top-level fields of a chat completions body this server reads, or knows and ignores on purpose; any other is
 # logged once (`note_unknown_fields`).
-KNOWN_CHAT_FIELDS = frozenset({
-    "model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop",
-    "stream", "stream_options", "logit_bias", "logprobs", "top_logprobs", "tools", "tool_choice",
-    "parallel_tool_calls", "response_format", "frequency_penalty", "presence_penalty", "repetition_penalty",
-    "ignore_eos", "chat_template_kwargs", "continue_final_message", "user", "metadata", "store",
-})
+KNOWN_CHAT_FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "max_tokens",
+        "max_completion_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "n",
+        "seed",
+        "stop",
+        "stream",
+        "stream_options",
+        "logit_bias",
+        "logprobs",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "response_format",
+        "frequency_penalty",
+        "presence_penalty",
+        "repetition_penalty",
+        "ignore_eos",
+        "chat_template_kwargs",
+        "continue_final_message",
+        "user",
+        "metadata",
+        "store",
+    }
+)
 
 
 def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
@@ -447,7 +474,8 @@ def parse_chat_request(body: dict[str, Any]) -> ChatRequest:
     continue_final = get_field(body, "continue_final_message", bool, default=False)
     if continue_final and messages[-1]["role"] != "assistant":
         raise invalid_request(
-            ErrorCode.INVALID_VALUE, "continue_final_message needs the last message to be the assistant's",
+            ErrorCode.INVALID_VALUE,
+            "continue_final_message needs the last message to be the assistant's",
             "continue_final_message",
         )
     sampling = parse_sampling(body)
@@ -543,12 +571,14 @@ def _delta_fields(delta: ParsedDelta, call_ids: list[str]) -> dict[str, Any]:
     for piece in delta.tool_calls:
         if piece.name is not None:
             call_ids.append(_call_id())
-            calls.append({
-                "index": piece.index,
-                "id": call_ids[piece.index],
-                "type": "function",
-                "function": {"name": piece.name, "arguments": piece.arguments},
-            })
+            calls.append(
+                {
+                    "index": piece.index,
+                    "id": call_ids[piece.index],
+                    "type": "function",
+                    "function": {"name": piece.name, "arguments": piece.arguments},
+                }
+            )
         else:
             calls.append({"index": piece.index, "function": {"arguments": piece.arguments}})
     if calls:
@@ -567,8 +597,13 @@ async def _stream_events(
 ) -> AsyncGenerator[bytes, None]:
     """The SSE events of one streamed completion (its n choices interleaved), ending with ``[DONE]``;
     raises on failure (`guard_stream`)."""
-    base = {"id": request_id, "object": "chat.completion.chunk", "created": created, "model": model,
-            "system_fingerprint": None}
+    base = {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "system_fingerprint": None,
+    }
     if chat.sampling.include_usage:
         base["usage"] = None
 
@@ -630,9 +665,7 @@ async def chat_completions(request: Request) -> Response:
     engine = state.engine
     chat = parse_chat_request(parse_json_object(await read_body(request)))
     tools = None if chat.tool_choice.mode == "none" else chat.tools
-    prompt = await render_prompt(
-        engine, chat.messages, tools, chat.template_kwargs, continue_final=chat.continue_final
-    )
+    prompt = await render_prompt(engine, chat.messages, tools, chat.template_kwargs, continue_final=chat.continue_final)
     plan = plan_output(engine, prompt, tools, chat.tool_choice)
     prompt_ids = prompt.ids
     sampling = chat.sampling
@@ -640,7 +673,10 @@ async def chat_completions(request: Request) -> Response:
         len(prompt_ids), sampling.max_tokens, context_fit(state), max_tokens_param=sampling.max_tokens_param
     )
     sampling.params.max_tokens = fit_output_budget(
-        engine, sampling.n, sampling.params.max_tokens, sampling.max_tokens is not None,
+        engine,
+        sampling.n,
+        sampling.params.max_tokens,
+        sampling.max_tokens is not None,
         max_tokens_param=sampling.max_tokens_param,
     )
     await constrain_output(engine, plan, sampling.params, prompt_ids, chat.response_format, tools)

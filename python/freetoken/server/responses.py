@@ -33,12 +33,12 @@ response.incomplete). A failure mid-stream ends with an ``error`` event.
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 import uuid
 from collections import OrderedDict
 from collections.abc import AsyncGenerator, Callable
-import json
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,19 +58,19 @@ from freetoken.server.generation import (
     check_params,
     collect,
     constrain_output,
-    converted_events,
     context_fit,
+    converted_events,
     fit_context,
     fit_output_budget,
     plan_output,
     render_prompt,
 )
+from freetoken.server.notices import note_unknown_fields, omitted
 from freetoken.server.openai import (
     parse_response_format,
     parse_tool_choice,
     with_system_instruction,
 )
-from freetoken.server.notices import note_unknown_fields, omitted
 from freetoken.server.parsers import ParsedDelta, ParsedOutput
 from freetoken.server.schema import (
     get_field,
@@ -95,11 +95,28 @@ _OMITTED_PARTS = {"input_image": "image", "input_file": "file", "input_audio": "
 
 
 # Top-level fields of a Responses body this server reads, or knows and ignores; any other is logged once.
-KNOWN_FIELDS = frozenset({
-    "model", "input", "instructions", "tools", "tool_choice", "max_output_tokens", "temperature", "top_p", "stream",
-    "reasoning", "text", "store", "previous_response_id", "parallel_tool_calls", "include", "metadata", "user",
-    "truncation",
-})
+KNOWN_FIELDS = frozenset(
+    {
+        "model",
+        "input",
+        "instructions",
+        "tools",
+        "tool_choice",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "stream",
+        "reasoning",
+        "text",
+        "store",
+        "previous_response_id",
+        "parallel_tool_calls",
+        "include",
+        "metadata",
+        "user",
+        "truncation",
+    }
+)
 
 
 def _text(value: Any, path: str) -> str:
@@ -154,15 +171,18 @@ def convert_input(body: dict[str, Any], history: list[dict[str, Any]] | None = N
                     f"{path}.role must be user, assistant, system or developer, got {role!r}",
                     join_path(path, "role"),
                 )
-            message = {"role": "system" if role == "developer" else role,
-                       "content": _text(item.get("content", ""), join_path(path, "content"))}
+            message = {
+                "role": "system" if role == "developer" else role,
+                "content": _text(item.get("content", ""), join_path(path, "content")),
+            }
             if role == "assistant" and reasoning:
                 message["reasoning_content"], reasoning = "\n".join(reasoning), []
             messages.append(message)
         elif kind in ("function_call", "custom_tool_call"):
             if kind == "custom_tool_call":  # offered as a function of one string, `input` (see `_tools`)
-                arguments = json.dumps({"input": get_field(item, "input", str, parent=path, default="")},
-                                       ensure_ascii=False)
+                arguments = json.dumps(
+                    {"input": get_field(item, "input", str, parent=path, default="")}, ensure_ascii=False
+                )
             else:
                 arguments = get_field(item, "arguments", str, parent=path, default="{}")
             call = {
@@ -178,11 +198,13 @@ def convert_input(body: dict[str, Any], history: list[dict[str, Any]] | None = N
                 messages.append(last)
             last.setdefault("tool_calls", []).append(call)
         elif kind in ("function_call_output", "custom_tool_call_output"):
-            messages.append({
-                "role": "tool",
-                "tool_call_id": get_field(item, "call_id", str, parent=path, required=True),
-                "content": _text(item.get("output", ""), join_path(path, "output")),
-            })
+            messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": get_field(item, "call_id", str, parent=path, required=True),
+                    "content": _text(item.get("output", ""), join_path(path, "output")),
+                }
+            )
         elif kind == "reasoning":
             parts = item.get("content") or item.get("summary") or []
             if isinstance(parts, list):
@@ -217,8 +239,7 @@ def _function(tool: dict[str, Any], path: str, parameters: dict[str, Any] | None
     description = get_field(tool, "description", str, parent=path)
     if description is not None:
         function["description"] = description
-    function["parameters"] = parameters or get_field(tool, "parameters", dict, parent=path,
-                                                     default={"type": "object"})
+    function["parameters"] = parameters or get_field(tool, "parameters", dict, parent=path, default={"type": "object"})
     return {"type": "function", "function": function}
 
 
@@ -229,8 +250,12 @@ def _custom_parameters(tool: dict[str, Any], path: str) -> dict[str, Any]:
     definition = fmt.get("definition")
     if fmt.get("type") == "grammar" and isinstance(definition, str):
         description += f" It must match this {fmt.get('syntax', '')} grammar:\n{definition}"
-    return {"type": "object", "properties": {"input": {"type": "string", "description": description}},
-            "required": ["input"], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"input": {"type": "string", "description": description}},
+        "required": ["input"],
+        "additionalProperties": False,
+    }
 
 
 def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolKinds]:
@@ -286,13 +311,20 @@ def _item_id(prefix: str) -> str:
 
 
 def _reasoning_item(text: str, status: str) -> dict[str, Any]:
-    return {"type": "reasoning", "id": _item_id("rs"), "summary": [],
-            "content": [{"type": "reasoning_text", "text": text}], "status": status}
+    return {
+        "type": "reasoning",
+        "id": _item_id("rs"),
+        "summary": [],
+        "content": [{"type": "reasoning_text", "text": text}],
+        "status": status,
+    }
 
 
 def _message_item(text: str, status: str) -> dict[str, Any]:
     """A message item; one that is still in progress has no content parts yet."""
-    content = [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    content = (
+        [] if status == "in_progress" else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    )
     return {"type": "message", "id": _item_id("msg"), "status": status, "role": "assistant", "content": content}
 
 
@@ -300,10 +332,22 @@ def _call_item(name: str, arguments: str, status: str, kinds: ToolKinds) -> dict
     """The item of a call of `name`: a ``custom_tool_call`` (``input``: `custom_input` of the arguments) for a
     custom tool, else a ``function_call`` (with its ``namespace`` for a namespace's member)."""
     if name in kinds.custom:
-        return {"type": "custom_tool_call", "id": _item_id("ctc"), "call_id": _item_id("call"), "name": name,
-                "input": custom_input(arguments), "status": status}
-    item = {"type": "function_call", "id": _item_id("fc"), "call_id": _item_id("call"), "name": name,
-            "arguments": arguments, "status": status}
+        return {
+            "type": "custom_tool_call",
+            "id": _item_id("ctc"),
+            "call_id": _item_id("call"),
+            "name": name,
+            "input": custom_input(arguments),
+            "status": status,
+        }
+    item = {
+        "type": "function_call",
+        "id": _item_id("fc"),
+        "call_id": _item_id("call"),
+        "name": name,
+        "arguments": arguments,
+        "status": status,
+    }
     if name in kinds.namespaces:
         item["namespace"] = kinds.namespaces[name]
     return item
@@ -451,8 +495,9 @@ class _ItemStream:
         events, where = [], self._where()
         if item["type"] == "message":
             part = {"type": "output_text", "text": self._text, "annotations": [], "logprobs": []}
-            events.append(self.event("response.output_text.done", **where, content_index=0, text=self._text,
-                                     logprobs=[]))
+            events.append(
+                self.event("response.output_text.done", **where, content_index=0, text=self._text, logprobs=[])
+            )
             events.append(self.event("response.content_part.done", **where, content_index=0, part=part))
             item["content"] = [part]
         elif item["type"] == "reasoning":
@@ -464,8 +509,9 @@ class _ItemStream:
             events.append(self.event("response.custom_tool_call_input.delta", **where, delta=item["input"]))
             events.append(self.event("response.custom_tool_call_input.done", **where, input=item["input"]))
         else:
-            events.append(self.event("response.function_call_arguments.done", **where, name=item["name"],
-                                     arguments=self._text))
+            events.append(
+                self.event("response.function_call_arguments.done", **where, name=item["name"], arguments=self._text)
+            )
             item["arguments"] = self._text
         item["status"] = "completed"
         events.append(self.event("response.output_item.done", output_index=where["output_index"], item=item))
@@ -479,22 +525,27 @@ class _ItemStream:
             if self._open is None or self._open["type"] != "reasoning":
                 events += self._start(_reasoning_item("", "in_progress") | {"content": []})
             self._text += parsed.reasoning
-            events.append(self.event("response.reasoning_text.delta", **self._where(), content_index=0,
-                                     delta=parsed.reasoning))
+            events.append(
+                self.event("response.reasoning_text.delta", **self._where(), content_index=0, delta=parsed.reasoning)
+            )
         if parsed.content:
             if self._open is None or self._open["type"] != "message":
                 events += self._start(_message_item("", "in_progress"))
             self._text += parsed.content
-            events.append(self.event("response.output_text.delta", **self._where(), content_index=0,
-                                     delta=parsed.content, logprobs=[]))
+            events.append(
+                self.event(
+                    "response.output_text.delta", **self._where(), content_index=0, delta=parsed.content, logprobs=[]
+                )
+            )
         for piece in parsed.tool_calls:
             if piece.name is not None:
                 events += self._start(_call_item(piece.name, "", "in_progress", self.kinds))
             if piece.arguments:
                 self._text += piece.arguments
                 if self._open["type"] == "function_call":
-                    events.append(self.event("response.function_call_arguments.delta", **self._where(),
-                                             delta=piece.arguments))
+                    events.append(
+                        self.event("response.function_call_arguments.delta", **self._where(), delta=piece.arguments)
+                    )
         return events
 
     def close(self) -> list[bytes]:
@@ -515,8 +566,10 @@ def _stream_events(
     """The SSE events of one streamed response; `on_done` gets the final response object before the last
     event; raises on failure (`guard_stream`)."""
     items = _ItemStream(kinds)
-    head = [items.event("response.created", response=response.body("in_progress", [], None, None)),
-            items.event("response.in_progress", response=response.body("in_progress", [], None, None))]
+    head = [
+        items.event("response.created", response=response.body("in_progress", [], None, None)),
+        items.event("response.in_progress", response=response.body("in_progress", [], None, None)),
+    ]
 
     def tail(last: GenerationChunk) -> list[bytes]:
         usage = _usage(last.num_prompt_tokens or len(prompt_ids), last.num_output_tokens, last.num_cached_tokens)
@@ -530,8 +583,18 @@ def _stream_events(
 
 def _error_events(err: ApiError) -> list[bytes]:
     body = openai_error_body(err)["error"]
-    return [sse_event("error", {"type": "error", "sequence_number": 0, "code": body.get("code"),
-                                "message": body["message"], "param": body.get("param")})]
+    return [
+        sse_event(
+            "error",
+            {
+                "type": "error",
+                "sequence_number": 0,
+                "code": body.get("code"),
+                "message": body["message"],
+                "param": body.get("param"),
+            },
+        )
+    ]
 
 
 async def responses(request: Request) -> Response:
@@ -575,7 +638,10 @@ async def responses(request: Request) -> Response:
     prompt = await render_prompt(engine, messages, offered, _template_kwargs(body))
     plan = plan_output(engine, prompt, offered, tool_choice)
     params.max_tokens = fit_context(
-        len(prompt.ids), max_output_tokens, context_fit(state), max_tokens_param="max_output_tokens",
+        len(prompt.ids),
+        max_output_tokens,
+        context_fit(state),
+        max_tokens_param="max_output_tokens",
         messages_param="input",
     )
     params.max_tokens = fit_output_budget(
@@ -627,8 +693,11 @@ async def compact(request: Request) -> Response:
     if previous_id is not None:
         previous = state.response_store.get(previous_id)
         if previous is None:
-            raise invalid_request(ErrorCode.PREVIOUS_RESPONSE_NOT_FOUND,
-                                  f"previous_response_id {previous_id!r} is not found", "previous_response_id")
+            raise invalid_request(
+                ErrorCode.PREVIOUS_RESPONSE_NOT_FOUND,
+                f"previous_response_id {previous_id!r} is not found",
+                "previous_response_id",
+            )
         history = previous.items
     messages = convert_input(body, history)
     messages.append({"role": "user", "content": COMPACTION_INSTRUCTION})
@@ -636,19 +705,31 @@ async def compact(request: Request) -> Response:
     plan = plan_output(engine, prompt, None, ToolChoice())
     params = SamplingParams(temperature=0.0)
     max_output_tokens = get_int(body, "max_output_tokens", lo=1, default=COMPACTION_MAX_TOKENS)
-    params.max_tokens = min(max_output_tokens, fit_context(
-        len(prompt.ids), None, context_fit(state), max_tokens_param="max_output_tokens", messages_param="input"
-    ))
+    params.max_tokens = min(
+        max_output_tokens,
+        fit_context(
+            len(prompt.ids), None, context_fit(state), max_tokens_param="max_output_tokens", messages_param="input"
+        ),
+    )
     await constrain_output(engine, plan, params, prompt.ids, messages_param="input")
     response_id = f"resp_{uuid.uuid4().hex}"
     [completion] = await collect(request, engine, prompt.ids, [params], response_id)
     summary = plan.parse(completion.text).content
-    users = [item for item in [*history, *input_items(body)] if isinstance(item, dict)
-             and item.get("type", "message") == "message" and item.get("role") == "user"]
+    users = [
+        item
+        for item in [*history, *input_items(body)]
+        if isinstance(item, dict) and item.get("type", "message") == "message" and item.get("role") == "user"
+    ]
     output = [*users, {"type": "message", "role": "user", "content": [{"type": "input_text", "text": summary}]}]
-    return JSONResponse({"id": response_id, "object": "response.compaction", "created_at": int(time.time()),
-                         "output": output, "usage": _usage(completion.num_prompt_tokens, completion.num_output_tokens,
-                                                             completion.num_cached_tokens)})
+    return JSONResponse(
+        {
+            "id": response_id,
+            "object": "response.compaction",
+            "created_at": int(time.time()),
+            "output": output,
+            "usage": _usage(completion.num_prompt_tokens, completion.num_output_tokens, completion.num_cached_tokens),
+        }
+    )
 
 
 def _stored(request: Request) -> tuple[ResponseStore, str, StoredResponse]:
@@ -656,8 +737,12 @@ def _stored(request: Request) -> tuple[ResponseStore, str, StoredResponse]:
     response_id = request.path_params["response_id"]
     entry = store.get(response_id)
     if entry is None:
-        raise ApiError(404, ErrorCode.RESPONSE_NOT_FOUND, f"no stored response with id {response_id!r} (responses "
-                       f"created with store false are not kept; this server keeps the last {store.capacity})")
+        raise ApiError(
+            404,
+            ErrorCode.RESPONSE_NOT_FOUND,
+            f"no stored response with id {response_id!r} (responses "
+            f"created with store false are not kept; this server keeps the last {store.capacity})",
+        )
     return store, response_id, entry
 
 

@@ -76,9 +76,7 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError, an integer literal past int's digit limit
         raise invalid_request(ErrorCode.INVALID_JSON, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
-        raise invalid_request(
-            ErrorCode.INVALID_JSON, f"request body must be a JSON object, got {_json_type(body)}"
-        )
+        raise invalid_request(ErrorCode.INVALID_JSON, f"request body must be a JSON object, got {_json_type(body)}")
     if constants or _SURROGATE_ESCAPE.search(text):
         _check_values(body)
     return body
@@ -104,7 +102,8 @@ def _check_values(body: dict[str, Any]) -> None:
         if isinstance(value, str) and not _is_unicode(value):
             raise invalid_request(
                 ErrorCode.INVALID_VALUE,
-                f"{path or 'body'} holds a lone UTF-16 surrogate; send valid Unicode text", path or None,
+                f"{path or 'body'} holds a lone UTF-16 surrogate; send valid Unicode text",
+                path or None,
             )
         if isinstance(value, dict):
             for key, item in value.items():
@@ -161,9 +160,7 @@ def _matches(value: Any, kind: type) -> bool:
 
 def wrong_type(path: str, expected: str, value: Any) -> ApiError:
     """The error for a field of the wrong JSON type."""
-    return invalid_request(
-        ErrorCode.INVALID_TYPE, f"{path} must be {expected}, got {_json_type(value)}", path
-    )
+    return invalid_request(ErrorCode.INVALID_TYPE, f"{path} must be {expected}, got {_json_type(value)}", path)
 
 
 def get_field(
@@ -217,9 +214,7 @@ def get_number(
     if too_low or value > hi:
         interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
         path = join_path(parent, key)
-        raise invalid_request(
-            ErrorCode.INVALID_VALUE, f"{path} must be in {interval}, got {value:g}", path
-        )
+        raise invalid_request(ErrorCode.INVALID_VALUE, f"{path} must be in {interval}, got {value:g}", path)
     return value
 
 
@@ -245,9 +240,7 @@ def get_int(
     return value
 
 
-def get_string_list(
-    obj: dict[str, Any], key: str, *, parent: str = "", allow_single: bool = False
-) -> list[str]:
+def get_string_list(obj: dict[str, Any], key: str, *, parent: str = "", allow_single: bool = False) -> list[str]:
     """Read an optional array of strings (or one string, with `allow_single`); absent gives []."""
     kinds: tuple[type, ...] = (list, str) if allow_single else (list,)
     value = get_field(obj, key, kinds, parent=parent, default=[])
@@ -258,9 +251,7 @@ def get_string_list(
         if not isinstance(item, str):
             raise wrong_type(join_path(path, i), "a string", item)
         if not item:
-            raise invalid_request(
-                ErrorCode.INVALID_VALUE, f"{join_path(path, i)} must be a non-empty string", path
-            )
+            raise invalid_request(ErrorCode.INVALID_VALUE, f"{join_path(path, i)} must be a non-empty string", path)
     return list(value)
 
 

@@ -11,12 +11,11 @@ engine aborts the request.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import AsyncGenerator, Callable
 from typing import Any
-
-import asyncio
 
 import anyio
 from starlette.responses import StreamingResponse

@@ -304,10 +304,16 @@ class EngineCollector(Collector):
         if total:
             yield _gauge("kv_cache_usage_ratio", "fraction of KV-cache blocks in use", (total - free) / total)
         yield _counter("engine_steps", "engine steps run", stats.get("num_steps"))
-        yield _gauge("decode_tokens_per_second", f"tokens generated per second over the last {RATE_WINDOW_S} s",
-                     server["decode_tokens_per_s"])
-        yield _gauge("prefill_tokens_per_second", f"prompt tokens prefilled per second over the last {RATE_WINDOW_S} s",
-                     server["prefill_tokens_per_s"])
+        yield _gauge(
+            "decode_tokens_per_second",
+            f"tokens generated per second over the last {RATE_WINDOW_S} s",
+            server["decode_tokens_per_s"],
+        )
+        yield _gauge(
+            "prefill_tokens_per_second",
+            f"prompt tokens prefilled per second over the last {RATE_WINDOW_S} s",
+            server["prefill_tokens_per_s"],
+        )
         yield from _expert_cache_metrics(stats.get("moe_backend") or {})
         cache = stats.get("cache") or {}
         if cache.get("kv_cache"):

@@ -120,8 +120,12 @@ class Frame:
             table.add_column(name, style="dim" if name == "endpoint" else None)
         in_flight = server.get("in_flight") or []
         for request in in_flight[:MAX_IN_FLIGHT_ROWS]:
-            table.add_row(request["endpoint"], f"{request['age_s']:.1f} s", str(request["num_prompt_tokens"]),
-                          str(request["num_output_tokens"]))
+            table.add_row(
+                request["endpoint"],
+                f"{request['age_s']:.1f} s",
+                str(request["num_prompt_tokens"]),
+                str(request["num_output_tokens"]),
+            )
         parts: list[RenderableType] = [lines]
         if in_flight:
             parts.append(table)
@@ -135,7 +139,9 @@ class Frame:
         if self.previous is not None:
             before = layer_split(self.previous.get("moe_backend") or {})
             # strict=False: a restarted server may report other layers; the check below then drops the delta
-            delta = [tuple(a - b for a, b in zip(now, then, strict=False)) for now, then in zip(split, before, strict=False)]
+            delta = [
+                tuple(a - b for a, b in zip(now, then, strict=False)) for now, then in zip(split, before, strict=False)
+            ]
             # a restarted server's counters fall: its cumulative split is then the honest view
             if len(before) == len(split) and all(v >= 0 for row in delta for v in row) and any(map(any, delta)):
                 split, window = delta, "last interval"
@@ -168,16 +174,29 @@ class Frame:
             profiled = figures.get("profiled_gbps") or {}
             curve = "  ".join(f"b{b}: {v:.1f}" for b, v in sorted(profiled.items(), key=lambda kv: int(kv[0])))
             ratio = figures.get("measured_over_profiled")
-            table.add_row(path, _num(figures.get("measured_gbps")), curve or "no profile (ft bench bw)",
-                          "–" if ratio is None else f"{ratio:.2f}")
+            table.add_row(
+                path,
+                _num(figures.get("measured_gbps")),
+                curve or "no profile (ft bench bw)",
+                "–" if ratio is None else f"{ratio:.2f}",
+            )
         return Panel(table, title="miss-path bandwidth", title_align="left")
 
     def _prefix_cache(self, prefix: dict[str, Any]) -> Panel:
         """Hit rate (of the last interval when both snapshots have the counters), reuse, blocks, evictions; any
         other numeric key as it is."""
         text = Text()
-        known = {"enabled", "hit_rate", "num_lookups", "num_lookup_tokens", "num_hit_tokens", "num_cached_blocks",
-                 "num_evictable_blocks", "num_evictions", "capacity_tokens"}
+        known = {
+            "enabled",
+            "hit_rate",
+            "num_lookups",
+            "num_lookup_tokens",
+            "num_hit_tokens",
+            "num_cached_blocks",
+            "num_evictable_blocks",
+            "num_evictions",
+            "capacity_tokens",
+        }
         hit, looked_up, window = prefix.get("num_hit_tokens"), prefix.get("num_lookup_tokens"), "since start"
         before = (self.previous or {}).get("prefix_cache") or {}
         if None not in (hit, looked_up, before.get("num_hit_tokens"), before.get("num_lookup_tokens")):
@@ -188,8 +207,9 @@ class Frame:
             text.append(f"hit {_pct(hit, looked_up)} ", style="bold green")
             text.append(f"({hit} of {looked_up} prompt tokens, {window})   ", style="dim")
         if "num_cached_blocks" in prefix:
-            text.append(f"blocks {prefix['num_cached_blocks']} cached, {prefix.get('num_evictable_blocks', '–')} "
-                        f"evictable   ")
+            text.append(
+                f"blocks {prefix['num_cached_blocks']} cached, {prefix.get('num_evictable_blocks', '–')} evictable   "
+            )
         if "num_evictions" in prefix:
             text.append(f"evictions {prefix['num_evictions']}   ")
         if "capacity_tokens" in prefix:

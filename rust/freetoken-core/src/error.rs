@@ -293,7 +293,9 @@ pub enum DriverError {
     #[error("{0}")]
     Invalid(String),
     /// The device did not post a layer's routing in time.
-    #[error("decode step {step}: the device did not post MoE layer {layer}'s routing within {waited:?}")]
+    #[error(
+        "decode step {step}: the device did not post MoE layer {layer}'s routing within {waited:?}"
+    )]
     DeviceTimeout {
         /// Generation of the step.
         step: u32,

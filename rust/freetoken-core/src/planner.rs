@@ -350,7 +350,11 @@ impl Planner {
         let (sp, sc) = (self.pcie_bw.scale(), self.cpu_bw.scale());
         Some(BandwidthProfile {
             pcie_bytes_per_s: p.pcie_bytes_per_s * sp,
-            cpu_bytes_per_s: p.cpu_bytes_per_s.iter().map(|&(b, v)| (b, v * sc)).collect(),
+            cpu_bytes_per_s: p
+                .cpu_bytes_per_s
+                .iter()
+                .map(|&(b, v)| (b, v * sc))
+                .collect(),
         })
     }
 
@@ -638,7 +642,10 @@ mod tests {
         assert!((p.bandwidth().1.ratio().unwrap() - want).abs() < 1e-9);
         // PCIe a hundred times slower: bounded to MIN_RATIO.
         p.record_fills(1_000_000, 1e-2 * 100.0, 1);
-        assert_eq!(p.refined_profile().unwrap().pcie_bytes_per_s, 10e9 * MIN_RATIO);
+        assert_eq!(
+            p.refined_profile().unwrap().pcie_bytes_per_s,
+            10e9 * MIN_RATIO
+        );
         assert_eq!(p.bandwidth().0.num_samples(), 1);
         // Without a profile only the absolute EMA moves.
         let mut bare = planner(4, None);

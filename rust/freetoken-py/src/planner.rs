@@ -110,7 +110,11 @@ fn profile(
 type ProfileTuple = (f64, HashMap<i64, f64>);
 
 fn profile_tuple(p: &BandwidthProfile) -> ProfileTuple {
-    let curve = p.cpu_bytes_per_s.iter().map(|&(b, v)| (b as i64, v)).collect();
+    let curve = p
+        .cpu_bytes_per_s
+        .iter()
+        .map(|&(b, v)| (b as i64, v))
+        .collect();
     (p.pcie_bytes_per_s, curve)
 }
 
@@ -191,12 +195,19 @@ impl PyPlanner {
 
     /// The profile as refined by measurement: `(B_pcie, {batch: B_cpu})` in bytes/s, or None.
     fn refined_profile(&self) -> Option<ProfileTuple> {
-        lock(&self.inner).refined_profile().as_ref().map(profile_tuple)
+        lock(&self.inner)
+            .refined_profile()
+            .as_ref()
+            .map(profile_tuple)
     }
 
     /// The profile as given (`ft bench bw`): `(B_pcie, {batch: B_cpu})` in bytes/s, or None.
     fn profile(&self) -> Option<ProfileTuple> {
-        lock(&self.inner).config().profile.as_ref().map(profile_tuple)
+        lock(&self.inner)
+            .config()
+            .profile
+            .as_ref()
+            .map(profile_tuple)
     }
 
     /// Each miss path's measurement: `{"pcie"|"cpu": (bytes/s EMA or None, measured/profiled
@@ -283,9 +294,18 @@ pub fn cpu_bytes_per_s_at(curve: HashMap<i64, f64>, batch: f64) -> PyResult<f64>
 
 /// `q* = B_cpu(b) / (B_cpu(b) + B_pcie)` of a profile, without the planner's reuse credit.
 #[pyfunction]
-pub fn q_star(pcie_bytes_per_s: f64, cpu_bytes_per_s: HashMap<i64, f64>, batch: f64) -> PyResult<f64> {
-    let pts = cpu_bytes_per_s.into_iter().map(|(b, v)| (b as f64, v)).collect();
-    Ok(BandwidthProfile::new(pcie_bytes_per_s, pts).py()?.q(batch, 0.0))
+pub fn q_star(
+    pcie_bytes_per_s: f64,
+    cpu_bytes_per_s: HashMap<i64, f64>,
+    batch: f64,
+) -> PyResult<f64> {
+    let pts = cpu_bytes_per_s
+        .into_iter()
+        .map(|(b, v)| (b as f64, v))
+        .collect();
+    Ok(BandwidthProfile::new(pcie_bytes_per_s, pts)
+        .py()?
+        .q(batch, 0.0))
 }
 
 /// Rows and tiles of the kernel's aligned layout for `num_pairs` pairs: `(num_rows, num_tiles)`.

@@ -113,7 +113,7 @@ class _Segment:
             self._strip_leading = False
         text = self._held + text
         body = text.rstrip()
-        self._held = text[len(body):]
+        self._held = text[len(body) :]
         return body
 
     def flush(self) -> str:
@@ -208,7 +208,7 @@ class Qwen3Parser:
             for tool in tools
         ]
         call = f'{TOOL_OPEN} "\\n" {json_expression({"anyOf": calls})} "\\n" {TOOL_CLOSE}'
-        return f'({call} /\\n?/)+'
+        return f"({call} /\\n?/)+"
 
     def _emit(self, out: ParsedDelta, text: str) -> None:
         if self._mode == _REASONING:
@@ -226,7 +226,7 @@ class Qwen3Parser:
         if self._mode == _START:
             head = self._buf.lstrip()
             if head.startswith(THINK_OPEN):
-                self._buf = head[len(THINK_OPEN):]
+                self._buf = head[len(THINK_OPEN) :]
                 self._switch(_REASONING)
                 return True
             if THINK_OPEN.startswith(head) and not final:
@@ -248,20 +248,20 @@ class Qwen3Parser:
         end = self._buf.find(tag)
         if end >= 0:
             self._emit(out, self._buf[:end])
-            self._buf = self._buf[end + len(tag):]
+            self._buf = self._buf[end + len(tag) :]
             self._switch(next_mode)
             if next_mode == _TOOL:
                 self._open_call()
             return True
         keep = 0 if final else _partial_tag(self._buf, tag)
         self._emit(out, self._buf[: len(self._buf) - keep])
-        self._buf = self._buf[len(self._buf) - keep:]
+        self._buf = self._buf[len(self._buf) - keep :]
         return False
 
     def _send_arguments(self, out: ParsedDelta, arguments: str) -> None:
         """Send what `arguments` adds to the arguments sent so far (in the call's delta of `out`, if it has one)."""
         if arguments.startswith(self._args_sent) and len(arguments) > len(self._args_sent):
-            more, index = arguments[len(self._args_sent):], self._num_calls - 1
+            more, index = arguments[len(self._args_sent) :], self._num_calls - 1
             if out.tool_calls and out.tool_calls[-1].index == index:
                 out.tool_calls[-1].arguments += more
             else:
@@ -279,8 +279,8 @@ class Qwen3Parser:
         may follow it)."""
         scan = self._scan
         if scan.args_end is not None:
-            return self._buf[self._args_start:scan.args_end]
-        return self._buf[self._args_start:scan.pos].rstrip()
+            return self._buf[self._args_start : scan.args_end]
+        return self._buf[self._args_start : scan.pos].rstrip()
 
     def _tool_step(self, out: ParsedDelta, final: bool) -> bool:
         """Inside a ``<tool_call>`` block: follow its JSON object to the brace that closes it (so a
@@ -307,7 +307,7 @@ class Qwen3Parser:
             end = self._buf.find(TOOL_CLOSE, scan.broken)
             if end < 0 and not final:
                 return False
-            rest = "" if end < 0 else self._buf[end + len(TOOL_CLOSE):]
+            rest = "" if end < 0 else self._buf[end + len(TOOL_CLOSE) :]
             self._drop_block("its JSON is malformed", self._buf[: end if end >= 0 else len(self._buf)])
             self._buf = rest
             self._switch(_CONTENT, strip_leading=self._call_started)
@@ -318,7 +318,7 @@ class Qwen3Parser:
                 self._buf = ""
                 self._switch(_CONTENT, strip_leading=self._call_started)
             return False
-        after = self._buf[scan.end:]
+        after = self._buf[scan.end :]
         tail = after.lstrip()
         if TOOL_CLOSE.startswith(tail) and len(tail) < len(TOOL_CLOSE) and not final:
             return False  # the closing tag may still come
@@ -327,12 +327,12 @@ class Qwen3Parser:
             call = _parse_call(body)
             if call is None:
                 self._drop_block("it is not a call with a name", body)
-                self._buf = tail[len(TOOL_CLOSE):] if tail.startswith(TOOL_CLOSE) else tail
+                self._buf = tail[len(TOOL_CLOSE) :] if tail.startswith(TOOL_CLOSE) else tail
                 self._switch(_CONTENT, strip_leading=False)
                 return True
             out.tool_calls.append(ToolCallDelta(self._num_calls, name=call[0], arguments=call[1]))
             self._num_calls += 1
-        self._buf = tail[len(TOOL_CLOSE):] if tail.startswith(TOOL_CLOSE) else tail
+        self._buf = tail[len(TOOL_CLOSE) :] if tail.startswith(TOOL_CLOSE) else tail
         self._switch(_CONTENT)
         return True
 

@@ -86,8 +86,8 @@ def convert_parameter(text: str, schema: Any) -> Any:
         except (json.JSONDecodeError, ValueError):
             continue
         fits = {
-            "integer": isinstance(parsed, int) and not isinstance(parsed, bool)
-            or isinstance(parsed, float) and parsed.is_integer(),
+            "integer": (isinstance(parsed, int) and not isinstance(parsed, bool))
+            or (isinstance(parsed, float) and parsed.is_integer()),
             "number": isinstance(parsed, int | float) and not isinstance(parsed, bool),
             "boolean": isinstance(parsed, bool),
             "null": parsed is None,
@@ -95,7 +95,7 @@ def convert_parameter(text: str, schema: Any) -> Any:
             "array": isinstance(parsed, list),
         }.get(kind, False)
         if fits:
-            return int(parsed) if kind == "integer" else parsed
+            return int(parsed) if kind == "integer" and isinstance(parsed, int | float) else parsed
     return text
 
 
@@ -178,17 +178,17 @@ class Qwen3XmlParser(Qwen3Parser):
                         self._buf = ""
                         self._switch(_CONTENT)
                     return False
-                name = head[len(FUNCTION_OPEN):end].strip()
+                name = head[len(FUNCTION_OPEN) : end].strip()
                 if not name or "\n" in name:
                     return self._skip_block(out, "its <function=...> tag has no name", final)
                 self._function = name
                 out.tool_calls.append(ToolCallDelta(self._num_calls, name=name))
                 self._num_calls += 1
-                self._buf = head[end + 1:]
+                self._buf = head[end + 1 :]
                 continue
             if self._closed:
                 if head.startswith(TOOL_CLOSE):
-                    self._buf = head[len(TOOL_CLOSE):]
+                    self._buf = head[len(TOOL_CLOSE) :]
                 elif _undecided(head, TOOL_CLOSE) and not final:
                     return False
                 else:  # no closing tag: the text after the call is content
@@ -204,14 +204,14 @@ class Qwen3XmlParser(Qwen3Parser):
                         self._buf = ""
                         return True
                     return False
-                name = head[len(PARAMETER_OPEN):name_end].strip()
-                value = _value_text(head[name_end + 1:value_end])
+                name = head[len(PARAMETER_OPEN) : name_end].strip()
+                value = _value_text(head[name_end + 1 : value_end])
                 self._add_parameter(out, name, value)
-                self._buf = head[value_end + len(PARAMETER_CLOSE):]
+                self._buf = head[value_end + len(PARAMETER_CLOSE) :]
                 continue
             if head.startswith(FUNCTION_CLOSE):
                 self._close_call(out, None)
-                self._buf = head[len(FUNCTION_CLOSE):]
+                self._buf = head[len(FUNCTION_CLOSE) :]
                 continue
             if head.startswith(TOOL_CLOSE):
                 self._close_call(out, "</function> is missing")
@@ -256,7 +256,7 @@ class Qwen3XmlParser(Qwen3Parser):
         body = self._buf if end < 0 else self._buf[:end]
         if self._function is None:
             self._drop(why, body)
-        self._buf = "" if end < 0 else self._buf[end + len(TOOL_CLOSE):]
+        self._buf = "" if end < 0 else self._buf[end + len(TOOL_CLOSE) :]
         self._switch(_CONTENT)
         return True
 

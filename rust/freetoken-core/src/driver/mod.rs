@@ -83,7 +83,11 @@ pub trait SlotCopier: Send {
 /// Byte offsets of the mailbox's parts for `size` rows: `(weights, hidden, end)`; the ids start
 /// at 0 (see [`Handshake`]).
 pub fn mail_offsets(size: usize, top_k: usize, hidden: usize) -> (usize, usize, usize) {
-    (8 * size * top_k, 12 * size * top_k, mail_len(size, top_k, hidden))
+    (
+        8 * size * top_k,
+        12 * size * top_k,
+        mail_len(size, top_k, hidden),
+    )
 }
 
 /// A fill's destination must be one of `num_slots` slots of `stride` bytes.

@@ -5,8 +5,8 @@ use super::*;
 use crate::align::align_pairs;
 use crate::cpu::{reference_expert, CpuExperts};
 use crate::planner::{BandwidthProfile, Planner, PlannerConfig};
-use std::sync::Mutex;
 use crate::pool::{ExpertPool, PoolShape};
+use std::sync::Mutex;
 
 const L: usize = 3;
 const E: usize = 8;
@@ -249,7 +249,10 @@ fn every_backend_serves_steps_through_the_handshake() {
         if backend != Backend::Offload {
             assert!(total_cpu > 0, "{backend:?} ran nothing on the CPU");
             // The server booked the CPU experts' bandwidth in the planner (refining q*).
-            assert!(cpu.num_samples() > 0 && cpu.ratio().is_some(), "{backend:?}");
+            assert!(
+                cpu.num_samples() > 0 && cpu.ratio().is_some(),
+                "{backend:?}"
+            );
         }
         if backend != Backend::Cpu {
             // The host copier times every group of fills.
@@ -275,7 +278,10 @@ fn a_device_that_never_posts_fails_the_step_and_releases_every_layer() {
     let err = report.error.expect("a timeout");
     assert_eq!(err.timed_out_at(), Some((1, 0)), "{err}");
     assert_eq!(err.kind(), crate::error::ErrorKind::Timeout);
-    assert!(err.to_string().contains("did not post MoE layer 0"), "{err}");
+    assert!(
+        err.to_string().contains("did not post MoE layer 0"),
+        "{err}"
+    );
     let late = r.driver.wait_served(L - 1, 7).unwrap_err();
     assert_eq!(late.timed_out_at(), Some((7, L - 1)), "{late}");
     let sh = &mut *r.shared;
@@ -307,7 +313,10 @@ fn bad_routing_and_oversized_steps_are_errors_not_hangs() {
     let err = r.driver.finish().unwrap().error.expect("a plan error");
     assert_eq!(err.kind(), crate::error::ErrorKind::Index, "{err}");
     let msg = err.to_string();
-    assert!(msg.contains("MoE layer 0") && msg.contains("out of range"), "{msg}");
+    assert!(
+        msg.contains("MoE layer 0") && msg.contains("out of range"),
+        "{msg}"
+    );
     r.driver.start(job(2, 5, 5)).unwrap();
     let msg = r
         .driver
