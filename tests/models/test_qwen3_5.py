@@ -382,7 +382,7 @@ def test_chunk_scan_fits_shared_memory(dtype):
         "constexprs": {"GROUP": 2, "CHUNK": CHUNK_SIZE, "DK": 128, "DV": 128, "BLOCK_V": launch["BLOCK_V"]},
     }
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    helper = Path(__file__).with_name("triton_shared_memory.py")
+    helper = Path(__file__).parents[1] / "triton_shared_memory.py"
     done = subprocess.run(
         [sys.executable, str(helper), "freetoken.kernels.gated_delta", "_chunk_scan_kernel", json.dumps(spec)],
         env=env,

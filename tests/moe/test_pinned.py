@@ -57,6 +57,7 @@ def test_a_refused_registration_is_a_freetoken_error():
         assert rt.calls == [("register", 0x3000)]
 
 
+@pytest.mark.cuda_mocked  # torch.cuda.cudart is replaced by a fake: nothing touches a device
 def test_pinned_buffers_unregister_what_they_replace(monkeypatch):
     rt = FakeCudart()
     monkeypatch.setattr("torch.cuda.cudart", lambda: rt)

@@ -365,9 +365,9 @@ def test_host_memory_plan_counts_quantized_experts_at_their_size():
     cfg = ModelConfig.from_dict(raw)
     h, i = cfg.hidden_size, cfg.moe_intermediate_size
     assert cfg.expert_nbytes == fp8_block().layout(h, i).expert_nbytes < 0.51 * 2 * cfg.expert_numel
-    plan = plan_host_memory(EngineConfig(device="cuda"), cfg, torch.bfloat16, "offload")
+    plan = plan_host_memory(EngineConfig(device="cuda", gpu_memory_gb=24), cfg, torch.bfloat16, "offload")
     assert plan["expert pool"][0] == len(cfg.moe_layers) * cfg.num_experts * cfg.expert_nbytes
     bf16 = ModelConfig.from_dict({k: v for k, v in raw.items() if k != "quantization_config"})
-    assert plan_host_memory(EngineConfig(device="cuda"), bf16, torch.bfloat16, "offload")["expert pool"][0] == (
-        len(cfg.moe_layers) * cfg.num_experts * 2 * cfg.expert_numel
-    )
+    assert plan_host_memory(EngineConfig(device="cuda", gpu_memory_gb=24), bf16, torch.bfloat16, "offload")[
+        "expert pool"
+    ][0] == (len(cfg.moe_layers) * cfg.num_experts * 2 * cfg.expert_numel)
