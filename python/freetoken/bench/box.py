@@ -231,7 +231,7 @@ def measure_profile(
     `freetoken.moe.profile.find_profile` looks (`directory`, default `profile_dir()`), and return it.
 
     Raises:
-        OSError: the profile cannot be written (the measurement is still returned by a later call: not cached).
+        OSError: the profile cannot be written to `directory`.
     """
     from freetoken.moe.profile import profile_dir, profile_path, write_profile
 

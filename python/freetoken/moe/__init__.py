@@ -8,6 +8,7 @@ start on a GPU that has none.
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -104,7 +105,7 @@ def make_expert_backend(
         from freetoken.bench.box import measure_profile
 
         index = device.index if device.index is not None else torch.cuda.current_device()
-        measure = lambda: measure_profile(shape, model_cfg, index, cpu_threads=cfg.cpu_threads)
+        measure = functools.partial(measure_profile, shape, model_cfg, index, cpu_threads=cfg.cpu_threads)
     name, profile = choose_backend(cfg.moe_backend, device, shape, measure=measure)
     if name == "fused":
         if cfg.prefill_strategy != "auto" or cfg.no_prefill_overlap:
