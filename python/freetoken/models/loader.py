@@ -330,9 +330,16 @@ def check_finite_weights(model: torch.nn.Module, experts: object) -> None:
     if pool_experts is None:
         return
     pool = experts.pool  # type: ignore[attr-defined]
-    values = pool_experts[:, : pool.expert_nbytes].view(torch.bfloat16)  # [experts, 3*I*H] bf16, zero-copy
-    sample = values[:, :: max(1, values.shape[1] // FINITE_SAMPLES_PER_EXPERT)]
-    bad = (~torch.isfinite(sample)).any(dim=1).nonzero()
+    if pool.format == "bf16":
+        values = pool_experts[:, : pool.expert_nbytes].view(torch.bfloat16)  # [experts, 3*I*H] bf16, zero-copy
+        sample = values[:, :: max(1, values.shape[1] // FINITE_SAMPLES_PER_EXPERT)]
+        bad = (~torch.isfinite(sample)).any(dim=1).nonzero()
+    else:
+        from freetoken.quant.formats import format_named
+        from freetoken.quant.reference import nonfinite_experts
+
+        layout = format_named(pool.format, pool.block).layout(pool.hidden_size, pool.intermediate_size)
+        bad = nonfinite_experts(layout, pool_experts, FINITE_SAMPLES_PER_EXPERT).nonzero()
     if len(bad):
         layer, expert = divmod(int(bad[0]), pool.num_experts)
         raise CheckpointError(
