@@ -270,14 +270,14 @@ def run_format(fmt: ExpertFormat, args: argparse.Namespace, cfg: ModelConfig, lo
         block=(fmt.block_rows, fmt.block_cols),
     )
     arena = torch.frombuffer(pool.arena_view(), dtype=torch.uint8)
-    _pinned = PinnedRegion(pool.ptr, pool.nbytes, keep=pool)  # registered while main runs
+    _pinned = PinnedRegion(pool.ptr, pool.nbytes, keep=pool)  # registered while this format's rows run
     per_layer = cfg.num_experts * pool.expert_stride
     assert pool.expert_offset(1, 0) == per_layer, "the views below assume [layer][expert] at expert_stride"
     log(f"{fmt.name} pool: {pool.nbytes / 1e9:.1f} GB built and pinned in {time.perf_counter() - t0:.0f} s")
     cpu = CpuExperts(pool)
     scratch = torch.empty(64, pool.expert_stride, dtype=torch.uint8, device=device)
     # Best of a few runs each: the box is shared, and a bound must use the most the box was seen to do.
-    best = lambda measure: max(measure() for _ in range(BANDWIDTH_RUNS))
+    best = lambda measure: max(measure() for _ in range(args.bandwidth_runs))
     # The lambdas bind `b` and `scratch` as defaults: each runs within its iteration; `scratch` is deleted below.
     b_pcie = best(lambda s=scratch: measure_pcie(pool, arena, s, torch.cuda.Stream()))
     b_cpu = {b: best(lambda b=b: measure_cpu(cpu, pool, b)) for b in (1, 2, 4, 8, 16)}
@@ -429,8 +429,7 @@ def run_format(fmt: ExpertFormat, args: argparse.Namespace, cfg: ModelConfig, lo
                 rows.append(row)
                 print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
                 del engine, inner, gpu_arena
-    model.attach_experts(FusedExperts())
-    del model, cpu, _pinned
+    model.attach_experts(FusedExperts())  # the pool, its pinned registration and the model go on return
     figures = {
         "b_pcie_gbps": round(b_pcie / 1e9, 1),
         "b_cpu_gbps": {b: round(v / 1e9, 1) for b, v in b_cpu.items()},
@@ -448,6 +447,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--warmup", type=int, default=16)
     ap.add_argument("--backends", nargs="+", default=["fused", "static", "offload", "cpu", "hybrid"])
+    ap.add_argument(
+        "--bandwidth-runs",
+        type=int,
+        default=BANDWIDTH_RUNS,
+        help="runs of each bandwidth measured at the start of a format, the best taken (1 for a quick look)",
+    )
     ap.add_argument(
         "--format",
         nargs="+",

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpu_marker import DEVICES
-from greedy import greedy_tokens
 from test_moe_backends import _logits
 
 import freetoken.engine  # noqa: F401  (before freetoken.models.loader, which imports only after the engine)
@@ -27,6 +25,8 @@ from freetoken.moe.expert_cache import ExpertCacheBackend
 from freetoken.moe.fused import FusedExperts
 from freetoken.quant import NVFP4, fp8_block
 from freetoken.quant.checkpoint import build_quantized_checkpoint, quantization_config
+from gpu_marker import DEVICES
+from greedy import greedy_tokens
 
 SMALL = {"vocab_size": 2048, "num_hidden_layers": 3, "mlp_only_layers": [1], "num_experts": 16}
 SMALL["num_experts_per_tok"] = 4
@@ -137,7 +137,7 @@ def test_quantized_pool_refuses_a_checkpoint_with_missing_scales(tmp_path):
     tensors = load_file(q / "model.safetensors")
     tensors.pop("model.layers.2.mlp.experts.9.gate_proj.weight_scale_2")
     save_file(tensors, q / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match="experts.9.gate_proj.weight_scale_2' missing"):
+    with pytest.raises(CheckpointError, match=r"experts\.9\.gate_proj\.weight_scale_2' missing"):
         build_expert_pool(ModelConfig.from_dir(q), q)
 
 

@@ -330,7 +330,8 @@ def nonfinite_experts(layout: ExpertLayout, experts: torch.Tensor, samples: int)
             bad |= (~torch.isfinite(values[:, ::step])).any(dim=1)
             continue
         sample = codes[:, :: max(1, nbytes // samples)]
-        nan = sample == 0xFF if fmt.scale_dtype == "float8_e8m0fnu" and name.endswith("scale") else sample & 0x7F == 0x7F
+        e8m0 = fmt.scale_dtype == "float8_e8m0fnu" and name.endswith("scale")
+        nan = sample == 0xFF if e8m0 else sample & 0x7F == 0x7F
         bad |= nan.any(dim=1)
     return bad
 
