@@ -138,7 +138,7 @@ class ExpertPool:
         moe_layers: list[int] | None = None,
     ) -> ExpertPool:
         """A zeroed pool whose experts are stored in ``format``, to be filled through ``expert_view``
-        (``freetoken.quant.checkpoint.fill_quantized_pool`` packs a quantized checkpoint into it).
+        (``freetoken.quant.checkpoint.fill_pool`` packs a quantized checkpoint into it).
 
         Args:
             num_layers: MoE layers held (pool layers).

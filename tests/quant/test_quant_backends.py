@@ -166,3 +166,26 @@ def test_cuda_graph_decode_with_quantized_slots_equals_fused(built, slots):
     assert stats["expert_format"] == built[2].name and sum(stats["layers"]["cpu_runs"]) == 0
     if slots == 12:
         assert sum(stats["layers"]["fills"]) > 0 and stats["decode_driver"]["steps"] > 0
+
+
+def test_the_expert_reader_packs_bf16_as_the_rust_pool_does(bf16_checkpoint):
+    """`read_experts` is the one Python reader of checkpoint experts (the `fused` backend's and the pool's, every
+    format): on a bf16 checkpoint it gives the Rust pool reader's bytes, expert for expert."""
+    from freetoken._core import ExpertPool
+    from freetoken.models.loader import CheckpointReader, TensorIndex
+    from freetoken.quant import BF16
+    from freetoken.quant.checkpoint import fill_pool, read_experts
+    from freetoken.quant.formats import QuantSpec
+
+    cfg = ModelConfig.from_dir(bf16_checkpoint)
+    rust = ExpertPool.from_checkpoint(bf16_checkpoint)
+    layout = BF16.layout(cfg.hidden_size, cfg.moe_intermediate_size)
+    reader = CheckpointReader(TensorIndex.scan(bf16_checkpoint))
+    layer = cfg.moe_layers[-1]
+    packed = read_experts(reader, QuantSpec(BF16), layout, cfg.num_experts, layer, "model.")
+    reader.close()
+    for e in range(cfg.num_experts):
+        assert torch.equal(packed[e], torch.frombuffer(rust.expert_view(len(cfg.moe_layers) - 1, e), dtype=torch.uint8))
+    python = ExpertPool.zeroed(len(cfg.moe_layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+    fill_pool(python, bf16_checkpoint, cfg, QuantSpec(BF16))
+    assert bytes(python.arena_view()) == bytes(rust.arena_view())

@@ -177,13 +177,7 @@ def build_expert_pool(model_cfg: ModelConfig, model_dir: Path | None, seed: int 
     block = (fmt.block_rows, fmt.block_cols)
     if model_dir is None:
         return ExpertPool.random(*shape, seed=seed, moe_layers=model_cfg.moe_layers, format=fmt.name, block=block)
-    if fmt.quantized:
-        from freetoken.quant.checkpoint import fill_quantized_pool
-
-        pool = ExpertPool.zeroed(*shape, format=fmt.name, block=block, moe_layers=model_cfg.moe_layers)
-        fill_quantized_pool(pool, model_dir, model_cfg, spec)
-        return pool
-    if not model_cfg.is_qwen3_5 or _text_prefix(model_dir, model_cfg) == "model.":
+    if not fmt.quantized and (not model_cfg.is_qwen3_5 or _text_prefix(model_dir, model_cfg) == "model."):
         pool = ExpertPool.from_checkpoint(model_dir)
         if list(pool.moe_layers) != model_cfg.moe_layers:  # the Rust reader applies the rule too: they must agree
             raise CheckpointError(
@@ -191,9 +185,9 @@ def build_expert_pool(model_cfg: ModelConfig, model_dir: Path | None, seed: int 
                 f"{model_cfg.moe_layers} (`ModelConfig.is_moe_layer`)"
             )
         return pool
-    # The Rust loader reads `model.layers.*` names only: the pool's shape from it, the experts from Python.
-    from freetoken.models.loader import fill_expert_pool
+    # Quantized experts, or names under another text-model prefix than the Rust reader's `model.layers.*`.
+    from freetoken.quant.checkpoint import fill_pool
 
-    pool = ExpertPool.zeroed(*shape, moe_layers=model_cfg.moe_layers)
-    fill_expert_pool(pool, model_dir, model_cfg)
+    pool = ExpertPool.zeroed(*shape, format=fmt.name, block=block, moe_layers=model_cfg.moe_layers)
+    fill_pool(pool, model_dir, model_cfg, spec)
     return pool
