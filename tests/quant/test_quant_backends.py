@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_moe_backends import _logits
 
 import freetoken.engine  # noqa: F401  (before freetoken.models.loader, which imports only after the engine)
 from freetoken.config import EngineConfig, ModelConfig
@@ -57,6 +56,8 @@ def built(request, tmp_path_factory):
     [("offload", 64), ("offload", 5), ("offload", 1), ("cpu", 0), ("hybrid", 64), ("hybrid", 3)],
 )
 def test_backend_logits_equal_the_dequantized_model(built, mode, num_slots, device):
+    from test_moe_backends import _logits  # after freetoken.engine (the loader imports it first)
+
     q, deq, fmt = built
     device = torch.device(device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -189,3 +190,32 @@ def test_the_expert_reader_packs_bf16_as_the_rust_pool_does(bf16_checkpoint):
     python = ExpertPool.zeroed(len(cfg.moe_layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
     fill_pool(python, bf16_checkpoint, cfg, QuantSpec(BF16))
     assert bytes(python.arena_view()) == bytes(rust.arena_view())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(
+    "mode,strategy,buffers,num_slots",
+    [("offload", "stream", 2, 9), ("offload", "stream", 1, 1), ("hybrid", "hybrid", 2, 9), ("offload", "fill", 0, 5)],
+)
+def test_prefill_strategies_over_quantized_experts(built, device, mode, strategy, buffers, num_slots):
+    """Prefill chunks streamed into layer buffers of the format's bytes (`LayerStreamer`), or served on demand:
+    the dequantized float model's logits."""
+    from test_prefill import PROMPT, _chunked_logits
+
+    q, deq, _ = built
+    device = torch.device(device)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    want = _chunked_logits(load_checkpoint(deq, FusedExperts(), device, dtype), PROMPT, len(PROMPT))
+    pool = build_expert_pool(ModelConfig.from_dir(q), q)
+    backend = ExpertCacheBackend(
+        mode, pool, device, num_slots, cpu_threads=2, layer_buffers=buffers, prefill_strategy=strategy, **PROFILE
+    )
+    model = load_checkpoint(q, backend, device, dtype)
+    _chunked_logits(model, PROMPT[:3], 1, prefill=False)  # some slots warm, so streamed layers mix slots and buffers
+    got = _chunked_logits(model, PROMPT, 8)
+    cpu_ran = sum(backend.stats()["layers"]["cpu_runs"]) > 0
+    tol = (1e-4 if cpu_ran else 1e-5) if device.type == "cpu" else 3e-2
+    assert (got - want).abs().max().item() <= tol * want.abs().max().item()
+    assert backend.stats()["prefill"]["steps_by_strategy"][strategy] > 0
+    if strategy == "stream":
+        assert backend.stats()["prefill"]["bytes_streamed"] > 0

@@ -666,8 +666,12 @@ mod tests {
                             }
                         }
                         // e4m3 codes 0x20..0x3F (2^-3 .. ~1), e8m0 near 2^-4.
-                        ScaleType::E4m3 => s.iter_mut().for_each(|b| *b = 0x20 + (rng.below(32) as u8)),
-                        ScaleType::E8m0 => s.iter_mut().for_each(|b| *b = 120 + (rng.below(4) as u8)),
+                        ScaleType::E4m3 => {
+                            s.iter_mut().for_each(|b| *b = 0x20 + (rng.below(32) as u8))
+                        }
+                        ScaleType::E8m0 => {
+                            s.iter_mut().for_each(|b| *b = 120 + (rng.below(4) as u8))
+                        }
                         ScaleType::None => {}
                     }
                 }

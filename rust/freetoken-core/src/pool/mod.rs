@@ -116,7 +116,7 @@ impl ExpertPool {
     }
 
     /// A zeroed pool for `shape`, to be filled through its arena (quantized checkpoints' experts
-    /// are packed by Python, `freetoken.quant.checkpoint.fill_quantized_pool`).
+    /// are packed by Python, `freetoken.quant.checkpoint.fill_pool`).
     pub fn zeroed(shape: PoolShape) -> Result<Self, PoolError> {
         Self::alloc(shape)
     }
@@ -134,7 +134,9 @@ impl ExpertPool {
         num_threads: Option<usize>,
     ) -> Result<Self, PoolError> {
         let pool = Self::alloc(shape)?;
-        let layout = pool.format().layout(pool.hidden_size(), pool.intermediate_size());
+        let layout = pool
+            .format()
+            .layout(pool.hidden_size(), pool.intermediate_size());
         let total = pool.num_layers() * pool.num_experts();
         let threads = num_threads
             .unwrap_or_else(|| numa::allowed_cpus().len())
@@ -380,8 +382,12 @@ fn fill_quantized(layout: &crate::quant::ExpertLayout, bytes: &mut [u8], rng: &m
         (E2M1_TABLE.iter().map(|v| v * v).sum::<f32>() / 16.0).sqrt()
     };
     let (h, i) = (layout.hidden, layout.inter);
-    let put_f32 = |bytes: &mut [u8], o: usize, v: f32| bytes[o..o + 4].copy_from_slice(&v.to_le_bytes());
-    for ((o, n), fan_in, tensors) in [(layout.gate_up_scale, h, 0..2), (layout.down_scale, i, 2..3)] {
+    let put_f32 =
+        |bytes: &mut [u8], o: usize, v: f32| bytes[o..o + 4].copy_from_slice(&v.to_le_bytes());
+    for ((o, n), fan_in, tensors) in [
+        (layout.gate_up_scale, h, 0..2),
+        (layout.down_scale, i, 2..3),
+    ] {
         let multiplier = 1.0 / (3.0 * fan_in as f32).sqrt() / code_rms;
         match f.scale_type() {
             ScaleType::F32 => (0..n / 4).for_each(|j| put_f32(bytes, o + 4 * j, multiplier)),
@@ -526,7 +532,10 @@ mod tests {
                 let v: Vec<f32> = (0..m.rows)
                     .flat_map(|r| (0..m.cols).map(move |c| m.get(r, c)))
                     .collect();
-                assert!(v.iter().all(|x| x.is_finite()), "{format:?}: NaN codes drawn");
+                assert!(
+                    v.iter().all(|x| x.is_finite()),
+                    "{format:?}: NaN codes drawn"
+                );
                 let rms = (v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32).sqrt();
                 let want = 1.0 / (3.0 * fan_in).sqrt();
                 // MXFP4's scale is the nearest power of two: within a factor sqrt(2).
