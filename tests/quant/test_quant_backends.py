@@ -130,15 +130,32 @@ def test_nonfinite_quantized_experts_are_refused(built, tmp_path):
         check_finite_weights(torch.nn.Linear(1, 1), backend)
 
 
-def test_quantized_pool_refuses_a_checkpoint_with_missing_scales(tmp_path):
-    """The pool's reader names the tensor, as the fused loader does (`test_quant.py`)."""
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (
+            lambda t: t.pop("model.layers.2.mlp.experts.9.gate_proj.weight_scale_2"),
+            r"experts\.9\.gate_proj\.weight_scale_2' missing",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.mlp.experts.3.down_proj.weight_scale": torch.ones(64, 4)}),
+            r"experts\.3\.down_proj\.weight_scale' has shape \[64, 4\], expected \[64, 2\]",
+        ),
+        (
+            lambda t: t.update({"model.layers.0.mlp.experts.3.up_proj.weight_scale": torch.ones(32, 4)}),
+            r"experts\.3\.up_proj\.weight_scale' has dtype F32; expected one of F8_E4M3",
+        ),
+    ],
+)
+def test_quantized_pool_refuses_broken_scales_naming_the_tensor(tmp_path, edit, message):
+    """The pool's reader names the tensor and what it expects, as the fused loader does (`test_quant.py`)."""
     from safetensors.torch import load_file, save_file
 
     q = build_quantized_checkpoint(tmp_path / "q", NVFP4, seed=1, **SMALL)
     tensors = load_file(q / "model.safetensors")
-    tensors.pop("model.layers.2.mlp.experts.9.gate_proj.weight_scale_2")
+    edit(tensors)
     save_file(tensors, q / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(CheckpointError, match=r"experts\.9\.gate_proj\.weight_scale_2' missing"):
+    with pytest.raises(CheckpointError, match=message):
         build_expert_pool(ModelConfig.from_dir(q), q)
 
 

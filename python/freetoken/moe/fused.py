@@ -31,7 +31,8 @@ class FusedExperts:
 
     def load_layer_quantized(self, layer: int, layout: ExpertLayout, packed: torch.Tensor) -> None:
         """Keep the layer's experts quantized: `packed` [E, expert_nbytes] uint8 in `layout` (pool layout), on the
-        compute device; `forward` dequantizes them (`freetoken.quant.experts`)."""
+        compute device; `forward` runs `freetoken.quant.experts.quantized_swiglu` over them (the Triton kernel that
+        dequantizes in its inner loop on CUDA)."""
         self.quantized[layer] = QuantizedExperts(layout, packed)
 
     def begin_step(self, num_tokens: int, num_prefill_tokens: int, top_k: int) -> None:
