@@ -114,10 +114,8 @@ def read_experts(
     if not fmt.quantized:
         from freetoken.models.loader import read_float_experts
 
-        gate_up, down = read_float_experts(
-            reader, num_experts, h, i, layer, torch.device("cpu"), torch.bfloat16, prefix
-        )
-        return torch.cat((gate_up.reshape(num_experts, -1), down.reshape(num_experts, -1)), 1).view(torch.uint8)
+        weights = read_float_experts(reader, num_experts, h, i, layer, torch.device("cpu"), torch.bfloat16, prefix)
+        return torch.cat([w.reshape(num_experts, -1) for w in weights], 1).view(torch.uint8)
     _check_supported(fmt)
     base = f"{prefix}layers.{layer}.mlp.experts"
     out = torch.zeros(num_experts, layout.expert_nbytes, dtype=torch.uint8)
