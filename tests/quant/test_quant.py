@@ -204,25 +204,10 @@ def test_block_must_divide_expert_sizes():
 # --- checkpoints --------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(
-    scope="module",
-    params=[("fp8", "per_expert"), ("fp8", "fused"), ("nvfp4", "per_expert")],
-    ids="-".join,
-)
-def built(request, tmp_path_factory):
-    """(quantized checkpoint, float32 checkpoint of its dequantized weights, format)."""
-    name, layout = request.param
-    fmt = FP8_SMALL if name == "fp8" else NVFP4
-    root = tmp_path_factory.mktemp(f"{name}-{layout}")
-    q = build_quantized_checkpoint(
-        root / "q",
-        fmt,
-        seed=5,
-        expert_layout=layout,
-        dequantized_dest=root / "deq",
-        **SMALL,
-    )
-    return q, root / "deq", fmt
+@pytest.fixture(scope="module")
+def checkpoint_overrides():
+    """The seed and config of this module's `built` checkpoints (tests/quant/conftest.py)."""
+    return 5, SMALL
 
 
 def test_checkpoint_has_real_names_and_dtypes(built):

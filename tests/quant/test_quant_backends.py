@@ -34,20 +34,10 @@ PROFILE = dict(pcie_bytes_per_s=50e9, cpu_bytes_per_s={1: 20e9, 4: 40e9, 16: 60e
 PROMPTS = [[3, 17, 100, 42, 7, 8, 9, 200, 13], list(range(1000, 1040))]
 
 
-@pytest.fixture(
-    scope="module",
-    params=[("fp8", "per_expert"), ("fp8", "fused"), ("nvfp4", "per_expert")],
-    ids="-".join,
-)
-def built(request, tmp_path_factory):
-    """(quantized checkpoint, float32 checkpoint of its dequantized weights, format)."""
-    name, layout = request.param
-    fmt = FP8_SMALL if name == "fp8" else NVFP4
-    root = tmp_path_factory.mktemp(f"{name}-{layout}")
-    q = build_quantized_checkpoint(
-        root / "q", fmt, seed=7, expert_layout=layout, dequantized_dest=root / "deq", **SMALL
-    )
-    return q, root / "deq", fmt
+@pytest.fixture(scope="module")
+def checkpoint_overrides():
+    """The seed and config of this module's `built` checkpoints (tests/quant/conftest.py)."""
+    return 7, SMALL
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -566,6 +566,52 @@ mod tests {
     use crate::pool::{PoolShape, SplitMix64};
     use crate::quant::ScaleType;
 
+    /// One `forward` call's arguments, `out` starting at `init` everywhere.
+    struct Case<'a> {
+        x: &'a [f32],
+        ids: &'a [i64],
+        wts: &'a [f32],
+        k: usize,
+        experts: &'a [i64],
+        init: f32,
+    }
+
+    impl Case<'_> {
+        /// Every supported kernel path, 1 and 3 threads, on pool layer 1 against `want`, within `tol(isa)` of
+        /// the largest change `want` makes to `init`.
+        fn check_every_path(
+            &self,
+            pool: &Arc<ExpertPool>,
+            want: &[f32],
+            tol: impl Fn(Isa) -> f32,
+            what: &str,
+        ) {
+            let scale = want
+                .iter()
+                .map(|v| (v - self.init).abs())
+                .fold(0.0, f32::max);
+            assert!(scale > 1e-3, "{what}: the reference is all but zero");
+            for isa in Isa::all_supported() {
+                for threads in [1, 3] {
+                    let cpu = CpuExperts::new(pool.clone(), Some(threads), Some(isa)).unwrap();
+                    let mut out = vec![self.init; want.len()];
+                    let x = Hidden::F32(self.x);
+                    cpu.forward(1, x, self.ids, self.wts, self.k, self.experts, &mut out)
+                        .unwrap();
+                    let err = out
+                        .iter()
+                        .zip(want)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0, f32::max);
+                    assert!(
+                        err <= tol(isa) * scale,
+                        "{what} {isa:?} x{threads}: max err {err} vs scale {scale}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn forward_matches_reference_on_every_path() {
         let shape = PoolShape {
@@ -597,25 +643,20 @@ mod tests {
                 }
             }
         }
-        let scale = want.iter().map(|v| (v - 0.5).abs()).fold(0.0, f32::max);
-        for isa in Isa::all_supported() {
-            for threads in [1, 3] {
-                let cpu = CpuExperts::new(pool.clone(), Some(threads), Some(isa)).unwrap();
-                let mut out = vec![0.5f32; b * h];
-                cpu.forward(1, Hidden::F32(&x), &ids, &wts, k, &experts, &mut out)
-                    .unwrap();
-                let err = out
-                    .iter()
-                    .zip(&want)
-                    .map(|(a, b)| (a - b).abs())
-                    .fold(0.0, f32::max);
-                let tol = if isa.wants_bf16() { 2e-2 } else { 1e-4 };
-                assert!(
-                    err <= tol * scale,
-                    "{isa:?} x{threads}: max err {err} vs scale {scale}"
-                );
-            }
-        }
+        let case = Case {
+            x: &x,
+            ids: &ids,
+            wts: &wts,
+            k,
+            experts: &experts,
+            init: 0.5,
+        };
+        case.check_every_path(
+            &pool,
+            &want,
+            |isa| if isa.wants_bf16() { 2e-2 } else { 1e-4 },
+            "bf16",
+        );
         let cpu = CpuExperts::new(pool.clone(), Some(2), None).unwrap();
         let mut out = vec![0.0f32; b * h];
         assert!(cpu
@@ -718,25 +759,15 @@ mod tests {
                     }
                 }
             }
-            let scale = want.iter().map(|v| (v - 0.25).abs()).fold(0.0, f32::max);
-            assert!(scale > 1e-3, "{format:?}: the reference is all but zero");
-            for isa in Isa::all_supported() {
-                for threads in [1, 3] {
-                    let cpu = CpuExperts::new(pool.clone(), Some(threads), Some(isa)).unwrap();
-                    let mut out = vec![0.25f32; b * h];
-                    cpu.forward(1, Hidden::F32(&x), &ids, &wts, k, &experts, &mut out)
-                        .unwrap();
-                    let err = out
-                        .iter()
-                        .zip(&want)
-                        .map(|(a, b)| (a - b).abs())
-                        .fold(0.0, f32::max);
-                    assert!(
-                        err <= 1e-4 * scale,
-                        "{format:?} {isa:?} x{threads}: max err {err} vs scale {scale}"
-                    );
-                }
-            }
+            let case = Case {
+                x: &x,
+                ids: &ids,
+                wts: &wts,
+                k,
+                experts: &experts,
+                init: 0.25,
+            };
+            case.check_every_path(&pool, &want, |_| 1e-4, format.name());
         }
     }
 }
