@@ -577,6 +577,22 @@ mod tests {
     }
 
     impl Case<'_> {
+        /// `init + Σ w · expert(e, x_t)` over the listed experts' picks: `out [B, h]` as `forward` must give it.
+        fn reference(&self, h: usize, expert: impl Fn(i64, &[f32]) -> Vec<f32>) -> Vec<f32> {
+            let b = self.ids.len() / self.k;
+            let mut want = vec![self.init; b * h];
+            for (j, &e) in self.ids.iter().enumerate() {
+                if self.experts.contains(&e) {
+                    let t = j / self.k;
+                    let y = expert(e, &self.x[t * h..(t + 1) * h]);
+                    for c in 0..h {
+                        want[t * h + c] += self.wts[j] * y[c];
+                    }
+                }
+            }
+            want
+        }
+
         /// Every supported kernel path, 1 and 3 threads, on pool layer 1 against `want`, within `tol(isa)` of
         /// the largest change `want` makes to `init`.
         fn check_every_path(
@@ -630,19 +646,6 @@ mod tests {
         let ids: Vec<i64> = vec![0, 1, 1, 2, 3, 0, 5, 1, 0, 4];
         let wts: Vec<f32> = (0..b * k).map(|j| 0.25 + j as f32 * 0.05).collect();
         let experts = [0i64, 1, 5, 3];
-        // Reference.
-        let mut want = vec![0.5f32; b * h];
-        for t in 0..b {
-            for j in 0..k {
-                let e = ids[t * k + j];
-                if experts.contains(&e) {
-                    let y = reference_expert(&pool, 1, e as usize, &x[t * h..(t + 1) * h]);
-                    for c in 0..h {
-                        want[t * h + c] += wts[t * k + j] * y[c];
-                    }
-                }
-            }
-        }
         let case = Case {
             x: &x,
             ids: &ids,
@@ -651,6 +654,7 @@ mod tests {
             experts: &experts,
             init: 0.5,
         };
+        let want = case.reference(h, |e, x| reference_expert(&pool, 1, e as usize, x));
         case.check_every_path(
             &pool,
             &want,
@@ -744,21 +748,6 @@ mod tests {
             let ids: Vec<i64> = vec![0, 1, 1, 2, 3, 0, 4, 1, 0, 2, 3, 4];
             let wts: Vec<f32> = (0..b * k).map(|j| 0.3 + j as f32 * 0.05).collect();
             let experts = [0i64, 1, 4, 2];
-            let mut want = vec![0.25f32; b * h];
-            for t in 0..b {
-                for j in 0..k {
-                    let e = ids[t * k + j];
-                    if !experts.contains(&e) {
-                        continue;
-                    }
-                    let q = layout.expert(pool.expert_bytes(1, e).unwrap()).unwrap();
-                    let mut y = vec![0f32; h];
-                    qkernels::expert_forward(Isa::Scalar, &q, &x[t * h..(t + 1) * h], 1, &mut y);
-                    for c in 0..h {
-                        want[t * h + c] += wts[t * k + j] * y[c];
-                    }
-                }
-            }
             let case = Case {
                 x: &x,
                 ids: &ids,
@@ -767,6 +756,12 @@ mod tests {
                 experts: &experts,
                 init: 0.25,
             };
+            let want = case.reference(h, |e, x| {
+                let q = layout.expert(pool.expert_bytes(1, e).unwrap()).unwrap();
+                let mut y = vec![0f32; h];
+                qkernels::expert_forward(Isa::Scalar, &q, x, 1, &mut y);
+                y
+            });
             case.check_every_path(&pool, &want, |_| 1e-4, format.name());
         }
     }
