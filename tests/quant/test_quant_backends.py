@@ -24,7 +24,6 @@ from freetoken.moe.expert_cache import ExpertCacheBackend
 from freetoken.moe.fused import FusedExperts
 from freetoken.quant import NVFP4, fp8_block
 from freetoken.quant.checkpoint import build_quantized_checkpoint, quantization_config
-from gpu_marker import DEVICES
 from greedy import greedy_tokens
 
 SMALL = {"vocab_size": 2048, "num_hidden_layers": 3, "mlp_only_layers": [1], "num_experts": 16}
@@ -40,14 +39,30 @@ def checkpoint_overrides():
     return 7, SMALL
 
 
-@pytest.mark.parametrize("device", DEVICES)
+def _on(device: str, built) -> None:
+    """GPU cases run a few plans of the per-expert checkpoints only: each new kernel configuration costs a Triton
+    compile on the device, and the fused 3-D layout packs the same bytes (its reading is tested on the CPU)."""
+    if device == "cuda" and "fused" in str(built[0]):
+        pytest.skip("the fused 3-D FP8 layout packs the per-expert layout's bytes: CPU-tested")
+
+
+def _gpu(*values):
+    return pytest.param("cuda", *values, marks=pytest.mark.gpu)
+
+
 @pytest.mark.parametrize(
-    "mode,num_slots",
-    [("offload", 64), ("offload", 5), ("offload", 1), ("cpu", 0), ("hybrid", 64), ("hybrid", 3)],
+    "device,mode,num_slots",
+    [
+        *(("cpu", m, n) for m, n in [("offload", 64), ("offload", 5), ("offload", 1), ("cpu", 0), ("hybrid", 64)]),
+        ("cpu", "hybrid", 3),
+        _gpu("offload", 5),
+        _gpu("hybrid", 3),
+    ],
 )
 def test_backend_logits_equal_the_dequantized_model(built, mode, num_slots, device):
     from test_moe_backends import _logits  # after freetoken.engine (the loader imports it first)
 
+    _on(device, built)
     q, deq, fmt = built
     device = torch.device(device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -159,12 +174,13 @@ def test_quantized_config_of_a_dummy_model_is_checked():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("slots", [32, 12])
+@pytest.mark.parametrize("slots", [12])
 def test_cuda_graph_decode_with_quantized_slots_equals_fused(built, slots):
     """Decode steps captured in CUDA graphs, served by the Rust driver thread (fills by the driver API into slots
     of the format's bytes, the staged slot kernel `fused_moe_quant_tiles`): the greedy tokens of `fused` over the
     same quantized experts, which runs the same kernel over expert ids. 12 slots: fills and evictions every step,
     no host experts (which would round differently)."""
+    _on("cuda", built)
     q, _, _ = built
     cfg = dict(device="cuda", dtype="bfloat16", max_model_len=128, max_num_seqs=2, kv_cache_gb=0.05)
     want = greedy_tokens(LLMEngine.from_dir(q, EngineConfig(moe_backend="fused", **cfg)), PROMPTS, 12)
@@ -199,16 +215,23 @@ def test_the_expert_reader_packs_bf16_as_the_rust_pool_does(bf16_checkpoint):
     assert bytes(python.arena_view()) == bytes(rust.arena_view())
 
 
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
-    "mode,strategy,buffers,num_slots",
-    [("offload", "stream", 2, 9), ("offload", "stream", 1, 1), ("hybrid", "hybrid", 2, 9), ("offload", "fill", 0, 5)],
+    "device,mode,strategy,buffers,num_slots",
+    [
+        ("cpu", "offload", "stream", 2, 9),
+        ("cpu", "offload", "stream", 1, 1),
+        ("cpu", "hybrid", "hybrid", 2, 9),
+        ("cpu", "offload", "fill", 0, 5),
+        _gpu("offload", "stream", 2, 9),
+        _gpu("hybrid", "hybrid", 2, 9),
+    ],
 )
 def test_prefill_strategies_over_quantized_experts(built, device, mode, strategy, buffers, num_slots):
     """Prefill chunks streamed into layer buffers of the format's bytes (`LayerStreamer`), or served on demand:
     the dequantized float model's logits."""
     from test_prefill import PROMPT, _chunked_logits
 
+    _on(device, built)
     q, deq, _ = built
     device = torch.device(device)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
