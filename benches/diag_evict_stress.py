@@ -66,8 +66,21 @@ class CopyStreamDelays:
         self._thread.join()
 
 
+def plan_matches_mail(engine: LLMEngine, size: int, batch: int) -> bool:
+    """Whether the last MoE layer's plan, still in the handshake's host buffer after a driven step, puts each pick
+    of the real rows in the slot the planner holds for the expert the device posted (the mailbox keeps the last
+    layer's routing): false if the driver read routing that was not all there yet."""
+    from freetoken.moe.handshake import mail_views
+
+    hs = engine.runner.decode.handshake
+    ids = mail_views(hs.mail, size, hs.top_k, hs.hidden)[0][:batch].numpy()
+    planned = hs.plan[: batch * hs.top_k].numpy().reshape(batch, hs.top_k)
+    return bool((engine.experts.planner.layer_slots(engine.experts.pool.num_layers - 1)[ids] == planned).all())
+
+
 def run(path: Path, prompts, delays: bool, seed: int, **engine_args) -> tuple[list, list, int]:
-    """((token, log-probability) per step per prompt, [(step, stale slots)] found after steps, sleeps queued)."""
+    """((token, log-probability) per step per prompt, [(step, what was wrong)] found after steps: stale slots or a
+    last layer's plan that does not match its posted routing, sleeps queued)."""
     engine_args.setdefault("moe_backend", "fused")
     cfg = EngineConfig(device="cuda", dtype="bfloat16", kv_cache_gb=0.5, max_num_seqs=4, **engine_args)
     engine = LLMEngine.from_dir(path, cfg)
@@ -79,15 +92,27 @@ def run(path: Path, prompts, delays: bool, seed: int, **engine_args) -> tuple[li
     check = engine_args["moe_backend"] != "fused"
     stream = engine.experts.copy_stream if check else None
     delay = CopyStreamDelays(stream, seed) if delays and stream is not None else None
-    step = 0
+    step, driven = 0, []
+    runner = engine.runner.decode
+    if check and runner is not None and runner.handshake is not None:
+        run_driven = runner._run_driven
+
+        def record(size: int, batch: int) -> None:
+            run_driven(size, batch)
+            driven.append((size, batch))
+
+        runner._run_driven = record
     with delay if delay is not None else contextlib.nullcontext():
         while engine.has_work():
+            driven.clear()
             for o in engine.step():
                 out[o.request_id].extend((lp.token_id, lp.logprob) for lp in o.chunk.logprobs)
             if check:
                 bad = engine.experts.stale_slots()
                 if bad:
                     stale.append((step, bad[:4]))
+                if driven and not plan_matches_mail(engine, *driven[-1]):
+                    stale.append((step, "last layer planned from routing other than the posted one"))
             step += 1
     return [out[str(i)] for i in range(len(prompts))], stale, 0 if delay is None else delay.sleeps
 
