@@ -5,6 +5,9 @@ Skipped without a GPU (CI); run on the GPU box with `python -m pytest tests/engi
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -99,15 +102,29 @@ def eviction_demo(tmp_path_factory):
     return path, fused
 
 
+def _copy_stream_delays():
+    """`CopyStreamDelays` of benches/diag_evict_stress.py (one definition, used by the bench and this test)."""
+    import importlib.util
+
+    bench = Path(__file__).resolve().parents[2] / "benches" / "diag_evict_stress.py"
+    spec = importlib.util.spec_from_file_location("diag_evict_stress", bench)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CopyStreamDelays
+
+
 @pytest.mark.parametrize("num_prompts", [1, 4])
 @pytest.mark.parametrize("slots,prefill", [(32, "auto"), (16, "fill"), (24, "stream")])
 def test_offload_driven_graphs_equal_fused_under_evictions(eviction_demo, num_prompts, slots, prefill):
     """As `test_offload_driven_graphs_equal_fused`, with 16-32 slots for the 64 experts of a 16-expert, top-4 demo:
     every decode step evicts, so fills land in slots that earlier layers and steps read, and the prefill streams
     whole layers (no fills), fills on demand (evicting its own earlier layers' experts) or is chosen by the cost
-    model. Batch 1 and 4 (graph sizes 1 and 4): the tokens equal fused's, and after every step each expert the
-    planner counts resident is in its slot. (On the H200 at 02:51 the 32-slot case parted from fused once, at step
-    3, and in none of the later runs; benches/diag_evict_stress.py runs these cases with fills delayed at random.)"""
+    model. Batch 1 and 4 (graph sizes 1 and 4), each run twice: as is, and with the copy stream delayed at random
+    (sleep kernels queued on it from another thread, so fills land late in random layers and every read of a filled
+    slot must wait for its fill). The tokens equal fused's, and after every step each expert the planner counts
+    resident is in its slot. (On the H200 at 02:51 the 32-slot case parted from fused once, at step 3, and in none
+    of the later runs, with or without the delays.)"""
     path, fused = eviction_demo
     prompts = EVICTION_PROMPTS[:num_prompts]
     cfg = EngineConfig(
@@ -119,20 +136,23 @@ def test_offload_driven_graphs_equal_fused_under_evictions(eviction_demo, num_pr
         expert_slots=slots,
         prefill_strategy=prefill,
     )
-    engine = LLMEngine.from_dir(path, cfg)
-    assert engine.runner.decode is not None and engine.runner.decode.handshake is not None
-    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    for i, prompt in enumerate(prompts):
-        engine.add_request(str(i), prompt, params)
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-    step = 0
-    while engine.has_work():
-        for o in engine.step():
-            out[o.request_id].extend(o.chunk.token_ids)
-        assert engine.experts.stale_slots() == [], f"step {step}"
-        step += 1
-    assert [out[str(i)] for i in range(len(prompts))] == fused[num_prompts]
-    assert sum(engine.experts.stats()["layers"]["evictions"]) > 0
+    delays = _copy_stream_delays()
+    for delayed in (False, True):
+        engine = LLMEngine.from_dir(path, cfg)
+        assert engine.runner.decode is not None and engine.runner.decode.handshake is not None
+        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            engine.add_request(str(i), prompt, params)
+        out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+        step = 0
+        with delays(engine.experts.copy_stream, seed=slots + num_prompts) if delayed else contextlib.nullcontext():
+            while engine.has_work():
+                for o in engine.step():
+                    out[o.request_id].extend(o.chunk.token_ids)
+                assert engine.experts.stale_slots() == [], f"step {step}, delayed copies: {delayed}"
+                step += 1
+        assert [out[str(i)] for i in range(len(prompts))] == fused[num_prompts], f"delayed copies: {delayed}"
+        assert sum(engine.experts.stats()["layers"]["evictions"]) > 0
 
 
 def _chosen_logprobs(engine: LLMEngine, prompts, max_tokens: int) -> list[list[tuple[int, float, list[float]]]]:
