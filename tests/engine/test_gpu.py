@@ -140,18 +140,13 @@ def test_offload_driven_graphs_equal_fused_under_evictions(eviction_demo, num_pr
     for delayed in (False, True):
         engine = LLMEngine.from_dir(path, cfg)
         assert engine.runner.decode is not None and engine.runner.decode.handshake is not None
-        params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, params)
-        out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
-        step = 0
+
+        def resident_in_slots(step: int, engine: LLMEngine = engine, delayed: bool = delayed) -> None:
+            assert engine.experts.stale_slots() == [], f"step {step}, delayed copies: {delayed}"
+
         with delays(engine.experts.copy_stream, seed=slots + num_prompts) if delayed else contextlib.nullcontext():
-            while engine.has_work():
-                for o in engine.step():
-                    out[o.request_id].extend(o.chunk.token_ids)
-                assert engine.experts.stale_slots() == [], f"step {step}, delayed copies: {delayed}"
-                step += 1
-        assert [out[str(i)] for i in range(len(prompts))] == fused[num_prompts], f"delayed copies: {delayed}"
+            tokens = greedy_tokens(engine, prompts, 16, resident_in_slots)
+        assert tokens == fused[num_prompts], f"delayed copies: {delayed}"
         assert sum(engine.experts.stats()["layers"]["evictions"]) > 0
 
 

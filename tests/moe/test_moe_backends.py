@@ -104,23 +104,19 @@ def test_offload_decode_under_evictions_keeps_every_resident_in_its_slot(bf16_ch
     float32 rounding. A slot overwritten behind the planner's back is reported."""
     from freetoken.config import EngineConfig
     from freetoken.engine.llm_engine import LLMEngine
-    from freetoken.engine.types import SamplingParams
+    from greedy import greedy_logprobs
 
     prompts = [[3, 17, 100, 42, 7, 8, 9, 200, 13], list(range(1000, 1018))]
 
     def decode(backend: str, **args) -> tuple[LLMEngine, list[list[tuple[int, float]]]]:
         cfg = EngineConfig(device="cpu", dtype="float32", kv_cache_gb=0.05, moe_backend=backend, cpu_threads=2, **args)
         engine = LLMEngine.from_dir(bf16_checkpoint, cfg)
-        params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
-        for i, prompt in enumerate(prompts):
-            engine.add_request(str(i), prompt, params)
-        out: dict[str, list[tuple[int, float]]] = {str(i): [] for i in range(len(prompts))}
-        while engine.has_work():
-            for o in engine.step():
-                out[o.request_id].extend((lp.token_id, lp.logprob) for lp in o.chunk.logprobs)
+
+        def resident_in_slots(step: int) -> None:
             if backend == "offload":
-                assert engine.experts.stale_slots() == []
-        return engine, [out[str(i)] for i in range(len(prompts))]
+                assert engine.experts.stale_slots() == [], f"step {step}"
+
+        return engine, greedy_logprobs(engine, prompts, 10, resident_in_slots)
 
     _, want = decode("fused")
     # Streamed prefill: its layers come from the layer buffers, so no step runs experts on the CPU kernels (bf16).
