@@ -9,14 +9,18 @@ Part 2, short extends (16 ... 4096 tokens) after an 8192-token prefix and 16 dec
 fixed strategy (stream, fill, cpu, hybrid) and `auto`, each on a fresh backend that prefilled the same prefix.
 Routing replays the synthetic trace (`freetoken.moe.routing_replay`, as `ft serve --replay-routing synthetic`:
 Zipf skew 0.45, reuse 0.35 within 16 tokens), from its first row for every strategy, because random routers route
-almost uniformly. Per extend length a fixed strategy runs `--warmup` extends (kernels; calibration's first timing),
-`auto` `--auto-warmup` (it measures its candidates first), then `--repeats` timed ones (median). The table gives
-each strategy's time, auto's time and choices, and auto over the best fixed strategy (target: <= 1.05).
+almost uniformly. Per extend length every strategy, `auto` included, runs `--warmup` extends (kernels; `auto` measures
+its candidates on them), then `--repeats` timed ones (median; each repeat's time is in the row): the same count for
+all, so every strategy's timed extends replay the same trace rows after the same number of extends, whose fills
+change what the slots hold (16-token extends under `hybrid`: 0.28 s at 9 % hits in the fixed run after one warm-up
+extend, 0.44 s at 0 % hits and 40 % more fills inside `auto`'s run after six). `--limit cpu=256` skips a fixed strategy past that length. The table gives each
+strategy's time, auto's time and choices, and auto over the best fixed strategy run (target: <= 1.05).
 The backends get the bandwidths `ft serve` would (`ft bench bw`'s planner figures: copies and CPU kernels measured
 running together, `planner_figures`).
 
     python benches/prefill.py [--budget 24] [--prompts 512 2048 8192 32768] [--extends 16 64 256 1024 4096]
     python benches/prefill.py --parts extend     # part 2 alone
+    python benches/prefill.py --parts extend --limit cpu=256 fill=256 hybrid=1024   # ~3 min on the H200 box
 
 Prints one line per row, a table of the extends, and a final JSON line. Needs CUDA and ~60 GB of host RAM.
 """
@@ -125,12 +129,19 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, nargs="+", default=[512, 2048, 8192, 32768])
     ap.add_argument("--extends", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
     ap.add_argument("--repeats", type=int, default=3, help="extends timed per row (median)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed extends per length before a fixed strategy's")
     ap.add_argument(
-        "--auto-warmup",
+        "--warmup",
         type=int,
         default=6,
-        help="untimed extends per length before auto's (it measures its candidates on the first ones)",
+        help="untimed extends per length before the timed ones, for every strategy (auto measures its candidates on "
+        "them)",
+    )
+    ap.add_argument(
+        "--limit",
+        nargs="*",
+        default=[],
+        metavar="STRATEGY=TOKENS",
+        help="run a fixed strategy only at extends up to TOKENS (e.g. cpu=256: it is compute-bound past that)",
     )
     ap.add_argument("--parts", nargs="+", default=["prompt", "extend"], choices=["prompt", "extend"])
     ap.add_argument(
@@ -139,6 +150,12 @@ def main() -> None:
         help="log the torch profiler's top ops of one 64-token extend per strategy, to stderr",
     )
     args = ap.parse_args()
+    try:
+        limits = {name: int(n) for name, n in (item.split("=") for item in args.limit)}
+    except ValueError:
+        ap.error(f"--limit takes STRATEGY=TOKENS, got {args.limit}")
+    if set(limits) - set(FIXED):
+        ap.error(f"--limit: strategies are {', '.join(FIXED)}")
     log = lambda *a: print(*a, file=sys.stderr, flush=True)
     cfg = ModelConfig.from_dict(json.loads(preset_config_path(args.preset).read_text()), source=args.preset)
     device = torch.device("cuda")
@@ -279,8 +296,10 @@ def main() -> None:
                 run_chunk(model, kv, [7], CHUNK + step, prefill=False)
             backend.prefill_strategy = strategy
             for n in args.extends:
+                if n > limits.get(strategy, n):
+                    continue
                 tokens = list(range(1, n + 1))
-                for _ in range(args.auto_warmup if strategy == "auto" else args.warmup):
+                for _ in range(args.warmup):
                     run_chunk(model, kv, tokens, start)
                 times, picks = [], []
                 before = counters(backend)
@@ -298,9 +317,11 @@ def main() -> None:
                         "strategy": strategy,
                         "chosen": sorted(set(picks), key=picks.index),
                         "extend_s": round(statistics.median(times), 4),
+                        "times": [round(t, 4) for t in times],
                         "hit_rate": round(per["hits"] / lookups, 3) if lookups else None,
                         "pcie_gb": round((per["bytes_h2d"] + per["bytes_streamed"]) / 1e9, 3),
                         "cpu_gb": round(per["bytes_cpu"] / 1e9, 3),
+                        "evictions": round(per["evictions"]),
                     }
                 )
                 if args.profile and n == 64:
