@@ -13,8 +13,9 @@ almost uniformly. Per extend length every strategy, `auto` included, runs `--war
 its candidates on them), then `--repeats` timed ones (median; each repeat's time is in the row): the same count for
 all, so every strategy's timed extends replay the same trace rows after the same number of extends, whose fills
 change what the slots hold (16-token extends under `hybrid`: 0.28 s at 9 % hits in the fixed run after one warm-up
-extend, 0.44 s at 0 % hits and 40 % more fills inside `auto`'s run after six). `--limit cpu=256` skips a fixed strategy past that length. The table gives each
-strategy's time, auto's time and choices, and auto over the best fixed strategy run (target: <= 1.05).
+extend, 0.44 s at 0 % hits and 40 % more fills inside `auto`'s run after six). `--limit cpu=256` skips a fixed
+strategy past that length. The table gives each strategy's time, auto's time and choices, and auto over the best
+fixed strategy run (target: <= 1.05).
 The backends get the bandwidths `ft serve` would (`ft bench bw`'s planner figures: copies and CPU kernels measured
 running together, `planner_figures`).
 
