@@ -1,10 +1,11 @@
 """Prefill through the expert cache at a consumer-GPU budget, on the real Qwen3-30B-A3B config (dummy weights).
 
-Part 1, long prompts (512, 2k, 8k, 32k tokens; chunks of 8192): time per chunk with whole-layer streaming, its
-copies overlapped with compute (two layer buffers) and not (one), and with `auto`; beside the transfer bound (all
-expert bytes over the measured PCIe bandwidth; and the bytes the run streamed, which skips resident experts) and
-the GPU compute time (the same chunks with every expert resident: `fused`, 58 GB on the GPU). The model's own
-(random) router routes them, which makes no difference to streaming (every expert of every layer crosses anyway).
+Part 1, long prompts (512, 2k, 8k, 32k tokens; chunks of `--chunk`, 8192): time per chunk with whole-layer
+streaming, its copies overlapped with compute (two layer buffers) and not (one), and with `auto`; beside the
+transfer bound (all expert bytes over the measured PCIe bandwidth; and the bytes the run streamed, which skips
+resident experts) and the GPU compute time (the same chunks with every expert resident: `fused`, 58 GB on the GPU).
+The model's own (random) router routes them, which makes no difference to streaming (every expert of every layer
+crosses anyway).
 Part 2, short extends (16 ... 4096 tokens) after an 8192-token prefix and 16 decode steps that warm the cache: each
 fixed strategy (stream, fill, cpu, hybrid) and `auto`, each on a fresh backend that prefilled the same prefix.
 Routing replays the synthetic trace (`freetoken.moe.routing_replay`, as `ft serve --replay-routing synthetic`:
@@ -76,11 +77,11 @@ def run_chunk(model, kv: KVCache, tokens: list[int], start: int, prefill: bool =
     return time.perf_counter() - t0
 
 
-def prefill(model, kv: KVCache, length: int, seed: int = 0) -> list[float]:
-    """Per-chunk seconds of a `length`-token prompt prefilled in chunks of `CHUNK`."""
+def prefill(model, kv: KVCache, length: int, seed: int = 0, chunk: int = CHUNK) -> list[float]:
+    """Per-chunk seconds of a `length`-token prompt prefilled in chunks of `chunk` tokens."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(1, 100_000, length).tolist()
-    return [run_chunk(model, kv, tokens[s : s + CHUNK], s) for s in range(0, length, CHUNK)]
+    return [run_chunk(model, kv, tokens[s : s + chunk], s) for s in range(0, length, chunk)]
 
 
 def counters(backend: ExpertCacheBackend) -> dict[str, float]:
@@ -144,6 +145,12 @@ def main() -> None:
         metavar="STRATEGY=TOKENS",
         help="run a fixed strategy only at extends up to TOKENS (e.g. cpu=256: it is compute-bound past that)",
     )
+    ap.add_argument(
+        "--chunk",
+        type=int,
+        default=CHUNK,
+        help="part 1's chunk tokens (ft serve's --max-prefill-tokens; the agent-trace runs use 32768)",
+    )
     ap.add_argument("--parts", nargs="+", default=["prompt", "extend"], choices=["prompt", "extend"])
     ap.add_argument(
         "--profile",
@@ -194,6 +201,7 @@ def main() -> None:
         kv_cache_tokens=max_len,
         kv_cache_gb=8.0,
         max_num_seqs=1,
+        max_prefill_tokens=max(args.chunk, CHUNK),  # the activation reserve (and so the slots) ft serve would plan
     )
     host_only = ExpertCacheBackend("cpu", pool, device, 0)  # holds no device memory: attached between rows
     model = init_dummy_weights(cfg, host_only, device, torch.bfloat16)
@@ -219,7 +227,7 @@ def main() -> None:
         model.attach_experts(fused)
         prefill(model, kv, CHUNK)  # compiles the kernels
         for length in args.prompts:
-            times = prefill(model, kv, length)
+            times = prefill(model, kv, length, chunk=args.chunk)
             compute[length] = times
             emit(
                 {
@@ -257,9 +265,9 @@ def main() -> None:
         prefill(model, kv, 512)  # warm-up: kernels at these shapes
         for length in args.prompts:
             before = backend.stats()["prefill"]["bytes_streamed"]
-            times = prefill(model, kv, length)
+            times = prefill(model, kv, length, chunk=args.chunk)
             streamed = backend.stats()["prefill"]["bytes_streamed"] - before
-            full = times[: length // CHUNK] or times  # whole chunks (or the one short one)
+            full = times[: length // args.chunk] or times  # whole chunks (or the one short one)
             chunk_s = statistics.median(full)
             gpu_s = statistics.median(compute[length][: len(full)])
             emit(
