@@ -86,7 +86,8 @@ USER_EVERY = 4  # every 4th turn brings a user message after the tool result (th
 THINKING_TOKENS = 300
 # Issue 21's target for a turn: TTFT <= this + the time to prefill its re-prefilled tokens alone (`AloneCurve`).
 BOUND_ALLOWANCE_S = 0.3
-# Fresh-prompt sizes (tokens, times --scale) whose TTFT gives the time to prefill that many tokens alone.
+# Fresh-prompt sizes (tokens, times --scale) whose TTFT gives the time to prefill that many tokens alone; a session's
+# first turn (`--system-tokens`) is added, so every turn's re-prefill lies within the measured range.
 ALONE_SIZES = (32, 256, 1024, 4096, 16384)
 # OpenCode's session compaction (packages/opencode/src/session/compaction.ts, PRUNE_PROTECT / PRUNE_MINIMUM).
 PRUNE_PROTECT_TOKENS = 40_000
@@ -489,14 +490,15 @@ def time_fresh_prompt(client, api: str, model: str, tokens: int, max_tokens: int
 
 
 def measure_alone(base_url: str, api: str, model: str, args) -> AloneCurve | None:
-    """The `AloneCurve` of this server at `args.alone_sizes` (times `args.scale`, at least 16 tokens), each size
-    `args.alone_repeats` times; None when no size could be measured (each failure is logged)."""
+    """The `AloneCurve` of this server at `args.alone_sizes` and `args.system_tokens` (times `args.scale`, at least
+    16 tokens), each size `args.alone_repeats` times; None when no size could be measured (each failure is
+    logged)."""
     import anthropic
     import openai
 
     client = make_client(base_url, api, args)
     points: dict[int, tuple[int, float]] = {}
-    for size in sorted({max(16, int(n * args.scale)) for n in args.alone_sizes}):
+    for size in sorted({max(16, int(n * args.scale)) for n in (*args.alone_sizes, args.system_tokens)}):
         for _ in range(args.alone_repeats):
             try:
                 prefilled, ttft = time_fresh_prompt(client, api, model, size, min(args.max_tokens, 8), args.seed)

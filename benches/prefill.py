@@ -48,7 +48,7 @@ from freetoken.engine.kv_cache import KVCache
 from freetoken.models.attention import AttentionMetadata
 from freetoken.models.loader import init_dummy_weights
 from freetoken.models.presets import preset_config_path
-from freetoken.moe.budget import plan_expert_slots
+from freetoken.moe.budget import activation_reserve_nbytes, plan_expert_slots
 from freetoken.moe.compute import expert_views
 from freetoken.moe.expert_cache import ExpertCacheBackend
 from freetoken.moe.fused import FusedExperts
@@ -265,6 +265,9 @@ def main() -> None:
         prefill(model, kv, 512)  # warm-up: kernels at these shapes
         for length in args.prompts:
             before = backend.stats()["prefill"]["bytes_streamed"]
+            torch.cuda.synchronize()
+            resident = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
             times = prefill(model, kv, length, chunk=args.chunk)
             streamed = backend.stats()["prefill"]["bytes_streamed"] - before
             full = times[: length // args.chunk] or times  # whole chunks (or the one short one)
@@ -284,6 +287,10 @@ def main() -> None:
                     "over_max_bound_compute": round(chunk_s / max(bound_all, gpu_s), 3),
                     "steps_by_strategy": backend.stats()["prefill"]["steps_by_strategy"],
                     "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
+                    # What the chunks allocated above the weights, KV, slots and buffers (the budget reserves
+                    # freetoken.moe.budget.activation_reserve_nbytes for it).
+                    "activation_peak_gb": round((torch.cuda.max_memory_allocated() - resident) / 1e9, 2),
+                    "activation_reserve_gb": round(activation_reserve_nbytes(engine_cfg, cfg) / 1e9, 2),
                 }
             )
         model.attach_experts(host_only)
