@@ -1,17 +1,20 @@
-"""Prefill attention alone, as the engine runs it (`freetoken.models.attention.paged_attention`), at the shapes of the
-agent trace's turns, per SDPA backend: does a cold prompt (queries = context: `is_causal=True`, torch's own backend
-choice) cost more per layer than an extend over a cached prefix (lower-right causal mask: the flash kernel called
-directly by `torch.nn.attention.bias.CausalBias`)?
+"""A prefill chunk's per-layer compute at the shapes of the agent trace's turns: attention alone as the engine runs
+it (`freetoken.models.attention.paged_attention`) per SDPA backend, and the MoE kernel alone (`fused_moe` over
+every expert of a layer resident, the routing uniform). Does a cold prompt's attention (queries = context:
+`is_causal=True`, torch's own backend choice) cost more than an extend's over a cached prefix (lower-right causal
+mask: the flash kernel called directly by `torch.nn.attention.bias.CausalBias`), and how fast is the MoE kernel at
+prefill sizes?
 
-An 18.8k-token cold first turn took 1.94-2.03 s to its first token through `ft serve` on the H200 box, a 10.6k-token
-extend over a 32.8k-token prefix 1.20 s, though the extend attends over more (query, key) pairs. Streaming the
-experts (~1.0 s per chunk at that budget) hides compute up to ~21 ms per layer; this says how much of the rest the
-attention of each kind is, and which kernel torch picks for it (the top device kernel under the profiler).
+An 18.8k-token cold first turn took 1.94-2.03 s to its first token through `ft serve` on the H200 box, and the
+server's calibration measured its streamed forward at 1.84x the copy time (~1.87 s: ~39 ms per layer, where the
+copies take ~21), while a 10.6k-token extend over a 32.8k-token prefix answered in 1.20 s though it attends over
+more (query, key) pairs. This says how much of a layer's compute the attention of each kind is, which kernel torch
+picks for it (the top device kernel under the profiler), and the MoE kernel's rate.
 
-    python benches/prefill_attention.py [--preset qwen3-30b-a3b] [--cases 18816:18816 10638:43486 2048:32768]
+    python benches/prefill_compute.py [--preset qwen3-30b-a3b] [--cases 18816:18816 10638:43486 2048:32768]
 
-Prints one line per (case, backend): ms per layer, s per forward (x the model's layers), the top kernel; then a JSON
-line. Needs CUDA (a few GB).
+Prints one line per (case, backend) and per MoE size: ms per layer, s per forward (x the model's layers), the top
+kernel (attention) or TFLOP/s (MoE); then a JSON line. Needs CUDA (a few GB).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 from freetoken.config import ModelConfig
+from freetoken.kernels.fused_moe import fused_moe
 from freetoken.models.attention import AttentionMetadata, paged_attention
 from freetoken.models.presets import preset_config_path
 
@@ -76,6 +80,30 @@ def time_case(cfg: ModelConfig, qlen: int, ctx: int, backends, repeats: int) -> 
     return statistics.median(times), top
 
 
+def time_moe(cfg: ModelConfig, tokens: int, repeats: int) -> float:
+    """Median seconds of `fused_moe` over `tokens` tokens routed uniformly at random among a layer's experts, all
+    resident (the streamed path's kernel, with the alignment computed in the call)."""
+    device = torch.device("cuda")
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
+    gate_up = torch.randn(e, 2 * inter, hidden, device=device).bfloat16() * 0.02
+    down = torch.randn(e, hidden, inter, device=device).bfloat16() * 0.02
+    x = torch.randn(tokens, hidden, device=device).bfloat16()
+    ids = torch.rand(tokens, e, device=device).topk(k, dim=1).indices
+    weights = torch.full((tokens, k), 1.0 / k, device=device)
+    fused_moe(x, gate_up, down, ids, weights)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fused_moe(x, gate_up, down, ids, weights)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="qwen3-30b-a3b")
@@ -86,6 +114,7 @@ def main() -> None:
         help="QUERIES:CONTEXT (queries = context: a cold prompt)",
     )
     ap.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=list(BACKENDS))
+    ap.add_argument("--moe-tokens", type=int, nargs="*", default=[2048, 10638, 18816], help="MoE kernel sizes")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     cfg = ModelConfig.from_dict(json.loads(preset_config_path(args.preset).read_text()), source=args.preset)
@@ -109,7 +138,18 @@ def main() -> None:
             }
             rows.append(row)
             print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-    print(json.dumps({"bench": "prefill_attention", "model": args.preset, "rows": rows}))
+    for tokens in args.moe_tokens:
+        seconds = time_moe(cfg, tokens, args.repeats)
+        flops = tokens * cfg.num_experts_per_tok * 6 * cfg.hidden_size * cfg.moe_intermediate_size
+        row = {
+            "moe_tokens": tokens,
+            "ms_per_layer": round(seconds * 1e3, 2),
+            "s_per_forward": round(seconds * len(cfg.moe_layers), 3),
+            "tflops": round(flops / seconds / 1e12, 1),
+        }
+        rows.append(row)
+        print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    print(json.dumps({"bench": "prefill_compute", "model": args.preset, "rows": rows}))
 
 
 if __name__ == "__main__":
