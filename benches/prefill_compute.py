@@ -62,22 +62,28 @@ def time_case(cfg: ModelConfig, qlen: int, ctx: int, backends, repeats: int) -> 
             with sdpa_kernel(backends):
                 paged_attention(q, k, v, k_cache, v_cache, meta, scale)
 
-    run()  # warm-up (and a backend that cannot take the case raises here)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+    seconds = median_seconds(run, repeats)  # its warm-up call raises when the backends cannot take the case
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
     top = max(events, key=lambda e: e.self_device_time_total).key if events else "?"
-    return statistics.median(times), top
+    return seconds, top
+
+
+def median_seconds(fn, repeats: int) -> float:
+    """Median device seconds of `fn()` over `repeats` calls (CUDA events) after one warm-up call."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
 
 
 def time_moe(cfg: ModelConfig, tokens: int, repeats: int) -> float:
@@ -91,17 +97,7 @@ def time_moe(cfg: ModelConfig, tokens: int, repeats: int) -> float:
     x = torch.randn(tokens, hidden, device=device).bfloat16()
     ids = torch.rand(tokens, e, device=device).topk(k, dim=1).indices
     weights = torch.full((tokens, k), 1.0 / k, device=device)
-    fused_moe(x, gate_up, down, ids, weights)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fused_moe(x, gate_up, down, ids, weights)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return median_seconds(lambda: fused_moe(x, gate_up, down, ids, weights), repeats)
 
 
 def main() -> None:

@@ -95,25 +95,8 @@ def test_tiny_run_against_the_demo(replay_server, capsys, api, variants, session
 @pytest.mark.timeout(120)
 def test_a_time_limit_cuts_the_run_after_each_session_s_first_turn(replay_server, capsys):
     """--time-limit-s 0: every session runs its first turn and starts no other; the run says it was cut."""
-    code = agent_trace.main(
-        [
-            "--server",
-            replay_server.base_url,
-            "--scale",
-            "0.005",
-            "--turns",
-            "3",
-            "--sessions",
-            "2",
-            "--max-tokens",
-            "2",
-            "--variants",
-            "plain",
-            "--alone-sizes",
-            "--time-limit-s",
-            "0",
-        ]
-    )
+    args = "--scale 0.005 --turns 3 --sessions 2 --max-tokens 2 --variants plain --alone-sizes --time-limit-s 0"
+    code = agent_trace.main(["--server", replay_server.base_url, *args.split()])
     assert code == 0
     run = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"][0]
     assert run["turns"] == 2 and sorted(t["session"] for t in run["per_turn"]) == ["s0", "s1"]
