@@ -86,9 +86,9 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def time_moe(cfg: ModelConfig, tokens: int, repeats: int) -> float:
-    """Median seconds of `fused_moe` over `tokens` tokens routed uniformly at random among a layer's experts, all
-    resident (the streamed path's kernel, with the alignment computed in the call)."""
+def time_moe(cfg: ModelConfig, tokens: int, repeats: int, config: tuple[int, int, int, int]) -> float:
+    """Median seconds of `fused_moe` (launch `config`) over `tokens` tokens routed uniformly at random among a
+    layer's experts, all resident (the streamed path's kernel, with the alignment computed in the call)."""
     device = torch.device("cuda")
     e, k = cfg.num_experts, cfg.num_experts_per_tok
     hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
@@ -97,7 +97,7 @@ def time_moe(cfg: ModelConfig, tokens: int, repeats: int) -> float:
     x = torch.randn(tokens, hidden, device=device).bfloat16()
     ids = torch.rand(tokens, e, device=device).topk(k, dim=1).indices
     weights = torch.full((tokens, k), 1.0 / k, device=device)
-    return median_seconds(lambda: fused_moe(x, gate_up, down, ids, weights), repeats)
+    return median_seconds(lambda: fused_moe(x, gate_up, down, ids, weights, config=config), repeats)
 
 
 def main() -> None:
@@ -111,6 +111,12 @@ def main() -> None:
     )
     ap.add_argument("--backends", nargs="+", choices=list(BACKENDS), default=list(BACKENDS))
     ap.add_argument("--moe-tokens", type=int, nargs="*", default=[2048, 10638, 18816], help="MoE kernel sizes")
+    ap.add_argument(
+        "--moe-configs",
+        nargs="*",
+        default=["64,64,4,3", "128,64,4,3", "128,64,8,3", "128,64,8,4", "64,64,8,4"],
+        help="MoE launch configs BLOCK_N,BLOCK_K,warps,stages (the first is the kernel's LAUNCH_CONFIG)",
+    )
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args()
     cfg = ModelConfig.from_dict(json.loads(preset_config_path(args.preset).read_text()), source=args.preset)
@@ -135,16 +141,23 @@ def main() -> None:
             rows.append(row)
             print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     for tokens in args.moe_tokens:
-        seconds = time_moe(cfg, tokens, args.repeats)
-        flops = tokens * cfg.num_experts_per_tok * 6 * cfg.hidden_size * cfg.moe_intermediate_size
-        row = {
-            "moe_tokens": tokens,
-            "ms_per_layer": round(seconds * 1e3, 2),
-            "s_per_forward": round(seconds * len(cfg.moe_layers), 3),
-            "tflops": round(flops / seconds / 1e12, 1),
-        }
-        rows.append(row)
-        print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+        for text in args.moe_configs:
+            config = tuple(int(v) for v in text.split(","))
+            try:
+                seconds = time_moe(cfg, tokens, args.repeats, config)
+            except Exception as e:  # a config Triton cannot compile (shared memory): say so, go on
+                print(f"moe_tokens={tokens} config={text}: failed ({str(e).splitlines()[0][:120]})")
+                continue
+            flops = tokens * cfg.num_experts_per_tok * 6 * cfg.hidden_size * cfg.moe_intermediate_size
+            row = {
+                "moe_tokens": tokens,
+                "config": text,
+                "ms_per_layer": round(seconds * 1e3, 2),
+                "s_per_forward": round(seconds * len(cfg.moe_layers), 3),
+                "tflops": round(flops / seconds / 1e12, 1),
+            }
+            rows.append(row)
+            print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
     print(json.dumps({"bench": "prefill_compute", "model": args.preset, "rows": rows}))
 
 
