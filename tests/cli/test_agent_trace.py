@@ -64,6 +64,8 @@ def test_tiny_run_against_the_demo(replay_server, capsys, api, variants, session
             "3",
             "--variants",
             *variants,
+            "--alone-repeats",  # one fresh prompt per size: 16 tokens and a session's first turn (90)
+            "1",
         ]
     )
     assert code == 0
