@@ -48,6 +48,7 @@ from freetoken.moe.prefill import (
     Calibration,
     LayerStreamer,
     PrefillCosts,
+    candidate_strategies,
     choose_strategy,
     measure_gpu_flops,
 )
@@ -105,8 +106,9 @@ class ExpertCacheBackend:
             `default_cpu_threads`).
         layer_buffers: full-layer buffers for streaming prefill (`LayerStreamer`): 0 (none), 1 (copy, then
             compute) or 2 (double-buffered: the next layer's copy overlaps this layer's compute).
-        prefill_strategy: "auto" (the cheapest by `freetoken.moe.prefill.choose_strategy`, among streaming when
-            there are buffers and the backend's own on-demand plan), or always "stream", "fill", "cpu" or "hybrid".
+        prefill_strategy: "auto" (the cheapest by `freetoken.moe.prefill.choose_strategy`, among the strategies
+            the backend can run: `freetoken.moe.prefill.candidate_strategies`), or always "stream", "fill", "cpu"
+            or "hybrid".
 
     Raises:
         ValueError: unknown mode or strategy, no slots for a mode that fills, `hybrid` without a bandwidth
@@ -235,7 +237,9 @@ class ExpertCacheBackend:
         if self.prefill_strategy != "auto":
             self.strategy = self.prefill_strategy
         else:
-            candidates = (["stream"] if self.streamer is not None else []) + [self.demand]
+            candidates = candidate_strategies(
+                self.demand, self.streamer is not None, self.num_slots > 0, costs.cpu_bytes_per_s is not None
+            )
             self.strategy = choose_strategy(costs, num_tokens, candidates, self.calibration)
         self.strategy_steps[self.strategy] += 1
         predicted = costs.seconds(self.strategy, num_tokens) * self.pool.num_layers
