@@ -617,8 +617,9 @@ class _BlockStream:
                 events.append(self._delta({"type": "input_json_delta", "partial_json": piece.arguments}))
         return events
 
-    def close(self) -> list[bytes]:
-        """Stop the open block; a completion without blocks gets one empty text block."""
+    def close(self, last: GenerationChunk) -> list[bytes]:
+        """Stop the open block; a completion without blocks gets one empty text block (a block has no status, so
+        `last` is not needed: the stop reason goes in ``message_delta``)."""
         events = [] if self._num_blocks else self._start({"type": "text", "text": ""})
         return events + self._stop()
 

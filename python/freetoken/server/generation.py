@@ -609,8 +609,9 @@ class EventConverter(Protocol):
         """The events of one parsed delta (possibly none)."""
         ...
 
-    def close(self) -> list[bytes]:
-        """The events that end the output (the open block or item closes)."""
+    def close(self, last: GenerationChunk) -> list[bytes]:
+        """The events that end the output (the open block or item closes); `last` is the request's last chunk
+        (its finish reason says whether the budget cut the output)."""
         ...
 
 
@@ -641,7 +642,7 @@ async def converted_events(
     finally:
         await aclose_shielded(chunks)
     assert last is not None  # parsed_chunks raises when the engine sent nothing
-    for event in converter.close():
+    for event in converter.close(last):
         yield event
     for event in tail(last):
         yield event
