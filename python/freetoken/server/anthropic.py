@@ -92,6 +92,7 @@ from freetoken.server.schema import (
     get_number,
     get_object_list,
     get_string_list,
+    get_tool_name,
     join_path,
     parse_json_object,
     read_body,
@@ -338,7 +339,7 @@ def _tools(body: dict[str, Any], referenced: set[str]) -> list[dict[str, Any]] |
     tools = []
     for i, tool in enumerate(get_object_list(body, "tools")):
         path = join_path("tools", i)
-        name = get_field(tool, "name", str, parent=path, required=True)
+        name = get_tool_name(tool, parent=path)
         kind = get_field(tool, "type", str, parent=path, default="custom")
         schema = get_field(tool, "input_schema", dict, parent=path)
         if schema is None and kind != "custom":

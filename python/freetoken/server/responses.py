@@ -77,6 +77,7 @@ from freetoken.server.schema import (
     get_int,
     get_number,
     get_object_list,
+    get_tool_name,
     join_path,
     parse_json_object,
     read_body,
@@ -235,7 +236,7 @@ _DROPPED_TOOL_TYPES: set[str] = set()
 
 def _function(tool: dict[str, Any], path: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
     """A tool as the chat template's function: name, description, parameters (`parameters` if given)."""
-    function = {"name": get_field(tool, "name", str, parent=path, required=True)}
+    function = {"name": get_tool_name(tool, parent=path)}
     description = get_field(tool, "description", str, parent=path)
     if description is not None:
         function["description"] = description
@@ -277,7 +278,7 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolKinds
             tools.append(_function(tool, path, _custom_parameters(tool, path)))
             custom.add(tools[-1]["function"]["name"])
         elif kind == "namespace":
-            namespace = get_field(tool, "name", str, parent=path, required=True)
+            namespace = get_tool_name(tool, parent=path)
             for j, member in enumerate(get_object_list(tool, "tools", parent=path)):
                 member_path = join_path(join_path(path, "tools"), j)
                 if get_field(member, "type", str, parent=member_path, default="function") != "function":
