@@ -69,6 +69,8 @@ class Completion:
         logprobs: one entry per generated token when the request asked for logprobs, else None.
         num_cached_tokens: prompt tokens the KV prefix cache supplied.
         num_cache_write_tokens: prompt tokens this request added to the KV prefix cache.
+        prompt_logprobs: one entry per prompt token (None for the first) when the request asked for them
+            (`SamplingParams.prompt_logprobs`), else None.
     """
 
     text: str
@@ -79,6 +81,7 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
     num_cache_write_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -653,11 +656,14 @@ async def _drain(
 ) -> list[Completion]:
     parts: list[list[str]] = [[] for _ in range(n)]
     logprobs: list[list[TokenLogprob] | None] = [None] * n
+    prompt_logprobs: list[list[TokenLogprob | None] | None] = [None] * n
     last: list[GenerationChunk | None] = [None] * n
     async for i, chunk in chunks:
         parts[i].append(chunk.text)
         if chunk.logprobs is not None:
             logprobs[i] = (logprobs[i] or []) + list(chunk.logprobs)
+        if chunk.prompt_logprobs is not None:
+            prompt_logprobs[i] = chunk.prompt_logprobs
         last[i] = chunk
     completions = []
     for i, chunk in enumerate(last):
@@ -673,6 +679,7 @@ async def _drain(
                 logprobs=logprobs[i],
                 num_cached_tokens=chunk.num_cached_tokens,
                 num_cache_write_tokens=chunk.num_cache_write_tokens,
+                prompt_logprobs=prompt_logprobs[i],
             )
         )
     return completions
