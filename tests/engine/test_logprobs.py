@@ -248,3 +248,23 @@ def test_prompt_logprobs_validation():
         with pytest.raises(ValueError, match="prompt_logprobs"):
             SamplingParams(prompt_logprobs=bad).validate()
     SamplingParams(prompt_logprobs=0).validate()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_prompt_logprobs_in_one_token_chunks(checkpoint):
+    """On CUDA, prompt chunks of one token batched with decoding sequences would fit the decode runner, which keeps
+    only each sequence's last logits: a sequence that needs its prompt's log-probabilities runs eagerly instead, and
+    gets transformers' values (float32)."""
+    path, model = checkpoint
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    engine = LLMEngine.from_dir(
+        path, EngineConfig(device="cuda", dtype="float32", kv_cache_gb=0.5, moe_backend="fused", max_prefill_tokens=2)
+    )
+    assert engine.runner.decode is not None
+    for prompt, chunks in zip(PROMPTS, _run(engine, PROMPTS, params), strict=True):
+        entries = chunks[0].prompt_logprobs
+        assert entries is not None and len(entries) == len(prompt) and entries[0] is None
+        expected = _prompt_reference(model, prompt)
+        for p, lp in enumerate(entries[1:]):
+            assert lp.token_id == prompt[p + 1] and abs(lp.logprob - expected[p, lp.token_id].item()) <= 1e-3
