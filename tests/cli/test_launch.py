@@ -93,6 +93,7 @@ def follow(name: str, argv: list[str], env: dict[str, str]) -> tuple[str, str]:
         base, key, model = env["ANTHROPIC_BASE_URL"], env["ANTHROPIC_AUTH_TOKEN"], env["ANTHROPIC_MODEL"]
         for tier in ("OPUS", "SONNET", "HAIKU"):
             assert env[f"ANTHROPIC_DEFAULT_{tier}_MODEL"] == model
+        assert env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == str(MAX_MODEL_LEN)  # else it assumes 1M for an unknown id
         r = httpx.post(
             f"{base}/v1/messages",
             timeout=60,

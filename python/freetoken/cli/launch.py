@@ -11,7 +11,7 @@ PATH, else the one a PyPI package bundles (`Bundled`: Claude Code in ``claude-ag
 
 Harnesses and what they are given:
     claude    Claude Code: ANTHROPIC_BASE_URL / ANTHROPIC_AUTH_TOKEN / ANTHROPIC_MODEL and the per-tier model names
-              (the Anthropic Messages API at /v1/messages).
+              (the Anthropic Messages API at /v1/messages), CLAUDE_CODE_MAX_CONTEXT_TOKENS the context length.
     codex     Codex CLI: `-c` overrides adding a `freetoken` model provider on /v1/responses (wire_api "responses"),
               its model and context window; the key in FREETOKEN_API_KEY.
     opencode  opencode: OPENCODE_CONFIG -> a config adding an OpenAI-compatible `freetoken` provider.
@@ -136,6 +136,9 @@ def _claude(served: ServedModel, args: list[str], _dir: Path) -> LaunchPlan:
         "ANTHROPIC_DEFAULT_HAIKU_MODEL": served.model,
         "ANTHROPIC_SMALL_FAST_MODEL": served.model,
         "CLAUDE_CODE_SUBAGENT_MODEL": served.model,
+        # The served context: Claude Code assumes 1M tokens for a model id it does not know (and says so on every
+        # start), so it would compact too late and overrun the server's context.
+        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(served.max_model_len),
         # no telemetry, error reporting or auto-update calls to the cloud
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     }
