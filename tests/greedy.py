@@ -3,21 +3,50 @@ of the equality tests."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from freetoken.engine.llm_engine import LLMEngine
 from freetoken.engine.types import SamplingParams
 
 
-def greedy_tokens(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Add every prompt at once (one batch), step until done; the generated token ids per prompt, in order."""
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+def greedy_tokens(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, after_step: Callable[[int], None] | None = None
+) -> list[list[int]]:
+    """Add every prompt at once (one batch), step until done; the generated token ids per prompt, in order.
+    `after_step(i)` runs after the engine's i-th step (a check between steps)."""
+    return [[t for t, _ in seq] for seq in _greedy(engine, prompts, max_tokens, False, after_step)]
+
+
+def greedy_logprobs(
+    engine: LLMEngine, prompts: list[list[int]], max_tokens: int, after_step: Callable[[int], None] | None = None
+) -> list[list[tuple[int, float]]]:
+    """As `greedy_tokens`, each token with its log-probability."""
+    return _greedy(engine, prompts, max_tokens, True, after_step)
+
+
+def _greedy(
+    engine: LLMEngine,
+    prompts: list[list[int]],
+    max_tokens: int,
+    logprobs: bool,
+    after_step: Callable[[int], None] | None,
+) -> list[list[tuple[int, float]]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, logprobs=0 if logprobs else None)
     for i, prompt in enumerate(prompts):
         engine.add_request(str(i), prompt, params)
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    out: dict[str, list[tuple[int, float]]] = {str(i): [] for i in range(len(prompts))}
+    step = 0
     while engine.has_work():
         for o in engine.step():
-            out[o.request_id].extend(o.chunk.token_ids)
+            if logprobs:
+                out[o.request_id].extend((lp.token_id, lp.logprob) for lp in o.chunk.logprobs)
+            else:
+                out[o.request_id].extend((t, float("nan")) for t in o.chunk.token_ids)
+        if after_step is not None:
+            after_step(step)
+        step += 1
     return [out[str(i)] for i in range(len(prompts))]
 
 

@@ -478,6 +478,26 @@ class ExpertCacheBackend:
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
 
+    def stale_slots(self) -> list[tuple[int, int, int]]:
+        """(pool layer, expert, slot) of every expert the planner counts resident whose slot does not hold the pool's
+        bytes of it: empty unless a fill was lost, is still landing, or was overwritten while the expert stayed
+        resident. A consistency check for tests and `benches/diag_evict_stress.py`; call it between steps (it
+        synchronizes the device first, so copies queued earlier have landed)."""
+        if self.copy_stream is not None:
+            torch.cuda.synchronize(self.device)
+        e, n = self.pool.num_experts, self.expert_nbytes
+        stale: list[tuple[int, int, int]] = []
+        for layer in range(self.pool.num_layers):
+            layer_slots = self.planner.layer_slots(layer).astype(np.int64)
+            experts = np.flatnonzero(layer_slots >= 0)
+            if not experts.size:
+                continue
+            want = self.pool_experts[torch.from_numpy(layer * e + experts)][:, :n].to(self.device)
+            got = self.slots[torch.from_numpy(layer_slots[experts]).to(self.device)][:, :n]
+            bad = (got != want).any(dim=1).nonzero().flatten().tolist()
+            stale.extend((layer, int(experts[i]), int(layer_slots[experts[i]])) for i in bad)
+        return stale
+
     def device_handshake(self, top_k: int, sizes: list[int]):
         """The handshake through which a decode step captured whole in one CUDA graph is served by the Rust
         driver thread (`freetoken.moe.handshake`), for padded batch sizes `sizes`; None on the CPU device, which
