@@ -110,10 +110,10 @@ def check_bfloat16_against_transformers(tmp_path: Path, device: str, seeds: int 
     """The engine in bfloat16 on `device` against transformers' `qwen3_5_moe` on scaled-down checkpoints (one per
     seed, `lm_head_std` 0.6 for well-separated logits); raises AssertionError unless both hold:
 
-    - precision: along the float32 reference's greedy tokens, the engine's bfloat16 logits lie no further from the
-      float32 reference's than transformers' own bfloat16 logits do (`greedy.bf16_logit_errors`, summed over
-      seeds; 10% slack for another rounding order — measured on the CPU the engine's figure is 0.97x the
-      reference's);
+    - precision: teacher-forced, the engine's bfloat16 logits lie no further from exact compute (the reference in
+      float32 with bfloat16-rounded weights) than transformers' own bfloat16 logits do (`greedy.bf16_logit_errors`,
+      summed over seeds; 10% slack for another rounding order: on the CPU the engine's figure is 0.97x
+      transformers', and a decay g rounded to bfloat16 makes it 1.27x);
     - tokens: `steps` greedy tokens equal transformers' bfloat16 ones except from a near-tie within the
       reference's own bfloat16 error (`greedy.follows_reference_bf16`). How many sequences match all the way is
       reported, not asserted: transformers' bfloat16 tokens follow its own float32 ones all 16 steps in 0 of the
@@ -141,7 +141,7 @@ def check_bfloat16_against_transformers(tmp_path: Path, device: str, seeds: int 
         a, b = bf16_logit_errors(engine, ref32, BF16_PROMPTS, steps)
         ours, theirs = ours + a, theirs + b
     line = (
-        f"bf16 logit error vs float32 (mean over steps of max |err|): engine {ours / seeds:.3f}, transformers "
+        f"bf16 logit error vs exact compute (mean over steps of max |err|): engine {ours / seeds:.3f}, transformers "
         f"{theirs / seeds:.3f}; {full} of {total} sequences equal transformers' bf16 for all {steps} steps"
     )
     assert ours <= 1.1 * theirs, line

@@ -492,6 +492,6 @@ def test_paused_sequences_keep_their_state_slots(tmp_path):
 
 
 def test_bfloat16_follows_transformers_on_the_cpu(tmp_path):
-    """The GPU test's bfloat16 check on the CPU (torch paths): logits as close to float32 as transformers' own
-    bfloat16 (measured: 1.67 vs 1.72 mean max |err|), tokens equal but from near-ties within its bfloat16 error."""
-    print(check_bfloat16_against_transformers(tmp_path, "cpu"))
+    """The GPU test's bfloat16 check on the CPU (torch paths), two of its four seeds: logits as close to exact
+    compute as transformers' own bfloat16, tokens equal but from near-ties within its bfloat16 error."""
+    print(check_bfloat16_against_transformers(tmp_path, "cpu", seeds=2))
