@@ -122,6 +122,16 @@ def test_select_marks_keeps_the_tail_a_spacing_and_the_end():
     assert kept == [10, 260, 510, 760, 970, 980, 990, 1000]
     assert select_marks([], 5, 40, spacing=250) == [40]
     assert select_marks([30, 35], 0, 40, spacing=250, tail=0) == [30, 40]
+    # The last turn ends too, however many marks follow them.
+    kept = select_marks(marks, 0, 1000, spacing=250, tail=3, turn_ends=[100, 500, 700, 900], tail_turns=2)
+    assert kept == [10, 260, 510, 700, 900, 970, 980, 990, 1000]  # spaced from the kept turn ends on
+
+
+def test_turn_ends_among_marks():
+    marks = MarkSet([[7], [3, 4]], turn_end=[3, 4])
+    tokens = [1, 7, 3, 4, 2, 7, 3, 4]
+    assert marks.turn_ends(tokens, marks.positions(tokens, 0, len(tokens))) == [4, 8]
+    assert MarkSet([[7]]).turn_ends(tokens, [2, 6]) == []
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -275,6 +285,32 @@ def test_thinking_stripped_resumes_at_the_last_unchanged_mark(qwen35):
     r2 = one(engine, p2)
     assert changed - 6 <= r2.last.num_cached_tokens <= changed
     assert r2.token_ids == cold(qwen35, p2)
+    assert_all_blocks_free(engine)
+
+
+def test_openclaw_turns_resume_at_the_turn_end_before_the_stripped_reply(qwen35):
+    """OpenClaw keeps thinking on the latest reply only: each turn strips the previous reply's thinking, whose
+    reply, tool call and tool response hold more marks than `TAIL_MARKS`. The turn end before that reply (kept as
+    one of the prompt's last `TAIL_TURNS` turn ends) is where the turn resumes, within its header's few tokens."""
+    engine = qwen35.engine()
+
+    def turn(k: int) -> list[int]:
+        messages = session(1)[:2]  # the system prompt and the task
+        for t in range(k):
+            call = {"type": "function", "id": f"r{t}", "function": {"name": "read", "arguments": {"path": f"f{t}"}}}
+            reply = {"role": "assistant", "content": f"Reading f{t}.", "tool_calls": [call]}
+            if t == k - 1:
+                reply["reasoning_content"] = f"File f{t} should say what module {t} does."
+            messages += [reply, {"role": "tool", "tool_call_id": f"r{t}", "content": f"x = {t}\n" * 4}]
+        return qwen35.encode(messages, TOOLS)
+
+    prompts = [turn(k) for k in range(1, 5)]
+    for k, prompt in enumerate(prompts):
+        r = one(engine, prompt, greedy(2), rid=f"t{k}")
+        if k >= 2:
+            changed = first_diff(prompts[k - 1], prompt)
+            assert changed - 6 <= r.last.num_cached_tokens <= changed, (k, changed, r.last.num_cached_tokens)
+            assert r.token_ids == cold(qwen35, prompt, 2)
     assert_all_blocks_free(engine)
 
 
