@@ -388,16 +388,20 @@ class PromptDiff:
         self.marks = MarkSet.from_tokenizer(self.tokenizer)
         self.last: dict[str, list[int]] = {}  # session name -> its previous prompt's ids
 
+    def encode(self, session: Session, view: list[Entry]) -> list[int]:
+        """The prompt's token ids as the server gets them from `openai_messages`: its own request parsing (tool-call
+        arguments to objects ...), then its rendering."""
+        from freetoken.server.openai import parse_chat_request
+
+        tools = [{"type": "function", "function": t} for t in session.tools]
+        request = parse_chat_request({"model": "bench", "messages": openai_messages(session, view), "tools": tools})
+        return self.tokenizer.encode_chat(request.messages, tools=request.tools, **request.template_kwargs)[1]
+
     def measure(self, session: Session, view: list[Entry], prompt_tokens: int) -> tuple[int | None, int | None]:
         """(changed tokens, the mark bound) of this turn, as `TurnResult` names them; (None, None) when the
         rendering here does not count the server's `prompt_tokens` (another template or API: no figure beats a
         wrong one)."""
-        from freetoken.server.openai import parse_chat_request
-
-        tools = [{"type": "function", "function": t} for t in session.tools]
-        # The server's own parsing (tool-call arguments to objects ...), then its rendering.
-        request = parse_chat_request({"model": "bench", "messages": openai_messages(session, view), "tools": tools})
-        ids = self.tokenizer.encode_chat(request.messages, tools=request.tools, **request.template_kwargs)[1]
+        ids = self.encode(session, view)
         previous = self.last.get(session.name, [])
         self.last[session.name] = ids
         if len(ids) != prompt_tokens:
