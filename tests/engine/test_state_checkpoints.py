@@ -125,13 +125,23 @@ def test_select_marks_keeps_the_tail_a_spacing_and_the_end():
     # The last turn ends too, however many marks follow them.
     kept = select_marks(marks, 0, 1000, spacing=250, tail=3, turn_ends=[100, 500, 700, 900], tail_turns=2)
     assert kept == [10, 260, 510, 700, 900, 970, 980, 990, 1000]  # spaced from the kept turn ends on
+    # And tool outputs' starts wherever they are (spacing counts from them too).
+    kept = select_marks(marks, 0, 1000, spacing=250, tail=3, always=[300, 320])
+    assert kept == [10, 260, 300, 320, 570, 820, 970, 980, 990, 1000]
 
 
-def test_turn_ends_among_marks():
-    marks = MarkSet([[7], [3, 4]], turn_end=[3, 4])
+def test_turn_ends_and_tool_outputs_among_marks():
+    marks = MarkSet([[7], [3, 4]], turn_end=[3, 4], tool_output=[7])
     tokens = [1, 7, 3, 4, 2, 7, 3, 4]
-    assert marks.turn_ends(tokens, marks.positions(tokens, 0, len(tokens))) == [4, 8]
-    assert MarkSet([[7]]).turn_ends(tokens, [2, 6]) == []
+    found = marks.positions(tokens, 0, len(tokens))
+    assert marks.turn_ends(tokens, found) == [4, 8] and marks.tool_outputs(tokens, found) == [2, 6]
+    assert MarkSet([[7]]).turn_ends(tokens, [2, 6]) == [] == MarkSet([[7]]).tool_outputs(tokens, [2, 6])
+
+
+def test_marks_name_turn_ends_and_tool_outputs(qwen35):
+    marks = MarkSet.from_tokenizer(qwen35.tokenizer)
+    assert marks.turn_end == tuple(qwen35.tokenizer.encode("<|im_end|>"))
+    assert marks.tool_output == tuple(qwen35.tokenizer.encode("<tool_response>"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -311,6 +321,24 @@ def test_openclaw_turns_resume_at_the_turn_end_before_the_stripped_reply(qwen35)
             changed = first_diff(prompts[k - 1], prompt)
             assert changed - 6 <= r.last.num_cached_tokens <= changed, (k, changed, r.last.num_cached_tokens)
             assert r.token_ids == cold(qwen35, prompt, 2)
+    assert_all_blocks_free(engine)
+
+
+def test_replaced_tool_output_resumes_at_its_start(qwen35):
+    """OpenCode replaces old tool outputs by a placeholder, deep in the history (past the spacing of kept marks):
+    every tool output's start is kept, so the prompt resumes right at the replaced output."""
+    engine = qwen35.engine()
+    history = session(4)
+    p1 = qwen35.encode(history, TOOLS)
+    one(engine, p1, greedy(2))
+    pruned = [dict(m) for m in history]
+    pruned[3]["content"] = "[Old tool result content cleared]"  # the first tool output (system, user, call, output)
+    p2 = qwen35.encode(pruned, TOOLS)
+    changed = first_diff(p1, p2)
+    assert len(p2) - changed > 200  # deep: most of the prompt follows the change
+    r2 = one(engine, p2, greedy(2))
+    assert changed - 2 <= r2.last.num_cached_tokens <= changed, (changed, r2.last.num_cached_tokens)
+    assert r2.token_ids == cold(qwen35, p2, 2)
     assert_all_blocks_free(engine)
 
 
