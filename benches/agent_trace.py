@@ -314,6 +314,11 @@ class TurnResult:
     max_gap_s: float  # the longest time the stream sent nothing (the first token included)
     reply: str
     alone_s: float | None = None  # the time to prefill `reprefilled_tokens` alone (`AloneCurve`), once measured
+    # With the model's tokenizer (`PromptDiff`): prompt tokens from the first one that differs from the previous
+    # turn's prompt (all of them on the first turn), and that plus the tokens back to the last mark before the
+    # change (what a snapshot at every mark would re-prefill: the target of the marks mode); None without it.
+    changed_tokens: int | None = None
+    mark_bound_tokens: int | None = None
 
     @property
     def reprefilled_tokens(self) -> int:
@@ -415,6 +420,43 @@ def stream_anthropic(client, model: str, session: Session, view: list[Entry], ma
             yield "", {"prompt": prompt, "cached": cached, "completion": event.usage.output_tokens}
 
 
+class PromptDiff:
+    """Where each turn's prompt departs from the previous turn's, in the server's tokens: renders the messages as
+    the server does (`Tokenizer.encode_chat`, the OpenAI API's request) and finds the marks of its state
+    checkpoints (`MarkSet`, hybrid models) in them."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from freetoken.engine.state_checkpoints import MarkSet
+        from freetoken.tokenizer import Tokenizer
+
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.marks = MarkSet.from_tokenizer(self.tokenizer)
+        self.last: dict[str, list[int]] = {}  # session name -> its previous prompt's ids
+
+    def encode(self, session: Session, view: list[Entry]) -> list[int]:
+        """The prompt's token ids as the server gets them from `openai_messages`: its own request parsing (tool-call
+        arguments to objects ...), then its rendering."""
+        from freetoken.server.openai import parse_chat_request
+
+        tools = [{"type": "function", "function": t} for t in session.tools]
+        request = parse_chat_request({"model": "bench", "messages": openai_messages(session, view), "tools": tools})
+        return self.tokenizer.encode_chat(request.messages, tools=request.tools, **request.template_kwargs)[1]
+
+    def measure(self, session: Session, view: list[Entry], prompt_tokens: int) -> tuple[int | None, int | None]:
+        """(changed tokens, the mark bound) of this turn, as `TurnResult` names them; (None, None) when the
+        rendering here does not count the server's `prompt_tokens` (another template or API: no figure beats a
+        wrong one)."""
+        ids = self.encode(session, view)
+        previous = self.last.get(session.name, [])
+        self.last[session.name] = ids
+        if len(ids) != prompt_tokens:
+            return None, None
+        same = next((i for i, (a, b) in enumerate(zip(previous, ids, strict=False)) if a != b), len(previous))
+        same = min(same, len(ids) - 1)  # the last token is always computed (its logits)
+        marks = self.marks.positions(ids, 0, same)
+        return len(ids) - same, len(ids) - (marks[-1] if marks else 0)
+
+
 def run_turn(
     client,
     api: str,
@@ -424,8 +466,10 @@ def run_turn(
     max_tokens: int,
     seed: int,
     prune_tokens: tuple[float, float] = (PRUNE_PROTECT_TOKENS, PRUNE_MINIMUM_TOKENS),
+    diff: PromptDiff | None = None,
 ) -> TurnResult:
-    """Send the session's conversation as its harness would, stream the reply, and append it for the next turn."""
+    """Send the session's conversation as its harness would, stream the reply, and append it for the next turn;
+    with `diff`, also measure what changed since the previous turn (OpenAI API only)."""
     view = harness_view(session, *prune_tokens)
     stream = stream_openai if api == "openai" else stream_anthropic
     t0 = last = time.perf_counter()
@@ -446,6 +490,7 @@ def run_turn(
         raise RuntimeError(f"{session.name} turn {turn}: the stream ended without {missing}")
     n = usage["completion"] or 0
     reply = "".join(pieces)
+    changed = diff.measure(session, view, usage["prompt"] or 0) if diff is not None and api == "openai" else None
     advance(session, turn, reply)
     return TurnResult(
         session.name,
@@ -457,6 +502,7 @@ def run_turn(
         (n - 1) / (last - first) if n > 1 and last > first else None,
         max_gap,
         reply,
+        *(changed or (None, None)),
     )
 
 
@@ -526,6 +572,7 @@ def run_sessions(
     system = max(16, int(args.system_tokens * args.scale))
     tool_tokens = (max(4, int(args.tool_tokens[0] * args.scale)), max(8, int(args.tool_tokens[1] * args.scale)))
     client = make_client(base_url, api, args)
+    diff = PromptDiff(args.model_dir) if getattr(args, "model_dir", None) is not None else None
     results: list[TurnResult] = []
     errors: list[str] = []
     cut: list[bool] = []
@@ -557,6 +604,7 @@ def run_sessions(
                     args.max_tokens,
                     args.seed,
                     (args.prune_protect_tokens, args.prune_minimum_tokens),
+                    diff,
                 )
             except (openai.APIError, anthropic.APIError, RuntimeError) as e:  # the session ends; the run goes on
                 log(f"  {variant} x{num_sessions} {name} turn {turn} failed: {e}")
@@ -761,33 +809,66 @@ def run_all(base_url: str, label: str, variants: list[str], sessions: list[int],
 
 
 def mode_table(runs: list[dict]) -> Table:
-    """Single-session runs side by side per checkpoint mode: per (variant, turn) the prompt, and each mode's
-    re-prefilled tokens and TTFT."""
+    """Single-session runs side by side per checkpoint mode: per (variant, turn) the prompt, what changed since the
+    previous turn and the mark bound (`TurnResult`), and each mode's re-prefilled tokens and TTFT."""
     modes = list(dict.fromkeys(r["server"] for r in runs))
     table = Table(title="re-prefilled tokens and TTFT per turn, by checkpoint mode (1 session)")
     for column in (
         "variant",
         "turn",
         "prompt",
+        "changed",
+        "mark bound",
         *(f"re-prefilled {m.split()[-1]}" for m in modes),
         *(f"TTFT s {m.split()[-1]}" for m in modes),
     ):
         table.add_column(column, justify="right")
+    for (variant, turn), by_mode in sorted(turns_by_mode(runs).items()):
+        first = next(iter(by_mode.values()))
+        table.add_row(
+            variant,
+            str(turn),
+            str(first["prompt_tokens"]),
+            str(first.get("changed_tokens", "-")),
+            str(first.get("mark_bound_tokens", "-")),
+            *(str(by_mode[m]["reprefilled_tokens"]) if m in by_mode else "-" for m in modes),
+            *(f"{by_mode[m]['ttft_s']:.3f}" if m in by_mode else "-" for m in modes),
+        )
+    return table
+
+
+def turns_by_mode(runs: list[dict]) -> dict[tuple[str, int], dict[str, dict]]:
+    """Single-session runs' turns: (variant, turn) -> server label -> the turn's record."""
     turns: dict[tuple[str, int], dict[str, dict]] = {}
     for run in runs:
         if run["sessions"] == 1:
             for t in run["per_turn"]:
                 turns.setdefault((run["variant"], t["turn"]), {})[run["server"]] = t
-    for (variant, turn), by_mode in sorted(turns.items()):
-        prompt = next(iter(by_mode.values()))["prompt_tokens"]
-        table.add_row(
-            variant,
-            str(turn),
-            str(prompt),
-            *(str(by_mode[m]["reprefilled_tokens"]) if m in by_mode else "-" for m in modes),
-            *(f"{by_mode[m]['ttft_s']:.3f}" if m in by_mode else "-" for m in modes),
-        )
-    return table
+    return turns
+
+
+def checkpoint_targets(runs: list[dict]) -> dict:
+    """Issue 22's targets on the single-session runs of "checkpoints marks" and "checkpoints chunk", per variant:
+    turns where marks re-prefilled more than the mark bound (changed tokens + the span back to the last mark
+    before the change), turns where marks re-prefilled more than chunk, and chunk's total over marks' (the
+    OpenCode-style session's target: >= 3)."""
+    out: dict[str, dict] = {}
+    for (variant, turn), by_mode in sorted(turns_by_mode(runs).items()):
+        marks, chunk = by_mode.get("checkpoints marks"), by_mode.get("checkpoints chunk")
+        if marks is None:
+            continue
+        v = out.setdefault(variant, {"over_bound": [], "marks_over_chunk": [], "marks": 0, "chunk": 0})
+        bound = marks.get("mark_bound_tokens")
+        if bound is not None and marks["reprefilled_tokens"] > bound:
+            v["over_bound"].append(turn)
+        v["marks"] += marks["reprefilled_tokens"]
+        if chunk is not None:
+            v["chunk"] += chunk["reprefilled_tokens"]
+            if marks["reprefilled_tokens"] > chunk["reprefilled_tokens"]:
+                v["marks_over_chunk"].append(turn)
+    for v in out.values():
+        v["chunk_over_marks"] = round(v["chunk"] / v["marks"], 2) if v["marks"] else None
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -852,6 +933,11 @@ def main(argv: list[str] | None = None) -> int:
         help="opencode: prune only when at least this many tool-output tokens go (PRUNE_MINIMUM)",
     )
     args = ap.parse_args(argv)
+    args.model_dir = None
+    if args.model:  # the bench renders prompts as the server does, to see what changed between turns
+        from freetoken.cli.serve import resolve_model_dir
+
+        args.model_dir = resolve_model_dir(args.model, "--dummy-weights" in shlex.split(args.serve_args))
     console = Console(no_color="NO_COLOR" in os.environ, width=140)
     runs = []
     if args.server:
@@ -867,6 +953,13 @@ def main(argv: list[str] | None = None) -> int:
             with Server(args.model, [*serve_args, "--state-checkpoints", mode]) as server:
                 runs += run_all(server.base_url, f"checkpoints {mode}", variants, sessions, args, console)
         console.print(mode_table(runs))
+        targets = checkpoint_targets(runs)
+        for variant, v in targets.items():
+            console.print(
+                f"{variant}: marks re-prefilled {v['marks']}, chunk {v['chunk']} (chunk/marks {v['chunk_over_marks']});"
+                f" turns over the mark bound: {v['over_bound'] or 'none'}; turns where marks > chunk: "
+                f"{v['marks_over_chunk'] or 'none'}"
+            )
     else:
         serve_args = shlex.split(args.serve_args)
         with Server(args.model, serve_args) as server:
@@ -907,6 +1000,7 @@ def main(argv: list[str] | None = None) -> int:
                 "watchdog_s": args.watchdog_s,
                 "seed": args.seed,
                 "routing": runs[0]["routing"] if runs else None,
+                "checkpoint_targets": checkpoint_targets(runs) if args.state_checkpoints else None,
                 "runs": runs,
             }
         ),

@@ -179,3 +179,49 @@ def test_text_is_seeded():
     assert a == b
     other = agent_trace.new_session("s1", "plain", 0, 100, (20, 20), 0.01)
     assert other.system != _session("plain", 0).system
+
+
+def test_prompt_diff_measures_what_changed_since_the_previous_turn():
+    """OpenClaw's second turn strips the first reply's thinking: the change starts inside that reply, and the mark
+    bound reaches back to the last mark before it (the turn end before the reply)."""
+    from freetoken.models.demo import demo_checkpoint_dir
+
+    diff = agent_trace.PromptDiff(demo_checkpoint_dir())
+    session = agent_trace.new_session("s0", "openclaw", 0, 100, (20, 20), 0.01)
+    prompts = []
+    for turn in range(3):
+        view = agent_trace.harness_view(session)
+        prompts.append(diff.encode(session, view))
+        changed, bound = diff.measure(session, view, len(prompts[-1]))
+        previous = prompts[-2] if turn else []
+        same = next((i for i, (a, b) in enumerate(zip(previous, prompts[-1], strict=False)) if a != b), len(previous))
+        assert changed == len(prompts[-1]) - same
+        start = len(prompts[-1]) - bound
+        assert bound >= changed and (start == 0 or diff.marks.ends_at(prompts[-1], start))
+        assert not diff.marks.positions(prompts[-1], start, same)  # no later mark before the change
+        agent_trace.advance(session, turn, f"reply {turn}")
+    assert 0 < len(prompts[2]) - changed < len(prompts[1])  # turn 2 changed inside turn 1's prompt
+    assert diff.measure(session, agent_trace.harness_view(session), 5) == (None, None)  # another count: no figure
+
+
+def test_checkpoint_targets_per_variant():
+    def run(server, variant, reprefilled, bounds):
+        per_turn = [
+            {"turn": t, "reprefilled_tokens": r, "mark_bound_tokens": b, "prompt_tokens": 99, "ttft_s": 0.1}
+            for t, (r, b) in enumerate(zip(reprefilled, bounds, strict=True))
+        ]
+        return {"server": server, "variant": variant, "sessions": 1, "per_turn": per_turn}
+
+    runs = [
+        run("checkpoints marks", "opencode", [100, 10, 50], [100, 10, 40]),
+        run("checkpoints chunk", "opencode", [100, 90, 40], [100, 10, 40]),
+    ]
+    assert agent_trace.checkpoint_targets(runs) == {
+        "opencode": {
+            "over_bound": [2],
+            "marks_over_chunk": [2],
+            "marks": 160,
+            "chunk": 230,
+            "chunk_over_marks": 1.44,
+        }
+    }
