@@ -11,6 +11,14 @@ device (`freetoken.moe.routing_replay`, what `ft serve --replay-routing syntheti
 graphs included, sees the same routing.
 
     python benches/moe_backends.py [--budgets 16 24 32] [--batch 1 4] [--steps 32] [--warmup 16]
+        [--format bf16 fp8 nvfp4]
+
+`--format` runs every row once per expert format, the experts stored as the real checkpoints store them (FP8 with
+128 x 128 block scales, NVFP4 with e4m3 scales per 16 and a float32 scale per tensor; seeded random codes,
+`ExpertPool.random(format=...)`): the pool, the slots and every copy hold the format's bytes, the host kernels and
+the slot kernel read them as stored, and the bandwidths the planner and the bound use are measured on that format's
+pool (its own copy and host-kernel rates). Each row names its format; the JSON ends with each format's tok/s over
+bf16's at the same budget, batch and backend (`vs_bf16`).
 
 Prints a table (decode tok/s, hit rate, PCIe and CPU bytes per token, the bound from those bytes over the
 measured bandwidths, achieved/bound, peak GPU memory; for the expert cache also the bandwidths it measured, where
@@ -58,6 +66,11 @@ from freetoken.moe.expert_cache import ExpertCacheBackend
 from freetoken.moe.fused import FusedExperts
 from freetoken.moe.pinned import PinnedRegion
 from freetoken.moe.routing_replay import install_trace, synthetic_tables
+from freetoken.quant.experts import quantized_swiglu
+from freetoken.quant.formats import ExpertFormat, format_named
+
+# `--format` names: the checkpoint formats of the released models (Qwen FP8: 128 x 128 blocks; ModelOpt NVFP4).
+FORMATS = {"bf16": ("bf16", (0, 0)), "fp8": ("fp8_block", (128, 128)), "nvfp4": ("nvfp4", (0, 0))}
 
 BANDWIDTH_RUNS = 3  # each bandwidth measured at the start is the best of this many ~1 s runs
 ROW_BANDWIDTH_S = 0.5  # seconds of each bandwidth run beside a row (three before its timed steps, three after)
@@ -73,7 +86,11 @@ class StaticLayers:
     def __init__(self, pool: ExpertPool, gpu_arena: torch.Tensor, num_gpu_layers: int, cpu: CpuExperts):
         self.pool, self.cpu, self.num_gpu_layers = pool, cpu, num_gpu_layers
         per_layer = gpu_arena.view(num_gpu_layers, pool.num_experts, -1) if num_gpu_layers else []
-        self.weights = [expert_views(layer, pool.hidden_size, pool.intermediate_size) for layer in per_layer]
+        self.layout = format_named(pool.format, pool.block).layout(pool.hidden_size, pool.intermediate_size)
+        if self.layout.format.quantized:
+            self.layers = list(per_layer)
+        else:
+            self.weights = [expert_views(layer, pool.hidden_size, pool.intermediate_size) for layer in per_layer]
         self.pool_layer = {layer: n for n, layer in enumerate(pool.moe_layers)}
         self.bytes_cpu = 0
 
@@ -85,6 +102,8 @@ class StaticLayers:
 
     def forward(self, layer, hidden, topk_ids, topk_weights):
         li = self.pool_layer[layer]
+        if li < self.num_gpu_layers and self.layout.format.quantized:
+            return quantized_swiglu(hidden, self.layers[li], self.layout, topk_ids, topk_weights)
         if li < self.num_gpu_layers:
             return grouped_swiglu(hidden, *self.weights[li], topk_ids, topk_weights)
         x = hidden.float().cpu().numpy()
@@ -235,56 +254,30 @@ def snapshot(backend) -> dict:
     return {}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="qwen3-30b-a3b")
-    ap.add_argument("--budgets", type=float, nargs="+", default=[16, 24, 32])
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
-    ap.add_argument("--steps", type=int, default=32)
-    ap.add_argument("--warmup", type=int, default=16)
-    ap.add_argument("--backends", nargs="+", default=["fused", "static", "offload", "cpu", "hybrid"])
-    ap.add_argument(
-        "--policy",
-        default=EngineConfig.expert_cache_policy,
-        choices=EXPERT_CACHE_POLICIES,
-        help="slot replacement policy of the expert cache (default: ft serve's)",
-    )
-    ap.add_argument(
-        "--cpu-threads",
-        type=int,
-        default=0,
-        help="threads of the expert cache's host kernels (0: ft serve's default, all CPUs but one on CUDA)",
-    )
-    ap.add_argument(
-        "--profile",
-        action="store_true",
-        help="print the torch profiler's top ops (CPU and GPU time) of 4 decode steps per row, to stderr, "
-        "and add the share of the step outside kernels, copies and CPU expert work (outside_share)",
-    )
-    ap.add_argument(
-        "--cprofile",
-        action="store_true",
-        help="print Python's profile (cProfile, by own time) of 8 decode steps per row, to stderr",
-    )
-    args = ap.parse_args()
-    cfg = ModelConfig.from_dict(json.loads(preset_config_path(args.preset).read_text()), source=args.preset)
+def run_format(fmt: ExpertFormat, args: argparse.Namespace, cfg: ModelConfig, log) -> tuple[list[dict], dict]:
+    """Every row of the bench with the experts in `fmt`: (the rows, the format's bandwidths measured at the start
+    and its expert size). The pool, its pinned registration and the model are freed when this returns."""
     device = torch.device("cuda")
     layers = cfg.moe_layers
-    log = lambda *a: print(*a, file=sys.stderr, flush=True)
-
     t0 = time.perf_counter()
     pool = ExpertPool.random(
-        len(layers), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, moe_layers=layers
+        len(layers),
+        cfg.num_experts,
+        cfg.hidden_size,
+        cfg.moe_intermediate_size,
+        moe_layers=layers,
+        format=fmt.name,
+        block=(fmt.block_rows, fmt.block_cols),
     )
     arena = torch.frombuffer(pool.arena_view(), dtype=torch.uint8)
-    _pinned = PinnedRegion(pool.ptr, pool.nbytes, keep=pool)  # registered while main runs
+    _pinned = PinnedRegion(pool.ptr, pool.nbytes, keep=pool)  # registered while this format's rows run
     per_layer = cfg.num_experts * pool.expert_stride
     assert pool.expert_offset(1, 0) == per_layer, "the views below assume [layer][expert] at expert_stride"
-    log(f"pool: {pool.nbytes / 1e9:.1f} GB built and pinned in {time.perf_counter() - t0:.0f} s")
+    log(f"{fmt.name} pool: {pool.nbytes / 1e9:.1f} GB built and pinned in {time.perf_counter() - t0:.0f} s")
     cpu = CpuExperts(pool)
     scratch = torch.empty(64, pool.expert_stride, dtype=torch.uint8, device=device)
     # Best of a few runs each: the box is shared, and a bound must use the most the box was seen to do.
-    best = lambda measure: max(measure() for _ in range(BANDWIDTH_RUNS))
+    best = lambda measure: max(measure() for _ in range(args.bandwidth_runs))
     # The lambdas bind `b` and `scratch` as defaults: each runs within its iteration; `scratch` is deleted below.
     b_pcie = best(lambda s=scratch: measure_pcie(pool, arena, s, torch.cuda.Stream()))
     b_cpu = {b: best(lambda b=b: measure_cpu(cpu, pool, b)) for b in (1, 2, 4, 8, 16)}
@@ -294,7 +287,7 @@ def main() -> None:
     }
     del scratch
     log(
-        f"B_pcie {b_pcie / 1e9:.1f} GB/s; B_cpu "
+        f"{fmt.name}: B_pcie {b_pcie / 1e9:.1f} GB/s; B_cpu "
         + ", ".join(f"b={b}: {v / 1e9:.1f} GB/s" for b, v in b_cpu.items())
         + "; B_both "
         + ", ".join(f"b={b}: {v / 1e9:.1f} GB/s" for b, v in b_both.items())
@@ -331,10 +324,14 @@ def main() -> None:
                     gpu_arena = arena[: len(layers) * per_layer].to(device)
                     inner = FusedExperts()
                     fused_layers = gpu_arena.view(len(layers), cfg.num_experts, -1)
+                    layout = fmt.layout(cfg.hidden_size, cfg.moe_intermediate_size)
                     for li, layer in enumerate(layers):
-                        inner.load_layer(
-                            layer, *expert_views(fused_layers[li], cfg.hidden_size, cfg.moe_intermediate_size)
-                        )
+                        if fmt.quantized:
+                            inner.load_layer_quantized(layer, layout, fused_layers[li])
+                        else:
+                            inner.load_layer(
+                                layer, *expert_views(fused_layers[li], cfg.hidden_size, cfg.moe_intermediate_size)
+                            )
                     del fused_layers
                 elif backend_name == "static":
                     # No prefill layer buffers: llama.cpp's placement keeps whole layers, nothing else.
@@ -364,7 +361,7 @@ def main() -> None:
                 t_row = time.perf_counter()
                 engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
                 log(
-                    f"{backend_name} b={batch} {budget} GB: engine ready (graphs captured) in "
+                    f"{fmt.name} {backend_name} b={batch} {budget} GB: engine ready (graphs captured) in "
                     f"{time.perf_counter() - t_row:.0f} s"
                 )
                 outside = None
@@ -395,6 +392,7 @@ def main() -> None:
                 start_bw = {"pcie": b_pcie, "cpu": b_cpu[b_near], "both": b_both[b_near]}
                 start_s = max(bound_terms(h2d, cpu_b, start_bw).values()) * batch
                 row = {
+                    "format": fmt.name,
                     "backend": backend_name,
                     "budget_gb": budget,
                     "batch": batch,
@@ -431,18 +429,86 @@ def main() -> None:
                 rows.append(row)
                 print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
                 del engine, inner, gpu_arena
-    static = {(r["budget_gb"], r["batch"]): r["tok_per_s"] for r in rows if r["backend"] == "static"}
+    model.attach_experts(FusedExperts())  # the pool, its pinned registration and the model go on return
+    figures = {
+        "b_pcie_gbps": round(b_pcie / 1e9, 1),
+        "b_cpu_gbps": {b: round(v / 1e9, 1) for b, v in b_cpu.items()},
+        "b_both_gbps": {b: round(v / 1e9, 1) for b, v in b_both.items()},
+        "expert_nbytes": pool.expert_nbytes,
+    }
+    return rows, figures
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen3-30b-a3b")
+    ap.add_argument("--budgets", type=float, nargs="+", default=[16, 24, 32])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--warmup", type=int, default=16)
+    ap.add_argument("--backends", nargs="+", default=["fused", "static", "offload", "cpu", "hybrid"])
+    ap.add_argument(
+        "--bandwidth-runs",
+        type=int,
+        default=BANDWIDTH_RUNS,
+        help="runs of each bandwidth measured at the start of a format, the best taken (1 for a quick look)",
+    )
+    ap.add_argument(
+        "--format",
+        nargs="+",
+        default=["bf16"],
+        choices=list(FORMATS),
+        help="expert formats to run every row in (bf16; fp8: 128 x 128 block scales; nvfp4)",
+    )
+    ap.add_argument(
+        "--policy",
+        default=EngineConfig.expert_cache_policy,
+        choices=EXPERT_CACHE_POLICIES,
+        help="slot replacement policy of the expert cache (default: ft serve's)",
+    )
+    ap.add_argument(
+        "--cpu-threads",
+        type=int,
+        default=0,
+        help="threads of the expert cache's host kernels (0: ft serve's default, all CPUs but one on CUDA)",
+    )
+    ap.add_argument(
+        "--profile",
+        action="store_true",
+        help="print the torch profiler's top ops (CPU and GPU time) of 4 decode steps per row, to stderr, "
+        "and add the share of the step outside kernels, copies and CPU expert work (outside_share)",
+    )
+    ap.add_argument(
+        "--cprofile",
+        action="store_true",
+        help="print Python's profile (cProfile, by own time) of 8 decode steps per row, to stderr",
+    )
+    args = ap.parse_args()
+    cfg = ModelConfig.from_dict(json.loads(preset_config_path(args.preset).read_text()), source=args.preset)
+    log = lambda *a: print(*a, file=sys.stderr, flush=True)
+
+    rows, header = [], {}
+    for name in args.format:
+        fmt = format_named(*FORMATS[name])
+        format_rows, header[fmt.name] = run_format(fmt, args, cfg, log)
+        rows += format_rows
+        gc.collect()  # the format's pool (and its pinned registration) goes before the next one's is built
+        torch.cuda.empty_cache()
+    key = lambda r: (r["format"], r["budget_gb"], r["batch"])
+    static = {key(r): r["tok_per_s"] for r in rows if r["backend"] == "static"}
+    bf16 = {(r["backend"], r["budget_gb"], r["batch"]): r["tok_per_s"] for r in rows if r["format"] == "bf16"}
     for r in rows:
-        if r["backend"] == "hybrid" and (r["budget_gb"], r["batch"]) in static:
-            r["vs_static"] = round(r["tok_per_s"] / static[(r["budget_gb"], r["batch"])], 2)
+        if r["backend"] == "hybrid" and key(r) in static:
+            r["vs_static"] = round(r["tok_per_s"] / static[key(r)], 2)
+        base = bf16.get((r["backend"], r["budget_gb"], r["batch"]))
+        if r["format"] != "bf16" and base:
+            r["vs_bf16"] = round(r["tok_per_s"] / base, 2)
     print(
         json.dumps(
             {
                 "bench": "moe_backends",
                 "model": args.preset,
-                "b_pcie_gbps": round(b_pcie / 1e9, 1),
-                "b_cpu_gbps": {b: round(v / 1e9, 1) for b, v in b_cpu.items()},
-                "b_both_gbps": {b: round(v / 1e9, 1) for b, v in b_both.items()},
+                "formats": header,
                 "trace": "synthetic skew=0.45 reuse=0.35 window=16",
                 "policy": args.policy,
                 "rows": rows,

@@ -103,10 +103,13 @@ class ExpertPool:
         seed: int = 0,
         moe_layers: list[int] | None = None,
         num_threads: int | None = None,
+        format: str = "bf16",
+        block: tuple[int, int] = (0, 0),
     ) -> ExpertPool:
-        """Builds a pool of deterministic random bf16 weights, for benchmarks at real shapes.
+        """Builds a pool of deterministic random weights, for benchmarks at real shapes.
 
-        Values are uniform in ``±1/sqrt(fan_in)``; the same arguments give the same bytes.
+        Values are uniform in ``±1/sqrt(fan_in)`` (bf16); in a quantized ``format``, uniformly drawn codes with
+        scales giving the same root mean square. The same arguments give the same bytes.
 
         Args:
             num_layers: MoE layers held (pool layers).
@@ -117,6 +120,8 @@ class ExpertPool:
             moe_layers: Model layer index of each pool layer, strictly increasing, ``num_layers``
                 entries (default ``range(num_layers)``).
             num_threads: Filling threads (default: all CPUs). The GIL is released.
+            format: ``bf16``, ``fp8_block``, ``nvfp4`` or ``mxfp4``, as ``zeroed``.
+            block: FP8's ``weight_block_size``, as ``zeroed``.
 
         Raises:
             InvalidArgumentError: A size is zero or ``moe_layers`` is inconsistent.
@@ -133,7 +138,7 @@ class ExpertPool:
         moe_layers: list[int] | None = None,
     ) -> ExpertPool:
         """A zeroed pool whose experts are stored in ``format``, to be filled through ``expert_view``
-        (``freetoken.quant.checkpoint.fill_quantized_pool`` packs a quantized checkpoint into it).
+        (``freetoken.quant.checkpoint.fill_pool`` packs a quantized checkpoint into it).
 
         Args:
             num_layers: MoE layers held (pool layers).
@@ -153,6 +158,9 @@ class ExpertPool:
     @property
     def format(self) -> str:
         """The experts' format: ``bf16``, ``fp8_block``, ``nvfp4`` or ``mxfp4``."""
+    @property
+    def block(self) -> tuple[int, int]:
+        """The format's scale block (rows, cols): FP8's ``weight_block_size``, (1, 16) NVFP4, (0, 0) bf16."""
     @property
     def num_layers(self) -> int:
         """MoE layers held (pool layers)."""

@@ -15,7 +15,7 @@ from freetoken import _core
 from freetoken.config import ModelConfig
 from freetoken.quant import BF16, MXFP4, NVFP4, fp8_block, quant_spec
 from freetoken.quant import reference as ref
-from freetoken.quant.checkpoint import build_quantized_checkpoint, fill_quantized_pool
+from freetoken.quant.checkpoint import build_quantized_checkpoint, fill_pool
 
 FORMATS = [fp8_block(), fp8_block(16, 32), NVFP4, MXFP4]
 IDS = ["fp8_128", "fp8_16x32", "nvfp4", "mxfp4"]
@@ -92,7 +92,7 @@ def test_quantized_pool_holds_the_checkpoint_at_its_real_size(tmp_path):
     layout = fmt.layout(cfg.hidden_size, cfg.moe_intermediate_size)
     assert pool.format == "fp8_block" and pool.expert_nbytes == layout.expert_nbytes == cfg.expert_nbytes
     assert pool.expert_nbytes < 0.6 * 2 * cfg.expert_numel  # about half of bf16 (plus the scales)
-    fill_quantized_pool(pool, src, cfg, spec)
+    fill_pool(pool, src, cfg, spec)
     experts = np.stack([pool.expert_view(1, e) for e in range(cfg.num_experts)])
     _gate_up, down = ref.dequantize_experts(layout, torch.from_numpy(experts))
     tensors = load_file(src / "model.safetensors")
@@ -101,7 +101,13 @@ def test_quantized_pool_holds_the_checkpoint_at_its_real_size(tmp_path):
         tensors[name + "down_proj.weight"], tensors[name + "down_proj.weight_scale_inv"], (32, 32)
     )
     assert torch.equal(down[5], want)
-    with pytest.raises(_core.FreetokenError, match="CpuExperts runs bf16 pools; this pool holds fp8_block"):
-        _core.CpuExperts(pool)
+    # The layer step's host experts read the pool's FP8 bytes (the quantized kernels in the worker split).
+    x = torch.randn(2, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    out = np.zeros((2, cfg.hidden_size), dtype=np.float32)
+    ids, weights = np.array([[5], [5]]), np.array([[1.0], [0.5]], dtype=np.float32)
+    _core.CpuExperts(pool, num_threads=2).forward(1, x.numpy(), ids, weights, np.array([5]), out)
+    g, u = (x @ _gate_up[5].T).chunk(2, dim=-1)
+    y = (torch.nn.functional.silu(g) * u) @ down[5].T
+    torch.testing.assert_close(torch.from_numpy(out), y * torch.tensor([[1.0], [0.5]]), rtol=1e-4, atol=1e-5)
     with pytest.raises(_core.FreetokenError, match="quantized checkpoint"):
         _core.ExpertPool.from_checkpoint(src)

@@ -20,6 +20,8 @@ Bench: python benches/quant_moe.py
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -222,6 +224,7 @@ def fused_moe_quant(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     alignment: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Weighted sum of the routed SwiGLU experts of each token, the experts quantized.
 
@@ -233,10 +236,39 @@ def fused_moe_quant(
         topk_ids: [M, k] int64 rows of `experts`; negative: skip that pair (computed elsewhere).
         topk_weights: [M, k] routing weights.
         alignment: `align_pairs(topk_ids, S, block_m_for(M * k))`, when the caller has it.
+        out: [M, K] buffer for the result (hidden's dtype); None allocates.
 
     Returns:
         [M, K] in hidden's dtype, as `freetoken.kernels.fused_moe.fused_moe` computes it from the dequantized
         weights (dots in float32 with the activations widened; rounded to hidden's dtype where it rounds).
+    """
+    if alignment is None:
+        alignment = align_pairs(topk_ids, experts.shape[0], block_m_for(topk_ids.numel()))
+    sorted_pairs, block_expert = alignment
+    return fused_moe_quant_tiles(hidden, experts, layout, topk_weights, sorted_pairs, block_expert[None], out=out)
+
+
+def fused_moe_quant_tiles(
+    hidden: torch.Tensor,
+    experts: torch.Tensor,
+    layout: ExpertLayout,
+    topk_weights: torch.Tensor,
+    sorted_pairs: torch.Tensor,
+    tile_stages: torch.Tensor,
+    out: torch.Tensor | None = None,
+    before_stage: Callable[[int], None] | None = None,
+) -> torch.Tensor:
+    """`fused_moe_quant` over an alignment whose tiles are split in stages run one after the other, as
+    `freetoken.kernels.fused_moe.fused_moe_tiles` does for bf16 (the decode driver's hits, then its fills).
+
+    Args:
+        hidden, experts, layout, topk_weights, out: as `fused_moe_quant`.
+        sorted_pairs: [R] int64 of `align_pairs` (block_m_for(M * k) rows per tile).
+        tile_stages: [S, R / block_m] int64: the slot of each tile in the stage that runs it, -1 in the others.
+        before_stage: called with s before stage s > 0 is queued.
+
+    Returns:
+        [M, K] as `fused_moe_quant`; each tile computed by the same kernels whatever the staging.
     """
     fmt = layout.format
     if fmt.name not in FORMAT_IDS:
@@ -246,9 +278,6 @@ def fused_moe_quant(
     top_k = topk_weights.shape[1]
     num_pairs = num_tokens * top_k
     block_m = block_m_for(num_pairs)
-    if alignment is None:
-        alignment = align_pairs(topk_ids, experts.shape[0], block_m)
-    sorted_pairs, block_expert = alignment
     num_rows = sorted_pairs.numel()
     h = torch.empty(num_rows, inter, dtype=hidden.dtype, device=hidden.device)
     pairs = torch.zeros(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
@@ -265,46 +294,49 @@ def fused_moe_quant(
         "BLOCK_SIZE_N": 64,
         "BLOCK_SIZE_K": 64,
     }
-    grid = (num_rows // block_m, triton.cdiv(inter, 64))
-    _gate_up_quant_kernel[grid](
-        hidden,
-        experts,
-        h,
-        sorted_pairs,
-        block_expert,
-        num_pairs,
-        inter,
-        hidden_size,
-        top_k,
-        hidden.stride(0),
-        experts.stride(0),
-        h.stride(0),
-        gate_up_off + gate_up_n // 2,
-        gate_up_scale_off,
-        gate_up_scale_off + gate_up_scale_n // 2,
-        sec["tensor_scale"][0],
-        **meta,
-    )
-    grid = (num_rows // block_m, triton.cdiv(hidden_size, 64))
-    _down_quant_kernel[grid](
-        h,
-        experts,
-        pairs,
-        weights,
-        sorted_pairs,
-        block_expert,
-        num_pairs,
-        hidden_size,
-        inter,
-        h.stride(0),
-        experts.stride(0),
-        pairs.stride(0),
-        sec["down"][0],
-        sec["down_scale"][0],
-        sec["tensor_scale"][0],
-        **meta,
-    )
-    return pairs.view(num_tokens, top_k, hidden_size).sum(dim=1)
+    for stage, block_expert in enumerate(tile_stages):
+        if stage and before_stage is not None:
+            before_stage(stage)
+        grid = (num_rows // block_m, triton.cdiv(inter, 64))
+        _gate_up_quant_kernel[grid](
+            hidden,
+            experts,
+            h,
+            sorted_pairs,
+            block_expert,
+            num_pairs,
+            inter,
+            hidden_size,
+            top_k,
+            hidden.stride(0),
+            experts.stride(0),
+            h.stride(0),
+            gate_up_off + gate_up_n // 2,
+            gate_up_scale_off,
+            gate_up_scale_off + gate_up_scale_n // 2,
+            sec["tensor_scale"][0],
+            **meta,
+        )
+        grid = (num_rows // block_m, triton.cdiv(hidden_size, 64))
+        _down_quant_kernel[grid](
+            h,
+            experts,
+            pairs,
+            weights,
+            sorted_pairs,
+            block_expert,
+            num_pairs,
+            hidden_size,
+            inter,
+            h.stride(0),
+            experts.stride(0),
+            pairs.stride(0),
+            sec["down"][0],
+            sec["down_scale"][0],
+            sec["tensor_scale"][0],
+            **meta,
+        )
+    return torch.sum(pairs.view(num_tokens, top_k, hidden_size), dim=1, out=out)
 
 
 def fused_moe_quant_reference(

@@ -172,17 +172,24 @@ def _expert_names(layer: int, expert: int, prefix: str = "model.") -> tuple[str,
     return f"{base}.gate_proj.weight", f"{base}.up_proj.weight", f"{base}.down_proj.weight"
 
 
-def _load_experts(
+def read_float_experts(
     reader: CheckpointReader,
-    cfg: ModelConfig,
+    num_experts: int,
+    hidden: int,
+    inter: int,
     layer: int,
     device: torch.device,
     dtype: torch.dtype,
     prefix: str = "model.",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Layer `layer`'s experts as (gate_up [E, 2I, H], down [E, H, I]) on `device` in `dtype`; `prefix` is the text
-    model's tensor-name prefix (`text_prefix`)."""
-    num_experts, hidden, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    """Layer `layer`'s unquantized experts as (gate_up [E, 2I, H], down [E, H, I]) on `device` in `dtype`, from
+    per-expert tensors or the fused 3-D layout; `prefix` is the text model's tensor-name prefix (`text_prefix`).
+    The float half of the one expert reader (`freetoken.quant.checkpoint.read_experts` reads every format, this
+    among them), used by the `fused` backend and the host pool alike.
+
+    Raises:
+        CheckpointError: an expert tensor is missing or mis-shaped (names it).
+    """
     fused = f"{prefix}layers.{layer}.mlp.experts.gate_up_proj"
     if reader.has(fused):
         gate_up = reader.get(fused, (num_experts, 2 * inter, hidden)).to(device=device, dtype=dtype)
@@ -254,7 +261,8 @@ def load_checkpoint(
             packed = quantized.read_experts(reader, spec, layout, cfg.num_experts, layer, prefix)
             load_quantized(layer, layout, packed.to(device))
         else:
-            experts.load_layer(layer, *_load_experts(reader, cfg, layer, device, dtype, prefix))
+            sizes = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+            experts.load_layer(layer, *read_float_experts(reader, *sizes, layer, device, dtype, prefix))
     expert_prefixes = tuple(f"{prefix}layers.{layer}.mlp.experts." for layer in cfg.moe_layers)
     unused = [
         n
@@ -330,35 +338,18 @@ def check_finite_weights(model: torch.nn.Module, experts: object) -> None:
     if pool_experts is None:
         return
     pool = experts.pool  # type: ignore[attr-defined]
-    values = pool_experts[:, : pool.expert_nbytes].view(torch.bfloat16)  # [experts, 3*I*H] bf16, zero-copy
-    sample = values[:, :: max(1, values.shape[1] // FINITE_SAMPLES_PER_EXPERT)]
-    bad = (~torch.isfinite(sample)).any(dim=1).nonzero()
+    if pool.format == "bf16":
+        values = pool_experts[:, : pool.expert_nbytes].view(torch.bfloat16)  # [experts, 3*I*H] bf16, zero-copy
+        sample = values[:, :: max(1, values.shape[1] // FINITE_SAMPLES_PER_EXPERT)]
+        bad = (~torch.isfinite(sample)).any(dim=1).nonzero()
+    else:
+        from freetoken.quant.formats import format_named
+        from freetoken.quant.reference import nonfinite_experts
+
+        layout = format_named(pool.format, pool.block).layout(pool.hidden_size, pool.intermediate_size)
+        bad = nonfinite_experts(layout, pool_experts, FINITE_SAMPLES_PER_EXPERT).nonzero()
     if len(bad):
         layer, expert = divmod(int(bad[0]), pool.num_experts)
         raise CheckpointError(
             f"routed expert {expert} of model layer {pool.moe_layers[layer]} holds NaN or inf values; {fix}"
         )
-
-
-def fill_expert_pool(pool, model_dir: str | Path, cfg: ModelConfig, index: TensorIndex | None = None) -> None:
-    """Copy the routed experts of `model_dir` into `pool` (a `freetoken._core.ExpertPool` of `cfg`'s shape), one
-    layer at a time through `expert_view`, packed as bf16 `[gate_up [2I, H], down [H, I]]`.
-
-    The Rust loader (`ExpertPool.from_checkpoint`) reads `model.layers.L.mlp.experts.*` only; this reads the names
-    under any text-model prefix (Qwen3.5's `model.language_model.`), in either expert layout. Single-threaded: about
-    the time of reading the experts once.
-
-    Raises:
-        CheckpointError: an expert tensor is missing or mis-shaped (names it).
-    """
-    reader = CheckpointReader(index or TensorIndex.scan(Path(model_dir)))
-    prefix = text_prefix(reader, cfg)
-    gate_up_numel = 2 * cfg.moe_intermediate_size * cfg.hidden_size
-    for pool_layer, layer in enumerate(cfg.moe_layers):
-        gate_up, down = _load_experts(reader, cfg, layer, torch.device("cpu"), torch.bfloat16, prefix)
-        for expert in range(cfg.num_experts):
-            view = torch.frombuffer(pool.expert_view(pool_layer, expert), dtype=torch.bfloat16)
-            view[:gate_up_numel].copy_(gate_up[expert].reshape(-1))
-            view[gate_up_numel:].copy_(down[expert].reshape(-1))
-        log.debug("expert pool: layer %d of %d filled", pool_layer + 1, len(cfg.moe_layers))
-    reader.close()

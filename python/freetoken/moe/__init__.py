@@ -21,7 +21,14 @@ from freetoken.moe.budget import plan_expert_slots
 from freetoken.moe.fused import FusedExperts
 from freetoken.moe.profile import ExpertShape, find_profile, planner_bandwidths, verdict
 
-__all__ = ["ExpertBackend", "FusedExperts", "choose_backend", "make_expert_backend", "resolve_backend"]
+__all__ = [
+    "ExpertBackend",
+    "FusedExperts",
+    "build_expert_pool",
+    "choose_backend",
+    "make_expert_backend",
+    "resolve_backend",
+]
 
 log = logging.getLogger(__name__)
 
@@ -113,41 +120,14 @@ def make_expert_backend(
         return FusedExperts()
     if cfg.no_prefill_overlap and cfg.prefill_strategy in ("fill", "cpu", "hybrid"):
         log.warning("--no-prefill-overlap: ignored, --prefill-strategy %s streams no layers", cfg.prefill_strategy)
-    from freetoken._core import CheckpointError, ExpertPool
     from freetoken.moe.expert_cache import ExpertCacheBackend
 
-    if model_dir is None:
-        pool = ExpertPool.random(
-            len(model_cfg.moe_layers),
-            model_cfg.num_experts,
-            model_cfg.hidden_size,
-            model_cfg.moe_intermediate_size,
-            seed=cfg.seed,
-            moe_layers=model_cfg.moe_layers,
-        )
-    elif not model_cfg.is_qwen3_5 or _text_prefix(model_dir, model_cfg) == "model.":
-        pool = ExpertPool.from_checkpoint(model_dir)
-        if list(pool.moe_layers) != model_cfg.moe_layers:  # the Rust reader applies the rule too: they must agree
-            raise CheckpointError(
-                f"{model_dir}: the expert pool found MoE layers {list(pool.moe_layers)}, the model config "
-                f"{model_cfg.moe_layers} (`ModelConfig.is_moe_layer`)"
-            )
-    else:  # the Rust loader reads `model.layers.*` names only: the pool's shape from it, the experts from Python
-        from freetoken.models.loader import fill_expert_pool
-
-        pool = ExpertPool.random(
-            len(model_cfg.moe_layers),
-            model_cfg.num_experts,
-            model_cfg.hidden_size,
-            model_cfg.moe_intermediate_size,
-            seed=cfg.seed,
-            moe_layers=model_cfg.moe_layers,
-        )
-        fill_expert_pool(pool, model_dir, model_cfg)
+    pool = build_expert_pool(model_cfg, model_dir, cfg.seed)
     num_slots, layer_buffers = plan_expert_slots(cfg, model_cfg, dtype, pool.expert_stride, name)
     log.info(
-        "expert cache (%s): %d slots x %.1f MB = %.2f GB, %.0f%% of the %.1f GB pool; prefill: %s",
+        "expert cache (%s, %s experts): %d slots x %.1f MB = %.2f GB, %.0f%% of the %.1f GB pool; prefill: %s",
         name,
+        pool.format,
         num_slots,
         pool.expert_stride / 1e6,
         num_slots * pool.expert_stride / 1e9,
@@ -174,3 +154,40 @@ def make_expert_backend(
     )
     log.info("host expert kernels: %d threads (%s)", backend.cpu.num_threads, backend.cpu.isa)
     return backend
+
+
+def build_expert_pool(model_cfg: ModelConfig, model_dir: Path | None, seed: int = 0):
+    """The host `freetoken._core.ExpertPool` of `model_cfg`'s routed experts, each in the checkpoint's format (so
+    the pool, the slots and every copy hold and move its bytes): read from `model_dir`, or seeded random in the
+    format of the config's `quantization_config` when `model_dir` is None (`--dummy-weights`, real byte sizes).
+
+    Raises:
+        QuantConfigError: an unsupported quantization_config, or expert sizes its blocks do not tile.
+        freetoken._core.CheckpointError / MissingFileError / freetoken.models.loader.CheckpointError: the checkpoint
+            cannot be read (a missing, mis-shaped or mis-typed expert tensor or scale is named).
+    """
+    from freetoken._core import CheckpointError, ExpertPool
+    from freetoken.quant.formats import quant_spec
+
+    source = str(Path(model_dir) / "config.json") if model_dir is not None else "config.json"
+    spec = quant_spec(model_cfg.raw, model_dir, source)
+    fmt = spec.format
+    fmt.check_shape(model_cfg.hidden_size, model_cfg.moe_intermediate_size, source)
+    shape = (len(model_cfg.moe_layers), model_cfg.num_experts, model_cfg.hidden_size, model_cfg.moe_intermediate_size)
+    block = (fmt.block_rows, fmt.block_cols)
+    if model_dir is None:
+        return ExpertPool.random(*shape, seed=seed, moe_layers=model_cfg.moe_layers, format=fmt.name, block=block)
+    if not fmt.quantized and (not model_cfg.is_qwen3_5 or _text_prefix(model_dir, model_cfg) == "model."):
+        pool = ExpertPool.from_checkpoint(model_dir)
+        if list(pool.moe_layers) != model_cfg.moe_layers:  # the Rust reader applies the rule too: they must agree
+            raise CheckpointError(
+                f"{model_dir}: the expert pool found MoE layers {list(pool.moe_layers)}, the model config "
+                f"{model_cfg.moe_layers} (`ModelConfig.is_moe_layer`)"
+            )
+        return pool
+    # Quantized experts, or names under another text-model prefix than the Rust reader's `model.layers.*`.
+    from freetoken.quant.checkpoint import fill_pool
+
+    pool = ExpertPool.zeroed(*shape, format=fmt.name, block=block, moe_layers=model_cfg.moe_layers)
+    fill_pool(pool, model_dir, model_cfg, spec)
+    return pool

@@ -51,6 +51,8 @@ from freetoken.moe.prefill import (
     choose_strategy,
     measure_gpu_flops,
 )
+from freetoken.quant.experts import quantized_swiglu
+from freetoken.quant.formats import format_named
 
 MODES = ("offload", "cpu", "hybrid")
 # Parts of a driven decode step as the driver thread saw them (`DecodeDriver.finish`): waiting for the device's
@@ -95,7 +97,9 @@ class ExpertCacheBackend:
 
     Args:
         mode: "offload", "cpu" or "hybrid".
-        pool: the host pool (bf16, layout `[layer][expert]{gate_up [2I, H], down [H, I]}`).
+        pool: the host pool, layout `[layer][expert]`, each expert in its checkpoint format (`pool.format`: bf16
+            `{gate_up [2I, H], down [H, I]}`, or quantized weights and scales, `freetoken.quant.formats`); the
+            slots hold the same bytes, the fills copy them, the slot kernel and the host kernels read them as stored.
         device: compute device; slots are allocated there.
         num_slots: expert slots in the cache (0 is allowed for `cpu`).
         policy: slot replacement policy of the planner ("lru", "layer_lru", "lfu").
@@ -142,6 +146,7 @@ class ExpertCacheBackend:
         self.num_slots = num_slots
         hidden, inter = pool.hidden_size, pool.intermediate_size
         self.expert_nbytes = pool.expert_nbytes
+        self.layout = format_named(pool.format, pool.block).layout(hidden, inter)
         # Zero-copy view of the arena, one expert per row; the pool object stays alive as the buffer's owner.
         arena = torch.frombuffer(pool.arena_view(), dtype=torch.uint8)
         num_experts = pool.num_layers * pool.num_experts
@@ -153,7 +158,7 @@ class ExpertCacheBackend:
         # The cache's slots, then the prefill layer buffers: one weight tensor, so one kernel reads both.
         rows = max(num_slots, 1) + layer_buffers * pool.num_experts
         self.slots = torch.empty(rows, pool.expert_stride, dtype=torch.uint8, device=device)
-        self.gate_up, self.down = expert_views(self.slots, hidden, inter)
+        self._slot_weights()
         self.planner = Planner(
             pool.num_layers,
             pool.num_experts,
@@ -184,6 +189,34 @@ class ExpertCacheBackend:
         self.driven_steps = 0
         self.driver_seconds = dict.fromkeys(DRIVER_PHASES, 0.0)
         self.stream_flags = 0  # layers whose fill flag the copy stream raised after their fills
+
+    def _slot_weights(self) -> None:
+        """The slots as the bf16 kernels' stacked weights (`gate_up`, `down` views), or None for a quantized pool,
+        whose kernels read the slots' bytes (`slot_swiglu`)."""
+        if self.layout.format.quantized:
+            self.gate_up = self.down = None
+        else:
+            self.gate_up, self.down = expert_views(self.slots, self.pool.hidden_size, self.pool.intermediate_size)
+
+    def slot_swiglu(
+        self,
+        hidden: torch.Tensor,
+        ids: torch.Tensor,
+        topk_weights: torch.Tensor,
+        alignment: tuple[torch.Tensor, torch.Tensor] | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The grouped SwiGLU over rows of `self.slots` (cache slots and layer buffers) in the pool's format:
+        [T, H] hidden, [T, k] row ids (negative: skipped) and weights -> [T, H], into `out` when given. `alignment`
+        (CUDA): the ids' tiles, when the caller has them."""
+        if self.layout.format.quantized:
+            return quantized_swiglu(hidden, self.slots, self.layout, ids, topk_weights, alignment=alignment, out=out)
+        if not hidden.is_cuda:
+            y = grouped_swiglu(hidden, self.gate_up, self.down, ids, topk_weights)
+            return y if out is None else out.copy_(y)
+        from freetoken.kernels.fused_moe import fused_moe
+
+        return fused_moe(hidden, self.gate_up, self.down, ids, topk_weights, alignment=alignment, out=out)
 
     def _layer_server(self) -> LayerServer:
         """The Rust layer step over `self.slots`: fills by the CUDA driver API on `copy_stream`, or by memcpy into
@@ -349,7 +382,7 @@ class ExpertCacheBackend:
             stream.synchronize()  # ids (and weights, hidden when ready) are on the host now
         num_tokens, k = host_ids.shape
         if cuda:
-            from freetoken.kernels.fused_moe import block_m_for, fused_moe
+            from freetoken.kernels.fused_moe import block_m_for
 
             block_m = block_m_for(num_tokens * k)
         else:
@@ -368,8 +401,7 @@ class ExpertCacheBackend:
                 return
             if not cuda:
                 slots = torch.from_numpy(plan_np[:ns].copy()).view(num_tokens, k)
-                y = grouped_swiglu(hidden, self.gate_up, self.down, slots, topk_weights)
-                result[0] = y if out is None else out.copy_(y)
+                result[0] = self.slot_swiglu(hidden, slots, topk_weights, out=out)
                 return
             if num_fills:
                 stream.wait_stream(self.copy_stream)  # the fills, queued on the copy stream by the server
@@ -378,7 +410,7 @@ class ExpertCacheBackend:
             dev = plan[: ns + nr + nt].to(self.device, non_blocking=True)
             alignment = (dev[ns : ns + nr], dev[ns + nr :])
             slots = dev[:ns].view(num_tokens, k)
-            result[0] = fused_moe(hidden, self.gate_up, self.down, slots, topk_weights, alignment=alignment, out=out)
+            result[0] = self.slot_swiglu(hidden, slots, topk_weights, alignment=alignment, out=out)
 
         def fetch_inputs() -> None:
             host_hidden.copy_(hidden)
@@ -410,15 +442,15 @@ class ExpertCacheBackend:
         last = pool_layer + 1 == self.pool.num_layers
         rows = self.streamer.rows(pool_layer, None if last else pool_layer + 1)
         if hidden.is_cuda:
-            from freetoken.kernels.fused_moe import align_pairs, block_m_for, fused_moe
+            from freetoken.kernels.fused_moe import align_pairs, block_m_for
 
             # Tiles aligned over the layer's E experts, then each tile's expert mapped to its weight row: aligning
             # over every row (slots and buffers) would size the kernel's tiles and scratch for ~15x more groups.
             pairs, tiles = align_pairs(topk_ids, self.pool.num_experts, block_m_for(topk_ids.numel()))
             tiles = torch.where(tiles >= 0, rows[tiles.clamp(min=0)], tiles)
-            out = fused_moe(hidden, self.gate_up, self.down, topk_ids, topk_weights, alignment=(pairs, tiles))
+            out = self.slot_swiglu(hidden, topk_ids, topk_weights, alignment=(pairs, tiles))
         else:
-            out = grouped_swiglu(hidden, self.gate_up, self.down, rows[topk_ids], topk_weights)
+            out = self.slot_swiglu(hidden, rows[topk_ids], topk_weights)
         self.streamer.done(pool_layer)
         return out
 
@@ -461,7 +493,7 @@ class ExpertCacheBackend:
     def _install_slots(self, slots: torch.Tensor, num_slots: int, buffers: int, streamed: tuple[int, int]) -> None:
         """Take `slots` as the cache and layer buffers, and copy every resident expert from the pool into its slot."""
         self.slots, self.num_slots = slots, num_slots
-        self.gate_up, self.down = expert_views(slots, self.pool.hidden_size, self.pool.intermediate_size)
+        self._slot_weights()
         self.server = self._layer_server()  # its copier holds the slots' address
         if buffers:
             self.streamer = LayerStreamer(
@@ -498,8 +530,14 @@ class ExpertCacheBackend:
         before_stage: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """The grouped SwiGLU (Triton) over slot ids already aligned on the device, their tiles in stages run in
-        turn (`fused_moe_tiles`; the decode driver's hits, then its fills after `before_stage(1)`): [T, H],
-        written into `out` when given."""
+        turn (`fused_moe_tiles`, or `fused_moe_quant_tiles` for a quantized pool; the decode driver's hits, then
+        its fills after `before_stage(1)`): [T, H], written into `out` when given."""
+        if self.layout.format.quantized:
+            from freetoken.kernels.fused_moe_quant import fused_moe_quant_tiles
+
+            return fused_moe_quant_tiles(
+                hidden, self.slots, self.layout, topk_weights, sorted_pairs, tile_stages, out, before_stage
+            )
         from freetoken.kernels.fused_moe import fused_moe_tiles
 
         return fused_moe_tiles(
@@ -532,6 +570,7 @@ class ExpertCacheBackend:
             "num_slots": self.num_slots,
             "num_resident": self.planner.num_resident,
             "expert_nbytes": self.expert_nbytes,
+            "expert_format": self.layout.format.name,
             "cpu_threads": self.cpu.num_threads,
             "cpu_isa": self.cpu.isa,
             "bandwidth": bandwidth_stats(self.planner),

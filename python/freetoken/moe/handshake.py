@@ -168,7 +168,7 @@ class DeviceHandshake:
         self.hidden = pool.hidden_size
         self.block_m = {s: block_m_for(s * top_k) for s in sizes}
         max_batch = max(sizes)
-        self.slot_rows = backend.gate_up.shape[0]
+        self.slot_rows = backend.slots.shape[0]
         self.pool_layer = backend.pool_layer
         device = backend.device
         k, layers = self.top_k, pool.num_layers

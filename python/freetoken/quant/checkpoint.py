@@ -95,7 +95,9 @@ def read_experts(
     layer: int,
     prefix: str,
 ) -> torch.Tensor:
-    """Layer `layer`'s routed experts in the pool layout, [E, expert_nbytes] uint8 on the CPU.
+    """Layer `layer`'s routed experts in the pool layout, [E, expert_nbytes] uint8 on the CPU: the one reader of
+    checkpoint expert tensors for the host pool and the `fused` backend, every format (bf16 through
+    `freetoken.models.loader.read_float_experts`, rounded to bf16 as the pool stores it).
 
     Args:
         reader: the checkpoint.
@@ -109,6 +111,13 @@ def read_experts(
         CheckpointError: an expert tensor or scale is missing, mis-shaped or of the wrong dtype (names it).
     """
     fmt, h, i = layout.format, layout.hidden, layout.inter
+    if not fmt.quantized:
+        from freetoken.models.loader import read_float_experts
+
+        gate_up, down = read_float_experts(
+            reader, num_experts, h, i, layer, torch.device("cpu"), torch.bfloat16, prefix
+        )
+        return torch.cat((gate_up.reshape(num_experts, -1), down.reshape(num_experts, -1)), 1).view(torch.uint8)
     _check_supported(fmt)
     base = f"{prefix}layers.{layer}.mlp.experts"
     out = torch.zeros(num_experts, layout.expert_nbytes, dtype=torch.uint8)
@@ -305,9 +314,11 @@ def build_quantized_checkpoint(
     return dest
 
 
-def fill_quantized_pool(pool, model_dir: str | Path, cfg, spec: QuantSpec, index=None) -> None:
-    """Copy the routed experts of quantized checkpoint `model_dir` into `pool`, each in the pool layout of
-    `spec.format` (weights and scales contiguous), one layer at a time through `expert_view`.
+def fill_pool(pool, model_dir: str | Path, cfg, spec: QuantSpec, index=None) -> None:
+    """Copy the routed experts of checkpoint `model_dir` into `pool`, each in the pool layout of `spec.format`
+    (bf16, or quantized weights and scales contiguous), one layer at a time through `expert_view` (`read_experts`:
+    any text-model prefix, either expert layout). The Rust reader (`ExpertPool.from_checkpoint`, parallel) takes
+    bf16 checkpoints whose tensors are named `model.layers.*`; this takes the rest.
 
     Args:
         pool: a `freetoken._core.ExpertPool.zeroed(..., format=spec.format.name, block=...)` of `cfg`'s shape.

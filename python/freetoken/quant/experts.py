@@ -1,8 +1,9 @@
-"""Routed experts kept in a quantized format on the compute device, for the `fused` backend.
+"""Routed experts kept in a quantized format on the compute device: the `fused` backend's, and the slot kernel of
+the expert cache.
 
 `QuantizedExperts` holds one MoE layer's experts as packed bytes in the pool layout (`freetoken.quant.formats`);
-`grouped_swiglu` reads them through `DequantizedView`, which dequantizes one expert when the computation asks for
-it, so the full-precision weights never exist all at once on the CPU path.
+`quantized_swiglu` computes over such rows (experts, or the expert cache's slots): the Triton kernel on CUDA, and on
+the CPU `grouped_swiglu` through `DequantizedView`, which dequantizes one expert when the computation asks for it.
 """
 
 from __future__ import annotations
@@ -34,25 +35,44 @@ class QuantizedExperts:
         return self.packed.numel()
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-        """`freetoken.moe.compute.grouped_swiglu` over these experts: [T, H] hidden, [T, k] ids and weights ->
-        [T, H] in hidden's dtype.
+        """`quantized_swiglu` over these experts: [T, H] hidden, [T, k] ids and weights -> [T, H]."""
+        return quantized_swiglu(hidden, self.packed, self.layout, topk_ids, topk_weights)
 
-        On the CPU each expert that has tokens is dequantized (float32, `reference.dequantize_experts`) when its
-        turn comes. On CUDA the layer is dequantized to hidden's dtype for the bf16 grouped kernel (a correct but
-        not a fast path: the Triton kernels that dequantize in their inner loop replace it).
-        """
-        if hidden.is_cuda:
-            gate_up, down = dequantize_experts(self.layout, self.packed)
-            return grouped_swiglu(
-                hidden,
-                gate_up.to(hidden.dtype),
-                down.to(hidden.dtype),
-                topk_ids,
-                topk_weights,
-            )
-        view = DequantizedView(self)
-        # duck-typed: grouped_swiglu only indexes its weights per expert, which the view dequantizes on demand
-        return grouped_swiglu(hidden, view.gate_up, view.down, topk_ids, topk_weights)  # type: ignore[arg-type]
+
+def quantized_swiglu(
+    hidden: torch.Tensor,
+    packed: torch.Tensor,
+    layout: ExpertLayout,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    alignment: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`freetoken.moe.compute.grouped_swiglu` over quantized experts, by expert id (`fused`) or slot id (the expert
+    cache): the one entry point of every backend for a quantized layer.
+
+    Args:
+        hidden: [T, H] activations.
+        packed: [S, stride >= expert_nbytes] uint8, one expert (or cache slot) per row in `layout`, on hidden's device.
+        layout: the experts' `ExpertLayout` (a quantized format).
+        topk_ids: [T, k] int64 rows of `packed`; negative: skip that pick (computed elsewhere).
+        topk_weights: [T, k] routing weights.
+        alignment: on CUDA, `align_pairs(topk_ids, S, block_m_for(T * k))` when the caller has it.
+        out: [T, H] buffer for the result (hidden's dtype); None allocates.
+
+    Returns:
+        [T, H] in hidden's dtype. On CUDA the Triton kernel that dequantizes in its inner loop
+        (`freetoken.kernels.fused_moe_quant`, no host sync). On the CPU each expert that has tokens is dequantized
+        (float32, `reference.dequantize_experts`) when its turn comes, so the full-precision layer never exists.
+    """
+    if hidden.is_cuda:
+        from freetoken.kernels.fused_moe_quant import fused_moe_quant
+
+        return fused_moe_quant(hidden, packed, layout, topk_ids, topk_weights, alignment=alignment, out=out)
+    view = DequantizedView(QuantizedExperts(layout, packed))
+    # duck-typed: grouped_swiglu only indexes its weights per expert, which the view dequantizes on demand
+    y = grouped_swiglu(hidden, view.gate_up, view.down, topk_ids, topk_weights)  # type: ignore[arg-type]
+    return y if out is None else out.copy_(y)
 
 
 class DequantizedView:

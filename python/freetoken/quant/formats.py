@@ -161,6 +161,20 @@ MXFP4 = ExpertFormat("mxfp4", 4, 1, 32, 1, "float8_e8m0fnu")
 FORMATS: dict[str, ExpertFormat] = {f.name: f for f in (BF16, fp8_block(), NVFP4, MXFP4)}
 
 
+def format_named(name: str, block: tuple[int, int] = (0, 0)) -> ExpertFormat:
+    """The `ExpertFormat` of `name` (a `FORMATS` key, as `ExpertPool.format` gives it); `block` is FP8's
+    `weight_block_size` (`ExpertPool.block`), ignored by the other formats.
+
+    Raises:
+        QuantConfigError: an unknown name.
+    """
+    if name == "fp8_block" and block != (0, 0):
+        return fp8_block(*block)
+    if name not in FORMATS:
+        raise QuantConfigError(f"expert format {name!r}: expected one of {', '.join(FORMATS)}")
+    return FORMATS[name]
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     """A checkpoint's quantization, from its `quantization_config` (or ModelOpt's hf_quant_config.json).

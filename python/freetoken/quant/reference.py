@@ -298,6 +298,44 @@ def dequantize_experts(layout: ExpertLayout, experts: torch.Tensor) -> tuple[tor
     return gate_up, dequantize_matrix(fmt, dn_w, dn_s, ts[:, 2])
 
 
+def nonfinite_experts(layout: ExpertLayout, experts: torch.Tensor, samples: int) -> torch.Tensor:
+    """Which packed experts hold a NaN or inf, from an evenly strided sample of about `samples` codes per section
+    (weights, block scales) and every tensor scale: e4m3 NaN codes (S.1111.111) among FP8 weights and NVFP4 scales,
+    e8m0's 0xFF, non-finite float32 scales. e2m1 weights have no such codes.
+
+    Args:
+        layout: the experts' layout (a quantized format).
+        experts: [E, stride >= expert_nbytes] uint8 rows in the pool layout.
+        samples: codes sampled per section.
+
+    Returns:
+        [E] bool.
+    """
+    fmt = layout.format
+    bad = torch.zeros(experts.shape[0], dtype=torch.bool)
+    for name, code_bytes in (
+        ("gate_up", 1 if fmt.weight_bits == 8 else 0),
+        ("down", 1 if fmt.weight_bits == 8 else 0),
+        ("gate_up_scale", fmt.scale_bytes),
+        ("down_scale", fmt.scale_bytes),
+        ("tensor_scale", 4),
+    ):
+        offset, nbytes = layout.sections[name]
+        if not nbytes or not code_bytes:
+            continue
+        codes = experts[:, offset : offset + nbytes]
+        if code_bytes == 4:
+            values = codes.contiguous().view(torch.float32)
+            step = 1 if name == "tensor_scale" else max(1, values.shape[1] // samples)
+            bad |= (~torch.isfinite(values[:, ::step])).any(dim=1)
+            continue
+        sample = codes[:, :: max(1, nbytes // samples)]
+        e8m0 = fmt.scale_dtype == "float8_e8m0fnu" and name.endswith("scale")
+        nan = sample == 0xFF if e8m0 else sample & 0x7F == 0x7F
+        bad |= nan.any(dim=1)
+    return bad
+
+
 _SCALE_DTYPES = {
     "float32": torch.float32,
     "float8_e4m3fn": torch.uint8,

@@ -61,7 +61,7 @@ impl PyExpertPool {
     }
 
     #[staticmethod]
-    #[pyo3(signature = (num_layers, num_experts, hidden_size, intermediate_size, seed=0, moe_layers=None, num_threads=None))]
+    #[pyo3(signature = (num_layers, num_experts, hidden_size, intermediate_size, seed=0, moe_layers=None, num_threads=None, format="bf16", block=(0, 0)))]
     #[allow(clippy::too_many_arguments)]
     fn random(
         py: Python<'_>,
@@ -72,6 +72,8 @@ impl PyExpertPool {
         seed: u64,
         moe_layers: Option<Vec<usize>>,
         num_threads: Option<usize>,
+        format: &str,
+        block: (usize, usize),
     ) -> PyResult<Self> {
         let moe_layers = layers_arg(num_layers, moe_layers)?;
         if num_threads == Some(0) {
@@ -82,7 +84,7 @@ impl PyExpertPool {
             num_experts,
             hidden_size,
             intermediate_size,
-            format: ExpertFormat::Bf16,
+            format: ExpertFormat::from_name(format, block).py()?,
         };
         let pool = interruptible(py, move || ExpertPool::random(shape, seed, num_threads))?.py()?;
         Ok(Self {
@@ -120,6 +122,12 @@ impl PyExpertPool {
     #[getter]
     fn format(&self) -> &'static str {
         self.inner.format().name()
+    }
+
+    /// FP8's `weight_block_size` (rows, cols); (1, 16) for NVFP4, (1, 32) for MXFP4, (0, 0) for bf16.
+    #[getter]
+    fn block(&self) -> (usize, usize) {
+        self.inner.format().block()
     }
 
     #[getter]

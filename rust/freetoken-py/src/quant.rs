@@ -1,5 +1,5 @@
 //! Expert formats: layouts, and the CPU kernels on one quantized expert (for tests and benches;
-//! the layer step's `CpuExperts` takes bf16 pools for now).
+//! the layer step runs them through `CpuExperts`).
 use freetoken_core::cpu::Isa;
 use freetoken_core::quant::{kernels, ExpertFormat, ExpertLayout, QExpert};
 use numpy::{PyArray1, PyUntypedArrayMethods};

@@ -1,5 +1,9 @@
 //! CPU expert kernels: SwiGLU forward of the experts a plan sends to the host.
 //!
+//! Quantized pools (FP8 block, NVFP4, MXFP4) take the same split with the kernels of
+//! [`crate::quant::kernels`], which read the expert's bytes as stored and dequantize in registers;
+//! their activations are f32 whatever the path (those kernels take f32 `x`).
+//!
 //! Owns: [`CpuExperts`] (kernel choice: AMX, AVX-512-BF16, AVX2 or scalar, see [`kernels`]; the persistent [`workers::WorkerPool`], the per-call
 //! scratch) and the GEMV kernels ([`kernels`]). Not: routing decisions (the planner), the
 //! pinned output buffer (the caller provides it).
@@ -24,7 +28,8 @@ use std::sync::Arc;
 
 use crate::bf16::{bf16_to_f32, f32_to_bf16};
 use crate::error::KernelError;
-use crate::pool::ExpertPool;
+use crate::pool::{ExpertPool, ExpertWeights};
+use crate::quant::{kernels as qkernels, ExpertFormat, QExpert};
 pub use kernels::{Act, Isa};
 use workers::WorkerPool;
 
@@ -94,6 +99,15 @@ struct Task {
     r1: u32,
 }
 
+/// One listed expert's weights as the kernels read them.
+#[derive(Clone, Copy)]
+enum Weights<'a> {
+    /// bf16 rows (`crate::cpu::kernels`).
+    Bf16(ExpertWeights<'a>),
+    /// Quantized bytes with their scales (`crate::quant::kernels`).
+    Quant(QExpert<'a>),
+}
+
 impl CpuExperts {
     /// Starts `num_threads` participants (default: one per allowed CPU) using `isa` (default:
     /// the fastest this CPU supports).
@@ -115,14 +129,6 @@ impl CpuExperts {
         }
         if num_threads == Some(0) {
             return Err(KernelError::Invalid("num_threads must be positive".into()));
-        }
-        if pool.format() != crate::quant::ExpertFormat::Bf16 {
-            // The quantized kernels are `crate::quant::kernels`; the worker split calls them once
-            // the layer step takes quantized pools.
-            return Err(KernelError::Invalid(format!(
-                "CpuExperts runs bf16 pools; this pool holds {} experts",
-                pool.format().name()
-            )));
         }
         Ok(Self {
             pool,
@@ -258,7 +264,20 @@ impl CpuExperts {
             tok_off.push(tok_off.last().copied().unwrap_or(0) + t.len());
         }
         let n_all = *tok_off.last().unwrap_or(&0);
-        let bf = self.isa.wants_bf16();
+        let format = self.pool.format();
+        let layout = format.layout(h, i_sz);
+        let weights = list
+            .iter()
+            .map(|&(eu, _)| {
+                Ok(if format == ExpertFormat::Bf16 {
+                    Weights::Bf16(self.pool.expert_unchecked(l, eu))
+                } else {
+                    Weights::Quant(layout.expert(self.pool.expert_bytes(l as i64, eu as i64)?)?)
+                })
+            })
+            .collect::<Result<Vec<_>, KernelError>>()?;
+        // The quantized kernels take f32 activations on every path.
+        let bf = self.isa.wants_bf16() && format == ExpertFormat::Bf16;
         let mut guard = self.scratch.lock().unwrap_or_else(|p| p.into_inner());
         let sc = &mut *guard;
         // Gather: convert hidden once, then copy each routed token's row per expert.
@@ -336,7 +355,6 @@ impl CpuExperts {
         let pout = SyncPtr(out.as_mut_ptr());
         let out_len = out.len();
         let isa = self.isa;
-        let pool = &*self.pool;
         let wait = |counter: &AtomicUsize| -> bool {
             // ORDERING: Acquire pairs with the Release decrements of the tasks waited for.
             while counter.load(Ordering::Acquire) != 0 {
@@ -358,8 +376,8 @@ impl CpuExperts {
                 let t = tasks[ti];
                 let (e, r0, r1) = (t.e as usize, t.r0 as usize, t.r1 as usize);
                 let rows = r1 - r0;
-                let (eu, n, off) = (list[e].0, list[e].1.len(), tok_off[e]);
-                let w = pool.expert_unchecked(l, eu);
+                let (n, off) = (list[e].1.len(), tok_off[e]);
+                let w = weights[e];
                 match t.phase {
                     0 => {
                         g.clear();
@@ -371,18 +389,28 @@ impl CpuExperts {
                         } else {
                             Act::F32(&x_f32[off * h..(off + n) * h])
                         };
-                        kernels::gemv(isa, w.gate_up, h, r0, r1, act, n, &mut g, rows);
-                        kernels::gemv(
-                            isa,
-                            w.gate_up,
-                            h,
-                            i_sz + r0,
-                            i_sz + r1,
-                            act,
-                            n,
-                            &mut u,
-                            rows,
-                        );
+                        match w {
+                            Weights::Bf16(w) => {
+                                kernels::gemv(isa, w.gate_up, h, r0, r1, act, n, &mut g, rows);
+                                kernels::gemv(
+                                    isa,
+                                    w.gate_up,
+                                    h,
+                                    i_sz + r0,
+                                    i_sz + r1,
+                                    act,
+                                    n,
+                                    &mut u,
+                                    rows,
+                                );
+                            }
+                            Weights::Quant(q) => {
+                                // `bf` is false for quantized pools: their activations are f32.
+                                let x = &x_f32[off * h..(off + n) * h];
+                                qkernels::gemv(isa, &q.gate, r0, r1, x, n, &mut g, rows);
+                                qkernels::gemv(isa, &q.up, r0, r1, x, n, &mut u, rows);
+                            }
+                        }
                         for tok in 0..n {
                             for r in 0..rows {
                                 let gv = g[tok * rows + r];
@@ -428,7 +456,21 @@ impl CpuExperts {
                         let y_e = unsafe {
                             std::slice::from_raw_parts_mut(py.ptr().add(off * h + r0), n * h - r0)
                         };
-                        kernels::gemv(isa, w.down, i_sz, r0, r1, act, n, y_e, h);
+                        match (w, act) {
+                            (Weights::Quant(q), Act::F32(a)) => {
+                                qkernels::gemv(isa, &q.down, r0, r1, a, n, y_e, h)
+                            }
+                            // bf16 weights, or (never: `bf` is false for quantized pools) bf16
+                            // activations of a quantized pool, which the bf16 kernel refuses.
+                            (Weights::Bf16(w), _) => {
+                                kernels::gemv(isa, w.down, i_sz, r0, r1, act, n, y_e, h)
+                            }
+                            (Weights::Quant(_), Act::Bf16(_)) => {
+                                // ORDERING: a flag only, as for a panic.
+                                failed.store(true, Ordering::Relaxed);
+                                return;
+                            }
+                        }
                         // ORDERING: Release publishes this chunk of y to phase 2.
                         left1.fetch_sub(1, Ordering::Release);
                     }
@@ -520,6 +562,7 @@ pub fn reference_expert(pool: &ExpertPool, layer: usize, expert: usize, x: &[f32
 mod tests {
     use super::*;
     use crate::pool::{PoolShape, SplitMix64};
+    use crate::quant::ScaleType;
 
     #[test]
     fn forward_matches_reference_on_every_path() {
@@ -588,5 +631,106 @@ mod tests {
         assert!(cpu
             .forward(1, Hidden::F32(&x), &ids[1..], &wts, k, &[1], &mut out)
             .is_err());
+    }
+
+    /// A quantized pool with random valid codes and scales (no NaN codes).
+    fn quantized_pool(format: ExpertFormat, h: usize, i: usize, seed: u64) -> Arc<ExpertPool> {
+        let shape = PoolShape {
+            moe_layers: vec![1, 3],
+            num_experts: 5,
+            hidden_size: h,
+            intermediate_size: i,
+            format,
+        };
+        let pool = ExpertPool::zeroed(shape).unwrap();
+        let layout = format.layout(h, i);
+        let mut rng = SplitMix64::new(seed);
+        for l in 0..2i64 {
+            for e in 0..5i64 {
+                let (p, n) = pool.expert_ptr(l, e).unwrap();
+                // SAFETY: the expert's n bytes lie in the arena, which no one else reads or writes
+                // while the test fills it.
+                let bytes = unsafe { std::slice::from_raw_parts_mut(p.cast_mut(), n) };
+                for b in &mut bytes[..layout.down.0 + layout.down.1] {
+                    let v = rng.next_u64() as u8;
+                    // e4m3 NaN is S.1111.111; 4-bit codes have none.
+                    *b = if v & 0x7F == 0x7F { v ^ 1 } else { v };
+                }
+                for sec in [layout.gate_up_scale, layout.down_scale] {
+                    let s = &mut bytes[sec.0..sec.0 + sec.1];
+                    match format.scale_type() {
+                        ScaleType::F32 => {
+                            for c in s.chunks_mut(4) {
+                                let v = 0.002 + 0.002 * rng.next_f64() as f32;
+                                c.copy_from_slice(&v.to_le_bytes());
+                            }
+                        }
+                        // e4m3 codes 0x20..0x3F (2^-3 .. ~1), e8m0 near 2^-4.
+                        ScaleType::E4m3 => s.iter_mut().for_each(|b| *b = 0x20 + (rng.below(32) as u8)),
+                        ScaleType::E8m0 => s.iter_mut().for_each(|b| *b = 120 + (rng.below(4) as u8)),
+                        ScaleType::None => {}
+                    }
+                }
+                let (o, n) = layout.tensor_scale;
+                for c in bytes[o..o + n].chunks_mut(4) {
+                    c.copy_from_slice(&0.05f32.to_le_bytes());
+                }
+            }
+        }
+        Arc::new(pool)
+    }
+
+    #[test]
+    fn quantized_pools_match_the_scalar_expert() {
+        let fp8 = ExpertFormat::Fp8Block {
+            block_rows: 16,
+            block_cols: 32,
+        };
+        let (h, i, b, k) = (96, 64, 6, 2);
+        for format in [fp8, ExpertFormat::Nvfp4, ExpertFormat::Mxfp4] {
+            let pool = quantized_pool(format, h, i, 3);
+            let layout = format.layout(h, i);
+            let mut rng = SplitMix64::new(5);
+            let x: Vec<f32> = (0..b * h)
+                .map(|_| rng.next_f64() as f32 * 2.0 - 1.0)
+                .collect();
+            let ids: Vec<i64> = vec![0, 1, 1, 2, 3, 0, 4, 1, 0, 2, 3, 4];
+            let wts: Vec<f32> = (0..b * k).map(|j| 0.3 + j as f32 * 0.05).collect();
+            let experts = [0i64, 1, 4, 2];
+            let mut want = vec![0.25f32; b * h];
+            for t in 0..b {
+                for j in 0..k {
+                    let e = ids[t * k + j];
+                    if !experts.contains(&e) {
+                        continue;
+                    }
+                    let q = layout.expert(pool.expert_bytes(1, e).unwrap()).unwrap();
+                    let mut y = vec![0f32; h];
+                    qkernels::expert_forward(Isa::Scalar, &q, &x[t * h..(t + 1) * h], 1, &mut y);
+                    for c in 0..h {
+                        want[t * h + c] += wts[t * k + j] * y[c];
+                    }
+                }
+            }
+            let scale = want.iter().map(|v| (v - 0.25).abs()).fold(0.0, f32::max);
+            assert!(scale > 1e-3, "{format:?}: the reference is all but zero");
+            for isa in Isa::all_supported() {
+                for threads in [1, 3] {
+                    let cpu = CpuExperts::new(pool.clone(), Some(threads), Some(isa)).unwrap();
+                    let mut out = vec![0.25f32; b * h];
+                    cpu.forward(1, Hidden::F32(&x), &ids, &wts, k, &experts, &mut out)
+                        .unwrap();
+                    let err = out
+                        .iter()
+                        .zip(&want)
+                        .map(|(a, b)| (a - b).abs())
+                        .fold(0.0, f32::max);
+                    assert!(
+                        err <= 1e-4 * scale,
+                        "{format:?} {isa:?} x{threads}: max err {err} vs scale {scale}"
+                    );
+                }
+            }
+        }
     }
 }

@@ -115,8 +115,8 @@ impl ExpertPool {
         Ok(Self { shape, arena })
     }
 
-    /// A zeroed pool for `shape`, to be filled through [`ExpertPool::expert_bytes_mut`] (quantized
-    /// experts are packed by Python, `freetoken.quant`).
+    /// A zeroed pool for `shape`, to be filled through its arena (quantized checkpoints' experts
+    /// are packed by Python, `freetoken.quant.checkpoint.fill_quantized_pool`).
     pub fn zeroed(shape: PoolShape) -> Result<Self, PoolError> {
         Self::alloc(shape)
     }
@@ -124,20 +124,17 @@ impl ExpertPool {
     /// Builds a pool of deterministic random weights (same `seed` and shape, same bytes).
     ///
     /// Values are uniform in `±1/sqrt(fan_in)` (fan_in = H for gate/up, I for down), rounded to
-    /// bf16. Filled by `num_threads` threads (default: all allowed CPUs), each bound to a NUMA node
+    /// bf16; in a quantized format, uniformly drawn codes (no NaN) with scales that give the same
+    /// root mean square ([`fill_quantized`]), so a dummy-weights model runs at the real byte
+    /// sizes. Filled by `num_threads` threads (default: all allowed CPUs), each bound to a NUMA node
     /// in turn, each touching the pages it fills first.
     pub fn random(
         shape: PoolShape,
         seed: u64,
         num_threads: Option<usize>,
     ) -> Result<Self, PoolError> {
-        if shape.format != ExpertFormat::Bf16 {
-            return Err(PoolError::Config(format!(
-                "random experts are bf16; a {} pool is built with ExpertPool::zeroed and filled",
-                shape.format.name()
-            )));
-        }
         let pool = Self::alloc(shape)?;
+        let layout = pool.format().layout(pool.hidden_size(), pool.intermediate_size());
         let total = pool.num_layers() * pool.num_experts();
         let threads = num_threads
             .unwrap_or_else(|| numa::allowed_cpus().len())
@@ -160,12 +157,18 @@ impl ExpertPool {
                                 break;
                             }
                             let (l, e) = (idx / pool.num_experts(), idx % pool.num_experts());
-                            // SAFETY: each (l, e) is claimed by exactly one thread through `next`,
-                            // so the ranges written are disjoint; the arena outlives the scope.
-                            let w = unsafe { pool.expert_mut(l, e) };
                             let mut rng = SplitMix64::new(
                                 seed ^ (idx as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15),
                             );
+                            if pool.format() != ExpertFormat::Bf16 {
+                                // SAFETY: as below.
+                                let bytes = unsafe { pool.expert_bytes_mut(l, e) };
+                                fill_quantized(&layout, bytes, &mut rng);
+                                continue;
+                            }
+                            // SAFETY: each (l, e) is claimed by exactly one thread through `next`,
+                            // so the ranges written are disjoint; the arena outlives the scope.
+                            let w = unsafe { pool.expert_mut(l, e) };
                             let (gate_up, down) = w.split_at_mut(2 * i * h);
                             fill_uniform(gate_up, 1.0 / (h as f32).sqrt(), &mut rng);
                             fill_uniform(down, 1.0 / (i as f32).sqrt(), &mut rng);
@@ -313,6 +316,23 @@ impl ExpertPool {
         ExpertWeights { gate_up, down }
     }
 
+    /// Mutable bytes of one expert (`expert_nbytes`, any format), for the builders.
+    ///
+    /// # Safety
+    /// As [`ExpertPool::expert_mut`].
+    #[allow(clippy::mut_from_ref)]
+    pub(crate) unsafe fn expert_bytes_mut(&self, layer: usize, expert: usize) -> &mut [u8] {
+        debug_assert!(layer < self.num_layers() && expert < self.num_experts());
+        // SAFETY: the expert's bytes lie inside the arena (offset + expert_nbytes <= its length
+        // for in-range indices); exclusivity is the caller's contract.
+        unsafe {
+            std::slice::from_raw_parts_mut(
+                self.arena.ptr().add(self.offset(layer, expert)),
+                self.expert_nbytes(),
+            )
+        }
+    }
+
     /// Mutable bf16 view of one expert, for the builders.
     ///
     /// # Safety
@@ -327,6 +347,55 @@ impl ExpertPool {
                 self.arena.ptr().add(self.offset(layer, expert)) as *mut u16,
                 n,
             )
+        }
+    }
+}
+
+/// Fills one quantized expert's bytes (`layout`): weight codes drawn uniformly (e4m3 NaN codes
+/// moved to their neighbour), every block scale one value chosen so the dequantized weights' root
+/// mean square is bf16 [`ExpertPool::random`]'s, `1/sqrt(3 fan_in)`. Padding stays zero.
+fn fill_quantized(layout: &crate::quant::ExpertLayout, bytes: &mut [u8], rng: &mut SplitMix64) {
+    use crate::quant::{e4m3_to_f32, ScaleType, E2M1_TABLE};
+    let f = layout.format;
+    for (o, n) in [layout.gate_up, layout.down] {
+        for chunk in bytes[o..o + n].chunks_mut(8) {
+            let r = rng.next_u64().to_le_bytes();
+            for (d, v) in chunk.iter_mut().zip(r) {
+                *d = if f.weight_bits() == 8 && v & 0x7F == 0x7F {
+                    v ^ 1
+                } else {
+                    v
+                };
+            }
+        }
+    }
+    // Root mean square of the codes drawn: e4m3 over its 254 finite codes, e2m1 over its 16.
+    let code_rms = if f.weight_bits() == 8 {
+        let sq: f32 = (0..=255u8)
+            .filter(|c| c & 0x7F != 0x7F)
+            .map(|c| e4m3_to_f32(c).powi(2))
+            .sum();
+        (sq / 254.0).sqrt()
+    } else {
+        (E2M1_TABLE.iter().map(|v| v * v).sum::<f32>() / 16.0).sqrt()
+    };
+    let (h, i) = (layout.hidden, layout.inter);
+    let put_f32 = |bytes: &mut [u8], o: usize, v: f32| bytes[o..o + 4].copy_from_slice(&v.to_le_bytes());
+    for ((o, n), fan_in, tensors) in [(layout.gate_up_scale, h, 0..2), (layout.down_scale, i, 2..3)] {
+        let multiplier = 1.0 / (3.0 * fan_in as f32).sqrt() / code_rms;
+        match f.scale_type() {
+            ScaleType::F32 => (0..n / 4).for_each(|j| put_f32(bytes, o + 4 * j, multiplier)),
+            // The block scale 1.0 (e4m3 0x38); the multiplier goes to the tensor scales below.
+            ScaleType::E4m3 => bytes[o..o + n].fill(0x38),
+            // The nearest power of two.
+            ScaleType::E8m0 => bytes[o..o + n].fill((127.0 + multiplier.log2().round()) as u8),
+            ScaleType::None => {}
+        }
+        if layout.tensor_scale.1 > 0 {
+            // (gate, up) for gate_up, (down) for down.
+            for t in tensors {
+                put_f32(bytes, layout.tensor_scale.0 + 4 * t, multiplier);
+            }
         }
     }
 }
@@ -437,9 +506,41 @@ mod tests {
         assert_eq!(p1 as usize - pool.ptr() as usize, s.expert_stride());
         assert_eq!(pool.expert_bytes(1, 3).unwrap().len(), layout.expert_nbytes);
         assert!(pool.expert(0, 0).is_err());
-        assert!(ExpertPool::random(s.clone(), 0, None).is_err());
         s.intermediate_size = 24; // not a whole number of 16-element blocks
         assert!(ExpertPool::zeroed(s).is_err());
+    }
+
+    #[test]
+    fn random_quantized_pools_have_bf16_magnitudes() {
+        let fp8 = ExpertFormat::Fp8Block {
+            block_rows: 32,
+            block_cols: 32,
+        };
+        for format in [fp8, ExpertFormat::Nvfp4, ExpertFormat::Mxfp4] {
+            let mut s = shape();
+            (s.hidden_size, s.intermediate_size, s.format) = (128, 64, format);
+            let pool = ExpertPool::random(s.clone(), 7, Some(2)).unwrap();
+            let layout = format.layout(128, 64);
+            let q = layout.expert(pool.expert_bytes(1, 2).unwrap()).unwrap();
+            for (m, fan_in) in [(q.gate, 128f32), (q.up, 128.0), (q.down, 64.0)] {
+                let v: Vec<f32> = (0..m.rows)
+                    .flat_map(|r| (0..m.cols).map(move |c| m.get(r, c)))
+                    .collect();
+                assert!(v.iter().all(|x| x.is_finite()), "{format:?}: NaN codes drawn");
+                let rms = (v.iter().map(|x| x * x).sum::<f32>() / v.len() as f32).sqrt();
+                let want = 1.0 / (3.0 * fan_in).sqrt();
+                // MXFP4's scale is the nearest power of two: within a factor sqrt(2).
+                assert!(
+                    rms > want / 1.45 && rms < want * 1.45,
+                    "{format:?}: rms {rms} vs {want}"
+                );
+            }
+            let again = ExpertPool::random(s, 7, Some(1)).unwrap();
+            assert_eq!(
+                pool.expert_bytes(1, 2).unwrap(),
+                again.expert_bytes(1, 2).unwrap()
+            );
+        }
     }
 
     #[test]
