@@ -21,8 +21,9 @@
 //!   and its odd ones in another, so the activations are deinterleaved the same way once per call
 //!   (a copy of `x`, a few percent of the weight bytes). A row's block multipliers are decoded with
 //!   SIMD into a small buffer first (NVFP4: `e4m3 / 256 · (tensor_scale · 256)`, the same f32
-//!   product as the reference; MXFP4: the e8m0 code shifted into the f32 exponent) and applied to
-//!   the decoded weights, so the weights the FMAs see equal the reference's bit for bit.
+//!   product as the reference; MXFP4: the e8m0 code shifted into the f32 exponent). From 2 tokens
+//!   they multiply the decoded weights (the reference's dequantized weights, bit for bit); at one
+//!   token they multiply each chunk's dot product instead, one instruction fewer per chunk.
 //! - Rows in blocks of 4 (2 for FP8 at 3-4 tokens: registers), so each activation load serves
 //!   4 rows and 4-8 independent FMA chains hide the latency; the next row block is prefetched into
 //!   L2 while this one streams (rows of one call are contiguous).
@@ -388,10 +389,10 @@ mod simd {
             }
         }
 
-        /// 4-bit: the dequantized weights of row r's chunk at column c (`2N` elements: the even
-        /// ones, the odd ones), with the row's multipliers in slot `k`.
+        /// 4-bit: the e2m1 values of row r's chunk at column c (`2N` elements: the even ones, the
+        /// odd ones) and their multipliers (the row's in slot `k`).
         #[inline(always)]
-        unsafe fn fp4_chunk<S: Lanes>(&self, r: usize, k: usize, c: usize) -> (S::V, S::V) {
+        unsafe fn fp4_chunk_unscaled<S: Lanes>(&self, r: usize, k: usize, c: usize) -> (S::V, S::V, S::V) {
             let m = self.m;
             let g = m.format.block().1;
             // SAFETY: r < rows, c + 2N <= cols (the caller's loop), so the N bytes are in row r.
@@ -399,8 +400,18 @@ mod simd {
                 let (lo, hi) = S::e2m1(m.weight.as_ptr().add((r * m.cols + c) / 2));
                 let s = self.scales.as_ptr().add(k * self.ngroups + c / g);
                 let sv = if g >= 2 * S::N { S::splat(*s) } else { S::halves(s) };
-                (S::mul(lo, sv), S::mul(hi, sv))
+                (lo, hi, sv)
             }
+        }
+
+        /// 4-bit: the dequantized weights of row r's chunk at column c (each e2m1 value times its
+        /// multiplier, the reference's f32 product).
+        #[inline(always)]
+        unsafe fn fp4_chunk<S: Lanes>(&self, r: usize, k: usize, c: usize) -> (S::V, S::V) {
+            // SAFETY: forwarded.
+            let (lo, hi, sv) = unsafe { self.fp4_chunk_unscaled::<S>(r, k, c) };
+            // SAFETY: register-only arithmetic.
+            unsafe { (S::mul(lo, sv), S::mul(hi, sv)) }
         }
 
         /// FP8: block (rb, cb)'s multiplier times 256 (the e4m3 decoding's `1 / 256`).
@@ -442,9 +453,17 @@ mod simd {
                         (S::load(p), S::load(p.add(S::N)))
                     });
                     for k in 0..R {
-                        let (lo, hi) = self.fp4_chunk::<S>(r + k, k, c);
-                        for t in 0..T {
-                            acc[k][t] = S::fma(hi, xs[t].1, S::fma(lo, xs[t].0, acc[k][t]));
+                        if T == 1 {
+                            // One token: the chunk's products first, then the multipliers once (one
+                            // instruction fewer than scaling both halves of the weights).
+                            let (lo, hi, sv) = self.fp4_chunk_unscaled::<S>(r + k, k, c);
+                            let dot = S::fma(hi, xs[0].1, S::mul(lo, xs[0].0));
+                            acc[k][0] = S::fma(dot, sv, acc[k][0]);
+                        } else {
+                            let (lo, hi) = self.fp4_chunk::<S>(r + k, k, c);
+                            for t in 0..T {
+                                acc[k][t] = S::fma(hi, xs[t].1, S::fma(lo, xs[t].0, acc[k][t]));
+                            }
                         }
                     }
                 }
@@ -933,7 +952,8 @@ mod tests {
                     x[k * g + 1] = 1.0;
                     let mut got = [0f32];
                     gemv(isa, &m, 0, 1, &x, 1, &mut got, 1);
-                    assert_eq!(got[0].to_bits(), m.block_scale(0, k).to_bits(), "{} {isa:?} code {}", format.name(), codes[k]);
+                    // Equal as floats: e4m3 0x80 is -0.0, which a sum of +0.0 terms reports as +0.0.
+                    assert_eq!(got[0], m.block_scale(0, k), "{} {isa:?} code {}", format.name(), codes[k]);
                 }
             }
         }
