@@ -179,7 +179,11 @@ fn main() {
     let batches: Vec<usize> = std::env::var("FT_BENCH_BATCHES")
         .unwrap_or("1,4,16".into())
         .split(',')
-        .map(|b| b.trim().parse().expect("FT_BENCH_BATCHES: comma-separated token counts"))
+        .map(|b| {
+            b.trim()
+                .parse()
+                .expect("FT_BENCH_BATCHES: comma-separated token counts")
+        })
         .collect();
     let workers = WorkerPool::new(threads);
     let nt = workers.num_threads();

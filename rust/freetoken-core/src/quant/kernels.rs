@@ -152,6 +152,8 @@ mod simd {
         unsafe fn e2m1(p: *const u8) -> (Self::V, Self::V);
         /// Lanes below N/2 = s[0], the others s[1] (two f32 at s).
         unsafe fn halves(s: *const f32) -> Self::V;
+        /// The 2N f32 at src: the even-indexed ones to dst, then the odd ones (2N f32 at dst).
+        unsafe fn deinterleave(src: *const f32, dst: *mut f32);
         /// Prefetches the line at p into L2 (p need not be readable).
         unsafe fn prefetch(p: *const u8) {
             // SAFETY: a prefetch reads nothing architecturally.
@@ -206,7 +208,10 @@ mod simd {
             unsafe {
                 // s eeee mmm -> s 0 eeee mmm 0000000 (the sign extension fills bit 15).
                 let w = _mm256_cvtepi8_epi16(_mm_loadu_si128(p as *const __m128i));
-                let h = _mm256_and_si256(_mm256_slli_epi16::<7>(w), _mm256_set1_epi16(0xBF80u16 as i16));
+                let h = _mm256_and_si256(
+                    _mm256_slli_epi16::<7>(w),
+                    _mm256_set1_epi16(0xBF80u16 as i16),
+                );
                 _mm512_cvtph_ps(h)
             }
         }
@@ -216,7 +221,8 @@ mod simd {
             unsafe {
                 let c = _mm512_cvtepu8_epi32(_mm_loadu_si128(p as *const __m128i));
                 // Code 0 is 2^-127, the f32 subnormal 0x0040_0000; every other code is above it.
-                let bits = _mm512_max_epu32(_mm512_slli_epi32::<23>(c), _mm512_set1_epi32(0x0040_0000));
+                let bits =
+                    _mm512_max_epu32(_mm512_slli_epi32::<23>(c), _mm512_set1_epi32(0x0040_0000));
                 _mm512_castsi512_ps(bits)
             }
         }
@@ -236,6 +242,18 @@ mod simd {
         unsafe fn halves(s: *const f32) -> __m512 {
             // SAFETY: the trait's contract: the bytes read exist, the features are the caller's.
             unsafe { _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(*s), _mm512_set1_ps(*s.add(1))) }
+        }
+        #[inline(always)]
+        unsafe fn deinterleave(src: *const f32, dst: *mut f32) {
+            // SAFETY: the trait's contract: the bytes read and written exist, the features are the caller's.
+            unsafe {
+                let (a, b) = (_mm512_loadu_ps(src), _mm512_loadu_ps(src.add(16)));
+                let even =
+                    _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+                let odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+                _mm512_storeu_ps(dst, _mm512_permutex2var_ps(a, even, b));
+                _mm512_storeu_ps(dst.add(16), _mm512_permutex2var_ps(a, odd, b));
+            }
         }
     }
 
@@ -296,7 +314,8 @@ mod simd {
             // SAFETY: the trait's contract: the bytes read exist, the features are the caller's.
             unsafe {
                 let c = _mm256_cvtepu8_epi32(_mm_loadl_epi64(p as *const __m128i));
-                let bits = _mm256_max_epu32(_mm256_slli_epi32::<23>(c), _mm256_set1_epi32(0x0040_0000));
+                let bits =
+                    _mm256_max_epu32(_mm256_slli_epi32::<23>(c), _mm256_set1_epi32(0x0040_0000));
                 _mm256_castsi256_ps(bits)
             }
         }
@@ -324,7 +343,27 @@ mod simd {
         #[inline(always)]
         unsafe fn halves(s: *const f32) -> __m256 {
             // SAFETY: the trait's contract: the bytes read exist, the features are the caller's.
-            unsafe { _mm256_insertf128_ps::<1>(_mm256_castps128_ps256(_mm_set1_ps(*s)), _mm_set1_ps(*s.add(1))) }
+            unsafe {
+                _mm256_insertf128_ps::<1>(
+                    _mm256_castps128_ps256(_mm_set1_ps(*s)),
+                    _mm_set1_ps(*s.add(1)),
+                )
+            }
+        }
+        #[inline(always)]
+        unsafe fn deinterleave(src: *const f32, dst: *mut f32) {
+            // SAFETY: the trait's contract: the bytes read and written exist, the features are the caller's.
+            unsafe {
+                let (a, b) = (_mm256_loadu_ps(src), _mm256_loadu_ps(src.add(8)));
+                // Per 128-bit lane (a0 a2 b0 b2 | a4 a6 b4 b6), then the 64-bit pairs in order.
+                let even = _mm256_castps_pd(_mm256_shuffle_ps::<0x88>(a, b));
+                let odd = _mm256_castps_pd(_mm256_shuffle_ps::<0xDD>(a, b));
+                _mm256_storeu_ps(dst, _mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(even)));
+                _mm256_storeu_ps(
+                    dst.add(8),
+                    _mm256_castpd_ps(_mm256_permute4x64_pd::<0xD8>(odd)),
+                );
+            }
         }
     }
 
@@ -392,14 +431,23 @@ mod simd {
         /// 4-bit: the e2m1 values of row r's chunk at column c (`2N` elements: the even ones, the
         /// odd ones) and their multipliers (the row's in slot `k`).
         #[inline(always)]
-        unsafe fn fp4_chunk_unscaled<S: Lanes>(&self, r: usize, k: usize, c: usize) -> (S::V, S::V, S::V) {
+        unsafe fn fp4_chunk_unscaled<S: Lanes>(
+            &self,
+            r: usize,
+            k: usize,
+            c: usize,
+        ) -> (S::V, S::V, S::V) {
             let m = self.m;
             let g = m.format.block().1;
             // SAFETY: r < rows, c + 2N <= cols (the caller's loop), so the N bytes are in row r.
             unsafe {
                 let (lo, hi) = S::e2m1(m.weight.as_ptr().add((r * m.cols + c) / 2));
                 let s = self.scales.as_ptr().add(k * self.ngroups + c / g);
-                let sv = if g >= 2 * S::N { S::splat(*s) } else { S::halves(s) };
+                let sv = if g >= 2 * S::N {
+                    S::splat(*s)
+                } else {
+                    S::halves(s)
+                };
                 (lo, hi, sv)
             }
         }
@@ -499,7 +547,8 @@ mod simd {
                                 S::prefetch(w.wrapping_add((R + k) * cols + c));
                             }
                         }
-                        let xs: [S::V; T] = std::array::from_fn(|t| S::load(self.x.add((t0 + t) * cols + c)));
+                        let xs: [S::V; T] =
+                            std::array::from_fn(|t| S::load(self.x.add((t0 + t) * cols + c)));
                         for k in 0..R {
                             let v = S::e4m3(w.add(k * cols + c));
                             for t in 0..T {
@@ -610,7 +659,8 @@ mod simd {
             unsafe {
                 let mut acc = [[S::zero(); T]; R];
                 for c in (0..cols).step_by(S::N) {
-                    let xs: [S::V; T] = std::array::from_fn(|t| S::load(self.x.add((t0 + t) * cols + c)));
+                    let xs: [S::V; T] =
+                        std::array::from_fn(|t| S::load(self.x.add((t0 + t) * cols + c)));
                     for k in 0..R {
                         let wv = S::load(w.add(k * cols + c));
                         for t in 0..T {
@@ -628,7 +678,13 @@ mod simd {
 
         /// R decoded rows at `w` against every token, 4 at a time.
         #[inline(always)]
-        unsafe fn dot_tokens<S: Lanes, const R: usize>(&self, w: *const f32, n_tok: usize, out: *mut f32, ldo: usize) {
+        unsafe fn dot_tokens<S: Lanes, const R: usize>(
+            &self,
+            w: *const f32,
+            n_tok: usize,
+            out: *mut f32,
+            ldo: usize,
+        ) {
             // SAFETY: forwarded; token block t0 writes at out + t0 * ldo.
             unsafe {
                 let mut t0 = 0;
@@ -662,17 +718,19 @@ mod simd {
         // 4-bit: each chunk's even elements first, then its odd ones, as `e2m1` decodes them.
         let xd: Vec<f32> = if four_bit {
             let mut xd = vec![0f32; n_tok * cols];
-            for (src, dst) in x[..n_tok * cols].chunks_exact(2 * S::N).zip(xd.chunks_exact_mut(2 * S::N)) {
-                for j in 0..S::N {
-                    dst[j] = src[2 * j];
-                    dst[S::N + j] = src[2 * j + 1];
-                }
+            for c in (0..n_tok * cols).step_by(2 * S::N) {
+                // SAFETY: cols is a multiple of 2N (`tiles`) and x holds n_tok * cols floats (`super::gemv`).
+                unsafe { S::deinterleave(x.as_ptr().add(c), xd.as_mut_ptr().add(c)) };
             }
             xd
         } else {
             Vec::new()
         };
-        let ngroups = if four_bit { cols.div_ceil(m.format.block().1) } else { 0 };
+        let ngroups = if four_bit {
+            cols.div_ceil(m.format.block().1)
+        } else {
+            0
+        };
         let mut call = Call {
             m,
             x: if four_bit { xd.as_ptr() } else { x.as_ptr() },
@@ -933,7 +991,9 @@ mod tests {
         // matrix whose weights are all e2m1 1.0 (code 2) times x = one-hot picks each multiplier.
         for format in [ExpertFormat::Nvfp4, ExpertFormat::Mxfp4] {
             let g = format.block().1;
-            let codes: Vec<u8> = (0..=254u8).filter(|c| format == ExpertFormat::Mxfp4 || c & 0x7F != 0x7F).collect();
+            let codes: Vec<u8> = (0..=254u8)
+                .filter(|c| format == ExpertFormat::Mxfp4 || c & 0x7F != 0x7F)
+                .collect();
             let cols = codes.len().next_multiple_of(2) * g;
             let weight = vec![0x22u8; cols / 2];
             let mut scales = codes.clone();
@@ -953,7 +1013,13 @@ mod tests {
                     let mut got = [0f32];
                     gemv(isa, &m, 0, 1, &x, 1, &mut got, 1);
                     // Equal as floats: e4m3 0x80 is -0.0, which a sum of +0.0 terms reports as +0.0.
-                    assert_eq!(got[0], m.block_scale(0, k), "{} {isa:?} code {}", format.name(), codes[k]);
+                    assert_eq!(
+                        got[0],
+                        m.block_scale(0, k),
+                        "{} {isa:?} code {}",
+                        format.name(),
+                        codes[k]
+                    );
                 }
             }
         }
