@@ -293,7 +293,7 @@ def test_measure_box_measures_each_format_and_the_profile_keys_them(tmp_path):
     # What one GPU's measurement adds: bf16's figures, and nvfp4's own.
     bf16_over = {b: (40e9, 0.5 * run.cpu_alone[b]) for b in BATCHES}
     gpu = GpuRun(
-        {"uuid": UUID, "index": 0}, 50e9, 45e9, 55e9, bf16_over, 40e9, {b: c for b, (_, c) in bf16_over.items()}
+        50e9, bf16_over, 40e9, {b: c for b, (_, c) in bf16_over.items()}, {"uuid": UUID, "index": 0}, 45e9, 55e9
     )
     nv_over = {b: (30e9, 0.7 * nv.cpu_alone[b]) for b in BATCHES}
     nv_paths = PathRates(35e9, nv_over, 30e9, {b: c for b, (_, c) in nv_over.items()})

@@ -24,28 +24,25 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class GpuRun:
-    """One GPU's figures (bytes/s): expert copies, the plain torch copy, the line rate, and for each batch b the
-    (PCIe, CPU) pair measured overlapped; `planner_pcie` and `planner_cpu` are what q* uses (`planner_figures`)."""
+class PathRates:
+    """One expert format's two miss paths on one GPU (bytes/s of its expert bytes): expert copies alone, and for
+    each batch b the (PCIe, CPU) pair measured overlapped; `planner_pcie` and `planner_cpu` are what q* uses
+    (`planner_figures`)."""
 
-    info: dict[str, Any]
     pcie: float
-    torch_copy: float
-    line_rate: float
     overlapped: dict[int, tuple[float, float]]
     planner_pcie: float
     planner_cpu: dict[int, float]
 
 
 @dataclass(frozen=True)
-class PathRates:
-    """One expert format's two miss paths on one GPU (bytes/s of its expert bytes): expert copies alone, and for
-    each batch b the (PCIe, CPU) pair measured overlapped; `planner_pcie` and `planner_cpu` are what q* uses."""
+class GpuRun(PathRates):
+    """One GPU's figures: the bf16 experts' paths, and the copies that do not depend on the format (bytes/s): the
+    plain torch copy of an expert's size and the line rate; `info` is `gpu_info`'s."""
 
-    pcie: float
-    overlapped: dict[int, tuple[float, float]]
-    planner_pcie: float
-    planner_cpu: dict[int, float]
+    info: dict[str, Any]
+    torch_copy: float
+    line_rate: float
 
 
 @dataclass(frozen=True)
@@ -249,7 +246,7 @@ def measure_box(
 
         cpu_alone, paths = kernel_and_paths(pool, cpu, "", reference_copies)
         gpus = [
-            GpuRun(gpu_info(i), p.pcie, *references[i], p.overlapped, p.planner_pcie, p.planner_cpu)
+            GpuRun(p.pcie, p.overlapped, p.planner_pcie, p.planner_cpu, gpu_info(i), *references[i])
             for i, p in paths.items()
         ]
         measured = {}
