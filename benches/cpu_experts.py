@@ -9,8 +9,16 @@ count (`--threads`, callers included) and idle spin (`--spin-us`: how long worke
 
     python benches/cpu_experts.py [--threads 16 15 14] [--experts 1 2 3 8] [--gap-us 0 500] [--spin-us 0 2000]
 
-Prints one line per setting (median and p90 microseconds per call, GB/s of expert weights at the median) and a
-final JSON line. Runs on any machine; the figures mean something on the deployment box.
+`--format` adds the quantized formats (fp8_block with 128x128 blocks, nvfp4, mxfp4), each on its own random pool of
+the same shape, through the same `CpuExperts` (its quantized kernels). Every row also gives GB/s per thread and the
+host read bandwidth of that pool on as many threads (a torch sum over the arena, `measure_host_read`), so a run
+gives kernel / read directly:
+
+    python benches/cpu_experts.py --format bf16 fp8_block nvfp4 mxfp4 --threads 1 16 --experts 8 \
+        --gap-us 0 --spin-us 0 --layers 4
+
+Prints one line per setting (median and p90 microseconds per call, GB/s of expert bytes (weights and scales) at the
+median) and a final JSON line. Runs on any machine; the figures mean something on the deployment box.
 """
 
 from __future__ import annotations
@@ -26,6 +34,9 @@ import time
 import numpy as np
 
 from freetoken._core import CpuExperts, ExpertPool
+from freetoken.bench.bandwidth import measure_host_read
+
+FORMATS = ("bf16", "fp8_block", "nvfp4", "mxfp4")
 
 
 def time_calls(
@@ -68,6 +79,7 @@ def main() -> None:
     ap.add_argument("--num-experts", type=int, default=128)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=768)
+    ap.add_argument("--format", nargs="+", choices=FORMATS, default=["bf16"], help="expert formats to time")
     args = ap.parse_args()
     for name, bad in (
         ("--threads", min(args.threads) < 1),
@@ -78,36 +90,53 @@ def main() -> None:
         if bad:
             ap.error(f"{name} must be positive")
     log = lambda *a: print(*a, file=sys.stderr, flush=True)
-    t0 = time.perf_counter()
-    pool = ExpertPool.random(args.layers, args.num_experts, args.hidden, args.intermediate)
-    log(f"pool: {pool.nbytes / 1e9:.1f} GB in {time.perf_counter() - t0:.0f} s; {cpus} CPUs")
     rows = []
-    for threads in args.threads:
-        cpu = CpuExperts(pool, num_threads=threads)
-        for spin in args.spin_us:
-            cpu.idle_spin_us = spin
-            for gap in args.gap_us:
-                for experts in args.experts:
-                    times = time_calls(cpu, pool, experts, args.batch, gap / 1e6, args.seconds)
-                    med = statistics.median(times)
-                    p90 = sorted(times)[int(0.9 * (len(times) - 1))]
-                    row = {
-                        "threads": threads,
-                        "spin_us": spin,
-                        "gap_us": gap,
-                        "experts": experts,
-                        "batch": args.batch,
-                        "median_us": round(med * 1e6, 1),
-                        "p90_us": round(p90 * 1e6, 1),
-                        "gbps": round(experts * pool.expert_nbytes / med / 1e9, 1),
-                        "calls": len(times),
-                    }
-                    rows.append(row)
-                    print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-        cpu.idle_spin_us = 0.0
-        del cpu  # its workers park and exit before the next count's start
+    isa = None
+    for fmt in args.format:
+        t0 = time.perf_counter()
+        block = (128, 128) if fmt == "fp8_block" else (0, 0)
+        pool = ExpertPool.random(args.layers, args.num_experts, args.hidden, args.intermediate, format=fmt, block=block)
+        log(f"{fmt} pool: {pool.nbytes / 1e9:.1f} GB in {time.perf_counter() - t0:.0f} s; {cpus} CPUs")
+        for threads in args.threads:
+            read_gbps = measure_host_read(pool, threads) / 1e9
+            common = {"format": fmt, "threads": threads, "batch": args.batch, "read_gbps": round(read_gbps, 1)}
+            cpu = CpuExperts(pool, num_threads=threads)
+            isa = cpu.isa
+            for spin in args.spin_us:
+                cpu.idle_spin_us = spin
+                for gap in args.gap_us:
+                    for experts in args.experts:
+                        times = time_calls(cpu, pool, experts, args.batch, gap / 1e6, args.seconds)
+                        med = statistics.median(times)
+                        p90 = sorted(times)[int(0.9 * (len(times) - 1))]
+                        timing = {
+                            "spin_us": spin,
+                            "gap_us": gap,
+                            "experts": experts,
+                            "median_us": round(med * 1e6, 1),
+                            "p90_us": round(p90 * 1e6, 1),
+                            "calls": len(times),
+                        }
+                        rows.append(_row(common, timing, experts * pool.expert_nbytes / med / 1e9, threads, read_gbps))
+            cpu.idle_spin_us = 0.0
+            del cpu  # its workers park and exit before the next count's start
+            gc.collect()
+        del pool
         gc.collect()
-    print(json.dumps({"bench": "cpu_experts", "isa": CpuExperts(pool, num_threads=1).isa, "rows": rows}))
+    print(json.dumps({"bench": "cpu_experts", "isa": isa, "rows": rows}))
+
+
+def _row(common: dict, timing: dict, gbps: float, threads: int, read_gbps: float) -> dict:
+    """One printed row: the setting, GB/s of expert bytes in all and per thread, and the share of the read rate."""
+    row = {
+        **common,
+        **timing,
+        "gbps": round(gbps, 2),
+        "gbps_per_thread": round(gbps / threads, 2),
+        "pct_of_read": round(100 * gbps / read_gbps, 1),
+    }
+    print(" ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+    return row
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ expert cache, whose fills are memcpys and whose CPU runs are the real Rust kerne
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -15,7 +16,7 @@ import pytest
 import torch
 from test_cli import assert_user_error, ft
 
-from freetoken import __version__
+from freetoken import __version__, _core
 from freetoken._core import ExpertPool
 from freetoken.moe import choose_backend
 from freetoken.moe import profile as prof
@@ -118,6 +119,11 @@ def test_profile_whose_content_names_another_gpu_is_ignored(tmp_path, caplog):
         (json.dumps(make_profile(planner={"pcie_bytes_per_s": -1, "cpu_bytes_per_s": {"1": 1e9}})), "positive"),
         (json.dumps(make_profile(planner={"pcie_bytes_per_s": 1e9})), "bad planner section"),
         (json.dumps({k: v for k, v in make_profile().items() if k != "gpu"}), "missing section 'gpu'"),
+        (json.dumps(make_profile(formats=["nvfp4"])), "formats must be an object"),
+        (
+            json.dumps(make_profile(formats={"nvfp4": {"planner": {"pcie_bytes_per_s": 0, "cpu_bytes_per_s": {}}}})),
+            "formats.nvfp4.planner.pcie_bytes_per_s must be a positive",
+        ),
     ],
 )
 def test_unusable_profile_is_reported_not_used(tmp_path, caplog, content, needle):
@@ -218,10 +224,10 @@ def test_offload_without_profile_still_measures():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_cli_without_gpu_measures_the_host_side(tmp_path):
     result = ft("bench", "bw", "--preset", "qwen3-30b-a3b", "--seconds", "0.05", "--pool-gb", "0.1",
-                "--cpu-threads", "2", "--out", str(tmp_path / "profiles"))  # fmt: skip
+                "--cpu-threads", "2", "--format", "bf16", "nvfp4", "--out", str(tmp_path / "profiles"))  # fmt: skip
     assert result.returncode == 0, result.stderr
     assert "no CUDA GPU present" in result.stdout and "no profile written" in result.stdout
-    for row in ("host kernel", "host memory read"):
+    for row in ("host kernel", "host memory read", "nvfp4 (2.7 MB) host kernel"):
         assert row in result.stdout
     assert not (tmp_path / "profiles").exists()
 
@@ -241,6 +247,65 @@ def test_model_demo_as_serve_takes_it():
     args = build_parser().parse_args(["bench", "bw", "--model", "demo"])
     cfg = _model_config(args)
     assert cfg.num_experts > 0 and cfg.moe_intermediate_size > 0
+
+
+def test_profile_figures_are_keyed_by_format_with_a_bf16_fallback(tmp_path, caplog):
+    """A format measured has its own planner figures; one not measured (or an old profile without "formats") gets
+    bf16's bytes/s, logged; bf16 reads the top-level figures either way."""
+    nv = {"pcie_bytes_per_s": 50e9, "cpu_bytes_per_s": {"1": 40e9, "16": 20e9}}
+    write(tmp_path, make_profile(formats={"nvfp4": {"expert_nbytes": 2_359_308, "planner": nv}}))
+    found = prof.find_profile(UUID, SHAPE, tmp_path)
+    assert found is not None
+    bf16 = prof.planner_bandwidths(found)
+    assert bf16 == (54e9, {1: 49e9, 2: 49e9 * 0.8, 4: 49e9 * 0.6, 8: 49e9 * 0.5, 16: 49e9 * 0.45})
+    assert prof.planner_bandwidths(found, "bf16") == bf16
+    with caplog.at_level(logging.INFO, logger="freetoken"):
+        assert prof.planner_bandwidths(found, "nvfp4") == (50e9, {1: 40e9, 16: 20e9})
+        assert "no nvfp4 figures" not in caplog.text
+        assert prof.planner_bandwidths(found, "fp8_block") == bf16
+    assert "no fp8_block figures (measured: bf16, nvfp4)" in caplog.text and "--format fp8_block" in caplog.text
+    old = make_profile()  # written before profiles were keyed by format
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="freetoken"):
+        assert prof.planner_bandwidths(old, "mxfp4") == bf16
+    assert "no mxfp4 figures (measured: bf16)" in caplog.text
+
+
+def test_measure_box_measures_each_format_and_the_profile_keys_them(tmp_path):
+    """The host side of `measure_box` for two quantized formats: each format's own kernel (its `CpuExperts`) at
+    every b on a pool of its real expert size; a GPU's figures of a format go to the profile under its name and read
+    back through `planner_bandwidths`, bf16's staying at the top level."""
+    from freetoken.bench.box import FormatRun, GpuRun, PathRates, build_profile, measure_box
+    from freetoken.config import ModelConfig
+    from freetoken.models.presets import preset_config_path
+    from freetoken.moe.profile import BATCHES
+
+    cfg = ModelConfig.from_dict(json.loads(preset_config_path("qwen3-30b-a3b").read_text()), source="test")
+    shape = ExpertShape(256, 128)
+    run = measure_box(shape, cfg, 2, [], seconds=0.01, pool_gb=0.002, cpu_threads=1, formats=["nvfp4", "fp8_block"])
+    assert set(run.formats) == {"nvfp4", "fp8_block"} and run.gpus == []
+    nv, fp8 = run.formats["nvfp4"], run.formats["fp8_block"]
+    assert nv.expert_nbytes == _core.expert_layout("nvfp4", 256, 128)["expert_nbytes"]
+    assert fp8.block == (128, 128)
+    assert fp8.expert_nbytes == _core.expert_layout("fp8_block", 256, 128, (128, 128))["expert_nbytes"]
+    for f in (nv, fp8):
+        assert set(f.cpu_alone) == set(BATCHES) and all(v > 0 for v in f.cpu_alone.values()) and f.gpus == {}
+    # What one GPU's measurement adds: bf16's figures, and nvfp4's own.
+    bf16_over = {b: (40e9, 0.5 * run.cpu_alone[b]) for b in BATCHES}
+    gpu = GpuRun(
+        50e9, bf16_over, 40e9, {b: c for b, (_, c) in bf16_over.items()}, {"uuid": UUID, "index": 0}, 45e9, 55e9
+    )
+    nv_over = {b: (30e9, 0.7 * nv.cpu_alone[b]) for b in BATCHES}
+    nv_paths = PathRates(35e9, nv_over, 30e9, {b: c for b, (_, c) in nv_over.items()})
+    nv = FormatRun("nvfp4", None, nv.expert_nbytes, nv.cpu_alone, {0: nv_paths})
+    run = dataclasses.replace(run, gpus=[gpu], formats={"nvfp4": nv})
+    profile = build_profile(run, gpu, shape)
+    entry = profile["formats"]["nvfp4"]
+    assert entry["measured"]["pcie_expert_bytes_per_s"] == 35e9 and entry["expert_nbytes"] == nv.expert_nbytes
+    assert prof.planner_bandwidths(profile, "nvfp4") == (30e9, nv_paths.planner_cpu)
+    assert prof.planner_bandwidths(profile) == (40e9, gpu.planner_cpu)
+    path = write(tmp_path, profile, shape=shape)
+    assert prof.planner_bandwidths(prof.read_profile(path), "nvfp4") == (30e9, nv_paths.planner_cpu)
 
 
 def test_measure_cpu_counts_expert_bytes():

@@ -1,4 +1,5 @@
-"""Measure this box: every bandwidth of `freetoken.bench.bandwidth` in one run, and the profile q* reads.
+"""Measure this box: every bandwidth of `freetoken.bench.bandwidth` in one run, and the profile q* reads, with each
+quantized expert format's own kernel and copy rates beside bf16's.
 
 `measure_box` is the whole measurement behind `ft bench bw` (which prints it) and behind `ft serve`'s first start
 on a GPU that has no profile yet (`measure_profile`, which writes one so later starts read it). The profile's
@@ -11,8 +12,8 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,29 +24,70 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
-class GpuRun:
-    """One GPU's figures (bytes/s): expert copies, the plain torch copy, the line rate, and for each batch b the
-    (PCIe, CPU) pair measured overlapped; `planner_pcie` and `planner_cpu` are what q* uses (`planner_figures`)."""
+class PathRates:
+    """One expert format's two miss paths on one GPU (bytes/s of its expert bytes): expert copies alone, and for
+    each batch b the (PCIe, CPU) pair measured overlapped; `planner_pcie` and `planner_cpu` are what q* uses
+    (`planner_figures`)."""
 
-    info: dict[str, Any]
     pcie: float
-    torch_copy: float
-    line_rate: float
     overlapped: dict[int, tuple[float, float]]
     planner_pcie: float
     planner_cpu: dict[int, float]
 
 
 @dataclass(frozen=True)
+class GpuRun(PathRates):
+    """One GPU's figures: the bf16 experts' paths, and the copies that do not depend on the format (bytes/s): the
+    plain torch copy of an expert's size and the line rate; `info` is `gpu_info`'s."""
+
+    info: dict[str, Any]
+    torch_copy: float
+    line_rate: float
+
+
+@dataclass(frozen=True)
+class FormatRun:
+    """A quantized expert format's own figures (bytes/s of its expert bytes, weights and scales): its host kernel
+    alone at each batch b, and its paths on each measured GPU (by CUDA index), measured as bf16's are."""
+
+    name: str
+    block: tuple[int, int] | None
+    expert_nbytes: int
+    cpu_alone: dict[int, float]
+    gpus: dict[int, PathRates]
+
+    def profile_entry(self, index: int) -> dict[str, Any]:
+        """The format's entry under the profile's "formats" for GPU `index` (`freetoken.moe.profile`'s schema)."""
+        paths = self.gpus[index]
+        return {
+            "expert_nbytes": self.expert_nbytes,
+            "block": list(self.block) if self.block else None,
+            "measured": {
+                "pcie_expert_bytes_per_s": paths.pcie,
+                "cpu_bytes_per_s": {str(b): v for b, v in self.cpu_alone.items()},
+                "overlapped": {
+                    "pcie_bytes_per_s": {str(b): p for b, (p, _) in paths.overlapped.items()},
+                    "cpu_bytes_per_s": {str(b): c for b, (_, c) in paths.overlapped.items()},
+                },
+            },
+            "planner": {
+                "pcie_bytes_per_s": paths.planner_pcie,
+                "cpu_bytes_per_s": {str(b): c for b, c in paths.planner_cpu.items()},
+            },
+        }
+
+
+@dataclass(frozen=True)
 class BoxRun:
-    """A whole run: the host (`host_info`), how it was measured, the host ceilings and kernel rates alone (bytes/s
-    by batch b), and each measured GPU."""
+    """A whole run: the host (`host_info`), how it was measured, the host ceilings and bf16 kernel rates alone
+    (bytes/s by batch b), each measured GPU, and each quantized format measured (by `ExpertFormat.name`)."""
 
     host: dict[str, Any]
     method: dict[str, Any]
     host_read: float
     cpu_alone: dict[int, float]
     gpus: list[GpuRun]
+    formats: dict[str, FormatRun] = field(default_factory=dict)
 
 
 def _read(path: str) -> str | None:
@@ -105,10 +147,13 @@ def measure_box(
     seconds: float = 1.0,
     pool_gb: float = 6.0,
     cpu_threads: int = 0,
+    formats: Iterable[str] = (),
 ) -> BoxRun:
     """Run every measurement on a random pool of `pool_gb` GB of `shape` experts, with a rich progress line on
     stderr: the host memory read and the host kernel at each batch of `BATCHES` alone, then, on each GPU of
-    `gpu_indices`, expert copies, the torch reference copy, the line rate and both paths overlapped.
+    `gpu_indices`, expert copies, the torch reference copy, the line rate and both paths overlapped. Then, for each
+    quantized format of `formats`, a random pool of as many experts in that format, measured the same way through
+    its own `CpuExperts` (its quantized kernels): host kernel alone, expert copies, both paths overlapped.
 
     Args:
         shape: the expert shape (only shapes matter: weights are random).
@@ -118,6 +163,8 @@ def measure_box(
         seconds: length of each timed measurement.
         pool_gb: the pool's size, far larger than the LLC so weights stream from DRAM.
         cpu_threads: threads of the host kernel; 0 is all CPUs.
+        formats: quantized formats (`ExpertFormat.name`: fp8_block with 128x128 blocks, nvfp4, mxfp4) measured
+            besides bf16, which is always measured (the profile's top-level figures are its); "bf16" is ignored.
 
     Raises:
         torch.cuda.OutOfMemoryError / RuntimeError: the pool cannot be built or pinned.
@@ -132,10 +179,12 @@ def measure_box(
     from freetoken.moe.profile import BATCHES
 
     gpu_indices = list(gpu_indices)
+    formats = [f for f in dict.fromkeys(formats) if f != "bf16"]
     num_experts = max(experts_per_call, round(pool_gb * 1e9 / shape.expert_nbytes))
     num_layers = max(1, min(len(cfg.moe_layers), num_experts // cfg.num_experts))
     per_layer = min(cfg.num_experts, num_experts) if num_layers == 1 else cfg.num_experts
-    phases = 1 + len(BATCHES) + len(gpu_indices) * (3 + len(BATCHES))
+    per_format = len(BATCHES) + len(gpu_indices) * (1 + len(BATCHES))
+    phases = 1 + per_format + len(gpu_indices) * 2 + len(formats) * (1 + per_format)
     t_start = time.perf_counter()
     with Progress(
         SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=stderr_console(), transient=True
@@ -144,6 +193,38 @@ def measure_box(
 
         def phase(description: str) -> None:
             progress.update(task, description=description, advance=1)
+
+        def kernel_and_paths(
+            pool: ExpertPool, cpu: CpuExperts, label: str, extra: Callable[[int, torch.device], None] | None = None
+        ) -> tuple[dict[int, float], dict[int, PathRates]]:
+            """The host kernel of `pool` alone at each b, then on each GPU its expert copies alone and both paths
+            overlapped at each b (`extra(i, device)` runs after the copies, with the pool pinned)."""
+            alone = {}
+            for b in BATCHES:
+                phase(f"{label}host kernel, b={b}")
+                alone[b] = bw.measure_cpu(cpu, pool, b, experts_per_call, seconds)
+            paths = {}
+            if not gpu_indices:
+                return alone, paths
+            arena = torch.frombuffer(pool.arena_view(), dtype=torch.uint8)
+            pinned = PinnedRegion(pool.ptr, pool.nbytes, keep=pool)  # registered while measuring
+            for i in gpu_indices:
+                device = torch.device("cuda", i)
+                torch.cuda.set_device(device)
+                stream = torch.cuda.Stream(device)
+                slots = torch.empty(64, pool.expert_stride, dtype=torch.uint8, device=device)
+                phase(f"cuda:{i} {label}PCIe expert copies")
+                pcie = bw.measure_pcie(pool, arena, slots, stream, seconds)
+                if extra is not None:
+                    extra(i, device)
+                overlapped = {}
+                for b in BATCHES:
+                    phase(f"cuda:{i} {label}overlapped, b={b}")
+                    overlapped[b] = bw.measure_overlapped(cpu, pool, arena, slots, stream, b, experts_per_call, seconds)
+                paths[i] = PathRates(pcie, overlapped, *bw.planner_figures(overlapped))
+                del slots
+            del arena, pinned  # unregistered before the pool can go
+            return alone, paths
 
         pool = ExpertPool.random(num_layers, per_layer, shape.hidden_size, shape.intermediate_size, seed=0)
         cpu = CpuExperts(pool, num_threads=cpu_threads or None)
@@ -155,34 +236,33 @@ def measure_box(
         }
         phase("host memory read")
         host_read = bw.measure_host_read(pool, cpu.num_threads)
-        cpu_alone = {}
-        for b in BATCHES:
-            phase(f"host kernel, b={b}")
-            cpu_alone[b] = bw.measure_cpu(cpu, pool, b, experts_per_call, seconds)
-        gpus = []
-        if gpu_indices:
-            arena = torch.frombuffer(pool.arena_view(), dtype=torch.uint8)
-            _pinned = PinnedRegion(pool.ptr, pool.nbytes, keep=pool)  # registered while measuring
-        for i in gpu_indices:
-            device = torch.device("cuda", i)
-            torch.cuda.set_device(device)
-            stream = torch.cuda.Stream(device)
-            slots = torch.empty(64, pool.expert_stride, dtype=torch.uint8, device=device)
-            phase(f"cuda:{i} PCIe expert copies")
-            pcie = bw.measure_pcie(pool, arena, slots, stream, seconds)
+        references: dict[int, tuple[float, float]] = {}
+
+        def reference_copies(i: int, device: torch.device) -> None:
             phase(f"cuda:{i} plain torch pinned copies")
             torch_copy = bw.measure_torch_copy(pool.expert_nbytes, device, seconds)
             phase(f"cuda:{i} PCIe line rate")
-            line = bw.measure_line_rate(device)
-            overlapped = {}
-            for b in BATCHES:
-                phase(f"cuda:{i} overlapped, b={b}")
-                overlapped[b] = bw.measure_overlapped(cpu, pool, arena, slots, stream, b, experts_per_call, seconds)
-            planner_pcie, planner_cpu = bw.planner_figures(overlapped)
-            gpus.append(GpuRun(gpu_info(i), pcie, torch_copy, line, overlapped, planner_pcie, planner_cpu))
-            del slots
+            references[i] = (torch_copy, bw.measure_line_rate(device))
+
+        cpu_alone, paths = kernel_and_paths(pool, cpu, "", reference_copies)
+        gpus = [
+            GpuRun(p.pcie, p.overlapped, p.planner_pcie, p.planner_cpu, gpu_info(i), *references[i])
+            for i, p in paths.items()
+        ]
+        measured = {}
+        for fmt in formats:
+            phase(f"building the {fmt} expert pool")
+            block = (128, 128) if fmt == "fp8_block" else None
+            qpool = ExpertPool.random(
+                num_layers, per_layer, shape.hidden_size, shape.intermediate_size, seed=0, format=fmt,
+                block=block or (0, 0),
+            )  # fmt: skip
+            qcpu = CpuExperts(qpool, num_threads=cpu.num_threads)
+            q_alone, q_paths = kernel_and_paths(qpool, qcpu, f"{fmt} ")
+            measured[fmt] = FormatRun(fmt, block, qpool.expert_nbytes, q_alone, q_paths)
+            del qcpu, qpool  # its workers exit before the next format's start
     log.info("measured in %.0f s", time.perf_counter() - t_start)
-    return BoxRun(host_info(cpu.num_threads, cpu.isa), method, host_read, cpu_alone, gpus)
+    return BoxRun(host_info(cpu.num_threads, cpu.isa), method, host_read, cpu_alone, gpus, measured)
 
 
 def build_profile(run: BoxRun, gpu: GpuRun, shape: ExpertShape) -> dict[str, Any]:
@@ -215,6 +295,7 @@ def build_profile(run: BoxRun, gpu: GpuRun, shape: ExpertShape) -> dict[str, Any
             "cpu_bytes_per_s": {str(b): c for b, c in gpu.planner_cpu.items()},
         },
         "verdict": {"backend": backend, "q_star_b1": q1, "hybrid_min_q_star": HYBRID_MIN_Q_STAR},
+        "formats": {name: f.profile_entry(gpu.info["index"]) for name, f in run.formats.items()},
     }
 
 
@@ -225,10 +306,16 @@ SERVE_POOL_GB = 4.0
 
 
 def measure_profile(
-    shape: ExpertShape, cfg: ModelConfig, device_index: int, directory: Path | None = None, cpu_threads: int = 0
+    shape: ExpertShape,
+    cfg: ModelConfig,
+    device_index: int,
+    directory: Path | None = None,
+    cpu_threads: int = 0,
+    formats: Iterable[str] = (),
 ) -> dict[str, Any]:
-    """Measure GPU `device_index` and the host for `shape` (about 10 s), write the profile where
-    `freetoken.moe.profile.find_profile` looks (`directory`, default `profile_dir()`), and return it.
+    """Measure GPU `device_index` and the host for `shape` (about 10 s, and about 4 s more per quantized format of
+    `formats`: the served model's), write the profile where `freetoken.moe.profile.find_profile` looks
+    (`directory`, default `profile_dir()`), and return it.
 
     A profile that cannot be written (an unwritable or full `directory`: OSError) is logged as a warning and still
     returned: this start runs on the measured figures, and the next one measures again.
@@ -241,7 +328,7 @@ def measure_profile(
     )
     run = measure_box(
         shape, cfg, cfg.num_experts_per_tok, [device_index], seconds=SERVE_SECONDS, pool_gb=SERVE_POOL_GB,
-        cpu_threads=cpu_threads,
+        cpu_threads=cpu_threads, formats=formats,
     )  # fmt: skip
     profile = build_profile(run, run.gpus[0], shape)
     path = profile_path(profile_dir() if directory is None else directory, run.gpus[0].info["uuid"], shape)

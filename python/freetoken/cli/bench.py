@@ -14,6 +14,7 @@ from freetoken.config import ModelConfig
 log = logging.getLogger("freetoken.cli")
 
 DEFAULT_PRESET = "qwen3-30b-a3b"
+EXPERT_FORMATS = ("bf16", "fp8_block", "nvfp4", "mxfp4")
 
 BW_DESCRIPTION = f"""\
 Measure, on this box and the model's expert shape, the two ways an expert-cache miss is served, and write one
@@ -28,6 +29,10 @@ Methods (all figures GB/s = 1e9 bytes/s of expert weights):
   host memory read     a torch sum over the pool on the kernel's threads, best of 3: the ceiling
   overlapped           copies kept queued on the copy stream while the kernel runs at each b: both at once, as
                        a hybrid decode step does; these figures are what q* uses
+  --format FMT ...     each quantized format (fp8_block 128x128, nvfp4, mxfp4) on a random pool of its own: its
+                       host kernel, expert copies and both overlapped, as above (GB/s of its expert bytes, scales
+                       included), stored by format in the profile; a profile without a format gives the planner
+                       bf16's GB/s for it (an expert's time then scales with its bytes)
 Verdict: hybrid when q*(b=1) = B_cpu(1) / (B_cpu(1) + B_pcie) >= 0.15 (below, the saved miss time does not pay
 for CPU runs buying no future hits), else offload.
 
@@ -65,6 +70,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         default=0,
         help="experts per host-kernel call; 0 = the model's top-k (as the criterion bench; a decode step at batch 1 "
         "sends fewer, and the online refinement corrects B_cpu for it)",
+    )
+    bw.add_argument(
+        "--format",
+        nargs="+",
+        choices=EXPERT_FORMATS,
+        default=list(EXPERT_FORMATS),
+        help="expert formats to measure (default: all; bf16 is always measured)",
     )
     bw.add_argument("--out", type=Path, default=None, help="directory of the profiles (default: see above)")
     bw.set_defaults(func=run_bw, parser=bw)
@@ -105,18 +117,18 @@ def run_bw(args: argparse.Namespace) -> int:
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     run = measure_box(
         shape, cfg, args.experts_per_call or cfg.num_experts_per_tok, range(num_gpus), seconds=args.seconds,
-        pool_gb=args.pool_gb, cpu_threads=args.cpu_threads,
+        pool_gb=args.pool_gb, cpu_threads=args.cpu_threads, formats=args.format,
     )  # fmt: skip
     console = Console(no_color="NO_COLOR" in os.environ)
     if not run.gpus:
-        _table(console, shape, run.host, run.host_read, run.cpu_alone, None)
+        _table(console, shape, run, None)
         console.print("no CUDA GPU present: measured the host side only; no profile written")
         return 0
     directory = args.out if args.out is not None else profile_dir()
     for gpu in run.gpus:
         profile = build_profile(run, gpu, shape)
         backend, q1 = verdict(gpu.planner_pcie, gpu.planner_cpu)
-        _table(console, shape, run.host, run.host_read, run.cpu_alone, gpu)
+        _table(console, shape, run, gpu)
         path = profile_path(directory, gpu.info["uuid"], shape)
         write_profile(path, profile)
         console.print(
@@ -126,11 +138,12 @@ def run_bw(args: argparse.Namespace) -> int:
     return 0
 
 
-def _table(console, shape, host, host_read, cpu_alone, gpu) -> None:
+def _table(console, shape, run, gpu) -> None:
     """The run as a rich table, GB/s alone and overlapped (the methods are in `ft bench bw --help`)."""
     from rich.table import Table
 
     gbps = lambda v: f"{v / 1e9:.1f}"
+    host = run.host
     title = f"expert {shape.label()} ({shape.expert_nbytes / 1e6:.1f} MB); {host['cpu_model']}, "
     title += f"{host['kernel_threads']} threads, {host['isa']}" + ("" if gpu is None else f"; {gpu.info['name']}")
     table = Table(title=title)
@@ -140,8 +153,16 @@ def _table(console, shape, host, host_read, cpu_alone, gpu) -> None:
         table.add_row("PCIe expert copy", "", gbps(gpu.pcie))
         table.add_row(f"PCIe torch copy (ours/torch {gpu.pcie / gpu.torch_copy:.2f})", "", gbps(gpu.torch_copy))
         table.add_row("PCIe line rate (ceiling)", "", gbps(gpu.line_rate))
-    for b, v in cpu_alone.items():
+    for b, v in run.cpu_alone.items():
         over = () if gpu is None else (gbps(gpu.overlapped[b][1]), gbps(gpu.overlapped[b][0]))
         table.add_row("host kernel", str(b), gbps(v), *over)
-    table.add_row("host memory read (ceiling)", "", gbps(host_read))
+    table.add_row("host memory read (ceiling)", "", gbps(run.host_read))
+    for name, f in run.formats.items():
+        label = f"{name} ({f.expert_nbytes / 1e6:.1f} MB)"
+        paths = None if gpu is None else f.gpus[gpu.info["index"]]
+        if paths is not None:
+            table.add_row(f"{label} PCIe expert copy", "", gbps(paths.pcie))
+        for b, v in f.cpu_alone.items():
+            over = () if paths is None else (gbps(paths.overlapped[b][1]), gbps(paths.overlapped[b][0]))
+            table.add_row(f"{label} host kernel", str(b), gbps(v), *over)
     console.print(table)

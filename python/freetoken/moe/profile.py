@@ -13,7 +13,14 @@ Schema (`SCHEMA_VERSION` 1; bandwidths in bytes/s; CPU curves keyed by tokens pe
      "method": {...},                       # how it was measured (pool size, seconds, experts per call)
      "measured": {...},                     # every figure of the run, alone and overlapped
      "planner": {"pcie_bytes_per_s": float, "cpu_bytes_per_s": {"1": float, "2": ..., "16": ...}},
-     "verdict": {"backend": "offload" | "hybrid", "q_star_b1": float, "hybrid_min_q_star": float}}
+     "verdict": {"backend": "offload" | "hybrid", "q_star_b1": float, "hybrid_min_q_star": float},
+     "formats": {"nvfp4": {"expert_nbytes", "block", "measured": {...}, "planner": {...}}, ...}}  # optional
+
+The top-level figures are the bf16 experts'. `formats` holds each quantized expert format's own (keys as
+`ExpertFormat.name`: fp8_block, nvfp4, mxfp4), measured as bf16's on a pool of that format (its own host kernels,
+copies of its expert size; bytes/s of its expert bytes, scales included), in the same "measured" / "planner" form.
+`planner_bandwidths(profile, fmt)` is the accessor; a profile without the format's entry (older, or measured without
+it) gives bf16's figures in bytes/s, so an expert's time scales with its bytes, and says so in a log line.
 
 `planner` holds the figures q* uses: those measured with copies and CPU kernels running at once (they share the
 memory bus): B_cpu(b) overlapped at each b, and B_pcie the median over b of the copies overlapped with them. A profile
@@ -120,16 +127,34 @@ def _positive(value: Any, what: str) -> float:
     return float(value)
 
 
-def planner_bandwidths(profile: dict[str, Any]) -> tuple[float, dict[int, float]]:
-    """(B_pcie bytes/s, {batch: B_cpu bytes/s}) of a profile's "planner" section. Raises ProfileError."""
+def planner_bandwidths(profile: dict[str, Any], fmt: str = "bf16") -> tuple[float, dict[int, float]]:
+    """(B_pcie bytes/s, {batch: B_cpu bytes/s}) the planner uses for experts of format `fmt` (`ExpertFormat.name`).
+
+    bf16: the profile's "planner" section. A quantized format: its entry under "formats" when the profile has one;
+    otherwise bf16's figures, in bytes/s (so a smaller expert takes proportionally less time), logged at info.
+
+    Raises:
+        ProfileError: the section used is missing or has non-positive figures.
+    """
+    section, what = profile.get("planner"), "planner"
+    if fmt != "bf16":
+        formats = profile.get("formats")
+        entry = formats.get(fmt) if isinstance(formats, dict) else None
+        if entry is None:
+            log.info(
+                "bandwidth profile has no %s figures (measured: %s): the planner takes bf16's bytes/s for %s experts, "
+                "so their time is bf16's scaled by their bytes; `ft bench bw --format %s` measures them",
+                fmt, ", ".join(["bf16", *(formats or {})]), fmt, fmt,
+            )  # fmt: skip
+        else:
+            section, what = entry.get("planner") if isinstance(entry, dict) else None, f"formats.{fmt}.planner"
     try:
-        planner = profile["planner"]
-        pcie = _positive(planner["pcie_bytes_per_s"], "planner.pcie_bytes_per_s")
-        curve = {int(b): _positive(v, f"planner.cpu_bytes_per_s[{b}]") for b, v in planner["cpu_bytes_per_s"].items()}
+        pcie = _positive(section["pcie_bytes_per_s"], f"{what}.pcie_bytes_per_s")
+        curve = {int(b): _positive(v, f"{what}.cpu_bytes_per_s[{b}]") for b, v in section["cpu_bytes_per_s"].items()}
     except (KeyError, TypeError, AttributeError, ValueError) as e:
-        raise ProfileError(f"bad planner section ({e})") from None
+        raise ProfileError(f"bad {what} section ({e})") from None
     if not curve or min(curve) < 1:
-        raise ProfileError("planner.cpu_bytes_per_s needs batch points >= 1")
+        raise ProfileError(f"{what}.cpu_bytes_per_s needs batch points >= 1")
     return pcie, curve
 
 
@@ -142,7 +167,7 @@ def read_profile(path: Path, now_s: float | None = None) -> dict[str, Any]:
 
     Raises:
         ProfileError: unreadable, not JSON, another schema or freetoken version, older than `MAX_AGE_S`, or
-            missing / non-positive planner figures. The message says which.
+            missing / non-positive planner figures (bf16's or a listed format's). The message says which.
     """
     try:
         profile = json.loads(path.read_text())
@@ -163,7 +188,11 @@ def read_profile(path: Path, now_s: float | None = None) -> dict[str, Any]:
     for key in ("gpu", "expert"):
         if not isinstance(profile.get(key), dict):
             raise ProfileError(f"missing section {key!r}")
-    planner_bandwidths(profile)
+    formats = profile.get("formats", {})
+    if not isinstance(formats, dict):
+        raise ProfileError(f"formats must be an object, got {type(formats).__name__}")
+    for fmt in ("bf16", *formats):
+        planner_bandwidths(profile, fmt)
     return profile
 
 

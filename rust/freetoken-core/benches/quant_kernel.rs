@@ -12,7 +12,8 @@
 //! Quick: cargo bench -p freetoken-core --bench quant_kernel -- --quick
 //! Env:   FT_BENCH_EXPERTS (pool size in experts, default 256), FT_BENCH_THREADS (default: all
 //!        CPUs), FT_BENCH_ISA (scalar | avx2 | avx512_bf16, default: fastest), FT_BENCH_FORMATS
-//!        (comma-separated, default fp8_block,nvfp4,mxfp4).
+//!        (comma-separated, default fp8_block,nvfp4,mxfp4), FT_BENCH_BATCHES (default 1,4,16).
+//! With one thread it also prints GB/s per CPU-second of that thread (robust to a shared machine).
 //! Prints one line per case and a JSON record, then criterion's own report.
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -156,6 +157,17 @@ impl Case {
     }
 }
 
+/// CPU seconds the calling thread has run.
+fn thread_cpu_s() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid timespec the call writes.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
 fn main() {
     let num_experts = env_usize("FT_BENCH_EXPERTS").unwrap_or(256);
     let threads = env_usize("FT_BENCH_THREADS");
@@ -164,6 +176,15 @@ fn main() {
         .and_then(|s| Isa::from_name(&s))
         .unwrap_or_else(Isa::detect);
     let formats = std::env::var("FT_BENCH_FORMATS").unwrap_or("fp8_block,nvfp4,mxfp4".into());
+    let batches: Vec<usize> = std::env::var("FT_BENCH_BATCHES")
+        .unwrap_or("1,4,16".into())
+        .split(',')
+        .map(|b| {
+            b.trim()
+                .parse()
+                .expect("FT_BENCH_BATCHES: comma-separated token counts")
+        })
+        .collect();
     let workers = WorkerPool::new(threads);
     let nt = workers.num_threads();
     let bw = read_bandwidth(nt, 1 << 30);
@@ -177,7 +198,7 @@ fn main() {
         let format = ExpertFormat::from_name(name.trim(), (128, 128)).expect("format");
         let layout = format.layout(H, I);
         let pool = random_pool(&layout, num_experts);
-        for &b in &[1usize, 4, 16] {
+        for &b in &batches {
             cases.push(Case {
                 layout,
                 pool: pool.clone(),
@@ -195,11 +216,22 @@ fn main() {
             c.call(&workers, isa); // warm up: page faults, thread wake-up
         }
         let calls = 3 * (num_experts / TOPK).max(4);
-        let t0 = Instant::now();
+        let (t0, cpu0) = (Instant::now(), thread_cpu_s());
         for _ in 0..calls {
             c.call(&workers, isa);
         }
         let s = t0.elapsed().as_secs_f64() / calls as f64;
+        if nt == 1 {
+            // One thread runs every task on the caller: its CPU time is the kernels' time even on a
+            // shared machine whose scheduler takes the core away now and then.
+            let cpu_s = (thread_cpu_s() - cpu0) / calls as f64;
+            println!(
+                "quant_kernel {:>9} batch {:>2}: {:>6.2} GB/s expert bytes per CPU-second of the thread",
+                c.layout.format.name(),
+                c.batch,
+                (TOPK * c.layout.expert_nbytes) as f64 / cpu_s / 1e9
+            );
+        }
         let gbps = (TOPK * c.layout.expert_nbytes) as f64 / s / 1e9;
         let name = c.layout.format.name();
         println!(
