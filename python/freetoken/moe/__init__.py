@@ -139,7 +139,10 @@ def make_expert_backend(
     )
     if name == "cpu" and cfg.expert_slots:
         log.warning("--expert-slots %d: ignored, --moe-backend cpu keeps no expert slots", cfg.expert_slots)
-    pcie_bytes_per_s, cpu_bytes_per_s = planner_bandwidths(profile) if profile is not None else (None, None)
+    # The pool's own format's figures (its kernels and copy sizes differ from bf16's; bf16's bytes/s, logged, when
+    # the profile has none for it).
+    bandwidths = planner_bandwidths(profile, pool.format) if profile is not None else (None, None)
+    pcie_bytes_per_s, cpu_bytes_per_s = bandwidths
     backend = ExpertCacheBackend(
         name,
         pool,
