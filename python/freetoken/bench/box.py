@@ -203,7 +203,7 @@ def measure_box(
             for b in BATCHES:
                 phase(f"{label}host kernel, b={b}")
                 alone[b] = bw.measure_cpu(cpu, pool, b, experts_per_call, seconds)
-            paths = {}
+            paths: dict[int, Any] = {}
             if not gpu_indices:
                 return alone, paths
             arena = torch.frombuffer(pool.arena_view(), dtype=torch.uint8)

@@ -136,7 +136,8 @@ def planner_bandwidths(profile: dict[str, Any], fmt: str = "bf16") -> tuple[floa
     Raises:
         ProfileError: the section used is missing or has non-positive figures.
     """
-    section, what = profile.get("planner"), "planner"
+    section: Any = profile.get("planner")
+    what = "planner"
     if fmt != "bf16":
         formats = profile.get("formats")
         entry = formats.get(fmt) if isinstance(formats, dict) else None
