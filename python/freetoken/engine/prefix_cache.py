@@ -235,39 +235,52 @@ class PrefixCache:
             raise MemoryError(f"KV cache: {n} blocks asked, {self.num_free} free or evictable")
         fresh = min(n, self.allocator.num_free)
         blocks = self.allocator.allocate(fresh)
-        demoted: list[tuple[int, int]] = []
-        for _ in range(n - fresh):
-            block, _ = self._evictable.popitem(last=False)
-            self._evict(block, demoted)
-            blocks.append(block)
-        if demoted:
-            self.host.demote(demoted)  # type: ignore[union-attr]  # demoted only with a tier
+        evicted = [self._evictable.popitem(last=False)[0] for _ in range(n - fresh)]
+        self._evict(evicted)
+        blocks += evicted
         for block in blocks:
             self._refs[block] = 1
         return blocks
 
-    def _evict(self, block: int, demoted: list[tuple[int, int]]) -> None:
-        """Take an unheld cached block out of the GPU index: into a host slot (the tier's least recently used one
-        evicted when none is free), appending (block, slot) to `demoted` for the caller to copy; or, without a
-        tier or a slot, out of the cache."""
-        key = self._key_of.pop(block)
-        node, _ = self._index.pop(key)
-        self.num_evictions += 1
+    def _evict(self, blocks: list[int]) -> None:
+        """Take unheld cached blocks out of the GPU index, in eviction order: into host slots (the tier's least
+        recently used ones evicted when none is free) and their copies queued; or, without a tier or a slot, out
+        of the cache. The blocks, sorted, get the slots, sorted, so that a run of blocks is copied as one; the
+        tier's LRU order is the eviction order (a chain's tail leaves the host tier before its head)."""
         host = self.host
-        if host is not None and (host.num_free or host.num_live):
-            if not host.num_free:
-                self._drop_host(host.evict_lru())
-            slot = host.take()
+        entries = []
+        for block in blocks:
+            key = self._key_of.pop(block)
+            entries.append((block, key, self._index.pop(key)[0]))
+            self.num_evictions += 1
+        pending: dict[int, tuple[int, BlockKey, int]] = {}  # slot taken -> (block, key, node), in eviction order
+        for entry in entries:
+            if host is not None and (host.num_free or host.num_live):
+                if not host.num_free:
+                    slot = host.evict_lru()
+                    if slot in pending:  # a tier smaller than this batch: an earlier block of it leaves again
+                        self._forget(pending.pop(slot)[2])
+                    else:
+                        self._drop_host(slot)
+                pending[host.take()] = entry
+            else:
+                self._forget(entry[2])
+        if not pending:
+            return
+        slot_of = dict(zip(sorted(block for block, _, _ in pending.values()), sorted(pending), strict=True))
+        for block, key, node in pending.values():
+            slot = slot_of[block]
             self._host_index[key] = (node, slot)
             self._host_key_of[slot] = key
-            demoted.append((block, slot))
-        elif self.on_evict is not None:
+            host.touch(slot)  # type: ignore[union-attr]  # slots only with a tier
+        host.demote(sorted(slot_of.items()))  # type: ignore[union-attr]
+
+    def _forget(self, node: int) -> None:
+        if self.on_evict is not None:
             self.on_evict(node)
 
     def _drop_host(self, slot: int) -> None:
-        node, _ = self._host_index.pop(self._host_key_of.pop(slot))
-        if self.on_evict is not None:
-            self.on_evict(node)
+        self._forget(self._host_index.pop(self._host_key_of.pop(slot))[0])
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference on each of `blocks` (one sequence's block table, in order). Blocks nobody holds
@@ -341,11 +354,10 @@ class PrefixCache:
         if self.host is None:
             return
         kept = set(keep)
-        demoted: list[tuple[int, int]] = []
-        for block in [b for b in self._evictable if b not in kept]:
+        dropped = [b for b in self._evictable if b not in kept]
+        for block in dropped:
             del self._evictable[block]
-            self._evict(block, demoted)
-        self.host.demote(demoted)
+        self._evict(dropped)
 
     def remap(self, keep: Sequence[int]) -> dict[int, int]:
         """Follow a resized KV cache (`KVCache.adopt`) whose block i is old block `keep[i]`: reference counts,
