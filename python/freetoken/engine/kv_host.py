@@ -15,9 +15,10 @@ V of each layer), the KV cache's own row layout (slot = block), page-locked with
 to 64 GB and record an event per copy). The pairs of a demotion or a promotion are sorted and cut into runs that
 are contiguous on both sides: one copy per run and K/V tensor (the GPU cache has one tensor per layer, K and V).
 On CUDA the copies run on a side stream that first waits for the compute stream (the blocks' last writers), and
-the compute stream waits for it before the next step (`before_step`): a demoted block is read before its new owner
-writes it, and a promoted one is written before the attention that reads it. All copies share that one stream, so
-a host slot is never rewritten before an earlier copy out of it has run. On a CPU device the tier is a second
+the compute stream waits for them before anything queued after (an event, no host sync): a demoted block is read
+before its new owner writes it, and a promoted one is written before the attention (or the block copy of a fully
+cached prompt) that reads it, while the host goes on scheduling. All copies share that one stream, so a host slot
+is never rewritten before an earlier copy out of it has run. On a CPU device the tier is a second
 buffer in the same memory and the copies are plain, on the same code path.
 
 When to promote (`CopyCost`). Promoting n tokens costs `t0 + n * bytes_per_token / B_h2d` (t0: the fixed cost of
@@ -190,7 +191,6 @@ class HostKVTier:
         self.layers = [(buf[2 * i], buf[2 * i + 1]) for i in range(len(kv.layers))]
         self._free = list(range(num_slots - 1, -1, -1))
         self._lru: OrderedDict[int, None] = OrderedDict()  # slots holding cached content, least recent first
-        self._pending = False
         self.num_demoted_blocks = 0
         self.num_promoted_blocks = 0
         self.num_evicted_blocks = 0
@@ -269,10 +269,13 @@ class HostKVTier:
         if self.stream is None:
             self._copy(src_layers, dst_layers, pairs)
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        compute = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
             self._copy(src_layers, dst_layers, pairs)
-        self._pending = True
+        # Now, not at the next step: the scheduler may copy a promoted block on the compute stream before the step
+        # (`Scheduler._admit`'s private last block) or hand a demoted one to a sequence that writes it.
+        compute.wait_stream(self.stream)
 
     def demote(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Queue the copies of GPU blocks into host slots: `pairs` (GPU block, slot)."""
@@ -286,17 +289,10 @@ class HostKVTier:
         self.num_promoted_blocks += len(pairs)
         self.bytes_h2d += len(pairs) * self.bytes_per_block
 
-    def before_step(self) -> None:
-        """Order the copies queued so far before the compute stream's next work (call it before each step)."""
-        if self._pending:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
-            self._pending = False
-
     def synchronize(self) -> None:
         """Wait until every queued copy has run (before the GPU KV tensors are replaced, `engine.resize`)."""
         if self.stream is not None:
             self.stream.synchronize()
-        self._pending = False
 
     def _measure(self, profiled: float | None) -> CopyCost:
         """The promotion cost: time the tier's own H2D copies (host slots -> GPU blocks, the free pool before

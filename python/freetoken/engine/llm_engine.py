@@ -323,8 +323,6 @@ class LLMEngine:
     def step(self) -> list[StepOutput]:
         """Run one step. Returns an output for every request that sampled a token or finished."""
         scheduled = self.scheduler.schedule()
-        if self.kv_host is not None:
-            self.kv_host.before_step()  # host-tier copies the schedule queued run before the step's attention
         if not scheduled.seqs:
             return []
         start = time.perf_counter()

@@ -168,8 +168,8 @@ class PrefixCache:
         return PrefixMatch(blocks, nodes, host)
 
     def promote(self, match: PrefixMatch, partial_ok: bool = True) -> PrefixMatch | None:
-        """`match` with its host-tier blocks brought back into GPU blocks (copies queued on the tier's stream,
-        `HostKVTier.before_step` orders them before the next step); the blocks end up cached and unheld, for the
+        """`match` with its host-tier blocks brought back into GPU blocks (copies queued on the tier's stream, ahead
+        of the compute stream's next work, `HostKVTier`); the blocks end up cached and unheld, for the
         caller to `acquire` at once.
 
         With `partial_ok`, a match whose host tokens are below the crossover (`kv_host.CopyCost`), or whose host
