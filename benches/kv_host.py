@@ -100,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
         crossover = cost.crossover_tokens
         crossovers[g] = None if crossover is None or math.isinf(crossover) else round(crossover, 1)
         print(f"marginal prefill {g} us/token -> promote from {crossovers[g]} tokens", file=sys.stderr)
-    print(json.dumps({"bench": "kv_host", "model": args.model, "startup": start, "runs": rows, "crossover": crossovers}))
+    print(
+        json.dumps({"bench": "kv_host", "model": args.model, "startup": start, "runs": rows, "crossover": crossovers})
+    )
     return 0
 
 

@@ -79,8 +79,9 @@ def test_evicted_blocks_go_to_the_host_and_come_back_with_their_kv():
         for k, v in kv.layers:
             assert torch.equal(k[block * BS : (block + 1) * BS], torch.full_like(k[:BS], 10.0 + i))
             assert torch.equal(v[block * BS : (block + 1) * BS], torch.full_like(v[:BS], -(10.0 + i)))
-    # Room for a's blocks came from b's, now on the host; the tier freed a's slots (b's took two of them).
-    assert host.num_promoted_blocks == 2 and host.num_live == 2 and host.num_copies == 3  # one run per batch: a out, b out, a back
+    # Room for a's blocks came from b's, now on the host; the tier freed a's slots (b's took two of them). One copy
+    # per batch, each a contiguous run: a out, b out, a back.
+    assert host.num_promoted_blocks == 2 and host.num_live == 2 and host.num_copies == 3
     assert cache.match(b).num_blocks == 2 and set(cache.match(b).host) == {0, 1}
     assert host.bytes_h2d == 2 * kv.bytes_per_block and host.bytes_d2h == 4 * kv.bytes_per_block
     assert not gone

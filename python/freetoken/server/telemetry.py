@@ -349,7 +349,9 @@ PREFIX_CACHE_METRICS = {
 KV_HOST_METRICS = {
     "num_hit_tokens": ("kv_host_hit_tokens", "counter", "prompt tokens copied back from the KV host tier"),
     "num_skipped_tokens": (
-        "kv_host_skipped_tokens", "counter", "host-tier prompt tokens prefilled again (below the crossover)"
+        "kv_host_skipped_tokens",
+        "counter",
+        "host-tier prompt tokens prefilled again (below the crossover)",
     ),
     "bytes_h2d": ("kv_host_h2d_bytes", "counter", "bytes copied from the KV host tier to the device"),
     "bytes_d2h": ("kv_host_d2h_bytes", "counter", "bytes copied from the device KV cache to the host tier"),
@@ -358,7 +360,9 @@ KV_HOST_METRICS = {
     "num_live_blocks": ("kv_host_blocks", "gauge", "KV blocks the host tier holds"),
     "capacity_tokens": ("kv_host_capacity_tokens", "gauge", "most tokens the KV host tier can hold"),
     "crossover_tokens": (
-        "kv_host_crossover_tokens", "gauge", "host tokens from which copying back beats prefilling again"
+        "kv_host_crossover_tokens",
+        "gauge",
+        "host tokens from which copying back beats prefilling again",
     ),
 }
 
