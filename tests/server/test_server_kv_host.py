@@ -10,16 +10,9 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from test_server_prefix_cache import SYSTEM, chat
+from test_server_prefix_cache import SYSTEM, chat, cold  # noqa: F401  (cold: the --no-prefix-cache server fixture)
 
 from conftest import ServerProcess, start_server
-
-
-@pytest.fixture(scope="module")
-def cold(tmp_path_factory) -> Iterator[ServerProcess]:
-    proc = start_server(tmp_path_factory.mktemp("cold"), "--no-prefix-cache")
-    yield proc
-    proc.stop()
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +24,7 @@ def tiered(tmp_path_factory) -> Iterator[ServerProcess]:
     proc.stop()
 
 
-def test_sessions_get_their_history_back_from_the_host_tier(tiered, cold):
+def test_sessions_get_their_history_back_from_the_host_tier(tiered, cold):  # noqa: F811  (the fixture)
     sessions = [
         [
             {"role": "system", "content": f"Session {s}. " + SYSTEM * 2},
@@ -64,5 +57,5 @@ def test_sessions_get_their_history_back_from_the_host_tier(tiered, cold):
     assert "freetoken_kv_host_crossover_tokens" in metrics and "freetoken_kv_host_h2d_bytes_total" in metrics
 
 
-def test_no_host_tier_by_default_on_the_cpu(cold):
+def test_no_host_tier_by_default_on_the_cpu(cold):  # noqa: F811
     assert httpx.get(cold.base_url + "/v1/stats", timeout=30).json()["kv_host"] is None
