@@ -113,6 +113,37 @@ def test_without_a_tier_eviction_drops_at_once():
     assert len(gone) == 2
 
 
+@pytest.mark.parametrize("with_host", [False, True])
+def test_a_kv_shrink_spills_to_the_host_or_drops_with_on_evict(with_host):
+    """A resize that keeps fewer blocks: with a tier the cached blocks left out move there (their nodes live on);
+    without one they leave the cache and `on_evict` says so (snapshots die with their KV)."""
+    kv, host, cache = make_cache(num_blocks=4, host_blocks=4)
+    if not with_host:
+        cache = PrefixCache(kv.allocator, BS)
+    gone: list[int] = []
+    cache.on_evict = gone.append
+    fill(kv, cache, list(range(16)), 1.0)
+    keep = cache.keep_on_resize(2)
+    cache.spill(keep)
+    kv.adopt(kv.allocate_layers(2), keep)
+    cache.remap(keep)
+    match = cache.match(list(range(16)))
+    assert match.num_blocks == (4 if with_host else 2)
+    assert len(gone) == (0 if with_host else 2)
+    if with_host:
+        assert set(match.host) == {2, 3}
+        assert cache.promote(match).num_blocks == 2  # no room for them in 2 GPU blocks: start after the GPU's
+        keep = cache.keep_on_resize(4)  # grown back: they come back with their K/V
+        kv.adopt(kv.allocate_layers(4), keep)
+        cache.remap(keep)
+        promoted = cache.promote(cache.match(list(range(16))))
+        assert promoted is not None and promoted.num_blocks == 4 and not promoted.host
+        for i, block in enumerate(promoted.blocks):
+            assert torch.equal(
+                kv.layers[1][0][block * BS : (block + 1) * BS], torch.full_like(kv.layers[1][0][:BS], 1.0 + i)
+            )
+
+
 def test_below_the_crossover_host_blocks_are_recomputed_and_their_entries_repointed():
     kv, host, cache = make_cache(host_blocks=8)
     a = list(range(8))

@@ -361,8 +361,8 @@ class PrefixCache:
 
     def remap(self, keep: Sequence[int]) -> dict[int, int]:
         """Follow a resized KV cache (`KVCache.adopt`) whose block i is old block `keep[i]`: reference counts,
-        index and LRU order move to the new ids; cached blocks left out leave the index (counted as evictions;
-        `spill` first moves them to the host tier, whose entries stay as they are).
+        index and LRU order move to the new ids; cached blocks left out leave the index (counted as evictions, and
+        `on_evict` called; `spill` first moves them to the host tier, whose entries stay as they are).
         Call it after `KVCache.adopt`, which resets the allocator to the new size. Returns {old id: new id} for the
         block tables."""
         new_of = {old: new for new, old in enumerate(keep)}
@@ -371,7 +371,7 @@ class PrefixCache:
             refs[new] = self._refs[old]
         self._refs = refs
         for block in [b for b in self._key_of if b not in new_of]:
-            del self._index[self._key_of.pop(block)]
+            self._forget(self._index.pop(self._key_of.pop(block))[0])
             self.num_evictions += 1
         self._index = {key: (node, new_of[block]) for key, (node, block) in self._index.items()}
         self._key_of = {new_of[block]: key for block, key in self._key_of.items()}
