@@ -19,7 +19,6 @@ import argparse
 import json
 import math
 import sys
-import time
 
 import httpx
 import torch
@@ -28,21 +27,6 @@ from freetoken.cli.serve import resolve_model_dir
 from freetoken.config import ModelConfig
 from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.kv_host import CopyCost, HostKVTier
-
-
-def timed(tier: HostKVTier, promote: bool, blocks: int, repeats: int) -> float:
-    """Best seconds of one copy of a `blocks`-block run (host slots 0.. <-> GPU blocks 0..), waited for."""
-    pairs = [(i, i) for i in range(blocks)]
-    best = math.inf
-    for _ in range(repeats):
-        tier.synchronize()
-        if tier.stream is not None:
-            torch.cuda.synchronize(tier.device)
-        start = time.perf_counter()
-        (tier.promote if promote else tier.demote)(pairs)
-        tier.synchronize()
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = sorted({1, 2, 4, 8, 16, 32, 64, 128, 256, args.max_run} & set(range(1, args.max_run + 1)))
     print(f"{'blocks':>7} {'tokens':>7} {'H2D ms':>9} {'H2D GB/s':>9} {'D2H ms':>9} {'D2H GB/s':>9}", file=sys.stderr)
     for n in runs:
-        h2d, d2h = timed(tier, True, n, args.repeats), timed(tier, False, n, args.repeats)
+        h2d, d2h = tier.copy_seconds(n, True, args.repeats), tier.copy_seconds(n, False, args.repeats)
         nbytes = n * kv.bytes_per_block
         rows.append({"blocks": n, "tokens": n * args.block_size, "h2d_s": h2d, "d2h_s": d2h, "bytes": nbytes})
         print(

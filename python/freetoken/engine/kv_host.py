@@ -22,8 +22,9 @@ is never rewritten before an earlier copy out of it has run. On a CPU device the
 buffer in the same memory and the copies are plain, on the same code path.
 
 When to promote (`CopyCost`). Promoting n tokens costs `t0 + n * bytes_per_token / B_h2d` (t0: the fixed cost of
-the 2 x num_layers copies of a run, measured at start with the tier's own copies; B_h2d: the H2D bandwidth of the
-bandwidth profile `ft serve` measures, `freetoken.moe.profile`, else measured at start too); prefilling them again
+the 2 x num_layers copies of a run, their launches, measured at start with the tier's own one-block copy; B_h2d: the
+H2D bandwidth of the bandwidth profile `ft serve` measures, `freetoken.moe.profile`, else one large copy measured at
+start); prefilling them again
 costs `n * g`, g the marginal prefill seconds per token the engine measures on its own steps (a least-squares line
 through (tokens, seconds) of recent prefill steps: the slope, so the fixed cost of a step, paid with or without
 these tokens, is not counted). Promotion pays from `crossover = t0 / (g - bytes_per_token / B_h2d)` tokens on; a
@@ -52,7 +53,9 @@ DEFAULT_MARGIN_SHARE = 0.25
 DEFAULT_MARGIN_BYTES = 8 * 10**9
 # Forgetting factor of the prefill-cost fit, per measured step: about the last 50 steps count.
 PREFILL_FIT_DECAY = 0.98
-# Blocks of the start-up copy measurement's long run (as many as both tiers have, if fewer).
+# The start-up copy-rate measurement without a bandwidth profile: on CUDA one linear copy of this many bytes (past
+# the launch-bound sizes, which end at a few MB); on a CPU device a promotion of this many blocks (or all there are).
+MEASURE_LINE_BYTES = 64 * 2**20
 MEASURE_RUN_BLOCKS = 64
 
 
@@ -228,10 +231,6 @@ class HostKVTier:
         self._lru[slot] = None
         return slot
 
-    def lru(self) -> int:
-        """The least recently used live slot (the next `evict_lru`). Raises StopIteration when none is live."""
-        return next(iter(self._lru))
-
     def evict_lru(self) -> int:
         """Evict the least recently used live slot: it becomes free, counted. Returns it."""
         slot, _ = self._lru.popitem(last=False)
@@ -295,29 +294,44 @@ class HostKVTier:
             self.stream.synchronize()
 
     def _measure(self, profiled: float | None) -> CopyCost:
-        """The promotion cost: time the tier's own H2D copies (host slots -> GPU blocks, the free pool before
-        serving) of one block and of a `MEASURE_RUN_BLOCKS` run, best of 3 each; the rate is the profile's when
-        given, else the slope of the two; the fixed cost what the one-block copy takes beyond its bytes."""
-        n = max(1, min(MEASURE_RUN_BLOCKS, self.num_slots, self.kv.num_blocks))
+        """The promotion cost model's figures. The rate: the bandwidth profile's H2D rate when given; else on CUDA
+        one large linear copy (`freetoken.bench.bandwidth.measure_line_rate` of `MEASURE_LINE_BYTES`), on a CPU
+        device a promotion of `MEASURE_RUN_BLOCKS` blocks (the tier's own copies: torch runs a large CPU copy on
+        its thread pool, whose speed on a loaded host says nothing about the per-block copies). The fixed cost t0:
+        what a one-block promotion (the tier's own 2 x num_layers copies) takes beyond its bytes at that rate: the
+        per-copy launch cost, which dominates runs below a few MB (on the H200 box at the Qwen3-30B-A3B shape:
+        0.8 ms from 1 to 16 blocks, then ~54 GB/s). Copies go host slot i -> GPU block i, free before serving;
+        best of 3 each."""
+        one = self.copy_seconds(1)
+        if profiled:
+            rate = profiled
+        elif self.stream is not None:
+            from freetoken.bench.bandwidth import measure_line_rate
 
-        def seconds(blocks: int) -> float:
-            best = math.inf
-            for _ in range(3):
-                if self.stream is not None:
-                    torch.cuda.synchronize(self.device)
-                t = time.perf_counter()
-                self._on_stream(self.layers, self.kv.layers, [(i, i) for i in range(blocks)])
-                self.synchronize()
-                best = min(best, time.perf_counter() - t)
-            return best
-
-        one = seconds(1)
-        many = seconds(n) if n > 1 else one
+            rate = measure_line_rate(self.device, MEASURE_LINE_BYTES)
+        else:
+            n = min(MEASURE_RUN_BLOCKS, self.num_slots, self.kv.num_blocks)
+            rate = n * self.bytes_per_block / self.copy_seconds(n)
         self.num_copies = 0
-        measured = (n - 1) * self.bytes_per_block / (many - one) if n > 1 and many > one else None
-        rate = profiled or measured or self.bytes_per_block / one
-        fixed = max(0.0, one - self.bytes_per_block / rate)
-        return CopyCost(self.bytes_per_block // self.block_size, rate, fixed)
+        return CopyCost(self.bytes_per_block // self.block_size, rate, max(0.0, one - self.bytes_per_block / rate))
+
+    def copy_seconds(self, num_blocks: int, promote: bool = True, repeats: int = 3) -> float:
+        """Best of `repeats` seconds of one run of `num_blocks` blocks, host slots 0.. -> GPU blocks 0.. (`promote`)
+        or back, waited for (they overwrite those blocks: only before serving, or on a tier of its own)."""
+        pairs = [(i, i) for i in range(num_blocks)]
+        best = math.inf
+        for _ in range(repeats):
+            self.synchronize()
+            if self.stream is not None:
+                torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            if promote:
+                self._on_stream(self.layers, self.kv.layers, pairs)
+            else:
+                self._on_stream(self.kv.layers, self.layers, pairs)
+            self.synchronize()
+            best = min(best, time.perf_counter() - start)
+        return best
 
     def stats(self) -> dict:
         """Counters (JSON-able): capacity, live and free slots, blocks demoted, promoted and evicted, host hits
