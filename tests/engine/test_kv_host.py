@@ -117,7 +117,7 @@ def test_without_a_tier_eviction_drops_at_once():
 def test_a_kv_shrink_spills_to_the_host_or_drops_with_on_evict(with_host):
     """A resize that keeps fewer blocks: with a tier the cached blocks left out move there (their nodes live on);
     without one they leave the cache and `on_evict` says so (snapshots die with their KV)."""
-    kv, host, cache = make_cache(num_blocks=4, host_blocks=4)
+    kv, _host, cache = make_cache(num_blocks=4, host_blocks=4)
     if not with_host:
         cache = PrefixCache(kv.allocator, BS)
     gone: list[int] = []
