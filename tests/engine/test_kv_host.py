@@ -256,3 +256,25 @@ def test_the_host_tier_survives_a_kv_resize_and_keeps_what_a_shrink_drops(demo):
     r = one(engine, history + [5, 6], greedy(8), rid="c")
     assert r.token_ids == cold(demo, history + [5, 6], greedy(8), kv_block_size=BS).token_ids
     assert_all_blocks_free(engine)
+
+
+def test_hybrid_snapshots_live_on_while_their_kv_is_in_the_host_tier(tmp_path_factory):
+    """Qwen3.5 (hybrid): where the GPU tier alone drops a snapshot with its evicted KV block
+    (test_state_checkpoints.test_kv_eviction_invalidates_snapshots), the host tier keeps the block, so the snapshot
+    stays valid, the prompt resumes from it on promoted blocks, and the answer equals cold's."""
+    from test_state_checkpoints import TOOLS, Qwen35, cold, session
+
+    from freetoken.models.demo_qwen3_5 import build_qwen3_5_demo_checkpoint
+
+    qwen35 = Qwen35(build_qwen3_5_demo_checkpoint(tmp_path_factory.mktemp("qwen35"), seed=0))
+    engine = qwen35.engine(kv_cache_tokens=512, kv_host_gb=0.01)
+    p1 = qwen35.encode(session(1, salt="first "), TOOLS)
+    one(engine, p1, greedy(4))
+    for s in range(3):  # other prompts take every GPU block
+        one(engine, qwen35.encode(session(1, salt=f"other {s} "), TOOLS), greedy(4))
+    assert engine.stats()["state_checkpoints"]["num_invalidated"] == 0
+    promoted = engine.kv_host.num_promoted_blocks
+    r = one(engine, p1 + [11, 12, 13])
+    assert r.last.num_cached_tokens > len(p1) // 2 and engine.kv_host.num_promoted_blocks > promoted
+    assert r.token_ids == cold(qwen35, p1 + [11, 12, 13])
+    assert_all_blocks_free(engine)
