@@ -18,16 +18,22 @@ the server itself, the `plain` single session again on a server started with `--
 (`--compare-variants`), the figure the prefix cache replaces (skipped, and said so, when the server does not
 know the flag). Per turn: TTFT (request sent to first streamed token), prompt tokens, cached tokens (OpenAI
 `usage.prompt_tokens_details.cached_tokens`, Anthropic `usage.cache_read_input_tokens`; 0 when absent),
-re-prefilled tokens (prompt - cached), decode tok/s ((completion tokens - 1) over first to last token). Per run:
-p50/p99/max TTFT, turns over the harness watchdog (`--watchdog-s`, 120 s: a request that streams nothing for that
-long is killed), last-turn over first-turn decode tok/s. Prints the routing the server runs (`/v1/stats`), a rich
-table per run, a summary, and a final JSON line.
+re-prefilled tokens (prompt - cached), decode tok/s ((completion tokens - 1) over first to last token), and issue
+21's bound on the turn, TTFT <= 0.3 s + the time to prefill the re-prefilled tokens alone: before the sessions, each
+server answers fresh prompts (`--alone-sizes`, a random nonce first so nothing of them is cached) and their TTFT by
+prefilled tokens, interpolated (`AloneCurve`), is that time, measured through the same path as the turns. Per run:
+p50/p99/max TTFT, turns over the bound, turns over the harness watchdog (`--watchdog-s`, 120 s: a request that
+streams nothing for that long is killed), last-turn over first-turn decode tok/s; `--time-limit-s` stops a run's
+sessions from starting more turns past a wall-clock limit and reports what ran (marked cut). Prints the routing the
+server runs (`/v1/stats`), a rich table per run, a summary, and a final JSON line.
 
     # on the GPU box: starts `ft serve` twice (with and without --no-prefix-cache) on a free port
     python benches/agent_trace.py --model qwen3-30b-a3b \\
         --serve-args "--device cuda --dummy-weights --replay-routing synthetic --gpu-memory-gb 24 --max-model-len 70000"
-    # against a running server (one configuration)
+    # against a running server (one configuration); 3 concurrent sessions (subagents), about 20k tokens each
     python benches/agent_trace.py --server http://127.0.0.1:1919
+    python benches/agent_trace.py --server URL --variants plain --sessions 3 --scale 0.33 --turns 13 \\
+        --max-tokens 32 --time-limit-s 170
     # tiny, on the CPU demo model (seconds)
     python benches/agent_trace.py --model demo --serve-args "--device cpu --dummy-weights" --scale 0.01 --turns 4
 
@@ -91,6 +97,11 @@ PROSE_CHARS_PER_TOKEN = 4.9
 CODE_CHARS_PER_TOKEN = 2.4
 USER_EVERY = 4  # every 4th turn brings a user message after the tool result (the others are tool turns)
 THINKING_TOKENS = 300
+# Issue 21's target for a turn: TTFT <= this + the time to prefill its re-prefilled tokens alone (`AloneCurve`).
+BOUND_ALLOWANCE_S = 0.3
+# Fresh-prompt sizes (tokens, times --scale) whose TTFT gives the time to prefill that many tokens alone; a session's
+# first turn (`--system-tokens`) is added, so every turn's re-prefill lies within the measured range.
+ALONE_SIZES = (32, 256, 1024, 4096, 16384)
 # OpenCode's session compaction (packages/opencode/src/session/compaction.ts, PRUNE_PROTECT / PRUNE_MINIMUM).
 PRUNE_PROTECT_TOKENS = 40_000
 PRUNE_MINIMUM_TOKENS = 20_000
@@ -315,10 +326,49 @@ class TurnResult:
     decode_tok_per_s: float | None
     max_gap_s: float  # the longest time the stream sent nothing (the first token included)
     reply: str
+    alone_s: float | None = None  # the time to prefill `reprefilled_tokens` alone (`AloneCurve`), once measured
+    # With the model's tokenizer (`PromptDiff`): prompt tokens from the first one that differs from the previous
+    # turn's prompt (all of them on the first turn), and that plus the tokens back to the last mark before the
+    # change (what a snapshot at every mark would re-prefill: the target of the marks mode); None without it.
+    changed_tokens: int | None = None
+    mark_bound_tokens: int | None = None
 
     @property
     def reprefilled_tokens(self) -> int:
         return self.prompt_tokens - self.cached_tokens
+
+    @property
+    def bound_s(self) -> float | None:
+        """Issue 21's bound on this turn's TTFT: `BOUND_ALLOWANCE_S` + the time to prefill its re-prefilled tokens
+        alone; None without an `AloneCurve`."""
+        return None if self.alone_s is None else BOUND_ALLOWANCE_S + self.alone_s
+
+
+@dataclass
+class AloneCurve:
+    """The time to prefill n tokens alone through this server: the TTFT of fresh prompts (a random nonce first, so
+    nothing of them is cached; the server's cached-token count is subtracted all the same) by the tokens the server
+    prefilled, the minimum over repeats (a repeat may have paid a first-time cost the turns do not). It includes
+    what every turn's TTFT includes (HTTP, chat template, tokenizer, scheduling, the first token's sampling), and it
+    attends over no earlier context, which a turn's extend does (the allowance covers that). Piecewise linear
+    between the measured points; below the first, the first point's time (a shorter prefill is not slower); past
+    the last, the line through the last two (prefill time grows with tokens there), never below the last point.
+
+    Attributes:
+        tokens: prefilled tokens of each point, ascending.
+        seconds: TTFT of each point.
+    """
+
+    tokens: list[int]
+    seconds: list[float]
+
+    def __call__(self, n: int) -> float:
+        """Seconds to prefill `n` tokens alone."""
+        xs, ys = self.tokens, self.seconds
+        if n <= xs[-1] or len(xs) == 1:
+            return float(np.interp(n, xs, ys))
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return ys[-1] + max(slope, 0.0) * (n - xs[-1])
 
 
 def stream_openai(client, model: str, session: Session, view: list[Entry], max_tokens: int, seed: int):
@@ -327,7 +377,7 @@ def stream_openai(client, model: str, session: Session, view: list[Entry], max_t
     stream = client.chat.completions.create(
         model=model,
         messages=openai_messages(session, view),
-        tools=tools,
+        **({"tools": tools} if tools else {}),
         stream=True,
         max_tokens=max_tokens,
         temperature=0.0,
@@ -363,7 +413,7 @@ def stream_anthropic(client, model: str, session: Session, view: list[Entry], ma
         model=model,
         system=session.system,
         messages=anthropic_messages(view),
-        tools=tools,
+        **({"tools": tools} if tools else {}),
         max_tokens=max_tokens,
         stream=True,
         extra_body={"temperature": 0.0},
@@ -383,6 +433,43 @@ def stream_anthropic(client, model: str, session: Session, view: list[Entry], ma
             yield "", {"prompt": prompt, "cached": cached, "completion": event.usage.output_tokens}
 
 
+class PromptDiff:
+    """Where each turn's prompt departs from the previous turn's, in the server's tokens: renders the messages as
+    the server does (`Tokenizer.encode_chat`, the OpenAI API's request) and finds the marks of its state
+    checkpoints (`MarkSet`, hybrid models) in them."""
+
+    def __init__(self, model_dir: Path) -> None:
+        from freetoken.engine.state_checkpoints import MarkSet
+        from freetoken.tokenizer import Tokenizer
+
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.marks = MarkSet.from_tokenizer(self.tokenizer)
+        self.last: dict[str, list[int]] = {}  # session name -> its previous prompt's ids
+
+    def encode(self, session: Session, view: list[Entry]) -> list[int]:
+        """The prompt's token ids as the server gets them from `openai_messages`: its own request parsing (tool-call
+        arguments to objects ...), then its rendering."""
+        from freetoken.server.openai import parse_chat_request
+
+        tools = [{"type": "function", "function": t} for t in session.tools]
+        request = parse_chat_request({"model": "bench", "messages": openai_messages(session, view), "tools": tools})
+        return self.tokenizer.encode_chat(request.messages, tools=request.tools, **request.template_kwargs)[1]
+
+    def measure(self, session: Session, view: list[Entry], prompt_tokens: int) -> tuple[int | None, int | None]:
+        """(changed tokens, the mark bound) of this turn, as `TurnResult` names them; (None, None) when the
+        rendering here does not count the server's `prompt_tokens` (another template or API: no figure beats a
+        wrong one)."""
+        ids = self.encode(session, view)
+        previous = self.last.get(session.name, [])
+        self.last[session.name] = ids
+        if len(ids) != prompt_tokens:
+            return None, None
+        same = next((i for i, (a, b) in enumerate(zip(previous, ids, strict=False)) if a != b), len(previous))
+        same = min(same, len(ids) - 1)  # the last token is always computed (its logits)
+        marks = self.marks.positions(ids, 0, same)
+        return len(ids) - same, len(ids) - (marks[-1] if marks else 0)
+
+
 def run_turn(
     client,
     api: str,
@@ -392,8 +479,10 @@ def run_turn(
     max_tokens: int,
     seed: int,
     prune_tokens: tuple[float, float] = (PRUNE_PROTECT_TOKENS, PRUNE_MINIMUM_TOKENS),
+    diff: PromptDiff | None = None,
 ) -> TurnResult:
-    """Send the session's conversation as its harness would, stream the reply, and append it for the next turn."""
+    """Send the session's conversation as its harness would, stream the reply, and append it for the next turn;
+    with `diff`, also measure what changed since the previous turn (OpenAI API only)."""
     view = harness_view(session, *prune_tokens)
     stream = stream_openai if api == "openai" else stream_anthropic
     t0 = last = time.perf_counter()
@@ -414,6 +503,7 @@ def run_turn(
         raise RuntimeError(f"{session.name} turn {turn}: the stream ended without {missing}")
     n = usage["completion"] or 0
     reply = "".join(pieces)
+    changed = diff.measure(session, view, usage["prompt"] or 0) if diff is not None and api == "openai" else None
     advance(session, turn, reply)
     return TurnResult(
         session.name,
@@ -425,27 +515,82 @@ def run_turn(
         (n - 1) / (last - first) if n > 1 and last > first else None,
         max_gap,
         reply,
+        *(changed or (None, None)),
     )
+
+
+def make_client(base_url: str, api: str, args):
+    """The official SDK's client for `api` ("openai" or "anthropic"), no retries."""
+    import anthropic
+    import openai
+
+    timeout = args.request_timeout_s  # a float: the two SDKs build their own (different) httpx Timeout from it
+    if api == "openai":
+        return openai.OpenAI(base_url=base_url + "/v1", api_key=args.api_key, max_retries=0, timeout=timeout)
+    return anthropic.Anthropic(base_url=base_url, api_key=args.api_key, max_retries=0, timeout=timeout)
+
+
+def time_fresh_prompt(client, api: str, model: str, tokens: int, max_tokens: int, seed: int) -> tuple[int, float]:
+    """(tokens the server prefilled, TTFT s) of a fresh prompt of about `tokens` tokens: a system prompt that opens
+    with a random nonce, and a one-word user turn."""
+    gen = TextGen(f"alone-{os.urandom(8).hex()}")
+    system = f"[{os.urandom(8).hex()}] " + gen.prose(max(1, tokens - 16))
+    session = Session("alone", "plain", 1.0, gen, system, [], [], (0, 0))
+    stream = stream_openai if api == "openai" else stream_anthropic
+    t0 = time.perf_counter()
+    first, usage = None, None
+    for piece, u in stream(client, model, session, [Entry("user", "Reply.")], max_tokens, seed):
+        usage = u if u is not None else usage
+        if piece and first is None:
+            first = time.perf_counter()
+    if first is None or usage is None:
+        raise RuntimeError("a fresh prompt's stream ended without tokens or usage")
+    return (usage["prompt"] or 0) - usage["cached"], first - t0
+
+
+def measure_alone(base_url: str, api: str, model: str, args) -> AloneCurve | None:
+    """The `AloneCurve` of this server at `args.alone_sizes` and `args.system_tokens` (times `args.scale`, at least
+    16 tokens), each size `args.alone_repeats` times; None when no size could be measured (each failure is
+    logged)."""
+    import anthropic
+    import openai
+
+    client = make_client(base_url, api, args)
+    points: dict[int, tuple[int, float]] = {}
+    for size in sorted({max(16, int(n * args.scale)) for n in (*args.alone_sizes, args.system_tokens)}):
+        for _ in range(args.alone_repeats):
+            try:
+                prefilled, ttft = time_fresh_prompt(client, api, model, size, min(args.max_tokens, 8), args.seed)
+            except (openai.APIError, anthropic.APIError, RuntimeError) as e:  # e.g. past the server's context
+                log(f"  alone: {size} tokens failed: {e}")
+                break
+            if size not in points or ttft < points[size][1]:
+                points[size] = (prefilled, ttft)
+    if not points:
+        return None
+    measured = sorted(points.values())
+    log("  alone: " + ", ".join(f"{n} tokens {t:.3f} s" for n, t in measured))
+    return AloneCurve([n for n, _ in measured], [t for _, t in measured])
 
 
 def run_sessions(
     base_url: str, api: str, model: str, variant: str, num_sessions: int, args
-) -> tuple[list[TurnResult], list[str]]:
+) -> tuple[list[TurnResult], list[str], bool]:
     """`num_sessions` concurrent sessions of `args.turns` turns each (one thread per session): the turns measured,
-    and the errors that ended a session early (an API error: a prompt past the context, a server fault)."""
+    the errors that ended a session early (an API error: a prompt past the context, a server fault), and whether
+    `args.time_limit_s` cut the run (no session starts a turn after its first once the run has taken that long)."""
     import anthropic
     import openai
 
     system = max(16, int(args.system_tokens * args.scale))
     tool_tokens = (max(4, int(args.tool_tokens[0] * args.scale)), max(8, int(args.tool_tokens[1] * args.scale)))
-    timeout = args.request_timeout_s  # a float: the two SDKs build their own (different) httpx Timeout from it
-    if api == "openai":
-        client = openai.OpenAI(base_url=base_url + "/v1", api_key=args.api_key, max_retries=0, timeout=timeout)
-    else:
-        client = anthropic.Anthropic(base_url=base_url, api_key=args.api_key, max_retries=0, timeout=timeout)
+    client = make_client(base_url, api, args)
+    diff = PromptDiff(args.model_dir) if getattr(args, "model_dir", None) is not None else None
     results: list[TurnResult] = []
     errors: list[str] = []
+    cut: list[bool] = []
     lock = threading.Lock()
+    t_start = time.perf_counter()
 
     def one(i: int) -> None:
         name = f"s{i}"
@@ -454,6 +599,14 @@ def run_sessions(
             name, variant, args.seed, system, tool_tokens, args.scale, tag=f"{variant}-x{num_sessions}"
         )
         for turn in range(args.turns):
+            if turn and args.time_limit_s is not None and time.perf_counter() - t_start > args.time_limit_s:
+                log(
+                    f"  {variant} x{num_sessions} {name}: stopped before turn {turn} (--time-limit-s "
+                    f"{args.time_limit_s:g})"
+                )
+                with lock:
+                    cut.append(True)
+                return
             try:
                 r = run_turn(
                     client,
@@ -464,6 +617,7 @@ def run_sessions(
                     args.max_tokens,
                     args.seed,
                     (args.prune_protect_tokens, args.prune_minimum_tokens),
+                    diff,
                 )
             except (openai.APIError, anthropic.APIError, RuntimeError) as e:  # the session ends; the run goes on
                 log(f"  {variant} x{num_sessions} {name} turn {turn} failed: {e}")
@@ -480,7 +634,7 @@ def run_sessions(
     with ThreadPoolExecutor(num_sessions) as pool:
         for future in [pool.submit(one, i) for i in range(num_sessions)]:
             future.result()
-    return sorted(results, key=lambda r: (r.session, r.turn)), errors
+    return sorted(results, key=lambda r: (r.session, r.turn)), errors, bool(cut)
 
 
 def summarize(results: list[TurnResult], watchdog_s: float) -> dict:
@@ -506,14 +660,17 @@ def summarize(results: list[TurnResult], watchdog_s: float) -> dict:
         "reprefilled_tokens": sum(r.reprefilled_tokens for r in results),
         "cached_tokens": sum(r.cached_tokens for r in results),
         "decode_last_over_first": round(sum(ratios) / len(ratios), 3) if ratios else None,
+        "over_bound": sum(r.bound_s is not None and r.ttft_s > r.bound_s for r in results),
     }
 
 
 def turn_table(title: str, results: list[TurnResult], watchdog_s: float) -> Table:
     table = Table(title=title)
-    for column in ("session", "turn", "prompt", "cached", "re-prefilled", "TTFT s", "decode tok/s", "watchdog"):
+    columns = ("session", "turn", "prompt", "cached", "re-prefilled", "TTFT s", "alone s", "bound", "decode tok/s")
+    for column in (*columns, "watchdog"):
         table.add_column(column, justify="right")
     for r in results:
+        bound = r.bound_s
         table.add_row(
             r.session,
             str(r.turn),
@@ -521,6 +678,8 @@ def turn_table(title: str, results: list[TurnResult], watchdog_s: float) -> Tabl
             str(r.cached_tokens),
             str(r.reprefilled_tokens),
             f"{r.ttft_s:.3f}",
+            f"{r.alone_s:.3f}" if r.alone_s is not None else "-",
+            "-" if bound is None else f"{'OVER' if r.ttft_s > bound else 'ok'} {bound:.2f}",
             f"{r.decode_tok_per_s:.1f}" if r.decode_tok_per_s else "-",
             "OVER" if r.max_gap_s > watchdog_s else "",
         )
@@ -627,12 +786,19 @@ def run_all(base_url: str, label: str, variants: list[str], sessions: list[int],
     model, routing = server_info(base_url, args.api_key)
     warm_up(base_url, args.api_key, model)
     console.print(f"[bold]{label}[/bold]: model {model!r}, routing: {json.dumps(routing)}")
+    # Before the sessions: the prefix cache evicts least-recently-used blocks first, so these fresh prompts' blocks
+    # go before any session's.
+    alone = measure_alone(base_url, args.api, model, args) if args.alone_sizes else None
     runs = []
     for variant in variants:
         for n in sessions:
-            results, errors = run_sessions(base_url, args.api, model, variant, n, args)
+            results, errors, cut = run_sessions(base_url, args.api, model, variant, n, args)
+            for r in results:
+                r.alone_s = alone(r.reprefilled_tokens) if alone is not None else None
             summary = summarize(results, args.watchdog_s) if results else {"turns": 0}
             summary["errors"] = errors
+            summary["cut_at_time_limit"] = cut
+            summary["alone"] = None if alone is None else {"tokens": alone.tokens, "seconds": alone.seconds}
             kv_host = server_stats(base_url, args.api_key).get("kv_host")
             if kv_host is not None:  # the KV host tier's counters so far (they add up over the server's runs)
                 summary["kv_host"] = kv_host
@@ -651,7 +817,7 @@ def run_all(base_url: str, label: str, variants: list[str], sessions: list[int],
                     **summary,
                     "per_turn": [
                         {k: v for k, v in r.__dict__.items() if k != "reply"}
-                        | {"reprefilled_tokens": r.reprefilled_tokens}
+                        | {"reprefilled_tokens": r.reprefilled_tokens, "bound_s": r.bound_s}
                         for r in results
                     ],
                 }
@@ -660,33 +826,66 @@ def run_all(base_url: str, label: str, variants: list[str], sessions: list[int],
 
 
 def mode_table(runs: list[dict]) -> Table:
-    """Single-session runs side by side per checkpoint mode: per (variant, turn) the prompt, and each mode's
-    re-prefilled tokens and TTFT."""
+    """Single-session runs side by side per checkpoint mode: per (variant, turn) the prompt, what changed since the
+    previous turn and the mark bound (`TurnResult`), and each mode's re-prefilled tokens and TTFT."""
     modes = list(dict.fromkeys(r["server"] for r in runs))
     table = Table(title="re-prefilled tokens and TTFT per turn, by checkpoint mode (1 session)")
     for column in (
         "variant",
         "turn",
         "prompt",
+        "changed",
+        "mark bound",
         *(f"re-prefilled {m.split()[-1]}" for m in modes),
         *(f"TTFT s {m.split()[-1]}" for m in modes),
     ):
         table.add_column(column, justify="right")
+    for (variant, turn), by_mode in sorted(turns_by_mode(runs).items()):
+        first = next(iter(by_mode.values()))
+        table.add_row(
+            variant,
+            str(turn),
+            str(first["prompt_tokens"]),
+            str(first.get("changed_tokens", "-")),
+            str(first.get("mark_bound_tokens", "-")),
+            *(str(by_mode[m]["reprefilled_tokens"]) if m in by_mode else "-" for m in modes),
+            *(f"{by_mode[m]['ttft_s']:.3f}" if m in by_mode else "-" for m in modes),
+        )
+    return table
+
+
+def turns_by_mode(runs: list[dict]) -> dict[tuple[str, int], dict[str, dict]]:
+    """Single-session runs' turns: (variant, turn) -> server label -> the turn's record."""
     turns: dict[tuple[str, int], dict[str, dict]] = {}
     for run in runs:
         if run["sessions"] == 1:
             for t in run["per_turn"]:
                 turns.setdefault((run["variant"], t["turn"]), {})[run["server"]] = t
-    for (variant, turn), by_mode in sorted(turns.items()):
-        prompt = next(iter(by_mode.values()))["prompt_tokens"]
-        table.add_row(
-            variant,
-            str(turn),
-            str(prompt),
-            *(str(by_mode[m]["reprefilled_tokens"]) if m in by_mode else "-" for m in modes),
-            *(f"{by_mode[m]['ttft_s']:.3f}" if m in by_mode else "-" for m in modes),
-        )
-    return table
+    return turns
+
+
+def checkpoint_targets(runs: list[dict]) -> dict:
+    """Issue 22's targets on the single-session runs of "checkpoints marks" and "checkpoints chunk", per variant:
+    turns where marks re-prefilled more than the mark bound (changed tokens + the span back to the last mark
+    before the change), turns where marks re-prefilled more than chunk, and chunk's total over marks' (the
+    OpenCode-style session's target: >= 3)."""
+    out: dict[str, dict] = {}
+    for (variant, turn), by_mode in sorted(turns_by_mode(runs).items()):
+        marks, chunk = by_mode.get("checkpoints marks"), by_mode.get("checkpoints chunk")
+        if marks is None:
+            continue
+        v = out.setdefault(variant, {"over_bound": [], "marks_over_chunk": [], "marks": 0, "chunk": 0})
+        bound = marks.get("mark_bound_tokens")
+        if bound is not None and marks["reprefilled_tokens"] > bound:
+            v["over_bound"].append(turn)
+        v["marks"] += marks["reprefilled_tokens"]
+        if chunk is not None:
+            v["chunk"] += chunk["reprefilled_tokens"]
+            if marks["reprefilled_tokens"] > chunk["reprefilled_tokens"]:
+                v["marks_over_chunk"].append(turn)
+    for v in out.values():
+        v["chunk_over_marks"] = round(v["chunk"] / v["marks"], 2) if v["marks"] else None
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -714,6 +913,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--watchdog-s", type=float, default=120.0)
     ap.add_argument("--request-timeout-s", type=float, default=900.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--alone-sizes",
+        type=int,
+        nargs="*",
+        default=list(ALONE_SIZES),
+        help="fresh-prompt sizes (tokens, times --scale) timed before the sessions: the time to prefill a turn's "
+        f"re-prefilled tokens alone, for its bound TTFT <= {BOUND_ALLOWANCE_S} s + that (none: no bound)",
+    )
+    ap.add_argument("--alone-repeats", type=int, default=2, help="fresh prompts per size (the fastest counts)")
+    ap.add_argument(
+        "--time-limit-s",
+        type=float,
+        default=None,
+        help="per run: no session starts a turn after its first once the run has taken this long (the run is "
+        "reported as cut)",
+    )
     ap.add_argument(
         "--state-checkpoints",
         nargs="*",
@@ -743,6 +958,11 @@ def main(argv: list[str] | None = None) -> int:
         "instead of the prefix-cache comparison; give a small GPU KV budget in --serve-args (--kv-cache-tokens)",
     )
     args = ap.parse_args(argv)
+    args.model_dir = None
+    if args.model:  # the bench renders prompts as the server does, to see what changed between turns
+        from freetoken.cli.serve import resolve_model_dir
+
+        args.model_dir = resolve_model_dir(args.model, "--dummy-weights" in shlex.split(args.serve_args))
     console = Console(no_color="NO_COLOR" in os.environ, width=140)
     runs = []
     if args.server:
@@ -758,6 +978,13 @@ def main(argv: list[str] | None = None) -> int:
             with Server(args.model, [*serve_args, "--state-checkpoints", mode]) as server:
                 runs += run_all(server.base_url, f"checkpoints {mode}", variants, sessions, args, console)
         console.print(mode_table(runs))
+        targets = checkpoint_targets(runs)
+        for variant, v in targets.items():
+            console.print(
+                f"{variant}: marks re-prefilled {v['marks']}, chunk {v['chunk']} (chunk/marks {v['chunk_over_marks']});"
+                f" turns over the mark bound: {v['over_bound'] or 'none'}; turns where marks > chunk: "
+                f"{v['marks_over_chunk'] or 'none'}"
+            )
     elif args.kv_host_gb:
         serve_args = shlex.split(args.serve_args)
         for gb in args.kv_host_gb:
@@ -782,7 +1009,9 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_p99_s": "p99 s",
         "ttft_max_s": "max s",
         "watchdog_violations": "over watchdog",
+        "over_bound": "over bound",
         "decode_last_over_first": "decode last/first",
+        "cut_at_time_limit": "cut",
     }
     keys = tuple(columns)
     for column in ("server", "variant", "sessions", *columns.values()):
@@ -801,6 +1030,7 @@ def main(argv: list[str] | None = None) -> int:
                 "watchdog_s": args.watchdog_s,
                 "seed": args.seed,
                 "routing": runs[0]["routing"] if runs else None,
+                "checkpoint_targets": checkpoint_targets(runs) if args.state_checkpoints else None,
                 "runs": runs,
             }
         ),

@@ -1,22 +1,28 @@
 """Prefill through the expert cache at a consumer-GPU budget, on the real Qwen3-30B-A3B config (dummy weights).
 
-Part 1, long prompts (512, 2k, 8k, 32k tokens; chunks of 8192): time per chunk with whole-layer streaming, its
-copies overlapped with compute (two layer buffers) and not (one), and with `auto`; beside the transfer bound (all
-expert bytes over the measured PCIe bandwidth; and the bytes the run streamed, which skips resident experts) and
-the GPU compute time (the same chunks with every expert resident: `fused`, 58 GB on the GPU). The model's own
-(random) router routes them, which makes no difference to streaming (every expert of every layer crosses anyway).
+Part 1, long prompts (512, 2k, 8k, 32k tokens; chunks of `--chunk`, 8192): time per chunk with whole-layer
+streaming, its copies overlapped with compute (two layer buffers) and not (one), and with `auto`; beside the
+transfer bound (all expert bytes over the measured PCIe bandwidth; and the bytes the run streamed, which skips
+resident experts) and the GPU compute time (the same chunks with every expert resident: `fused`, 58 GB on the GPU).
+The model's own (random) router routes them, which makes no difference to streaming (every expert of every layer
+crosses anyway).
 Part 2, short extends (16 ... 4096 tokens) after an 8192-token prefix and 16 decode steps that warm the cache: each
 fixed strategy (stream, fill, cpu, hybrid) and `auto`, each on a fresh backend that prefilled the same prefix.
 Routing replays the synthetic trace (`freetoken.moe.routing_replay`, as `ft serve --replay-routing synthetic`:
 Zipf skew 0.45, reuse 0.35 within 16 tokens), from its first row for every strategy, because random routers route
-almost uniformly. Per extend length a fixed strategy runs `--warmup` extends (kernels; calibration's first timing),
-`auto` `--auto-warmup` (it measures its candidates first), then `--repeats` timed ones (median). The table gives
-each strategy's time, auto's time and choices, and auto over the best fixed strategy (target: <= 1.05).
+almost uniformly. Per extend length every strategy, `auto` included, runs `--warmup` extends (kernels; `auto` measures
+its candidates on them), then `--repeats` timed ones (median; each repeat's time is in the row): the same count for
+all, so every strategy's timed extends replay the same trace rows after the same number of extends, whose fills
+change what the slots hold (16-token extends under `hybrid`: 0.28 s at 9 % hits in the fixed run after one warm-up
+extend, 0.44 s at 0 % hits and 40 % more fills inside `auto`'s run after six). `--limit cpu=256` skips a fixed
+strategy past that length. The table gives each strategy's time, auto's time and choices, and auto over the best
+fixed strategy run (target: <= 1.05).
 The backends get the bandwidths `ft serve` would (`ft bench bw`'s planner figures: copies and CPU kernels measured
 running together, `planner_figures`).
 
     python benches/prefill.py [--budget 24] [--prompts 512 2048 8192 32768] [--extends 16 64 256 1024 4096]
     python benches/prefill.py --parts extend     # part 2 alone
+    python benches/prefill.py --parts extend --limit cpu=256 fill=256 hybrid=1024   # ~3 min on the H200 box
 
 Prints one line per row, a table of the extends, and a final JSON line. Needs CUDA and ~60 GB of host RAM.
 """
@@ -42,7 +48,7 @@ from freetoken.engine.kv_cache import KVCache
 from freetoken.models.attention import AttentionMetadata
 from freetoken.models.loader import init_dummy_weights
 from freetoken.models.presets import preset_config_path
-from freetoken.moe.budget import plan_expert_slots
+from freetoken.moe.budget import activation_reserve_nbytes, plan_expert_slots
 from freetoken.moe.compute import expert_views
 from freetoken.moe.expert_cache import ExpertCacheBackend
 from freetoken.moe.fused import FusedExperts
@@ -71,11 +77,11 @@ def run_chunk(model, kv: KVCache, tokens: list[int], start: int, prefill: bool =
     return time.perf_counter() - t0
 
 
-def prefill(model, kv: KVCache, length: int, seed: int = 0) -> list[float]:
-    """Per-chunk seconds of a `length`-token prompt prefilled in chunks of `CHUNK`."""
+def prefill(model, kv: KVCache, length: int, seed: int = 0, chunk: int = CHUNK) -> list[float]:
+    """Per-chunk seconds of a `length`-token prompt prefilled in chunks of `chunk` tokens."""
     rng = np.random.default_rng(seed)
     tokens = rng.integers(1, 100_000, length).tolist()
-    return [run_chunk(model, kv, tokens[s : s + CHUNK], s) for s in range(0, length, CHUNK)]
+    return [run_chunk(model, kv, tokens[s : s + chunk], s) for s in range(0, length, chunk)]
 
 
 def counters(backend: ExpertCacheBackend) -> dict[str, float]:
@@ -125,12 +131,25 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, nargs="+", default=[512, 2048, 8192, 32768])
     ap.add_argument("--extends", type=int, nargs="+", default=[16, 64, 256, 1024, 4096])
     ap.add_argument("--repeats", type=int, default=3, help="extends timed per row (median)")
-    ap.add_argument("--warmup", type=int, default=1, help="untimed extends per length before a fixed strategy's")
     ap.add_argument(
-        "--auto-warmup",
+        "--warmup",
         type=int,
         default=6,
-        help="untimed extends per length before auto's (it measures its candidates on the first ones)",
+        help="untimed extends per length before the timed ones, for every strategy (auto measures its candidates on "
+        "them)",
+    )
+    ap.add_argument(
+        "--limit",
+        nargs="*",
+        default=[],
+        metavar="STRATEGY=TOKENS",
+        help="run a fixed strategy only at extends up to TOKENS (e.g. cpu=256: it is compute-bound past that)",
+    )
+    ap.add_argument(
+        "--chunk",
+        type=int,
+        default=CHUNK,
+        help="part 1's chunk tokens (ft serve's --max-prefill-tokens; the agent-trace runs use 32768)",
     )
     ap.add_argument("--parts", nargs="+", default=["prompt", "extend"], choices=["prompt", "extend"])
     ap.add_argument(
@@ -139,6 +158,12 @@ def main() -> None:
         help="log the torch profiler's top ops of one 64-token extend per strategy, to stderr",
     )
     args = ap.parse_args()
+    try:
+        limits = {name: int(n) for name, n in (item.split("=") for item in args.limit)}
+    except ValueError:
+        ap.error(f"--limit takes STRATEGY=TOKENS, got {args.limit}")
+    if set(limits) - set(FIXED):
+        ap.error(f"--limit: strategies are {', '.join(FIXED)}")
     log = lambda *a: print(*a, file=sys.stderr, flush=True)
     cfg = ModelConfig.from_dict(json.loads(preset_config_path(args.preset).read_text()), source=args.preset)
     device = torch.device("cuda")
@@ -176,6 +201,7 @@ def main() -> None:
         kv_cache_tokens=max_len,
         kv_cache_gb=8.0,
         max_num_seqs=1,
+        max_prefill_tokens=max(args.chunk, CHUNK),  # the activation reserve (and so the slots) ft serve would plan
     )
     host_only = ExpertCacheBackend("cpu", pool, device, 0)  # holds no device memory: attached between rows
     model = init_dummy_weights(cfg, host_only, device, torch.bfloat16)
@@ -201,7 +227,7 @@ def main() -> None:
         model.attach_experts(fused)
         prefill(model, kv, CHUNK)  # compiles the kernels
         for length in args.prompts:
-            times = prefill(model, kv, length)
+            times = prefill(model, kv, length, chunk=args.chunk)
             compute[length] = times
             emit(
                 {
@@ -239,9 +265,12 @@ def main() -> None:
         prefill(model, kv, 512)  # warm-up: kernels at these shapes
         for length in args.prompts:
             before = backend.stats()["prefill"]["bytes_streamed"]
-            times = prefill(model, kv, length)
+            torch.cuda.synchronize()
+            resident = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            times = prefill(model, kv, length, chunk=args.chunk)
             streamed = backend.stats()["prefill"]["bytes_streamed"] - before
-            full = times[: length // CHUNK] or times  # whole chunks (or the one short one)
+            full = times[: length // args.chunk] or times  # whole chunks (or the one short one)
             chunk_s = statistics.median(full)
             gpu_s = statistics.median(compute[length][: len(full)])
             emit(
@@ -258,6 +287,10 @@ def main() -> None:
                     "over_max_bound_compute": round(chunk_s / max(bound_all, gpu_s), 3),
                     "steps_by_strategy": backend.stats()["prefill"]["steps_by_strategy"],
                     "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 2),
+                    # What the chunks allocated above the weights, KV, slots and buffers (the budget reserves
+                    # freetoken.moe.budget.activation_reserve_nbytes for it).
+                    "activation_peak_gb": round((torch.cuda.max_memory_allocated() - resident) / 1e9, 2),
+                    "activation_reserve_gb": round(activation_reserve_nbytes(engine_cfg, cfg) / 1e9, 2),
                 }
             )
         model.attach_experts(host_only)
@@ -279,8 +312,10 @@ def main() -> None:
                 run_chunk(model, kv, [7], CHUNK + step, prefill=False)
             backend.prefill_strategy = strategy
             for n in args.extends:
+                if n > limits.get(strategy, n):
+                    continue
                 tokens = list(range(1, n + 1))
-                for _ in range(args.auto_warmup if strategy == "auto" else args.warmup):
+                for _ in range(args.warmup):
                     run_chunk(model, kv, tokens, start)
                 times, picks = [], []
                 before = counters(backend)
@@ -298,9 +333,11 @@ def main() -> None:
                         "strategy": strategy,
                         "chosen": sorted(set(picks), key=picks.index),
                         "extend_s": round(statistics.median(times), 4),
+                        "times": [round(t, 4) for t in times],
                         "hit_rate": round(per["hits"] / lookups, 3) if lookups else None,
                         "pcie_gb": round((per["bytes_h2d"] + per["bytes_streamed"]) / 1e9, 3),
                         "cpu_gb": round(per["bytes_cpu"] / 1e9, 3),
+                        "evictions": round(per["evictions"]),
                     }
                 )
                 if args.profile and n == 64:

@@ -258,6 +258,13 @@ class ModelConfig:
         return len(self.full_attention_layers)
 
     @property
+    def linear_conv_dim(self) -> int:
+        """Channels of a Gated DeltaNet layer's short causal conv: q and k (Hk * Dk each) then v (Hv * Dv), the order
+        of `in_proj_qkv`'s rows (transformers' `qwen3_5_moe`)."""
+        keys = self.linear_num_key_heads * self.linear_key_head_dim
+        return 2 * keys + self.linear_num_value_heads * self.linear_value_head_dim
+
+    @property
     def rotary_dim(self) -> int:
         """Leading dims of each attention head that RoPE rotates (head_dim * partial_rotary_factor)."""
         return int(self.head_dim * self.partial_rotary_factor)

@@ -64,6 +64,8 @@ def test_tiny_run_against_the_demo(replay_server, capsys, api, variants, session
             "3",
             "--variants",
             *variants,
+            "--alone-repeats",  # one fresh prompt per size: 16 tokens and a session's first turn (90)
+            "1",
         ]
     )
     assert code == 0
@@ -82,6 +84,36 @@ def test_tiny_run_against_the_demo(replay_server, capsys, api, variants, session
             by_session.setdefault(turn["session"], []).append(turn["prompt_tokens"])
         for prompts in by_session.values():  # each turn resends the conversation, one reply and result longer
             assert prompts == sorted(prompts) and prompts[0] < prompts[-1]
+        # The bound of each turn: 0.3 s + the fresh-prompt TTFT at its re-prefilled tokens, measured before it.
+        alone = agent_trace.AloneCurve(run["alone"]["tokens"], run["alone"]["seconds"])
+        assert len(alone.tokens) >= 2 and all(t > 0 for t in alone.seconds)
+        for turn in run["per_turn"]:
+            assert turn["alone_s"] == alone(turn["reprefilled_tokens"])
+            assert turn["bound_s"] == pytest.approx(agent_trace.BOUND_ALLOWANCE_S + turn["alone_s"])
+        assert run["over_bound"] == sum(t["ttft_s"] > t["bound_s"] for t in run["per_turn"])
+        assert run["cut_at_time_limit"] is False
+
+
+@pytest.mark.timeout(120)
+def test_a_time_limit_cuts_the_run_after_each_session_s_first_turn(replay_server, capsys):
+    """--time-limit-s 0: every session runs its first turn and starts no other; the run says it was cut."""
+    args = "--scale 0.005 --turns 3 --sessions 2 --max-tokens 2 --variants plain --alone-sizes --time-limit-s 0"
+    code = agent_trace.main(["--server", replay_server.base_url, *args.split()])
+    assert code == 0
+    run = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["runs"][0]
+    assert run["turns"] == 2 and sorted(t["session"] for t in run["per_turn"]) == ["s0", "s1"]
+    assert run["cut_at_time_limit"] is True and run["errors"] == []
+    assert run["alone"] is None and all(t["bound_s"] is None for t in run["per_turn"]) and run["over_bound"] == 0
+
+
+def test_alone_curve_interpolates_and_extends_the_measured_times():
+    curve = agent_trace.AloneCurve([100, 1000, 5000], [0.2, 1.0, 1.4])
+    assert curve(100) == 0.2 and curve(1000) == 1.0
+    assert curve(550) == pytest.approx(0.6)
+    assert curve(10) == 0.2  # below the first point: its time
+    assert curve(9000) == pytest.approx(1.4 + 0.4 / 4000 * 4000)  # past the last: the last two points' line
+    assert agent_trace.AloneCurve([100, 1000], [0.5, 0.4])(5000) == 0.4  # never below the last point
+    assert agent_trace.AloneCurve([500], [0.7])(5000) == 0.7
 
 
 def test_a_failed_session_is_reported_and_the_run_goes_on(replay_server, capsys):
@@ -147,3 +179,49 @@ def test_text_is_seeded():
     assert a == b
     other = agent_trace.new_session("s1", "plain", 0, 100, (20, 20), 0.01)
     assert other.system != _session("plain", 0).system
+
+
+def test_prompt_diff_measures_what_changed_since_the_previous_turn():
+    """OpenClaw's second turn strips the first reply's thinking: the change starts inside that reply, and the mark
+    bound reaches back to the last mark before it (the turn end before the reply)."""
+    from freetoken.models.demo import demo_checkpoint_dir
+
+    diff = agent_trace.PromptDiff(demo_checkpoint_dir())
+    session = agent_trace.new_session("s0", "openclaw", 0, 100, (20, 20), 0.01)
+    prompts = []
+    for turn in range(3):
+        view = agent_trace.harness_view(session)
+        prompts.append(diff.encode(session, view))
+        changed, bound = diff.measure(session, view, len(prompts[-1]))
+        previous = prompts[-2] if turn else []
+        same = next((i for i, (a, b) in enumerate(zip(previous, prompts[-1], strict=False)) if a != b), len(previous))
+        assert changed == len(prompts[-1]) - same
+        start = len(prompts[-1]) - bound
+        assert bound >= changed and (start == 0 or diff.marks.ends_at(prompts[-1], start))
+        assert not diff.marks.positions(prompts[-1], start, same)  # no later mark before the change
+        agent_trace.advance(session, turn, f"reply {turn}")
+    assert 0 < len(prompts[2]) - changed < len(prompts[1])  # turn 2 changed inside turn 1's prompt
+    assert diff.measure(session, agent_trace.harness_view(session), 5) == (None, None)  # another count: no figure
+
+
+def test_checkpoint_targets_per_variant():
+    def run(server, variant, reprefilled, bounds):
+        per_turn = [
+            {"turn": t, "reprefilled_tokens": r, "mark_bound_tokens": b, "prompt_tokens": 99, "ttft_s": 0.1}
+            for t, (r, b) in enumerate(zip(reprefilled, bounds, strict=True))
+        ]
+        return {"server": server, "variant": variant, "sessions": 1, "per_turn": per_turn}
+
+    runs = [
+        run("checkpoints marks", "opencode", [100, 10, 50], [100, 10, 40]),
+        run("checkpoints chunk", "opencode", [100, 90, 40], [100, 10, 40]),
+    ]
+    assert agent_trace.checkpoint_targets(runs) == {
+        "opencode": {
+            "over_bound": [2],
+            "marks_over_chunk": [2],
+            "marks": 160,
+            "chunk": 230,
+            "chunk_over_marks": 1.44,
+        }
+    }

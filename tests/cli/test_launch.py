@@ -57,7 +57,11 @@ def fake_path(tmp_path: Path) -> tuple[Path, Path]:
     return bin_dir, dump_dir
 
 
-def ft_launch(*args: str, path: str, cache_dir: Path, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+def ft_launch(
+    *args: str, path: str, cache_dir: Path, extra_env: dict | None = None, shadow: Path | None = None
+) -> subprocess.CompletedProcess:
+    """`ft launch ARGS` in a subprocess with `path` as PATH; `shadow`, a directory of packages put first on
+    PYTHONPATH, stands in for the harnesses' PyPI packages (the real ones may be installed here)."""
     env = {k: v for k, v in os.environ.items() if not is_cloud_credential(k)}
     env.update(CLOUD_ENV)
     env.update(extra_env or {})
@@ -65,7 +69,7 @@ def ft_launch(*args: str, path: str, cache_dir: Path, extra_env: dict | None = N
     env["FREETOKEN_CACHE_DIR"] = str(cache_dir)
     env.pop("FREETOKEN_API_KEY", None)
     package_root = str(Path(freetoken.__file__).resolve().parents[1])
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [shadow and str(shadow), package_root, env.get("PYTHONPATH")]))
     return subprocess.run(
         [sys.executable, "-m", "freetoken.cli.main", "launch", *args],
         capture_output=True, text=True, env=env, timeout=60, stdin=subprocess.DEVNULL,
@@ -89,6 +93,7 @@ def follow(name: str, argv: list[str], env: dict[str, str]) -> tuple[str, str]:
         base, key, model = env["ANTHROPIC_BASE_URL"], env["ANTHROPIC_AUTH_TOKEN"], env["ANTHROPIC_MODEL"]
         for tier in ("OPUS", "SONNET", "HAIKU"):
             assert env[f"ANTHROPIC_DEFAULT_{tier}_MODEL"] == model
+        assert env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == str(MAX_MODEL_LEN)  # else it assumes 1M for an unknown id
         r = httpx.post(
             f"{base}/v1/messages",
             timeout=60,
@@ -173,7 +178,7 @@ def test_launch_points_the_harness_at_the_server(name, server, fake_path, tmp_pa
     assert result.returncode == 0, result.stderr
     dump = json.loads((dump_dir / f"{name}.json").read_text())
     argv, env = dump["argv"], dump["env"]
-    assert Path(argv[0]).name == HARNESSES[name].executable
+    assert argv[0] == str(bin_dir / HARNESSES[name].executable)  # PATH first, before any bundled binary
     assert "--user-flag" in argv and "value with space" in argv
     for var, value in CLOUD_ENV.items():
         assert env.get(var) != value, f"{var} reached {name}"
@@ -221,17 +226,61 @@ def test_dry_run_masks_and_runs_nothing(server, fake_path, tmp_path):
     for var in CLOUD_ENV:
         assert f"remove {var}" in out
     assert "set    OPENCODE_CONFIG=" in out and "FREETOKEN_API_KEY=<13 chars masked>" in out
-    assert "exec   opencode" in out and "write  " in out
+    assert f"exec   {bin_dir / 'opencode'}" in out and "write  " in out
     for secret in [*SECRETS, "local-key-123"]:
         assert secret not in out and secret not in result.stderr
     assert not list(dump_dir.iterdir()) and not (tmp_path / "cache").exists()
 
 
-def test_harness_not_installed(server, tmp_path):
-    result = ft_launch("codex", "--server", server.base_url, path=str(tmp_path), cache_dir=tmp_path)
+def shadow_package(root: Path, harness: str, executable: str | None) -> None:
+    """A stand-in for `harness`'s PyPI package under `root`: its module, with a fake executable at the bundled
+    path (`executable`, the fake's name), or without one (None: a package whose binary is missing)."""
+    bundled = HARNESSES[harness].bundled
+    package = root / bundled.module
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("raise ImportError('ft launch must not import the package')\n")
+    if executable is not None:
+        exe = package / bundled.executable
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        exe.write_text(FAKE.format(python=sys.executable, dump_dir=str(root), name=executable))
+        exe.chmod(0o755)
+        if bundled.path_dir:
+            (package / bundled.path_dir).mkdir()
+
+
+@pytest.mark.parametrize("name", ["claude", "codex"])
+def test_harness_not_installed(name, server, tmp_path):
+    """Neither on PATH nor bundled (a package without its binary shadows any real one): one line naming the pip
+    package."""
+    shadow_package(tmp_path / "shadow", name, None)
+    result = ft_launch(
+        name, "--server", server.base_url, path=str(tmp_path), cache_dir=tmp_path, shadow=tmp_path / "shadow"
+    )
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1, result.stderr
-    assert "not installed" in lines[0] and "npm install -g @openai/codex" in lines[0]
+    assert "not installed" in lines[0] and f"pip install {HARNESSES[name].bundled.package}" in lines[0]
+
+
+@pytest.mark.parametrize("name", ["claude", "codex"])
+def test_bundled_binary_when_not_on_path(name, server, tmp_path):
+    """Not on PATH: the binary the PyPI package bundles is run, pointed at the server (Codex with the package's
+    helper directory first on its PATH)."""
+    shadow = tmp_path / "shadow"
+    shadow_package(shadow, name, name)
+    result = ft_launch(
+        name, "--server", server.base_url, "--", "hi", path=str(tmp_path / "empty"), cache_dir=tmp_path, shadow=shadow
+    )
+    assert result.returncode == 0, result.stderr
+    dump = json.loads((shadow / f"{name}.json").read_text())
+    bundled = HARNESSES[name].bundled
+    assert dump["argv"][0] == str(shadow / bundled.module / bundled.executable) and dump["argv"][-1] == "hi"
+    path = dump["env"]["PATH"].split(os.pathsep)
+    if bundled.path_dir:
+        assert path == [str(shadow / bundled.module / bundled.path_dir), str(tmp_path / "empty")]
+    else:
+        assert path == [str(tmp_path / "empty")]
+    model, key = follow(name, dump["argv"], dump["env"])
+    assert model == SERVED_MODEL_NAME and key == "freetoken"
 
 
 def test_server_not_running(fake_path, tmp_path):

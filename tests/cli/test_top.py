@@ -13,6 +13,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -129,11 +130,16 @@ def test_poller_keeps_the_last_numbers_while_the_server_is_down():
         refused.poll()
 
 
-def ft_top(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+def _top_env(env_extra: dict | None = None) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("NO_COLOR", "FORCE_COLOR", "TTY_COMPATIBLE")}
     env.update(env_extra or {})
     package_root = str(Path(freetoken.__file__).resolve().parents[1])
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, env.get("PYTHONPATH")]))
+    return env
+
+
+def ft_top(*args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = _top_env(env_extra)
     return subprocess.run(
         [sys.executable, "-m", "freetoken.cli.main", "top", *args],
         capture_output=True,
@@ -152,6 +158,25 @@ def test_once_plain_and_no_color(server):
     assert ANSI_COLOR.search(coloured.stdout)
     no_color = ft_top("--once", "--server", server.base_url, env_extra={"FORCE_COLOR": "1", "NO_COLOR": "1"})
     assert SERVED_MODEL_NAME in no_color.stdout and not ANSI_COLOR.search(no_color.stdout)
+
+
+def test_live_into_a_pipe_prints_plain_frames(server):
+    """Without --once and not on a terminal (a pipe, a CI log): frame after frame as plain text, no cursor
+    movement or colour, until interrupted (exit 0)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "freetoken.cli.main", "top", "--server", server.base_url],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL, env=_top_env(), text=True,
+    )  # fmt: skip
+    try:
+        seen, deadline = "", time.monotonic() + 60
+        while seen.count(SERVED_MODEL_NAME) < 2 and time.monotonic() < deadline:
+            seen += proc.stdout.readline()
+        assert seen.count(SERVED_MODEL_NAME) >= 2, seen
+        assert "\x1b" not in seen  # no escape sequence: neither colour nor cursor movement
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err
 
 
 def test_once_without_a_server():

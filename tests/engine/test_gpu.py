@@ -5,6 +5,9 @@ Skipped without a GPU (CI); run on the GPU box with `python -m pytest tests/engi
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -21,6 +24,13 @@ pytestmark = [
 ]
 
 PROMPTS = [[3, 17, 100, 42, 7, 8, 9, 200, 13], [5, 6, 400, 401, 402, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
+# Four prompts of different lengths (the long one as benches/diag_hybrid_offload.py's), for the eviction tests.
+EVICTION_PROMPTS = [
+    PROMPTS[0],
+    [5, 6, 400, 401, 402, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12] * 5,
+    list(range(1000, 1030)),
+    [77, 78, 79, 80] * 6,
+]
 
 
 def _greedy(path, device: str, dtype: str, prompts, max_tokens: int, **engine_args) -> list[list[int]]:
@@ -81,24 +91,63 @@ def test_offload_driven_graphs_equal_fused(tmp_path, monkeypatch, layers_per_gra
     assert sum(stats["steps"]) >= 16 * len(engine.experts.pool_layer)
 
 
-@pytest.mark.xfail(
-    reason="open bug: offload's driven CUDA-graph decode parts from fused when steps evict slots (timing-dependent)",
-    strict=False,
-)
-def test_offload_driven_graphs_equal_fused_under_evictions(tmp_path):
-    """As `test_offload_driven_graphs_equal_fused`, with 32 slots for the 64 experts of a 16-expert, top-4 demo: every
-    decode step evicts, so fills land in slots earlier layers and steps read. Open bug (issue 22, found through the
-    Qwen3.5 hybrid's test): on the H200 this parted from fused at step 3 (the chosen tokens' log-probabilities
-    already 0.027 apart before), while the whole pool in slots gave fused's bits and the same model's piecewise and
-    staged paths were not run; benches/diag_hybrid_offload.py narrows it down (the hits' tiles after the fills, the
-    driven step without a graph)."""
-    path = build_demo_checkpoint(tmp_path / "demo", seed=6, num_experts=16, num_experts_per_tok=4)
-    fused = _greedy(path, "cuda", "bfloat16", PROMPTS, 16)
-    engine = LLMEngine.from_dir(
-        path, EngineConfig(device="cuda", dtype="bfloat16", kv_cache_gb=0.5, moe_backend="offload", expert_slots=32)
+@pytest.fixture(scope="module")
+def eviction_demo(tmp_path_factory):
+    """A 16-expert, top-4 demo (64 routed experts in 4 layers) and fused's greedy tokens of its first 1 and 4
+    `EVICTION_PROMPTS`, {num_prompts: tokens}."""
+    path = build_demo_checkpoint(
+        tmp_path_factory.mktemp("evict") / "demo", seed=6, num_experts=16, num_experts_per_tok=4
     )
-    assert engine.runner.decode is not None and engine.runner.decode.handshake is not None
-    assert greedy_tokens(engine, PROMPTS, 16) == fused
+    fused = {n: _greedy(path, "cuda", "bfloat16", EVICTION_PROMPTS[:n], 16, max_num_seqs=4) for n in (1, 4)}
+    return path, fused
+
+
+def _copy_stream_delays():
+    """`CopyStreamDelays` of benches/diag_evict_stress.py (one definition, used by the bench and this test)."""
+    import importlib.util
+
+    bench = Path(__file__).resolve().parents[2] / "benches" / "diag_evict_stress.py"
+    spec = importlib.util.spec_from_file_location("diag_evict_stress", bench)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.CopyStreamDelays
+
+
+@pytest.mark.parametrize("num_prompts", [1, 4])
+@pytest.mark.parametrize("slots,prefill", [(32, "auto"), (16, "fill"), (24, "stream")])
+def test_offload_driven_graphs_equal_fused_under_evictions(eviction_demo, num_prompts, slots, prefill):
+    """As `test_offload_driven_graphs_equal_fused`, with 16-32 slots for the 64 experts of a 16-expert, top-4 demo:
+    every decode step evicts, so fills land in slots that earlier layers and steps read, and the prefill streams
+    whole layers (no fills), fills on demand (evicting its own earlier layers' experts) or is chosen by the cost
+    model. Batch 1 and 4 (graph sizes 1 and 4), each run twice: as is, and with the copy stream delayed at random
+    (sleep kernels queued on it from another thread, so fills land late in random layers and every read of a filled
+    slot must wait for its fill). The tokens equal fused's, and after every step each expert the planner counts
+    resident is in its slot. (On the H200 at 02:51 the 32-slot case parted from fused once, at step 3, and in none
+    of the later runs, with or without the delays.)"""
+    path, fused = eviction_demo
+    prompts = EVICTION_PROMPTS[:num_prompts]
+    cfg = EngineConfig(
+        device="cuda",
+        dtype="bfloat16",
+        kv_cache_gb=0.5,
+        max_num_seqs=4,
+        moe_backend="offload",
+        expert_slots=slots,
+        prefill_strategy=prefill,
+    )
+    delays = _copy_stream_delays()
+    for delayed in (False, True):
+        engine = LLMEngine.from_dir(path, cfg)
+        assert engine.runner.decode is not None and engine.runner.decode.handshake is not None
+
+        def resident_in_slots(step: int, engine: LLMEngine = engine, delayed: bool = delayed) -> None:
+            assert engine.experts.stale_slots() == [], f"step {step}, delayed copies: {delayed}"
+
+        with delays(engine.experts.copy_stream, seed=slots + num_prompts) if delayed else contextlib.nullcontext():
+            tokens = greedy_tokens(engine, prompts, 16, resident_in_slots)
+        assert tokens == fused[num_prompts], f"delayed copies: {delayed}"
+        assert sum(engine.experts.stats()["layers"]["evictions"]) > 0
 
 
 def _chosen_logprobs(engine: LLMEngine, prompts, max_tokens: int) -> list[list[tuple[int, float, list[float]]]]:

@@ -189,3 +189,82 @@ def test_cuda_graph_decode_logprobs_equal_cpu(checkpoint):
         for a, b in zip(lps_a, lps_b, strict=True):
             assert abs(a.logprob - b.logprob) <= 1e-3
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def _prompt_reference(model, prompt: list[int]) -> torch.Tensor:
+    """[len(prompt) - 1, V]: transformers' log_softmax at each prompt position but the last (it predicts the next)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)[:-1]
+
+
+def _check_prompt_logprobs(model, prompt: list[int], entries, n: int) -> None:
+    assert entries is not None and len(entries) == len(prompt) and entries[0] is None
+    expected = _prompt_reference(model, prompt)
+    for p, lp in enumerate(entries[1:]):
+        assert lp.token_id == prompt[p + 1]
+        assert abs(lp.logprob - expected[p, lp.token_id].item()) <= TOL
+        ref = torch.topk(expected[p], n)
+        assert [t for t, _ in lp.top] == ref.indices.tolist() or n == 0
+        assert all(abs(v - r) <= TOL for (_, v), r in zip(lp.top, ref.values.tolist(), strict=True))
+
+
+@pytest.mark.parametrize("max_prefill_tokens", [8192, 3])
+def test_prompt_logprobs_match_transformers(checkpoint, max_prefill_tokens):
+    """`prompt_logprobs`: one entry per prompt token (None first), on the first chunk only, equal to transformers'
+    log_softmax at the position before each token; with the prompt in one step and in chunks of 3 tokens (chunk
+    boundaries inside and at the prompt's end, batched with another sequence)."""
+    path, model = checkpoint
+    params = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True, logprobs=2, prompt_logprobs=2)
+    engine = _engine(path, max_prefill_tokens=max_prefill_tokens, kv_block_size=4)
+    for prompt, chunks in zip(PROMPTS, _run(engine, PROMPTS, params), strict=True):
+        _check_prompt_logprobs(model, prompt, chunks[0].prompt_logprobs, 2)
+        assert all(c.prompt_logprobs is None for c in chunks[1:])
+        _check_against_reference(model, prompt, *_flat(chunks), 2)
+    [one] = _run(_engine(path), [[PROMPTS[0][0]]], params)  # a one-token prompt: only the None entry
+    assert one[0].prompt_logprobs == [None]
+    [plain] = _run(_engine(path), [PROMPTS[0]], SamplingParams(max_tokens=2, temperature=0.0, logprobs=1))
+    assert all(c.prompt_logprobs is None for c in plain)
+
+
+def test_prompt_logprobs_prefill_past_the_prefix_cache(checkpoint):
+    """A cached prompt is prefilled again for a request that asks for its prompt's log-probabilities (the cached
+    K/V has no logits), which come out the same; a request that does not ask still reuses the cache."""
+    path, model = checkpoint
+    engine = _engine(path, kv_block_size=4)
+    prompt = PROMPTS[1]
+    greedy = {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}
+    [first] = _run(engine, [prompt], SamplingParams(**greedy))
+    [asks] = _run(engine, [prompt], SamplingParams(**greedy, prompt_logprobs=1))
+    assert asks[0].num_cached_tokens == 0
+    _check_prompt_logprobs(model, prompt, asks[0].prompt_logprobs, 1)
+    [again] = _run(engine, [prompt], SamplingParams(**greedy))
+    assert again[0].num_cached_tokens > 0
+    assert [c.token_ids for c in first] == [c.token_ids for c in asks] == [c.token_ids for c in again]
+
+
+def test_prompt_logprobs_validation():
+    for bad in (21, -1, True, 1.0):
+        with pytest.raises(ValueError, match="prompt_logprobs"):
+            SamplingParams(prompt_logprobs=bad).validate()
+    SamplingParams(prompt_logprobs=0).validate()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_prompt_logprobs_in_one_token_chunks(checkpoint):
+    """On CUDA, prompt chunks of one token batched with decoding sequences would fit the decode runner, which keeps
+    only each sequence's last logits: a sequence that needs its prompt's log-probabilities runs eagerly instead, and
+    gets transformers' values (float32)."""
+    path, model = checkpoint
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True, prompt_logprobs=2)
+    engine = LLMEngine.from_dir(
+        path, EngineConfig(device="cuda", dtype="float32", kv_cache_gb=0.5, moe_backend="fused", max_prefill_tokens=2)
+    )
+    assert engine.runner.decode is not None
+    for prompt, chunks in zip(PROMPTS, _run(engine, PROMPTS, params), strict=True):
+        entries = chunks[0].prompt_logprobs
+        assert entries is not None and len(entries) == len(prompt) and entries[0] is None
+        expected = _prompt_reference(model, prompt)
+        for p, lp in enumerate(entries[1:]):
+            assert lp.token_id == prompt[p + 1] and abs(lp.logprob - expected[p, lp.token_id].item()) <= 1e-3

@@ -122,6 +122,26 @@ def test_select_marks_keeps_the_tail_a_spacing_and_the_end():
     assert kept == [10, 260, 510, 760, 970, 980, 990, 1000]
     assert select_marks([], 5, 40, spacing=250) == [40]
     assert select_marks([30, 35], 0, 40, spacing=250, tail=0) == [30, 40]
+    # The last turn ends too, however many marks follow them.
+    kept = select_marks(marks, 0, 1000, spacing=250, tail=3, turn_ends=[100, 500, 700, 900], tail_turns=2)
+    assert kept == [10, 260, 510, 700, 900, 970, 980, 990, 1000]  # spaced from the kept turn ends on
+    # And tool outputs' starts wherever they are (spacing counts from them too).
+    kept = select_marks(marks, 0, 1000, spacing=250, tail=3, always=[300, 320])
+    assert kept == [10, 260, 300, 320, 570, 820, 970, 980, 990, 1000]
+
+
+def test_turn_ends_and_tool_outputs_among_marks():
+    marks = MarkSet([[7], [3, 4]], turn_end=[3, 4], tool_output=[7])
+    tokens = [1, 7, 3, 4, 2, 7, 3, 4]
+    found = marks.positions(tokens, 0, len(tokens))
+    assert marks.turn_ends(tokens, found) == [4, 8] and marks.tool_outputs(tokens, found) == [2, 6]
+    assert MarkSet([[7]]).turn_ends(tokens, [2, 6]) == [] == MarkSet([[7]]).tool_outputs(tokens, [2, 6])
+
+
+def test_marks_name_turn_ends_and_tool_outputs(qwen35):
+    marks = MarkSet.from_tokenizer(qwen35.tokenizer)
+    assert marks.turn_end == tuple(qwen35.tokenizer.encode("<|im_end|>"))
+    assert marks.tool_output == tuple(qwen35.tokenizer.encode("<tool_response>"))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -278,6 +298,50 @@ def test_thinking_stripped_resumes_at_the_last_unchanged_mark(qwen35):
     assert_all_blocks_free(engine)
 
 
+def test_openclaw_turns_resume_at_the_turn_end_before_the_stripped_reply(qwen35):
+    """OpenClaw keeps thinking on the latest reply only: each turn strips the previous reply's thinking, whose
+    reply, tool call and tool response hold more marks than `TAIL_MARKS`. The turn end before that reply (kept as
+    one of the prompt's last `TAIL_TURNS` turn ends) is where the turn resumes, within its header's few tokens."""
+    engine = qwen35.engine()
+
+    def turn(k: int) -> list[int]:
+        messages = session(1)[:2]  # the system prompt and the task
+        for t in range(k):
+            call = {"type": "function", "id": f"r{t}", "function": {"name": "read", "arguments": {"path": f"f{t}"}}}
+            reply = {"role": "assistant", "content": f"Reading f{t}.", "tool_calls": [call]}
+            if t == k - 1:
+                reply["reasoning_content"] = f"File f{t} should say what module {t} does."
+            messages += [reply, {"role": "tool", "tool_call_id": f"r{t}", "content": f"x = {t}\n" * 4}]
+        return qwen35.encode(messages, TOOLS)
+
+    prompts = [turn(k) for k in range(1, 5)]
+    for k, prompt in enumerate(prompts):
+        r = one(engine, prompt, greedy(2), rid=f"t{k}")
+        if k >= 2:
+            changed = first_diff(prompts[k - 1], prompt)
+            assert changed - 6 <= r.last.num_cached_tokens <= changed, (k, changed, r.last.num_cached_tokens)
+            assert r.token_ids == cold(qwen35, prompt, 2)
+    assert_all_blocks_free(engine)
+
+
+def test_replaced_tool_output_resumes_at_its_start(qwen35):
+    """OpenCode replaces old tool outputs by a placeholder, deep in the history (past the spacing of kept marks):
+    every tool output's start is kept, so the prompt resumes right at the replaced output."""
+    engine = qwen35.engine()
+    history = session(4)
+    p1 = qwen35.encode(history, TOOLS)
+    one(engine, p1, greedy(2))
+    pruned = [dict(m) for m in history]
+    pruned[3]["content"] = "[Old tool result content cleared]"  # the first tool output (system, user, call, output)
+    p2 = qwen35.encode(pruned, TOOLS)
+    changed = first_diff(p1, p2)
+    assert len(p2) - changed > 200  # deep: most of the prompt follows the change
+    r2 = one(engine, p2, greedy(2))
+    assert changed - 2 <= r2.last.num_cached_tokens <= changed, (changed, r2.last.num_cached_tokens)
+    assert r2.token_ids == cold(qwen35, p2, 2)
+    assert_all_blocks_free(engine)
+
+
 def test_strict_prefixes_of_an_earlier_prompt(qwen35):
     engine = qwen35.engine()
     p1 = qwen35.encode(session(2), TOOLS)
@@ -295,11 +359,12 @@ def test_strict_prefixes_of_an_earlier_prompt(qwen35):
 
 
 def test_sessions_evicting_each_others_snapshots(qwen35):
-    """Two sessions alternate over room for eight snapshots (a turn takes about six): each evicts the other's
-    oldest snapshots, the newest survive to resume the next turn, and answers stay cold's."""
+    """Two sessions alternate over room for twelve snapshots (a turn takes more than eight: marks, turn ends, tool
+    outputs' starts): each evicts the other's oldest snapshots, the newest survive to resume the next turn, and
+    answers stay cold's."""
     nbytes = qwen35.engine(cold=True).checkpoints.nbytes_each
-    engine = qwen35.engine(state_checkpoint_gb=8.5 * nbytes / 1e9)
-    assert engine.checkpoints.pool.capacity == 8
+    engine = qwen35.engine(state_checkpoint_gb=12.5 * nbytes / 1e9)
+    assert engine.checkpoints.pool.capacity == 12
     prompts = {s: qwen35.encode(session(1, salt=f"S{s}. "), TOOLS) for s in range(2)}
     cached = []
     for turn in range(3):
@@ -315,8 +380,8 @@ def test_sessions_evicting_each_others_snapshots(qwen35):
                 )
             )
     stats = engine.stats()["state_checkpoints"]
-    assert stats["num_evicted"] > 0 and stats["num_live"] <= 8
-    assert cached[:2] == [0, 0] and all(c > 0 for c in cached[2:])
+    assert stats["num_evicted"] > 0 and stats["num_live"] <= 12
+    assert cached[:2] == [0, 0] and all(c > 0 for c in cached[2:]), cached
     assert_all_blocks_free(engine)
 
 

@@ -89,6 +89,21 @@ def test_fused_moe_matches_reference(num_tokens, hidden, inter, num_experts, top
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=ATOL)
 
 
+@pytest.mark.parametrize("config", [(128, 64, 8, 4), (128, 32, 4, 3)])
+def test_fused_moe_launch_configs_match_the_reference(config):
+    """Another tile shape (`fused_moe(config=...)`, as benches/prefill_compute.py times) computes the same sum,
+    masks included (tiles wider than the matrices)."""
+    num_tokens, hidden, inter, num_experts, top_k = (300, 2048, 768, 128, 8) if DEVICE == "cuda" else (9, 96, 80, 8, 3)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(num_tokens, hidden, generator=gen).to(DEVICE, DTYPE)
+    w13 = (torch.randn(num_experts, 2 * inter, hidden, generator=gen) * hidden**-0.5).to(DEVICE, DTYPE)
+    w2 = (torch.randn(num_experts, hidden, inter, generator=gen) * inter**-0.5).to(DEVICE, DTYPE)
+    weights, ids = torch.topk(torch.softmax(torch.randn(num_tokens, num_experts, generator=gen), -1), top_k)
+    ids, weights = ids.to(DEVICE), weights.to(DEVICE, DTYPE)
+    got = fused_moe(x, w13, w2, ids, weights, config=config).float()
+    torch.testing.assert_close(got, fused_moe_reference(x, w13, w2, ids, weights), atol=ATOL, rtol=ATOL)
+
+
 def test_fused_moe_in_stages_is_fused_moe_bit_for_bit():
     """The decode driver's split: tiles of hits in stage 0, of filled slots in stage 1 (after `before_stage(1)`);
     every tile is in one stage, so the sum is `fused_moe`'s exactly."""

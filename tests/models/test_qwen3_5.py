@@ -27,7 +27,7 @@ from freetoken.kernels.gated_delta import (
 from freetoken.models.attention import AttentionMetadata
 from gpu_marker import gpu_when_available
 from greedy import greedy_tokens, hf_greedy
-from reference_qwen3_5 import make_reference_checkpoint
+from reference_qwen3_5 import check_bfloat16_against_transformers, make_reference_checkpoint
 
 # Where the Triton-kernel tests run: CUDA when there is one, else Triton's interpreter on the CPU (conftest).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -489,3 +489,9 @@ def test_paused_sequences_keep_their_state_slots(tmp_path):
     while engine.has_work():
         engine.step()
     assert engine.state_pool.num_free == 2
+
+
+def test_bfloat16_follows_transformers_on_the_cpu(tmp_path):
+    """The GPU test's bfloat16 check on the CPU (torch paths), two of its four seeds: logits as close to exact
+    compute as transformers' own bfloat16, tokens equal but from near-ties within its bfloat16 error."""
+    print(check_bfloat16_against_transformers(tmp_path, "cpu", seeds=2))

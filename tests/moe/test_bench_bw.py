@@ -325,6 +325,29 @@ def test_a_missing_profile_is_measured_once(tmp_path, cuda_uuid):
     assert choose_backend("auto", cuda, ExpertShape(4096, 1536), tmp_path) == ("offload", None)
 
 
+def test_unwritable_profile_dir_keeps_the_measured_profile(tmp_path, monkeypatch, caplog):
+    """`ft serve`'s first-start measurement whose profile cannot be written (its directory is a file here) logs a
+    warning and returns the measured figures, which the backend choice then uses: the server goes on."""
+    from freetoken.bench import box
+    from freetoken.config import ModelConfig
+    from freetoken.models.presets import preset_config_path
+
+    cfg = ModelConfig.from_dict(json.loads(preset_config_path("qwen3-30b-a3b").read_text()), source="qwen3-30b-a3b")
+    shape = ExpertShape(cfg.hidden_size, cfg.moe_intermediate_size)
+    curve = {1: 49e9, 2: 40e9, 4: 30e9}
+    gpu = box.GpuRun({"uuid": UUID, "name": "NVIDIA H200"}, 54e9, 50e9, 63e9, {1: (50e9, 45e9)}, 54e9, curve)
+    run = box.BoxRun({"cpu_model": "test"}, {"seconds": 0.5}, 200e9, curve, [gpu])
+    # The measurement itself needs a GPU (test_measure_profile_on_the_gpu): this test is about its write.
+    monkeypatch.setattr(box, "measure_box", lambda *args, **kwargs: run)
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    with caplog.at_level(logging.WARNING, logger=box.__name__):
+        profile = box.measure_profile(shape, cfg, 0, blocker / "profiles")
+    assert profile["planner"]["pcie_bytes_per_s"] == 54e9 and profile["gpu"]["uuid"] == UUID
+    assert "could not write the bandwidth profile" in caplog.text and "next start measures again" in caplog.text
+    assert blocker.read_text() == ""
+
+
 @pytest.mark.gpu
 @needs_gpu
 def test_measure_profile_on_the_gpu(tmp_path):

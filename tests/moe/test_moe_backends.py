@@ -8,6 +8,7 @@ them matches to bf16 rounding of the hidden states.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -94,3 +95,38 @@ def test_cpu_backend_says_what_it_ignores_and_runs_with(bf16_checkpoint, caplog)
     assert "host expert kernels: 2 threads" in caplog.text
     stats = backend.stats()
     assert stats["num_slots"] == 0 and stats["cpu_threads"] == 2 and stats["cpu_isa"] == backend.cpu.isa
+
+
+def test_offload_decode_under_evictions_keeps_every_resident_in_its_slot(bf16_checkpoint):
+    """CPU device, the engine's decode with 9 slots for the 64 experts: every step evicts (the same `LayerServer`
+    and planner as the GPU's driven decode, with the memcpy copier). After each step every expert the planner counts
+    resident is in its slot (`stale_slots`), and the greedy tokens and their log-probabilities follow fused's to
+    float32 rounding. A slot overwritten behind the planner's back is reported."""
+    from freetoken.config import EngineConfig
+    from freetoken.engine.llm_engine import LLMEngine
+    from greedy import greedy_logprobs
+
+    prompts = [[3, 17, 100, 42, 7, 8, 9, 200, 13], list(range(1000, 1018))]
+
+    def decode(backend: str, **args) -> tuple[LLMEngine, list[list[tuple[int, float]]]]:
+        cfg = EngineConfig(device="cpu", dtype="float32", kv_cache_gb=0.05, moe_backend=backend, cpu_threads=2, **args)
+        engine = LLMEngine.from_dir(bf16_checkpoint, cfg)
+
+        def resident_in_slots(step: int) -> None:
+            if backend == "offload":
+                assert engine.experts.stale_slots() == [], f"step {step}"
+
+        return engine, greedy_logprobs(engine, prompts, 10, resident_in_slots)
+
+    _, want = decode("fused")
+    # Streamed prefill: its layers come from the layer buffers, so no step runs experts on the CPU kernels (bf16).
+    engine, got = decode("offload", expert_slots=9, prefill_strategy="stream")
+    for g, w in zip(got, want, strict=True):
+        assert [t for t, _ in g] == [t for t, _ in w]
+        assert max(abs(a - b) for (_, a), (_, b) in zip(g, w, strict=True)) < 1e-4
+    backend = engine.experts
+    assert sum(backend.stats()["layers"]["evictions"]) > 0 and sum(backend.stats()["layers"]["cpu_runs"]) == 0
+    layer_slots = backend.planner.layer_slots(0)
+    expert = int(np.flatnonzero(layer_slots >= 0)[0])
+    backend.slots[int(layer_slots[expert])].zero_()
+    assert backend.stale_slots() == [(0, expert, int(layer_slots[expert]))]

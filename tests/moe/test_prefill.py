@@ -29,8 +29,10 @@ from freetoken.moe.expert_cache import ExpertCacheBackend
 from freetoken.moe.fused import FusedExperts
 from freetoken.moe.prefill import (
     EXPLORE_MARGIN,
+    EXPLORE_MARGIN_NEAR,
     Calibration,
     PrefillCosts,
+    candidate_strategies,
     choose_strategy,
 )
 from gpu_marker import DEVICES
@@ -246,7 +248,7 @@ def test_exploration_measures_a_close_untried_strategy_once():
     """Once the cheapest is measured at a size class, an untried strategy priced within EXPLORE_MARGIN of it is run
     twice (a warm-up and a sample) and then left if it is dearer; one priced past the margin is never run."""
     costs = _costs(resident=22)
-    for n, explored in ((1024, True), (64, False)):
+    for n, explored in ((1024, True), (16, False)):
         ratio = costs.seconds("stream", n) / costs.seconds("hybrid", n)
         assert (1 < ratio <= EXPLORE_MARGIN) == explored, ratio
         calibration = _FakeClock(torch.device("cpu"))
@@ -259,6 +261,92 @@ def test_exploration_measures_a_close_untried_strategy_once():
             picks.append(strategy)
         tried = ["stream", "stream"] if explored else ["hybrid", "hybrid"]
         assert picks == ["hybrid", "hybrid", *tried, "hybrid", "hybrid"], (n, picks)
+
+
+def test_a_strategy_measured_at_another_size_explores_within_the_near_margin_only():
+    """Measured at a neighbouring size class, a strategy's price carries that class's scale, so it is explored only
+    within EXPLORE_MARGIN_NEAR of the best: 1.5x dearer after calibration is not run at the new size."""
+    costs = _costs(resident=22)
+    calibration = _FakeClock(torch.device("cpu"))
+    n = 1024
+    stream_scale = 1.5 * costs.seconds("hybrid", n) / costs.seconds("stream", n)  # stream 1.5x hybrid, measured
+    for strategy, scale in (("stream", stream_scale), ("hybrid", 1.0)):
+        for _ in range(2):  # at 4096 tokens (the next class up): a warm-up and a sample
+            calibration.start(strategy, 4096, costs.seconds(strategy, 4096))
+            calibration.now += scale * costs.seconds(strategy, 4096)
+            calibration.end()
+    assert calibration.measured_anywhere("stream") and not calibration.measured("stream", n)
+    assert 1.5 < EXPLORE_MARGIN and 1.5 > EXPLORE_MARGIN_NEAR
+    picks = []
+    for _ in range(4):
+        strategy = choose_strategy(costs, n, ["stream", "hybrid"], calibration)
+        calibration.start(strategy, n, costs.seconds(strategy, n))
+        calibration.now += costs.seconds(strategy, n) * (stream_scale if strategy == "stream" else 1.0)
+        calibration.end()
+        picks.append(strategy)
+    assert picks == ["hybrid"] * 4
+
+
+def test_auto_chooses_among_every_strategy_the_backend_can_run():
+    """Streaming with layer buffers, the backend's own plan, the CPU with a profile, hybrid with slots and a profile,
+    and fill only where hybrid cannot run."""
+    assert candidate_strategies("hybrid", True, True, True) == ["stream", "hybrid", "cpu"]
+    assert candidate_strategies("fill", True, True, True) == ["stream", "fill", "cpu", "hybrid"]
+    assert candidate_strategies("fill", True, True, False) == ["stream", "fill"]
+    assert candidate_strategies("fill", False, True, False) == ["fill"]
+    assert candidate_strategies("cpu", False, False, True) == ["cpu"]
+
+
+# benches/prefill.py --parts extend on the lent H200 box (Qwen3-30B-A3B real config, 24 GB, an 8192-token prefix,
+# synthetic routing replay; session 24): median seconds per extend of each fixed strategy, and the inputs the
+# backends had (planner figures of `ft bench bw`, 27.8 of 128 experts per layer resident: 45.4 GB streamed).
+DEVICE_EXTENDS = {
+    "stream": {16: 0.825, 64: 0.825, 256: 0.825, 1024: 0.827, 4096: 0.828, 8192: 0.86},
+    "fill": {16: 0.594, 64: 0.998, 256: 1.116, 1024: 1.130, 4096: 1.273, 8192: 1.4},
+    "cpu": {16: 0.294, 64: 0.812, 256: 1.043, 1024: 2.081, 4096: 6.368, 8192: 12.7},
+    "hybrid": {16: 0.275, 64: 0.752, 256: 0.827, 1024: 1.025, 4096: 1.358, 8192: 1.5},
+}
+# The same run's `auto` met hybrid after other extends had churned the slots: 0.436 s at 16 tokens (0 % hits against
+# 9 % fixed, 40 % more fills) and 2.55x its prediction at 64 (0.544 s with these figures).
+HYBRID_AFTER_CHURN = {**DEVICE_EXTENDS["hybrid"], 16: 0.436, 64: 2.55 * 0.544}
+DEVICE_COSTS = PrefillCosts(
+    num_experts=128,
+    top_k=8,
+    expert_nbytes=3 * 768 * 2048 * 2,
+    resident=27.8,
+    pcie_bytes_per_s=52.8e9,
+    cpu_bytes_per_s={1: 35.0e9, 2: 33.5e9, 4: 33.9e9, 8: 32.2e9, 16: 31.4e9},
+    gpu_flops_per_s=600e12,
+)
+
+
+@pytest.mark.parametrize("hybrid", [DEVICE_EXTENDS["hybrid"], HYBRID_AFTER_CHURN], ids=["fixed", "after-churn"])
+def test_auto_is_within_5_percent_of_the_best_on_the_device_figures(hybrid):
+    """benches/prefill.py's extend part replayed on its device figures: the 8192-token prefix under `auto`, then per
+    length 6 warm-up extends and 3 timed ones, each costing what that strategy measured at that length; the
+    calibration sees predictions of the bench's own cost inputs. `auto` must be within 5 % of the best fixed strategy
+    at every length. With hybrid as `auto` met it (slots churned), the CPU wins the 16-token extends (it fills
+    nothing): a hybrid backend's `auto` that could only stream or run hybrid took 1.48x the best there."""
+    truth = {**DEVICE_EXTENDS, "hybrid": hybrid}
+    candidates = candidate_strategies("hybrid", True, True, True)
+    calibration = _FakeClock(torch.device("cpu"))
+    layers = 48
+
+    def run(n: int) -> str:
+        strategy = choose_strategy(DEVICE_COSTS, n, candidates, calibration)
+        calibration.start(strategy, n, DEVICE_COSTS.seconds(strategy, n) * layers)
+        calibration.now += truth[strategy][n]
+        calibration.end()
+        return strategy
+
+    run(8192)
+    for n in EXTENDS:
+        for _ in range(6):
+            run(n)
+        best = min(times[n] for times in truth.values())
+        for _ in range(3):
+            chosen = run(n)
+            assert truth[chosen][n] <= 1.05 * best, (n, chosen, truth[chosen][n], best, calibration.stats())
 
 
 @pytest.mark.cuda_mocked

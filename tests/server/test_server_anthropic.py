@@ -309,6 +309,7 @@ def test_thinking_and_tool_use_blocks_accepted_by_the_sdk():
     from anthropic.types import Message, RawMessageStreamEvent
     from pydantic import TypeAdapter
 
+    from freetoken.engine.types import GenerationChunk
     from freetoken.server.anthropic import _BlockStream, message_body
     from freetoken.server.generation import Completion
     from freetoken.server.parsers import ParserOptions, parse_text
@@ -328,7 +329,7 @@ def test_thinking_and_tool_use_blocks_accepted_by_the_sdk():
 
     parser, blocks = Qwen3Parser(options), _BlockStream()
     raw = [b for i in range(0, len(text), 7) for b in blocks.events(parser.feed(text[i : i + 7]))]
-    raw += blocks.events(parser.finish()) + blocks.close()
+    raw += blocks.events(parser.finish()) + blocks.close(GenerationChunk(text, [], finish_reason="stop"))
     adapter = TypeAdapter(RawMessageStreamEvent)
     start = {"type": "message_start", "message": {**body.model_dump(), "content": []}}
     snapshot, json_bufs = None, {}

@@ -171,6 +171,8 @@ def test_second_resize_while_one_waits_gets_409(served):
         ({}, 400, "missing_field"),
         ({"kv_blocks": 3}, 422, "resize_refused"),
         ({"kv_gb": 1e6}, 422, "resize_refused"),
+        ({"kv_gb": 1e308}, 422, "resize_refused"),  # its bytes overflow a float: still a refusal, not a 500
+        ({"expert_gb": 1e308, "kv_gb": 1e308}, 422, "resize_refused"),
     ],
 )
 def test_bad_and_refused_resizes(served, body, status, code):

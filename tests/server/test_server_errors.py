@@ -124,7 +124,11 @@ OPENAI_BAD = [
         "tools[0].function.description",
         "invalid_type",
     ),
-]
+    ("empty tool name", _openai(tools=[{"type": "function", "function": {"name": ""}}]), "tools[0].function.name",
+     "invalid_value"),
+    ("blank tool name", _openai(tools=[{"type": "function", "function": {"name": " "}}]), "tools[0].function.name",
+     "invalid_value"),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(
@@ -172,6 +176,18 @@ ANTHROPIC_BAD = [
     ("stop_sequences type", _anthropic(stop_sequences="x"), "stop_sequences", "invalid_type"),
     ("stream type", _anthropic(stream=1), "stream", "invalid_type"),
     (
+        "empty tool name",
+        _anthropic(tools=[{"name": "", "input_schema": {"type": "object"}}]),
+        "tools[0].name",
+        "invalid_value",
+    ),
+    (
+        "empty server tool name",
+        _anthropic(tools=[{"type": "web_search_20250305", "name": ""}]),
+        "tools[0].name",
+        "invalid_value",
+    ),
+    (
         "prompt over context",
         _anthropic(messages=[{"role": "user", "content": LONG_TEXT}]),
         "prompt is too long",
@@ -186,6 +202,23 @@ ANTHROPIC_BAD = [
 def test_anthropic_bad_requests(http, body, mentions, code):
     response = http.post(MESSAGES, content=body, headers={"anthropic-version": "2023-06-01"})
     assert_anthropic_error(response, 400, "invalid_request_error", mentions=mentions, code=code)
+
+
+RESPONSES_BAD = [
+    ("empty function name", [{"type": "function", "name": ""}], "tools[0].name"),
+    ("empty custom tool name", [{"type": "custom", "name": ""}], "tools[0].name"),
+    ("empty namespace name", [{"type": "namespace", "name": "", "tools": [{"type": "function", "name": "f"}]}],
+     "tools[0].name"),
+    ("empty namespace member name", [{"type": "namespace", "name": "ns", "tools": [{"type": "function", "name": ""}]}],
+     "tools[0].tools[0].name"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("tools", "param"), [c[1:] for c in RESPONSES_BAD], ids=[c[0] for c in RESPONSES_BAD])
+def test_responses_empty_tool_names(http, tools, param):
+    response = http.post("/v1/responses", json={"model": "m", "input": "hi", "max_output_tokens": 1, "tools": tools})
+    assert_openai_error(response, 400, mentions=param, code="invalid_value")
+    assert response.json()["error"]["param"] == param
 
 
 def test_count_tokens_bad_request(http):

@@ -112,11 +112,25 @@ def test_completions_legacy_shape(openai_client, http):
         abs(a - b) < 1e-5
         for a, b in zip([v for s in streamed for v in s.token_logprobs], lp.token_logprobs, strict=True)
     )
-    # echo: offsets start after the echoed prompt.
-    echoed = http.post(
-        "/v1/completions",
-        json={"model": "m", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 0},
-    ).json()
-    assert echoed["choices"][0]["logprobs"]["text_offset"][0] == len(PROMPT)
-    assert echoed["choices"][0]["logprobs"]["top_logprobs"][0] == {}
+    # echo: the prompt's tokens first (the first with null values, as OpenAI's), then the generated tokens, whose
+    # offsets start after the echoed prompt.
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "echo": True, "logprobs": 1}
+    for _ in range(2):  # the second time the prompt is in the prefix cache: it is prefilled again for its logprobs
+        echoed = http.post("/v1/completions", json=body).json()
+        echo_lp = echoed["choices"][0]["logprobs"]
+        num_prompt = echoed["usage"]["prompt_tokens"]
+        assert len(echo_lp["tokens"]) == num_prompt + echoed["usage"]["completion_tokens"]
+        assert "".join(echo_lp["tokens"][:num_prompt]) == PROMPT
+        assert echo_lp["token_logprobs"][0] is None and echo_lp["top_logprobs"][0] is None
+        assert all(v <= 0 for v in echo_lp["token_logprobs"][1:]) and all(
+            len(t) == 1 for t in echo_lp["top_logprobs"][1:]
+        )
+        assert echo_lp["text_offset"][:num_prompt] == [len("".join(echo_lp["tokens"][:i])) for i in range(num_prompt)]
+        assert echo_lp["text_offset"][num_prompt] == len(PROMPT)
+        assert echo_lp["token_logprobs"][num_prompt:] == lp.token_logprobs[:2]
+        assert echoed["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    chunks = [c.choices[0] for c in openai_client.completions.create(**{**body, "stream": True}) if c.choices]
+    assert chunks[0].text == PROMPT
+    assert chunks[0].logprobs.tokens == echo_lp["tokens"][:num_prompt]
+    assert chunks[0].logprobs.token_logprobs == echo_lp["token_logprobs"][:num_prompt]
     assert openai_client.completions.create(model="m", prompt=PROMPT, max_tokens=2).choices[0].logprobs is None

@@ -4,6 +4,8 @@ follow real requests on a real server, both read the same snapshot, and /metrics
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -98,6 +100,30 @@ def test_metrics_follow_requests(http):
     assert value(reused, "freetoken_prefix_cache_blocks") > 0
     # scrapes and stats reads are not requests
     assert ("freetoken_requests_total", (("endpoint", "/metrics"), ("status", "200"))) not in after
+
+
+# Name parts that are not base units (Prometheus naming: seconds, bytes, ratios; never ms, MB or percent).
+NON_BASE_UNITS = {"ms", "milliseconds", "us", "microseconds", "minutes", "hours", "kb", "mb", "gb", "kib", "mib", "gib"}
+
+
+def test_metric_names_follow_the_prometheus_conventions(http):
+    """Every family: ``freetoken_`` and snake case; counters' samples end in ``_total``; base units only, named
+    (histograms of time in ``_seconds``, byte figures in ``_bytes``, fractions in ``_ratio``, never percent)."""
+    assert http.post(CHAT, json={"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+    families = list(text_string_to_metric_families(http.get("/metrics").text))
+    assert len(families) >= 20
+    for family in families:
+        name, parts = family.name, set(family.name.split("_"))
+        assert re.fullmatch(r"freetoken_[a-z0-9_]+", name), name
+        assert not parts & NON_BASE_UNITS and "percent" not in name, name
+        if family.type == "counter":
+            assert all(s.name.endswith(("_total", "_created")) for s in family.samples), name
+        if family.type == "histogram":
+            assert name.endswith("_seconds"), name
+        if "bytes" in family.documentation.split() or "bytes" in parts:
+            assert re.search(r"_bytes(_per_second)?$", name), name
+        if "fraction" in family.documentation:
+            assert name.endswith("_ratio"), name
 
 
 def test_in_flight_and_decode_rate_while_streaming(http):

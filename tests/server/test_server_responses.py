@@ -78,6 +78,24 @@ def test_sdk_stream_helper_text(openai_client):
     assert events[-1].response.output_text == full.output_text
 
 
+def test_cut_by_max_output_tokens_is_incomplete(openai_client):
+    """A response the budget cut says so in the response (``incomplete_details.reason``) and in the item being
+    written (``incomplete``), streamed or not, as OpenAI's spec does; the demo's random weights never end a turn
+    themselves, so a 3-token budget always cuts."""
+    kwargs = {"model": "m", "input": "Write a long story.", "max_output_tokens": 3, "reasoning": {"effort": "none"}}
+    response = openai_client.responses.create(**kwargs, temperature=0)
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert [(item.type, item.status) for item in response.output] == [("message", "incomplete")]
+    events = list(openai_client.responses.create(**kwargs, temperature=0, stream=True))
+    assert events[-1].type == "response.incomplete"
+    assert events[-1].response.incomplete_details.reason == "max_output_tokens"
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [item.status for item in done] == ["incomplete"]
+    assert [item.status for item in events[-1].response.output] == ["incomplete"]
+    whole = openai_client.responses.create(**{**kwargs, "max_output_tokens": 200}, temperature=0)
+    assert whole.output_text.startswith(response.output_text)
+
+
 def test_multi_turn_items(openai_client, http):
     items = [
         {"role": "developer", "content": "Use tools."},
@@ -114,6 +132,7 @@ def test_reasoning_and_calls_validate_as_sdk_events():
     from openai.types.responses import ResponseStreamEvent
     from pydantic import TypeAdapter
 
+    from freetoken.engine.types import GenerationChunk
     from freetoken.server.parsers import ParserOptions, parse_text
     from freetoken.server.parsers.qwen3 import Qwen3Parser
     from freetoken.server.responses import ToolKinds, _ItemStream, output_items
@@ -123,10 +142,10 @@ def test_reasoning_and_calls_validate_as_sdk_events():
         '{"cmd": "ls -la"}}\n</tool_call>'
     )
     options = ParserOptions(prompt_text="", parse_tools=True)
-    whole = output_items(parse_text(Qwen3Parser(options), text), ToolKinds())
+    whole = output_items(parse_text(Qwen3Parser(options), text), ToolKinds(), "stop")
     parser, items = Qwen3Parser(options), _ItemStream(ToolKinds())
     raw = [e for i in range(0, len(text), 5) for e in items.events(parser.feed(text[i : i + 5]))]
-    raw += items.events(parser.finish()) + items.close()
+    raw += items.events(parser.finish()) + items.close(GenerationChunk(text="", token_ids=[], finish_reason="stop"))
     adapter = TypeAdapter(ResponseStreamEvent)
     events = [adapter.validate_python(json.loads(e.split(b"data: ", 1)[1])) for e in raw]
     assert [e.sequence_number for e in events] == list(range(len(events)))

@@ -230,8 +230,8 @@ def measure_profile(
     """Measure GPU `device_index` and the host for `shape` (about 10 s), write the profile where
     `freetoken.moe.profile.find_profile` looks (`directory`, default `profile_dir()`), and return it.
 
-    Raises:
-        OSError: the profile cannot be written to `directory`.
+    A profile that cannot be written (an unwritable or full `directory`: OSError) is logged as a warning and still
+    returned: this start runs on the measured figures, and the next one measures again.
     """
     from freetoken.moe.profile import profile_dir, profile_path, write_profile
 
@@ -245,6 +245,15 @@ def measure_profile(
     )  # fmt: skip
     profile = build_profile(run, run.gpus[0], shape)
     path = profile_path(profile_dir() if directory is None else directory, run.gpus[0].info["uuid"], shape)
-    write_profile(path, profile)
-    log.info("bandwidth profile written to %s", path)
+    try:
+        write_profile(path, profile)
+    except OSError as exc:
+        log.warning(
+            "could not write the bandwidth profile to %s (%s): this run uses the measured figures, the next start "
+            "measures again (set FREETOKEN_PROFILE_DIR to a writable directory, or run `ft bench bw`)",
+            path,
+            exc,
+        )
+    else:
+        log.info("bandwidth profile written to %s", path)
     return profile

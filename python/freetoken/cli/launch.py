@@ -5,11 +5,13 @@ overrides, or a config file of its own that freetoken writes under `$FREETOKEN_C
 (selected by an environment variable or a flag), so the user's own config is never rewritten. The model id and
 context length come from the server's ``GET /v1/models``. Every cloud credential (`CLOUD_CREDENTIAL_PREFIXES`,
 `CLOUD_CREDENTIALS`) is removed from the child's environment, so the agent cannot fall back to a paid endpoint
-without saying so; then the harness replaces this process (`os.execvpe`).
+without saying so; then the harness replaces this process (`os.execvpe`). The harness's binary is the command on
+PATH, else the one a PyPI package bundles (`Bundled`: Claude Code in ``claude-agent-sdk``, Codex in
+``openai-codex-cli-bin``).
 
 Harnesses and what they are given:
     claude    Claude Code: ANTHROPIC_BASE_URL / ANTHROPIC_AUTH_TOKEN / ANTHROPIC_MODEL and the per-tier model names
-              (the Anthropic Messages API at /v1/messages).
+              (the Anthropic Messages API at /v1/messages), CLAUDE_CODE_MAX_CONTEXT_TOKENS the context length.
     codex     Codex CLI: `-c` overrides adding a `freetoken` model provider on /v1/responses (wire_api "responses"),
               its model and context window; the key in FREETOKEN_API_KEY.
     opencode  opencode: OPENCODE_CONFIG -> a config adding an OpenAI-compatible `freetoken` provider.
@@ -21,6 +23,7 @@ Harnesses and what they are given:
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import shlex
@@ -85,6 +88,24 @@ class LaunchPlan:
 
 
 @dataclass(frozen=True)
+class Bundled:
+    """Where a Python package from PyPI ships the harness's binary, for when it is not on PATH.
+
+    Attributes:
+        package: the pip package (``pip install <package>``).
+        module: its top-level import name (found through `sys.path`, not imported).
+        executable: the binary's path inside the module's directory.
+        path_dir: a directory of helper binaries beside it (Codex's ``rg``) that goes first on the harness's PATH,
+            as the package's own launcher does; None when there is none.
+    """
+
+    package: str
+    module: str
+    executable: str
+    path_dir: str | None = None
+
+
+@dataclass(frozen=True)
 class Harness:
     """One coding agent `ft launch` knows.
 
@@ -94,6 +115,7 @@ class Harness:
         executable: the command it installs on PATH.
         install: how to install it (one line).
         plan: (served model, the user's extra arguments, this harness's config dir) -> `LaunchPlan`.
+        bundled: the PyPI package that also ships it, if one does.
     """
 
     name: str
@@ -101,6 +123,7 @@ class Harness:
     executable: str
     install: str
     plan: Callable[[ServedModel, list[str], Path], LaunchPlan]
+    bundled: Bundled | None = None
 
 
 def _claude(served: ServedModel, args: list[str], _dir: Path) -> LaunchPlan:
@@ -113,6 +136,9 @@ def _claude(served: ServedModel, args: list[str], _dir: Path) -> LaunchPlan:
         "ANTHROPIC_DEFAULT_HAIKU_MODEL": served.model,
         "ANTHROPIC_SMALL_FAST_MODEL": served.model,
         "CLAUDE_CODE_SUBAGENT_MODEL": served.model,
+        # The served context: Claude Code assumes 1M tokens for a model id it does not know (and says so on every
+        # start), so it would compact too late and overrun the server's context.
+        "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(served.max_model_len),
         # no telemetry, error reporting or auto-update calls to the cloud
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     }
@@ -246,8 +272,11 @@ def _dsh(served: ServedModel, args: list[str], config_dir: Path) -> LaunchPlan:
 
 
 HARNESSES: dict[str, Harness] = {h.name: h for h in (
-    Harness("claude", "Claude Code", "claude", "npm install -g @anthropic-ai/claude-code", _claude),
-    Harness("codex", "Codex CLI", "codex", "npm install -g @openai/codex", _codex),
+    Harness("claude", "Claude Code", "claude",
+            "pip install claude-agent-sdk (or npm install -g @anthropic-ai/claude-code)", _claude,
+            Bundled("claude-agent-sdk", "claude_agent_sdk", "_bundled/claude")),
+    Harness("codex", "Codex CLI", "codex", "pip install openai-codex-cli-bin (or npm install -g @openai/codex)", _codex,
+            Bundled("openai-codex-cli-bin", "codex_cli_bin", "bin/codex", "codex-path")),
     Harness("opencode", "opencode", "opencode", "npm install -g opencode-ai", _opencode),
     Harness("openclaw", "OpenClaw", "openclaw", "npm install -g openclaw", _openclaw),
     Harness("hermes", "Hermes Agent", "hermes", "the install script in github.com/NousResearch/hermes-agent's README",
@@ -273,6 +302,42 @@ def discover(server: str, api_key: str | None) -> ServedModel:
         ) from None
 
 
+@dataclass(frozen=True)
+class Found:
+    """An installed harness binary.
+
+    Attributes:
+        executable: its absolute path.
+        path_dir: a directory to put first on the harness's PATH (a bundled package's helpers), or None.
+    """
+
+    executable: str
+    path_dir: str | None = None
+
+
+def find_harness(harness: Harness) -> Found | None:
+    """The harness's binary: the command on PATH first, then the one its PyPI package bundles (`Harness.bundled`,
+    located through `sys.path` without importing the package); None when neither is installed."""
+    on_path = shutil.which(harness.executable)
+    if on_path is not None:
+        return Found(on_path)
+    bundled = harness.bundled
+    if bundled is None:
+        return None
+    try:
+        spec = importlib.util.find_spec(bundled.module)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for root in map(Path, spec.submodule_search_locations):
+        executable = root / bundled.executable
+        if executable.is_file() and os.access(executable, os.X_OK):
+            path_dir = root / bundled.path_dir if bundled.path_dir else None
+            return Found(str(executable), str(path_dir) if path_dir and path_dir.is_dir() else None)
+    return None
+
+
 def child_env(parent: Mapping[str, str], plan: LaunchPlan) -> tuple[dict[str, str], list[str]]:
     """(the harness's environment, the names removed): `parent` less every cloud credential, plus `plan.env`."""
     removed = sorted(name for name in parent if is_cloud_credential(name))
@@ -289,11 +354,12 @@ def mask(name: str, value: str) -> str:
 
 
 def describe(plan: LaunchPlan, removed: list[str], executable: str | None) -> str:
-    """The `--dry-run` report: variables removed and set (masked), files written, the command."""
+    """The `--dry-run` report: variables removed and set (masked), files written, the command (the binary found,
+    `executable`, or its name when None)."""
     lines = [f"remove {name}" for name in removed]
     lines += [f"set    {name}={mask(name, value)}" for name, value in sorted(plan.env.items())]
     lines += [f"write  {path}" for path in plan.files]
-    command = " ".join(shlex.quote(a) for a in plan.argv)
+    command = " ".join(shlex.quote(a) for a in [executable or plan.argv[0], *plan.argv[1:]])
     lines.append(f"exec   {command}" + ("" if executable else "   (not installed)"))
     return "\n".join(lines)
 
@@ -319,8 +385,8 @@ def run(args: argparse.Namespace) -> int:
     """Discover the served model, build the harness's plan, and exec it (or print it with --dry-run)."""
     harness = HARNESSES[args.harness]
     extra = args.passthrough  # what followed `--` (split off by `ft`'s main)
-    executable = shutil.which(harness.executable)
-    if executable is None and not args.dry_run:
+    found = find_harness(harness)
+    if found is None and not args.dry_run:
         print(
             f"ft launch: {harness.title} (`{harness.executable}`) is not installed; install it with: {harness.install}",
             file=sys.stderr,
@@ -332,9 +398,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"ft launch: {exc}", file=sys.stderr)
         return 1
     plan = harness.plan(served, extra, cache_root() / "launch" / harness.name)
+    if found is not None and found.path_dir is not None:
+        plan.env["PATH"] = os.pathsep.join(filter(None, [found.path_dir, os.environ.get("PATH")]))
     env, removed = child_env(os.environ, plan)
     if args.dry_run:
-        print(describe(plan, removed, executable))
+        print(describe(plan, removed, found.executable if found else None))
         return 0
     for path, text in plan.files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -348,5 +416,6 @@ def run(args: argparse.Namespace) -> int:
     )
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execvpe(executable, [executable, *plan.argv[1:]], env)
+    assert found is not None  # not installed returned above
+    os.execvpe(found.executable, [found.executable, *plan.argv[1:]], env)
     return 0  # not reached

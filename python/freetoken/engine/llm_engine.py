@@ -384,7 +384,18 @@ class LLMEngine:
             num_cached_tokens=seq.num_cached_tokens or 0,
             num_cache_write_tokens=seq.num_cache_write_tokens,
             logprobs=[logprob] if logprob is not None else None,
+            prompt_logprobs=self._take_prompt_logprobs(seq),
         )
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Sequence) -> list[TokenLogprob | None] | None:
+        """The prompt's log-probabilities for the chunk of its first token (`SamplingParams.prompt_logprobs`)."""
+        if seq.params.prompt_logprobs is None or seq.num_output != 1:
+            return None
+        if seq.prompt_len == 1:  # its one position predicts the output: it may have run in the decode runner
+            return [None]
+        assert seq.prompt_logprobs is not None and len(seq.prompt_logprobs) == seq.prompt_len, "a prompt position ran"
+        return seq.prompt_logprobs
 
     def stats(self) -> dict:
         """Engine counters (JSON-able)."""

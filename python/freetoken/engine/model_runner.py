@@ -9,8 +9,9 @@ import torch
 
 from freetoken.engine.cuda_graph import DecodeRunner
 from freetoken.engine.kv_cache import KVCache
-from freetoken.engine.sampler import sample_with_logprobs
+from freetoken.engine.sampler import logprobs_of, sample_with_logprobs
 from freetoken.engine.scheduler import ScheduledStep
+from freetoken.engine.sequence import Sequence
 from freetoken.engine.types import TokenLogprob
 from freetoken.models.attention import AttentionMetadata
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
@@ -72,7 +73,15 @@ class ModelRunner:
             and per sequence its token's `TokenLogprob` when its params ask for logprobs, else None.
         """
         experts = self.model.experts
-        if self.decode is not None and all(q == 1 for q in step.query_lens) and len(step.seqs) <= self.decode.max_batch:
+        # A prompt position whose logits give a prompt token's log-probability runs eagerly (the decode runner
+        # keeps only the last position's logits of each sequence).
+        prompt_logits = any(s.wants_prompt_logprobs and s.num_computed < s.prompt_len - 1 for s in step.seqs)
+        if (
+            self.decode is not None
+            and not prompt_logits
+            and all(q == 1 for q in step.query_lens)
+            and len(step.seqs) <= self.decode.max_batch
+        ):
             if experts is not None:
                 experts.begin_step(len(step.seqs), 0, self.model.config.num_experts_per_tok)
             logits = self.decode.run(step.seqs)
@@ -109,6 +118,8 @@ class ModelRunner:
         sampled_seqs = []
         end = 0
         for seq, q, ctx in zip(step.seqs, step.query_lens, context_lens, strict=True):
+            if seq.wants_prompt_logprobs:
+                self._prompt_logprobs(seq, hidden[end : end + q], ctx - q)
             end += q
             seq.num_computed = ctx
             if ctx == len(seq.token_ids):
@@ -129,3 +140,22 @@ class ModelRunner:
             out = [by_seq[id(s)][0] if id(s) in by_seq else None for s in step.seqs]
             out_logprobs = [by_seq[id(s)][1] if id(s) in by_seq else None for s in step.seqs]
         return out, out_logprobs
+
+    # Rows of logits made at a time for prompt log-probabilities: a [rows, vocab] float32 block (77 MB for Qwen's
+    # 151,936-token vocabulary), not the whole chunk's.
+    PROMPT_LOGITS_ROWS = 128
+
+    def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, start: int) -> None:
+        """Append to `seq.prompt_logprobs` the log-probabilities of the prompt tokens that the rows of `hidden`
+        (the hidden states of positions `start`, `start` + 1, ... of `seq`) predict: position p's logits give token
+        p + 1's, for p + 1 < `seq.prompt_len`. A chunk that starts the prompt starts the list with None (token 0)."""
+        if start == 0:
+            seq.prompt_logprobs = [None]
+        assert seq.prompt_logprobs is not None and len(seq.prompt_logprobs) == start + 1, "prompt chunks in order"
+        num_top = seq.params.prompt_logprobs or 0
+        last = min(start + hidden.shape[0], seq.prompt_len - 1)  # positions [start, last) predict prompt tokens
+        for lo in range(start, last, self.PROMPT_LOGITS_ROWS):
+            hi = min(lo + self.PROMPT_LOGITS_ROWS, last)
+            logits = self.model.compute_logits(hidden[lo - start : hi - start])
+            targets = seq.token_ids[lo + 1 : hi + 1]
+            seq.prompt_logprobs.extend(logprobs_of(logits, targets, [num_top] * len(targets)))

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -92,6 +93,19 @@ def _given(value: T | None) -> T:
     """`value`, known not to be None here (for mypy: a size given as GB when not as a count)."""
     assert value is not None
     return value
+
+
+def _units_in_gb(gb: float, unit_nbytes: int) -> int:
+    """Whole units of `unit_nbytes` bytes in `gb` GB (1e9 bytes), in exact integers: a float's bytes overflow to
+    infinity for a huge `gb` (1e308 GB), which then cannot be a count. `gb` is read as its shortest decimal text
+    (what the client wrote: 9.8304e-05 GB is 98304 bytes, not the binary float's 98303.99...)."""
+    return int(Decimal(str(gb)) * 10**9) // unit_nbytes
+
+
+def _gb_text(nbytes: int) -> str:
+    """`nbytes` in GB for a message, for any size: a huge request's bytes overflow a float."""
+    gb = Decimal(nbytes) / 10**9
+    return f"{gb:.3f}" if gb < 10**9 else f"{gb:.3e}"
 
 
 def _gb(nbytes: float) -> float:
@@ -205,7 +219,7 @@ def plan_resize(
                 "hybrid to have an expert cache"
             )
         stride, total = experts.pool.expert_stride, experts.pool.num_layers * experts.pool.num_experts
-        num_slots = expert_slots if expert_slots is not None else int(_given(expert_gb) * 1e9) // stride
+        num_slots = expert_slots if expert_slots is not None else _units_in_gb(_given(expert_gb), stride)
         if num_slots < 1:
             raise ResizeRefused(
                 f"expert cache of {expert_gb if expert_slots is None else expert_slots} "
@@ -218,7 +232,7 @@ def plan_resize(
         slot_delta = (num_slots - experts.num_slots) * stride
     if kv_gb is not None or kv_blocks is not None:
         kv = engine.kv
-        num_kv_blocks = kv_blocks if kv_blocks is not None else int(_given(kv_gb) * 1e9) // kv.bytes_per_block
+        num_kv_blocks = kv_blocks if kv_blocks is not None else _units_in_gb(_given(kv_gb), kv.bytes_per_block)
         needed = kv.blocks_for(engine.max_model_len)
         if num_kv_blocks < needed:
             raise ResizeRefused(
@@ -238,7 +252,7 @@ def plan_resize(
     headroom, bound = headroom_bytes(engine)
     if headroom is not None and peak > headroom:
         raise ResizeRefused(
-            f"the resize needs {peak / 1e9:.3f} GB more at its peak (the new KV cache beside the old during its copy, "
+            f"the resize needs {_gb_text(peak)} GB more at its peak (the new KV cache beside the old during its copy, "
             f"plus the expert cache's growth) and {bound} leaves {headroom / 1e9:.3f} GB; give smaller sizes"
         )
     return ResizePlan(num_slots, num_kv_blocks, peak, notes)

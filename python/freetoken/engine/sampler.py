@@ -48,7 +48,8 @@ def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: l
 
     They are those of the model's distribution: log_softmax of the raw logits in float32, before temperature,
     top-k and top-p (what vLLM and the OpenAI API report). Rows that did not ask cost nothing; the rows that did
-    take one log_softmax, one gather and one batched topk (k = the largest ask) over just those rows.
+    take one log_softmax, one gather and one batched topk (k = the largest ask) over just those rows
+    (`logprobs_of`).
 
     Args:
         logits: [N, V] logits (any float dtype; computed in float32).
@@ -66,19 +67,34 @@ def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: l
         picked = logits
     else:
         picked = logits[torch.tensor(rows, device=logits.device)]
-    logprobs = torch.log_softmax(picked.float(), dim=-1)
-    ids = torch.tensor([tokens[row] for row in rows], device=logits.device)
+    found = logprobs_of(picked, [tokens[row] for row in rows], [params[row].logprobs or 0 for row in rows])
+    for row, entry in zip(rows, found, strict=True):
+        out[row] = entry
+    return out
+
+
+def logprobs_of(logits: torch.Tensor, tokens: list[int], num_top: list[int]) -> list[TokenLogprob]:
+    """Row i's `TokenLogprob` of `tokens[i]` with its `num_top[i]` most likely alternatives: log_softmax of the
+    raw logits in float32, one gather and one batched topk (k = the largest `num_top`).
+
+    Args:
+        logits: [M, V] logits (any float dtype).
+        tokens: M token ids, each < V.
+        num_top: M counts of alternatives, each >= 0.
+    """
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(tokens, device=logits.device)
     chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
-    k = min(max(params[row].logprobs for row in rows), logprobs.shape[-1])
-    top_values: list[list[float]] = [[] for _ in rows]
-    top_ids: list[list[int]] = [[] for _ in rows]
+    k = min(max(num_top), logprobs.shape[-1])
+    top_values: list[list[float]] = [[] for _ in tokens]
+    top_ids: list[list[int]] = [[] for _ in tokens]
     if k > 0:
         values, indices = torch.topk(logprobs, k, dim=-1)
         top_values, top_ids = values.tolist(), indices.tolist()
-    for i, row in enumerate(rows):
-        n = params[row].logprobs
-        out[row] = TokenLogprob(tokens[row], chosen[i], list(zip(top_ids[i][:n], top_values[i][:n], strict=True)))
-    return out
+    return [
+        TokenLogprob(token, chosen[i], list(zip(top_ids[i][:n], top_values[i][:n], strict=True)))
+        for i, (token, n) in enumerate(zip(tokens, num_top, strict=True))
+    ]
 
 
 def apply_logit_bias(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:

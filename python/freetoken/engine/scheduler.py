@@ -8,7 +8,8 @@ sequence its next block, the most recently arrived running sequence is preempted
 is recomputed from its tokens later (vLLM's recompute preemption).
 
 A waiting sequence is admitted on the longest prefix of its tokens that the prefix cache holds
-(`freetoken.engine.prefix_cache`): it shares those blocks and prefills only the rest. After each finished step,
+(`freetoken.engine.prefix_cache`): it shares those blocks and prefills only the rest (a sequence that asks for its
+prompt's log-probabilities prefills all of it: those need every position's logits). After each finished step,
 `commit` indexes the blocks the step filled.
 
 Hybrid models (a recurrent-state pool) resume only from a recurrent-state snapshot
@@ -355,15 +356,18 @@ class Scheduler:
                 continue
             if self.state_pool is not None and not self.state_pool.num_free:
                 break  # paused sequences keep their state slots (as their KV blocks): none left for a new one
-            match = self.prefix_cache.match(seq.token_ids)
-            if in_flight and (match.num_blocks + 1) * self.kv.block_size <= len(seq.token_ids):
-                parent = match.nodes[-1] if match.nodes else ROOT
-                if self.prefix_cache.key(parent, seq.token_ids, match.num_blocks) in in_flight:
-                    i += 1
-                    continue
             snap = None
-            if self.state_pool is not None:
-                match, snap = self._resume_point(seq.token_ids)
+            if seq.wants_prompt_logprobs:  # every prompt position's logits are needed: no K/V is reused
+                match = PrefixMatch([], [])
+            else:
+                match = self.prefix_cache.match(seq.token_ids)
+                if in_flight and (match.num_blocks + 1) * self.kv.block_size <= len(seq.token_ids):
+                    parent = match.nodes[-1] if match.nodes else ROOT
+                    if self.prefix_cache.key(parent, seq.token_ids, match.num_blocks) in in_flight:
+                        i += 1
+                        continue
+                if self.state_pool is not None:
+                    match, snap = self._resume_point(seq.token_ids)
             chunk = self._admit(seq, match, budget, snap)
             if not chunk:
                 break

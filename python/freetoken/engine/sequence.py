@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from freetoken.engine.stop import OutputText
-from freetoken.engine.types import FinishReason, SamplingParams
+from freetoken.engine.types import FinishReason, SamplingParams, TokenLogprob
 
 _arrival = itertools.count()
 
@@ -35,6 +35,9 @@ class Sequence:
         num_cached_tokens: prompt tokens whose K/V came from the prefix cache at the first admission (None until
             then); `num_cache_write_tokens`: prompt tokens in full blocks this sequence computes itself, which
             the cache keeps for later requests (0 with the prefix cache off).
+        prompt_logprobs: with `SamplingParams.prompt_logprobs`, the prompt tokens' log-probabilities computed so
+            far (None for token 0; `ModelRunner` appends as prompt chunks run), handed out with the first output
+            token; else None.
         generator: this request's RNG (sampling), None when greedy.
         text: incremental detokenization and stop-string matching, None without a tokenizer.
     """
@@ -55,6 +58,7 @@ class Sequence:
     num_cache_write_tokens: int = 0
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     arrival: int = field(default_factory=lambda: next(_arrival))
 
     def __post_init__(self) -> None:
@@ -69,6 +73,12 @@ class Sequence:
     def num_uncomputed(self) -> int:
         """Tokens still to run through the model before the next sample (1 while decoding)."""
         return len(self.token_ids) - self.num_computed
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Whether its prompt's log-probabilities are still to be computed (asked for, and no token sampled yet:
+        a sequence preempted before its first token computes them again from the start)."""
+        return self.params.prompt_logprobs is not None and self.num_output == 0
 
     @property
     def finished(self) -> bool:

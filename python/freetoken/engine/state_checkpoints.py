@@ -25,9 +25,13 @@ the prefill (the chunk is not split into steps: `GatedDeltaNet` hands the state 
 snapshot costs its bytes (63 MB on Qwen3.5-35B-A3B), so a prompt with hundreds of marks keeps:
   - its first mark (in a chat, within or at the end of the system prompt and tools, the prefix every session of
     a harness shares, and the one left when an early message is edited),
-  - its last `TAIL_MARKS` marks (the ends of the latest messages, where the next turn appends or strips thinking),
+  - its last `TAIL_MARKS` marks (the ends of the latest messages, where the next turn appends),
+  - its last `TAIL_TURNS` turn ends (`<|im_end|>`): the one before the latest reply is where a harness that strips
+    that reply's thinking on the next turn (OpenClaw) changes the prompt,
+  - every tool output's start (the `<tool_response>` mark), where OpenCode replaces old outputs deep in the
+    history (measured by benches/agent_trace.py: with spacing alone such turns re-prefilled up to the spacing more),
   - marks at least `spacing` tokens after the previous kept one, or after where the prompt resumed
-    (`--state-checkpoint-spacing`; deep history edits such as replaced tool outputs re-prefill at most about that),
+    (`--state-checkpoint-spacing`; other deep history edits re-prefill at most about that),
   - the end of the prompt (the next turn usually starts with the whole of it),
 and while decoding, every mark the output writes (`</think>`, a tool call's close ...). Mode "chunk" snapshots at
 the end of every prefill chunk, as upstream does; mode "off" never (and hybrids then never reuse KV).
@@ -57,6 +61,14 @@ log = logging.getLogger(__name__)
 # Boundaries harnesses cut history at: end of thinking, tool call open/close, tool response open/close, turn end.
 MARK_STRINGS = ("</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<|im_end|>")
 TAIL_MARKS = 4
+# Turn ends (`<|im_end|>` marks) kept at a prompt's end besides its last marks: a reply and its tool response hold
+# more marks than `TAIL_MARKS`, and OpenClaw strips the previous reply's thinking on the next turn, so the turn end
+# before that reply (the 3rd or 4th last: reply, tool response, maybe a user message) is where that turn resumes.
+TAIL_TURNS = 4
+TURN_END = "<|im_end|>"
+# Tool outputs start right after this mark; OpenCode replaces old ones by a placeholder, deep in the history, so
+# every such mark of a prompt is kept, whatever the spacing.
+TOOL_OUTPUT_OPEN = "<tool_response>"
 # Default snapshot budget: room for this many snapshots, capped at `DEFAULT_BUDGET_FRACTION` of the device budget.
 DEFAULT_SNAPSHOTS = 64
 DEFAULT_BUDGET_FRACTION = 0.1
@@ -84,11 +96,15 @@ class MarkSet:
         sequences: the boundary strings as token ids (each non-empty).
     """
 
-    def __init__(self, sequences: Sequence[Sequence[int]]) -> None:
+    def __init__(
+        self, sequences: Sequence[Sequence[int]], turn_end: Sequence[int] = (), tool_output: Sequence[int] = ()
+    ) -> None:
         self.sequences = sorted({tuple(s) for s in sequences if s}, key=len, reverse=True)
         self._by_last: dict[int, list[tuple[int, ...]]] = {}
         for seq in self.sequences:
             self._by_last.setdefault(seq[-1], []).append(seq)
+        self.turn_end = tuple(turn_end)  # the turn end's ids (`TURN_END`), () when the template writes none
+        self.tool_output = tuple(tool_output)  # the tool output opener's (`TOOL_OUTPUT_OPEN`), the same
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> MarkSet:
@@ -100,7 +116,9 @@ class MarkSet:
             strings = [s for s in MARK_STRINGS if s in text] or strings
         except ValueError as e:
             log.info("state checkpoints: the chat template did not render a probe (%s); marks are %s", e, strings)
-        return cls([tokenizer.encode(s) for s in strings])
+        turn_end = tokenizer.encode(TURN_END) if TURN_END in strings else []
+        tool_output = tokenizer.encode(TOOL_OUTPUT_OPEN) if TOOL_OUTPUT_OPEN in strings else []
+        return cls([tokenizer.encode(s) for s in strings], turn_end, tool_output)
 
     def ends_at(self, tokens: Sequence[int], end: int) -> bool:
         """Whether a mark sequence ends right before position `end` (tokens[end - len : end] is one)."""
@@ -109,17 +127,43 @@ class MarkSet:
                 return True
         return False
 
+    def turn_ends(self, tokens: Sequence[int], marks: Sequence[int]) -> list[int]:
+        """Those of `marks` (positions, as `positions` gives them) that end a turn (right after `TURN_END`)."""
+        return _after(tokens, marks, self.turn_end)
+
+    def tool_outputs(self, tokens: Sequence[int], marks: Sequence[int]) -> list[int]:
+        """Those of `marks` where a tool output starts (right after `TOOL_OUTPUT_OPEN`)."""
+        return _after(tokens, marks, self.tool_output)
+
     def positions(self, tokens: Sequence[int], start: int, stop: int) -> list[int]:
         """Marks p with start < p <= stop (p: the position right after a mark sequence), ascending."""
         last = self._by_last
         return [p for p in range(start + 1, stop + 1) if tokens[p - 1] in last and self.ends_at(tokens, p)]
 
 
-def select_marks(marks: list[int], start: int, end: int, spacing: int, tail: int = TAIL_MARKS) -> list[int]:
-    """Which of a prompt's `marks` (ascending, in (start, end]) to snapshot: the first, the last `tail`, those at
-    least `spacing` after the previous kept one, and `end` (the prompt's end) itself. Ascending, without
-    repeats."""
+def _after(tokens: Sequence[int], marks: Sequence[int], seq: tuple[int, ...]) -> list[int]:
+    """Those of `marks` right after `seq` in `tokens` (none for an empty `seq`)."""
+    n = len(seq)
+    return [p for p in marks if n and p >= n and tuple(tokens[p - n : p]) == seq]
+
+
+def select_marks(
+    marks: list[int],
+    start: int,
+    end: int,
+    spacing: int,
+    tail: int = TAIL_MARKS,
+    turn_ends: Sequence[int] = (),
+    tail_turns: int = TAIL_TURNS,
+    always: Sequence[int] = (),
+) -> list[int]:
+    """Which of a prompt's `marks` (ascending, in (start, end]) to snapshot: the first, the last `tail`, the last
+    `tail_turns` of `turn_ends` (those of the marks that end a turn), all of `always` (marks kept wherever they
+    are), those at least `spacing` after the previous kept one, and `end` (the prompt's end) itself. Ascending,
+    without repeats."""
     kept = set(marks[-tail:]) if tail else set()
+    kept.update(turn_ends[-tail_turns:] if tail_turns else ())
+    kept.update(always)
     kept.update(marks[:1])
     last = start
     for p in marks:
@@ -469,7 +513,16 @@ class StateCheckpoints:
         """Plan a just-admitted sequence's prompt snapshots (mode "marks"), from where it resumes."""
         if self.mode == "marks":
             start, end = seq.num_computed, seq.prompt_len
-            self._plans[seq] = select_marks(self.marks.positions(seq.token_ids, start, end), start, end, self.spacing)
+            marks = self.marks.positions(seq.token_ids, start, end)
+            tokens = seq.token_ids
+            self._plans[seq] = select_marks(
+                marks,
+                start,
+                end,
+                self.spacing,
+                turn_ends=self.marks.turn_ends(tokens, marks),
+                always=self.marks.tool_outputs(tokens, marks),
+            )
 
     def forget(self, seq) -> None:
         """A sequence left the running set (finished, aborted, preempted): drop its plan."""

@@ -6,9 +6,10 @@ state (`[Hv, Dk, Dv]`, float32). The pool sits beside the paged KV cache (which 
 layers' K/V): one slot per running sequence, taken when the scheduler admits it and given back when it finishes,
 is aborted or is preempted (preemption recomputes the prompt from a zeroed slot, as it does the KV blocks).
 
-Layout: per linear layer `conv [num_slots + 1, conv_dim, K - 1]` and `ssm [num_slots + 1, Hv, Dk, Dv]`, allocated
-once; slot `num_slots` is never handed out: padding rows of a fixed-shape (CUDA-graph) decode step read and write
-it. Snapshots of a slot (checkpoints at special-token marks) copy these rows out and back (`copy_slot`).
+Layout: per linear layer `conv [num_slots + 1, C, K - 1]` (C = `ModelConfig.linear_conv_dim`) and `ssm [num_slots + 1,
+Hv, Dk, Dv]`, allocated once; slot `num_slots` is never handed out: padding rows of a fixed-shape (CUDA-graph) decode
+step read and write it. Snapshots of a slot (checkpoints at special-token marks) copy these rows out and back
+(`copy_slot`).
 """
 
 from __future__ import annotations
@@ -16,12 +17,6 @@ from __future__ import annotations
 import torch
 
 from freetoken.config import ModelConfig
-
-
-def conv_dim(cfg: ModelConfig) -> int:
-    """Channels of a linear layer's causal conv: q and k (Hk * Dk each) then v (Hv * Dv)."""
-    keys = cfg.linear_num_key_heads * cfg.linear_key_head_dim
-    return 2 * keys + cfg.linear_num_value_heads * cfg.linear_value_head_dim
 
 
 class RecurrentStatePool:
@@ -46,7 +41,7 @@ class RecurrentStatePool:
         heads, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.layers: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
             layer: (
-                torch.zeros(num_slots + 1, conv_dim(cfg), width, dtype=dtype, device=device),
+                torch.zeros(num_slots + 1, cfg.linear_conv_dim, width, dtype=dtype, device=device),
                 torch.zeros(num_slots + 1, heads, dk, dv, dtype=torch.float32, device=device),
             )
             for layer in cfg.linear_layers
@@ -57,7 +52,7 @@ class RecurrentStatePool:
     def bytes_per_slot(cfg: ModelConfig, dtype: torch.dtype) -> int:
         """Bytes of one sequence's states over all linear layers (conv window in `dtype`, delta-rule state float32)."""
         size = torch.empty((), dtype=dtype).element_size()
-        conv = conv_dim(cfg) * (cfg.linear_conv_kernel_dim - 1) * size
+        conv = cfg.linear_conv_dim * (cfg.linear_conv_kernel_dim - 1) * size
         ssm = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
         return len(cfg.linear_layers) * (conv + ssm)
 

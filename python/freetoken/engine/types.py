@@ -38,6 +38,10 @@ class SamplingParams:
             model's own distribution: log_softmax of the raw logits in float32, before temperature, top-k and
             top-p (as vLLM and the OpenAI API report them), so they do not depend on the sampling settings.
             With a `grammar` too, they are still the unconstrained model's.
+        prompt_logprobs: None (the default), or 0..20: report the prompt's tokens' log-probabilities too (each
+            given the tokens before it; the first token has none), with that many alternatives, on the request's
+            first `GenerationChunk` (`GenerationChunk.prompt_logprobs`). Every prompt token is then prefilled: the
+            prefix cache cannot supply a prompt's K/V without its logits.
         grammar: None (free text), or this sequence's `GrammarMatcher`: the sampler allows only the tokens it
             allows and advances it with each sampled token, so the output matches its grammar and EOS comes only
             once it is complete. It holds state: each sequence needs its own (`GrammarMatcher.fork`).
@@ -66,6 +70,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     grammar: GrammarMatcher | None = field(default=None, repr=False, compare=False)
     logit_bias: dict[int, float] = field(default_factory=dict)
     reasoning_tags: tuple[str, str] | None = None
@@ -92,8 +97,10 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of strings, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(map(_is_int, self.stop_token_ids)):
             raise ValueError(f"stop_token_ids must be a list of integers, got {self.stop_token_ids!r}")
-        if self.logprobs is not None and not (_is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be null or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not (_is_int(value) and 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be null or an integer in [0, {MAX_LOGPROBS}], got {value!r}")
         if not isinstance(self.logit_bias, dict) or not all(
             _is_int(t)
             and t >= 0
@@ -187,6 +194,9 @@ class GenerationChunk:
             cache for later requests (Anthropic's cache creation); 0 with the prefix cache off.
         logprobs: with `SamplingParams.logprobs` set, one `TokenLogprob` per entry of `token_ids`, in order;
             else None.
+        prompt_logprobs: with `SamplingParams.prompt_logprobs` set, on the request's first chunk only: one entry
+            per prompt token, None for the first (nothing precedes it), else its `TokenLogprob` given the tokens
+            before it; else None.
     """
 
     text: str
@@ -198,3 +208,4 @@ class GenerationChunk:
     num_cached_tokens: int = 0
     num_cache_write_tokens: int = 0
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None

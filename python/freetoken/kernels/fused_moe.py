@@ -173,6 +173,11 @@ def block_m_for(num_pairs: int) -> int:
     return 16 if num_pairs <= 512 else 64
 
 
+# (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages) of both kernels; `fused_moe(config=...)` overrides it
+# (benches/prefill_compute.py times alternatives at prefill sizes).
+LAUNCH_CONFIG = (64, 64, 4, 3)
+
+
 def fused_moe(
     hidden: torch.Tensor,
     w_gate_up: torch.Tensor,
@@ -181,6 +186,7 @@ def fused_moe(
     topk_weights: torch.Tensor,
     alignment: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] = LAUNCH_CONFIG,
 ) -> torch.Tensor:
     """Weighted sum of the routed SwiGLU experts of each token.
 
@@ -193,6 +199,7 @@ def fused_moe(
         alignment: (sorted_pairs, block_expert) of `align_pairs` for these ids with block_m_for(M * k), already on
             the device (e.g. from `freetoken._core.align_slots`); computed here when None.
         out: [M, K] buffer for the result (hidden's dtype), e.g. a CUDA graph's static input; None allocates.
+        config: (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages) of the kernels (`LAUNCH_CONFIG`).
 
     Returns:
         [M, K] in hidden's dtype: sum_j topk_weights[m, j] * down_e(silu(gate_e h) * up_e h), e = topk_ids[m, j].
@@ -203,7 +210,9 @@ def fused_moe(
     if alignment is None:
         alignment = align_pairs(topk_ids, w_gate_up.shape[0], block_m_for(topk_ids.numel()))
     sorted_pairs, block_expert = alignment
-    return fused_moe_tiles(hidden, w_gate_up, w_down, topk_weights, sorted_pairs, block_expert[None], out=out)
+    return fused_moe_tiles(
+        hidden, w_gate_up, w_down, topk_weights, sorted_pairs, block_expert[None], out=out, config=config
+    )
 
 
 def fused_moe_tiles(
@@ -215,6 +224,7 @@ def fused_moe_tiles(
     tile_stages: torch.Tensor,
     out: torch.Tensor | None = None,
     before_stage: Callable[[int], None] | None = None,
+    config: tuple[int, int, int, int] = LAUNCH_CONFIG,
 ) -> torch.Tensor:
     """`fused_moe` over an alignment whose tiles are split in stages that run one after the other: stage s runs
     the gate/up and down kernels over the tiles of row s, after `before_stage(s)` has queued what it must wait
@@ -223,7 +233,7 @@ def fused_moe_tiles(
     stage, so the result is bit for bit `fused_moe`'s.
 
     Args:
-        hidden, w_gate_up, w_down, topk_weights, out: as `fused_moe`.
+        hidden, w_gate_up, w_down, topk_weights, out, config: as `fused_moe`.
         sorted_pairs: [R] int64 of `align_pairs` (block_m_for(M * k) rows per tile).
         tile_stages: [S, R / block_m] int64: the expert (or slot) of each tile in the stage that runs it, -1 in
             the others (each tile in at most one stage).
@@ -241,7 +251,7 @@ def fused_moe_tiles(
     h = torch.empty(num_rows, inter, dtype=hidden.dtype, device=hidden.device)
     pairs = torch.zeros(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)  # skipped pairs stay 0
     weights = topk_weights.reshape(-1).contiguous()
-    block_n, block_k = 64, 64
+    block_n, block_k, num_warps, num_stages = config
     for stage, block_expert in enumerate(tile_stages):
         if stage and before_stage is not None:
             before_stage(stage)
@@ -263,8 +273,8 @@ def fused_moe_tiles(
             BLOCK_SIZE_M=block_m,
             BLOCK_SIZE_N=block_n,
             BLOCK_SIZE_K=block_k,
-            num_warps=4,
-            num_stages=3,
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
         grid = (num_rows // block_m, triton.cdiv(hidden_size, block_n))
         _down_kernel[grid](
@@ -284,8 +294,8 @@ def fused_moe_tiles(
             BLOCK_SIZE_M=block_m,
             BLOCK_SIZE_N=block_n,
             BLOCK_SIZE_K=block_k,
-            num_warps=4,
-            num_stages=3,
+            num_warps=num_warps,
+            num_stages=num_stages,
         )
     return torch.sum(pairs.view(num_tokens, top_k, hidden_size), dim=1, out=out)
 

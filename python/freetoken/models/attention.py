@@ -19,6 +19,12 @@ from torch.nn.attention.bias import causal_lower_right
 # cuDNN attention rebuilds an execution plan per masked call (~1 ms of CPU each on an H200 host, measured with
 # benches/decode_fused.py --profile), which would dominate an eager decode step; the other backends do not.
 _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+# Prefill spans leave cuDNN out too: torch picks it for a cold prompt's causal attention on the H200 box, and it
+# builds a graph for every new sequence length (hundreds of ms; a cold prompt has a new length every time): an
+# 18.8k-token first turn's forward measured ~1.87 s through `ft serve` where its streamed copies take ~1.0 s. Flash
+# takes 8.7 ms per layer there against cuDNN's 4.6 (benches/prefill_compute.py), under the ~21 ms of a layer's
+# streamed copies; an extend's lower-right mask was on flash already (`CausalBias`).
+PREFILL_SDPA_BACKENDS = _SDPA_BACKENDS
 
 
 @dataclass
@@ -156,12 +162,14 @@ def paged_attention(
         qp = q[row : row + qlen].transpose(0, 1).unsqueeze(0)  # (1, nh, q, D)
         kp = k_cache[ctx_slots].transpose(0, 1).unsqueeze(0)  # (1, nkv, ctx, D)
         vp = v_cache[ctx_slots].transpose(0, 1).unsqueeze(0)
-        if ctx == qlen:
-            op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            # Query i sits at position ctx - qlen + i and sees keys 0..that position: the causal mask aligned to the
-            # lower right, which flash attention takes without materialising a [qlen, ctx] mask (long prefixes).
-            mask = causal_lower_right(qlen, ctx)
-            op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
+        with sdpa_kernel(PREFILL_SDPA_BACKENDS):
+            if ctx == qlen:
+                op = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                # Query i sits at position ctx - qlen + i and sees keys 0..that position: the causal mask aligned to
+                # the lower right, which flash attention takes without materialising a [qlen, ctx] mask (long
+                # prefixes).
+                mask = causal_lower_right(qlen, ctx)
+                op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
         out[row : row + qlen] = op.squeeze(0).transpose(0, 1)
     return out

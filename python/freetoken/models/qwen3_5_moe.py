@@ -24,12 +24,13 @@ the branch output, so that a CUDA-graph decode step that runs the routed experts
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from freetoken.config import ModelConfig
-from freetoken.engine.state_pool import RecurrentStatePool, conv_dim
 from freetoken.kernels.gated_delta import (
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_torch,
@@ -39,6 +40,9 @@ from freetoken.kernels.gated_delta import (
 from freetoken.models import qwen3_moe
 from freetoken.models.attention import AttentionMetadata, paged_attention
 from freetoken.models.qwen3_moe import DenseMLP, RotaryEmbedding, _apply_rope
+
+if TYPE_CHECKING:  # the engine owns the state pool and imports the models: a runtime import here would be circular
+    from freetoken.engine.state_pool import RecurrentStatePool
 from freetoken.models.qwen3_moe import SparseMoeBlock as _RoutedMoeBlock
 
 # Devices whose tensors take this module's Triton kernels (the gated delta rule); elsewhere the torch reference.
@@ -181,7 +185,7 @@ class GatedDeltaNet(nn.Module):
         self.head_k_dim, self.head_v_dim = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.key_dim = self.num_k_heads * self.head_k_dim
         self.value_dim = self.num_v_heads * self.head_v_dim
-        channels = conv_dim(cfg)
+        channels = cfg.linear_conv_dim
         self.conv1d = nn.Conv1d(channels, channels, cfg.linear_conv_kernel_dim, groups=channels, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))

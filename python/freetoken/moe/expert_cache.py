@@ -48,6 +48,7 @@ from freetoken.moe.prefill import (
     Calibration,
     LayerStreamer,
     PrefillCosts,
+    candidate_strategies,
     choose_strategy,
     measure_gpu_flops,
 )
@@ -105,8 +106,9 @@ class ExpertCacheBackend:
             `default_cpu_threads`).
         layer_buffers: full-layer buffers for streaming prefill (`LayerStreamer`): 0 (none), 1 (copy, then
             compute) or 2 (double-buffered: the next layer's copy overlaps this layer's compute).
-        prefill_strategy: "auto" (the cheapest by `freetoken.moe.prefill.choose_strategy`, among streaming when
-            there are buffers and the backend's own on-demand plan), or always "stream", "fill", "cpu" or "hybrid".
+        prefill_strategy: "auto" (the cheapest by `freetoken.moe.prefill.choose_strategy`, among the strategies
+            the backend can run: `freetoken.moe.prefill.candidate_strategies`), or always "stream", "fill", "cpu"
+            or "hybrid".
 
     Raises:
         ValueError: unknown mode or strategy, no slots for a mode that fills, `hybrid` without a bandwidth
@@ -235,7 +237,9 @@ class ExpertCacheBackend:
         if self.prefill_strategy != "auto":
             self.strategy = self.prefill_strategy
         else:
-            candidates = (["stream"] if self.streamer is not None else []) + [self.demand]
+            candidates = candidate_strategies(
+                self.demand, self.streamer is not None, self.num_slots > 0, costs.cpu_bytes_per_s is not None
+            )
             self.strategy = choose_strategy(costs, num_tokens, candidates, self.calibration)
         self.strategy_steps[self.strategy] += 1
         predicted = costs.seconds(self.strategy, num_tokens) * self.pool.num_layers
@@ -477,6 +481,26 @@ class ExpertCacheBackend:
                     slots[slot].copy_(self.pool_experts[layer * e + expert], non_blocking=True)
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
+
+    def stale_slots(self) -> list[tuple[int, int, int]]:
+        """(pool layer, expert, slot) of every expert the planner counts resident whose slot does not hold the pool's
+        bytes of it: empty unless a fill was lost, is still landing, or was overwritten while the expert stayed
+        resident. A consistency check for tests and `benches/diag_evict_stress.py`; call it between steps (it
+        synchronizes the device first, so copies queued earlier have landed)."""
+        if self.copy_stream is not None:
+            torch.cuda.synchronize(self.device)
+        e, n = self.pool.num_experts, self.expert_nbytes
+        stale: list[tuple[int, int, int]] = []
+        for layer in range(self.pool.num_layers):
+            layer_slots = self.planner.layer_slots(layer).astype(np.int64)
+            experts = np.flatnonzero(layer_slots >= 0)
+            if not experts.size:
+                continue
+            want = self.pool_experts[torch.from_numpy(layer * e + experts)][:, :n].to(self.device)
+            got = self.slots[torch.from_numpy(layer_slots[experts]).to(self.device)][:, :n]
+            bad = (got != want).any(dim=1).nonzero().flatten().tolist()
+            stale.extend((layer, int(experts[i]), int(layer_slots[experts[i]])) for i in bad)
+        return stale
 
     def device_handshake(self, top_k: int, sizes: list[int]):
         """The handshake through which a decode step captured whole in one CUDA graph is served by the Rust

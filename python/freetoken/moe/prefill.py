@@ -23,10 +23,16 @@ The model leaves out what it cannot see (per-copy call costs, the CPU kernels' s
 memory bus that copies and CPU kernels share, attention), so each chunk's wall time is measured against its
 prediction and the ratio's running average per strategy and chunk size class (`Calibration`) scales that strategy's
 later predictions at that size (at a size not measured yet, the nearest measured size's). A strategy the model
-prices close to the best one is run at each size class to be measured (`EXPLORE_MARGIN`), so one it overprices is
-still found. Every prefill chunk may stream, however short: a 64-token extend after an 8k prefix streamed in
-0.86 s on the lent H200 box (Qwen3-30B-A3B, 24 GB) against 1.00 s with `hybrid`, which `auto` took when chunks under
-65 tokens could not stream.
+prices close to the best one is run at each size class to be measured (`EXPLORE_MARGIN`, wide while the strategy
+has no measurement at any size, `EXPLORE_MARGIN_NEAR` once a neighbouring size's scale corrects its price), so one
+it overprices is still found. Every prefill chunk may stream, however short: a 64-token extend after an 8k prefix
+streamed in 0.86 s on the lent H200 box (Qwen3-30B-A3B, 24 GB) against 1.00 s with `hybrid`, which `auto` took when
+chunks under 65 tokens could not stream.
+
+`auto` chooses among every strategy the backend can run (`candidate_strategies`), not only streaming and the
+backend's own plan: on that box a 16-token extend took 0.29 s with `cpu` (no fills: the decode-hot slots stay, 25 %
+hits) against 0.28-0.44 s with `hybrid`, whose fills of one-off experts evict the slots until none hits (its time
+depends on how many extends ran before), which the model (uniform routing, no eviction cost) cannot see.
 """
 
 from __future__ import annotations
@@ -47,10 +53,14 @@ DEMAND_MODES = {"fill": "offload", "cpu": "cpu", "hybrid": "hybrid"}
 SYNC_SECONDS = 0.6e-3
 # Without a bandwidth profile: PCIe 4.0 x16's practical host->device rate. Only ratios of copy costs use it.
 DEFAULT_PCIE_BYTES_PER_S = 25e9
-# A strategy not yet measured at a chunk size class is run there when its calibrated price is within this factor
-# of the measured best one's: the model's error on one strategy (fixed costs it leaves out) rarely exceeds it, and
-# exploring costs two chunks per strategy and class (the first is a warm-up).
-EXPLORE_MARGIN = 1.5
+# A strategy not yet measured at a chunk size class is run there when its price is within a factor of the measured
+# best one's; exploring costs two chunks per strategy and class (the first is a warm-up). Never measured at any size,
+# its price is the bare model's, whose error relative to another strategy's reached 3x on the lent H200 box
+# (measured / predicted at 16 tokens: `cpu` 0.33, `hybrid` 0.75-1.2, `stream` 0.96), so the margin is wide; measured
+# at another size, the scale carried from there leaves a smaller error (it moved by 1.1-1.8x between neighbouring
+# sizes), so a tight margin keeps long chunks, where a wrong strategy costs most, from exploring.
+EXPLORE_MARGIN = 2.5
+EXPLORE_MARGIN_NEAR = 1.2
 
 
 @dataclass(frozen=True)
@@ -98,13 +108,32 @@ class PrefillCosts:
         return miss_bytes / (self.pcie_bytes_per_s + cpu) + gpu + SYNC_SECONDS
 
 
+def candidate_strategies(demand: str, streams: bool, slots: bool, profile: bool) -> list[str]:
+    """The strategies `auto` chooses among, in order of preference on a tie: "stream" with layer buffers
+    (`streams`), the backend's own on-demand plan `demand`, "cpu" with a CPU profile (`profile`; the model prices it
+    inf without one), "hybrid" with slots and a profile, "fill" with slots unless "hybrid" is a candidate (the model
+    never prices "hybrid" above "fill", and measured it was cheaper at every extend of 16-2048 tokens on the lent
+    H200 box: it is "fill" with part of the misses moved to the CPU)."""
+    out = ["stream"] if streams else []
+    for strategy, runnable in (
+        (demand, True),
+        ("cpu", profile),
+        ("hybrid", slots and profile),
+        ("fill", slots and not profile),
+    ):
+        if runnable and strategy not in out:
+            out.append(strategy)
+    return out
+
+
 def choose_strategy(
     costs: PrefillCosts, num_tokens: int, candidates: list[str], calibration: Calibration | None = None
 ) -> str:
     """The strategy for a prefill chunk of `num_tokens`: the cheapest of `candidates` (ties: the first), each
     prediction times its measured / predicted scale (`Calibration.scale`). Once the cheapest has been measured at
-    this size class, a candidate not measured there whose price is within `EXPLORE_MARGIN` of it is taken instead
-    (the cheapest such), so that it gets measured: a strategy the model overprices by less than that is found."""
+    this size class, a candidate not measured there whose price is within `EXPLORE_MARGIN` of it
+    (`EXPLORE_MARGIN_NEAR` when the candidate has been measured at another size) is taken instead (the cheapest
+    such), so that it gets measured: a strategy the model overprices by less than that is found."""
 
     def price(c: str) -> float:
         return costs.seconds(c, num_tokens) * (calibration.scale(c, num_tokens) if calibration else 1.0)
@@ -112,9 +141,11 @@ def choose_strategy(
     best = min(candidates, key=price)
     if calibration is None or not calibration.measured(best, num_tokens):
         return best
-    untried = [
-        c for c in candidates if not calibration.measured(c, num_tokens) and price(c) <= EXPLORE_MARGIN * price(best)
-    ]
+
+    def margin(c: str) -> float:
+        return EXPLORE_MARGIN_NEAR if calibration.measured_anywhere(c) else EXPLORE_MARGIN
+
+    untried = [c for c in candidates if not calibration.measured(c, num_tokens) and price(c) <= margin(c) * price(best)]
     return min(untried, key=price) if untried else best
 
 
@@ -162,6 +193,10 @@ class Calibration:
     def measured(self, strategy: str, num_tokens: int) -> bool:
         """Whether `strategy` has a sample at this size class (its warm-up timing does not count)."""
         return (strategy, self.size_class(num_tokens)) in self.samples
+
+    def measured_anywhere(self, strategy: str) -> bool:
+        """Whether `strategy` has a sample at any size class."""
+        return any(s == strategy for s, _ in self.samples)
 
     def start(self, strategy: str, num_tokens: int, predicted_s: float) -> None:
         """A chunk of `num_tokens` run with `strategy`, predicted to take `predicted_s`, starts now."""

@@ -92,6 +92,7 @@ from freetoken.server.schema import (
     get_number,
     get_object_list,
     get_string_list,
+    get_tool_name,
     join_path,
     parse_json_object,
     read_body,
@@ -338,7 +339,7 @@ def _tools(body: dict[str, Any], referenced: set[str]) -> list[dict[str, Any]] |
     tools = []
     for i, tool in enumerate(get_object_list(body, "tools")):
         path = join_path("tools", i)
-        name = get_field(tool, "name", str, parent=path, required=True)
+        name = get_tool_name(tool, parent=path)
         kind = get_field(tool, "type", str, parent=path, default="custom")
         schema = get_field(tool, "input_schema", dict, parent=path)
         if schema is None and kind != "custom":
@@ -617,8 +618,9 @@ class _BlockStream:
                 events.append(self._delta({"type": "input_json_delta", "partial_json": piece.arguments}))
         return events
 
-    def close(self) -> list[bytes]:
-        """Stop the open block; a completion without blocks gets one empty text block."""
+    def close(self, last: GenerationChunk) -> list[bytes]:
+        """Stop the open block; a completion without blocks gets one empty text block (a block has no status, so
+        `last` is not needed: the stop reason goes in ``message_delta``)."""
         events = [] if self._num_blocks else self._start({"type": "text", "text": ""})
         return events + self._stop()
 

@@ -5,8 +5,9 @@ or tool-call parsing). Accepted: ``prompt`` as a string, an array of one string,
 ids; the sampling and streaming fields of chat completions (`openai.parse_sampling`; ``max_tokens``
 defaults to 16, as in the OpenAI API); ``echo`` (the prompt text is prepended to the output);
 ``logprobs`` (0..20 alternatives; the legacy ``tokens``/``token_logprobs``/``top_logprobs``/``text_offset``
-object, see `freetoken.server.logprobs`, for the generated tokens only: an echoed prompt has no entries, and
-``text_offset`` counts from the start of the choice's text, echo included).
+object, see `freetoken.server.logprobs`; with ``echo``, the prompt's tokens come first, the first with null
+values, as in the OpenAI API: the engine then prefills the whole prompt, as its logits are needed, instead of
+reusing cached K/V; ``text_offset`` counts from the start of the choice's text, echo included).
 Accepted and ignored: suffix (null only), best_of 1, user. Rejected with 400 (code unsupported):
 several prompts, n > 1, suffix, best_of > 1.
 """
@@ -34,7 +35,7 @@ from freetoken.server.generation import (
     fit_context,
     fit_output_budget,
 )
-from freetoken.server.logprobs import completion_logprobs
+from freetoken.server.logprobs import completion_logprobs, joined
 from freetoken.server.notices import note_unknown_fields
 from freetoken.server.openai import Sampling, error_events, parse_sampling, usage
 from freetoken.server.schema import (
@@ -137,13 +138,19 @@ async def _stream_events(
         choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         return sse_data({**base, "choices": [choice]})
 
-    if echo:
+    # The echo goes first; with logprobs it waits for the first chunk, which brings the prompt's.
+    echo_pending = bool(echo) and sampling.params.prompt_logprobs is not None
+    if echo and not echo_pending:
         yield chunk_event(echo)
     chunks = closing_chunks(engine, prompt_ids, sampling.params, request_id)
     last = None
     offset = len(echo)  # text_offset of the next token: the lengths of the texts of the tokens before it
     try:
         async for out in chunks:
+            if echo_pending and out.prompt_logprobs is not None:
+                echo_pending = False
+                prompt_logprobs = completion_logprobs(engine.tokenizer, out.prompt_logprobs, 0, prompt_ids)
+                yield chunk_event(echo, logprobs=prompt_logprobs)
             logprobs = None
             if out.logprobs:
                 logprobs = completion_logprobs(engine.tokenizer, out.logprobs, offset)
@@ -170,6 +177,8 @@ async def completions(request: Request) -> Response:
     body = parse_json_object(await read_body(request))
     sampling = _sampling(body)
     echo = get_field(body, "echo", bool, default=False)
+    if echo:
+        sampling.params.prompt_logprobs = sampling.params.logprobs
     # Off the event loop: tokenizing (or decoding) a prompt of megabytes takes seconds.
     prompt_text, prompt_ids = await run_in_threadpool(_prompt_ids, body, engine.tokenizer)
     sampling.params.max_tokens = fit_context(
@@ -198,6 +207,10 @@ async def completions(request: Request) -> Response:
     logprobs = None
     if completion.logprobs is not None:
         logprobs = completion_logprobs(engine.tokenizer, completion.logprobs, len(prefix))
+        if completion.prompt_logprobs is not None:
+            logprobs = joined(
+                completion_logprobs(engine.tokenizer, completion.prompt_logprobs, 0, prompt_ids), logprobs
+            )
     choice = {
         "index": 0,
         "text": prefix + completion.text,

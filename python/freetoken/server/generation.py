@@ -69,6 +69,8 @@ class Completion:
         logprobs: one entry per generated token when the request asked for logprobs, else None.
         num_cached_tokens: prompt tokens the KV prefix cache supplied.
         num_cache_write_tokens: prompt tokens this request added to the KV prefix cache.
+        prompt_logprobs: one entry per prompt token (None for the first) when the request asked for them
+            (`SamplingParams.prompt_logprobs`), else None.
     """
 
     text: str
@@ -79,6 +81,7 @@ class Completion:
     logprobs: list[TokenLogprob] | None = None
     num_cached_tokens: int = 0
     num_cache_write_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -609,8 +612,9 @@ class EventConverter(Protocol):
         """The events of one parsed delta (possibly none)."""
         ...
 
-    def close(self) -> list[bytes]:
-        """The events that end the output (the open block or item closes)."""
+    def close(self, last: GenerationChunk) -> list[bytes]:
+        """The events that end the output (the open block or item closes); `last` is the request's last chunk
+        (its finish reason says whether the budget cut the output)."""
         ...
 
 
@@ -641,7 +645,7 @@ async def converted_events(
     finally:
         await aclose_shielded(chunks)
     assert last is not None  # parsed_chunks raises when the engine sent nothing
-    for event in converter.close():
+    for event in converter.close(last):
         yield event
     for event in tail(last):
         yield event
@@ -652,11 +656,14 @@ async def _drain(
 ) -> list[Completion]:
     parts: list[list[str]] = [[] for _ in range(n)]
     logprobs: list[list[TokenLogprob] | None] = [None] * n
+    prompt_logprobs: list[list[TokenLogprob | None] | None] = [None] * n
     last: list[GenerationChunk | None] = [None] * n
     async for i, chunk in chunks:
         parts[i].append(chunk.text)
         if chunk.logprobs is not None:
             logprobs[i] = (logprobs[i] or []) + list(chunk.logprobs)
+        if chunk.prompt_logprobs is not None:
+            prompt_logprobs[i] = chunk.prompt_logprobs
         last[i] = chunk
     completions = []
     for i, chunk in enumerate(last):
@@ -672,6 +679,7 @@ async def _drain(
                 logprobs=logprobs[i],
                 num_cached_tokens=chunk.num_cached_tokens,
                 num_cache_write_tokens=chunk.num_cache_write_tokens,
+                prompt_logprobs=prompt_logprobs[i],
             )
         )
     return completions

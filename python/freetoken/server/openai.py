@@ -93,6 +93,7 @@ from freetoken.server.schema import (
     get_number,
     get_object_list,
     get_string_list,
+    get_tool_name,
     join_path,
     parse_json_object,
     read_body,
@@ -252,7 +253,7 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
             )
         function = get_field(tool, "function", dict, parent=path, required=True)
         function_path = join_path(path, "function")
-        get_field(function, "name", str, parent=function_path, required=True)
+        get_tool_name(function, parent=function_path)
         # The chat template renders these as they are: a string `parameters` would reach the model as a schema.
         get_field(function, "description", str, parent=function_path)
         get_field(function, "parameters", dict, parent=function_path)

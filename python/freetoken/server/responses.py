@@ -77,6 +77,7 @@ from freetoken.server.schema import (
     get_int,
     get_number,
     get_object_list,
+    get_tool_name,
     join_path,
     parse_json_object,
     read_body,
@@ -235,7 +236,7 @@ _DROPPED_TOOL_TYPES: set[str] = set()
 
 def _function(tool: dict[str, Any], path: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
     """A tool as the chat template's function: name, description, parameters (`parameters` if given)."""
-    function = {"name": get_field(tool, "name", str, parent=path, required=True)}
+    function = {"name": get_tool_name(tool, parent=path)}
     description = get_field(tool, "description", str, parent=path)
     if description is not None:
         function["description"] = description
@@ -277,7 +278,7 @@ def _tools(body: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, ToolKinds
             tools.append(_function(tool, path, _custom_parameters(tool, path)))
             custom.add(tools[-1]["function"]["name"])
         elif kind == "namespace":
-            namespace = get_field(tool, "name", str, parent=path, required=True)
+            namespace = get_tool_name(tool, parent=path)
             for j, member in enumerate(get_object_list(tool, "tools", parent=path)):
                 member_path = join_path(join_path(path, "tools"), j)
                 if get_field(member, "type", str, parent=member_path, default="function") != "function":
@@ -365,14 +366,22 @@ def custom_input(arguments: str) -> str:
     return arguments
 
 
-def output_items(output: ParsedOutput, kinds: ToolKinds) -> list[dict[str, Any]]:
-    """The output items of a parsed completion."""
+def final_item_status(finish_reason: str | None) -> str:
+    """The status of the item being written when the output ended: ``incomplete`` when the token budget cut it
+    (finish reason ``length``), as OpenAI's Responses API marks it; ``completed`` otherwise."""
+    return "incomplete" if finish_reason == "length" else "completed"
+
+
+def output_items(output: ParsedOutput, kinds: ToolKinds, finish_reason: str | None) -> list[dict[str, Any]]:
+    """The output items of a parsed completion; the last one is `final_item_status` (those before it were
+    finished before the output ended)."""
     items = []
     if output.reasoning:
         items.append(_reasoning_item(output.reasoning, "completed"))
     if output.content or not output.tool_calls:
         items.append(_message_item(output.content, "completed"))
     items += [_call_item(call.name, call.arguments, "completed", kinds) for call in output.tool_calls]
+    items[-1]["status"] = final_item_status(finish_reason)
     return items
 
 
@@ -488,7 +497,7 @@ class _ItemStream:
             events.append(self.event("response.content_part.added", **self._where(), content_index=0, part=part))
         return events
 
-    def _stop(self) -> list[bytes]:
+    def _stop(self, status: str = "completed") -> list[bytes]:
         item = self._open
         if item is None:
             return []
@@ -513,7 +522,7 @@ class _ItemStream:
                 self.event("response.function_call_arguments.done", **where, name=item["name"], arguments=self._text)
             )
             item["arguments"] = self._text
-        item["status"] = "completed"
+        item["status"] = status
         events.append(self.event("response.output_item.done", output_index=where["output_index"], item=item))
         self._open = None
         return events
@@ -548,10 +557,11 @@ class _ItemStream:
                     )
         return events
 
-    def close(self) -> list[bytes]:
-        """Close the open item; an output without items gets one empty message."""
+    def close(self, last: GenerationChunk) -> list[bytes]:
+        """Close the open item (``incomplete`` when the budget cut it); an output without items gets one empty
+        message."""
         events = [] if self.items else self._start(_message_item("", "in_progress"))
-        return events + self._stop()
+        return events + self._stop(final_item_status(last.finish_reason))
 
 
 def _stream_events(
@@ -662,7 +672,9 @@ async def responses(request: Request) -> Response:
     [completion] = await collect(request, engine, prompt.ids, [params], response.id)
     output = plan.parse(completion.text)
     usage = _usage(completion.num_prompt_tokens, completion.num_output_tokens, completion.num_cached_tokens)
-    final = response.body("completed", output_items(output, kinds), usage, completion.finish_reason)
+    final = response.body(
+        "completed", output_items(output, kinds, completion.finish_reason), usage, completion.finish_reason
+    )
     on_done(final)
     return JSONResponse(final)
 

@@ -196,6 +196,16 @@ def get_field(
     return value
 
 
+def get_tool_name(tool: dict[str, Any], *, parent: str) -> str:
+    """A tool definition's ``name``: a required string with a non-blank character (the model calls the tool by
+    it, and an empty name cannot be called or told apart). Raises `ApiError` (400) naming ``{parent}.name``."""
+    name = get_field(tool, "name", str, parent=parent, required=True)
+    if not name.strip():
+        path = join_path(parent, "name")
+        raise invalid_request(ErrorCode.INVALID_VALUE, f"{path} must be a non-empty tool name, got {name!r}", path)
+    return name
+
+
 def get_number(
     obj: dict[str, Any],
     key: str,

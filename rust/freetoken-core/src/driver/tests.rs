@@ -37,6 +37,46 @@ struct Rig {
 }
 
 fn rig(backend: Backend, timeout: Duration) -> Rig {
+    rig_with(backend, timeout, false)
+}
+
+/// Copies that land only once waited for, as a copy engine's land some time after they are queued:
+/// a fill flag raised before the wait, or a filled slot's tile run with the hits', would let the
+/// device read a slot that does not hold its expert yet.
+struct DeferredCopier {
+    inner: HostCopier,
+    queued: Vec<(usize, *const u8, usize)>,
+}
+
+// SAFETY: as `HostCopier`; the queued sources are pool experts, which outlive the copier.
+unsafe impl Send for DeferredCopier {}
+
+impl SlotCopier for DeferredCopier {
+    unsafe fn copy(
+        &mut self,
+        slot: usize,
+        src: *const u8,
+        nbytes: usize,
+    ) -> Result<(), DriverError> {
+        check_fill(slot, nbytes, SLOTS, usize::MAX)?;
+        self.queued.push((slot, src, nbytes));
+        Ok(())
+    }
+    fn wait(&mut self) -> Result<Option<f64>, DriverError> {
+        for (slot, src, nbytes) in std::mem::take(&mut self.queued) {
+            // SAFETY: `src` per the trait's contract (valid until this wait returns).
+            unsafe { self.inner.copy(slot, src, nbytes) }?;
+        }
+        self.inner.wait()
+    }
+    unsafe fn publish(&mut self, _flag: *mut u32, _value: u32) -> Result<bool, DriverError> {
+        Ok(false) // the host raises the fill flag after the wait
+    }
+}
+
+/// A rig whose copier lands its copies at once (`HostCopier`) or only when waited for
+/// (`DeferredCopier`, `deferred`).
+fn rig_with(backend: Backend, timeout: Duration, deferred: bool) -> Rig {
     let shape = PoolShape {
         moe_layers: (0..L).collect(),
         num_experts: E,
@@ -83,14 +123,22 @@ fn rig(backend: Backend, timeout: Duration) -> Rig {
     let cpu = Arc::new(CpuExperts::new(pool.clone(), Some(2), None).unwrap());
     // SAFETY: the slots and handshake buffers live in `shared`, boxed (stable addresses) and
     // dropped after the driver (field order of `Rig` is irrelevant: tests drop the driver first).
-    let copier = unsafe { HostCopier::new(shared.slots.as_mut_ptr(), stride, SLOTS) };
+    let host = unsafe { HostCopier::new(shared.slots.as_mut_ptr(), stride, SLOTS) };
+    let copier: Box<dyn SlotCopier> = if deferred {
+        Box::new(DeferredCopier {
+            inner: host,
+            queued: Vec::new(),
+        })
+    } else {
+        Box::new(host)
+    };
     let cfg = DriverConfig {
         backend,
         top_k: K,
         timeout,
     };
     let planner = Arc::new(Mutex::new(planner));
-    let server = LayerServer::new(planner.clone(), cpu, Box::new(copier), SLOTS).unwrap();
+    let server = LayerServer::new(planner.clone(), cpu, copier, SLOTS).unwrap();
     // SAFETY: every pointer of `hs` points into `shared`, boxed and alive for the whole test (the
     // tests drop the driver first); host memory, so nothing needs to be page-locked.
     let driver = unsafe { DecodeDriver::new(Arc::new(Mutex::new(server)), hs, cfg).unwrap() };
@@ -156,6 +204,27 @@ fn device_step(
         let slots = &plan[..ns];
         // Padding rows are skipped; every real pick has a slot holding its expert, or -1.
         assert!(slots[batch * K..].iter().all(|&s| s == -1));
+        // The first tile row (hits) runs now, while the fills may still be landing: each of its
+        // slots must hold its expert already, and none may be a slot this layer fills.
+        let ready = &plan[ns + nr..ns + nr + nt];
+        let holds = |s: usize, e: usize| {
+            let (src, _) = r.pool.expert_ptr(layer as i64, e as i64).unwrap();
+            // SAFETY: a pool expert of `nbytes`.
+            let want = unsafe { std::slice::from_raw_parts(src, nbytes) };
+            sh.slots[s * stride..s * stride + nbytes] == *want
+        };
+        for t in 0..batch {
+            for j in 0..K {
+                let s = slots[t * K + j];
+                if s >= 0 && ready.contains(&s) {
+                    let e = ids[t][j] as usize;
+                    assert!(
+                        holds(s as usize, e),
+                        "layer {layer}: hit slot {s} does not hold expert {e} when the plan is published"
+                    );
+                }
+            }
+        }
         while atomic(&mut sh.fill_flag, layer).load(Ordering::Acquire) != generation {
             std::hint::spin_loop();
         }
@@ -370,5 +439,52 @@ fn cpu_output_of_a_bigger_earlier_step_never_leaks_into_a_later_one() {
         let (cpu_picks, _) = device_step(&mut r, generation, size, size, &ids);
         assert_eq!(cpu_picks > 0, generation == 1);
         assert!(r.driver.finish().unwrap().error.is_none());
+    }
+}
+
+#[test]
+fn fills_that_land_late_are_never_read_early_across_evicting_steps() {
+    // 3 slots for 3 layers x 8 experts: every step evicts, and a layer routed to more than 3
+    // experts runs the rest on the CPU (offload) or splits them (hybrid). The copier lands each
+    // layer's fills only when the driver waits for them, so a device that ran a filled slot's tile
+    // with the hits', or a fill flag raised before the fills landed, would read a stale slot;
+    // `device_step` checks the hits' slots when the plan flag rises and every slot when the fill
+    // flag does, in 40 steps of random routing at random batch sizes.
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut next = move |n: usize| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        (seed % n as u64) as usize
+    };
+    for backend in [Backend::Offload, Backend::Hybrid] {
+        let mut r = rig_with(backend, Duration::from_secs(20), true);
+        let mut filled = 0;
+        for generation in 1..=40u32 {
+            let size = 1 + next(MAX_ROWS);
+            let batch = 1 + next(size);
+            let ids: Vec<[i64; K]> = (0..size)
+                .map(|_| {
+                    let a = next(E);
+                    [a as i64, ((a + 1 + next(E - 1)) % E) as i64]
+                })
+                .collect();
+            r.driver.start(job(generation, batch, size)).unwrap();
+            filled += device_step(&mut r, generation, batch, size, &ids).1;
+            let report = r.driver.finish().unwrap();
+            assert!(report.error.is_none(), "{:?}", report.error);
+        }
+        let evictions: u64 = r
+            .planner
+            .lock()
+            .unwrap()
+            .counters()
+            .iter()
+            .map(|c| c.evictions)
+            .sum();
+        assert!(
+            filled > 0 && evictions > 0,
+            "{backend:?}: {filled} filled tiles, {evictions} evictions"
+        );
     }
 }

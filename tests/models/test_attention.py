@@ -1,0 +1,56 @@
+"""Prefill attention (`freetoken.models.attention.paged_attention`): a cold prompt and an extend over a cached
+prefix equal plain causal attention, and neither may run on cuDNN, which builds a graph for every new sequence
+length (decode steps leave it out as well).
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from freetoken.models import attention
+from freetoken.models.attention import AttentionMetadata, paged_attention
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float) -> torch.Tensor:
+    """[qlen, nh, D] causal GQA attention of queries at positions start.. over keys 0..(their position)."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    pos_q = torch.arange(q.shape[0])[:, None] + start
+    scores = scores.masked_fill(torch.arange(k.shape[0])[None, :] > pos_q, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def test_prefill_spans_match_causal_attention_and_never_use_cudnn(monkeypatch):
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def recording_sdpa(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    # attention.py's own name for torch.nn.functional (CausalBias compares the function it gets with the real one).
+    monkeypatch.setattr(attention, "F", SimpleNamespace(scaled_dot_product_attention=recording_sdpa))
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # torch's default: the engine must turn it off itself
+    gen = torch.Generator().manual_seed(0)
+    nh, nkv, d, block = 8, 2, 16, 4
+    scale = d**-0.5
+    k_cache = torch.zeros(64, nkv, d)
+    v_cache = torch.zeros(64, nkv, d)
+    keys = torch.randn(20, nkv, d, generator=gen)
+    values = torch.randn(20, nkv, d, generator=gen)
+    queries = torch.randn(20, nh, d, generator=gen)
+    blocks = [3, 0, 7, 5, 1]  # scattered
+    # A cold prompt of 12 tokens, then an extend of 8 over them.
+    for start, qlen in ((0, 12), (12, 8)):
+        meta = AttentionMetadata.build([qlen], [start + qlen], [blocks], block, torch.device("cpu"))
+        span = slice(start, start + qlen)
+        got = paged_attention(queries[span], keys[span], values[span], k_cache, v_cache, meta, scale)
+        expected = _reference(queries[span], keys[: start + qlen], values[: start + qlen], start, scale)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    assert seen == [False, False]
+    assert torch.nn.attention.SDPBackend.CUDNN_ATTENTION not in attention.PREFILL_SDPA_BACKENDS
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the call
