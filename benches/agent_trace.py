@@ -37,6 +37,19 @@ server runs (`/v1/stats`), a rich table per run, a summary, and a final JSON lin
     # tiny, on the CPU demo model (seconds)
     python benches/agent_trace.py --model demo --serve-args "--device cpu --dummy-weights" --scale 0.01 --turns 4
 
+The KV host tier (`ft serve --kv-host-gb`, `freetoken.engine.kv_host`): `--kv-host-gb 0 GB` starts one server per
+size (0: none) and runs `--variants` x `--sessions` on each, instead of the prefix-cache comparison; under a small
+GPU KV budget (`--kv-cache-tokens` in `--serve-args`) the summary's re-prefilled tokens and p99 TTFT show what the
+tier saves, and each run prints the tier's counters (`/v1/stats` kv_host: host hits, bytes, the crossover).
+
+    # on the GPU box: 3 concurrent sessions through 32k tokens of GPU KV, without and with an 8 GB host tier
+    python benches/agent_trace.py --model qwen3-30b-a3b --kv-host-gb 0 8 --variants plain --sessions 3 \
+        --turns 6 --scale 0.5 --max-tokens 16 --serve-args "--device cuda --dummy-weights --replay-routing synthetic \
+        --gpu-memory-gb 24 --max-model-len 40000 --kv-cache-tokens 32768"
+    # on the CPU, the demo model (a minute)
+    python benches/agent_trace.py --model demo --kv-host-gb 0 0.05 --variants plain --sessions 3 --turns 4 \
+        --scale 0.01 --max-tokens 8 --serve-args "--device cpu --dummy-weights --kv-cache-tokens 512"
+
 Hybrid models (Qwen3.5) and their recurrent-state checkpoints (issue 22): `--state-checkpoints marks chunk off`
 starts one server per mode (`ft serve --state-checkpoints MODE`; `off` runs only the `--compare-variants`, its
 figures hardly depend on the variant) instead of the prefix-cache comparison, and prints per turn the re-prefilled
@@ -786,6 +799,10 @@ def run_all(base_url: str, label: str, variants: list[str], sessions: list[int],
             summary["errors"] = errors
             summary["cut_at_time_limit"] = cut
             summary["alone"] = None if alone is None else {"tokens": alone.tokens, "seconds": alone.seconds}
+            kv_host = server_stats(base_url, args.api_key).get("kv_host")
+            if kv_host is not None:  # the KV host tier's counters so far (they add up over the server's runs)
+                summary["kv_host"] = kv_host
+                console.print(f"{label}: kv host tier {json.dumps(kv_host)}")
             checkpoints = server_stats(base_url, args.api_key).get("state_checkpoints")
             if checkpoints is not None:  # hybrid models: the counters so far (they add up over the server's runs)
                 summary["state_checkpoints"] = checkpoints
@@ -932,6 +949,14 @@ def main(argv: list[str] | None = None) -> int:
         default=PRUNE_MINIMUM_TOKENS,
         help="opencode: prune only when at least this many tool-output tokens go (PRUNE_MINIMUM)",
     )
+    ap.add_argument(
+        "--kv-host-gb",
+        type=float,
+        nargs="*",
+        default=[],
+        help="one server per value (ft serve --kv-host-gb GB; 0: no host tier) running --variants x --sessions, "
+        "instead of the prefix-cache comparison; give a small GPU KV budget in --serve-args (--kv-cache-tokens)",
+    )
     args = ap.parse_args(argv)
     args.model_dir = None
     if args.model:  # the bench renders prompts as the server does, to see what changed between turns
@@ -960,6 +985,11 @@ def main(argv: list[str] | None = None) -> int:
                 f" turns over the mark bound: {v['over_bound'] or 'none'}; turns where marks > chunk: "
                 f"{v['marks_over_chunk'] or 'none'}"
             )
+    elif args.kv_host_gb:
+        serve_args = shlex.split(args.serve_args)
+        for gb in args.kv_host_gb:
+            with Server(args.model, [*serve_args, "--kv-host-gb", str(gb)]) as server:
+                runs += run_all(server.base_url, f"kv host {gb:g} GB", args.variants, args.sessions, args, console)
     else:
         serve_args = shlex.split(args.serve_args)
         with Server(args.model, serve_args) as server:

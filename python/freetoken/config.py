@@ -339,6 +339,10 @@ class EngineConfig:
             used; 0 sizes it to 64 snapshots, at most 10 % of the device budget.
         state_checkpoint_host_gb: on CUDA, host memory (pinned) for snapshots evicted from the device, in GB; 0:
             none (evicted snapshots are dropped).
+        kv_host_gb: host RAM for the prefix cache's blocks evicted from the device KV cache, in GB
+            (`freetoken.engine.kv_host`); copied back on a prefix hit when cheaper than prefilling them again. -1
+            (default): on CUDA, the free RAM after the expert pool less a safety margin, on a CPU device none; 0:
+            none.
         state_checkpoint_spacing: "marks": tokens between the marks kept deep in a prompt (its last marks and its
             end are always kept).
         replay_routing: benchmarks only, with `dummy_weights`: the MoE routers replay a routing trace instead of
@@ -382,6 +386,7 @@ class EngineConfig:
     state_checkpoint_gb: float = 0.0
     state_checkpoint_host_gb: float = 8.0
     state_checkpoint_spacing: int = 1024
+    kv_host_gb: float = -1.0
     replay_routing: str = ""
     max_seqs_per_request: int = 0
     max_request_output_tokens: int = 262144
@@ -426,6 +431,8 @@ class EngineConfig:
             )
         if self.state_checkpoint_gb < 0:
             raise ValueError(f"--state-checkpoint-gb must be >= 0 (0: automatic), got {self.state_checkpoint_gb}")
+        if self.kv_host_gb < 0 and self.kv_host_gb != -1:
+            raise ValueError(f"--kv-host-gb must be >= 0 (0: none) or -1 (default size), got {self.kv_host_gb}")
         if self.state_checkpoint_host_gb < 0:
             raise ValueError(f"--state-checkpoint-host-gb must be >= 0 (0: none), got {self.state_checkpoint_host_gb}")
         if not self.kv_cache_gb > 0:

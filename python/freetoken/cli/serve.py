@@ -47,6 +47,9 @@ _HELP = {
     "snapshots, at most 10%% of the device budget",
     "state_checkpoint_host_gb": "on CUDA: host memory (pinned) in GB for snapshots evicted from the GPU, restored "
     "from there; 0 = none",
+    "kv_host_gb": "host RAM in GB (pinned on CUDA) for prefix-cache KV blocks evicted from the GPU, copied back on "
+    "a prefix hit when cheaper than prefilling them again; -1 = the free RAM after the expert pool less a margin "
+    "(none on a CPU device), 0 = none",
     "state_checkpoint_spacing": "with --state-checkpoints marks: tokens between the marks snapshotted deep in a "
     "prompt (its last marks and its end are always snapshotted)",
     "replay_routing": "benchmarks only, needs --dummy-weights: MoE routers replay a routing trace instead of routing: "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch
 from freetoken.config import EngineConfig, ModelConfig
 from freetoken.engine.admission import Admission, default_share
 from freetoken.engine.kv_cache import KVCache, plan_kv_cache
+from freetoken.engine.kv_host import HostKVTier, default_host_bytes
 from freetoken.engine.model_runner import ModelRunner
 from freetoken.engine.resize import cache_sizes
 from freetoken.engine.scheduler import Scheduler
@@ -108,6 +110,7 @@ class LLMEngine:
             )
         self.checkpoints = self._make_checkpoints(model_cfg, engine_cfg, tokenizer, dtype)
         self.experts = model.experts
+        self.kv_host = self._make_kv_host(model_cfg, engine_cfg, dtype)
         self.admission = Admission(engine_cfg.max_seqs_per_request or default_share(engine_cfg.max_num_seqs))
         self.scheduler = Scheduler(
             self.kv,
@@ -117,7 +120,11 @@ class LLMEngine:
             admission=self.admission,
             state_pool=self.state_pool,
             checkpoints=self.checkpoints,
+            kv_host=self.kv_host,
         )
+        if self.kv_host is not None and not self.scheduler.prefix_cache.enabled:
+            self.kv_host = None  # a hybrid model without checkpoints: no prefix cache, so nothing to keep
+        self._synced = True  # the last step ended in a host sync (it sampled): the next one can be timed
         if engine_cfg.no_prefix_cache:
             log.info("prefix cache: off (--no-prefix-cache); every prompt is prefilled in full")
         elif self.state_pool is not None and self.checkpoints is None:
@@ -185,6 +192,33 @@ class LLMEngine:
             else "",
         )
         return checkpoints
+
+    def _make_kv_host(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, dtype: torch.dtype) -> HostKVTier | None:
+        """The prefix cache's host-RAM tier (`freetoken.engine.kv_host`), None when its budget is 0."""
+        mode = getattr(self.experts, "mode", "fused")
+        nbytes = default_host_bytes(engine_cfg, model_cfg, dtype, mode)
+        num_slots = nbytes // self.kv.bytes_per_block
+        if num_slots < 1:
+            if engine_cfg.kv_host_gb > 0:
+                log.warning("--kv-host-gb %s holds no KV block; no host tier", engine_cfg.kv_host_gb)
+            return None
+        planner = getattr(self.experts, "planner", None)
+        profile = planner.profile() if planner is not None else None
+        tier = HostKVTier(self.kv, num_slots, profile[0] if profile else None)
+        cost = tier.cost.stats()
+        log.info(
+            "KV host tier: %d blocks = %d tokens, %.2f GB %s (--kv-host-gb%s); a host hit is copied back at %.1f GB/s "
+            "(%s) + %.0f us instead of prefilled again from the crossover on (measured once prefill steps ran)",
+            num_slots,
+            tier.capacity_tokens,
+            tier.nbytes / 1e9,
+            "pinned" if tier.stream is not None else "in a second buffer",
+            "" if engine_cfg.kv_host_gb >= 0 else ", default: free RAM after the expert pool less a margin",
+            cost["h2d_gbps"],
+            "bandwidth profile" if profile else "measured",
+            cost["copy_fixed_us"],
+        )
+        return tier
 
     @classmethod
     def from_dir(cls, model_dir: str | Path, engine_cfg: EngineConfig) -> LLMEngine:
@@ -291,6 +325,7 @@ class LLMEngine:
         scheduled = self.scheduler.schedule()
         if not scheduled.seqs:
             return []
+        start = time.perf_counter()
         try:
             tokens, logprobs = self.runner.run(scheduled)
         except BaseException:
@@ -300,6 +335,7 @@ class LLMEngine:
             for seq in sorted(scheduled.seqs, key=lambda s: s.arrival, reverse=True):
                 self.scheduler.preempt(seq)
             raise
+        self._time_prefill(scheduled, tokens, time.perf_counter() - start)
         self.scheduler.commit(scheduled)
         self.num_steps += 1
         outputs = []
@@ -307,6 +343,14 @@ class LLMEngine:
             if token is not None:
                 outputs.append(StepOutput(seq.request_id, self._append(seq, token, logprob)))
         return outputs
+
+    def _time_prefill(self, step, tokens: list[int | None], seconds: float) -> None:
+        """Feed the host tier's prefill-cost fit (`kv_host.CopyCost`) with a step that computed prompt tokens, when
+        its time is the device's: it sampled (a host sync at its end) and so did the step before it."""
+        synced = any(t is not None for t in tokens)
+        if self.kv_host is not None and synced and self._synced and step.num_tokens > len(step.seqs):
+            self.kv_host.cost.add_prefill(step.num_tokens, seconds)
+        self._synced = synced
 
     def _append(self, seq: Sequence, token: int, logprob: TokenLogprob | None = None) -> GenerationChunk:
         seq.token_ids.append(token)
@@ -362,6 +406,7 @@ class LLMEngine:
             "kv_blocks_total": self.kv.num_blocks,
             "kv_blocks_free": self.scheduler.prefix_cache.num_free,
             "prefix_cache": self.scheduler.prefix_cache.stats(),
+            "kv_host": self.kv_host.stats() if self.kv_host is not None else None,
             **(
                 {"state_slots_total": self.state_pool.num_slots, "state_slots_free": self.state_pool.num_free}
                 if self.state_pool is not None

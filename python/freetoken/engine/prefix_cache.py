@@ -28,6 +28,12 @@ Sequences release their blocks last block first, so a chain's tail is evicted be
 evicted while a descendant that could still match is cached, except a descendant of a duplicate, see `insert`).
 The cache therefore only ever uses blocks of the KV budget that no running sequence needs.
 
+Host tier (`--kv-host-gb`, `freetoken.engine.kv_host`). With one, `allocate` demotes an evicted block instead of
+dropping it: its K/V are copied to a host slot and its index entry moves there, node and key unchanged; a `match`
+runs on through host entries, and `promote` brings them back into GPU blocks before a sequence shares them (when
+the copy beats prefilling them again, `kv_host.CopyCost`). A host entry whose content a sequence computed again is
+re-pointed at that block by `insert`. `on_evict` fires when a node leaves the last tier that holds it.
+
 Who calls what (the scheduler, at its safe points between steps):
 - admission: `match` the sequence's tokens, `acquire` the blocks it will share, `allocate` the rest;
 - after a step completed: `insert` every block that the step filled, so only K/V actually written by a finished
@@ -42,9 +48,10 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from freetoken.engine.kv_cache import BlockAllocator
+from freetoken.engine.kv_host import HostKVTier
 
 # Node id of the empty prefix: the parent of every sequence's first block.
 ROOT = 0
@@ -57,17 +64,25 @@ class PrefixMatch:
     """The cached blocks that hold a token sequence's longest cached prefix of full blocks.
 
     Attributes:
-        blocks: KV block ids, in order (block i holds tokens [i * block_size, (i + 1) * block_size)).
+        blocks: KV block ids, in order (block i holds tokens [i * block_size, (i + 1) * block_size)); -1 where the
+            block is in the host tier.
         nodes: the index node of each block (the parent key of the block after it).
+        host: {i: host slot} of the blocks in the host tier (`PrefixCache.promote` brings them back).
     """
 
     blocks: list[int]
     nodes: list[int]
+    host: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_blocks(self) -> int:
-        """KV blocks the match covers."""
+        """KV blocks the match covers (in either tier)."""
         return len(self.blocks)
+
+    def truncate(self, num_blocks: int) -> PrefixMatch:
+        """The match of its first `num_blocks` blocks."""
+        host = {i: slot for i, slot in self.host.items() if i < num_blocks}
+        return PrefixMatch(self.blocks[:num_blocks], self.nodes[:num_blocks], host)
 
 
 class PrefixCache:
@@ -79,12 +94,18 @@ class PrefixCache:
         block_size: tokens per block.
         enabled: False (`--no-prefix-cache`) keeps the reference counts and the allocation path but never
             matches nor indexes a block.
+        host: the host tier evicted blocks go to (`freetoken.engine.kv_host`), None for none.
     """
 
-    def __init__(self, allocator: BlockAllocator, block_size: int, enabled: bool = True) -> None:
+    def __init__(
+        self, allocator: BlockAllocator, block_size: int, enabled: bool = True, host: HostKVTier | None = None
+    ) -> None:
         self.allocator = allocator
         self.block_size = block_size
         self.enabled = enabled
+        self.host = host if enabled else None
+        self._host_index: dict[BlockKey, tuple[int, int]] = {}  # key -> (node id, host slot)
+        self._host_key_of: dict[int, BlockKey] = {}  # host slot -> its key
         self._refs = [0] * allocator.num_blocks
         self._index: dict[BlockKey, tuple[int, int]] = {}  # key -> (node id, block)
         self._key_of: dict[int, BlockKey] = {}  # block -> its key, for the blocks in the index
@@ -94,8 +115,8 @@ class PrefixCache:
         self.num_lookup_tokens = 0
         self.num_hit_tokens = 0
         self.num_evictions = 0
-        # Called with the node of each evicted block: state checkpoints (`freetoken.engine.state_checkpoints`) drop
-        # the snapshots that extend it, whose KV is gone.
+        # Called with the node of each block evicted from the last tier holding it: state checkpoints
+        # (`freetoken.engine.state_checkpoints`) drop the snapshots that extend it, whose KV is gone.
         self.on_evict: Callable[[int], None] | None = None
 
     @property
@@ -123,21 +144,69 @@ class PrefixCache:
         return parent, tuple(tokens[start : start + self.block_size])
 
     def match(self, tokens: Sequence[int]) -> PrefixMatch:
-        """The cached blocks of the longest prefix of `tokens` made of full blocks; nothing changes (the caller
-        `acquire`s what it uses, and counts the lookup with `count_lookup`). Empty when disabled."""
+        """The cached blocks of the longest prefix of `tokens` made of full blocks, in either tier; nothing changes
+        (the caller `promote`s and `acquire`s what it uses, and counts the lookup with `count_lookup`). Empty when
+        disabled."""
         blocks: list[int] = []
         nodes: list[int] = []
+        host: dict[int, int] = {}
         if not self.enabled:
             return PrefixMatch(blocks, nodes)
         parent = ROOT
         for i in range(len(tokens) // self.block_size):
-            found = self._index.get(self.key(parent, tokens, i))
+            key = self.key(parent, tokens, i)
+            found = self._index.get(key)
             if found is None:
-                break
+                found = self._host_index.get(key)
+                if found is None:
+                    break
+                host[i] = found[1]
+                found = (found[0], -1)
             parent, block = found
             nodes.append(parent)
             blocks.append(block)
-        return PrefixMatch(blocks, nodes)
+        return PrefixMatch(blocks, nodes, host)
+
+    def promote(self, match: PrefixMatch, partial_ok: bool = True) -> PrefixMatch | None:
+        """`match` with its host-tier blocks brought back into GPU blocks (copies queued on the tier's stream, ahead
+        of the compute stream's next work, `HostKVTier`); the blocks end up cached and unheld, for the
+        caller to `acquire` at once.
+
+        With `partial_ok`, a match whose host tokens are below the crossover (`kv_host.CopyCost`), or whose host
+        blocks the GPU has no room for, is cut before its first host block (the rest is prefilled again, and
+        `insert` re-points the host entries at the recomputed blocks); without it (a hybrid model resuming from a
+        snapshot, which needs every block before it) host blocks are always promoted, and None is returned when
+        the GPU has no room.
+        """
+        if not match.host:
+            return match
+        host = self.host
+        assert host is not None  # host entries exist only with a tier
+        first = min(match.host)
+        if partial_ok and not host.cost.worth_promoting(len(match.host) * self.block_size):
+            host.num_skipped_tokens += len(match.host) * self.block_size
+            return match.truncate(first)
+        on_gpu = [b for i, b in enumerate(match.blocks) if i not in match.host]
+        if len(match.host) > self.num_free - sum(1 for b in on_gpu if self._refs[b] == 0):
+            return match.truncate(first) if partial_ok else None
+        self.acquire(on_gpu)  # so that the allocation below cannot evict them
+        for slot in match.host.values():
+            host.hold(slot)  # nor the host tier's evictions the slots being read
+        new = sorted(self.allocate(len(match.host)))
+        blocks = list(match.blocks)
+        pairs = []
+        for (slot, i), block in zip(sorted((slot, i) for i, slot in match.host.items()), new, strict=True):
+            key = self._host_key_of.pop(slot)
+            node, _ = self._host_index.pop(key)
+            self._index[key] = (node, block)
+            self._key_of[block] = key
+            blocks[i] = block
+            pairs.append((slot, block))
+        host.promote(pairs)
+        for slot, _ in pairs:
+            host.give(slot)
+        self.release(blocks)
+        return PrefixMatch(blocks, list(match.nodes))
 
     def count_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         """Count one admitted sequence's lookup: `num_tokens` looked up, `num_hit_tokens` of them reused."""
@@ -166,16 +235,52 @@ class PrefixCache:
             raise MemoryError(f"KV cache: {n} blocks asked, {self.num_free} free or evictable")
         fresh = min(n, self.allocator.num_free)
         blocks = self.allocator.allocate(fresh)
-        for _ in range(n - fresh):
-            block, _ = self._evictable.popitem(last=False)
-            node, _ = self._index.pop(self._key_of.pop(block))
-            self.num_evictions += 1
-            if self.on_evict is not None:
-                self.on_evict(node)
-            blocks.append(block)
+        evicted = [self._evictable.popitem(last=False)[0] for _ in range(n - fresh)]
+        self._evict(evicted)
+        blocks += evicted
         for block in blocks:
             self._refs[block] = 1
         return blocks
+
+    def _evict(self, blocks: list[int]) -> None:
+        """Take unheld cached blocks out of the GPU index, in eviction order: into host slots (the tier's least
+        recently used ones evicted when none is free) and their copies queued; or, without a tier or a slot, out
+        of the cache. The blocks, sorted, get the slots, sorted, so that a run of blocks is copied as one; the
+        tier's LRU order is the eviction order (a chain's tail leaves the host tier before its head)."""
+        host = self.host
+        entries = []
+        for block in blocks:
+            key = self._key_of.pop(block)
+            entries.append((block, key, self._index.pop(key)[0]))
+            self.num_evictions += 1
+        pending: dict[int, tuple[int, BlockKey, int]] = {}  # slot taken -> (block, key, node), in eviction order
+        for entry in entries:
+            if host is not None and (host.num_free or host.num_live):
+                if not host.num_free:
+                    slot = host.evict_lru()
+                    if slot in pending:  # a tier smaller than this batch: an earlier block of it leaves again
+                        self._forget(pending.pop(slot)[2])
+                    else:
+                        self._drop_host(slot)
+                pending[host.take()] = entry
+            else:
+                self._forget(entry[2])
+        if not pending:
+            return
+        slot_of = dict(zip(sorted(block for block, _, _ in pending.values()), sorted(pending), strict=True))
+        for block, key, node in pending.values():
+            slot = slot_of[block]
+            self._host_index[key] = (node, slot)
+            self._host_key_of[slot] = key
+            host.touch(slot)  # type: ignore[union-attr]  # slots only with a tier
+        host.demote(sorted(slot_of.items()))  # type: ignore[union-attr]
+
+    def _forget(self, node: int) -> None:
+        if self.on_evict is not None:
+            self.on_evict(node)
+
+    def _drop_host(self, slot: int) -> None:
+        self._forget(self._host_index.pop(self._host_key_of.pop(slot))[0])
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference on each of `blocks` (one sequence's block table, in order). Blocks nobody holds
@@ -216,6 +321,14 @@ class PrefixCache:
         found = self._index.get(key)
         if found is not None:
             return found[0]
+        found = self._host_index.get(key)
+        if found is not None:  # computed again below the crossover: the GPU block replaces the host copy
+            node, slot = self._host_index.pop(key)
+            del self._host_key_of[slot]
+            self.host.give(slot)  # type: ignore[union-attr]  # host entries exist only with a tier
+            self._index[key] = (node, block)
+            self._key_of[block] = key
+            return node
         node = next(self._nodes)
         self._index[key] = (node, block)
         self._key_of[block] = key
@@ -235,9 +348,21 @@ class PrefixCache:
         cached = list(reversed(self._evictable))[: num_blocks - len(held)]
         return held + cached
 
+    def spill(self, keep: Sequence[int]) -> None:
+        """Before a resize adopts `keep` (`keep_on_resize`, the old KV tensors still in place): demote the cached
+        blocks it leaves out into the host tier, so a shrink keeps them (no-op without a tier)."""
+        if self.host is None:
+            return
+        kept = set(keep)
+        dropped = [b for b in self._evictable if b not in kept]
+        for block in dropped:
+            del self._evictable[block]
+        self._evict(dropped)
+
     def remap(self, keep: Sequence[int]) -> dict[int, int]:
         """Follow a resized KV cache (`KVCache.adopt`) whose block i is old block `keep[i]`: reference counts,
-        index and LRU order move to the new ids; cached blocks left out leave the index (counted as evictions).
+        index and LRU order move to the new ids; cached blocks left out leave the index (counted as evictions, and
+        `on_evict` called; `spill` first moves them to the host tier, whose entries stay as they are).
         Call it after `KVCache.adopt`, which resets the allocator to the new size. Returns {old id: new id} for the
         block tables."""
         new_of = {old: new for new, old in enumerate(keep)}
@@ -246,7 +371,7 @@ class PrefixCache:
             refs[new] = self._refs[old]
         self._refs = refs
         for block in [b for b in self._key_of if b not in new_of]:
-            del self._index[self._key_of.pop(block)]
+            self._forget(self._index.pop(self._key_of.pop(block))[0])
             self.num_evictions += 1
         self._index = {key: (node, new_of[block]) for key, (node, block) in self._index.items()}
         self._key_of = {new_of[block]: key for block, key in self._key_of.items()}

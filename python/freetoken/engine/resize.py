@@ -12,7 +12,9 @@ flight or queued wait (nothing is failed, dropped or recomputed). In order:
 4. resize the expert cache (`ExpertCacheBackend.resize`): the old slots are released, the new ones allocated, and
    the residents that fit, the most valuable by the cache policy, copied again from the pinned pool;
 5. adopt the new KV tensors: every block a sequence holds and the cached prefix blocks that fit are copied and
-   renumbered (`PrefixCache.keep_on_resize`); block tables and the prefix index follow (`PrefixCache.remap`);
+   renumbered (`PrefixCache.keep_on_resize`); block tables and the prefix index follow (`PrefixCache.remap`); with
+   a KV host tier (`freetoken.engine.kv_host`), the cached blocks that do not fit go to it first
+   (`PrefixCache.spill`), and its blocks stay as they are;
 6. build the decode runner again: graphs re-captured, the handshake on the new slots.
 
 An allocation that fails at 3 or 4 (an out-of-memory error) leaves both caches at their old sizes: the new KV
@@ -307,6 +309,9 @@ def resize(
         ) from exc
     if layers is not None:
         keep = _given(keep)  # set together with layers
+        if engine.kv_host is not None:  # the host tier keeps what a shrink drops, copied before the old KV goes
+            prefix.spill(keep)
+            engine.kv_host.synchronize()
         kv.adopt(layers, keep)
         new_of = prefix.remap(keep)
         for seq in (*scheduler.running, *scheduler.paused, *scheduler.waiting):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from freetoken.engine.admission import Admission
 from freetoken.engine.kv_cache import KVCache
+from freetoken.engine.kv_host import HostKVTier
 from freetoken.engine.prefix_cache import ROOT, BlockKey, PrefixCache, PrefixMatch
 from freetoken.engine.sequence import Sequence
 from freetoken.engine.state_checkpoints import Snapshot, StateCheckpoints, StepCaptures
@@ -60,6 +61,7 @@ class Scheduler:
             given back with its blocks. K/V alone cannot resume a sequence whose linear layers compress the prefix
             into a state: the prefix cache serves it only through `checkpoints`, and is off without them.
         checkpoints: recurrent-state snapshots of hybrid models (`freetoken.engine.state_checkpoints`).
+        kv_host: the prefix cache's host-RAM tier (`freetoken.engine.kv_host`), None for none.
     """
 
     def __init__(
@@ -71,12 +73,16 @@ class Scheduler:
         admission: Admission | None = None,
         state_pool: RecurrentStatePool | None = None,
         checkpoints: StateCheckpoints | None = None,
+        kv_host: HostKVTier | None = None,
     ) -> None:
         self.kv = kv
         self.state_pool = state_pool
         self.checkpoints = checkpoints if state_pool is not None and prefix_cache else None
         self.prefix_cache = PrefixCache(
-            kv.allocator, kv.block_size, enabled=prefix_cache and (state_pool is None or self.checkpoints is not None)
+            kv.allocator,
+            kv.block_size,
+            enabled=prefix_cache and (state_pool is None or self.checkpoints is not None),
+            host=kv_host,
         )
         if self.checkpoints is not None:
             self.prefix_cache.on_evict = self.checkpoints.on_evict
@@ -206,7 +212,7 @@ class Scheduler:
             return match, None
         snap = self.checkpoints.find(tokens, match.nodes) if self.checkpoints is not None else None
         b = snap.position // self.kv.block_size if snap is not None else 0
-        return PrefixMatch(match.blocks[:b], match.nodes[:b]), snap
+        return match.truncate(b), snap
 
     def _admit(self, seq: Sequence, match: PrefixMatch, budget: int, snap: Snapshot | None = None) -> int:
         """Start `seq` on the cached blocks of `match` and give it blocks for its first chunk; a hybrid model's
@@ -217,9 +223,16 @@ class Scheduler:
         writes into a shared block, so it gets a private copy of that block and recomputes the last position.
         A snapshot's partial last block is a private block its tail K/V is copied into.
 
+        Cached blocks in the host tier are brought back first (`PrefixCache.promote`): all of them for a hybrid
+        model's snapshot, else when copying beats prefilling them again.
+
         Returns the first chunk's length, or 0 (nothing held) when the KV cache has too few blocks.
         """
         bs = self.kv.block_size
+        promoted = self.prefix_cache.promote(match, partial_ok=snap is None)
+        if promoted is None:
+            return 0
+        match = promoted
         num_tokens = len(seq.token_ids)
         shared = match.blocks
         copy_src = None

@@ -175,7 +175,8 @@ def plan_host_memory(
         format, for the expert-cache backends), "weights" (the model's own weights when it runs on the CPU; the
         routed experts too with the fused backend), "expert slots" (the slot cache, in host memory on a CPU device),
         "KV cache" (on a CPU device; `plan_kv_cache`), "recurrent state" and "state checkpoints" (hybrid models on
-        a CPU device), "state checkpoint host tier" (hybrid models on CUDA), "pinned staging" (CUDA with an
+        a CPU device), "state checkpoint host tier" (hybrid models on CUDA), "KV host tier" (`--kv-host-gb` when
+        given), "pinned staging" (CUDA with an
         expert-cache backend). Parts that are zero are left out.
     """
     from freetoken.engine.kv_cache import plan_kv_cache
@@ -208,6 +209,8 @@ def plan_host_memory(
             host_budget_bytes(cfg, model_cfg, dtype),
             "lower --state-checkpoint-host-gb",
         )
+    if cfg.kv_host_gb > 0 and not cfg.no_prefix_cache:  # the default (-1) is sized from what this leaves
+        parts["KV host tier"] = (int(cfg.kv_host_gb * 1e9), "lower --kv-host-gb")
     if device.type != "cpu" and backend != "fused":
         staging = PINNED_STAGING_TENSORS * 2 * cfg.max_prefill_tokens * model_cfg.hidden_size * 4
         parts["pinned staging"] = (staging, "lower --max-prefill-tokens")

@@ -324,6 +324,9 @@ class EngineCollector(Collector):
         prefix = stats.get("prefix_cache")
         if isinstance(prefix, dict) and prefix.get("enabled", True):
             yield from _section_metrics(prefix, PREFIX_CACHE_METRICS, "prefix_cache")
+        kv_host = stats.get("kv_host")
+        if isinstance(kv_host, dict):
+            yield from _section_metrics(kv_host, KV_HOST_METRICS, "kv_host")
         checkpoints = stats.get("state_checkpoints")
         if isinstance(checkpoints, dict):
             yield from _section_metrics(checkpoints, STATE_CHECKPOINT_METRICS, "state_checkpoints")
@@ -339,6 +342,28 @@ PREFIX_CACHE_METRICS = {
     "num_cached_blocks": ("prefix_cache_blocks", "gauge", "KV blocks the prefix cache indexes"),
     "num_evictable_blocks": ("prefix_cache_evictable_blocks", "gauge", "cached blocks no request holds"),
     "capacity_tokens": ("prefix_cache_capacity_tokens", "gauge", "most tokens the prefix cache can hold"),
+}
+
+
+# The prefix cache's host-RAM tier (`freetoken.engine.kv_host.HostKVTier.stats`).
+KV_HOST_METRICS = {
+    "num_hit_tokens": ("kv_host_hit_tokens", "counter", "prompt tokens copied back from the KV host tier"),
+    "num_skipped_tokens": (
+        "kv_host_skipped_tokens",
+        "counter",
+        "host-tier prompt tokens prefilled again (below the crossover)",
+    ),
+    "bytes_h2d": ("kv_host_h2d_bytes", "counter", "bytes copied from the KV host tier to the device"),
+    "bytes_d2h": ("kv_host_d2h_bytes", "counter", "bytes copied from the device KV cache to the host tier"),
+    "num_demoted_blocks": ("kv_host_demoted_blocks", "counter", "KV blocks moved to the host tier"),
+    "num_evicted_blocks": ("kv_host_evicted_blocks", "counter", "KV blocks evicted from the host tier"),
+    "num_live_blocks": ("kv_host_blocks", "gauge", "KV blocks the host tier holds"),
+    "capacity_tokens": ("kv_host_capacity_tokens", "gauge", "most tokens the KV host tier can hold"),
+    "crossover_tokens": (
+        "kv_host_crossover_tokens",
+        "gauge",
+        "host tokens from which copying back beats prefilling again",
+    ),
 }
 
 
