@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -52,12 +53,20 @@ from freetoken.moe.prefill import (
     measure_gpu_flops,
 )
 
+if TYPE_CHECKING:
+    from freetoken.moe.handshake import DeviceHandshake
+
 MODES = ("offload", "cpu", "hybrid")
 # Parts of a driven decode step as the driver thread saw them (`DecodeDriver.finish`): waiting for the device's
 # posts (its span of kernels), serving the posts, and within serving the plan, queueing the fills, the CPU experts
 # and the fills' exposed wait.
 DRIVER_PHASES = ("wait", "serve", "plan", "issue", "cpu", "fill_wait")
 CPU_BLOCK_M = 16  # rows per tile of the plan's alignment on the CPU device, whose slot experts do not read it
+# How long the CPU experts' workers poll for the next layer before they park: longer than the span between two MoE
+# layers of a decode step (0.3-1 ms on the H200 box), so a step's CPU experts start without waking threads (20-30 us
+# of a 130-300 us call, benches/cpu_experts.py). Only where the workers leave a core to the launching thread: a
+# polling worker sharing its core would hold up every layer.
+WORKER_IDLE_SPIN_US = 2000.0
 
 
 def default_cpu_threads(device: torch.device) -> int:
@@ -478,15 +487,23 @@ class ExpertCacheBackend:
         if self.copy_stream is not None:
             self.copy_stream.synchronize()
 
-    def device_handshake(self, top_k: int, sizes: list[int]):
-        """The handshake through which a decode step captured whole in one CUDA graph is served by the Rust
-        driver thread (`freetoken.moe.handshake`), for padded batch sizes `sizes`; None on the CPU device, which
-        has no graphs."""
+    def device_handshake(self, top_k: int, sizes: list[int]) -> DeviceHandshake:
+        """The handshake through which a decode step captured whole in CUDA graphs is served by the Rust driver
+        thread (`freetoken.moe.handshake`), for padded batch sizes `sizes`, over this backend's layer server and
+        slots. Workers that have a core to themselves poll between layers (`WORKER_IDLE_SPIN_US`).
+
+        Raises:
+            ValueError: on the CPU device, which has no CUDA graphs.
+        """
         if self.copy_stream is None:
-            return None
+            raise ValueError("the decode driver's handshake needs a CUDA device")
         from freetoken.moe.handshake import DeviceHandshake
 
-        return DeviceHandshake(self, top_k, sizes)
+        if self.cpu.num_threads < len(os.sched_getaffinity(0)):  # a core each for the workers, driver and launcher
+            self.cpu.idle_spin_us = WORKER_IDLE_SPIN_US
+        return DeviceHandshake(
+            self.server, self.mode, self.slots, self.pool.moe_layers, self.pool.hidden_size, top_k, sizes
+        )
 
     def run_slots(
         self,
