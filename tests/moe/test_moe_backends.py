@@ -94,3 +94,20 @@ def test_cpu_backend_says_what_it_ignores_and_runs_with(bf16_checkpoint, caplog)
     assert "host expert kernels: 2 threads" in caplog.text
     stats = backend.stats()
     assert stats["num_slots"] == 0 and stats["cpu_threads"] == 2 and stats["cpu_isa"] == backend.cpu.isa
+
+
+def test_the_pool_must_agree_with_the_config_on_the_moe_layers(tmp_path):
+    """The MoE-layer rule is `ModelConfig.is_moe_layer`; the Rust checkpoint reader applies its own (it also knows
+    DeepSeek's `first_k_dense_replace`), and a pool whose layers differ from the config's is refused, naming both,
+    instead of serving model layer L with pool layer L's neighbour."""
+    from freetoken._core import CheckpointError
+    from freetoken.config import EngineConfig, ModelConfig
+    from freetoken.models.demo import build_demo_checkpoint
+    from freetoken.moe import make_expert_backend
+
+    path = build_demo_checkpoint(tmp_path / "demo", seed=0, first_k_dense_replace=1)
+    model_cfg = ModelConfig.from_dir(path)
+    assert model_cfg.moe_layers == [0, 1, 2, 3]  # the config's rule ignores the key; the reader's does not
+    cfg = EngineConfig(device="cpu", dtype="float32", moe_backend="offload", expert_slots=4)
+    with pytest.raises(CheckpointError, match=r"found MoE layers \[1, 2, 3\], the model config \[0, 1, 2, 3\]"):
+        make_expert_backend(cfg, model_cfg, path, torch.float32)

@@ -114,11 +114,12 @@ class DecodeRunner:
         self.state_slots: torch.Tensor | None = None
         if self.state_pool is not None:
             self.state_slots = torch.full((n,), self.state_pool.null_slot, dtype=torch.int64, device=device)
+        self.graphs: dict[int, Any] = {}  # batch size -> its captured graph(s), per runner; empty: eager
 
     @property
     def captured(self) -> bool:
         """True when the steps replay CUDA graphs."""
-        return False
+        return bool(self.graphs)
 
     def _meta(self, size: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -198,11 +199,6 @@ class WholeStepRunner(DecodeRunner):
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if use_graphs:
             self._capture()
-
-    @property
-    def captured(self) -> bool:
-        """True when the steps replay CUDA graphs."""
-        return bool(self.graphs)
 
     def _forward(self, size: int) -> torch.Tensor:
         hidden = self.model(self.input_ids[:size], self._meta(size), self.kv.layers)
@@ -304,11 +300,6 @@ class DrivenGraphRunner(_SpanRunner):
             self.parts[-2:] = [range(self.parts[-2].start, num_spans)]
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         self._capture()
-
-    @property
-    def captured(self) -> bool:
-        """True when the steps replay CUDA graphs."""
-        return bool(self.graphs)
 
     def _forward_driven(self, size: int, spans: range) -> None:
         """Part of the decode step: the spans in `spans`, and after each the MoE layer's mailbox post, plan fetch,
@@ -413,11 +404,6 @@ class StagedRunner(_SpanRunner):
         self.graphs: dict[int, list[torch.cuda.CUDAGraph]] = {}
         if use_graphs:
             self._capture()
-
-    @property
-    def captured(self) -> bool:
-        """True when the steps replay CUDA graphs."""
-        return bool(self.graphs)
 
     def _expert_sum(self, size: int) -> torch.Tensor:
         return self.moe_out[:size] + self.cpu_out[:size].to(self.x_resid.dtype)

@@ -116,15 +116,10 @@ def make_expert_backend(
     from freetoken._core import CheckpointError, ExpertPool
     from freetoken.moe.expert_cache import ExpertCacheBackend
 
+    sizes = (model_cfg.num_experts, model_cfg.hidden_size, model_cfg.moe_intermediate_size)
+    layers = model_cfg.moe_layers
     if model_dir is None:
-        pool = ExpertPool.random(
-            len(model_cfg.moe_layers),
-            model_cfg.num_experts,
-            model_cfg.hidden_size,
-            model_cfg.moe_intermediate_size,
-            seed=cfg.seed,
-            moe_layers=model_cfg.moe_layers,
-        )
+        pool = ExpertPool.random(len(layers), *sizes, seed=cfg.seed, moe_layers=layers)
     elif not model_cfg.is_qwen3_5 or _text_prefix(model_dir, model_cfg) == "model.":
         pool = ExpertPool.from_checkpoint(model_dir)
         if list(pool.moe_layers) != model_cfg.moe_layers:  # the Rust reader applies the rule too: they must agree
@@ -135,14 +130,7 @@ def make_expert_backend(
     else:  # the Rust loader reads `model.layers.*` names only: the pool's shape from it, the experts from Python
         from freetoken.models.loader import fill_expert_pool
 
-        pool = ExpertPool.random(
-            len(model_cfg.moe_layers),
-            model_cfg.num_experts,
-            model_cfg.hidden_size,
-            model_cfg.moe_intermediate_size,
-            seed=cfg.seed,
-            moe_layers=model_cfg.moe_layers,
-        )
+        pool = ExpertPool.random(len(layers), *sizes, seed=cfg.seed, moe_layers=layers)
         fill_expert_pool(pool, model_dir, model_cfg)
     num_slots, layer_buffers = plan_expert_slots(cfg, model_cfg, dtype, pool.expert_stride, name)
     log.info(

@@ -488,13 +488,8 @@ class ExpertCacheBackend:
             self.copy_stream.synchronize()
 
     def device_handshake(self, top_k: int, sizes: list[int]) -> DeviceHandshake:
-        """The handshake through which a decode step captured whole in CUDA graphs is served by the Rust driver
-        thread (`freetoken.moe.handshake`), for padded batch sizes `sizes`, over this backend's layer server and
-        slots. Workers that have a core to themselves poll between layers (`WORKER_IDLE_SPIN_US`).
-
-        Raises:
-            ValueError: on the CPU device, which has no CUDA graphs.
-        """
+        """The handshake of the decode driver over this backend's layer server and slots (`freetoken.moe.handshake`),
+        for padded batch sizes `sizes`. Raises ValueError on the CPU device, which has no CUDA graphs."""
         if self.copy_stream is None:
             raise ValueError("the decode driver's handshake needs a CUDA device")
         from freetoken.moe.handshake import DeviceHandshake

@@ -149,19 +149,12 @@ def _fetch(
 class DeviceHandshake:
     """Buffers, driver and device-side calls of the handshake, for decode batches of up to `max(sizes)` rows.
 
-    Built from explicit parts, not from a backend's internals: the layer server that serves each layer, the slot
-    tensor its fills land in and the model's MoE layers.
-
     Args:
-        server: the Rust `LayerServer` over `slots` (its planner, CPU experts and copier).
-        mode: the planner mode the driver plans with ("offload", "cpu", "hybrid").
-        slots: [rows, expert_stride] uint8, the device slot tensor the slot kernel reads (rows: the cache's slots
-            and any prefill layer buffers); its device holds the handshake's device buffers.
-        moe_layers: model layer index of each pool layer, in order (`ExpertPool.moe_layers`).
-        hidden: H, the hidden size.
-        top_k: experts per token.
-        sizes: padded batch sizes that will be captured (each gets its plan layout); the largest sizes the
-            buffers.
+        server: the Rust `LayerServer` that serves each layer (planner, CPU experts, the copier into `slots`).
+        mode: the planner mode it plans with ("offload", "cpu", "hybrid").
+        slots: [rows, expert_stride] uint8, the device slots the slot kernel reads (the handshake's device too).
+        moe_layers: model layer index of each pool layer (`ExpertPool.moe_layers`); hidden: H; top_k: k.
+        sizes: padded batch sizes that will be captured (each gets its plan layout); the largest sizes the buffers.
         timeout_s: how long the driver waits for the device to post a layer before failing the step.
     """
 
@@ -178,14 +171,12 @@ class DeviceHandshake:
     ) -> None:
         from freetoken.kernels.fused_moe import block_m_for
 
-        self.top_k = top_k
-        self.hidden = hidden
+        self.top_k, self.hidden = top_k, hidden
         self.block_m = {s: block_m_for(s * top_k) for s in sizes}
         max_batch = max(sizes)
         self.slot_rows = slots.shape[0]
         self.pool_layer = {model_layer: i for i, model_layer in enumerate(moe_layers)}
-        device = slots.device
-        k, layers = self.top_k, len(moe_layers)
+        device, k, layers = slots.device, top_k, len(moe_layers)
         self.layout = {s: self._layout(s) for s in sizes}
         plan_len = max(ns + nr + 2 * nt for ns, nr, nt in self.layout.values())
         self.host = PinnedBuffers(pin=True)
