@@ -100,12 +100,16 @@ def test_the_pool_must_agree_with_the_config_on_the_moe_layers(tmp_path):
     """The MoE-layer rule is `ModelConfig.is_moe_layer`; the Rust checkpoint reader applies its own (it also knows
     DeepSeek's `first_k_dense_replace`), and a pool whose layers differ from the config's is refused, naming both,
     instead of serving model layer L with pool layer L's neighbour."""
+    import json
+
     from freetoken._core import CheckpointError
     from freetoken.config import EngineConfig, ModelConfig
     from freetoken.models.demo import build_demo_checkpoint
     from freetoken.moe import make_expert_backend
 
-    path = build_demo_checkpoint(tmp_path / "demo", seed=0, first_k_dense_replace=1)
+    path = build_demo_checkpoint(tmp_path / "demo", seed=0)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "first_k_dense_replace": 1}))
     model_cfg = ModelConfig.from_dir(path)
     assert model_cfg.moe_layers == [0, 1, 2, 3]  # the config's rule ignores the key; the reader's does not
     cfg = EngineConfig(device="cpu", dtype="float32", moe_backend="offload", expert_slots=4)

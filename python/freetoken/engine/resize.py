@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import torch
 
 from freetoken.moe.budget import activation_reserve_nbytes, host_available_bytes
-from freetoken.moe.expert_cache import ExpertCacheBackend
 
 if TYPE_CHECKING:
     from freetoken.engine.llm_engine import LLMEngine
+    from freetoken.moe.expert_cache import ExpertCacheBackend
 
 log = logging.getLogger(__name__)
 
@@ -99,6 +99,8 @@ def _gb(nbytes: float) -> float:
 
 def _slot_cache(engine: LLMEngine) -> ExpertCacheBackend | None:
     """The engine's expert cache when it has slots to resize (`offload`, `hybrid`), else None."""
+    from freetoken.moe.expert_cache import ExpertCacheBackend  # the loader imports this module's engine first
+
     experts = engine.experts
     return experts if isinstance(experts, ExpertCacheBackend) and experts.mode != "cpu" else None
 
