@@ -126,7 +126,7 @@ def test_resize_real_shapes_16_24_12_gb():
     # Random routers pick the same few experts at every size (all hits), so tok/s is measured again on the synthetic
     # trace's misses; its routing follows the order of the steps (graph captures included), so its text is not
     # compared. Going back to one slot and up again captures the graphs with the trace routers in them.
-    install_replay(engine.model, "synthetic")
+    install_replay(engine.runner.model, "synthetic")
     resize(engine, expert_slots=1)
     resize(engine, expert_gb=16.0)
     _, answers, rates = _stream(engine, 96, {32: {"expert_gb": 24.0}, 64: {"expert_gb": 12.0}})
