@@ -35,7 +35,7 @@ from freetoken.errors import FreetokenError
 from freetoken.moe.pinned import PinnedBuffers
 
 if TYPE_CHECKING:
-    from freetoken._core import Backend
+    from freetoken._core import _Backend
 
 MAX_SPINS = 20_000_000  # polls of a host flag over PCIe (~1 us each): the device gives up after seconds
 FETCH_BLOCK = 1024
@@ -161,7 +161,7 @@ class DeviceHandshake:
     def __init__(
         self,
         server: LayerServer,
-        mode: Backend,
+        mode: _Backend,
         slots: torch.Tensor,
         moe_layers: list[int],
         hidden: int,
