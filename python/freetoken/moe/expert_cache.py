@@ -34,7 +34,6 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -42,6 +41,7 @@ import torch
 from freetoken._core import CpuExperts, CudaSlots, ExpertPool, LayerServer, Planner, StepReport
 from freetoken.config import PREFILL_STRATEGIES
 from freetoken.moe.compute import expert_views, grouped_swiglu
+from freetoken.moe.handshake import DeviceHandshake
 from freetoken.moe.pinned import PinnedBuffers, PinnedRegion
 from freetoken.moe.prefill import (
     DEFAULT_PCIE_BYTES_PER_S,
@@ -52,9 +52,6 @@ from freetoken.moe.prefill import (
     choose_strategy,
     measure_gpu_flops,
 )
-
-if TYPE_CHECKING:
-    from freetoken.moe.handshake import DeviceHandshake
 
 MODES = ("offload", "cpu", "hybrid")
 # Parts of a driven decode step as the driver thread saw them (`DecodeDriver.finish`): waiting for the device's
@@ -492,8 +489,6 @@ class ExpertCacheBackend:
         for padded batch sizes `sizes`. Raises ValueError on the CPU device, which has no CUDA graphs."""
         if self.copy_stream is None:
             raise ValueError("the decode driver's handshake needs a CUDA device")
-        from freetoken.moe.handshake import DeviceHandshake
-
         if self.cpu.num_threads < len(os.sched_getaffinity(0)):  # a core each for the workers, driver and launcher
             self.cpu.idle_spin_us = WORKER_IDLE_SPIN_US
         return DeviceHandshake(
