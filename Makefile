@@ -5,10 +5,10 @@ PYTHON ?= python3
 RUFF := $(PYTHON) -m ruff
 MYPY := $(PYTHON) -m mypy
 
-.PHONY: lint fix lint-rust-format lint-clippy lint-python-format lint-ruff lint-mypy
+.PHONY: lint fix lint-rust-format lint-clippy lint-python-format lint-ruff lint-mypy lint-stubs
 
 # `make -k lint` runs every check and reports each failure (CI does), plain `make lint` stops at the first.
-lint: lint-rust-format lint-clippy lint-python-format lint-ruff lint-mypy
+lint: lint-rust-format lint-clippy lint-python-format lint-ruff lint-mypy lint-stubs
 
 lint-rust-format:
 	cargo fmt --all --check
@@ -27,6 +27,11 @@ lint-ruff:
 # Settings (files, strictness, the modules still excused from some checks) are in pyproject.toml's [tool.mypy].
 lint-mypy:
 	$(MYPY)
+
+# The package ships py.typed, so a consumer's mypy reads freetoken._core's types from the hand-written _core.pyi:
+# stubtest checks that stub against the built extension (every name, signature, class and constant).
+lint-stubs:
+	$(PYTHON) -m mypy.stubtest freetoken._core
 
 fix:
 	cargo fmt --all

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from freetoken.config import EngineConfig
+from freetoken.engine.cuda_graph import DrivenGraphRunner
 from freetoken.engine.llm_engine import LLMEngine
 from freetoken.engine.types import SamplingParams
 from freetoken.models.demo import build_demo_checkpoint
@@ -94,14 +95,15 @@ def run(path: Path, prompts, delays: bool, seed: int, **engine_args) -> tuple[li
     delay = CopyStreamDelays(stream, seed) if delays and stream is not None else None
     step, driven = 0, []
     runner = engine.runner.decode
-    if check and runner is not None and runner.handshake is not None:
-        run_driven = runner._run_driven
+    if check and isinstance(runner, DrivenGraphRunner):
+        run_driven = runner._step
 
-        def record(size: int, batch: int) -> None:
-            run_driven(size, batch)
+        def record(size: int, batch: int) -> torch.Tensor:
+            logits = run_driven(size, batch)
             driven.append((size, batch))
+            return logits
 
-        runner._run_driven = record
+        runner._step = record  # type: ignore[method-assign]
     with delay if delay is not None else contextlib.nullcontext():
         while engine.has_work():
             driven.clear()

@@ -38,11 +38,7 @@ def run(path: Path, **engine_args) -> list[list[tuple[int, float]]]:
         for o in engine.step():
             out[o.request_id].extend((lp.token_id, lp.logprob) for lp in o.chunk.logprobs)
     runner = engine.runner.decode
-    kind = (
-        "eager"
-        if runner is None or not (runner.graphs or getattr(runner, "span_graphs", {}))
-        else ("driven" if runner.handshake is not None else "piecewise" if runner.piecewise else "whole")
-    )
+    kind = "eager" if runner is None or not runner.captured else runner.kind
     stats = engine.experts.stats().get("layers", {}) if hasattr(engine.experts, "stats") else {}
     print(f"    decode: {kind}; fills per layer {stats.get('fills')}", file=sys.stderr)
     return [out[str(i)] for i in range(len(PROMPTS))]
@@ -90,23 +86,22 @@ def main() -> None:
         )
     finally:
         expert_cache.ExpertCacheBackend.run_slots = saved_slots
-    saved_run, saved_capture = cuda_graph.DecodeRunner._run_driven, cuda_graph.DecodeRunner._capture
+    driven = cuda_graph.DrivenGraphRunner
+    saved_step, saved_capture = driven._step, driven._capture
 
     def eager_capture(self):
-        if self.handshake is None:
-            return saved_capture(self)
         self._pad_from(0)
 
     def eager_driven(self, size, batch):
-        hs = self.handshake
-        hs.start(batch, size)
+        self.handshake.start(batch, size)
         try:
             for part in self.parts:
                 self._forward_driven(size, part)
         finally:
-            hs.finish()
+            self._finish()
+        return self.logits[:batch]
 
-    cuda_graph.DecodeRunner._run_driven, cuda_graph.DecodeRunner._capture = eager_driven, eager_capture
+    driven._step, driven._capture = eager_driven, eager_capture
     try:
         compare(
             "qwen3-moe offload 32 slots, driven step run eagerly (no graph)",
@@ -114,7 +109,7 @@ def main() -> None:
             fused3,
         )
     finally:
-        cuda_graph.DecodeRunner._run_driven, cuda_graph.DecodeRunner._capture = saved_run, saved_capture
+        driven._step, driven._capture = saved_step, saved_capture
     q35 = build_qwen3_5_demo_checkpoint(tmp / "q35", seed=6, num_experts=16, num_experts_per_tok=4)
     fused = run(q35)
     for repeat in range(2):

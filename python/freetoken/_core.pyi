@@ -21,12 +21,51 @@ Errors: every exception raised here derives from ``FreetokenError`` and from the
 from collections.abc import Callable
 from os import PathLike
 from types import TracebackType
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, final
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self
 
 __version__: str
+
+__all__ = [
+    "CheckpointError",
+    "CpuExperts",
+    "CudaSlots",
+    "DecodeDriver",
+    "DeviceTimeoutError",
+    "ExpertCacheFullError",
+    "ExpertPool",
+    "FreetokenError",
+    "HandshakeBuffers",
+    "HostIOError",
+    "InternalError",
+    "InvalidArgumentError",
+    "LayerReport",
+    "LayerServer",
+    "MissingFileError",
+    "OutOfRangeError",
+    "Plan",
+    "Planner",
+    "SlotMap",
+    "StepReport",
+    "TraceFormatError",
+    "TraceWriter",
+    "__version__",
+    "align_slots",
+    "aligned_len",
+    "cpu_bytes_per_s_at",
+    "dequantize_expert",
+    "expert_layout",
+    "mail_layout",
+    "q_star",
+    "quantized_expert_forward",
+    "read_trace",
+    "simulate_trace",
+    "supported_isas",
+    "synthetic_trace",
+]
 
 class FreetokenError(Exception):
     """Root of every error raised by freetoken._core."""
@@ -61,6 +100,7 @@ class DeviceTimeoutError(FreetokenError, TimeoutError):
     layer: int
     step: int
 
+@final
 class ExpertPool:
     """Every routed expert of every MoE layer, packed in one host arena (the source of truth).
 
@@ -134,7 +174,7 @@ class ExpertPool:
         hidden_size: int,
         intermediate_size: int,
         format: str = "bf16",
-        block: tuple[int, int] = (0, 0),
+        block: tuple[int, int] = ...,
         moe_layers: list[int] | None = None,
     ) -> ExpertPool:
         """A zeroed pool whose experts are stored in ``format``, to be filled through ``expert_view``
@@ -223,8 +263,9 @@ class ExpertPool:
     def arena_view(self) -> npt.NDArray[np.uint8]:
         """A zero-copy uint8 view ``[nbytes]`` of the whole arena that keeps the pool alive."""
 
-PolicyName = Literal["lru", "layer_lru", "lfu"]
+_PolicyName = Literal["lru", "layer_lru", "lfu"]
 
+@final
 class SlotMap:
     """Maps ``(layer, expert)`` to expert_cache slot ids ``0..capacity``, O(1) per lookup.
 
@@ -238,7 +279,7 @@ class SlotMap:
     three on the synthetic and OLMoE-calibrated traces, most of all at small caches).
     """
 
-    def __init__(self, capacity: int, num_layers: int, num_experts: int, policy: PolicyName = "lru") -> None:
+    def __new__(cls, capacity: int, num_layers: int, num_experts: int, policy: _PolicyName = "lru") -> Self:
         """Creates an empty map.
 
         Args:
@@ -293,8 +334,9 @@ class SlotMap:
     def residents(self) -> list[tuple[int, int, int]]:
         """Every resident ``(layer, expert, slot)``, in slot order."""
 
-Backend = Literal["offload", "cpu", "hybrid"]
+_Backend = Literal["offload", "cpu", "hybrid"]
 
+@final
 class Plan:
     """The plan of one layer step. Expert ids are those of ``layer``; arrays are int32."""
 
@@ -338,6 +380,7 @@ class Plan:
     def num_cpu(self) -> int:
         """``len(cpu_experts)``."""
 
+@final
 class Planner:
     """Decides per layer step which experts hit, fill a slot, or run on the CPU (q*).
 
@@ -355,18 +398,18 @@ class Planner:
     layer ``l``'s output, so layer ``l``'s slots are no longer read).
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         num_layers: int,
         num_experts: int,
         expert_nbytes: int,
         capacity: int,
-        policy: PolicyName = "lru",
+        policy: _PolicyName = "lru",
         pcie_bytes_per_s: float | None = None,
         cpu_bytes_per_s: dict[int, float] | None = None,
         reuse_weight: float = 0.5,
         reuse_decay: float = 0.9,
-    ) -> None:
+    ) -> Self:
         """Creates a planner with an empty expert_cache.
 
         Args:
@@ -386,7 +429,7 @@ class Planner:
             InvalidArgumentError: Bad policy, bandwidths or reuse parameters.
         """
 
-    def plan(self, layer: int, topk_ids: npt.ArrayLike, backend: Backend = "offload") -> Plan:
+    def plan(self, layer: int, topk_ids: npt.ArrayLike, backend: _Backend = "offload") -> Plan:
         """Plans one layer step (about a microsecond at batch 1).
 
         Args:
@@ -457,10 +500,10 @@ class Planner:
     def num_experts(self) -> int:
         """Experts per layer."""
 
-IsaName = Literal["scalar", "avx2", "avx512_bf16", "amx_bf16"]
+_IsaName = Literal["scalar", "avx2", "avx512_bf16", "amx_bf16"]
 
 def expert_layout(
-    format: str, hidden_size: int, intermediate_size: int, block: tuple[int, int] = (0, 0)
+    format: str, hidden_size: int, intermediate_size: int, block: tuple[int, int] = ...
 ) -> dict[str, Any]:
     """The Rust layout of one expert: ``{section: (offset, nbytes)}`` for ``gate_up``, ``down``,
     ``gate_up_scale``, ``down_scale``, ``tensor_scale``, and ``expert_nbytes`` (the mirror of
@@ -475,7 +518,7 @@ def dequantize_expert(
     hidden_size: int,
     intermediate_size: int,
     expert: npt.NDArray[np.uint8],
-    block: tuple[int, int] = (0, 0),
+    block: tuple[int, int] = ...,
 ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
     """One quantized expert (``expert_nbytes`` uint8 in the pool layout) dequantized by the Rust codecs:
     ``(gate_up [2I * H], down [H * I])`` float32, flat.
@@ -491,7 +534,7 @@ def quantized_expert_forward(
     expert: npt.NDArray[np.uint8],
     x: npt.NDArray[np.float32],
     isa: str = "scalar",
-    block: tuple[int, int] = (0, 0),
+    block: tuple[int, int] = ...,
 ) -> npt.NDArray[np.float32]:
     """SwiGLU of one quantized expert on ``x [n, H]`` (float32, C-contiguous) by the CPU kernels of path
     ``isa`` (``supported_isas()``), single-threaded, GIL released: ``[n * H]`` float32.
@@ -500,7 +543,7 @@ def quantized_expert_forward(
         InvalidArgumentError: An unknown or unsupported isa, a bad format or size, or ``x`` not ``[n, H]``.
     """
 
-def supported_isas() -> list[IsaName]:
+def supported_isas() -> list[_IsaName]:
     """Kernel paths this CPU supports, slowest first."""
 
 def cpu_bytes_per_s_at(curve: dict[int, float], batch: float) -> float:
@@ -549,6 +592,7 @@ def align_slots(
         InvalidArgumentError: an id ``>= num_experts``, ``out`` too small, not int64 or not contiguous.
     """
 
+@final
 class CpuExperts:
     """SwiGLU experts on the host: bf16 weights from the pool, fp32 accumulation.
 
@@ -560,7 +604,7 @@ class CpuExperts:
     calling thread; the experts of one call run in parallel, split into row chunks.
     """
 
-    def __init__(self, pool: ExpertPool, num_threads: int | None = None, isa: IsaName | None = None) -> None:
+    def __new__(cls, pool: ExpertPool, num_threads: int | None = None, isa: _IsaName | None = None) -> Self:
         """Starts the workers.
 
         Args:
@@ -573,7 +617,7 @@ class CpuExperts:
         """
 
     @property
-    def isa(self) -> IsaName:
+    def isa(self) -> _IsaName:
         """The kernel path in use."""
     @property
     def num_threads(self) -> int:
@@ -619,6 +663,7 @@ class CpuExperts:
             InternalError: A worker failed (``out`` may be partly updated).
         """
 
+@final
 class CudaSlots:
     """The device slots of a CUDA expert cache, for the CUDA driver-API copier (keyword arguments only)."""
 
@@ -628,10 +673,11 @@ class CudaSlots:
     stride: int
     rows: int
 
-    def __init__(self, *, ordinal: int, stream: int, ptr: int, stride: int, rows: int) -> None:
+    def __new__(cls, *, ordinal: int, stream: int, ptr: int, stride: int, rows: int) -> Self:
         """``ordinal``: CUDA device; ``stream``: ``CUstream`` handle of the copy stream (torch's
         ``Stream.cuda_stream``); ``ptr``: device address of row 0; ``stride``: bytes per row; ``rows``."""
 
+@final
 class StepReport:
     """What a decode step (``DecodeDriver.finish``) or one layer step (``LayerReport.step``) did; frozen.
 
@@ -674,6 +720,7 @@ class StepReport:
     @property
     def stream_flags(self) -> int: ...
 
+@final
 class LayerReport:
     """What one ``LayerServer.serve`` call did; frozen. ``num_hits`` (distinct experts resident), ``num_fills``
     (copied into slots), ``num_cpu`` (run on the host: ``cpu_out`` was written only when positive), ``num_pairs``
@@ -686,6 +733,7 @@ class LayerReport:
     num_tiles: Final[int]
     step: Final[StepReport]
 
+@final
 class LayerServer:
     """One MoE layer step, for every path (``freetoken_core::driver::server``): plan (q*), fills with their
     victims through the copier, the slot kernel's tile alignment, the CPU experts (GIL released), and the bandwidth
@@ -693,15 +741,15 @@ class LayerServer:
     prefill steps call ``serve``.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         planner: Planner,
         cpu: CpuExperts,
         slot_rows: int,
         *,
         slots: npt.NDArray[np.uint8] | None = None,
         cuda: CudaSlots | None = None,
-    ) -> None:
+    ) -> Self:
         """``slot_rows``: rows of the device weight tensor the slot ids index (slots, then layer buffers). Give
         ``slots`` (host ``[rows * expert_stride]`` uint8, the CPU device: fills are ``memcpy``) or ``cuda``
         (fills by ``cuMemcpyHtoDAsync`` on its stream).
@@ -716,7 +764,7 @@ class LayerServer:
     def serve(
         self,
         layer: int,
-        backend: Backend,
+        backend: _Backend,
         ids: npt.NDArray[np.int64],
         weights: npt.NDArray[np.float32],
         hidden: npt.NDArray[np.float32],
@@ -741,6 +789,7 @@ class LayerServer:
             DeviceTimeoutError: The fills did not land in time.
         """
 
+@final
 class HandshakeBuffers:
     """The page-locked host buffers of the decode handshake (keyword arguments only): ``mail_flag``, ``plan_flag``,
     ``fill_flag``, ``cpu_flag`` ``[num_layers]`` uint32; ``mail`` uint8 (``mail_layout``); ``plan`` int64: slot ids
@@ -748,8 +797,8 @@ class HandshakeBuffers:
     slots filled in the layer, -1 elsewhere); ``cpu_out`` float32 ``[size, H]`` capacity. Layouts and protocol:
     ``rust/freetoken-core/src/driver/mod.rs``."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         *,
         mail_flag: npt.NDArray[np.uint32],
         plan_flag: npt.NDArray[np.uint32],
@@ -758,7 +807,7 @@ class HandshakeBuffers:
         mail: npt.NDArray[np.uint8],
         plan: npt.NDArray[np.int64],
         cpu_out: npt.NDArray[np.float32],
-    ) -> None:
+    ) -> Self:
         """Raises:
         InvalidArgumentError: A wrong dtype, non-contiguous array, flags of unequal length, or a mailbox not
             8-byte aligned.
@@ -767,15 +816,16 @@ class HandshakeBuffers:
     def num_layers(self) -> int:
         """Flags per row: the MoE layers."""
 
+@final
 class DecodeDriver:
     """Serves every MoE layer of a decode step from a host thread while the whole step runs on the device as
     one CUDA graph (``freetoken.moe.handshake`` is the device side), each layer through the ``LayerServer``.
     The protocol is written once, in ``rust/freetoken-core/src/driver/mod.rs``.
     """
 
-    def __init__(
-        self, server: LayerServer, buffers: HandshakeBuffers, backend: Backend, top_k: int, timeout_s: float = 10.0
-    ) -> None:
+    def __new__(
+        cls, server: LayerServer, buffers: HandshakeBuffers, backend: _Backend, top_k: int, timeout_s: float = 10.0
+    ) -> Self:
         """Starts the driver thread.
 
         Raises:
@@ -810,6 +860,7 @@ class DecodeDriver:
                 layer); every layer was still released to the device with an empty plan. Also: no step running.
         """
 
+@final
 class TraceWriter:
     """Appends routing records ``(step, layer, ids)`` to a compact trace file (``.fttrace``).
 
@@ -818,7 +869,7 @@ class TraceWriter:
     Usable as a context manager (closes on exit).
     """
 
-    def __init__(self, path: str | PathLike[str], num_layers: int, num_experts: int, top_k: int) -> None:
+    def __new__(cls, path: str | PathLike[str], num_layers: int, num_experts: int, top_k: int) -> Self:
         """Creates (truncates) ``path`` and writes the header."""
     def record(self, step: int, layer: int, topk_ids: npt.ArrayLike) -> None:
         """Appends the ``[B, top_k]`` ids of pool layer ``layer`` at ``step``.

@@ -36,7 +36,7 @@ _SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
-def _bytes_to_unicode() -> dict[int, str]:
+def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's byte-level BPE alphabet: each byte as the printable character its vocabulary writes it with."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     mapping = {b: chr(b) for b in printable}
@@ -49,7 +49,7 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 
 # A byte-level BPE vocabulary character -> the byte it stands for.
-_UNICODE_TO_BYTE = {ch: b for b, ch in _bytes_to_unicode().items()}
+_UNICODE_TO_BYTE = {ch: b for b, ch in bytes_to_unicode().items()}
 
 
 def _read_json(path: Path) -> dict:

@@ -18,6 +18,7 @@ import torch
 
 from freetoken.config import EngineConfig
 from freetoken.engine import AsyncEngine
+from freetoken.engine.cuda_graph import DrivenGraphRunner
 from freetoken.engine.llm_engine import LLMEngine
 from freetoken.engine.resize import resize
 from freetoken.engine.types import SamplingParams
@@ -92,7 +93,7 @@ def test_resize_while_a_stream_decodes_on_cuda(tmp_path):
     _check_answers(answers, [24, 12])
     assert answers[0]["after"]["kv_cache"]["num_blocks"] > answers[0]["before"]["kv_cache"]["num_blocks"]
     decode = engine.runner.decode
-    assert decode is not None and decode.handshake is not None and decode.span_graphs  # graphs captured again
+    assert isinstance(decode, DrivenGraphRunner) and decode.captured  # graphs captured again
     # The handshake was built again on the 12 new slots (the caching allocator may hand back the old address).
     buffers = (
         0 if engine.experts.streamer is None else engine.experts.streamer.num_buffers * engine.experts.pool.num_experts

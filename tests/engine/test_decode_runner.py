@@ -1,6 +1,7 @@
-"""The fixed-shape decode step (`DecodeRunner`: Triton paged attention, static buffers; whole or piecewise around
-the routed experts) gives the tokens of the eager torch path. On the CPU it runs uncaptured, with the Triton
-kernels in the interpreter; on CUDA (tests/engine/test_gpu.py) the same step runs as CUDA graphs."""
+"""The fixed-shape decode step (the runners of `freetoken.engine.cuda_graph`: Triton paged attention, static buffers;
+the whole step, or spans staged around the routed experts) gives the tokens of the eager torch path. On the CPU it
+runs uncaptured, with the Triton kernels in the interpreter; on CUDA (tests/engine/test_gpu.py) the same steps run as
+CUDA graphs, and the driven runner's there only."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 import pytest
 
 from freetoken.config import EngineConfig
-from freetoken.engine.cuda_graph import DecodeRunner
+from freetoken.engine.cuda_graph import StagedRunner, WholeStepRunner, make_decode_runner
 from freetoken.engine.llm_engine import LLMEngine
 from freetoken.models.demo import build_demo_checkpoint
 from greedy import greedy_tokens
@@ -30,16 +31,40 @@ def _greedy(engine: LLMEngine) -> list[list[int]]:
     os.environ.get("TRITON_INTERPRET") != "1",
     reason="CPU tensors need Triton's interpreter (conftest sets it without a GPU)",
 )
-@pytest.mark.parametrize("backend,piecewise", [("fused", False), ("fused", True), ("offload", True), ("cpu", True)])
-def test_decode_runner_equals_torch_path(checkpoint, backend, piecewise):
+@pytest.mark.parametrize(
+    "backend,runner_type",
+    [("fused", WholeStepRunner), ("fused", StagedRunner), ("offload", StagedRunner), ("cpu", StagedRunner)],
+)
+def test_decode_runner_equals_torch_path(checkpoint, backend, runner_type):
+    """fused through `forward` between staged spans, the expert cache's modes through `forward_staged`."""
     cfg = EngineConfig(device="cpu", dtype="float32", moe_backend=backend, max_num_seqs=3, kv_block_size=4)
     expected = _greedy(LLMEngine.from_dir(checkpoint, cfg))
     engine = LLMEngine.from_dir(checkpoint, cfg)
     runner = engine.runner
-    runner.decode = DecodeRunner(
-        runner.model, engine.kv, cfg.max_num_seqs, engine.max_model_len, use_graphs=False, piecewise=piecewise
-    )
+    runner.decode = runner_type(runner.model, engine.kv, cfg.max_num_seqs, engine.max_model_len, use_graphs=False)
     assert _greedy(engine) == expected
+
+
+@pytest.mark.parametrize("backend,runner_type", [("fused", WholeStepRunner), ("offload", StagedRunner)])
+def test_the_backend_declares_its_runner(checkpoint, backend, runner_type):
+    """`make_decode_runner` picks from what the backend declares: `graph_safe` (fused) the whole step; a
+    `DrivenExpertBackend` without graphs (here the CPU device) the staged spans, through `forward_staged`. (With
+    graphs on CUDA the driven runner: tests/engine/test_gpu.py.)"""
+    cfg = EngineConfig(device="cpu", dtype="float32", moe_backend=backend, max_num_seqs=3, kv_block_size=4)
+    engine = LLMEngine.from_dir(checkpoint, cfg)
+    runner = make_decode_runner(engine.runner.model, engine.kv, 3, engine.max_model_len, use_graphs=False)
+    assert type(runner) is runner_type and not runner.captured
+    if isinstance(runner, StagedRunner):
+        assert runner.driven is engine.experts
+
+
+def test_the_driven_handshake_needs_cuda(checkpoint):
+    """The expert cache on the CPU device has no CUDA graphs to drive: asking it for the handshake is an error
+    (the engine never does: graphs are off there), not a None the caller must probe for."""
+    cfg = EngineConfig(device="cpu", dtype="float32", moe_backend="offload", max_num_seqs=3, kv_block_size=4)
+    engine = LLMEngine.from_dir(checkpoint, cfg)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        engine.experts.device_handshake(2, [1, 2])
 
 
 @pytest.mark.skipif(

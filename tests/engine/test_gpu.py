@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from freetoken.config import EngineConfig
+from freetoken.engine.cuda_graph import DrivenGraphRunner
 from freetoken.engine.llm_engine import LLMEngine
 from freetoken.engine.types import SamplingParams
 from freetoken.models.demo import build_demo_checkpoint
@@ -84,7 +85,7 @@ def test_offload_driven_graphs_equal_fused(tmp_path, monkeypatch, layers_per_gra
     engine = LLMEngine.from_dir(
         path, EngineConfig(device="cuda", dtype="bfloat16", kv_cache_gb=0.5, moe_backend="offload", expert_slots=slots)
     )
-    assert engine.runner.decode is not None and engine.runner.decode.handshake is not None
+    assert isinstance(engine.runner.decode, DrivenGraphRunner) and engine.runner.decode.captured
     assert len(engine.runner.decode.parts) == (1 if layers_per_graph == 4 else 4)
     assert greedy_tokens(engine, PROMPTS, 16) == fused
     stats = engine.experts.stats()["layers"]
@@ -139,7 +140,7 @@ def test_offload_driven_graphs_equal_fused_under_evictions(eviction_demo, num_pr
     delays = _copy_stream_delays()
     for delayed in (False, True):
         engine = LLMEngine.from_dir(path, cfg)
-        assert engine.runner.decode is not None and engine.runner.decode.handshake is not None
+        assert isinstance(engine.runner.decode, DrivenGraphRunner) and engine.runner.decode.captured
 
         def resident_in_slots(step: int, engine: LLMEngine = engine, delayed: bool = delayed) -> None:
             assert engine.experts.stale_slots() == [], f"step {step}, delayed copies: {delayed}"
@@ -194,7 +195,7 @@ def test_driven_host_experts_follow_fused(tmp_path, mode, slots):
     )
     model.attach_experts(backend)
     engine = LLMEngine(model, model.config, cfg, tokenizer=None)
-    assert engine.runner.decode.handshake is not None
+    assert isinstance(engine.runner.decode, DrivenGraphRunner) and engine.runner.decode.captured
     got = _chosen_logprobs(engine, PROMPTS, 12)
     for g, w in zip(got, want, strict=False):
         for step, ((tg, lg, _), (tw, lw, top)) in enumerate(zip(g, w, strict=False)):

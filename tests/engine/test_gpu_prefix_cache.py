@@ -64,7 +64,7 @@ def _engines(path, dtype: str, backend: str, **kwargs) -> tuple[LLMEngine, LLMEn
     )
     cached, cold = make(False), make(True)
     decode = cached.runner.decode
-    assert decode is not None and (decode.graphs or getattr(decode, "span_graphs", None)), "no CUDA graphs captured"
+    assert decode is not None and decode.captured, "no CUDA graphs captured"
     return cached, cold
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from freetoken.config import EngineConfig
-from freetoken.engine.cuda_graph import DecodeRunner
+from freetoken.engine.cuda_graph import WholeStepRunner
 from freetoken.engine.llm_engine import LLMEngine, RequestError
 from freetoken.engine.sampler import token_logprobs
 from freetoken.engine.types import GenerationChunk, SamplingParams
@@ -146,7 +146,7 @@ def test_decode_runner_path_reports_the_same_logprobs(checkpoint):
     expected = _flat(_run(_engine(path), [PROMPTS[0]], params)[0])
     engine = _engine(path, max_num_seqs=2, kv_block_size=4)
     runner = engine.runner
-    runner.decode = DecodeRunner(runner.model, engine.kv, 2, engine.max_model_len, use_graphs=False)
+    runner.decode = WholeStepRunner(runner.model, engine.kv, 2, engine.max_model_len, use_graphs=False)
     got = _flat(_run(engine, [PROMPTS[0]], params)[0])
     assert got[0] == expected[0]
     for a, b in zip(got[1], expected[1], strict=True):
@@ -181,7 +181,7 @@ def test_cuda_graph_decode_logprobs_equal_cpu(checkpoint):
     engine = LLMEngine.from_dir(
         path, EngineConfig(device="cuda", dtype="float32", kv_cache_gb=0.5, moe_backend="fused")
     )
-    assert engine.runner.decode is not None and engine.runner.decode.graphs
+    assert isinstance(engine.runner.decode, WholeStepRunner) and engine.runner.decode.captured
     got = [_flat(c) for c in _run(engine, PROMPTS, params)]
     expected = [_flat(c) for c in _run(_engine(path), PROMPTS, params)]
     for (tokens_a, lps_a), (tokens_b, lps_b) in zip(got, expected, strict=True):

@@ -130,3 +130,24 @@ def test_offload_decode_under_evictions_keeps_every_resident_in_its_slot(bf16_ch
     expert = int(np.flatnonzero(layer_slots >= 0)[0])
     backend.slots[int(layer_slots[expert])].zero_()
     assert backend.stale_slots() == [(0, expert, int(layer_slots[expert]))]
+
+
+def test_the_pool_must_agree_with_the_config_on_the_moe_layers(tmp_path):
+    """The MoE-layer rule is `ModelConfig.is_moe_layer`; the Rust checkpoint reader applies its own (it also knows
+    DeepSeek's `first_k_dense_replace`), and a pool whose layers differ from the config's is refused, naming both,
+    instead of serving model layer L with pool layer L's neighbour."""
+    import json
+
+    from freetoken._core import CheckpointError
+    from freetoken.config import EngineConfig, ModelConfig
+    from freetoken.models.demo import build_demo_checkpoint
+    from freetoken.moe import make_expert_backend
+
+    path = build_demo_checkpoint(tmp_path / "demo", seed=0)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "first_k_dense_replace": 1}))
+    model_cfg = ModelConfig.from_dir(path)
+    assert model_cfg.moe_layers == [0, 1, 2, 3]  # the config's rule ignores the key; the reader's does not
+    cfg = EngineConfig(device="cpu", dtype="float32", moe_backend="offload", expert_slots=4)
+    with pytest.raises(CheckpointError, match=r"found MoE layers \[1, 2, 3\], the model config \[0, 1, 2, 3\]"):
+        make_expert_backend(cfg, model_cfg, path, torch.float32)

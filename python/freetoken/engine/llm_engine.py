@@ -144,7 +144,6 @@ class LLMEngine:
             engine_cfg.max_num_seqs,
             self.max_model_len,
             engine_cfg.enforce_eager,
-            piecewise=not self.experts.graph_safe,
         )
         self.eos_ids = set(tokenizer.eos_token_ids if tokenizer else ()) | set(model_cfg.eos_token_ids)
         # Compiles response formats into per-sequence grammar matchers (`SamplingParams.grammar`); its token trie is

@@ -7,7 +7,7 @@ import gc
 
 import torch
 
-from freetoken.engine.cuda_graph import DecodeRunner
+from freetoken.engine.cuda_graph import DecodeRunner, make_decode_runner
 from freetoken.engine.kv_cache import KVCache
 from freetoken.engine.sampler import logprobs_of, sample_with_logprobs
 from freetoken.engine.scheduler import ScheduledStep
@@ -20,9 +20,9 @@ from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
 class ModelRunner:
     """Owns the model and the KV cache tensors on the compute device.
 
-    Decode-only steps on CUDA of at most 64 sequences go through `DecodeRunner` (fixed shapes, CUDA graphs unless
-    `enforce_eager`; piecewise around the routed experts when the expert backend syncs with the host); every
-    other step runs eagerly with the torch attention path.
+    Decode-only steps on CUDA of at most 64 sequences go through a `DecodeRunner` (fixed shapes, CUDA graphs unless
+    `enforce_eager`; which of the three runners, `make_decode_runner` picks from the expert backend); every other
+    step runs eagerly with the torch attention path.
     """
 
     def __init__(
@@ -33,24 +33,21 @@ class ModelRunner:
         max_num_seqs: int = 0,
         max_model_len: int = 0,
         enforce_eager: bool = False,
-        piecewise: bool = False,
     ) -> None:
         self.model = model
         self.kv = kv
         self.device = device
         self.decode: DecodeRunner | None = None
-        self._decode_args = (max_num_seqs, max_model_len, not enforce_eager, piecewise)
+        self._decode_args = (max_num_seqs, max_model_len, not enforce_eager)
         self.build_decode()
 
     def build_decode(self) -> None:
         """Build the decode runner (CUDA only): its static buffers, the expert backend's device handshake (which
         holds the slots' address) and its CUDA graphs, which hold the KV and slot tensors' addresses. A resize of
         either (`freetoken.engine.resize`) calls `release_decode` first and this again after."""
-        max_num_seqs, max_model_len, use_graphs, piecewise = self._decode_args
+        max_num_seqs, max_model_len, use_graphs = self._decode_args
         if self.device.type == "cuda" and max_num_seqs > 0:
-            self.decode = DecodeRunner(
-                self.model, self.kv, max_num_seqs, max_model_len, use_graphs=use_graphs, piecewise=piecewise
-            )
+            self.decode = make_decode_runner(self.model, self.kv, max_num_seqs, max_model_len, use_graphs)
 
     def release_decode(self) -> None:
         """Drop the decode runner: its graphs and graph memory pool, and the decode driver thread (its drop joins

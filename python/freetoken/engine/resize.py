@@ -38,6 +38,7 @@ from freetoken.moe.budget import activation_reserve_nbytes, host_available_bytes
 
 if TYPE_CHECKING:
     from freetoken.engine.llm_engine import LLMEngine
+    from freetoken.moe.expert_cache import ExpertCacheBackend
 
 log = logging.getLogger(__name__)
 
@@ -112,10 +113,12 @@ def _gb(nbytes: float) -> float:
     return round(nbytes / 1e9, 4)
 
 
-def _slot_cache(engine: LLMEngine):
+def _slot_cache(engine: LLMEngine) -> ExpertCacheBackend | None:
     """The engine's expert cache when it has slots to resize (`offload`, `hybrid`), else None."""
+    from freetoken.moe.expert_cache import ExpertCacheBackend  # the loader imports this module's engine first
+
     experts = engine.experts
-    return experts if hasattr(experts, "resize") and getattr(experts, "mode", "cpu") != "cpu" else None
+    return experts if isinstance(experts, ExpertCacheBackend) and experts.mode != "cpu" else None
 
 
 def cache_sizes(engine: LLMEngine) -> dict[str, Any]:
@@ -213,7 +216,7 @@ def plan_resize(
     if expert_gb is not None or expert_slots is not None:
         experts = _slot_cache(engine)
         if experts is None:
-            backend = getattr(engine.experts, "mode", "fused")
+            backend = engine.experts.stats()["backend"] if engine.experts is not None else "model's"
             raise ResizeRefused(
                 f"the {backend} expert backend keeps no expert slots to resize; serve with --moe-backend offload or "
                 "hybrid to have an expert cache"
@@ -295,7 +298,7 @@ def resize(
         if plan.num_kv_blocks is not None and plan.num_kv_blocks != kv.num_blocks:
             keep = prefix.keep_on_resize(plan.num_kv_blocks)
             layers = kv.allocate_layers(plan.num_kv_blocks, allocate_kv)
-        if plan.num_slots is not None and plan.num_slots != experts.num_slots:
+        if plan.num_slots is not None and experts is not None and plan.num_slots != experts.num_slots:
             experts.resize(plan.num_slots, allocate_slots)
     except Exception as exc:
         layers = None

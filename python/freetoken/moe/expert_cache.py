@@ -41,6 +41,7 @@ import torch
 from freetoken._core import CpuExperts, CudaSlots, ExpertPool, LayerServer, Planner, StepReport
 from freetoken.config import PREFILL_STRATEGIES
 from freetoken.moe.compute import expert_views, grouped_swiglu
+from freetoken.moe.handshake import DeviceHandshake
 from freetoken.moe.pinned import PinnedBuffers, PinnedRegion
 from freetoken.moe.prefill import (
     DEFAULT_PCIE_BYTES_PER_S,
@@ -61,6 +62,11 @@ MODES = ("offload", "cpu", "hybrid")
 # and the fills' exposed wait.
 DRIVER_PHASES = ("wait", "serve", "plan", "issue", "cpu", "fill_wait")
 CPU_BLOCK_M = 16  # rows per tile of the plan's alignment on the CPU device, whose slot experts do not read it
+# How long the CPU experts' workers poll for the next layer before they park: longer than the span between two MoE
+# layers of a decode step (0.3-1 ms on the H200 box), so a step's CPU experts start without waking threads (20-30 us
+# of a 130-300 us call, benches/cpu_experts.py). Only where the workers leave a core to the launching thread: a
+# polling worker sharing its core would hold up every layer.
+WORKER_IDLE_SPIN_US = 2000.0
 
 
 def default_cpu_threads(device: torch.device) -> int:
@@ -534,15 +540,16 @@ class ExpertCacheBackend:
             stale.extend((layer, int(experts[i]), int(layer_slots[experts[i]])) for i in bad)
         return stale
 
-    def device_handshake(self, top_k: int, sizes: list[int]):
-        """The handshake through which a decode step captured whole in one CUDA graph is served by the Rust
-        driver thread (`freetoken.moe.handshake`), for padded batch sizes `sizes`; None on the CPU device, which
-        has no graphs."""
+    def device_handshake(self, top_k: int, sizes: list[int]) -> DeviceHandshake:
+        """The handshake of the decode driver over this backend's layer server and slots (`freetoken.moe.handshake`),
+        for padded batch sizes `sizes`. Raises ValueError on the CPU device, which has no CUDA graphs."""
         if self.copy_stream is None:
-            return None
-        from freetoken.moe.handshake import DeviceHandshake
-
-        return DeviceHandshake(self, top_k, sizes)
+            raise ValueError("the decode driver's handshake needs a CUDA device")
+        if self.cpu.num_threads < len(os.sched_getaffinity(0)):  # a core each for the workers, driver and launcher
+            self.cpu.idle_spin_us = WORKER_IDLE_SPIN_US
+        return DeviceHandshake(
+            self.server, self.mode, self.slots, self.pool.moe_layers, self.pool.hidden_size, top_k, sizes
+        )
 
     def run_slots(
         self,

@@ -23,22 +23,20 @@ layer in a fifth flag row, and `finish` raises for the step (whose output is the
 
 from __future__ import annotations
 
-import os
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 import triton
 import triton.language as tl
 
-from freetoken._core import DecodeDriver, HandshakeBuffers, StepReport, aligned_len, mail_layout
+from freetoken._core import DecodeDriver, HandshakeBuffers, LayerServer, StepReport, aligned_len, mail_layout
 from freetoken.errors import FreetokenError
 from freetoken.moe.pinned import PinnedBuffers
 
-# How long the CPU experts' workers poll for the next layer before they park: longer than the span between two MoE
-# layers of a decode step (0.3-1 ms on the H200 box), so a step's CPU experts start without waking threads (20-30 us
-# of a 130-300 us call, benches/cpu_experts.py). Only where the workers leave a core to the launching thread: a
-# polling worker sharing its core would hold up every layer.
-WORKER_IDLE_SPIN_US = 2000.0
+if TYPE_CHECKING:
+    from freetoken._core import _Backend
+
 MAX_SPINS = 20_000_000  # polls of a host flag over PCIe (~1 us each): the device gives up after seconds
 FETCH_BLOCK = 1024
 
@@ -152,26 +150,33 @@ class DeviceHandshake:
     """Buffers, driver and device-side calls of the handshake, for decode batches of up to `max(sizes)` rows.
 
     Args:
-        backend: the `ExpertCacheBackend` on CUDA (its planner, CPU experts, slots and copy stream).
-        top_k: experts per token.
-        sizes: padded batch sizes that will be captured (each gets its plan layout); the largest sizes the
-            buffers.
+        server: the Rust `LayerServer` that serves each layer (planner, CPU experts, the copier into `slots`).
+        mode: the planner mode it plans with ("offload", "cpu", "hybrid").
+        slots: [rows, expert_stride] uint8, the device slots the slot kernel reads (the handshake's device too).
+        moe_layers: model layer index of each pool layer (`ExpertPool.moe_layers`); hidden: H; top_k: k.
+        sizes: padded batch sizes that will be captured (each gets its plan layout); the largest sizes the buffers.
         timeout_s: how long the driver waits for the device to post a layer before failing the step.
     """
 
-    def __init__(self, backend, top_k: int, sizes: list[int], timeout_s: float = 10.0):
+    def __init__(
+        self,
+        server: LayerServer,
+        mode: _Backend,
+        slots: torch.Tensor,
+        moe_layers: list[int],
+        hidden: int,
+        top_k: int,
+        sizes: list[int],
+        timeout_s: float = 10.0,
+    ) -> None:
         from freetoken.kernels.fused_moe import block_m_for
 
-        pool = backend.pool
-        self.backend = backend
-        self.top_k = top_k
-        self.hidden = pool.hidden_size
+        self.top_k, self.hidden = top_k, hidden
         self.block_m = {s: block_m_for(s * top_k) for s in sizes}
         max_batch = max(sizes)
-        self.slot_rows = backend.slots.shape[0]
-        self.pool_layer = backend.pool_layer
-        device = backend.device
-        k, layers = self.top_k, pool.num_layers
+        self.slot_rows = slots.shape[0]
+        self.pool_layer = {model_layer: i for i, model_layer in enumerate(moe_layers)}
+        device, k, layers = slots.device, top_k, len(moe_layers)
         self.layout = {s: self._layout(s) for s in sizes}
         plan_len = max(ns + nr + 2 * nt for ns, nr, nt in self.layout.values())
         self.host = PinnedBuffers(pin=True)
@@ -186,8 +191,6 @@ class DeviceHandshake:
         self.gen = torch.zeros(1, dtype=torch.int32, device=device)
         self.generation = 0
         self._in_step = False  # between start and a successful finish; the device's counter may be off
-        if backend.cpu.num_threads < len(os.sched_getaffinity(0)):  # a core each for the workers, driver and launcher
-            backend.cpu.idle_spin_us = WORKER_IDLE_SPIN_US
         flags = self.flags.numpy().view(np.uint32)
         buffers = HandshakeBuffers(
             mail_flag=flags[0],
@@ -198,7 +201,7 @@ class DeviceHandshake:
             plan=self.plan.numpy(),
             cpu_out=self.cpu_out.numpy(),
         )
-        self.driver = DecodeDriver(backend.server, buffers, backend.mode, k, timeout_s=timeout_s)
+        self.driver = DecodeDriver(server, buffers, mode, k, timeout_s=timeout_s)
 
     def _layout(self, size: int) -> tuple[int, int, int]:
         rows, tiles = aligned_len(size * self.top_k, self.slot_rows, self.block_m[size])
@@ -222,21 +225,16 @@ class DeviceHandshake:
         """Wait for the driver to serve every layer (GIL released); its report. Raises the driver's error (a
         plan that failed; a device that never posted, `DeviceTimeoutError` with its `layer` and `step`; the driver
         has released every layer, so the device runs the step to its end) or, when the device gave up waiting for a
-        layer, a `DriverGaveUpError`."""
-        try:
-            report = self.driver.finish()
-        except Exception:
-            self.backend.after_failed_driven_step()
-            raise
+        layer, a `DriverGaveUpError`. After an error the step's fills may have moved slots: the caller tells the
+        backend (`DrivenExpertBackend.after_failed_driven_step`)."""
+        report = self.driver.finish()
         gave_up = np.flatnonzero(self.flags[4].numpy() == self.generation)
         if gave_up.size:
-            self.backend.after_failed_driven_step()
             raise DriverGaveUpError(
                 f"decode step {self.generation}: the device stopped waiting for the driver at pool layer(s) "
                 f"{gave_up.tolist()} after {MAX_SPINS} polls; the step's output is wrong"
             )
         self._in_step = False
-        self.backend.after_driven_step(report)
         return report
 
     # -- device side, recorded into the graph ---------------------------------------------------------------
