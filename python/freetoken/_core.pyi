@@ -144,7 +144,7 @@ class ExpertPool:
         moe_layers: list[int] | None = None,
         num_threads: int | None = None,
         format: str = "bf16",
-        block: tuple[int, int] = (0, 0),
+        block: tuple[int, int] = ...,
     ) -> ExpertPool:
         """Builds a pool of deterministic random weights, for benchmarks at real shapes.
 
