@@ -206,7 +206,7 @@ def test_block_must_divide_expert_sizes():
 
 @pytest.fixture(scope="module")
 def checkpoint_overrides():
-    """The seed and config of this module's `built` checkpoints (tests/quant/conftest.py)."""
+    """The seed and config of this module's `built` checkpoints (tests/conftest.py)."""
     return 5, SMALL
 
 

@@ -35,7 +35,7 @@ PROMPTS = [[3, 17, 100, 42, 7, 8, 9, 200, 13], list(range(1000, 1040))]
 
 @pytest.fixture(scope="module")
 def checkpoint_overrides():
-    """The seed and config of this module's `built` checkpoints (tests/quant/conftest.py)."""
+    """The seed and config of this module's `built` checkpoints (tests/conftest.py)."""
     return 7, SMALL
 
 
