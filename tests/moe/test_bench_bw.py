@@ -400,7 +400,15 @@ def test_unwritable_profile_dir_keeps_the_measured_profile(tmp_path, monkeypatch
     cfg = ModelConfig.from_dict(json.loads(preset_config_path("qwen3-30b-a3b").read_text()), source="qwen3-30b-a3b")
     shape = ExpertShape(cfg.hidden_size, cfg.moe_intermediate_size)
     curve = {1: 49e9, 2: 40e9, 4: 30e9}
-    gpu = box.GpuRun({"uuid": UUID, "name": "NVIDIA H200"}, 54e9, 50e9, 63e9, {1: (50e9, 45e9)}, 54e9, curve)
+    gpu = box.GpuRun(
+        pcie=50e9,
+        overlapped={1: (50e9, 45e9)},
+        planner_pcie=54e9,
+        planner_cpu=curve,
+        info={"uuid": UUID, "name": "NVIDIA H200"},
+        torch_copy=54e9,
+        line_rate=63e9,
+    )
     run = box.BoxRun({"cpu_model": "test"}, {"seconds": 0.5}, 200e9, curve, [gpu])
     # The measurement itself needs a GPU (test_measure_profile_on_the_gpu): this test is about its write.
     monkeypatch.setattr(box, "measure_box", lambda *args, **kwargs: run)
