@@ -33,15 +33,21 @@ def test_sessions_get_their_history_back_from_the_host_tier(tiered, cold):  # no
         for s in range(4)
     ]
     previous = [0] * len(sessions)
+
+    def skipped() -> int:  # host hits the tier chose to recompute (below its measured crossover: timing-dependent)
+        return httpx.get(f"{tiered.base_url}/v1/stats").json()["kv_host"]["num_skipped_tokens"]
+
     for turn in range(3):
         for s, history in enumerate(sessions):
+            before = skipped()
             got = chat(tiered, history, max_tokens=8)
+            recomputed = skipped() - before
             assert got.choices[0].message.content == chat(cold, history, max_tokens=8).choices[0].message.content, (
                 s,
                 turn,
             )
             if turn:  # the previous turn's prompt (its full blocks) came back, from whichever tier held it
-                assert got.usage.prompt_tokens_details.cached_tokens >= previous[s] // 16 * 16, (s, turn)
+                assert got.usage.prompt_tokens_details.cached_tokens + recomputed >= previous[s] // 16 * 16, (s, turn)
             previous[s] = got.usage.prompt_tokens
             history += [
                 {"role": "assistant", "content": got.choices[0].message.content or "ok"},
