@@ -355,12 +355,22 @@ class AloneCurve:
     the last, the line through the last two (prefill time grows with tokens there), never below the last point.
 
     Attributes:
-        tokens: prefilled tokens of each point, ascending.
+        tokens: prefilled tokens of each point, strictly ascending (two requested sizes that prefilled the same
+            count are one point: `measure_alone` keeps the faster).
         seconds: TTFT of each point.
+
+    Raises:
+        ValueError: no points, lists of different lengths, or tokens not strictly ascending.
     """
 
     tokens: list[int]
     seconds: list[float]
+
+    def __post_init__(self) -> None:
+        if not self.tokens or len(self.tokens) != len(self.seconds):
+            raise ValueError(f"AloneCurve needs as many seconds as tokens, at least one: {self.tokens}, {self.seconds}")
+        if any(b <= a for a, b in zip(self.tokens, self.tokens[1:])):
+            raise ValueError(f"AloneCurve's tokens must be strictly ascending: {self.tokens}")
 
     def __call__(self, n: int) -> float:
         """Seconds to prefill `n` tokens alone."""
@@ -556,7 +566,7 @@ def measure_alone(base_url: str, api: str, model: str, args) -> AloneCurve | Non
     import openai
 
     client = make_client(base_url, api, args)
-    points: dict[int, tuple[int, float]] = {}
+    best: dict[int, float] = {}  # prefilled tokens -> fastest TTFT (two sizes may prefill the same count)
     for size in sorted({max(16, int(n * args.scale)) for n in (*args.alone_sizes, args.system_tokens)}):
         for _ in range(args.alone_repeats):
             try:
@@ -564,11 +574,10 @@ def measure_alone(base_url: str, api: str, model: str, args) -> AloneCurve | Non
             except (openai.APIError, anthropic.APIError, RuntimeError) as e:  # e.g. past the server's context
                 log(f"  alone: {size} tokens failed: {e}")
                 break
-            if size not in points or ttft < points[size][1]:
-                points[size] = (prefilled, ttft)
-    if not points:
+            best[prefilled] = min(ttft, best.get(prefilled, ttft))
+    if not best:
         return None
-    measured = sorted(points.values())
+    measured = sorted(best.items())
     log("  alone: " + ", ".join(f"{n} tokens {t:.3f} s" for n, t in measured))
     return AloneCurve([n for n, _ in measured], [t for _, t in measured])
 

@@ -114,6 +114,8 @@ def test_alone_curve_interpolates_and_extends_the_measured_times():
     assert curve(9000) == pytest.approx(1.4 + 0.4 / 4000 * 4000)  # past the last: the last two points' line
     assert agent_trace.AloneCurve([100, 1000], [0.5, 0.4])(5000) == 0.4  # never below the last point
     assert agent_trace.AloneCurve([500], [0.7])(5000) == 0.7
+    with pytest.raises(ValueError, match="strictly ascending"):  # CI once measured two sizes at 107 tokens each
+        agent_trace.AloneCurve([40, 107, 107], [0.02, 0.024, 0.024])
 
 
 def test_a_failed_session_is_reported_and_the_run_goes_on(replay_server, capsys):
