@@ -71,6 +71,7 @@ and `--prune-minimum-tokens`, so a short session reaches them.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -369,7 +370,7 @@ class AloneCurve:
     def __post_init__(self) -> None:
         if not self.tokens or len(self.tokens) != len(self.seconds):
             raise ValueError(f"AloneCurve needs as many seconds as tokens, at least one: {self.tokens}, {self.seconds}")
-        if any(b <= a for a, b in zip(self.tokens, self.tokens[1:])):
+        if any(b <= a for a, b in itertools.pairwise(self.tokens)):
             raise ValueError(f"AloneCurve's tokens must be strictly ascending: {self.tokens}")
 
     def __call__(self, n: int) -> float:
