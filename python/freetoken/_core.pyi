@@ -537,7 +537,8 @@ def quantized_expert_forward(
     block: tuple[int, int] = ...,
 ) -> npt.NDArray[np.float32]:
     """SwiGLU of one quantized expert on ``x [n, H]`` (float32, C-contiguous) by the CPU kernels of path
-    ``isa`` (``supported_isas()``), single-threaded, GIL released: ``[n * H]`` float32.
+    ``isa`` (``supported_isas()``), single-threaded, GIL released: ``[n * H]`` float32. ``avx512_bf16`` and
+    ``amx_bf16`` round ``x`` and ``silu(g) * u`` to bf16 first (as ``CpuExperts`` does on those paths).
 
     Raises:
         InvalidArgumentError: An unknown or unsupported isa, a bad format or size, or ``x`` not ``[n, H]``.

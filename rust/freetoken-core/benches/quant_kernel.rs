@@ -12,15 +12,18 @@
 //! Quick: cargo bench -p freetoken-core --bench quant_kernel -- --quick
 //! Env:   FT_BENCH_EXPERTS (pool size in experts, default 256), FT_BENCH_THREADS (default: all
 //!        CPUs), FT_BENCH_ISA (scalar | avx2 | avx512_bf16, default: fastest), FT_BENCH_FORMATS
-//!        (comma-separated, default fp8_block,nvfp4,mxfp4), FT_BENCH_BATCHES (default 1,4,16).
+//!        (comma-separated, default fp8_block,nvfp4,mxfp4), FT_BENCH_BATCHES (default 1,4,16),
+//!        FT_BENCH_ACT (f32: f32 activations, the f32 kernels, on the bf16 paths too; default: bf16
+//!        where the path wants it, as `CpuExperts` passes them).
 //! With one thread it also prints GB/s per CPU-second of that thread (robust to a shared machine).
 //! Prints one line per case and a JSON record, then criterion's own report.
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
+use freetoken_core::bf16::f32_to_bf16;
 use freetoken_core::cpu::workers::WorkerPool;
-use freetoken_core::cpu::Isa;
+use freetoken_core::cpu::{Act, Isa};
 use freetoken_core::pool::SplitMix64;
 use freetoken_core::quant::{kernels, ExpertFormat, ExpertLayout};
 
@@ -35,15 +38,15 @@ const CHUNK: usize = 64;
 
 /// Output buffers written by disjoint tasks.
 #[derive(Clone, Copy)]
-struct Out(*mut f32);
+struct Out<T>(*mut T);
 // SAFETY: tasks write disjoint elements; the pool's `run` returns after every writer is done.
-unsafe impl Send for Out {}
+unsafe impl<T> Send for Out<T> {}
 // SAFETY: as above.
-unsafe impl Sync for Out {}
+unsafe impl<T> Sync for Out<T> {}
 
-impl Out {
+impl<T> Out<T> {
     /// The pointer (a method, so closures capture the Sync wrapper, not the raw field).
-    fn ptr(&self) -> *mut f32 {
+    fn ptr(&self) -> *mut T {
         self.0
     }
 }
@@ -54,7 +57,10 @@ struct Case {
     num_experts: usize,
     batch: usize,
     x: Vec<f32>,
+    /// `x` as bf16 bits (for the paths that want bf16 activations).
+    x_bf: Vec<u16>,
     act: Vec<f32>,
+    act_bf: Vec<u16>,
     y: Vec<f32>,
     next: usize,
 }
@@ -90,7 +96,7 @@ fn random_pool(layout: &ExpertLayout, num_experts: usize) -> Vec<u8> {
 
 impl Case {
     /// One call: TOPK experts (the next ones in the rotation), every token routed to all of them.
-    fn call(&mut self, workers: &WorkerPool, isa: Isa) {
+    fn call(&mut self, workers: &WorkerPool, isa: Isa, bf: bool) {
         let first = self.next;
         self.next = (self.next + TOPK) % self.num_experts;
         let (n, nb) = (self.batch, self.layout.expert_nbytes);
@@ -102,9 +108,14 @@ impl Case {
                     .expect("expert")
             })
             .collect();
-        let (x, act, y) = (
-            &self.x,
+        let x = if bf {
+            Act::Bf16(&self.x_bf)
+        } else {
+            Act::F32(&self.x)
+        };
+        let (act, act_bf, y) = (
             Out(self.act.as_mut_ptr()),
+            Out(self.act_bf.as_mut_ptr()),
             Out(self.y.as_mut_ptr()),
         );
         // Phase 0: gate and up rows, then silu(g) * u into act [TOPK, n, I].
@@ -124,10 +135,16 @@ impl Case {
             for t in 0..n {
                 for r in 0..r1 - r0 {
                     let gv = g[t * CHUNK + r];
-                    // SAFETY: (j, t, r0 + r) is written by this task only, inside act's length.
+                    let v = gv / (1.0 + (-gv).exp()) * u[t * CHUNK + r];
+                    let idx = (j * n + t) * I + r0 + r;
+                    // SAFETY: (j, t, r0 + r) is written by this task only, inside act's and
+                    // act_bf's lengths.
                     unsafe {
-                        *act.ptr().add((j * n + t) * I + r0 + r) =
-                            gv / (1.0 + (-gv).exp()) * u[t * CHUNK + r]
+                        if bf {
+                            *act_bf.ptr().add(idx) = f32_to_bf16(v);
+                        } else {
+                            *act.ptr().add(idx) = v;
+                        }
                     };
                 }
             }
@@ -135,7 +152,7 @@ impl Case {
         // Phase 1: down rows into y [TOPK, n, H].
         let next = AtomicUsize::new(0);
         let tasks1 = TOPK * H.div_ceil(CHUNK);
-        let act = &self.act;
+        let (act, act_bf) = (&self.act, &self.act_bf);
         workers.run(&|| loop {
             // ORDERING: as above.
             let k = next.fetch_add(1, Ordering::Relaxed);
@@ -145,7 +162,11 @@ impl Case {
             let (j, r0) = (k / H.div_ceil(CHUNK), k % H.div_ceil(CHUNK) * CHUNK);
             let r1 = (r0 + CHUNK).min(H);
             let mut o = vec![0f32; n * CHUNK];
-            let a = &act[j * n * I..(j + 1) * n * I];
+            let a = if bf {
+                Act::Bf16(&act_bf[j * n * I..(j + 1) * n * I])
+            } else {
+                Act::F32(&act[j * n * I..(j + 1) * n * I])
+            };
             kernels::gemv(isa, &experts[j].down, r0, r1, a, n, &mut o, CHUNK);
             for t in 0..n {
                 for r in 0..r1 - r0 {
@@ -185,12 +206,14 @@ fn main() {
                 .expect("FT_BENCH_BATCHES: comma-separated token counts")
         })
         .collect();
+    let bf = isa.wants_bf16() && std::env::var("FT_BENCH_ACT").as_deref() != Ok("f32");
     let workers = WorkerPool::new(threads);
     let nt = workers.num_threads();
     let bw = read_bandwidth(nt, 1 << 30);
     println!(
-        "quant_kernel: {num_experts} experts per format, {nt} threads, isa {}; host read bandwidth {:.2} GB/s (baseline)",
+        "quant_kernel: {num_experts} experts per format, {nt} threads, isa {}, {} activations; host read bandwidth {:.2} GB/s (baseline)",
         isa.name(),
+        if bf { "bf16" } else { "f32" },
         bw / 1e9
     );
     let mut cases = Vec::new();
@@ -205,7 +228,11 @@ fn main() {
                 num_experts,
                 batch: b,
                 x: (0..b * H).map(|i| ((i % 17) as f32 - 8.0) / 8.0).collect(),
+                x_bf: (0..b * H)
+                    .map(|i| f32_to_bf16(((i % 17) as f32 - 8.0) / 8.0))
+                    .collect(),
                 act: vec![0.0; TOPK * b * I],
+                act_bf: vec![0; TOPK * b * I],
                 y: vec![0.0; TOPK * b * H],
                 next: 0,
             });
@@ -213,12 +240,12 @@ fn main() {
     }
     for c in &mut cases {
         for _ in 0..(num_experts / TOPK).max(2) {
-            c.call(&workers, isa); // warm up: page faults, thread wake-up
+            c.call(&workers, isa, bf); // warm up: page faults, thread wake-up
         }
         let calls = 3 * (num_experts / TOPK).max(4);
         let (t0, cpu0) = (Instant::now(), thread_cpu_s());
         for _ in 0..calls {
-            c.call(&workers, isa);
+            c.call(&workers, isa, bf);
         }
         let s = t0.elapsed().as_secs_f64() / calls as f64;
         if nt == 1 {
@@ -261,7 +288,7 @@ fn main() {
             c.layout.format.name(),
             c.batch
         );
-        g.bench_function(id, |bch| bch.iter(|| c.call(&workers, isa)));
+        g.bench_function(id, |bch| bch.iter(|| c.call(&workers, isa, bf)));
     }
     g.finish();
     crit.final_summary();

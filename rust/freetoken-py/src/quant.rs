@@ -79,7 +79,8 @@ pub fn dequantize_expert<'py>(
     ))
 }
 
-/// SwiGLU of one quantized expert on `x [n, H]` f32 with kernel path `isa` -> `[n * H]` f32.
+/// SwiGLU of one quantized expert on `x [n, H]` f32 with kernel path `isa` -> `[n * H]` f32 (the
+/// bf16 paths round `x` and `silu(g) · u` to bf16, as `CpuExperts` does).
 #[pyfunction]
 #[pyo3(signature = (format, hidden_size, intermediate_size, expert, x, isa="scalar", block=(0, 0)))]
 #[allow(clippy::too_many_arguments)]

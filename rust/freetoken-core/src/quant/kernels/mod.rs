@@ -1,14 +1,20 @@
 //! Matrix-vector kernels over quantized weights, dequantized in registers:
 //! `out[t, r] = Σ_c W[r, c] · x[t, c]` with `W` in FP8 block, NVFP4 or MXFP4 ([`super::QMatrix`]),
-//! `x` f32, f32 accumulation.
+//! f32 accumulation; `x` in bf16 ([`Act::Bf16`]) or f32 ([`Act::F32`]), as the bf16 kernels take it
+//! ([`crate::cpu::kernels`]): the paths that want bf16 ([`Isa::wants_bf16`]) get bf16 activations
+//! from [`crate::cpu::CpuExperts`].
 //!
-//! Variants (the same [`Isa`] as the bf16 kernels, chosen by the caller):
+//! Variants:
 //! - scalar: the reference; each element dequantized as the format defines it
-//!   ([`super::QMatrix::get`]), summed in column order.
-//! - AVX-512 (taken for [`Isa::Avx512Bf16`] and [`Isa::AmxBf16`]; needs AVX-512F/BW) with 16 f32
-//!   lanes, and AVX2 + FMA + F16C with 8: one generic body ([`simd`]) over the lane width.
+//!   ([`super::QMatrix::get`]), summed in column order, f32 activations (bf16 ones widened).
+//! - AVX-512-BF16 ([`avx512_bf16`], bf16 activations on [`Isa::Avx512Bf16`] and [`Isa::AmxBf16`]):
+//!   each weight decoded to its exact bf16 value, `vdpbf16ps`, block multipliers on f32 partial
+//!   sums; every shape the formats allow.
+//! - f32 activations: AVX-512F with 16 f32 lanes (taken for [`Isa::Avx512Bf16`] and
+//!   [`Isa::AmxBf16`]; needs AVX-512F/BW) and AVX2 + FMA + F16C with 8: one generic body ([`simd`])
+//!   over the lane width. bf16 activations on a path without AVX-512-BF16 are widened to f32.
 //!
-//! How the SIMD paths stay bound by memory rather than by decoding (each weight byte is read once
+//! How the f32 SIMD paths stay bound by memory rather than by decoding (each weight byte is read once
 //! per call and decoded with a handful of register instructions; the scales are decoded once per
 //! row, never per element through a lookup call):
 //! - FP8: an e4m3 code sign-extended to 16 bits and shifted left by 7 is the IEEE half of
@@ -31,20 +37,65 @@
 //!   an L1-resident f32 buffer that every 4-token block then reads, so the weights still stream
 //!   from memory once per call.
 //!
-//! Rows are independent (any `r0..r1` split works). Shapes the SIMD paths cannot tile (columns not
-//! a multiple of `2 · lanes` for 4-bit or of `lanes` for FP8, FP8 block columns not a multiple of
-//! `lanes`) take the AVX2 path when it can, else the scalar one. Tests:
+//! Rows are independent (any `r0..r1` split works). Shapes the f32 SIMD paths cannot tile (columns
+//! not a multiple of `2 · lanes` for 4-bit or of `lanes` for FP8, FP8 block columns not a multiple
+//! of `lanes`) take the AVX2 path when it can, else the scalar one. Tests:
 //! `cargo test -p freetoken-core --release quant::`; bench: `cargo bench -p freetoken-core --bench
 //! quant_kernel` (and `benches/cpu_experts.py --format`, through `CpuExperts`).
+#[cfg(target_arch = "x86_64")]
+mod avx512_bf16;
+
 use super::{QExpert, QMatrix};
-use crate::cpu::Isa;
+use crate::bf16::{bf16_to_f32, f32_to_bf16};
+use crate::cpu::{Act, Isa};
 
 /// `out[t * ldo + (r - r0)] = Σ_c m[r, c] · x[t * m.cols + c]` for `r in r0..r1`, `t < n_tok`.
 ///
-/// Panics (slice indexing or the asserts) when the slices are too short; never reads out of
-/// bounds.
+/// `x` is bf16 for the paths that want it ([`Isa::wants_bf16`]; elsewhere it is widened) or f32
+/// (the f32 paths on any `isa`). Panics (slice indexing or the asserts) when the slices are too
+/// short; never reads out of bounds.
 #[allow(clippy::too_many_arguments)]
 pub fn gemv(
+    isa: Isa,
+    m: &QMatrix<'_>,
+    r0: usize,
+    r1: usize,
+    x: Act<'_>,
+    n_tok: usize,
+    out: &mut [f32],
+    ldo: usize,
+) {
+    let per_byte = 8 / m.format.weight_bits();
+    assert!(r0 <= r1 && r1 <= m.rows && m.weight.len() >= m.rows * m.cols / per_byte);
+    let (srows, scols) = m.format.scale_shape(m.rows, m.cols);
+    assert!(m.scales.len() >= srows * scols * m.format.scale_bytes());
+    let x_len = match x {
+        Act::F32(x) => x.len(),
+        Act::Bf16(x) => x.len(),
+    };
+    assert!(n_tok * m.cols <= x_len);
+    assert!(n_tok == 0 || (n_tok - 1) * ldo + (r1 - r0) <= out.len());
+    match x {
+        #[cfg(target_arch = "x86_64")]
+        Act::Bf16(x) if isa.wants_bf16() && Isa::Avx512Bf16.supported() => {
+            // SAFETY: features checked; the asserts above bound every row, scale and token read;
+            // `out` rows r0..r1 for n_tok tokens lie inside `out`.
+            unsafe { avx512_bf16::gemv(m, r0, r1, x, n_tok, out.as_mut_ptr(), ldo) };
+        }
+        Act::Bf16(x) => {
+            let xf: Vec<f32> = x[..n_tok * m.cols]
+                .iter()
+                .map(|&v| bf16_to_f32(v))
+                .collect();
+            gemv_f32(isa, m, r0, r1, &xf, n_tok, out, ldo)
+        }
+        Act::F32(x) => gemv_f32(isa, m, r0, r1, x, n_tok, out, ldo),
+    }
+}
+
+/// [`gemv`] with f32 activations: the f32 SIMD paths or the scalar reference.
+#[allow(clippy::too_many_arguments)]
+fn gemv_f32(
     isa: Isa,
     m: &QMatrix<'_>,
     r0: usize,
@@ -54,12 +105,6 @@ pub fn gemv(
     out: &mut [f32],
     ldo: usize,
 ) {
-    let per_byte = 8 / m.format.weight_bits();
-    assert!(r0 <= r1 && r1 <= m.rows && m.weight.len() >= m.rows * m.cols / per_byte);
-    let (srows, scols) = m.format.scale_shape(m.rows, m.cols);
-    assert!(m.scales.len() >= srows * scols * m.format.scale_bytes());
-    assert!(n_tok * m.cols <= x.len());
-    assert!(n_tok == 0 || (n_tok - 1) * ldo + (r1 - r0) <= out.len());
     #[cfg(target_arch = "x86_64")]
     {
         let avx512 = matches!(isa, Isa::Avx512Bf16 | Isa::AmxBf16)
@@ -70,8 +115,8 @@ pub fn gemv(
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c");
         if avx512 && simd::tiles(m, 16) {
-            // SAFETY: features checked; the asserts above bound every row, scale and token
-            // read; `out` rows r0..r1 for n_tok tokens lie inside `out`; `tiles` checked the shape.
+            // SAFETY: features checked; `gemv` asserted the bounds of every row, scale and token
+            // read and of `out`; `tiles` checked the shape.
             unsafe { simd::gemv_avx512(m, r0, r1, x, n_tok, out.as_mut_ptr(), ldo) };
             return;
         }
@@ -104,17 +149,46 @@ fn scalar(
 }
 
 /// SwiGLU of one quantized expert for `n_tok` tokens: `x [n, H]` -> `out [n, H]`, single thread
-/// (the reference the worker pool's split must match, and the bench's unit of work).
+/// (the reference the worker pool's split must match, and the bench's unit of work). Paths that
+/// want bf16 get `x` and the activation `silu(g) · u` rounded to bf16, as [`crate::cpu::CpuExperts`]
+/// gives them.
 pub fn expert_forward(isa: Isa, e: &QExpert<'_>, x: &[f32], n_tok: usize, out: &mut [f32]) {
     let (h, i) = (e.down.rows, e.gate.rows);
+    let bf = isa.wants_bf16();
+    let xb: Vec<u16> = if bf {
+        x.iter().map(|&v| f32_to_bf16(v)).collect()
+    } else {
+        Vec::new()
+    };
+    fn act<'a>(bf: bool, f: &'a [f32], b: &'a [u16]) -> Act<'a> {
+        if bf {
+            Act::Bf16(b)
+        } else {
+            Act::F32(f)
+        }
+    }
     let mut g = vec![0f32; n_tok * i];
     let mut u = vec![0f32; n_tok * i];
-    gemv(isa, &e.gate, 0, i, x, n_tok, &mut g, i);
-    gemv(isa, &e.up, 0, i, x, n_tok, &mut u, i);
+    gemv(isa, &e.gate, 0, i, act(bf, x, &xb), n_tok, &mut g, i);
+    gemv(isa, &e.up, 0, i, act(bf, x, &xb), n_tok, &mut u, i);
     for (gv, uv) in g.iter_mut().zip(&u) {
         *gv = *gv / (1.0 + (-*gv).exp()) * uv;
     }
-    gemv(isa, &e.down, 0, h, &g, n_tok, &mut out[..n_tok * h], h);
+    let gb: Vec<u16> = if bf {
+        g.iter().map(|&v| f32_to_bf16(v)).collect()
+    } else {
+        Vec::new()
+    };
+    gemv(
+        isa,
+        &e.down,
+        0,
+        h,
+        act(bf, &g, &gb),
+        n_tok,
+        &mut out[..n_tok * h],
+        h,
+    );
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -858,6 +932,18 @@ mod tests {
         ]
     }
 
+    /// `x` as a path reads it: bf16 bits for the paths that want them, and the f32 values the
+    /// scalar reference must see to compute the same sum (`x` rounded to bf16 there).
+    fn as_read(isa: Isa, x: &[f32]) -> (Vec<u16>, Vec<f32>) {
+        let b: Vec<u16> = x.iter().map(|&v| f32_to_bf16(v)).collect();
+        let f = if isa.wants_bf16() {
+            b.iter().map(|&v| bf16_to_f32(v)).collect()
+        } else {
+            x.to_vec()
+        };
+        (b, f)
+    }
+
     #[test]
     fn every_path_matches_the_scalar_reference() {
         let (h, i) = (256, 128);
@@ -868,15 +954,19 @@ mod tests {
             let mut rng = SplitMix64::new(9);
             for n in [1usize, 3, 4, 7, 16] {
                 let x: Vec<f32> = (0..n * h).map(|_| rng.next_f64() as f32 - 0.5).collect();
-                let mut want = vec![0f32; n * h];
-                expert_forward(Isa::Scalar, &e, &x, n, &mut want);
                 for isa in Isa::all_supported() {
+                    // The bf16 paths against the reference on the bf16-rounded input; they also
+                    // round silu(g) · u (2^-9 relative each), which the reference keeps in f32.
+                    let (_, xr) = as_read(isa, &x);
+                    let mut want = vec![0f32; n * h];
+                    expert_forward(Isa::Scalar, &e, &xr, n, &mut want);
+                    let tol = if isa.wants_bf16() { 4e-3 } else { 1e-4 };
                     let mut got = vec![0f32; n * h];
                     expert_forward(isa, &e, &x, n, &mut got);
                     let scale = want.iter().fold(0f32, |a, v| a.max(v.abs()));
                     for (a, b) in got.iter().zip(&want) {
                         assert!(
-                            (a - b).abs() <= 1e-4 * scale,
+                            (a - b).abs() <= tol * scale,
                             "{} {isa:?} n={n}: {a} vs {b}",
                             format.name()
                         );
@@ -885,9 +975,15 @@ mod tests {
                 // A row range of the down projection lands at its offset.
                 let mut part = vec![0f32; n * 16];
                 let a: Vec<f32> = (0..n * i).map(|_| rng.next_f64() as f32).collect();
-                gemv(Isa::detect(), &e.down, 32, 48, &a, n, &mut part, 16);
+                let (ab, ar) = as_read(Isa::detect(), &a);
+                let act = if Isa::detect().wants_bf16() {
+                    Act::Bf16(&ab)
+                } else {
+                    Act::F32(&a)
+                };
+                gemv(Isa::detect(), &e.down, 32, 48, act, n, &mut part, 16);
                 let mut full = vec![0f32; n * h];
-                gemv(Isa::Scalar, &e.down, 0, h, &a, n, &mut full, h);
+                gemv(Isa::Scalar, &e.down, 0, h, Act::F32(&ar), n, &mut full, h);
                 let scale = full.iter().fold(0f32, |a, v| a.max(v.abs()));
                 for t in 0..n {
                     for r in 0..16 {
@@ -920,8 +1016,9 @@ mod tests {
 
     /// Formats and shape units (H and I are multiples of the unit): FP8 blocks that the AVX-512
     /// path tiles, that only the AVX2 path tiles (block columns 8 or 24), NVFP4 with 16-column
-    /// multiples (odd ones: AVX2 only), MXFP4.
-    fn odd_formats() -> [(ExpertFormat, usize); 6] {
+    /// multiples (odd ones: AVX2 only), MXFP4; 4-bit rows of whole 128-element chunks of the bf16
+    /// kernels and a partial last one (48 and 96 columns a unit).
+    fn odd_formats() -> [(ExpertFormat, usize); 8] {
         let fp8 = |block_rows, block_cols| ExpertFormat::Fp8Block {
             block_rows,
             block_cols,
@@ -933,6 +1030,8 @@ mod tests {
             (fp8(32, 24), 96),
             (ExpertFormat::Nvfp4, 16),
             (ExpertFormat::Mxfp4, 32),
+            (ExpertFormat::Nvfp4, 48),
+            (ExpertFormat::Mxfp4, 96),
         ]
     }
 
@@ -944,7 +1043,7 @@ mod tests {
         /// summation error: 1e-5 of the sum of |w · x| of each output.
         #[test]
         fn every_path_matches_scalar_on_odd_shapes(
-            f in 0usize..6,
+            f in 0usize..8,
             a in 1usize..5,
             b in 1usize..5,
             n in 1usize..10,
@@ -965,20 +1064,27 @@ mod tests {
             let mut rng = SplitMix64::new(seed ^ 7);
             let x: Vec<f32> = (0..n * m.cols).map(|_| rng.next_f64() as f32 - 0.5).collect();
             let rows = r1 - r0;
-            let mut want = vec![0f32; n * rows];
-            gemv(Isa::Scalar, &m, r0, r1, &x, n, &mut want, rows);
+            // Each path with each activation type it takes (bf16: the AVX-512-BF16 kernels where
+            // the path wants bf16, else widened) against the reference on the same values.
             for isa in Isa::all_supported() {
-                let mut got = vec![f32::NAN; n * rows];
-                gemv(isa, &m, r0, r1, &x, n, &mut got, rows);
-                for t in 0..n {
-                    for r in 0..rows {
-                        let bound: f32 = (0..m.cols).map(|c| (m.get(r0 + r, c) * x[t * m.cols + c]).abs()).sum();
-                        let (g, w) = (got[t * rows + r], want[t * rows + r]);
-                        proptest::prop_assert!(
-                            (g - w).abs() <= 1e-5 * bound + 1e-30,
-                            "{} {h}x{i} down={down} {isa:?} n={n} rows {r0}..{r1}: row {r} token {t}: {g} vs {w}",
-                            format.name()
-                        );
+                for bf in [false, true] {
+                    let (xb, xr) = if bf { as_read(Isa::Avx512Bf16, &x) } else { as_read(Isa::Scalar, &x) };
+                    let act = if bf { Act::Bf16(&xb) } else { Act::F32(&x) };
+                    let mut want = vec![0f32; n * rows];
+                    gemv(Isa::Scalar, &m, r0, r1, Act::F32(&xr), n, &mut want, rows);
+                    let mut got = vec![f32::NAN; n * rows];
+                    gemv(isa, &m, r0, r1, act, n, &mut got, rows);
+                    for t in 0..n {
+                        for r in 0..rows {
+                            let bound: f32 =
+                                (0..m.cols).map(|c| (m.get(r0 + r, c) * xr[t * m.cols + c]).abs()).sum();
+                            let (g, w) = (got[t * rows + r], want[t * rows + r]);
+                            proptest::prop_assert!(
+                                (g - w).abs() <= 1e-5 * bound + 1e-30,
+                                "{} {h}x{i} down={down} {isa:?} bf16={bf} n={n} rows {r0}..{r1}: row {r} token {t}: {g} vs {w}",
+                                format.name()
+                            );
+                        }
                     }
                 }
             }
@@ -1010,8 +1116,14 @@ mod tests {
                 for (k, _) in codes.iter().enumerate() {
                     let mut x = vec![0f32; cols];
                     x[k * g + 1] = 1.0;
+                    let (xb, _) = as_read(isa, &x);
+                    let act = if isa.wants_bf16() {
+                        Act::Bf16(&xb)
+                    } else {
+                        Act::F32(&x)
+                    };
                     let mut got = [0f32];
-                    gemv(isa, &m, 0, 1, &x, 1, &mut got, 1);
+                    gemv(isa, &m, 0, 1, act, 1, &mut got, 1);
                     // Equal as floats: e4m3 0x80 is -0.0, which a sum of +0.0 terms reports as +0.0.
                     assert_eq!(
                         got[0],
