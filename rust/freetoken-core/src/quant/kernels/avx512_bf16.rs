@@ -218,26 +218,44 @@ impl<'a> Fp4<'a> {
     /// Row r's lane multipliers into row slot `k` of `sc`: 16 per chunk (see [`SPREAD`]).
     #[inline(always)]
     unsafe fn row_scales(&mut self, r: usize, k: usize) {
+        // SAFETY: forwarded.
+        unsafe {
+            if self.m.format.scale_type() == ScaleType::E4m3 {
+                self.row_scales_as::<true>(r, k)
+            } else {
+                self.row_scales_as::<false>(r, k)
+            }
+        }
+    }
+
+    /// [`Self::row_scales`] for e4m3 (NVFP4) or e8m0 (MXFP4) scale codes.
+    #[inline(always)]
+    unsafe fn row_scales_as<const E4M3: bool>(&mut self, r: usize, k: usize) {
         let m = self.m;
         let ng = m.format.scale_shape(m.rows, m.cols).1;
-        let per_chunk = CHUNK / m.format.block().1;
-        // Chunks served by one 16-byte group of scale codes.
-        let span = 16 / per_chunk;
-        let idx = &SPREAD[if per_chunk == 8 { 0 } else { 1 }];
-        // SAFETY: row r's ng scale bytes are inside m.scales (checked by `super::gemv`); the
-        // loads are masked to them; the stores stay in slot k (nch rounded up to 4 vectors).
+        // Chunks served by one 16-byte group of scale codes (8 or 4 blocks a chunk).
+        let span = if E4M3 { 2 } else { 4 };
+        // SAFETY: row r's ng scale bytes are inside m.scales (checked by `super::gemv`); the last
+        // group's load is masked to them; the stores stay in slot k (nch rounded up to 4 vectors).
         unsafe {
+            let idx: [__m512i; 4] = std::array::from_fn(|c| {
+                _mm512_loadu_si512(SPREAD[if E4M3 { 0 } else { 1 }][c].as_ptr() as *const _)
+            });
             let src = m.scales.as_ptr().add(r * ng);
             let dst = self.sc.as_mut_ptr().add(k * self.scs);
             let ts = _mm512_set1_ps(m.tensor_scale * 256.0);
             let mut g = 0;
             let mut ch = 0;
             while g < ng {
-                let codes = _mm512_castsi512_si128(_mm512_maskz_loadu_epi8(
-                    low_bits((ng - g).min(16)),
-                    src.add(g) as *const i8,
-                ));
-                let mult = if m.format.scale_type() == ScaleType::E4m3 {
+                let codes = if g + 16 <= ng {
+                    _mm_loadu_si128(src.add(g) as *const __m128i)
+                } else {
+                    _mm512_castsi512_si128(_mm512_maskz_loadu_epi8(
+                        low_bits(ng - g),
+                        src.add(g) as *const i8,
+                    ))
+                };
+                let mult = if E4M3 {
                     // s eeee mmm -> the half of value / 256 (exact), times tensor_scale · 256:
                     // the reference's e4m3 · tensor_scale.
                     let h = _mm256_and_si256(
@@ -254,8 +272,7 @@ impl<'a> Fp4<'a> {
                     ))
                 };
                 for (c, ic) in idx.iter().enumerate().take(span) {
-                    let i = _mm512_loadu_si512(ic.as_ptr() as *const _);
-                    _mm512_storeu_ps(dst.add((ch + c) * 16), _mm512_permutexvar_ps(i, mult));
+                    _mm512_storeu_ps(dst.add((ch + c) * 16), _mm512_permutexvar_ps(*ic, mult));
                 }
                 g += 16;
                 ch += span;
