@@ -4,6 +4,7 @@ logit_bias key past Python's int-string limit."""
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -98,6 +99,44 @@ def test_a_connection_with_unfinished_headers_is_closed(limited_server: ServerPr
             body += sock.recv(65536)
         sock.sendall(b"GET /hea")
         assert _closed_by_server(sock, HEADER_TIMEOUT_S + 3)
+
+
+def _read_response(sock: socket.socket, within_s: float) -> bytes:
+    """Everything the server sends until it closes the connection (or `within_s` passes)."""
+    sock.settimeout(within_s)
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except TimeoutError:
+        pass
+    return received
+
+
+@pytest.mark.parametrize(
+    ("path", "flavor"), [("/v1/chat/completions", "openai"), ("/v1/messages", "anthropic")]
+)  # fmt: skip
+def test_a_stalled_request_body_gets_a_408_and_the_connection_closes(
+    limited_server: ServerProcess, path: str, flavor: str
+) -> None:
+    """Headers complete, a body promised by Content-Length that stops coming: the connection was held open for
+    as long as the client liked (the header deadline ends with the headers). Now a stall of `--header-timeout-s`
+    between body chunks is a 408 in the API's shape, logged, and the connection closes."""
+    with _connect(limited_server.base_url) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n"
+        sock.sendall(head.encode() + b'{"model": "m", "messages": [')
+        start = time.monotonic()
+        received = _read_response(sock, HEADER_TIMEOUT_S + 5)
+        elapsed = time.monotonic() - start
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), received[:300]
+    assert elapsed < HEADER_TIMEOUT_S + 3
+    payload = json.loads(body)
+    assert flavor == "openai" or payload["type"] == "error"
+    error = payload["error"]
+    assert error["code"] == "request_timeout" and "--header-timeout-s" in error["message"]
+    assert f"POST {path} -> 408 request_timeout" in limited_server.log_tail()
+    assert httpx.get(limited_server.base_url + "/health", timeout=10).status_code == 200
 
 
 def test_connections_past_the_limit_are_refused(limited_server: ServerProcess) -> None:
