@@ -78,6 +78,7 @@ from freetoken.server.schema import (
     get_number,
     get_object_list,
     get_tool_name,
+    get_tool_schema,
     join_path,
     parse_json_object,
     read_body,
@@ -240,7 +241,8 @@ def _function(tool: dict[str, Any], path: str, parameters: dict[str, Any] | None
     description = get_field(tool, "description", str, parent=path)
     if description is not None:
         function["description"] = description
-    function["parameters"] = parameters or get_field(tool, "parameters", dict, parent=path, default={"type": "object"})
+    schema = parameters or get_tool_schema(tool, "parameters", parent=path)
+    function["parameters"] = schema if schema is not None else {"type": "object"}
     return {"type": "function", "function": function}
 
 
