@@ -276,6 +276,21 @@ def test_valid_tool_schemas_are_accepted(http, api, schema):
     assert response.status_code == 200, response.text
 
 
+@pytest.mark.parametrize("api", ["chat", "messages"])
+def test_a_lone_prefill_is_a_clear_400(http, api):
+    """A conversation of only the assistant message to continue: the template failed on it ("chat template error:
+    list object has no element 0"); the 400 now says what to send."""
+    prefill = [{"role": "assistant", "content": "Sure,"}]
+    if api == "chat":
+        body = {"model": "m", "max_tokens": 1, "messages": prefill, "continue_final_message": True}
+        response = http.post(CHAT, json=body)
+        assert_openai_error(response, 400, mentions="messages", code="invalid_value")
+    else:
+        response = http.post(MESSAGES, json={"model": "m", "max_tokens": 1, "messages": prefill})
+        assert_anthropic_error(response, 400, "invalid_request_error", mentions="messages", code="invalid_value")
+    assert "user's message" in response.json()["error"]["message"]
+
+
 def test_count_tokens_bad_request(http):
     response = http.post(MESSAGES + "/count_tokens", content=b'{"model": "m", "messages": []}')
     assert_anthropic_error(response, 400, "invalid_request_error", mentions="messages")
