@@ -721,7 +721,8 @@ async def compact(request: Request) -> Response:
     ``previous_response_id``) compacted by the served model. The output is the input's user messages, then one user
     message holding the model's summary of the whole history (the model's own turns and tool calls are dropped),
     as ``{"object": "response.compaction", "output": [...]}``; its items can be sent back as ``input``. The summary
-    is at most ``max_output_tokens`` (an extension) or `COMPACTION_MAX_TOKENS` tokens, greedy. Codex calls
+    is at most ``max_output_tokens`` (an extension) or `COMPACTION_MAX_TOKENS` tokens, greedy, within
+    ``--max-request-output-tokens`` as every request (`fit_output_budget`). Codex calls
     this only for providers it knows to support it (OpenAI's, Azure's); with any other provider it compacts by a
     normal turn."""
     state = request.app.state
@@ -744,12 +745,16 @@ async def compact(request: Request) -> Response:
     prompt = await render_prompt(engine, messages, None, {"enable_thinking": False})
     plan = plan_output(engine, prompt, None, ToolChoice())
     params = SamplingParams(temperature=0.0)
-    max_output_tokens = get_int(body, "max_output_tokens", lo=1, default=COMPACTION_MAX_TOKENS)
+    max_output_tokens = get_int(body, "max_output_tokens", lo=1)
     params.max_tokens = min(
-        max_output_tokens,
+        max_output_tokens or COMPACTION_MAX_TOKENS,
         fit_context(
             len(prompt.ids), None, context_fit(state), max_tokens_param="max_output_tokens", messages_param="input"
         ),
+    )
+    # --max-request-output-tokens holds here too: a budget asked past it is a 400, the default is lowered to it.
+    params.max_tokens = fit_output_budget(
+        engine, 1, params.max_tokens, max_output_tokens is not None, max_tokens_param="max_output_tokens"
     )
     await constrain_output(engine, plan, params, prompt.ids, messages_param="input")
     response_id = f"resp_{uuid.uuid4().hex}"
