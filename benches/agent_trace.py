@@ -526,7 +526,8 @@ def run_turn(
         (n - 1) / (last - first) if n > 1 and last > first else None,
         max_gap,
         reply,
-        *(changed or (None, None)),
+        changed_tokens=changed[0] if changed else None,
+        mark_bound_tokens=changed[1] if changed else None,
     )
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import start_server
+from conftest import SERVED_MODEL_NAME, start_server
 
 BENCH = Path(__file__).resolve().parents[2] / "benches" / "agent_trace.py"
 
@@ -204,6 +204,27 @@ def test_prompt_diff_measures_what_changed_since_the_previous_turn():
         agent_trace.advance(session, turn, f"reply {turn}")
     assert 0 < len(prompts[2]) - changed < len(prompts[1])  # turn 2 changed inside turn 1's prompt
     assert diff.measure(session, agent_trace.harness_view(session), 5) == (None, None)  # another count: no figure
+
+
+@pytest.mark.timeout(120)
+def test_a_turn_records_what_changed_and_the_mark_bound(replay_server):
+    """`run_turn` with a `PromptDiff` puts its two figures in the turn's changed/mark-bound fields (not in the
+    alone time, which the run fills later): the targets of issue 22 read them."""
+    from types import SimpleNamespace
+
+    from freetoken.models.demo import demo_checkpoint_dir
+
+    args = SimpleNamespace(api_key="x", request_timeout_s=60.0)
+    client = agent_trace.make_client(replay_server.base_url, "openai", args)
+    diff, reference = agent_trace.PromptDiff(demo_checkpoint_dir()), agent_trace.PromptDiff(demo_checkpoint_dir())
+    session = agent_trace.new_session("s0", "openclaw", 0, 100, (20, 20), 0.01)
+    for turn in range(3):
+        view = agent_trace.harness_view(session)
+        expected = reference.measure(session, view, len(reference.encode(session, view)))
+        r = agent_trace.run_turn(client, "openai", SERVED_MODEL_NAME, session, turn, 2, 0, diff=diff)
+        assert None not in expected and (r.changed_tokens, r.mark_bound_tokens) == expected
+        assert r.alone_s is None
+    assert r.changed_tokens < r.mark_bound_tokens  # OpenClaw's third turn changes inside a reply, after its mark
 
 
 def test_checkpoint_targets_per_variant():
