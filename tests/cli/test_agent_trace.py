@@ -230,7 +230,14 @@ def test_a_turn_records_what_changed_and_the_mark_bound(replay_server):
 def test_checkpoint_targets_per_variant():
     def run(server, variant, reprefilled, bounds):
         per_turn = [
-            {"turn": t, "reprefilled_tokens": r, "mark_bound_tokens": b, "prompt_tokens": 99, "ttft_s": 0.1}
+            {
+                "turn": t,
+                "reprefilled_tokens": r,
+                "changed_tokens": b - 2,
+                "mark_bound_tokens": b,
+                "prompt_tokens": 99,
+                "ttft_s": 0.1,
+            }
             for t, (r, b) in enumerate(zip(reprefilled, bounds, strict=True))
         ]
         return {"server": server, "variant": variant, "sessions": 1, "per_turn": per_turn}
@@ -245,6 +252,7 @@ def test_checkpoint_targets_per_variant():
             "marks_over_chunk": [2],
             "marks": 160,
             "chunk": 230,
+            "changed": 144,
             "chunk_over_marks": 1.44,
         }
     }
