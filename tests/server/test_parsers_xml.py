@@ -192,6 +192,20 @@ def test_random_markup_never_raises():
         assert collect_deltas([parser.feed(c) for c in text] + [parser.finish()]) == whole, text
 
 
+def _rendered_call(tokenizer, tools: list[dict], arguments: dict) -> str:
+    """The `<tool_call>` block the tokenizer's chat template renders for a past get_weather call."""
+    messages = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": arguments}}],
+        },
+    ]
+    rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=False)
+    return rendered[rendered.rindex("<tool_call>") : rendered.rindex("</tool_call>") + len("</tool_call>")]
+
+
 def test_chosen_by_the_template_and_reads_what_it_renders(demo_tokenizer):
     """The qwen3.5 preset's tokenizer (Qwen3.5's chat template) gets the XML parser, Qwen3's template the JSON one;
     a past call the template renders parses back to the call."""
@@ -203,16 +217,7 @@ def test_chosen_by_the_template_and_reads_what_it_renders(demo_tokenizer):
     tokenizer = Tokenizer.from_dir(preset_dir("qwen3.5-35b-a3b"))
     assert isinstance(parser_for(tokenizer, options), Qwen3XmlParser)
     arguments = {"city": "Paris", "days": 3, "hours": [1, 2]}
-    messages = [
-        {"role": "user", "content": "hi"},
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": arguments}}],
-        },
-    ]
-    rendered = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=False)
-    block = rendered[rendered.rindex("<tool_call>") : rendered.rindex("</tool_call>") + len("</tool_call>")]
+    block = _rendered_call(tokenizer, TOOLS, arguments)
     out = parse_text(parser_for(tokenizer, options), block)
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", arguments)]
 
@@ -293,24 +298,17 @@ def test_server_sends_xml_calls_as_tool_calls_and_tool_use(xml_server, parse_sse
 # ---------------------------------------------------------------------------------------------------------------------
 # Forced calls: the grammar of the XML form (`Qwen3XmlParser.tool_calls_grammar`).
 
+
+def _tool(name: str, **schema) -> dict:
+    """An offered tool (chat template format) whose parameters are the object schema `schema`."""
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", **schema}}}
+
+
+_UNIT = {"type": "string", "enum": ["celsius", "fahrenheit"]}
+_WEATHER = {"unit": _UNIT, "metric": {"type": "boolean"}, "days": {"type": "integer"}}
 FORCED_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "city": {"type": "string"},
-                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                    "metric": {"type": "boolean"},
-                    "days": {"type": "integer"},
-                },
-                "required": ["unit", "metric"],
-            },
-        },
-    },
-    {"type": "function", "function": {"name": "list_files", "parameters": {"type": "object"}}},
+    _tool("get_weather", properties={"city": {"type": "string"}, **_WEATHER}, required=["unit", "metric"]),
+    _tool("list_files"),
 ]
 WEATHER = "<tool_call>\n<function=get_weather>\n"
 CLOSE = "</function>\n</tool_call>"
@@ -382,16 +380,7 @@ def test_forced_call_grammar_accepts_what_the_template_renders(xml_grammar, demo
 
     tokenizer = Tokenizer.from_dir(preset_dir("qwen3.5-35b-a3b"))
     arguments = {"city": "Rome", "unit": "celsius", "metric": False, "days": 12}
-    messages = [
-        {"role": "user", "content": "hi"},
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": arguments}}],
-        },
-    ]
-    rendered = tokenizer.apply_chat_template(messages, tools=FORCED_TOOLS, add_generation_prompt=False)
-    block = rendered[rendered.rindex("<tool_call>") : rendered.rindex("</tool_call>") + len("</tool_call>")]
+    block = _rendered_call(tokenizer, FORCED_TOOLS, arguments)
     assert _accepts(xml_grammar, demo_tokenizer, block)
     out = parse_text(_forced_parser(), block)
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", arguments)]
@@ -414,25 +403,8 @@ def qwen35_server(tmp_path_factory):
 # The server tests' tools take no free text: the random model would not end it (a real model does; the grammar
 # tests above cover text values).
 SERVER_TOOLS = [
-    {
-        "type": "function",
-        "function": {
-            "name": "get_weather",
-            "parameters": {
-                "type": "object",
-                "properties": {
-                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
-                    "metric": {"type": "boolean"},
-                    "days": {"type": "integer"},
-                },
-                "required": ["unit", "metric"],
-            },
-        },
-    },
-    {
-        "type": "function",
-        "function": {"name": "list_files", "parameters": {"type": "object", "additionalProperties": False}},
-    },
+    _tool("get_weather", properties=_WEATHER, required=["unit", "metric"]),
+    _tool("list_files", additionalProperties=False),
 ]
 
 

@@ -182,8 +182,10 @@ class Qwen3XmlParser(Qwen3Parser):
         rules, calls = [_TEXT_VALUE], []
         for i, tool in enumerate(tools):
             function = tool["function"]
-            schema = function.get("parameters") if isinstance(function.get("parameters"), dict) else {}
-            properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
+            schema = function.get("parameters")
+            schema = schema if isinstance(schema, dict) else {}
+            properties = schema.get("properties")
+            properties = properties if isinstance(properties, dict) else {}
             required = set(schema.get("required") or [])
             params = []
             for j, (name, prop) in enumerate(properties.items()):
