@@ -151,6 +151,10 @@ def test_nonfinite_quantized_experts_are_refused(built, tmp_path):
             lambda t: t.update({"model.layers.0.mlp.experts.3.up_proj.weight_scale": torch.ones(32, 4)}),
             r"experts\.3\.up_proj\.weight_scale' has dtype F32; expected one of F8_E4M3",
         ),
+        (
+            lambda t: t.update({"model.layers.2.mlp.experts.gate_up_proj": torch.zeros(16, 64, 32, dtype=torch.uint8)}),
+            r"experts\.gate_up_proj: fused 3-D nvfp4 experts are no released layout",
+        ),
     ],
 )
 def test_quantized_pool_refuses_broken_scales_naming_the_tensor(tmp_path, edit, message):

@@ -143,7 +143,10 @@ def read_experts(
     out = torch.zeros(num_experts, layout.expert_nbytes, dtype=torch.uint8)
     if fmt.name == "mxfp4" or reader.has(f"{base}.gate_up_proj"):
         if fmt.name not in _FUSED_SUFFIXES:
-            raise CheckpointError(f"tensor {base}.gate_up_proj: fused 3-D experts are read for fp8_block only")
+            raise CheckpointError(
+                f"tensor {base}.gate_up_proj: fused 3-D {fmt.name} experts are no released layout (fused fp8_block "
+                "and mxfp4 experts are read; nvfp4 ones per expert)"
+            )
         gate_up = read_matrix_3d(reader, fmt, f"{base}.gate_up_proj", num_experts, 2 * i, h)
         down = read_matrix_3d(reader, fmt, f"{base}.down_proj", num_experts, h, i)
         for e in range(num_experts):
