@@ -1,14 +1,13 @@
 """Measure the activation memory of one prefill step without a GPU: the bytes of the tensors that the step's ops
 allocate, while they live (`LiveBytes`), through the CUDA code path of the models.
 
-`cuda_path_on` makes a device ("cpu" or "meta") take what CUDA takes: the Triton kernels of `freetoken.kernels`
-(in Triton's interpreter on the CPU; on "meta" their launches do nothing: the launchers' allocations, which are what
-is measured, still happen), the fused q/k/v projection, and scaled dot-product attention as flash attention
-(`torch.ops.aten._scaled_dot_product_flash_attention`, what `PREFILL_SDPA_BACKENDS` picks on CUDA: GQA without
-copies of K/V, an output and a float32 log-sum-exp) or, with a mask (the decode rows of a mixed step), memory-
-efficient attention (the boolean mask turned into an additive one; GQA without copies of K/V, which the GPU test
-checks on the device). On "meta" real shapes
-cost no memory and no time, so the real Qwen3-30B-A3B prefill chunk of 32768 tokens is measured in seconds.
+`cuda_path_on` makes a device ("cpu" or "meta") take what CUDA takes: the Triton kernels of `freetoken.kernels` (in
+Triton's interpreter on the CPU; on "meta" their launches do nothing: the launchers' allocations, which are what is
+measured, still happen), the fused q/k/v projection, and scaled dot-product attention as flash attention (what
+`PREFILL_SDPA_BACKENDS` picks on CUDA: GQA without copies of K/V, an output and a float32 log-sum-exp) or, with a mask
+(the decode rows of a mixed step), memory- efficient attention (the boolean mask turned into an additive one; GQA
+without copies of K/V, which the GPU test checks on the device). On "meta" real shapes cost no memory and no time, so
+the real Qwen3-30B-A3B prefill chunk of 32768 tokens is measured in seconds.
 
 `measure_prefill_peak` runs the whole model (embeddings, every layer, final norm) and the LM head on the last
 position of each sequence, as `ModelRunner.run` does, with `FusedExperts` for the routed experts (the grouped
@@ -30,8 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from freetoken.config import ModelConfig
-from freetoken.models import qwen3_5_moe, qwen3_moe
-from freetoken.models import attention
+from freetoken.models import attention, qwen3_5_moe, qwen3_moe
 from freetoken.models.attention import AttentionMetadata
 from freetoken.models.loader import model_class
 from freetoken.moe import compute
@@ -94,21 +92,19 @@ class _NoLaunch:
 
 
 def _sdpa_as_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
-    """`F.scaled_dot_product_attention` with the allocations of CUDA's backends (see the module docstring); the
-    values are computed on the CPU (the math of the op, outside the measurement) and are not checked here."""
-    if attn_mask is None or isinstance(attn_mask, CausalBias):
-        out = torch.ops.aten._scaled_dot_product_flash_attention(
-            query, key, value, 0.0, is_causal or attn_mask is not None, False, scale=scale
-        )[0]
-    else:  # memory-efficient attention: the boolean mask made additive; GQA without copies of K/V, as flash
-        bias = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
+    """`F.scaled_dot_product_attention` with the allocations of CUDA's backends (module docstring); on the CPU the
+    values are computed by torch's own op outside the count."""
+    if attn_mask is None or isinstance(attn_mask, CausalBias):  # flash: the output and a float32 log-sum-exp
+        out = torch.empty_like(query)
+        lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
+    else:  # memory-efficient: the boolean mask made additive; GQA without copies of K/V, as flash
+        lse = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
             ~attn_mask, float("-inf")
         )
         out = torch.empty_like(query)
-        del bias
+    del lse
     if query.device.type == "meta":
         return out
-    # The values (outside the count): CPU flash/efficient kernels do not exist for every case, the math does.
     with _unmeasured():
         real = _REAL_SDPA(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=True)
     return out.copy_(real)
@@ -179,15 +175,16 @@ def measure_prefill_peak(
     Args:
         query_lens, context_lens: per sequence of the step, its tokens in the step (1: a decode) and its context
             after the step (the KV cache holds every context: its blocks are laid out one sequence after another).
-        device: "meta" (real shapes, no values) or "cpu" (small shapes: random weights, Triton's interpreter).
+        device: "meta" (real shapes, no values), "cpu" (small shapes: random weights, Triton's interpreter), or
+            "cuda" (measured by the allocator's peak; no phases).
     """
     gen = torch.Generator().manual_seed(0)
     with torch.device(device):
         model = model_class(cfg)(cfg).to(dtype)
     if device != "meta":
+        model.model.rotary = qwen3_moe.RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta).to(device)
         for p in model.parameters():
-            p.data.normal_(0.0, 0.05, generator=gen)
-        model.model.rotary = qwen3_moe.RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta)
+            p.data.copy_(torch.randn(p.shape, generator=gen) * 0.05)
     if not cfg.is_qwen3_5:
         for layer in model.model.layers:
             layer.self_attn.fuse_qkv()
@@ -197,8 +194,8 @@ def measure_prefill_peak(
         gate_up = torch.empty(e, 2 * inter, h, dtype=dtype, device=device)
         down = torch.empty(e, h, inter, dtype=dtype, device=device)
         if device != "meta":
-            gate_up.normal_(0.0, 0.05, generator=gen)
-            down.normal_(0.0, 0.05, generator=gen)
+            gate_up.normal_(0.0, 0.05)
+            down.normal_(0.0, 0.05)
         experts.load_layer(layer, gate_up, down)
     model.attach_experts(experts)
     blocks = [-(-c // block_size) for c in context_lens]
@@ -222,6 +219,15 @@ def measure_prefill_peak(
         meta.state_slots = torch.arange(len(query_lens))
     ids = torch.randint(0, cfg.vocab_size, (sum(query_lens),), generator=gen).to(device)
     rows = torch.tensor(list(torch.tensor(query_lens).cumsum(0) - 1), device=device)
+    if device == "cuda":  # the real thing: the allocator's peak above what the step found allocated
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.inference_mode():
+            logits = model.compute_logits(model(ids, meta, kv)[rows])
+            del logits
+        torch.cuda.synchronize()
+        return Peak(torch.cuda.max_memory_allocated() - base, "", [], {}, {})
     live = LiveBytes()
     hooks = _phase_hooks(model, live)
     with cuda_path_on(device), torch.inference_mode(), live:

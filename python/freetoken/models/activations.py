@@ -57,11 +57,12 @@ def step_activation_nbytes(
         dtype: the compute dtype.
 
     Returns:
-        {part: bytes}; the step's peak is the largest. Parts: "attention" (q/k/v, flash attention over the paged
-        cache, its K/V gathered per prefill span, the decodes' beside it), "linear_attention" (Qwen3.5's Gated DeltaNet: the conv, the
-        chunked delta rule, the gated norm), "norms" (the float32 RMSNorms between them), "moe" (router and grouped
-        expert kernel), "dense_mlp" (layers without routed experts), "shared_expert" (Qwen3.5), "logits" (the LM
-        head on the sampled rows and the sampler; prompt log-probabilities 128 rows at a time).
+        {part: bytes}; the step's peak is the largest. Parts: "embeddings" (and the RoPE tables), "attention" (q/k/v,
+        flash attention over the paged cache, its K/V gathered per prefill span, the decodes' beside it),
+        "linear_attention" (Qwen3.5's Gated DeltaNet: the conv, the chunked delta rule, the gated norm), "norms" (the
+        float32 RMSNorms between them), "moe" (router and grouped expert kernel), "dense_mlp" (layers without routed
+        experts), "shared_expert" (Qwen3.5), "logits" (the LM head on the sampled rows and the sampler; prompt
+        log-probabilities 128 rows at a time).
     """
     t, h, d = num_tokens, cfg.hidden_size, torch.empty((), dtype=dtype).element_size()
     # The step's metadata (`AttentionMetadata`, made before the forward pass): positions and KV slots int64 [T], each
@@ -70,6 +71,10 @@ def step_activation_nbytes(
     # RoPE tables and the residual stream (module docstring).
     stream = metadata + 2 * t * cfg.rotary_dim * d + 4 * t * h * d
     heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    rot = cfg.rotary_dim
+    # Before the first layer: the embeddings, and the RoPE tables made in float32 (`RotaryEmbedding`: the angles
+    # [T, rot / 2], both halves [T, rot], cos and sin) before their cast.
+    parts = {"embeddings": metadata + t * h * d + t * rot * 4 * (1 + 1 + 2) // 2 * 2 + 2 * t * rot * d}
     q_bytes = t * heads * head_dim * d
     gathered_kv = 2 * max_context * kv_heads * head_dim * d  # one prefill span's K and V read from the cache
     flash = q_bytes + t * heads * 4  # its output and float32 log-sum-exp
@@ -78,7 +83,6 @@ def step_activation_nbytes(
     # made additive (d per entry) for memory-efficient attention; all live until the prefill spans are done.
     num_decodes = max(min(max_num_seqs, t) - 1, 0)
     gathered_kv += num_decodes * (max_context * (2 * kv_heads * head_dim * d + d) + 2 * heads * head_dim * d)
-    parts: dict[str, int] = {}
     if cfg.is_qwen3_5:
         parts.update(_qwen3_5_mixers(cfg, t, d, stream, q_bytes, gathered_kv + flash))
         # OneCenteredRMSNorm: the layer's add-norm allocates s and its normed output beside the mixer's output, and
@@ -112,7 +116,7 @@ def step_activation_nbytes(
 
 def _qwen3_5_mixers(cfg: ModelConfig, t: int, d: int, stream: int, q_bytes: int, sdpa: int) -> dict[str, int]:
     """The token mixers of Qwen3.5 (`freetoken.models.qwen3_5_moe`, torch ops on CUDA but for the delta rule)."""
-    heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    kv_heads, head_dim = cfg.num_key_value_heads, cfg.head_dim
     gate = q_bytes if cfg.attn_output_gate else 0
     kv = 2 * t * kv_heads * head_dim * d
     # GatedAttention: q_proj's output [T, heads, 2D] (q and its gate, the gate copied out), k and v; the q norm in
@@ -123,9 +127,9 @@ def _qwen3_5_mixers(cfg: ModelConfig, t: int, d: int, stream: int, q_bytes: int,
     parts = {"attention": max(norm_stage, sdpa_stage)}
     conv, value_dim = cfg.linear_conv_dim, cfg.linear_num_value_heads * cfg.linear_value_head_dim
     v_heads = cfg.linear_num_value_heads
-    # GatedDeltaNet: in_proj_qkv's output [T, conv], z [T, value_dim], beta (d) and the log decay g (float32)
-    # [T, v_heads], the output rows `core` [T, value_dim]; then, one at a time:
-    base = stream + t * conv * d + 2 * t * value_dim * d + t * v_heads * (d + 4)
+    # GatedDeltaNet: in_proj_qkv's output [T, conv], z [T, value_dim], beta (d) and the log decay g (float32, and
+    # its softplus's float32 temporaries) [T, v_heads], the output rows `core` [T, value_dim]; then, one at a time:
+    base = stream + t * conv * d + 2 * t * value_dim * d + t * v_heads * (d + 4 * 4)
     # the conv (`causal_conv_span`): the window and the span concatenated, conv1d's output, SiLU, the transpose;
     conv_stage = base + 4 * t * conv * d
     # the chunked rule (`chunk_gated_delta_rule`): beside the conv's output, w and u float32 [T, v_heads, Dk/Dv],
