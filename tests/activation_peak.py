@@ -3,11 +3,10 @@ allocate, while they live (`LiveBytes`), through the CUDA code path of the model
 
 `cuda_path_on` makes a device ("cpu" or "meta") take what CUDA takes: the Triton kernels of `freetoken.kernels` (in
 Triton's interpreter on the CPU; on "meta" their launches do nothing: the launchers' allocations, which are what is
-measured, still happen), the fused q/k/v projection, and scaled dot-product attention as flash attention (what
-`PREFILL_SDPA_BACKENDS` picks on CUDA: GQA without copies of K/V, an output and a float32 log-sum-exp) or, with a mask
-(the decode rows of a mixed step), memory- efficient attention (the boolean mask turned into an additive one; GQA
-without copies of K/V, which the GPU test checks on the device). On "meta" real shapes cost no memory and no time, so
-the real Qwen3-30B-A3B prefill chunk of 32768 tokens is measured in seconds.
+measured, still happen), the fused q/k/v projection, the decode rows of a mixed step through the Triton decode kernel,
+and scaled dot-product attention as flash attention (what `PREFILL_SDPA_BACKENDS` picks on CUDA: GQA without copies of
+K/V, an output and a float32 log-sum-exp). On "meta" real shapes cost no memory and no time, so the real Qwen3-30B-A3B
+prefill chunk of 32768 tokens is measured in seconds.
 
 `measure_prefill_peak` runs the whole model (embeddings, every layer, final norm) and the LM head on the last
 position of each sequence, as `ModelRunner.run` does, with `FusedExperts` for the routed experts (the grouped
@@ -94,14 +93,11 @@ class _NoLaunch:
 def _sdpa_as_cuda(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     """`F.scaled_dot_product_attention` with the allocations of CUDA's backends (module docstring); on the CPU the
     values are computed by torch's own op outside the count."""
-    if attn_mask is None or isinstance(attn_mask, CausalBias):  # flash: the output and a float32 log-sum-exp
-        out = torch.empty_like(query)
-        lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
-    else:  # memory-efficient: the boolean mask made additive; GQA without copies of K/V, as flash
-        lse = torch.zeros(attn_mask.shape, dtype=query.dtype, device=query.device).masked_fill_(
-            ~attn_mask, float("-inf")
-        )
-        out = torch.empty_like(query)
+    # Flash attention: the output and a float32 log-sum-exp. (Masked calls, the decodes of a mixed step, do not
+    # happen on kernel devices: the Triton decode kernel reads the cache.)
+    assert attn_mask is None or isinstance(attn_mask, CausalBias), "a masked SDPA call on a kernel device"
+    out = torch.empty_like(query)
+    lse = torch.empty(query.shape[:-1], dtype=torch.float32, device=query.device)
     del lse
     if query.device.type == "meta":
         return out
@@ -133,7 +129,7 @@ def _causal_lower_right(qlen: int, ctx: int) -> CausalBias:
 def cuda_path_on(device: str) -> Iterator[None]:
     """Make `device` ("cpu" or "meta") take the models' CUDA code path (module docstring)."""
     with pytest.MonkeyPatch.context() as mp:
-        for module in (qwen3_moe, qwen3_5_moe, compute):
+        for module in (qwen3_moe, qwen3_5_moe, compute, attention):
             mp.setattr(module, "KERNEL_DEVICES", {"cuda", device})
         mp.setattr(F, "scaled_dot_product_attention", _sdpa_as_cuda)
         mp.setattr(attention, "causal_lower_right", _causal_lower_right)
@@ -209,7 +205,8 @@ def measure_prefill_peak(
     for n in blocks:
         tables.append(list(range(first, first + n)))
         first += n
-    meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size, torch.device(device))
+    with cuda_path_on(device):  # the decodes' block tables, as on CUDA
+        meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size, torch.device(device))
     if cfg.is_qwen3_5:
         from freetoken.engine.state_pool import RecurrentStatePool
 

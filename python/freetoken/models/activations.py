@@ -66,8 +66,8 @@ def step_activation_nbytes(
     """
     t, h, d = num_tokens, cfg.hidden_size, torch.empty((), dtype=dtype).element_size()
     # The step's metadata (`AttentionMetadata`, made before the forward pass): positions and KV slots int64 [T], each
-    # sequence's context slots int64 (at most C), the decodes' padded slots int64 and mask [rows, C].
-    metadata = 2 * t * 8 + max_num_seqs * max_context * (8 + 8 + 1)
+    # sequence's context slots int64 (at most C), the decodes' block tables int32 [rows, C / block size at least 1].
+    metadata = 2 * t * 8 + max_num_seqs * max_context * (8 + 4)
     # RoPE tables and the residual stream (module docstring).
     stream = metadata + 2 * t * cfg.rotary_dim * d + 4 * t * h * d
     heads, kv_heads, head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -78,11 +78,10 @@ def step_activation_nbytes(
     q_bytes = t * heads * head_dim * d
     gathered_kv = 2 * max_context * kv_heads * head_dim * d  # one prefill span's K and V read from the cache
     flash = q_bytes + t * heads * 4  # its output and float32 log-sum-exp
-    # A step that prefills beside up to max_num_seqs - 1 decodes (`paged_attention`): the decode rows' K and V
-    # gathered padded to the longest context, [rows, C, kv_heads, D] each, their queries and outputs, and the mask
-    # made additive (d per entry) for memory-efficient attention; all live until the prefill spans are done.
+    # A step that prefills beside up to max_num_seqs - 1 decodes (`paged_attention`): the Triton decode kernel reads
+    # their contexts in place (single pass, no scratch); their queries gathered and their outputs.
     num_decodes = max(min(max_num_seqs, t) - 1, 0)
-    gathered_kv += num_decodes * (max_context * (2 * kv_heads * head_dim * d + d) + 2 * heads * head_dim * d)
+    gathered_kv += num_decodes * 2 * heads * head_dim * d
     if cfg.is_qwen3_5:
         parts.update(_qwen3_5_mixers(cfg, t, d, stream, q_bytes, gathered_kv + flash))
         # OneCenteredRMSNorm: the layer's add-norm allocates s and its normed output beside the mixer's output, and
