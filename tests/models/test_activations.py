@@ -87,3 +87,23 @@ def test_slots_at_24_gb(monkeypatch, caplog):
     assert (slots, buffers) == (766, 2)
     assert "activation reserve 3.26 GB (a 32768-token step's peak, in moe, 2.19 GB" in caplog.text
     assert "(766 slots of 6144 experts)" in caplog.text
+
+
+@pytest.mark.cuda_mocked
+def test_activation_reserve_flag_overrides_the_formula(monkeypatch, caplog):
+    """`--activation-reserve-gb` replaces the formula's reserve (a safety valve should a device need more), the log
+    says so beside the formula's figure; a negative size is refused naming the flag."""
+    cfg = preset("qwen3-30b-a3b")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (200e9, 200e9))
+    stride = 3 * 768 * 2048 * 2
+    base = dict(device="cuda", dtype="bfloat16", gpu_memory_gb=24, max_prefill_tokens=32768, kv_cache_gb=8)
+    engine = EngineConfig(activation_reserve_gb=5.0, **base)
+    assert activation_reserve_nbytes(engine, cfg, torch.bfloat16) == 5_000_000_000
+    with caplog.at_level(logging.INFO, logger="freetoken.moe.budget"):
+        assert plan_expert_slots(engine, cfg, torch.bfloat16, stride, "offload") == (582, 2)
+    # The reserve before the formula, 1 GiB + 24 x 32768 x 2048 x 4 bytes: the 316 slots of issue 21's run.
+    old = EngineConfig(activation_reserve_gb=(2**30 + 24 * 32768 * 2048 * 4) / 1e9, **base)
+    assert plan_expert_slots(old, cfg, torch.bfloat16, stride, "offload") == (316, 2)
+    assert "activation reserve 5.00 GB as --activation-reserve-gb says" in caplog.text
+    with pytest.raises(ValueError, match="--activation-reserve-gb must be >= 0"):
+        EngineConfig(device="cpu", activation_reserve_gb=-1).validate()

@@ -62,7 +62,9 @@ def activation_parts_nbytes(cfg: EngineConfig, model_cfg: ModelConfig, dtype: to
 
 def activation_reserve_nbytes(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Device bytes the budget keeps for one step's activations (the largest part of `activation_parts_nbytes`)
-    and what no tensor accounts for (`RESERVE_BYTES`)."""
+    and what no tensor accounts for (`RESERVE_BYTES`); `--activation-reserve-gb` when given."""
+    if cfg.activation_reserve_gb:
+        return int(cfg.activation_reserve_gb * 1e9)
     return RESERVE_BYTES + max(activation_parts_nbytes(cfg, model_cfg, dtype).values())
 
 
@@ -111,7 +113,17 @@ def plan_expert_slots(
     checkpoints = state_checkpoint_nbytes(cfg, model_cfg, dtype)
     parts = activation_parts_nbytes(cfg, model_cfg, dtype)
     peak_part = max(parts, key=parts.__getitem__)
-    activations = RESERVE_BYTES + parts[peak_part]
+    activations = activation_reserve_nbytes(cfg, model_cfg, dtype)
+    if cfg.activation_reserve_gb:
+        log.info(
+            "activation reserve %.2f GB as --activation-reserve-gb says (the formula's: a %d-token step's peak %.2f GB "
+            "in %s, plus %.2f GB)",
+            activations / 1e9,
+            cfg.max_prefill_tokens,
+            parts[peak_part] / 1e9,
+            peak_part,
+            RESERVE_BYTES / 1e9,
+        )
     left = budget - weights - kv - state - checkpoints - activations
     if buffers and cfg.prefill_strategy != "stream" and left >= num_experts * expert_stride:
         buffers = 0  # every expert fits in a slot: nothing would stream, and the buffers would evict experts
