@@ -103,9 +103,11 @@ def step_activation_nbytes(
             parts["dense_mlp"] = stream + 3 * t * cfg.intermediate_size * d
     k, inter = cfg.num_experts_per_tok, cfg.moe_intermediate_size
     rows = expert_kernel_rows(t, k, cfg.num_experts)
-    # Router: ids int64 and weights [T, k]; alignment: sorted pairs int64 [R], tile experts; the kernel's gate/up
-    # intermediate h [R, I], the per-pair outputs [T·k, H] summed over k into [T, H].
-    routing = t * k * (8 + d) + rows * 8 + rows // PREFILL_BLOCK_M * 8
+    # Router: ids int64 and weights [T, k]; alignment: sorted pairs int64 [R] and tile experts [R / 64] (the expert
+    # cache's on-demand strategies copy its plan to the device: slot ids int64 [T, k] too; `stream` maps the tiles to
+    # weight rows: three more [R / 64]); the kernel's gate/up intermediate h [R, I], the per-pair outputs [T·k, H]
+    # summed over k into [T, H].
+    routing = t * k * (8 + 8 + d) + rows * 8 + 4 * (rows // PREFILL_BLOCK_M) * 8
     parts["moe"] = stream + routing + rows * inter * d + t * k * h * d + t * h * d
     sampled = max(max_num_seqs, PROMPT_LOGITS_ROWS)
     v = cfg.vocab_size
