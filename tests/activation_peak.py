@@ -171,8 +171,9 @@ def measure_prefill_peak(
     Args:
         query_lens, context_lens: per sequence of the step, its tokens in the step (1: a decode) and its context
             after the step (the KV cache holds every context: its blocks are laid out one sequence after another).
-        device: "meta" (real shapes, no values), "cpu" (small shapes: random weights, Triton's interpreter), or
-            "cuda" (measured by the allocator's peak; no phases).
+        device: "meta" (real shapes, no values), "cpu" (small shapes: random weights, Triton's interpreter, which
+            keeps kernel arguments alive past their launch: its peaks run high), or "cuda" (the allocator's peak;
+            no phases).
     """
     gen = torch.Generator().manual_seed(0)
     with torch.device(device):
@@ -205,7 +206,8 @@ def measure_prefill_peak(
     for n in blocks:
         tables.append(list(range(first, first + n)))
         first += n
-    with cuda_path_on(device):  # the decodes' block tables, as on CUDA
+    # The decodes' block tables, as on CUDA.
+    with cuda_path_on(device) if device != "cuda" else contextlib.nullcontext():
         meta = AttentionMetadata.build(query_lens, context_lens, tables, block_size, torch.device(device))
     if cfg.is_qwen3_5:
         from freetoken.engine.state_pool import RecurrentStatePool
