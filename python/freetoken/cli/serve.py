@@ -32,6 +32,8 @@ _HELP = {
     "of this GPU and model says so, else offload; a missing profile is measured at start), fused (all on the GPU), "
     "offload (host pool + GPU slot cache), cpu (misses run on the host), hybrid (q* split)",
     "gpu_memory_gb": "GPU memory budget in GB for weights, KV cache and expert slots; 0 = 90%% of free memory",
+    "activation_reserve_gb": "GPU memory in GB kept for a step's activations, the CUDA context and the allocator; "
+    "0 = the peak of the largest step --max-prefill-tokens, --max-model-len and --max-num-seqs allow, plus 1 GiB",
     "expert_slots": "expert slots in the GPU cache; 0 = as many as the budget leaves",
     "expert_cache_policy": "slot replacement policy: lfu, lru, layer_lru",
     "cpu_threads": "threads of the host expert kernels; 0 = all CPUs (one fewer on CUDA)",
