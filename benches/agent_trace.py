@@ -526,7 +526,8 @@ def run_turn(
         (n - 1) / (last - first) if n > 1 and last > first else None,
         max_gap,
         reply,
-        *(changed or (None, None)),
+        changed_tokens=changed[0] if changed else None,
+        mark_bound_tokens=changed[1] if changed else None,
     )
 
 
@@ -877,14 +878,16 @@ def turns_by_mode(runs: list[dict]) -> dict[tuple[str, int], dict[str, dict]]:
 def checkpoint_targets(runs: list[dict]) -> dict:
     """Issue 22's targets on the single-session runs of "checkpoints marks" and "checkpoints chunk", per variant:
     turns where marks re-prefilled more than the mark bound (changed tokens + the span back to the last mark
-    before the change), turns where marks re-prefilled more than chunk, and chunk's total over marks' (the
-    OpenCode-style session's target: >= 3)."""
+    before the change), turns where marks re-prefilled more than chunk, chunk's total over marks' (the
+    OpenCode-style session's target: >= 3), and the tokens the harness changed or added (`TurnResult`), which
+    every mode re-prefills: a session's ratio is at most chunk's total over that."""
     out: dict[str, dict] = {}
     for (variant, turn), by_mode in sorted(turns_by_mode(runs).items()):
         marks, chunk = by_mode.get("checkpoints marks"), by_mode.get("checkpoints chunk")
         if marks is None:
             continue
-        v = out.setdefault(variant, {"over_bound": [], "marks_over_chunk": [], "marks": 0, "chunk": 0})
+        v = out.setdefault(variant, {"over_bound": [], "marks_over_chunk": [], "marks": 0, "chunk": 0, "changed": 0})
+        v["changed"] += marks.get("changed_tokens") or 0
         bound = marks.get("mark_bound_tokens")
         if bound is not None and marks["reprefilled_tokens"] > bound:
             v["over_bound"].append(turn)
@@ -991,7 +994,8 @@ def main(argv: list[str] | None = None) -> int:
         targets = checkpoint_targets(runs)
         for variant, v in targets.items():
             console.print(
-                f"{variant}: marks re-prefilled {v['marks']}, chunk {v['chunk']} (chunk/marks {v['chunk_over_marks']});"
+                f"{variant}: marks re-prefilled {v['marks']}, chunk {v['chunk']} (chunk/marks {v['chunk_over_marks']}; "
+                f"the harness changed {v['changed']});"
                 f" turns over the mark bound: {v['over_bound'] or 'none'}; turns where marks > chunk: "
                 f"{v['marks_over_chunk'] or 'none'}"
             )

@@ -290,7 +290,7 @@ def main() -> None:
                     # What the chunks allocated above the weights, KV, slots and buffers (the budget reserves
                     # freetoken.moe.budget.activation_reserve_nbytes for it).
                     "activation_peak_gb": round((torch.cuda.max_memory_allocated() - resident) / 1e9, 2),
-                    "activation_reserve_gb": round(activation_reserve_nbytes(engine_cfg, cfg) / 1e9, 2),
+                    "activation_reserve_gb": round(activation_reserve_nbytes(engine_cfg, cfg, torch.bfloat16) / 1e9, 2),
                 }
             )
         model.attach_experts(host_only)

@@ -323,18 +323,20 @@ def bf16_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
 # imported as the same module name `conftest` and hide this one from the modules that import its helpers.
 @pytest.fixture(
     scope="module",
-    params=[("fp8", "per_expert"), ("fp8", "fused"), ("nvfp4", "per_expert")],
+    params=[("fp8", "per_expert"), ("fp8", "fused"), ("nvfp4", "per_expert"), ("mxfp4", "fused")],
     ids="-".join,
 )
 def built(request, tmp_path_factory, checkpoint_overrides):
     """(quantized checkpoint, float32 checkpoint of its dequantized weights, format), for FP8 with 32 x 32 blocks
-    (the demo's sizes, H 64 and I 32, in whole blocks) per expert and fused 3-D, and NVFP4. Each module says the
-    seed and config overrides by its own `checkpoint_overrides` fixture: (seed, {config key: value})."""
-    from freetoken.quant import NVFP4, fp8_block
+    (the demo's sizes, H 64 and I 32, in whole blocks) per expert and fused 3-D, NVFP4 per expert (ModelOpt's
+    layout) and MXFP4 fused 3-D (gpt-oss's `_blocks` / `_scales`), each by the reference quantizer
+    (`freetoken.quant.checkpoint.build_quantized_checkpoint`). Each module says the seed and config overrides by
+    its own `checkpoint_overrides` fixture: (seed, {config key: value})."""
+    from freetoken.quant import MXFP4, NVFP4, fp8_block
     from freetoken.quant.checkpoint import build_quantized_checkpoint  # after freetoken.engine (the loader's order)
 
     name, layout = request.param
-    fmt = fp8_block(32, 32) if name == "fp8" else NVFP4
+    fmt = {"fp8": fp8_block(32, 32), "nvfp4": NVFP4, "mxfp4": MXFP4}[name]
     seed, overrides = checkpoint_overrides
     root = tmp_path_factory.mktemp(f"{name}-{layout}")
     q = build_quantized_checkpoint(

@@ -315,6 +315,9 @@ class EngineConfig:
             "auto" ("cpu" on a CPU device; on CUDA "hybrid" when that profile says so, else "offload").
         gpu_memory_gb: the device memory budget in GB: non-expert weights, KV cache, then expert slots;
             0 means 90 % of the free memory.
+        activation_reserve_gb: device memory the budget keeps for one step's activations and what no tensor
+            accounts for (CUDA context, workspaces, fragmentation), in GB; 0 means the peak of the largest step the
+            settings allow by `freetoken.models.activations` plus `freetoken.moe.budget.RESERVE_BYTES`.
         expert_slots: expert slots in the cache; 0 sizes them from the budget.
         expert_cache_policy: slot replacement policy: "lfu" (per-layer quotas with aged frequencies; the best
             hit rate of the three on routing traces at small caches, `cargo bench --bench policies`), "lru" or
@@ -373,6 +376,7 @@ class EngineConfig:
     kv_cache_gb: float = 4.0
     moe_backend: str = "auto"
     gpu_memory_gb: float = 0.0
+    activation_reserve_gb: float = 0.0
     expert_slots: int = 0
     expert_cache_policy: str = "lfu"
     cpu_threads: int = 0
@@ -452,6 +456,6 @@ class EngineConfig:
                 f"--replay-routing {self.replay_routing}: replaying a routing trace is for benchmarks on dummy weights "
                 "(a real model's routers must route); add --dummy-weights or drop --replay-routing"
             )
-        for name in ("gpu_memory_gb", "expert_slots", "cpu_threads", "max_seqs_per_request"):
+        for name in ("gpu_memory_gb", "activation_reserve_gb", "expert_slots", "cpu_threads", "max_seqs_per_request"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0 (0: automatic), got {getattr(self, name)}")

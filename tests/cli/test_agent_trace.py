@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import start_server
+from conftest import SERVED_MODEL_NAME, start_server
 
 BENCH = Path(__file__).resolve().parents[2] / "benches" / "agent_trace.py"
 
@@ -206,10 +206,38 @@ def test_prompt_diff_measures_what_changed_since_the_previous_turn():
     assert diff.measure(session, agent_trace.harness_view(session), 5) == (None, None)  # another count: no figure
 
 
+@pytest.mark.timeout(120)
+def test_a_turn_records_what_changed_and_the_mark_bound(replay_server):
+    """`run_turn` with a `PromptDiff` puts its two figures in the turn's changed/mark-bound fields (not in the
+    alone time, which the run fills later): the targets of issue 22 read them."""
+    from types import SimpleNamespace
+
+    from freetoken.models.demo import demo_checkpoint_dir
+
+    args = SimpleNamespace(api_key="x", request_timeout_s=60.0)
+    client = agent_trace.make_client(replay_server.base_url, "openai", args)
+    diff, reference = agent_trace.PromptDiff(demo_checkpoint_dir()), agent_trace.PromptDiff(demo_checkpoint_dir())
+    session = agent_trace.new_session("s0", "openclaw", 0, 100, (20, 20), 0.01)
+    for turn in range(3):
+        view = agent_trace.harness_view(session)
+        expected = reference.measure(session, view, len(reference.encode(session, view)))
+        r = agent_trace.run_turn(client, "openai", SERVED_MODEL_NAME, session, turn, 2, 0, diff=diff)
+        assert None not in expected and (r.changed_tokens, r.mark_bound_tokens) == expected
+        assert r.alone_s is None
+    assert r.changed_tokens < r.mark_bound_tokens  # OpenClaw's third turn changes inside a reply, after its mark
+
+
 def test_checkpoint_targets_per_variant():
     def run(server, variant, reprefilled, bounds):
         per_turn = [
-            {"turn": t, "reprefilled_tokens": r, "mark_bound_tokens": b, "prompt_tokens": 99, "ttft_s": 0.1}
+            {
+                "turn": t,
+                "reprefilled_tokens": r,
+                "changed_tokens": b - 2,
+                "mark_bound_tokens": b,
+                "prompt_tokens": 99,
+                "ttft_s": 0.1,
+            }
             for t, (r, b) in enumerate(zip(reprefilled, bounds, strict=True))
         ]
         return {"server": server, "variant": variant, "sessions": 1, "per_turn": per_turn}
@@ -224,6 +252,7 @@ def test_checkpoint_targets_per_variant():
             "marks_over_chunk": [2],
             "marks": 160,
             "chunk": 230,
+            "changed": 144,
             "chunk_over_marks": 1.44,
         }
     }

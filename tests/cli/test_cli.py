@@ -181,8 +181,10 @@ def test_model_too_big_for_host_memory_is_refused():
     assert_user_error(result, "GB of host memory", "available")
 
 
-def test_demo_serves_a_long_context_with_a_small_kv_cache(tmp_path):
-    """`ft serve --model demo`: a 65536-token context (harness sessions need >= 64k), KV cache of two contexts."""
+@pytest.mark.parametrize("demo", ["demo", "demo-qwen3.5"])
+def test_demo_serves_a_long_context_with_a_small_kv_cache(tmp_path, demo):
+    """`ft serve --model demo` (and its Qwen3.5 twin, which the README had no way to run without writing Python): a
+    65536-token context (harness sessions need >= 64k), KV cache of two contexts, served under the demo's name."""
     import signal
     import time
 
@@ -192,7 +194,7 @@ def test_demo_serves_a_long_context_with_a_small_kv_cache(tmp_path):
     log_path = tmp_path / "serve.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "freetoken.cli.main", "serve", "--model", "demo", "--port", str(port)],
+            [sys.executable, "-m", "freetoken.cli.main", "serve", "--model", demo, "--port", str(port)],
             stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
         )  # fmt: skip
     try:
@@ -204,9 +206,10 @@ def test_demo_serves_a_long_context_with_a_small_kv_cache(tmp_path):
             except httpx.TransportError:
                 time.sleep(0.3)
         else:
-            pytest.fail(f"ft serve --model demo did not start:\n{log_path.read_text()[-3000:]}")
-        assert models["data"][0]["max_model_len"] == 65536
+            pytest.fail(f"ft serve --model {demo} did not start:\n{log_path.read_text()[-3000:]}")
+        assert models["data"][0]["max_model_len"] == 65536 and models["data"][0]["id"] == demo
         assert "= 131072 tokens" in log_path.read_text()
+        assert ("recurrent-state pool" in log_path.read_text()) == (demo == "demo-qwen3.5")
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=60)

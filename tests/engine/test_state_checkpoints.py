@@ -142,6 +142,23 @@ def test_marks_name_turn_ends_and_tool_outputs(qwen35):
     marks = MarkSet.from_tokenizer(qwen35.tokenizer)
     assert marks.turn_end == tuple(qwen35.tokenizer.encode("<|im_end|>"))
     assert marks.tool_output == tuple(qwen35.tokenizer.encode("<tool_response>"))
+    assert marks.query_open == tuple(qwen35.tokenizer.encode("<|im_start|>user"))
+
+
+def test_query_ends_among_marks():
+    """A user turn ends a query unless its text is a tool output; other roles' turns never do."""
+    start, user, system, newline, end, tool = 1, 2, 3, 4, 5, 6
+    marks = MarkSet([[end], [tool]], turn_end=[end], tool_output=[tool], query_open=[start, user])
+    tokens = [start, system, newline, 9, end]  # system: turn end at 5
+    tokens += [start, user, newline, 9, 9, end]  # a query: 11
+    tokens += [start, 7, newline, 9, end]  # the assistant: 16
+    tokens += [start, user, newline, tool, 9, end]  # a tool output: 22
+    tokens += [start, user, newline, 8, end]  # a query: 27
+    found = marks.positions(tokens, 0, len(tokens))
+    assert marks.turn_ends(tokens, found) == [5, 11, 16, 22, 27]
+    assert marks.query_ends(tokens, found) == [11, 27]
+    assert marks.query_ends(tokens, [27]) == [27]  # its opener before the marks asked about
+    assert MarkSet([[end]], turn_end=[end]).query_ends(tokens, found) == []  # no opener known: none
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -338,6 +355,26 @@ def test_replaced_tool_output_resumes_at_its_start(qwen35):
     assert len(p2) - changed > 200  # deep: most of the prompt follows the change
     r2 = one(engine, p2, greedy(2))
     assert changed - 2 <= r2.last.num_cached_tokens <= changed, (changed, r2.last.num_cached_tokens)
+    assert r2.token_ids == cold(qwen35, p2, 2)
+    assert_all_blocks_free(engine)
+
+
+def test_new_query_resumes_at_the_previous_query_s_end(qwen35):
+    """A new user query makes the template drop the thinking of every reply since the previous query: the prompt
+    changes right after that query's end, which more tool turns than the kept last turn ends followed."""
+    engine = qwen35.engine()
+    base = session(7)  # system, then (user, assistant with thinking and a call, tool output) x 7
+    query = {"role": "user", "content": "Now fix module 0."}
+    history = [*base[:4], query, *(m for m in base[4:] if m["role"] != "user")]  # 6 tool turns after the query
+    p1 = qwen35.encode(history, TOOLS)
+    one(engine, p1, greedy(2))
+    p2 = qwen35.encode([*history, {"role": "user", "content": "Thanks. Next?"}], TOOLS)
+    changed = first_diff(p1, p2)
+    marks = MarkSet.from_tokenizer(qwen35.tokenizer)
+    query_end = max(marks.query_ends(p1, marks.positions(p1, 0, changed)))
+    assert changed - query_end <= 6 and len(p1) - changed > 200  # right after the query; deep
+    r2 = one(engine, p2, greedy(2))
+    assert r2.last.num_cached_tokens == query_end, (query_end, changed, r2.last.num_cached_tokens)
     assert r2.token_ids == cold(qwen35, p2, 2)
     assert_all_blocks_free(engine)
 

@@ -5,8 +5,10 @@ length (decode steps leave it out as well).
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -54,3 +56,38 @@ def test_prefill_spans_match_causal_attention_and_never_use_cudnn(monkeypatch):
     assert seen == [False, False]
     assert torch.nn.attention.SDPBackend.CUDNN_ATTENTION not in attention.PREFILL_SDPA_BACKENDS
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored after the call
+
+
+@pytest.mark.skipif(
+    os.environ.get("TRITON_INTERPRET") != "1",
+    reason="CPU tensors need Triton's interpreter (conftest sets it without a GPU)",
+)
+def test_decodes_beside_a_prefill_read_the_cache_in_place_on_kernel_devices(monkeypatch):
+    """A step with a prefill span and decodes: on a kernel device the decodes go through the Triton decode kernel
+    (block tables, no [decodes, longest context] gather of K/V), and every row equals the gathering path's."""
+    gen = torch.Generator().manual_seed(1)
+    nh, nkv, d, block = 8, 2, 16, 4
+    scale = d**-0.5
+    k_cache = torch.randn(128, nkv, d, generator=gen)
+    v_cache = torch.randn(128, nkv, d, generator=gen)
+    query_lens, context_lens = [1, 9, 1], [23, 30, 6]
+    tables = [[5, 1, 9, 2, 30, 7], [3, 11, 12, 13, 4, 6, 8, 10], [20, 21]]
+    queries = torch.randn(sum(query_lens), nh, d, generator=gen)
+    keys = torch.randn(sum(query_lens), nkv, d, generator=gen)
+    values = torch.randn(sum(query_lens), nkv, d, generator=gen)
+    cpu = torch.device("cpu")
+
+    def run() -> tuple[AttentionMetadata, torch.Tensor]:
+        meta = AttentionMetadata.build(query_lens, context_lens, tables, block, cpu)
+        out = paged_attention(queries, keys, values, k_cache.clone(), v_cache.clone(), meta, scale)
+        return meta, out
+
+    gathered_meta, expected = run()
+    monkeypatch.setattr(attention, "KERNEL_DEVICES", {"cuda", "cpu"})
+    meta, got = run()
+    assert gathered_meta.decode_gather is not None and meta.decode_gather is None
+    assert meta.decode_block_tables.tolist() == [[5, 1, 9, 2, 30, 7], [20, 21, 0, 0, 0, 0]]
+    assert meta.decode_seq_lens.tolist() == [23, 6]
+    torch.testing.assert_close(meta.positions, gathered_meta.positions)
+    torch.testing.assert_close(meta.slot_mapping, gathered_meta.slot_mapping)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -373,19 +373,19 @@ def test_budget_makes_room_for_layer_buffers_or_says_why_not(monkeypatch, caplog
     # Tighter budgets: one buffer (no overlap), then none (on-demand fills), and the log says which.
     with caplog.at_level(logging.WARNING, logger="freetoken.moe.budget"):
         slots, buffers = plan_expert_slots(
-            EngineConfig(gpu_memory_gb=9, **base), cfg, torch.bfloat16, stride, "offload"
+            EngineConfig(gpu_memory_gb=8, **base), cfg, torch.bfloat16, stride, "offload"
         )
     assert buffers == 1 and slots * stride / 1e9 >= layer_gb
     assert "no room for 2 prefill layer buffers" in caplog.text
     with caplog.at_level(logging.WARNING, logger="freetoken.moe.budget"):
         slots, buffers = plan_expert_slots(
-            EngineConfig(gpu_memory_gb=8, **base), cfg, torch.bfloat16, stride, "offload"
+            EngineConfig(gpu_memory_gb=7, **base), cfg, torch.bfloat16, stride, "offload"
         )
     assert buffers == 0 and slots > 0
     assert "no room for a prefill layer buffer" in caplog.text
     with pytest.raises(ValueError, match="--prefill-strategy stream"):
         plan_expert_slots(
-            EngineConfig(gpu_memory_gb=8, prefill_strategy="stream", **base), cfg, torch.bfloat16, stride, "offload"
+            EngineConfig(gpu_memory_gb=7, prefill_strategy="stream", **base), cfg, torch.bfloat16, stride, "offload"
         )
     # --expert-slots and the CPU device: buffers only when something can stream (or when asked for).
     assert plan_expert_slots(

@@ -29,6 +29,8 @@ from freetoken.quant.formats import QuantSpec
 
 # A byte-exact copy of shared/models/qwen3.5-122b-a10b-fp8/config.json (Qwen/Qwen3.5-122B-A10B-FP8).
 REAL_FP8_CONFIG = Path(__file__).parents[1] / "data/configs/qwen3.5-122b-a10b-fp8.json"
+# A byte-exact copy of shared/models/gpt-oss-20b/config.json (openai/gpt-oss-20b), the released MXFP4 config.
+REAL_MXFP4_CONFIG = Path(__file__).parents[1] / "data/configs/gpt-oss-20b.json"
 SMALL = {"vocab_size": 2048, "num_hidden_layers": 3, "mlp_only_layers": [1]}
 FP8_SMALL = fp8_block(32, 32)  # the demo's sizes (H 64, I 32) in whole blocks
 ALL_CODES = torch.arange(256, dtype=torch.uint8)
@@ -121,6 +123,17 @@ def test_real_fp8_config():
     spec.format.check_shape(raw["text_config"]["hidden_size"], raw["text_config"]["moe_intermediate_size"])
 
 
+def test_real_mxfp4_config():
+    """gpt-oss's `quantization_config` names MXFP4, and its `modules_to_not_convert` globs keep every module under
+    them unquantized (`model.layers.*.self_attn` covers each projection of each layer)."""
+    spec = quant_spec(json.loads(REAL_MXFP4_CONFIG.read_text()))
+    assert spec.format == MXFP4 and spec.not_converted[0] == "model.layers.*.self_attn"
+    assert not spec.converts("model.layers.23.self_attn.q_proj") and not spec.converts("model.layers.0.self_attn")
+    assert not spec.converts("model.layers.4.mlp.router") and not spec.converts("lm_head")
+    assert spec.converts("model.layers.4.mlp.experts") and spec.converts("model.layers.4.mlp.experts.gate_up_proj")
+    assert spec.converts("model.layers.4.self_attn_extra.q_proj")  # a glob covers dotted children, not any suffix
+
+
 def test_modelopt_configs(tmp_path):
     spec = quant_spec(
         {
@@ -186,6 +199,8 @@ def test_modelopt_configs(tmp_path):
             },
             "list of module",
         ),
+        ({"quant_method": "mxfp4", "modules_to_not_convert": "lm_head"}, "modules_to_not_convert must be a list"),
+        ({"quant_method": "mxfp8"}, "quant_method='mxfp8' is not supported"),
     ],
 )
 def test_unsupported_configs_are_refused(qc, message):
@@ -220,13 +235,21 @@ def test_checkpoint_has_real_names_and_dtypes(built):
             2,
         )
         assert tensors["model.layers.0.mlp.gate.weight"].dtype == torch.float32  # modules_to_not_convert
-    else:
+    elif fmt.name == "nvfp4":
         assert tensors["model.layers.0.mlp.experts.1.down_proj.weight"].shape == (
             64,
             16,
         )
         assert tensors["model.layers.0.mlp.experts.1.down_proj.weight_scale"].dtype == torch.float8_e4m3fn
         assert tensors["model.layers.0.mlp.experts.1.down_proj.weight_scale_2"].shape == ()
+    else:  # gpt-oss's MXFP4 layout: [E, rows, in / 32, 16] U8 blocks, [E, rows, in / 32] U8 e8m0 scales
+        base = "model.layers.0.mlp.experts."
+        assert tensors[base + "gate_up_proj_blocks"].shape == (8, 64, 2, 16)
+        assert tensors[base + "gate_up_proj_scales"].shape == (8, 64, 2)
+        assert tensors[base + "down_proj_blocks"].shape == (8, 64, 1, 16)
+        assert tensors[base + "down_proj_scales"].dtype == tensors[base + "down_proj_blocks"].dtype == torch.uint8
+        assert tensors["model.layers.0.self_attn.q_proj.weight"].dtype == torch.float32  # experts only
+        assert json.loads((q / "config.json").read_text())["quantization_config"]["quant_method"] == "mxfp4"
     assert tensors["lm_head.weight"].dtype == torch.float32
 
 
@@ -315,6 +338,60 @@ def test_broken_fp8_checkpoints_name_the_tensor(tmp_path_factory, edit, message)
     bad = _edit(src, root / "bad", edit)
     with pytest.raises(CheckpointError, match=message):
         load_checkpoint(bad, FusedExperts(), torch.device("cpu"), torch.float32)
+
+
+MX = "model.layers.0.mlp.experts."
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda t: t.pop(MX + "gate_up_proj_scales"), r"experts\.gate_up_proj_scales' missing .*\[8, 64, 2\]"),
+        (
+            lambda t: t.update({MX + "down_proj_scales": torch.zeros(8, 64, 2, dtype=torch.uint8)}),
+            r"experts\.down_proj_scales' has shape \[8, 64, 2\], expected \[8, 64, 1\]",
+        ),
+        (
+            lambda t: t.update({MX + "down_proj_scales": torch.zeros(8, 64, 1, dtype=torch.float8_e8m0fnu)}),
+            r"experts\.down_proj_scales' has dtype F8_E8M0; expected one of U8",
+        ),
+        (
+            lambda t: t.update({MX + "gate_up_proj_blocks": t[MX + "gate_up_proj_blocks"].reshape(8, 64, 32)}),
+            r"experts\.gate_up_proj_blocks' has shape \[8, 64, 32\], expected \[8, 64, 2, 16\]",
+        ),
+        (
+            lambda t: t.update({MX + "down_proj_blocks": t[MX + "down_proj_blocks"].view(torch.int8)}),
+            r"experts\.down_proj_blocks' has dtype I8; expected one of U8",
+        ),
+        (  # per-expert float experts under an mxfp4 config: no released MXFP4 layout has them
+            lambda t: [t.pop(MX + n) for n in ("gate_up_proj_blocks", "gate_up_proj_scales")],
+            r"experts\.gate_up_proj_blocks' missing from the checkpoint: MXFP4 experts are read in the fused 3-D",
+        ),
+        (  # MXFP4 checkpoints quantize the routed experts only
+            lambda t: t.update({"model.layers.2.self_attn.o_proj.weight": torch.zeros(64, 64, dtype=torch.uint8)}),
+            r"o_proj\.weight' has dtype U8; expected one of F32, BF16, F16",
+        ),
+    ],
+    ids=["no-scales", "scales-shape", "scales-e8m0-dtype", "blocks-shape", "blocks-dtype", "no-blocks", "u8-linear"],
+)
+def test_broken_mxfp4_checkpoints_name_the_tensor(tmp_path_factory, edit, message):
+    """The fused loader and the host pool's reader refuse a broken MXFP4 checkpoint, naming the tensor and what is
+    expected."""
+    from freetoken.moe import build_expert_pool
+
+    root = tmp_path_factory.mktemp("broken-mxfp4")
+    src = build_quantized_checkpoint(root / "q", MXFP4, seed=1, expert_layout="fused", **SMALL)
+    bad = _edit(src, root / "bad", edit)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(bad, FusedExperts(), torch.device("cpu"), torch.float32)
+    if "experts" in message:
+        with pytest.raises(CheckpointError, match=message):
+            build_expert_pool(ModelConfig.from_dir(bad), bad)
+
+
+def test_mxfp4_checkpoints_are_built_fused_only(tmp_path):
+    with pytest.raises(ValueError, match="expert_layout='fused'"):
+        build_quantized_checkpoint(tmp_path / "q", MXFP4, seed=1, **SMALL)
 
 
 def test_unsupported_quantization_is_refused_at_load(tmp_path):

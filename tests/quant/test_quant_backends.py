@@ -1,4 +1,4 @@
-"""Quantized experts (FP8 block, NVFP4) through every backend: the host pool holds each expert in its checkpoint
+"""Quantized experts (FP8 block, NVFP4, MXFP4) through every backend: the host pool holds each expert in its checkpoint
 format, the slots the same bytes, the Rust `LayerServer` copies them and runs the host experts with the quantized
 kernels, the slot kernel dequantizes in its loop; each backend gives the logits of the float model built from the
 dequantized weights.
@@ -23,7 +23,7 @@ from freetoken.models.loader import CheckpointError, check_finite_weights, load_
 from freetoken.moe import build_expert_pool, make_expert_backend
 from freetoken.moe.expert_cache import ExpertCacheBackend
 from freetoken.moe.fused import FusedExperts
-from freetoken.quant import NVFP4, fp8_block
+from freetoken.quant import MXFP4, NVFP4, fp8_block
 from freetoken.quant.checkpoint import build_quantized_checkpoint, quantization_config
 from greedy import greedy_tokens
 
@@ -46,9 +46,10 @@ def checkpoint_overrides():
 
 
 def _on(device: str, built) -> None:
-    """GPU cases run a few plans of the per-expert checkpoints only: each new kernel configuration costs a Triton
-    compile on the device, and the fused 3-D layout packs the same bytes (its reading is tested on the CPU)."""
-    if device == "cuda" and "fused" in str(built[0]):
+    """GPU cases run a few plans of one checkpoint per format: each new kernel configuration costs a Triton
+    compile on the device, and FP8's fused 3-D layout packs its per-expert layout's bytes (its reading is tested on
+    the CPU). MXFP4 checkpoints are fused only."""
+    if device == "cuda" and built[2].name == "fp8_block" and "fused" in str(built[0]):
         pytest.skip("the fused 3-D FP8 layout packs the per-expert layout's bytes: CPU-tested")
 
 
@@ -109,7 +110,7 @@ def test_engine_generates_the_dequantized_models_tokens(built, moe_backend, slot
     assert engine.experts.pool.format == built[2].name
 
 
-@pytest.mark.parametrize("fmt", [FP8_SMALL, NVFP4], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", [FP8_SMALL, NVFP4, MXFP4], ids=lambda f: f.name)
 def test_dummy_weights_build_a_quantized_pool(fmt):
     """A dummy-weights model whose config carries a quantization_config gets a pool in that format (the device
     benchmark's path at real shapes): random codes, finite, at the format's byte size."""
@@ -133,7 +134,7 @@ def test_nonfinite_quantized_experts_are_refused(built, tmp_path):
     backend = ExpertCacheBackend("cpu", build_expert_pool(ModelConfig.from_dir(q), q), torch.device("cpu"), 0)
     check_finite_weights(torch.nn.Linear(1, 1), backend)
     offset, _ = fmt.layout(64, 32).sections["down_scale"]
-    backend.pool_experts[16 + 5, offset + 3] = 0xFF  # an e4m3 NaN scale (NVFP4), a float32 NaN byte (FP8)
+    backend.pool_experts[16 + 5, offset + 3] = 0xFF  # e4m3's NaN scale (NVFP4), e8m0's (MXFP4); FP8: below
     if fmt.scale_bytes == 4:
         backend.pool_experts[16 + 5, offset : offset + 4] = torch.tensor([0, 0, 0xC0, 0x7F], dtype=torch.uint8)
     layer = ModelConfig.from_dir(q).moe_layers[1]
@@ -155,6 +156,10 @@ def test_nonfinite_quantized_experts_are_refused(built, tmp_path):
         (
             lambda t: t.update({"model.layers.0.mlp.experts.3.up_proj.weight_scale": torch.ones(32, 4)}),
             r"experts\.3\.up_proj\.weight_scale' has dtype F32; expected one of F8_E4M3",
+        ),
+        (
+            lambda t: t.update({"model.layers.2.mlp.experts.gate_up_proj": torch.zeros(16, 64, 32, dtype=torch.uint8)}),
+            r"experts\.gate_up_proj: fused 3-D nvfp4 experts are no released layout",
         ),
     ],
 )

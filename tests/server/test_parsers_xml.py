@@ -192,6 +192,20 @@ def test_random_markup_never_raises():
         assert collect_deltas([parser.feed(c) for c in text] + [parser.finish()]) == whole, text
 
 
+def _rendered_call(tokenizer, tools: list[dict], arguments: dict) -> str:
+    """The `<tool_call>` block the tokenizer's chat template renders for a past get_weather call."""
+    messages = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": arguments}}],
+        },
+    ]
+    rendered = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=False)
+    return rendered[rendered.rindex("<tool_call>") : rendered.rindex("</tool_call>") + len("</tool_call>")]
+
+
 def test_chosen_by_the_template_and_reads_what_it_renders(demo_tokenizer):
     """The qwen3.5 preset's tokenizer (Qwen3.5's chat template) gets the XML parser, Qwen3's template the JSON one;
     a past call the template renders parses back to the call."""
@@ -203,16 +217,7 @@ def test_chosen_by_the_template_and_reads_what_it_renders(demo_tokenizer):
     tokenizer = Tokenizer.from_dir(preset_dir("qwen3.5-35b-a3b"))
     assert isinstance(parser_for(tokenizer, options), Qwen3XmlParser)
     arguments = {"city": "Paris", "days": 3, "hours": [1, 2]}
-    messages = [
-        {"role": "user", "content": "hi"},
-        {
-            "role": "assistant",
-            "content": "",
-            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": arguments}}],
-        },
-    ]
-    rendered = tokenizer.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=False)
-    block = rendered[rendered.rindex("<tool_call>") : rendered.rindex("</tool_call>") + len("</tool_call>")]
+    block = _rendered_call(tokenizer, TOOLS, arguments)
     out = parse_text(parser_for(tokenizer, options), block)
     assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", arguments)]
 
@@ -234,10 +239,9 @@ def xml_server(tmp_path_factory):
 
 
 def test_server_sends_xml_calls_as_tool_calls_and_tool_use(xml_server, parse_sse):
-    """A call forced by name (its `<tool_call><function=NAME>` opening appended to the prompt, thinking off: the
-    XML form has no grammar yet, and the prefix cannot go inside the reasoning block Qwen3.5's template opens; the
-    random model's words after it are not a parameter and are dropped): OpenAI tool_calls and Anthropic tool_use,
-    streamed and not, with no markup in the text."""
+    """A call forced by name (the grammar of the XML form, thinking off; the random model's free text for `city`
+    is cut by max_tokens, so the call keeps no parameter): OpenAI tool_calls and Anthropic tool_use, streamed and
+    not, with no markup in the text."""
     import anthropic
     import httpx
     import openai
@@ -289,3 +293,198 @@ def test_server_sends_xml_calls_as_tool_calls_and_tool_use(xml_server, parse_sse
     uses = [b for b in message.content if b.type == "tool_use"]
     assert uses[0].name == "get_weather" and isinstance(uses[0].input, dict)
     assert all("<" not in b.text for b in message.content if b.type == "text")
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Forced calls: the grammar of the XML form (`Qwen3XmlParser.tool_calls_grammar`).
+
+
+def _tool(name: str, **schema) -> dict:
+    """An offered tool (chat template format) whose parameters are the object schema `schema`."""
+    return {"type": "function", "function": {"name": name, "parameters": {"type": "object", **schema}}}
+
+
+_UNIT = {"type": "string", "enum": ["celsius", "fahrenheit"]}
+_WEATHER = {"unit": _UNIT, "metric": {"type": "boolean"}, "days": {"type": "integer"}}
+FORCED_TOOLS = [
+    _tool("get_weather", properties={"city": {"type": "string"}, **_WEATHER}, required=["unit", "metric"]),
+    _tool("list_files"),
+]
+WEATHER = "<tool_call>\n<function=get_weather>\n"
+CLOSE = "</function>\n</tool_call>"
+
+
+def _forced_parser(prompt: str = "<|im_start|>assistant\n") -> Qwen3XmlParser:
+    return Qwen3XmlParser(ParserOptions(prompt_text=prompt, parse_tools=True, tools=FORCED_TOOLS))
+
+
+def _param(name: str, value: str) -> str:
+    return f"<parameter={name}>\n{value}\n</parameter>\n"
+
+
+@pytest.fixture(scope="module")
+def xml_grammar(demo_tokenizer):
+    """(grammar text of a forced call of `FORCED_TOOLS`, the grammar backend) on the demo tokenizer (Qwen's)."""
+    from freetoken.config import ModelConfig
+    from freetoken.engine.structured import GrammarBackend, json_grammar
+    from freetoken.models.demo import demo_checkpoint_dir
+
+    backend = GrammarBackend(demo_tokenizer, ModelConfig.from_dir(demo_checkpoint_dir()).vocab_size, [151645])
+    parser = _forced_parser("<think>\n\n</think>\n\n")
+    return json_grammar(
+        None, parser.reasoning_grammar(optional=False), parser.tool_calls_grammar(FORCED_TOOLS)
+    ), backend
+
+
+def _accepts(xml_grammar, demo_tokenizer, text: str) -> bool:
+    grammar, backend = xml_grammar
+    matcher = backend.matcher(grammar)
+    for token in demo_tokenizer.encode(text):
+        if not matcher.matcher.consume_token(token):
+            return False
+    return matcher.is_accepting
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # llguidance warns of each refused token
+@pytest.mark.parametrize(
+    ("text", "ok"),
+    [
+        (WEATHER + _param("unit", "celsius") + _param("metric", "true") + CLOSE, True),
+        (WEATHER + _param("city", "Pa</par\nris") + _param("unit", "fahrenheit") + _param("metric", "no") + CLOSE,
+         False),  # not a boolean
+        (WEATHER + _param("city", "Pa</par\nris") + _param("unit", "fahrenheit") + _param("metric", "false") + CLOSE,
+         True),
+        (WEATHER + _param("city", "") + _param("unit", "celsius") + _param("metric", "true") + _param("days", "3")
+         + CLOSE, True),
+        ("<tool_call>\n<function=list_files>\n" + _param("any name", "x\ny") + CLOSE + "\n<tool_call>\n"
+         "<function=list_files>\n" + CLOSE, True),
+        (WEATHER + _param("metric", "true") + CLOSE, False),  # a required parameter missing
+        (WEATHER + _param("unit", "kelvin") + _param("metric", "true") + CLOSE, False),  # not in the enum
+        (WEATHER + _param("unit", "celsius") + _param("metric", "yes") + CLOSE, False),  # not a boolean
+        (WEATHER + _param("unit", "celsius") + _param("metric", "true") + _param("days", "3.5") + CLOSE, False),
+        (WEATHER + _param("city", "a</parameter>b") + _param("unit", "celsius") + _param("metric", "true") + CLOSE,
+         False),  # the parser would end the value at the first </parameter>
+        (WEATHER + _param("unit", "celsius") + _param("metric", "true") + _param("wind", "1") + CLOSE, False),
+        ("<tool_call>\n<function=other>\n" + CLOSE, False),
+        ("Sure, " + WEATHER + _param("unit", "celsius") + _param("metric", "true") + CLOSE, False),
+    ],
+)  # fmt: skip
+def test_forced_call_grammar_is_the_template_s_form(xml_grammar, demo_tokenizer, text, ok):
+    assert _accepts(xml_grammar, demo_tokenizer, text) is ok
+
+
+def test_forced_call_grammar_accepts_what_the_template_renders(xml_grammar, demo_tokenizer):
+    """Calls rendered by Qwen3.5's chat template (the preset's) are in the grammar, and parse back to the call."""
+    from freetoken.models.presets import preset_dir
+    from freetoken.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_dir(preset_dir("qwen3.5-35b-a3b"))
+    arguments = {"city": "Rome", "unit": "celsius", "metric": False, "days": 12}
+    block = _rendered_call(tokenizer, FORCED_TOOLS, arguments)
+    assert _accepts(xml_grammar, demo_tokenizer, block)
+    out = parse_text(_forced_parser(), block)
+    assert [(c.name, json.loads(c.arguments)) for c in out.tool_calls] == [("get_weather", arguments)]
+
+
+@pytest.fixture(scope="module")
+def qwen35_server(tmp_path_factory):
+    """`ft serve` of the Qwen3.5 demo checkpoint (a hybrid) with Qwen3.5's own chat template (XML calls)."""
+    from conftest import start_server
+    from freetoken.models.demo_qwen3_5 import build_qwen3_5_demo_checkpoint
+    from freetoken.models.presets import preset_dir
+
+    model = build_qwen3_5_demo_checkpoint(tmp_path_factory.mktemp("qwen35-xml"))
+    (model / "chat_template.jinja").write_text((preset_dir("qwen3.5-35b-a3b") / "chat_template.jinja").read_text())
+    server = start_server(tmp_path_factory.mktemp("qwen35-xml-server"), model_dir=model)
+    yield server
+    server.stop()
+
+
+# The server tests' tools take no free text: the random model would not end it (a real model does; the grammar
+# tests above cover text values).
+SERVER_TOOLS = [
+    _tool("get_weather", properties=_WEATHER, required=["unit", "metric"]),
+    _tool("list_files", additionalProperties=False),
+]
+
+
+def _valid_weather(arguments: dict) -> bool:
+    return (
+        arguments.get("unit") in ("celsius", "fahrenheit")
+        and isinstance(arguments.get("metric"), bool)
+        and set(arguments) <= {"unit", "metric", "days"}
+    )
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_qwen35_forced_call_is_constrained_openai(qwen35_server, parse_sse, tool_choice):
+    """The random Qwen3.5 demo cannot write a call on its own; the grammar makes it write the XML form with the
+    schema's required parameters and types, sent as OpenAI tool_calls, streamed and not, the same."""
+    import httpx
+    import openai
+
+    client = openai.OpenAI(base_url=qwen35_server.base_url + "/v1", api_key="unused", max_retries=0, timeout=60.0)
+    kwargs = {
+        "model": "m",
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": SERVER_TOOLS,
+        "tool_choice": tool_choice,
+        "max_tokens": 60,
+        "temperature": 0,
+        "extra_body": {"chat_template_kwargs": {"enable_thinking": False}},
+    }
+    choice = client.chat.completions.create(**kwargs).choices[0]
+    calls = choice.message.tool_calls
+    assert calls and choice.message.content is None, choice
+    if isinstance(tool_choice, dict):
+        assert calls[0].function.name == "get_weather"
+    for call in calls:
+        arguments = json.loads(call.function.arguments)
+        assert _valid_weather(arguments) if call.function.name == "get_weather" else isinstance(arguments, dict)
+    body = {**{k: v for k, v in kwargs.items() if k != "extra_body"}, **kwargs["extra_body"], "stream": True}
+    with (
+        httpx.Client(base_url=qwen35_server.base_url, timeout=60.0) as http,
+        http.stream("POST", "/v1/chat/completions", json=body) as response,
+    ):
+        events = [json.loads(data) for _, data in parse_sse(response.read()) if data != "[DONE]"]
+    deltas = [d for e in events for c in e["choices"] for d in c["delta"].get("tool_calls") or []]
+    assert [d["function"]["name"] for d in deltas if d["index"] == 0 and d["function"].get("name")] == [
+        calls[0].function.name
+    ]
+    arguments = "".join(d["function"].get("arguments") or "" for d in deltas if d["index"] == 0)
+    assert arguments == calls[0].function.arguments
+    assert not any(c["delta"].get("content") for e in events for c in e["choices"])
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("tool_choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_qwen35_forced_call_is_constrained_anthropic(qwen35_server, parse_sse, tool_choice):
+    import anthropic
+    import httpx
+
+    client = anthropic.Anthropic(base_url=qwen35_server.base_url, api_key="unused", max_retries=0, timeout=60.0)
+    kwargs = {
+        "model": "claude-any",
+        "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in SERVER_TOOLS],
+        "tool_choice": tool_choice,
+        "max_tokens": 60,
+        "thinking": {"type": "disabled"},
+    }
+    message = client.messages.create(**kwargs, extra_body={"temperature": 0})
+    uses = [b for b in message.content if b.type == "tool_use"]
+    assert uses and all(b.type != "text" for b in message.content), message.content
+    if tool_choice["type"] == "tool":
+        assert uses[0].name == "get_weather"
+    assert _valid_weather(uses[0].input) if uses[0].name == "get_weather" else isinstance(uses[0].input, dict)
+    with (
+        httpx.Client(base_url=qwen35_server.base_url, timeout=60.0) as http,
+        http.stream("POST", "/v1/messages", json={**kwargs, "temperature": 0, "stream": True}) as response,
+    ):
+        assert response.status_code == 200
+        events = [json.loads(data) for _, data in parse_sse(response.read())]
+    partial = "".join(
+        e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta" and e["index"] == 0
+    )
+    assert json.loads(partial) == uses[0].input

@@ -221,6 +221,76 @@ def test_responses_empty_tool_names(http, tools, param):
     assert response.json()["error"]["param"] == param
 
 
+# Tool schemas that are not JSON Schema (the meta-schema refuses them), as each API places them. OpenAI and
+# Anthropic answer these with a 400; they were taken (200) unless the call was forced, and the model was shown them.
+NOT_A_SCHEMA = [
+    ({"type": "banana"}, "type"),
+    ({"type": "object", "properties": {"path": {"type": "string", "minLength": -1}}}, "properties.path.minLength"),
+    ({"type": "object", "required": "path"}, "required"),
+]
+VALID_SCHEMAS = [
+    # Valid JSON Schema that the grammar library cannot enforce: offered (not forced) tools are only shown to
+    # the model, so these stay accepted.
+    {"type": "object", "properties": {"a": {"not": {"type": "string"}}}},
+    {"type": "object", "propertyNames": {"pattern": "^[a-z]+$"}},
+    {"$schema": "http://json-schema.org/draft-07/schema#", "type": "object", "additionalProperties": False},
+    {"$schema": "https://example.com/no-such-meta-schema", "type": "object"},
+]
+
+
+def _tool_request(api: str, schema: dict) -> tuple[str, dict, str]:
+    """(path, body, param of the schema) offering one tool with parameters `schema` in `api`'s shape."""
+    if api == "chat":
+        tool = {"type": "function", "function": {"name": "read", "parameters": schema}}
+        return CHAT, {"model": "m", "messages": USER, "max_tokens": 1, "tools": [tool]}, "tools[0].function.parameters"
+    if api == "responses":
+        tool = {"type": "function", "name": "read", "parameters": schema}
+        return (
+            "/v1/responses",
+            {"model": "m", "input": "hi", "max_output_tokens": 1, "tools": [tool]},
+            "tools[0].parameters",
+        )
+    tool = {"name": "read", "input_schema": schema}
+    return MESSAGES, {"model": "m", "messages": USER, "max_tokens": 1, "tools": [tool]}, "tools[0].input_schema"
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+@pytest.mark.parametrize(("schema", "where"), NOT_A_SCHEMA, ids=[w for _, w in NOT_A_SCHEMA])
+def test_tool_schema_that_is_not_json_schema_is_400(http, api, schema, where):
+    path, body, param = _tool_request(api, schema)
+    response = http.post(path, json=body)
+    assert response.status_code == 400, response.text
+    if api == "messages":
+        assert_anthropic_error(response, 400, "invalid_request_error", mentions=param, code="invalid_value")
+    else:
+        assert_openai_error(response, 400, mentions=param, code="invalid_value")
+        assert response.json()["error"]["param"] == param
+    assert f"at {where}" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("api", ["chat", "responses", "messages"])
+@pytest.mark.parametrize("schema", VALID_SCHEMAS, ids=["not", "propertyNames", "draft-07", "unknown-meta-schema"])
+def test_valid_tool_schemas_are_accepted(http, api, schema):
+    path, body, _ = _tool_request(api, schema)
+    response = http.post(path, json=body)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("api", ["chat", "messages"])
+def test_a_lone_prefill_is_a_clear_400(http, api):
+    """A conversation of only the assistant message to continue: the template failed on it ("chat template error:
+    list object has no element 0"); the 400 now says what to send."""
+    prefill = [{"role": "assistant", "content": "Sure,"}]
+    if api == "chat":
+        body = {"model": "m", "max_tokens": 1, "messages": prefill, "continue_final_message": True}
+        response = http.post(CHAT, json=body)
+        assert_openai_error(response, 400, mentions="messages", code="invalid_value")
+    else:
+        response = http.post(MESSAGES, json={"model": "m", "max_tokens": 1, "messages": prefill})
+        assert_anthropic_error(response, 400, "invalid_request_error", mentions="messages", code="invalid_value")
+    assert "user's message" in response.json()["error"]["message"]
+
+
 def test_count_tokens_bad_request(http):
     response = http.post(MESSAGES + "/count_tokens", content=b'{"model": "m", "messages": []}')
     assert_anthropic_error(response, 400, "invalid_request_error", mentions="messages")

@@ -4,6 +4,7 @@ logit_bias key past Python's int-string limit."""
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -100,6 +101,44 @@ def test_a_connection_with_unfinished_headers_is_closed(limited_server: ServerPr
         assert _closed_by_server(sock, HEADER_TIMEOUT_S + 3)
 
 
+def _read_response(sock: socket.socket, within_s: float) -> bytes:
+    """Everything the server sends until it closes the connection (or `within_s` passes)."""
+    sock.settimeout(within_s)
+    received = b""
+    try:
+        while chunk := sock.recv(65536):
+            received += chunk
+    except TimeoutError:
+        pass
+    return received
+
+
+@pytest.mark.parametrize(
+    ("path", "flavor"), [("/v1/chat/completions", "openai"), ("/v1/messages", "anthropic")]
+)  # fmt: skip
+def test_a_stalled_request_body_gets_a_408_and_the_connection_closes(
+    limited_server: ServerProcess, path: str, flavor: str
+) -> None:
+    """Headers complete, a body promised by Content-Length that stops coming: the connection was held open for
+    as long as the client liked (the header deadline ends with the headers). Now a stall of `--header-timeout-s`
+    between body chunks is a 408 in the API's shape, logged, and the connection closes."""
+    with _connect(limited_server.base_url) as sock:
+        head = f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n"
+        sock.sendall(head.encode() + b'{"model": "m", "messages": [')
+        start = time.monotonic()
+        received = _read_response(sock, HEADER_TIMEOUT_S + 5)
+        elapsed = time.monotonic() - start
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), received[:300]
+    assert elapsed < HEADER_TIMEOUT_S + 3
+    payload = json.loads(body)
+    assert flavor == "openai" or payload["type"] == "error"
+    error = payload["error"]
+    assert error["code"] == "request_timeout" and "--header-timeout-s" in error["message"]
+    assert f"POST {path} -> 408 request_timeout" in limited_server.log_tail()
+    assert httpx.get(limited_server.base_url + "/health", timeout=10).status_code == 200
+
+
 def test_connections_past_the_limit_are_refused(limited_server: ServerProcess) -> None:
     held = [_connect(limited_server.base_url) for _ in range(MAX_CONNECTIONS)]
     try:
@@ -177,6 +216,8 @@ def test_n_times_max_tokens_is_capped(limited_server: ServerProcess) -> None:
         ("/v1/messages", "max_tokens", {"messages": [{"role": "user", "content": "hi"}]}),
         ("/v1/responses", "max_output_tokens", {"input": "hi"}),
         ("/v1/completions", "max_tokens", {"prompt": "hi"}),
+        # Compaction wrote its own default (2048 tokens, 30 s on the CPU demo) past the cap, or any budget asked.
+        ("/v1/responses/compact", "max_output_tokens", {"input": "hi"}),
     ],
 )
 def test_every_api_caps_one_requests_output(limited_server: ServerProcess, path: str, field: str, body: dict) -> None:
@@ -188,7 +229,7 @@ def test_every_api_caps_one_requests_output(limited_server: ServerProcess, path:
         assert refused.status_code == 400, refused.text
         assert "--max-request-output-tokens" in refused.text and field in refused.text
         assert "n x" not in refused.text  # these APIs have no n: the message speaks of the budget alone
-        if path == "/v1/responses":
+        if path.startswith("/v1/responses"):
             capped = client.post(path, json=base)
             assert capped.status_code == 200, capped.text
             assert capped.json()["usage"]["output_tokens"] <= MAX_REQUEST_OUTPUT_TOKENS

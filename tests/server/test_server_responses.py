@@ -247,3 +247,20 @@ def test_response_store_is_a_bounded_lru():
     store.put("c", StoredResponse({"id": "c"}, []))
     assert len(store) == 2 and store.get("b") is None and store.get("a") and store.get("c")
     assert store.delete("a") and not store.delete("a")
+
+
+def test_stored_responses_are_bounded_in_bytes(http):
+    """Stored responses keep their input as sent: 256 of them with a 30 MB image each (in a 32 MiB body) held
+    7.5 GB. The store now also holds at most RESPONSE_STORE_MAX_BYTES, dropping the least recently used."""
+    from freetoken.server.responses import RESPONSE_STORE_MAX_BYTES
+
+    image = "data:image/png;base64," + "A" * (24 << 20)
+    ids = []
+    for i in range(RESPONSE_STORE_MAX_BYTES // (24 << 20) + 1):
+        content = [{"type": "input_image", "image_url": image}, {"type": "input_text", "text": f"image {i}"}]
+        body = {"model": "m", "max_output_tokens": 1, "input": [{"role": "user", "content": content}]}
+        response = http.post("/v1/responses", json=body, timeout=120)
+        assert response.status_code == 200, response.text
+        ids.append(response.json()["id"])
+    assert http.get(f"/v1/responses/{ids[0]}").status_code == 404
+    assert http.get(f"/v1/responses/{ids[-1]}").status_code == 200

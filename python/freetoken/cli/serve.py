@@ -13,6 +13,8 @@ from freetoken.config import EngineConfig, ModelConfig
 log = logging.getLogger("freetoken.cli")
 
 DEMO = "demo"
+DEMO_QWEN3_5 = "demo-qwen3.5"  # the Qwen3.5 (Gated DeltaNet hybrid) counterpart
+DEMOS = (DEMO, DEMO_QWEN3_5)
 # The demo's KV cache when --kv-cache-tokens is not given: two full contexts (128 MiB in float32), not
 # max_num_seqs of them (1 GiB zeroed at every start on the CPU); concurrent requests past it wait their turn.
 DEMO_KV_CACHE_CONTEXTS = 2
@@ -30,6 +32,8 @@ _HELP = {
     "of this GPU and model says so, else offload; a missing profile is measured at start), fused (all on the GPU), "
     "offload (host pool + GPU slot cache), cpu (misses run on the host), hybrid (q* split)",
     "gpu_memory_gb": "GPU memory budget in GB for weights, KV cache and expert slots; 0 = 90%% of free memory",
+    "activation_reserve_gb": "GPU memory in GB kept for a step's activations, the CUDA context and the allocator; "
+    "0 = the peak of the largest step --max-prefill-tokens, --max-model-len and --max-num-seqs allow, plus 1 GiB",
     "expert_slots": "expert slots in the GPU cache; 0 = as many as the budget leaves",
     "expert_cache_policy": "slot replacement policy: lfu, lru, layer_lru",
     "cpu_threads": "threads of the host expert kernels; 0 = all CPUs (one fewer on CUDA)",
@@ -95,12 +99,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Load a model directory (Hugging Face layout: config.json, safetensors, tokenizer) and serve "
         "the OpenAI API (/v1/chat/completions, /v1/responses, /v1/completions, /v1/models), the Anthropic API "
         "(/v1/messages, /v1/messages/count_tokens), /v1/stats and /health. --model demo builds and caches a tiny "
-        "random-weight Qwen3-MoE with Qwen's real tokenizer, without network.",
+        "random-weight Qwen3-MoE with Qwen's real tokenizer, without network (--model demo-qwen3.5: a Qwen3.5-MoE).",
     )
     p.add_argument(
         "--model",
         required=True,
-        help=f"model directory; {DEMO!r} for the built-in tiny model; or a shipped real config "
+        help=f"model directory; {DEMO!r} for the built-in tiny model ({DEMO_QWEN3_5!r} its Qwen3.5 twin); or a "
+        "shipped real config "
         "(qwen3-30b-a3b, qwen3-235b-a22b, qwen3.5-35b-a3b) with --dummy-weights",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1)")
@@ -146,15 +151,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def resolve_model_dir(model: str, dummy_weights: bool) -> Path:
-    """`--model` value -> a model directory: a path; "demo" (the tiny demo checkpoint, built once); or the name
-    of a shipped real config (`freetoken.models.presets`, with --dummy-weights). Raises SystemExit with a message
-    that says what to change when the value is not usable."""
+    """`--model` value -> a model directory: a path; "demo" or "demo-qwen3.5" (tiny demo checkpoints, built once);
+    or the name of a shipped real config (`freetoken.models.presets`, with --dummy-weights). Raises SystemExit with
+    a message that says what to change when the value is not usable."""
     from freetoken.models.presets import preset_dir, preset_names
 
     if model == DEMO:
         from freetoken.models.demo import demo_checkpoint_dir
 
         return demo_checkpoint_dir()
+    if model == DEMO_QWEN3_5:
+        from freetoken.models.demo_qwen3_5 import qwen3_5_demo_checkpoint_dir
+
+        return qwen3_5_demo_checkpoint_dir()
     path = Path(model).expanduser()
     if not path.exists() and model in preset_names():
         if not dummy_weights:
@@ -221,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
     cfg.validate()  # bad flags answer before anything loads
     model_dir = resolve_model_dir(args.model, cfg.dummy_weights)
     model_cfg = ModelConfig.from_dir(model_dir)  # raises ConfigError naming config.json and the key
-    if args.model == DEMO and not cfg.kv_cache_tokens:
+    if args.model in DEMOS and not cfg.kv_cache_tokens:
         cfg.kv_cache_tokens = DEMO_KV_CACHE_CONTEXTS * (cfg.max_model_len or model_cfg.max_position_embeddings)
     check_port_free(args.host, args.port)  # before minutes of loading, not after
     if cfg.max_model_len > model_cfg.max_position_embeddings:
@@ -234,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
     from freetoken.engine import AsyncEngine, LLMEngine
     from freetoken.server.app import run_server
 
-    name = args.served_model_name or (DEMO if args.model == DEMO else model_dir.name)
+    name = args.served_model_name or (args.model if args.model in DEMOS else model_dir.name)
     log.info("loading %s on %s (%s)", model_dir, cfg.device, "dummy weights" if cfg.dummy_weights else "safetensors")
     engine = LLMEngine.from_dir(model_dir, cfg)
     if engine.tokenizer is None:

@@ -174,7 +174,8 @@ def headroom_bytes(engine: LLMEngine) -> tuple[int | None, str]:
         free, _total = torch.cuda.mem_get_info(engine.device)
         allocated = torch.cuda.memory_allocated(engine.device)
         unused = torch.cuda.memory_reserved(engine.device) - allocated
-        reserve = activation_reserve_nbytes(engine.cfg, engine.model_cfg)
+        dtype = next(engine.runner.model.parameters()).dtype
+        reserve = activation_reserve_nbytes(engine.cfg, engine.model_cfg, dtype)
         headroom = int(DEVICE_FREE_SHARE * free) + unused - reserve
         if engine.cfg.gpu_memory_gb:
             headroom = min(headroom, int(engine.cfg.gpu_memory_gb * 1e9) - allocated - reserve)

@@ -30,6 +30,10 @@ snapshot costs its bytes (63 MB on Qwen3.5-35B-A3B), so a prompt with hundreds o
     that reply's thinking on the next turn (OpenClaw) changes the prompt,
   - every tool output's start (the `<tool_response>` mark), where OpenCode replaces old outputs deep in the
     history (measured by benches/agent_trace.py: with spacing alone such turns re-prefilled up to the spacing more),
+  - every user query's end (the turn end of a user turn that is not a tool output): Qwen's chat templates render
+    the thinking of the replies after the last query only, so when the next query arrives every reply since the
+    previous one loses its thinking, and the prompt changes right after that query's end, however many tool turns
+    (each with its turn ends) came between,
   - marks at least `spacing` tokens after the previous kept one, or after where the prompt resumed
     (`--state-checkpoint-spacing`; other deep history edits re-prefill at most about that),
   - the end of the prompt (the next turn usually starts with the whole of it),
@@ -69,6 +73,9 @@ TURN_END = "<|im_end|>"
 # Tool outputs start right after this mark; OpenCode replaces old ones by a placeholder, deep in the history, so
 # every such mark of a prompt is kept, whatever the spacing.
 TOOL_OUTPUT_OPEN = "<tool_response>"
+# A user turn opens with this; one whose text does not start with `TOOL_OUTPUT_OPEN` is a query (the templates'
+# `last_query_index`), whose end is kept whatever the spacing.
+QUERY_OPEN = "<|im_start|>user"
 # Default snapshot budget: room for this many snapshots, capped at `DEFAULT_BUDGET_FRACTION` of the device budget.
 DEFAULT_SNAPSHOTS = 64
 DEFAULT_BUDGET_FRACTION = 0.1
@@ -94,10 +101,16 @@ class MarkSet:
 
     Args:
         sequences: the boundary strings as token ids (each non-empty).
+        turn_end, tool_output, query_open: the ids of `TURN_END`, `TOOL_OUTPUT_OPEN` and `QUERY_OPEN` (empty when
+            the template writes none).
     """
 
     def __init__(
-        self, sequences: Sequence[Sequence[int]], turn_end: Sequence[int] = (), tool_output: Sequence[int] = ()
+        self,
+        sequences: Sequence[Sequence[int]],
+        turn_end: Sequence[int] = (),
+        tool_output: Sequence[int] = (),
+        query_open: Sequence[int] = (),
     ) -> None:
         self.sequences = sorted({tuple(s) for s in sequences if s}, key=len, reverse=True)
         self._by_last: dict[int, list[tuple[int, ...]]] = {}
@@ -105,12 +118,14 @@ class MarkSet:
             self._by_last.setdefault(seq[-1], []).append(seq)
         self.turn_end = tuple(turn_end)  # the turn end's ids (`TURN_END`), () when the template writes none
         self.tool_output = tuple(tool_output)  # the tool output opener's (`TOOL_OUTPUT_OPEN`), the same
+        self.query_open = tuple(query_open)  # a user turn's opener (`QUERY_OPEN`), the same
 
     @classmethod
     def from_tokenizer(cls, tokenizer) -> MarkSet:
         """The marks of a model: the `MARK_STRINGS` that its chat template writes on a probe conversation (all of
         them when it has no template or the probe fails to render), as `tokenizer.encode` gives them."""
         strings = list(MARK_STRINGS)
+        text = "".join(MARK_STRINGS) + QUERY_OPEN
         try:
             text = tokenizer.apply_chat_template(_PROBE_MESSAGES, tools=_PROBE_TOOLS)
             strings = [s for s in MARK_STRINGS if s in text] or strings
@@ -118,7 +133,8 @@ class MarkSet:
             log.info("state checkpoints: the chat template did not render a probe (%s); marks are %s", e, strings)
         turn_end = tokenizer.encode(TURN_END) if TURN_END in strings else []
         tool_output = tokenizer.encode(TOOL_OUTPUT_OPEN) if TOOL_OUTPUT_OPEN in strings else []
-        return cls([tokenizer.encode(s) for s in strings], turn_end, tool_output)
+        query_open = tokenizer.encode(QUERY_OPEN) if turn_end and QUERY_OPEN in text else []
+        return cls([tokenizer.encode(s) for s in strings], turn_end, tool_output, query_open)
 
     def ends_at(self, tokens: Sequence[int], end: int) -> bool:
         """Whether a mark sequence ends right before position `end` (tokens[end - len : end] is one)."""
@@ -134,6 +150,27 @@ class MarkSet:
     def tool_outputs(self, tokens: Sequence[int], marks: Sequence[int]) -> list[int]:
         """Those of `marks` where a tool output starts (right after `TOOL_OUTPUT_OPEN`)."""
         return _after(tokens, marks, self.tool_output)
+
+    def query_ends(self, tokens: Sequence[int], marks: Sequence[int]) -> list[int]:
+        """Those of `marks` that end a user query: a turn end whose turn opened with `QUERY_OPEN` and whose text
+        does not start with `TOOL_OUTPUT_OPEN` (Qwen's templates write tool outputs as user turns too). Reads each
+        turn back to its opener once: linear in the turns' tokens."""
+        n = len(self.query_open)
+        if not n:
+            return []
+        opener, tool = self.query_open[0], self.tool_output
+        ends = []
+        for p in self.turn_ends(tokens, marks):
+            i = p - len(self.turn_end) - 1
+            while i >= 0 and tokens[i] != opener:
+                i -= 1
+            if i < 0 or tuple(tokens[i : i + n]) != self.query_open:
+                continue
+            # The text starts after the role's newline (one token, two for an odd tokenizer): a tool output there?
+            head = tuple(tokens[i + n : i + n + len(tool) + 2])
+            if not tool or not any(head[k : k + len(tool)] == tool for k in range(3)):
+                ends.append(p)
+        return ends
 
     def positions(self, tokens: Sequence[int], start: int, stop: int) -> list[int]:
         """Marks p with start < p <= stop (p: the position right after a mark sequence), ascending."""
@@ -521,7 +558,7 @@ class StateCheckpoints:
                 end,
                 self.spacing,
                 turn_ends=self.marks.turn_ends(tokens, marks),
-                always=self.marks.tool_outputs(tokens, marks),
+                always=self.marks.tool_outputs(tokens, marks) + self.marks.query_ends(tokens, marks),
             )
 
     def forget(self, seq) -> None:

@@ -25,6 +25,12 @@ _SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SD
 # takes 8.7 ms per layer there against cuDNN's 4.6 (benches/prefill_compute.py), under the ~21 ms of a layer's
 # streamed copies; an extend's lower-right mask was on flash already (`CausalBias`).
 PREFILL_SDPA_BACKENDS = _SDPA_BACKENDS
+# Devices where the decode rows of a step that also prefills read the paged cache in place with the Triton decode
+# kernel (`freetoken.kernels.paged_attention`, as decode-only steps do): gathering their contexts padded to the longest
+# one would take [decodes, longest context, kv_heads, head_dim] for K and for V on the device (1.3 GB for 15 decodes
+# at Qwen3-30B-A3B's 40960-token context, 8 GB at Qwen3.5's 262144; `freetoken.models.activations`). Tests add "cpu"
+# (Triton's interpreter).
+KERNEL_DEVICES = {"cuda"}
 
 
 @dataclass
@@ -40,9 +46,12 @@ class AttentionMetadata:
         query_lens: per sequence, tokens in this step.
         context_lens: per sequence, tokens in the KV cache after this step (earlier context + query).
         decode_gather: [Bd, Cd] int64 KV slots of the decode sequences (query length 1), right-padded with 0;
-            None when the step has no decode sequence.
+            None when the step has no decode sequence or reads them with the kernel (`decode_block_tables`).
         decode_mask: [Bd, 1, 1, Cd] bool, True where `decode_gather` is a real slot.
         decode_rows: [Bd] int64, token index of each decode sequence's query in the step.
+        decode_block_tables: [Bd, max blocks] int32 KV blocks of the decode sequences, right-padded with 0, and
+            decode_seq_lens: [Bd] int32 their context lengths, instead of `decode_gather` on `KERNEL_DEVICES`
+            (the Triton decode kernel reads the cache through them; `kv_block_size` is then the block size).
         prefill_spans: per prefill sequence (query length > 1): (first token index, query length,
             [context] int64 KV slots of its whole context).
         block_tables: [B, max_blocks] int32 and seq_lens: [B] int32, set instead of the fields above for a
@@ -67,6 +76,8 @@ class AttentionMetadata:
     block_tables: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     kv_block_size: int = 0
+    decode_block_tables: torch.Tensor | None = None
+    decode_seq_lens: torch.Tensor | None = None
     state_slots: torch.Tensor | None = None
     state_splits: list[list[int]] | None = None
     state_capture: Callable[[int, int, int, torch.Tensor, torch.Tensor], None] | None = None
@@ -80,43 +91,60 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device,
     ) -> AttentionMetadata:
-        """Build the metadata of one step from per-sequence lengths and block tables (KV block ids)."""
+        """Build the metadata of one step from per-sequence lengths and block tables (KV block ids). On
+        `KERNEL_DEVICES` the decode sequences get block tables for the Triton kernel, elsewhere padded gathers."""
         positions: list[torch.Tensor] = []
         slots: list[torch.Tensor] = []
         decode: list[tuple[int, torch.Tensor]] = []
         prefill: list[tuple[int, int, torch.Tensor]] = []
+        kernel = device.type in KERNEL_DEVICES
         row = 0
         for q, c, blocks in zip(query_lens, context_lens, block_tables, strict=True):
-            pos = torch.arange(c)
+            # A decode read by the kernel needs only its new token's slot; the others their whole context's.
+            pos = torch.arange(c - 1, c) if q == 1 and kernel else torch.arange(c)
             ctx_slots = torch.tensor(blocks, dtype=torch.int64)[pos // block_size] * block_size + pos % block_size
-            positions.append(pos[c - q :])
-            slots.append(ctx_slots[c - q :])
+            positions.append(pos[pos.numel() - q :])
+            slots.append(ctx_slots[ctx_slots.numel() - q :])
             if q == 1:
                 decode.append((row, ctx_slots))
             else:
                 prefill.append((row, q, ctx_slots.to(device)))
             row += q
-        decode_gather = decode_mask = decode_rows = None
-        if decode:
-            width = max(s.numel() for _, s in decode)
-            gather = torch.zeros(len(decode), width, dtype=torch.int64)
-            mask = torch.zeros(len(decode), width, dtype=torch.bool)
-            for j, (_, ctx_slots) in enumerate(decode):
-                gather[j, : ctx_slots.numel()] = ctx_slots
-                mask[j, : ctx_slots.numel()] = True
-            decode_gather = gather.to(device)
-            decode_mask = mask[:, None, None, :].to(device)
-            decode_rows = torch.tensor([r for r, _ in decode], dtype=torch.int64, device=device)
-        return cls(
+        meta = cls(
             positions=torch.cat(positions).to(device),
             slot_mapping=torch.cat(slots).to(device),
             query_lens=list(query_lens),
             context_lens=list(context_lens),
-            decode_gather=decode_gather,
-            decode_mask=decode_mask,
-            decode_rows=decode_rows,
+            decode_gather=None,
+            decode_mask=None,
+            decode_rows=None,
             prefill_spans=prefill,
         )
+        if not decode:
+            return meta
+        meta.decode_rows = torch.tensor([r for r, _ in decode], dtype=torch.int64, device=device)
+        if kernel:
+            decodes = [
+                (blocks[: -(-c // block_size)], c)
+                for q, c, blocks in zip(query_lens, context_lens, block_tables, strict=True)
+                if q == 1
+            ]
+            tables = torch.zeros(len(decodes), max(len(b) for b, _ in decodes), dtype=torch.int32)
+            for j, (blocks, _) in enumerate(decodes):
+                tables[j, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            meta.decode_block_tables = tables.to(device)
+            meta.decode_seq_lens = torch.tensor([c for _, c in decodes], dtype=torch.int32, device=device)
+            meta.kv_block_size = block_size
+            return meta
+        width = max(s.numel() for _, s in decode)
+        gather = torch.zeros(len(decode), width, dtype=torch.int64)
+        mask = torch.zeros(len(decode), width, dtype=torch.bool)
+        for j, (_, ctx_slots) in enumerate(decode):
+            gather[j, : ctx_slots.numel()] = ctx_slots
+            mask[j, : ctx_slots.numel()] = True
+        meta.decode_gather = gather.to(device)
+        meta.decode_mask = mask[:, None, None, :].to(device)
+        return meta
 
 
 def paged_attention(
@@ -149,7 +177,22 @@ def paged_attention(
 
         return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.kv_block_size, scale)
     out = torch.empty_like(q)
-    if meta.decode_gather is not None:
+    if meta.decode_block_tables is not None:
+        from freetoken.kernels.paged_attention import paged_decode_attention
+
+        out[meta.decode_rows] = paged_decode_attention(
+            q[meta.decode_rows],
+            k_cache,
+            v_cache,
+            meta.decode_block_tables,
+            meta.decode_seq_lens,
+            meta.kv_block_size,
+            scale,
+            # One pass per sequence: the split kernel's scratch is kept per partition count, and these tables' width
+            # (the step's longest decode) varies from step to step; the prefill chunk beside them dominates the step.
+            partition_size=None,
+        )
+    elif meta.decode_gather is not None:
         # (Bd, Cd, nkv, D) -> (Bd, nkv, Cd, D)
         kd = k_cache[meta.decode_gather].transpose(1, 2)
         vd = v_cache[meta.decode_gather].transpose(1, 2)

@@ -25,10 +25,12 @@ from pathlib import Path
 
 import torch
 
-from freetoken.models.demo import write_demo_dir
+from freetoken.models.demo import DEMO_CONTEXT_TOKENS, write_demo_dir
 from freetoken.models.presets import preset_config_path
+from freetoken.paths import atomic_build, cache_root
 
 PRESET = "qwen3.5-35b-a3b"
+DEMO_NAME = "demo-qwen3.5-v1"
 PREFIX = "model.language_model."
 IM_END = 151645  # the Qwen tokenizer's <|im_end|>
 
@@ -163,4 +165,14 @@ def build_qwen3_5_demo_checkpoint(
     """
     return write_demo_dir(
         dest, qwen3_5_demo_config(**overrides), random_qwen3_5_weights, seed, expert_layout, num_shards
+    )
+
+
+def qwen3_5_demo_checkpoint_dir() -> Path:
+    """The Qwen3.5 demo checkpoint that `ft serve --model demo-qwen3.5` serves (seed 0, fused experts, a
+    `DEMO_CONTEXT_TOKENS` context as the Qwen3 demo's), built once into the cache beside it
+    (`freetoken.models.demo.demo_checkpoint_dir`: same location rules, same atomic build)."""
+    return atomic_build(
+        cache_root() / "models" / DEMO_NAME,
+        lambda dest: build_qwen3_5_demo_checkpoint(dest, max_position_embeddings=DEMO_CONTEXT_TOKENS),
     )

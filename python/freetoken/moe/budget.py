@@ -16,9 +16,9 @@ from freetoken.config import EngineConfig, ModelConfig
 
 log = logging.getLogger(__name__)
 
-# Activations of one prefill chunk: ~24 live [tokens, hidden] tensors in the compute dtype, plus the allocator's
-# and CUDA context's own use. A working estimate, not a bound.
-ACTIVATION_TENSORS = 24
+# Beside the activations (`freetoken.models.activations`): the CUDA context, cuBLAS's and Triton's workspaces, the
+# decode step's CUDA-graph pool and the caching allocator's fragmentation, which no tensor accounts for. Not measured
+# on the CPU; `tests/models/test_activations_gpu.py` prints what the GPU box takes.
 RESERVE_BYTES = 1 << 30
 
 
@@ -51,9 +51,21 @@ def state_checkpoint_nbytes(cfg: EngineConfig, model_cfg: ModelConfig, dtype: to
     return budget // each * each
 
 
-def activation_reserve_nbytes(cfg: EngineConfig, model_cfg: ModelConfig) -> int:
-    """Device bytes the budget keeps for activations and the allocator (`ACTIVATION_TENSORS`, `RESERVE_BYTES`)."""
-    return RESERVE_BYTES + ACTIVATION_TENSORS * cfg.max_prefill_tokens * model_cfg.hidden_size * 4
+def activation_parts_nbytes(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> dict[str, int]:
+    """Bytes live at the peak of each part of the largest step the settings allow (`--max-prefill-tokens` tokens,
+    contexts up to max_model_len, `--max-num-seqs` sampled rows): `freetoken.models.activations`."""
+    from freetoken.models.activations import step_activation_nbytes
+
+    max_context = cfg.max_model_len or model_cfg.max_position_embeddings
+    return step_activation_nbytes(model_cfg, cfg.max_prefill_tokens, max_context, cfg.max_num_seqs, dtype)
+
+
+def activation_reserve_nbytes(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Device bytes the budget keeps for one step's activations (the largest part of `activation_parts_nbytes`)
+    and what no tensor accounts for (`RESERVE_BYTES`); `--activation-reserve-gb` when given."""
+    if cfg.activation_reserve_gb:
+        return int(cfg.activation_reserve_gb * 1e9)
+    return RESERVE_BYTES + max(activation_parts_nbytes(cfg, model_cfg, dtype).values())
 
 
 def wanted_layer_buffers(cfg: EngineConfig, backend: str) -> int:
@@ -99,7 +111,19 @@ def plan_expert_slots(
     kv = plan_kv_cache(model_cfg, cfg, dtype).nbytes
     state = state_pool_nbytes(cfg, model_cfg, dtype)
     checkpoints = state_checkpoint_nbytes(cfg, model_cfg, dtype)
-    activations = activation_reserve_nbytes(cfg, model_cfg)
+    parts = activation_parts_nbytes(cfg, model_cfg, dtype)
+    peak_part = max(parts, key=parts.__getitem__)
+    activations = activation_reserve_nbytes(cfg, model_cfg, dtype)
+    if cfg.activation_reserve_gb:
+        log.info(
+            "activation reserve %.2f GB as --activation-reserve-gb says (the formula's: a %d-token step's peak %.2f GB "
+            "in %s, plus %.2f GB)",
+            activations / 1e9,
+            cfg.max_prefill_tokens,
+            parts[peak_part] / 1e9,
+            peak_part,
+            RESERVE_BYTES / 1e9,
+        )
     left = budget - weights - kv - state - checkpoints - activations
     if buffers and cfg.prefill_strategy != "stream" and left >= num_experts * expert_stride:
         buffers = 0  # every expert fits in a slot: nothing would stream, and the buffers would evict experts
@@ -126,16 +150,23 @@ def plan_expert_slots(
     left -= buffers * layer_nbytes
     log.info(
         "GPU budget %.1f GB: non-expert weights %.2f GB, KV cache %.2f GB, recurrent state %.2f GB, state "
-        "checkpoints %.2f GB, activations %.2f GB, prefill layer buffers %d x %.2f GB, expert slots %.2f GB",
+        "checkpoints %.2f GB, activation reserve %.2f GB (a %d-token step's peak, in %s, %.2f GB + %.2f GB of "
+        "context and allocator), prefill layer buffers %d x %.2f GB, expert slots %.2f GB (%d slots of %d experts)",
         budget / 1e9,
         weights / 1e9,
         kv / 1e9,
         state / 1e9,
         checkpoints / 1e9,
         activations / 1e9,
+        cfg.max_prefill_tokens,
+        peak_part,
+        parts[peak_part] / 1e9,
+        RESERVE_BYTES / 1e9,
         buffers,
         layer_nbytes / 1e9,
         max(left, 0) / 1e9,
+        min(max(left, 0) // expert_stride, num_experts),
+        num_experts,
     )
     if left < expert_stride:
         raise ValueError(

@@ -6,6 +6,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+# Devices whose tensors take the Triton grouped kernel (`freetoken.kernels.fused_moe`); elsewhere one SwiGLU per
+# expert in torch. Tests add "cpu" (Triton's interpreter) or "meta" (`tests/activation_peak.py`).
+KERNEL_DEVICES = {"cuda"}
+
 
 def expert_views(experts: torch.Tensor, hidden: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Views of packed experts as the stacked weights `grouped_swiglu` takes, without a copy.
@@ -47,7 +51,7 @@ def grouped_swiglu(
         sync). On the CPU one SwiGLU per expert that has tokens, in index order, accumulated as transformers'
         `Qwen3MoeExperts` does; weights stored in another dtype (bf16 slots) are cast to hidden's.
     """
-    if hidden.is_cuda:
+    if hidden.device.type in KERNEL_DEVICES:
         from freetoken.kernels.fused_moe import fused_moe
 
         return fused_moe(hidden, gate_up, down, topk_ids, topk_weights)

@@ -9,6 +9,17 @@ Tensor names read, for a quantized linear module `m` (e.g. `model.layers.0.self_
 - NVFP4 (ModelOpt export): `m.weight` U8 [out, in / 2], `m.weight_scale` F8_E4M3 [out, in / 16],
   `m.weight_scale_2` F32 [] (and `m.input_scale`, read by nobody: weight-only compute). Experts per expert only
   (ModelOpt exports no fused 3-D experts); a fused NVFP4 checkpoint is refused by name.
+- MXFP4 (`quant_method: mxfp4`, the layout of openai/gpt-oss-20b and -120b): only the routed experts are
+  quantized, fused 3-D: `...mlp.experts.gate_up_proj_blocks` U8 [E, 2I, H / 32, 16] (each row's 32-element blocks
+  of 16 bytes, two e2m1 per byte, element 2j in the low nibble) with `gate_up_proj_scales` U8 [E, 2I, H / 32] (e8m0
+  codes, 2^(code - 127)), and `down_proj_blocks` [E, H, I / 32, 16] / `down_proj_scales` [E, H, I / 32]. Rows are
+  output features and blocks run along the input, as OCP MX v1.0 section 6.3 blocks the dot product's dimension;
+  gpt-oss-20b's gate_up_proj_blocks is [32, 5760, 90, 16] for H 2880. transformers 5.24
+  (`integrations/mxfp4.py`, `_convert_moe_packed_tensors`) decodes the same way: `lut[blk & 0x0F]` to the even
+  element, `lut[blk >> 4]` to the odd one, `ldexp(value, scales - 127)`, rows kept in order. The row order of
+  gate_up is the model's, not the format's: gpt-oss interleaves gate and up rows (its `GptOssExperts._apply_gate`
+  reads `gate_up[..., ::2]` and `[..., 1::2]`), Qwen3-MoE stacks gate's I rows then up's (`Qwen3MoeExperts.forward`
+  chunks the product in two), which is what is read here for the Qwen3-MoE family.
 """
 
 from __future__ import annotations
@@ -23,8 +34,10 @@ from freetoken.quant.formats import ExpertFormat, ExpertLayout, QuantSpec
 
 # safetensors dtype names of each part, per format.
 _WEIGHT_DTYPE = {"fp8_block": "F8_E4M3", "nvfp4": "U8"}
-_SCALE_DTYPE = {"fp8_block": "F32", "nvfp4": "F8_E4M3"}
+_SCALE_DTYPE = {"fp8_block": "F32", "nvfp4": "F8_E4M3", "mxfp4": "U8"}
 _SCALE_SUFFIX = {"fp8_block": ".weight_scale_inv", "nvfp4": ".weight_scale"}
+# Suffixes of the weight and the scales of a fused 3-D expert tensor (`...mlp.experts.gate_up_proj`), per format.
+_FUSED_SUFFIXES = {"fp8_block": ("", "_scale_inv"), "mxfp4": ("_blocks", "_scales")}
 _WEIGHT_SUFFIXES = (
     ".weight_scale_inv",
     ".weight_scale_2",
@@ -40,7 +53,10 @@ def is_scale_tensor(name: str) -> bool:
 
 def _check_supported(fmt: ExpertFormat) -> None:
     if fmt.name not in _WEIGHT_DTYPE:
-        raise CheckpointError(f"reading {fmt.name} checkpoints is not supported yet (fp8_block and nvfp4 are)")
+        raise CheckpointError(
+            f"{fmt.name} linears are not read: fp8_block and nvfp4 checkpoints quantize linears, mxfp4 ones only "
+            "the fused routed experts"
+        )
 
 
 def read_matrix(
@@ -72,9 +88,16 @@ def read_matrix(
 
 
 def is_quantized_linear(reader: CheckpointReader, spec: QuantSpec, module: str) -> bool:
-    """Whether `module.weight` is stored quantized: the spec converts the module and the tensor is not a float."""
+    """Whether `module.weight` is stored quantized: the format has quantized linears (MXFP4 checkpoints quantize the
+    routed experts only, so any other weight must be a float, and the float reader names one that is not), the spec
+    converts the module and the tensor is not a float."""
     name = f"{module}.weight"
-    return spec.converts(module) and reader.has(name) and reader.index.dtypes[name] not in ("F32", "BF16", "F16")
+    return (
+        spec.format.name in _WEIGHT_DTYPE
+        and spec.converts(module)
+        and reader.has(name)
+        and reader.index.dtypes[name] not in ("F32", "BF16", "F16")
+    )
 
 
 def read_linear(reader: CheckpointReader, spec: QuantSpec, module: str, shape: tuple[int, int]) -> torch.Tensor:
@@ -116,18 +139,21 @@ def read_experts(
 
         weights = read_float_experts(reader, num_experts, h, i, layer, torch.device("cpu"), torch.bfloat16, prefix)
         return torch.cat([w.reshape(num_experts, -1) for w in weights], 1).view(torch.uint8)
-    _check_supported(fmt)
     base = f"{prefix}layers.{layer}.mlp.experts"
     out = torch.zeros(num_experts, layout.expert_nbytes, dtype=torch.uint8)
-    if reader.has(f"{base}.gate_up_proj"):
-        if fmt.name != "fp8_block":
-            raise CheckpointError(f"tensor {base}.gate_up_proj: fused 3-D experts are read for fp8_block only")
+    if fmt.name == "mxfp4" or reader.has(f"{base}.gate_up_proj"):
+        if fmt.name not in _FUSED_SUFFIXES:
+            raise CheckpointError(
+                f"tensor {base}.gate_up_proj: fused 3-D {fmt.name} experts are no released layout (fused fp8_block "
+                "and mxfp4 experts are read; nvfp4 ones per expert)"
+            )
         gate_up = read_matrix_3d(reader, fmt, f"{base}.gate_up_proj", num_experts, 2 * i, h)
         down = read_matrix_3d(reader, fmt, f"{base}.down_proj", num_experts, h, i)
         for e in range(num_experts):
             gate = {k: v[e, :i] for k, v in gate_up.items()}
             up = {k: v[e, i:] for k, v in gate_up.items()}
-            # The scales' block rows divide I (`ExpertFormat.check_shape`): the first I / block_rows are gate's.
+            # The scales' block rows divide I (`ExpertFormat.check_shape`): the first I / block_rows are gate's
+            # (MXFP4's blocks are one row: its first I scale rows).
             half = i // fmt.block_rows
             gate["scale"], up["scale"] = (
                 gate_up["scale"][e, :half],
@@ -156,14 +182,29 @@ def read_matrix_3d(
     rows: int,
     cols: int,
 ) -> dict[str, torch.Tensor]:
-    """The parts of a fused FP8 expert tensor `name` [E, rows, cols] and its `name_scale_inv`."""
-    weight = reader.get(name, (num_experts, rows, cols), (_WEIGHT_DTYPE[fmt.name],))
-    scale = reader.get(
-        f"{name}_scale_inv",
-        (num_experts, *fmt.scale_shape(rows, cols)),
-        (_SCALE_DTYPE[fmt.name],),
-    )
-    return {"weight": weight.view(torch.uint8), "scale": scale}
+    """The parts of fused expert tensor `name` ([E, rows, cols] = [E, out, in]) as `reference.quantize_matrix`
+    returns them, with a leading expert dimension: FP8's `name` F8_E4M3 and `name_scale_inv` F32, or MXFP4's
+    `name_blocks` U8 [E, rows, cols / 32, 16] (read as [E, rows, cols / 2]) and `name_scales` U8 (module docstring).
+
+    Raises:
+        CheckpointError: a tensor is missing, mis-shaped or of the wrong dtype (names it and what is expected);
+            an MXFP4 checkpoint without fused blocks (per-expert MXFP4 tensors are no released layout).
+    """
+    weight_suffix, scale_suffix = _FUSED_SUFFIXES[fmt.name]
+    scale_shape = (num_experts, *fmt.scale_shape(rows, cols))
+    if fmt.name == "mxfp4":
+        if not reader.has(name + weight_suffix):
+            raise CheckpointError(
+                f"tensor {name + weight_suffix!r} missing from the checkpoint: MXFP4 experts are read in the fused "
+                f"3-D layout of the released MXFP4 checkpoints (gpt-oss), {name}_blocks U8 "
+                f"{[*scale_shape, fmt.block_cols // 2]} and {name}_scales U8 {list(scale_shape)}"
+            )
+        blocks = reader.get(name + weight_suffix, (*scale_shape, fmt.block_cols // 2), ("U8",))
+        weight = blocks.reshape(num_experts, rows, cols // 2)  # each row's blocks back to back: the pool's bytes
+    else:
+        weight = reader.get(name + weight_suffix, (num_experts, rows, cols), (_WEIGHT_DTYPE[fmt.name],))
+    scale = reader.get(name + scale_suffix, scale_shape, (_SCALE_DTYPE[fmt.name],))
+    return {"weight": weight.view(torch.uint8), "scale": scale if fmt.scale_bytes == 4 else scale.view(torch.uint8)}
 
 
 def quantize_linear_tensors(fmt: ExpertFormat, module: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -190,8 +231,9 @@ def quantize_state_dict(
 ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Quantize a float checkpoint's linears as a real checkpoint of `spec` stores them.
 
-    Every 2-D `*.weight` of a module `spec.converts` (norms are 1-D and stay) and every 3-D fused expert tensor
-    (`experts.gate_up_proj`, `experts.down_proj`; FP8 only) is quantized by the reference quantizer.
+    Every 3-D fused expert tensor (`experts.gate_up_proj`, `experts.down_proj`; FP8 and MXFP4) and, for formats
+    that quantize linears (FP8, NVFP4), every 2-D `*.weight` of a module `spec.converts` (norms are 1-D and stay)
+    is quantized by the reference quantizer.
 
     Args:
         tensors: name -> float tensor, Hugging Face names (`freetoken.models.demo`'s random weights).
@@ -211,11 +253,16 @@ def quantize_state_dict(
             q, s = reference.quantize_fp8_block(w, (fmt.block_rows, fmt.block_cols))
             quantized[name], quantized[f"{name}_scale_inv"] = q, s
             dequantized[name] = reference.dequantize_fp8_block(q, s, (fmt.block_rows, fmt.block_cols))
+        elif fused and fmt.name == "mxfp4":
+            q, s = reference.quantize_mxfp4(w)  # [E, R, C / 2] packed, [E, R, C / 32] e8m0
+            quantized[f"{name}_blocks"] = q.reshape(*s.shape, fmt.block_cols // 2)  # [E, R, C / 32, 16]
+            quantized[f"{name}_scales"] = s
+            dequantized[name] = reference.dequantize_mxfp4(q, s)
         elif fused:
             raise ValueError(
                 f"{fmt.name} checkpoints have no fused 3-D experts; build them with expert_layout='per_expert'"
             )
-        elif name.endswith(".weight") and w.dim() == 2 and spec.converts(module):
+        elif name.endswith(".weight") and w.dim() == 2 and fmt.name in _WEIGHT_DTYPE and spec.converts(module):
             parts = quantize_linear_tensors(fmt, module, w)
             quantized.update(parts)
             p = reference.quantize_matrix(fmt, w)
@@ -226,7 +273,8 @@ def quantize_state_dict(
 
 
 def quantization_config(fmt: ExpertFormat, not_converted: list[str]) -> dict:
-    """The `quantization_config` a real checkpoint of `fmt` carries in config.json (Qwen FP8, ModelOpt NVFP4)."""
+    """The `quantization_config` a real checkpoint of `fmt` carries in config.json (Qwen FP8, ModelOpt NVFP4,
+    gpt-oss MXFP4)."""
     if fmt.name == "fp8_block":
         return {
             "quant_method": "fp8",
@@ -242,6 +290,8 @@ def quantization_config(fmt: ExpertFormat, not_converted: list[str]) -> dict:
             "group_size": 16,
             "ignore": not_converted,
         }
+    if fmt.name == "mxfp4":
+        return {"quant_method": "mxfp4", "modules_to_not_convert": not_converted}
     raise ValueError(f"no quantization_config for {fmt.name}")
 
 
@@ -258,14 +308,14 @@ def build_quantized_checkpoint(
 
     The demo model's random weights (`freetoken.models.demo`), every linear quantized by the reference quantizer
     except the embeddings, the LM head and the routers (`modules_to_not_convert` lists them, as Qwen's FP8
-    releases do).
+    releases do); MXFP4 quantizes the routed experts only, as gpt-oss does.
 
     Args:
         dest: directory to write.
-        fmt: `freetoken.quant.fp8_block(...)` or `NVFP4`; the block must divide the demo's sizes (override
-            hidden_size / moe_intermediate_size for 128 x 128 blocks).
+        fmt: `freetoken.quant.fp8_block(...)`, `NVFP4` or `MXFP4`; the block must divide the demo's sizes
+            (override hidden_size / moe_intermediate_size for 128 x 128 blocks).
         seed: seed of the random weights.
-        expert_layout: "per_expert" or "fused" (FP8 only).
+        expert_layout: "per_expert" (FP8, NVFP4) or "fused" (FP8, MXFP4).
         dequantized_dest: when given, also write there the float32 checkpoint of the dequantized weights
             (`quantize_state_dict`'s second result), the bf16 model the quantized one must match.
         **overrides: config.json values (see `freetoken.models.demo.demo_config`).
@@ -275,6 +325,8 @@ def build_quantized_checkpoint(
     """
     from freetoken.models import demo
 
+    if fmt.name == "mxfp4" and expert_layout != "fused":
+        raise ValueError("mxfp4 checkpoints store the routed experts fused 3-D (gpt-oss); use expert_layout='fused'")
     config = demo.demo_config(**overrides)
     fmt.check_shape(config["hidden_size"], config["moe_intermediate_size"])
     not_converted = ["lm_head", "model.embed_tokens"] + [

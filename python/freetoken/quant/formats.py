@@ -13,7 +13,7 @@ Formats (definitions cited where the codecs are, `freetoken.quant.reference`):
 | bf16       | bf16          | none                   | none         | no               | unquantized            |
 | fp8_block  | float8 e4m3   | 128 x 128 (config)     | float32      | no               | `quant_method: fp8`    |
 | nvfp4      | e2m1, 2/byte  | 1 x 16                 | float8 e4m3  | float32          | ModelOpt `NVFP4`       |
-| mxfp4      | e2m1, 2/byte  | 1 x 32                 | e8m0         | no               | OCP MX (gpt-oss)       |
+| mxfp4      | e2m1, 2/byte  | 1 x 32                 | e8m0         | no               | `quant_method: mxfp4`  |
 
 One expert in the pool, contiguous so one copy moves it; the two weight matrices back to back (as bf16 has always
 been stored), each scale section from a multiple of `SECTION_ALIGN` bytes:
@@ -192,11 +192,14 @@ class QuantSpec:
 
     def converts(self, module: str) -> bool:
         """Whether `module` (a checkpoint module name such as `model.layers.0.self_attn.q_proj`) is quantized:
-        False when a `not_converted` entry equals it, is a dotted prefix of it, or matches it as a glob."""
+        False when a `not_converted` entry equals it or a dotted prefix of it, or matches either as a glob (gpt-oss
+        lists `model.layers.*.self_attn` for every attention projection under it)."""
         from fnmatch import fnmatchcase
 
         for entry in self.not_converted:
-            if module == entry or module.startswith(entry + ".") or ("*" in entry and fnmatchcase(module, entry)):
+            if module == entry or module.startswith(entry + "."):
+                return False
+            if "*" in entry and (fnmatchcase(module, entry) or fnmatchcase(module, entry + ".*")):
                 return False
         return self.format.quantized
 
@@ -249,6 +252,12 @@ def _modelopt_spec(qc: dict[str, Any], source: str) -> QuantSpec:
     return QuantSpec(NVFP4, ignored, source)
 
 
+def _mxfp4_spec(qc: dict[str, Any], source: str) -> QuantSpec:
+    # transformers' `Mxfp4Config` (gpt-oss): `modules_to_not_convert` and `dequantize`, a loading option that
+    # changes nothing stored; the format itself is fixed (e2m1, e8m0 per 32 elements, OCP MX v1.0 section 6.3).
+    return QuantSpec(MXFP4, _names(qc.get("modules_to_not_convert"), source, "modules_to_not_convert"), source)
+
+
 def quant_spec(
     raw: dict[str, Any],
     model_dir: str | Path | None = None,
@@ -259,7 +268,8 @@ def quant_spec(
 
     Accepted: no `quantization_config` (bf16); `quant_method: fp8` with `weight_block_size` and a dynamic
     activation scheme (Qwen, DeepSeek-V3); `quant_method: modelopt` with `quant_algo: NVFP4`, or an
-    hf_quant_config.json whose `quantization.quant_algo` is NVFP4.
+    hf_quant_config.json whose `quantization.quant_algo` is NVFP4; `quant_method: mxfp4` (gpt-oss: routed experts
+    in MXFP4, everything else unquantized).
 
     Raises:
         QuantConfigError: any other method or algorithm, or FP8 without block scales (names the key and value).
@@ -286,7 +296,9 @@ def quant_spec(
         return _fp8_spec(qc, source)
     if method == "modelopt" or (method is None and "quant_algo" in qc):
         return _modelopt_spec(qc, source)
+    if method == "mxfp4":
+        return _mxfp4_spec(qc, source)
     raise QuantConfigError(
         f"{source}: quantization_config.quant_method={method!r} is not supported; freetoken serves bf16, "
-        "fp8 (block scales) and modelopt NVFP4 checkpoints"
+        "fp8 (block scales), modelopt NVFP4 and mxfp4 checkpoints"
     )

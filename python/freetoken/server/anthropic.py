@@ -93,6 +93,7 @@ from freetoken.server.schema import (
     get_object_list,
     get_string_list,
     get_tool_name,
+    get_tool_schema,
     join_path,
     parse_json_object,
     read_body,
@@ -341,7 +342,7 @@ def _tools(body: dict[str, Any], referenced: set[str]) -> list[dict[str, Any]] |
         path = join_path("tools", i)
         name = get_tool_name(tool, parent=path)
         kind = get_field(tool, "type", str, parent=path, default="custom")
-        schema = get_field(tool, "input_schema", dict, parent=path)
+        schema = get_tool_schema(tool, "input_schema", parent=path)
         if schema is None and kind != "custom":
             note_once_per_process(
                 f"anthropic-server-tool:{kind}",

@@ -86,7 +86,11 @@ def flavor_of(scope: Scope) -> ApiFlavor:
 
 def error_response(err: ApiError, flavor: ApiFlavor) -> JSONResponse:
     """The HTTP response for `err` in `flavor`'s shape."""
-    headers = {"WWW-Authenticate": "Bearer"} if err.status == 401 else None
+    headers = None
+    if err.status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    elif err.status == 408:  # the rest of the body may still come: the connection cannot carry another request
+        headers = {"Connection": "close"}
     return JSONResponse(error_body(err, flavor), status_code=err.status, headers=headers)
 
 
@@ -109,12 +113,23 @@ class ApiMiddleware:
     its body) -> nothing (no one to answer); anything else is logged
     with its traceback and becomes a 500. When the response has already started (a stream), the
     exception is logged and the connection is closed.
+
+    A request body that stops arriving for `body_timeout_s` (the headers are complete, the body is not) is a 408
+    and its connection closes: the header deadline (`HeaderTimeoutProtocol`) ends with the headers, and a client
+    that promised a Content-Length and sent less held its connection (one of `--max-connections`) for ever.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None = None, metrics_open: bool = False) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None = None,
+        metrics_open: bool = False,
+        body_timeout_s: float | None = None,
+    ) -> None:
         self.app = app
         self.api_key = api_key
         self.metrics_open = metrics_open
+        self.body_timeout_s = body_timeout_s
 
     def _open(self, scope: Scope) -> bool:
         if scope["path"] in _OPEN_PATHS:
@@ -148,10 +163,23 @@ class ApiMiddleware:
                 started = True
             await send(message)
 
+        body_complete = self.body_timeout_s is None
+
         async def counting_receive() -> Message:
-            nonlocal body_bytes
-            message = await receive()
+            nonlocal body_bytes, body_complete
+            if body_complete:  # after the body, receive() waits for the disconnect: no deadline
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.body_timeout_s)
+            except asyncio.TimeoutError:  # builtin TimeoutError only from Python 3.11
+                raise ApiError(
+                    408,
+                    ErrorCode.REQUEST_TIMEOUT,
+                    f"the request body stopped arriving: nothing for {self.body_timeout_s:g} s after "
+                    f"{body_bytes} bytes (--header-timeout-s); send the whole body",
+                ) from None
             body_bytes += len(message.get("body", b""))
+            body_complete = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
         try:
@@ -315,6 +343,7 @@ def build_app(
     keepalive_s: float = KEEPALIVE_S,
     strict_max_tokens: bool = False,
     default_thinking: bool = False,
+    body_timeout_s: float | None = None,
 ) -> Starlette:
     """Build the ASGI app serving `engine`; the app's lifespan starts and shuts down the engine.
 
@@ -327,6 +356,7 @@ def build_app(
         strict_max_tokens: refuse (400) a completion budget past the room the prompt leaves in the context,
             instead of lowering it (`freetoken.server.generation.fit_context`).
         default_thinking: Anthropic requests without a ``thinking`` field think (the API's default is off).
+        body_timeout_s: a request body that stops arriving this long is a 408 (`ApiMiddleware`); None waits.
     """
 
     @contextlib.asynccontextmanager
@@ -367,7 +397,7 @@ def build_app(
         routes=routes,
         middleware=[  # telemetry outermost: it records the status ApiMiddleware answers (401, an error's 400)
             Middleware(telemetry.TelemetryMiddleware, telemetry=metered),
-            Middleware(ApiMiddleware, api_key=api_key, metrics_open=metrics_open),
+            Middleware(ApiMiddleware, api_key=api_key, metrics_open=metrics_open, body_timeout_s=body_timeout_s),
         ],
         exception_handlers={HTTPException: _http_exception},
         lifespan=lifespan,
@@ -469,7 +499,8 @@ def run_server(
 
     Args:
         header_timeout_s: a connection whose request headers are not complete this long after it opened (or
-            after its previous response) is closed (`HeaderTimeoutProtocol`).
+            after its previous response) is closed (`HeaderTimeoutProtocol`); a request body that stops arriving
+            this long is a 408 (`ApiMiddleware`).
         keep_alive_timeout_s: an idle keep-alive connection is closed after this long (uvicorn's
             ``timeout_keep_alive``).
         max_connections: open connections past this get a 503 to their requests (uvicorn's
@@ -483,6 +514,7 @@ def run_server(
         metrics_open=metrics_open,
         strict_max_tokens=strict_max_tokens,
         default_thinking=default_thinking,
+        body_timeout_s=header_timeout_s,
     )
     protocol = type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,), {"header_timeout_s": header_timeout_s})
     config = uvicorn.Config(

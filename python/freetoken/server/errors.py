@@ -31,6 +31,7 @@ class ErrorCode(str, enum.Enum):
 
     INVALID_JSON = "invalid_json"
     REQUEST_TOO_LARGE = "request_too_large"
+    REQUEST_TIMEOUT = "request_timeout"
     MISSING_FIELD = "missing_field"
     INVALID_TYPE = "invalid_type"
     INVALID_VALUE = "invalid_value"
@@ -56,6 +57,7 @@ _TYPES_BY_STATUS: dict[int, tuple[str, str]] = {
     401: ("invalid_request_error", "authentication_error"),
     404: ("invalid_request_error", "not_found_error"),
     405: ("invalid_request_error", "invalid_request_error"),
+    408: ("invalid_request_error", "invalid_request_error"),
     409: ("invalid_request_error", "invalid_request_error"),
     413: ("invalid_request_error", "request_too_large"),
     422: ("invalid_request_error", "invalid_request_error"),

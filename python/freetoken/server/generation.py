@@ -141,6 +141,13 @@ async def render_prompt(
     prefill = messages[-1].get("content") or "" if continue_final else ""
     if continue_final:
         messages = messages[:-1]
+        if not messages:  # templates start from messages[0] ("list object has no element 0" from Qwen's)
+            raise invalid_request(
+                ErrorCode.INVALID_VALUE,
+                "messages holds only the assistant message to continue (a prefill); put the user's message (or a "
+                "system prompt) before it",
+                "messages",
+            )
 
     def render() -> Prompt:
         text, ids = tokenizer.encode_chat(

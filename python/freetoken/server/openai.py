@@ -94,6 +94,7 @@ from freetoken.server.schema import (
     get_object_list,
     get_string_list,
     get_tool_name,
+    get_tool_schema,
     join_path,
     parse_json_object,
     read_body,
@@ -256,7 +257,7 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
         get_tool_name(function, parent=function_path)
         # The chat template renders these as they are: a string `parameters` would reach the model as a schema.
         get_field(function, "description", str, parent=function_path)
-        get_field(function, "parameters", dict, parent=function_path)
+        get_tool_schema(function, "parameters", parent=function_path)
     return tools or None
 
 

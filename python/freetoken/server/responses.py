@@ -78,6 +78,7 @@ from freetoken.server.schema import (
     get_number,
     get_object_list,
     get_tool_name,
+    get_tool_schema,
     join_path,
     parse_json_object,
     read_body,
@@ -89,6 +90,9 @@ logger = logging.getLogger("freetoken.server")
 
 # Most responses `ResponseStore` keeps (least recently used dropped first).
 RESPONSE_STORE_CAPACITY = 256
+# ... and at most this many bytes of them (the request bodies and response objects as JSON): stored input is kept
+# as sent, images included, so 256 bodies of up to 32 MiB would hold 8 GiB.
+RESPONSE_STORE_MAX_BYTES = 256 << 20
 
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
 # Parts a text-only model cannot read: each becomes a placeholder saying what was dropped (`omitted`).
@@ -240,7 +244,8 @@ def _function(tool: dict[str, Any], path: str, parameters: dict[str, Any] | None
     description = get_field(tool, "description", str, parent=path)
     if description is not None:
         function["description"] = description
-    function["parameters"] = parameters or get_field(tool, "parameters", dict, parent=path, default={"type": "object"})
+    schema = parameters or get_tool_schema(tool, "parameters", parent=path)
+    function["parameters"] = schema if schema is not None else {"type": "object"}
     return {"type": "function", "function": function}
 
 
@@ -393,33 +398,50 @@ class StoredResponse:
         body: the response object as it was returned.
         items: the conversation so far as Responses items: the previous response's items (when this one
             continued one), this request's input items, then its output items.
+        num_bytes: what keeping it costs, estimated as its request body's and response object's JSON sizes (the
+            previous responses' items are shared with their own entries, which count them).
     """
 
     body: dict[str, Any]
     items: list[dict[str, Any]]
+    num_bytes: int = 0
 
 
 class ResponseStore:
-    """The responses stored with ``store`` (the default), most recently used last, at most `capacity` of them: the
-    least recently used is dropped to make room. In memory only; touched only from the event loop.
+    """The responses stored with ``store`` (the default), most recently used last, at most `capacity` of them and
+    `max_bytes` of their `StoredResponse.num_bytes`: the least recently used are dropped to make room. In memory
+    only; touched only from the event loop.
 
     Args:
         capacity: most responses kept (>= 1).
+        max_bytes: most bytes kept; a response larger than this alone is not kept (logged).
     """
 
-    def __init__(self, capacity: int = RESPONSE_STORE_CAPACITY) -> None:
+    def __init__(self, capacity: int = RESPONSE_STORE_CAPACITY, max_bytes: int = RESPONSE_STORE_MAX_BYTES) -> None:
         self.capacity = max(1, capacity)
+        self.max_bytes = max_bytes
+        self.num_bytes = 0
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def put(self, response_id: str, entry: StoredResponse) -> None:
-        """Keep `entry` under `response_id`, dropping the least recently used beyond `capacity`."""
+        """Keep `entry` under `response_id`, dropping the least recently used beyond `capacity` or `max_bytes`."""
+        self.delete(response_id)
+        if entry.num_bytes > self.max_bytes:
+            logger.info(
+                "responses: %s is not stored: %d MB alone is past the store's %d MB",
+                response_id,
+                entry.num_bytes >> 20,
+                self.max_bytes >> 20,
+            )
+            return
         self._entries[response_id] = entry
-        self._entries.move_to_end(response_id)
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        self.num_bytes += entry.num_bytes
+        while len(self._entries) > self.capacity or self.num_bytes > self.max_bytes:
+            _, dropped = self._entries.popitem(last=False)
+            self.num_bytes -= dropped.num_bytes
 
     def get(self, response_id: str) -> StoredResponse | None:
         """The stored response (now the most recently used), or None when unknown or dropped."""
@@ -430,7 +452,11 @@ class ResponseStore:
 
     def delete(self, response_id: str) -> bool:
         """Forget `response_id`; False when it was not stored."""
-        return self._entries.pop(response_id, None) is not None
+        entry = self._entries.pop(response_id, None)
+        if entry is None:
+            return False
+        self.num_bytes -= entry.num_bytes
+        return True
 
 
 class _Response:
@@ -611,7 +637,8 @@ async def responses(request: Request) -> Response:
     """``POST /v1/responses``."""
     state = request.app.state
     engine = state.engine
-    body = parse_json_object(await read_body(request))
+    raw = await read_body(request)
+    body = parse_json_object(raw)
     get_field(body, "model", str, required=True)
     note_unknown_fields(body, KNOWN_FIELDS, "/v1/responses")
     store: ResponseStore = state.response_store
@@ -664,7 +691,8 @@ async def responses(request: Request) -> Response:
 
     def on_done(final: dict[str, Any]) -> None:
         if keep:
-            store.put(final["id"], StoredResponse(final, [*conversation, *final["output"]]))
+            num_bytes = len(raw) + len(json.dumps(final))
+            store.put(final["id"], StoredResponse(final, [*conversation, *final["output"]], num_bytes))
 
     if stream:
         events = _stream_events(engine, prompt.ids, params, plan, response, on_done, kinds)
@@ -693,7 +721,8 @@ async def compact(request: Request) -> Response:
     ``previous_response_id``) compacted by the served model. The output is the input's user messages, then one user
     message holding the model's summary of the whole history (the model's own turns and tool calls are dropped),
     as ``{"object": "response.compaction", "output": [...]}``; its items can be sent back as ``input``. The summary
-    is at most ``max_output_tokens`` (an extension) or `COMPACTION_MAX_TOKENS` tokens, greedy. Codex calls
+    is at most ``max_output_tokens`` (an extension) or `COMPACTION_MAX_TOKENS` tokens, greedy, within
+    ``--max-request-output-tokens`` as every request (`fit_output_budget`). Codex calls
     this only for providers it knows to support it (OpenAI's, Azure's); with any other provider it compacts by a
     normal turn."""
     state = request.app.state
@@ -716,12 +745,16 @@ async def compact(request: Request) -> Response:
     prompt = await render_prompt(engine, messages, None, {"enable_thinking": False})
     plan = plan_output(engine, prompt, None, ToolChoice())
     params = SamplingParams(temperature=0.0)
-    max_output_tokens = get_int(body, "max_output_tokens", lo=1, default=COMPACTION_MAX_TOKENS)
+    max_output_tokens = get_int(body, "max_output_tokens", lo=1)
     params.max_tokens = min(
-        max_output_tokens,
+        max_output_tokens or COMPACTION_MAX_TOKENS,
         fit_context(
             len(prompt.ids), None, context_fit(state), max_tokens_param="max_output_tokens", messages_param="input"
         ),
+    )
+    # --max-request-output-tokens holds here too: a budget asked past it is a 400, the default is lowered to it.
+    params.max_tokens = fit_output_budget(
+        engine, 1, params.max_tokens, max_output_tokens is not None, max_tokens_param="max_output_tokens"
     )
     await constrain_output(engine, plan, params, prompt.ids, messages_param="input")
     response_id = f"resp_{uuid.uuid4().hex}"

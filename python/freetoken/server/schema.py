@@ -7,10 +7,15 @@ as absent for optional fields (both APIs' SDKs send ``null`` for unset values in
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
+import warnings
 from typing import Any
+
+import jsonschema
+from jsonschema.exceptions import best_match
 
 from freetoken.server.errors import ApiError, ErrorCode, invalid_request
 
@@ -204,6 +209,43 @@ def get_tool_name(tool: dict[str, Any], *, parent: str) -> str:
         path = join_path(parent, "name")
         raise invalid_request(ErrorCode.INVALID_VALUE, f"{path} must be a non-empty tool name, got {name!r}", path)
     return name
+
+
+def get_tool_schema(obj: dict[str, Any], key: str, *, parent: str) -> dict[str, Any] | None:
+    """A tool's parameters schema, `obj[key]` (an object, or None when absent), checked against the JSON Schema
+    meta-schema that its ``$schema`` names (draft 2020-12 when it names none or one unknown), as OpenAI and
+    Anthropic check theirs: the chat template shows the schema to the model, which cannot call a tool whose
+    schema means nothing. Only validity is checked: a valid schema that the grammar library cannot enforce is
+    taken (it matters only when the call is forced, `freetoken.server.generation.constrain_output`).
+
+    Raises:
+        ApiError: 400 naming ``{parent}.{key}``, and where inside it and what the meta-schema refused.
+    """
+    path = join_path(parent, key)
+    schema = get_field(obj, key, dict, parent=parent)
+    if schema is not None:
+        error = _meta_schema_error(json.dumps(schema, sort_keys=True))
+        if error is not None:
+            raise invalid_request(ErrorCode.INVALID_VALUE, f"{path} is not a valid JSON Schema: {error}", path)
+    return schema
+
+
+@functools.lru_cache(maxsize=1024)
+def _meta_schema_error(schema_json: str) -> str | None:
+    """What the meta-schema refuses in the schema `schema_json` ("at LOCATION: reason"), or None when it is valid.
+
+    Cached by the schema's text: harnesses send the same tools every turn, and a check costs ~1-7 ms a schema
+    (jsonschema, pure Python; Claude Code offers a dozen tools).
+    """
+    schema = json.loads(schema_json)
+    with warnings.catch_warnings():  # an unknown $schema warns (DeprecationWarning) and gets the default
+        warnings.simplefilter("ignore", DeprecationWarning)
+        validator = jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator)
+    error = best_match(validator(validator.META_SCHEMA).iter_errors(schema))
+    if error is None:
+        return None
+    location = ".".join(str(part) for part in error.absolute_path) or "the top level"
+    return f"at {location}: {error.message}"
 
 
 def get_number(

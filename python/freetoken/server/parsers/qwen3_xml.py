@@ -26,6 +26,9 @@ What the model writes (the chat template's own instructions and the form it rend
   and the closing brace at ``</function>``. The pieces join to ``json.dumps`` of the arguments, whole or streamed.
 - A block that is neither form is dropped and logged (never content); a call cut off by the end of the output keeps
   the parameters that closed; a missing ``</function>`` before ``</tool_call>`` closes the call there.
+- Forced calls (`tool_calls_grammar`): the form exactly as the template renders it, the offered tools' parameters in
+  their schema's order (required ones present, no others), each value text with no ``</parameter>`` in it where the
+  schema allows a string, else JSON matching the parameter's schema (what `convert_parameter` reads back).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import json
 import logging
 from typing import Any
 
+from freetoken.engine.structured import json_expression
 from freetoken.server.parsers import (
     ParsedDelta,
     ParserFamily,
@@ -44,6 +48,7 @@ from freetoken.server.parsers import (
 from freetoken.server.parsers.qwen3 import (
     _CONTENT,
     TOOL_CLOSE,
+    TOOL_OPEN,
     Qwen3Parser,
     _is_qwen3,
 )
@@ -99,6 +104,32 @@ def convert_parameter(text: str, schema: Any) -> Any:
     return text
 
 
+# A string parameter's value and its closing line, as one lexeme: any text ending in the template's closing line,
+# with no other `</parameter>` in it (the parser ends a value at the first one).
+_TEXT_VALUE = "TEXT_VALUE: /(?s:.*)\\n<\\/parameter>\\n/ & ~/(?s:.*)<\\/parameter>(?s:.*)<\\/parameter>(?s:.*)/"
+_LITERALS = {"boolean": ("true", "false", "True", "False"), "null": ("null", "None")}
+_VALUE_END = json.dumps("\n" + PARAMETER_CLOSE + "\n")
+
+
+def _value_grammar(schema: Any) -> str:
+    """A Lark expression for one parameter's value and its closing line (see `tool_calls_grammar`): one of the
+    strings of an enum/const of strings, free text where the schema allows a string or names no type, a boolean or
+    null in JSON's or Python's spelling (the template writes values with Jinja's `string`, so ``False``), else JSON
+    matching the schema."""
+    if not isinstance(schema, dict):
+        return "TEXT_VALUE"
+    choices = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else []
+    types = _types(schema)
+    if choices and all(isinstance(c, str) for c in choices) and types in ([], ["string"]):
+        return "(" + " | ".join(json.dumps(f"{c}\n{PARAMETER_CLOSE}\n") for c in choices) + ")"
+    if not types or "string" in types:
+        return "TEXT_VALUE"
+    if set(types) <= {"boolean", "null"}:  # as JSON or as the template renders them (Python's `str`)
+        words = [w for t in types for w in _LITERALS[t]]
+        return "(" + " | ".join(json.dumps(f"{w}\n{PARAMETER_CLOSE}\n") for w in words) + ")"
+    return f"{json_expression(schema)} {_VALUE_END}"
+
+
 def _value_text(raw: str) -> str:
     """A parameter's text without the newline the template writes after ``<parameter=NAME>`` and before
     ``</parameter>``."""
@@ -135,9 +166,41 @@ class Qwen3XmlParser(Qwen3Parser):
         return f"{prefix}{FUNCTION_OPEN}{name}>\n"
 
     def tool_calls_grammar(self, tools: list[dict[str, Any]]) -> str:
-        """None for the XML form yet: a forced call is started by `tool_call_prefix` instead."""
-        del tools
-        return ""
+        """One or more calls of `tools` as the template renders them (a nested Lark grammar: llguidance's
+        ``%lark``)::
+
+            <tool_call>
+            <function=NAME>
+            <parameter=ARG>
+            VALUE
+            </parameter>
+            </function>
+            </tool_call>
+
+        Parameters in the order of the tool's ``properties``, the ``required`` ones present, no others (any
+        names when a tool declares no properties and does not forbid more); values as `_value_grammar`."""
+        rules, calls = [_TEXT_VALUE], []
+        for i, tool in enumerate(tools):
+            function = tool["function"]
+            schema = function.get("parameters")
+            schema = schema if isinstance(schema, dict) else {}
+            properties = schema.get("properties")
+            properties = properties if isinstance(properties, dict) else {}
+            required = set(schema.get("required") or [])
+            params = []
+            for j, (name, prop) in enumerate(properties.items()):
+                rules.append(f"p{i}_{j}: {json.dumps(f'{PARAMETER_OPEN}{name}>' + chr(10))} {_value_grammar(prop)}")
+                params.append(f"p{i}_{j}" if name in required else f"p{i}_{j}?")
+            if not properties and schema.get("additionalProperties") is not False:
+                rules.append(f'p{i}_any: {json.dumps(PARAMETER_OPEN)} /[^>\\n]+/ ">\\n" TEXT_VALUE')
+                params.append(f"p{i}_any*")
+            head = json.dumps(f"\n{FUNCTION_OPEN}{function['name']}>\n")
+            rules.append(
+                f"call{i}: {TOOL_OPEN} {head} {' '.join(params)} {json.dumps(FUNCTION_CLOSE + chr(10))} {TOOL_CLOSE}"
+            )
+            calls.append(f"call{i}")
+        rules.insert(0, f"start: (({' | '.join(calls)}) /\\n?/)+")
+        return "%lark {\n" + "\n".join(rules) + "\n}"
 
     def _open_call(self) -> None:
         super()._open_call()
