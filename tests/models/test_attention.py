@@ -91,3 +91,18 @@ def test_decodes_beside_a_prefill_read_the_cache_in_place_on_kernel_devices(monk
     torch.testing.assert_close(meta.positions, gathered_meta.positions)
     torch.testing.assert_close(meta.slot_mapping, gathered_meta.slot_mapping)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(("q_len", "kv_len"), [(1, 1), (7, 19), (64, 64), (33, 500)])
+def test_the_lower_right_bias_equals_torch_s_and_allocates_nothing(q_len, kv_len):
+    """`lower_right_causal_bias` masks as `causal_lower_right` does (the same SDPA output, and plain causal attention
+    aligned to the last key), and holds no storage: torch's own is an unread float32 [2, q_len, kv_len] host tensor."""
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 4, q_len, 16), torch.randn(1, 2, kv_len, 16), torch.randn(1, 2, kv_len, 16)
+    ours = attention.lower_right_causal_bias(q_len, kv_len)
+    theirs = torch.nn.attention.bias.causal_lower_right(q_len, kv_len)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=ours, enable_gqa=True)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=theirs, enable_gqa=True))
+    expected = _reference(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0].transpose(0, 1), kv_len - q_len, 16**-0.5)
+    torch.testing.assert_close(out[0].transpose(0, 1), expected, rtol=1e-5, atol=1e-5)
+    assert ours.untyped_storage().nbytes() == 0

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
-from torch.nn.attention.bias import causal_lower_right
+from torch.nn.attention.bias import CausalBias, CausalVariant, causal_lower_right
 
 # cuDNN attention rebuilds an execution plan per masked call (~1 ms of CPU each on an H200 host, measured with
 # benches/decode_fused.py --profile), which would dominate an eager decode step; the other backends do not.
@@ -31,6 +31,25 @@ PREFILL_SDPA_BACKENDS = _SDPA_BACKENDS
 # at Qwen3-30B-A3B's 40960-token context, 8 GB at Qwen3.5's 262144; `freetoken.models.activations`). Tests add "cpu"
 # (Triton's interpreter).
 KERNEL_DEVICES = {"cuda"}
+
+
+def lower_right_causal_bias(q_len: int, kv_len: int) -> CausalBias:
+    """The lower-right causal mask of a `q_len`-query extend over `kv_len` keys, as SDPA's `CausalBias` (flash and
+    memory-efficient attention take it without a materialised mask), built without its storage.
+
+    `causal_lower_right` makes a `CausalBias`, a Tensor subclass that torch 2.15 sizes by its arguments: an
+    uninitialised float32 [2, q_len, kv_len] host tensor (1.3 GB of address space at 4096 x 40960, 68.7 GB for a
+    32768-token extend at Qwen3.5's 262144-token context), made per span per layer and never read. Where the OS does
+    not overcommit that much the allocation fails with ENOMEM. The bias is dispatched on its variant and lengths
+    only, so this builds it over an empty meta tensor; if a torch release changes that, the public constructor is used.
+    Callers keep q_len <= kv_len (an extend's queries are the last of its context).
+    """
+    try:
+        bias = torch.Tensor._make_subclass(CausalBias, torch.empty(0, device="meta"))
+        bias.variant, bias.seq_len_q, bias.seq_len_kv = CausalVariant.LOWER_RIGHT, q_len, kv_len
+    except (AttributeError, RuntimeError, TypeError):  # pragma: no cover - a torch without these internals
+        return causal_lower_right(q_len, kv_len)
+    return bias
 
 
 @dataclass
@@ -212,7 +231,7 @@ def paged_attention(
                 # Query i sits at position ctx - qlen + i and sees keys 0..that position: the causal mask aligned to
                 # the lower right, which flash attention takes without materialising a [qlen, ctx] mask (long
                 # prefixes).
-                mask = causal_lower_right(qlen, ctx)
+                mask = lower_right_causal_bias(qlen, ctx)
                 op = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=scale, enable_gqa=True)
         out[row : row + qlen] = op.squeeze(0).transpose(0, 1)
     return out
