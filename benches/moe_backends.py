@@ -11,11 +11,11 @@ device (`freetoken.moe.routing_replay`, what `ft serve --replay-routing syntheti
 graphs included, sees the same routing.
 
     python benches/moe_backends.py [--budgets 16 24 32] [--batch 1 4] [--steps 32] [--warmup 16]
-        [--format bf16 fp8 nvfp4]
+        [--format bf16 fp8 nvfp4 mxfp4]
 
 `--format` runs every row once per expert format, the experts stored as the real checkpoints store them (FP8 with
-128 x 128 block scales, NVFP4 with e4m3 scales per 16 and a float32 scale per tensor; seeded random codes,
-`ExpertPool.random(format=...)`): the pool, the slots and every copy hold the format's bytes, the host kernels and
+128 x 128 block scales, NVFP4 with e4m3 scales per 16 and a float32 scale per tensor, MXFP4 with e8m0 scales per
+32; seeded random codes, `ExpertPool.random(format=...)`): the pool, the slots and every copy hold the format's bytes, the host kernels and
 the slot kernel read them as stored, and the bandwidths the planner and the bound use are measured on that format's
 pool (its own copy and host-kernel rates). Each row names its format; the JSON ends with each format's tok/s over
 bf16's at the same budget, batch and backend (`vs_bf16`).
@@ -70,7 +70,12 @@ from freetoken.quant.experts import quantized_swiglu
 from freetoken.quant.formats import ExpertFormat, format_named
 
 # `--format` names: the checkpoint formats of the released models (Qwen FP8: 128 x 128 blocks; ModelOpt NVFP4).
-FORMATS = {"bf16": ("bf16", (0, 0)), "fp8": ("fp8_block", (128, 128)), "nvfp4": ("nvfp4", (0, 0))}
+FORMATS = {
+    "bf16": ("bf16", (0, 0)),
+    "fp8": ("fp8_block", (128, 128)),
+    "nvfp4": ("nvfp4", (0, 0)),
+    "mxfp4": ("mxfp4", (0, 0)),
+}
 
 BANDWIDTH_RUNS = 3  # each bandwidth measured at the start is the best of this many ~1 s runs
 ROW_BANDWIDTH_S = 0.5  # seconds of each bandwidth run beside a row (three before its timed steps, three after)
@@ -458,7 +463,7 @@ def main() -> None:
         nargs="+",
         default=["bf16"],
         choices=list(FORMATS),
-        help="expert formats to run every row in (bf16; fp8: 128 x 128 block scales; nvfp4)",
+        help="expert formats to run every row in (bf16; fp8: 128 x 128 block scales; nvfp4; mxfp4: e8m0 per 32)",
     )
     ap.add_argument(
         "--policy",
