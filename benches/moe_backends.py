@@ -15,10 +15,10 @@ graphs included, sees the same routing.
 
 `--format` runs every row once per expert format, the experts stored as the real checkpoints store them (FP8 with
 128 x 128 block scales, NVFP4 with e4m3 scales per 16 and a float32 scale per tensor, MXFP4 with e8m0 scales per
-32; seeded random codes, `ExpertPool.random(format=...)`): the pool, the slots and every copy hold the format's bytes, the host kernels and
-the slot kernel read them as stored, and the bandwidths the planner and the bound use are measured on that format's
-pool (its own copy and host-kernel rates). Each row names its format; the JSON ends with each format's tok/s over
-bf16's at the same budget, batch and backend (`vs_bf16`).
+32; seeded random codes, `ExpertPool.random(format=...)`): the pool, the slots and every copy hold the format's
+bytes, the host kernels and the slot kernel read them as stored, and the bandwidths the planner and the bound use
+are measured on that format's pool (its own copy and host-kernel rates). Each row names its format; the JSON ends
+with each format's tok/s over bf16's at the same budget, batch and backend (`vs_bf16`).
 
 Prints a table (decode tok/s, hit rate, PCIe and CPU bytes per token, the bound from those bytes over the
 measured bandwidths, achieved/bound, peak GPU memory; for the expert cache also the bandwidths it measured, where
