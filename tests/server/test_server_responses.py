@@ -237,6 +237,25 @@ def test_previous_response_id_errors_and_store_false(openai_client, http):
     assert bad.status_code == 400, bad.text
 
 
+def test_an_echoed_value_is_cut_in_the_error_and_its_log_line(http, server):
+    """A 100 KB id in a 400 (and 10 KB ones in URLs: HTTP servers refuse longer request lines) comes back cut to
+    `MAX_MESSAGE_CHARS`, keeping the start and the message's end (the fix it suggests); so does our 4xx log line
+    (uvicorn's access log line is its own)."""
+    from freetoken.server.errors import MAX_MESSAGE_CHARS
+
+    for response in (
+        http.post("/v1/responses", json={"model": "m", "input": "y", "previous_response_id": "x" * 100_000}),
+        http.get("/v1/responses/resp_" + "x" * 10_000),
+        http.get("/v1/models/" + "m" * 10_000),
+    ):
+        assert response.status_code in (400, 404), response.text
+        message = response.json()["error"]["message"]
+        assert len(message) <= MAX_MESSAGE_CHARS + 60 and "characters cut" in message
+    assert message.endswith(f"this server serves {SERVED_MODEL_NAME!r}")
+    ours = [line for line in server.log_path.read_text(errors="replace").splitlines() if "freetoken" in line]
+    assert ours and not any("x" * 1000 in line or "m" * 1000 in line for line in ours)
+
+
 def test_response_store_is_a_bounded_lru():
     from freetoken.server.responses import ResponseStore, StoredResponse
 

@@ -57,7 +57,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from freetoken.heap import release_free_memory
 from freetoken.server import anthropic, cache, completions, openai, responses, status_page, telemetry
 from freetoken.server.engine_client import EngineClient
-from freetoken.server.errors import ApiError, ApiFlavor, ErrorCode, error_body
+from freetoken.server.errors import ApiError, ApiFlavor, ErrorCode, bounded, error_body
 from freetoken.server.generation import ClientDisconnected
 from freetoken.server.notices import request_notes
 from freetoken.server.sse import KEEPALIVE_S
@@ -66,6 +66,7 @@ logger = logging.getLogger("freetoken.server")
 
 _OPEN_PATHS = frozenset({"/health", "/"})
 _LOOPBACK_HOSTS = frozenset({"127.0.0.1", "::1", "localhost"})
+MAX_LOGGED_PATH_CHARS = 300  # a 4xx log line shows this much of the URL path (the rest is cut, with a count)
 
 # After a request whose body was at least this large, its memory goes back to the system at once: a refused
 # request's body, JSON and rendering are often held by reference cycles (an exception's traceback and its
@@ -218,7 +219,7 @@ def log_client_error(scope: Scope, err: ApiError) -> None:
         logger.warning(
             "%s %s -> %d %s%s: %s",
             scope.get("method"),
-            scope.get("path"),
+            bounded(str(scope.get("path")), MAX_LOGGED_PATH_CHARS),  # a URL may be ~16 KB (the HTTP line limit)
             err.status,
             err.code.value,
             f" (field {err.param})" if err.param else "",

@@ -66,6 +66,21 @@ _TYPES_BY_STATUS: dict[int, tuple[str, str]] = {
 }
 
 
+# Messages echo what the client sent (a model name, a response id, a role, a value); a client can send 100 KB of it,
+# which the answer and the log line would repeat. Past this many characters the middle is cut, keeping the start
+# (what is wrong) and the end (the fix the message suggests).
+MAX_MESSAGE_CHARS = 1000
+
+
+def bounded(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`text` itself, or, when it is longer than `limit` characters, its first 3/4 and last 1/5 of `limit` with the
+    number of characters cut between them."""
+    if len(text) <= limit:
+        return text
+    head, tail = limit * 3 // 4, limit // 5
+    return f"{text[:head]} [... {len(text) - head - tail} characters cut ...] {text[-tail:]}"
+
+
 class ApiError(FreetokenError):
     """An error answered to the client in the API's own shape.
 
@@ -81,6 +96,7 @@ class ApiError(FreetokenError):
     def __init__(
         self, status: int, code: ErrorCode, message: str, param: str | None = None, *, verbatim: bool = False
     ) -> None:
+        message = bounded(message)
         super().__init__(message)
         self.status = status
         self.code = code
