@@ -353,7 +353,9 @@ class AloneCurve:
     what every turn's TTFT includes (HTTP, chat template, tokenizer, scheduling, the first token's sampling), and it
     attends over no earlier context, which a turn's extend does (the allowance covers that). Piecewise linear
     between the measured points; below the first, the first point's time (a shorter prefill is not slower); past
-    the last, the line through the last two (prefill time grows with tokens there), never below the last point.
+    the last, the line from the last point back to the last one at no more than half its tokens (the first point
+    when none is), never below the last point. A wide base, because two sizes measured close together (17,857 and
+    17,858 tokens on the H200, 10 ms apart by noise) give a slope of 10 ms per token: a bound of 380 s for 58k.
 
     Attributes:
         tokens: prefilled tokens of each point, strictly ascending (two requested sizes that prefilled the same
@@ -378,7 +380,8 @@ class AloneCurve:
         xs, ys = self.tokens, self.seconds
         if n <= xs[-1] or len(xs) == 1:
             return float(np.interp(n, xs, ys))
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        base = max((i for i, x in enumerate(xs[:-1]) if x <= xs[-1] / 2), default=0)
+        slope = (ys[-1] - ys[base]) / (xs[-1] - xs[base])
         return ys[-1] + max(slope, 0.0) * (n - xs[-1])
 
 

@@ -111,7 +111,10 @@ def test_alone_curve_interpolates_and_extends_the_measured_times():
     assert curve(100) == 0.2 and curve(1000) == 1.0
     assert curve(550) == pytest.approx(0.6)
     assert curve(10) == 0.2  # below the first point: its time
-    assert curve(9000) == pytest.approx(1.4 + 0.4 / 4000 * 4000)  # past the last: the last two points' line
+    assert curve(9000) == pytest.approx(1.4 + 0.4 / 4000 * 4000)  # past the last: the line from 1000 (<= 5000 / 2)
+    # Two last points a token apart (the H200's 17,857 and 17,858) do not make the slope: the base is 4,105.
+    close = agent_trace.AloneCurve([4105, 16330, 17857, 17858], [0.977, 1.014, 1.001, 1.011])
+    assert close(58567) == pytest.approx(1.011 + (1.011 - 0.977) / (17858 - 4105) * (58567 - 17858))
     assert agent_trace.AloneCurve([100, 1000], [0.5, 0.4])(5000) == 0.4  # never below the last point
     assert agent_trace.AloneCurve([500], [0.7])(5000) == 0.7
     with pytest.raises(ValueError, match="strictly ascending"):  # CI once measured two sizes at 107 tokens each
