@@ -56,7 +56,7 @@ def test_host_tier_promotes_and_equals_cold(tmp_path):
     path = build_demo_checkpoint(tmp_path / "demo", seed=21)
     cached, cold = _engines(path)
     tier = cached.kv_host
-    assert tier is not None and tier.stream is not None and tier._region is not None  # pinned, side stream
+    assert tier is not None and tier.stream is not None and None not in tier._regions  # pinned, side stream
     tier.cost.worth_promoting = lambda num_tokens: True  # type: ignore[method-assign]
     decode = cached.runner.decode
     assert decode is not None and (decode.graphs or getattr(decode, "span_graphs", None)), "no CUDA graphs captured"

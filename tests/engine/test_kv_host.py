@@ -281,3 +281,52 @@ def test_hybrid_snapshots_live_on_while_their_kv_is_in_the_host_tier(tmp_path_fa
     assert r.last.num_cached_tokens > len(p1) // 2 and engine.kv_host.num_promoted_blocks > promoted
     assert r.token_ids == cold(qwen35, p1 + [11, 12, 13])
     assert_all_blocks_free(engine)
+
+
+def test_runs_do_not_cross_a_host_chunk():
+    # Host slots on the src side (a promotion), chunks of 4 slots: 3 and 4 are in different chunks.
+    assert contiguous_runs([(2, 10), (3, 11), (4, 12), (5, 13)], host_side=0, chunk=4) == [(2, 10, 2), (4, 12, 2)]
+    # On the dst side (a demotion): GPU blocks 7, 8 contiguous, host slots 3 | 4 cut.
+    assert contiguous_runs([(7, 3), (8, 4)], host_side=1, chunk=4) == [(7, 3, 1), (8, 4, 1)]
+    assert contiguous_runs([(7, 3), (8, 4)]) == [(7, 3, 2)]
+
+
+def test_host_memory_is_added_a_chunk_at_a_time_as_blocks_are_evicted():
+    """A tier of 5 slots in chunks of 2 blocks: one chunk at start, another each time no allocated slot is free;
+    blocks demoted into three chunks come back with their own K/V (runs cut at the chunk edges)."""
+    kv = KVCache(2, 1, 2, 6, BS, torch.float32, torch.device("cpu"))
+    host = HostKVTier(kv, 5, chunk_bytes=2 * kv.bytes_per_block)
+    cache = PrefixCache(kv.allocator, BS, host=host)
+    assert host.num_allocated == 2 and host.allocated_nbytes == 2 * kv.bytes_per_block and host.num_free == 5
+    a = list(range(20))  # 5 blocks
+    fill(kv, cache, a, 10.0)
+    assert host.num_live == 0 and len(host.chunks) == 1
+    fill(kv, cache, list(range(100, 124)), 20.0)  # 6 blocks: all of a's go to the host, which grows to 3 chunks
+    assert host.num_live == 5 and len(host.chunks) == 3 and host.num_allocated == 5 and host.num_free == 0
+    assert host.stats()["allocated_nbytes"] == host.stats()["nbytes"] == 5 * kv.bytes_per_block
+    promoted = cache.promote(cache.match(a + [1]))
+    assert promoted is not None and not promoted.host
+    for i, block in enumerate(promoted.blocks):
+        for k, v in kv.layers:
+            assert torch.equal(k[block * BS : (block + 1) * BS], torch.full_like(k[:BS], 10.0 + i))
+            assert torch.equal(v[block * BS : (block + 1) * BS], torch.full_like(v[:BS], -(10.0 + i)))
+
+
+def test_the_tier_stops_growing_when_host_memory_runs_low(monkeypatch, caplog):
+    """Past the first chunk, a chunk is added only while MemAvailable leaves the margin after it; otherwise the
+    capacity stays what is allocated (logged) and evictions reuse the least recently used slots."""
+    from freetoken.engine import kv_host
+    from freetoken.moe import budget
+
+    kv = KVCache(2, 1, 2, 2, BS, torch.float32, torch.device("cpu"))
+    host = HostKVTier(kv, 8, chunk_bytes=2 * kv.bytes_per_block)
+    cache = PrefixCache(kv.allocator, BS, host=host)
+    monkeypatch.setattr(budget, "host_available_bytes", lambda: kv_host.DEFAULT_MARGIN_BYTES)
+    gone: list[int] = []
+    cache.on_evict = gone.append
+    seqs = [[s * 100 + t for t in range(8)] for s in range(3)]
+    for s, tokens in enumerate(seqs):
+        fill(kv, cache, tokens, float(s))
+    assert host.num_slots == host.num_allocated == 2 and host.num_live == 2  # seqs[1] on the host, seqs[0] dropped
+    assert len(gone) == 2 and "stays at 2 blocks" in caplog.text
+    assert cache.match(seqs[1]).num_blocks == 2 and cache.match(seqs[0]).num_blocks == 0

@@ -9,11 +9,16 @@ entries moved back). A node leaves the cache only when the host tier evicts it (
 off: that is when `PrefixCache.on_evict` fires, so a recurrent-state snapshot (`freetoken.engine.state_checkpoints`)
 lives and dies with its KV block, whichever tier holds it.
 
-Layout and copies. One host allocation, `[2 * num_layers, num_slots * block_size, num_kv_heads, head_dim]` (K then
-V of each layer), the KV cache's own row layout (slot = block), page-locked with `cudaHostRegister`
+Layout and copies. The host memory is allocated as the tier fills, in chunks of `CHUNK_BYTES`, each
+`[2 * num_layers, chunk_slots * block_size, num_kv_heads, head_dim]` (K then V of each layer), the KV cache's own row
+layout (slot = block; slot s is row s % chunk_slots of chunk s // chunk_slots), page-locked with `cudaHostRegister`
 (`freetoken.moe.pinned.PinnedRegion`, as the expert pool; torch's pinned allocator would round a 40 GB request up
-to 64 GB and record an event per copy). The pairs of a demotion or a promotion are sorted and cut into runs that
-are contiguous on both sides: one copy per run and K/V tensor (the GPU cache has one tensor per layer, K and V).
+to 64 GB and record an event per copy). Not all at start: the default budget is most of the free RAM, and pinning
+it whole cost every engine start (each test's engine on the 128 GB device box pinned ~75 GB: tens of seconds) and
+took memory from everything else on the box before any block was evicted. A chunk is added when no allocated slot
+is free (`free_slot_ready`), if MemAvailable still leaves `DEFAULT_MARGIN_BYTES`; otherwise the capacity stops
+where it is (logged once). The pairs of a demotion or a promotion are sorted and cut into runs that are contiguous
+on both sides and inside one chunk: one copy per run and K/V tensor (the GPU cache has one tensor per layer, K and V).
 On CUDA the copies run on a side stream that first waits for the compute stream (the blocks' last writers), and
 the compute stream waits for them before anything queued after (an event, no host sync): a demoted block is read
 before its new owner writes it, and a promoted one is written before the attention (or the block copy of a fully
@@ -43,7 +48,7 @@ from collections.abc import Sequence
 import torch
 
 from freetoken.config import EngineConfig, ModelConfig
-from freetoken.moe.pinned import PinnedRegion
+from freetoken.moe.pinned import PinnedRegion, PinningError
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +62,9 @@ PREFILL_FIT_DECAY = 0.98
 # the launch-bound sizes, which end at a few MB); on a CPU device a promotion of this many blocks (or all there are).
 MEASURE_LINE_BYTES = 64 * 2**20
 MEASURE_RUN_BLOCKS = 64
+# Host memory is added to the tier this much at a time (at least one block): pinning 256 MiB takes
+# tens of milliseconds, paid by the step whose eviction needs the room, once per chunk.
+CHUNK_BYTES = 256 * 2**20
 
 
 def default_host_bytes(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.dtype, backend: str) -> int:
@@ -80,12 +88,19 @@ def default_host_bytes(cfg: EngineConfig, model_cfg: ModelConfig, dtype: torch.d
     return max(0, int(left - max(DEFAULT_MARGIN_BYTES, DEFAULT_MARGIN_SHARE * left)))
 
 
-def contiguous_runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+def contiguous_runs(pairs: Sequence[tuple[int, int]], host_side: int = 0, chunk: int = 0) -> list[tuple[int, int, int]]:
     """(src, dst, length) runs of block pairs (src block, dst block), sorted by src, each contiguous on both
-    sides: `pairs` [(3, 7), (4, 8), (6, 9)] -> [(3, 7, 2), (6, 9, 1)]."""
+    sides: `pairs` [(3, 7), (4, 8), (6, 9)] -> [(3, 7, 2), (6, 9, 1)]. With `chunk` > 0, no run crosses a multiple
+    of `chunk` on side `host_side` (0: src, 1: dst), where memory is cut into chunks: [(3, 7), (4, 8)] with chunk 4
+    on the src side -> [(3, 7, 1), (4, 8, 1)]."""
     runs: list[tuple[int, int, int]] = []
     for src, dst in sorted(pairs):
-        if runs and runs[-1][0] + runs[-1][2] == src and runs[-1][1] + runs[-1][2] == dst:
+        if (
+            runs
+            and runs[-1][0] + runs[-1][2] == src
+            and runs[-1][1] + runs[-1][2] == dst
+            and not (chunk and (src, dst)[host_side] % chunk == 0)
+        ):
             runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
         else:
             runs.append((src, dst, 1))
@@ -171,28 +186,34 @@ class HostKVTier:
 
     Args:
         kv: the GPU (compute-device) KV cache (`freetoken.engine.kv_cache.KVCache`): layers, block size, dtype.
-        num_slots: blocks the tier holds (>= 1).
+        num_slots: blocks the tier may hold (>= 1); memory for them is allocated a chunk at a time as they fill
+            (the first chunk at start, for the copy measurement).
         h2d_bytes_per_s: the bandwidth profile's host-to-device rate; None measures it at start.
+        chunk_bytes: host memory added at a time (`CHUNK_BYTES`), rounded down to whole blocks (at least one).
+
+    Raises:
+        ValueError: num_slots < 1.
+        freetoken.moe.pinned.PinningError: the first chunk could not be page-locked.
     """
 
-    def __init__(self, kv, num_slots: int, h2d_bytes_per_s: float | None = None) -> None:
+    def __init__(
+        self, kv, num_slots: int, h2d_bytes_per_s: float | None = None, chunk_bytes: int = CHUNK_BYTES
+    ) -> None:
         if num_slots < 1:
             raise ValueError(f"a host KV tier needs at least one block, got {num_slots}")
         self.kv = kv
         self.num_slots = num_slots
         self.block_size = kv.block_size
-        k0 = kv.layers[0][0]
-        self.device = k0.device
+        self.device = kv.layers[0][0].device
         self.bytes_per_block = kv.bytes_per_block
-        rows = num_slots * kv.block_size
-        buf = torch.empty((2 * len(kv.layers), rows, *k0.shape[1:]), dtype=k0.dtype)
-        self._region = None
-        self.stream = None
-        if self.device.type == "cuda":
-            self._region = PinnedRegion(buf.data_ptr(), buf.numel() * buf.element_size(), keep=buf)
-            self.stream = torch.cuda.Stream(self.device)
-        self.layers = [(buf[2 * i], buf[2 * i + 1]) for i in range(len(kv.layers))]
-        self._free = list(range(num_slots - 1, -1, -1))
+        self.chunk_slots = max(1, chunk_bytes // self.bytes_per_block)
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # Per chunk: its (K, V) views per layer, and its page-locked registration on CUDA (None on a CPU device).
+        self.chunks: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self._regions: list[PinnedRegion | None] = []
+        self.num_allocated = 0  # slots with memory behind them: chunks' slots, the last chunk maybe shorter
+        self._free: list[int] = []  # allocated slots holding nothing, the lowest last (popped first)
+        self._grow()
         self._lru: OrderedDict[int, None] = OrderedDict()  # slots holding cached content, least recent first
         self.num_demoted_blocks = 0
         self.num_promoted_blocks = 0
@@ -210,8 +231,13 @@ class HostKVTier:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the host buffer."""
+        """Bytes of host memory the tier may take when full."""
         return self.num_slots * self.bytes_per_block
+
+    @property
+    def allocated_nbytes(self) -> int:
+        """Bytes of host memory the tier holds now (its chunks)."""
+        return self.num_allocated * self.bytes_per_block
 
     @property
     def num_live(self) -> int:
@@ -220,13 +246,58 @@ class HostKVTier:
 
     @property
     def num_free(self) -> int:
-        """Slots holding nothing."""
-        return len(self._free)
+        """Slots holding nothing: allocated ones and those not allocated yet."""
+        return len(self._free) + self.num_slots - self.num_allocated
+
+    def _grow(self) -> bool:
+        """Add one chunk of host memory (page-locked on CUDA) and its slots to the free ones. False, with the
+        capacity cut to what is allocated (logged), when MemAvailable would leave less than `DEFAULT_MARGIN_BYTES`
+        after it or the page-locking fails; the first chunk's failure raises instead."""
+        n = min(self.chunk_slots, self.num_slots - self.num_allocated)
+        k0 = self.kv.layers[0][0]
+        nbytes = n * self.bytes_per_block
+        if self.chunks:
+            from freetoken.moe.budget import host_available_bytes
+
+            available = host_available_bytes()
+            if available is not None and available - nbytes < DEFAULT_MARGIN_BYTES:
+                return self._stop_growing(f"MemAvailable is {available / 1e9:.2f} GB")
+        buf = torch.empty((2 * len(self.kv.layers), n * self.block_size, *k0.shape[1:]), dtype=k0.dtype)
+        region = None
+        if self.device.type == "cuda":
+            try:
+                region = PinnedRegion(buf.data_ptr(), buf.numel() * buf.element_size(), keep=buf)
+            except PinningError as e:
+                if not self.chunks:
+                    raise
+                return self._stop_growing(str(e))
+        self.chunks.append([(buf[2 * i], buf[2 * i + 1]) for i in range(len(self.kv.layers))])
+        self._regions.append(region)
+        self._free = list(range(self.num_allocated + n - 1, self.num_allocated - 1, -1)) + self._free
+        self.num_allocated += n
+        return True
+
+    def _stop_growing(self, why: str) -> bool:
+        log.warning(
+            "KV host tier: stays at %d blocks = %.2f GB of the %.2f GB asked (%s)",
+            self.num_allocated,
+            self.allocated_nbytes / 1e9,
+            self.nbytes / 1e9,
+            why,
+        )
+        self.num_slots = self.num_allocated
+        return False
 
     # Slots (the prefix cache calls these).
 
+    def free_slot_ready(self) -> bool:
+        """Whether `take` has a slot: an allocated free one, or one of a chunk added now (`_grow`) while the
+        capacity has room for it. False: `evict_lru` makes one."""
+        return bool(self._free) or (self.num_allocated < self.num_slots and self._grow())
+
     def take(self) -> int:
-        """A free slot, now live and most recently used. Raises IndexError when none is free (`evict_lru`)."""
+        """A free slot, now live and most recently used. Raises IndexError when none is ready (`free_slot_ready`
+        first; `evict_lru` when it is False)."""
         slot = self._free.pop()
         self._lru[slot] = None
         return slot
@@ -253,38 +324,46 @@ class HostKVTier:
 
     # Copies.
 
-    def _copy(self, src_layers: list, dst_layers: list, pairs: Sequence[tuple[int, int]]) -> None:
-        bs = self.block_size
-        runs = contiguous_runs(pairs)
-        for src, dst, n in runs:
-            for src_kv, dst_kv in zip(src_layers, dst_layers, strict=True):
-                for s, d in zip(src_kv, dst_kv, strict=True):
-                    d[dst * bs : (dst + n) * bs].copy_(s[src * bs : (src + n) * bs], non_blocking=True)
+    def _copy(self, pairs: Sequence[tuple[int, int]], promote: bool) -> None:
+        """Copy blocks host slot -> GPU block (`promote`, pairs (slot, block)) or back (pairs (block, slot))."""
+        bs, per = self.block_size, self.chunk_slots
+        host = 0 if promote else 1
+        runs = contiguous_runs(pairs, host_side=host, chunk=per)
+        for run in runs:
+            src, dst, n = run
+            slot = run[host]
+            chunk, row = self.chunks[slot // per], slot % per
+            gpu_row = (dst if promote else src) * bs
+            for (gk, gv), (hk, hv) in zip(self.kv.layers, chunk, strict=True):
+                for g, h in ((gk, hk), (gv, hv)):
+                    host_rows = h[row * bs : (row + n) * bs]
+                    gpu_rows = g[gpu_row : gpu_row + n * bs]
+                    (gpu_rows if promote else host_rows).copy_(host_rows if promote else gpu_rows, non_blocking=True)
         self.num_copies += len(runs)
 
-    def _on_stream(self, src_layers: list, dst_layers: list, pairs: Sequence[tuple[int, int]]) -> None:
+    def _on_stream(self, pairs: Sequence[tuple[int, int]], promote: bool) -> None:
         if not pairs:
             return
         if self.stream is None:
-            self._copy(src_layers, dst_layers, pairs)
+            self._copy(pairs, promote)
             return
         compute = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(compute)
         with torch.cuda.stream(self.stream):
-            self._copy(src_layers, dst_layers, pairs)
+            self._copy(pairs, promote)
         # Now, not at the next step: the scheduler may copy a promoted block on the compute stream before the step
         # (`Scheduler._admit`'s private last block) or hand a demoted one to a sequence that writes it.
         compute.wait_stream(self.stream)
 
     def demote(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Queue the copies of GPU blocks into host slots: `pairs` (GPU block, slot)."""
-        self._on_stream(self.kv.layers, self.layers, pairs)
+        self._on_stream(pairs, promote=False)
         self.num_demoted_blocks += len(pairs)
         self.bytes_d2h += len(pairs) * self.bytes_per_block
 
     def promote(self, pairs: Sequence[tuple[int, int]]) -> None:
         """Queue the copies of host slots into GPU blocks: `pairs` (slot, GPU block)."""
-        self._on_stream(self.layers, self.kv.layers, pairs)
+        self._on_stream(pairs, promote=True)
         self.num_promoted_blocks += len(pairs)
         self.bytes_h2d += len(pairs) * self.bytes_per_block
 
@@ -310,7 +389,7 @@ class HostKVTier:
 
             rate = measure_line_rate(self.device, MEASURE_LINE_BYTES)
         else:
-            n = min(MEASURE_RUN_BLOCKS, self.num_slots, self.kv.num_blocks)
+            n = min(MEASURE_RUN_BLOCKS, self.num_allocated, self.kv.num_blocks)
             rate = n * self.bytes_per_block / self.copy_seconds(n)
         self.num_copies = 0
         return CopyCost(self.bytes_per_block // self.block_size, rate, max(0.0, one - self.bytes_per_block / rate))
@@ -325,10 +404,7 @@ class HostKVTier:
             if self.stream is not None:
                 torch.cuda.synchronize(self.device)
             start = time.perf_counter()
-            if promote:
-                self._on_stream(self.layers, self.kv.layers, pairs)
-            else:
-                self._on_stream(self.kv.layers, self.layers, pairs)
+            self._on_stream(pairs, promote)
             self.synchronize()
             best = min(best, time.perf_counter() - start)
         return best
@@ -340,6 +416,7 @@ class HostKVTier:
             "capacity_blocks": self.num_slots,
             "capacity_tokens": self.capacity_tokens,
             "nbytes": self.nbytes,
+            "allocated_nbytes": self.allocated_nbytes,
             "num_live_blocks": self.num_live,
             "num_free_blocks": self.num_free,
             "num_demoted_blocks": self.num_demoted_blocks,

@@ -206,12 +206,14 @@ class LLMEngine:
         tier = HostKVTier(self.kv, num_slots, profile[0] if profile else None)
         cost = tier.cost.stats()
         log.info(
-            "KV host tier: %d blocks = %d tokens, %.2f GB %s (--kv-host-gb%s); a host hit is copied back at %.1f GB/s "
-            "(%s) + %.0f us instead of prefilled again from the crossover on (measured once prefill steps ran)",
+            "KV host tier: up to %d blocks = %d tokens, %.2f GB %s as it fills, %.0f MB at a time (--kv-host-gb%s); a "
+            "host hit is copied back at %.1f GB/s (%s) + %.0f us instead of prefilled again from the crossover on "
+            "(measured once prefill steps ran)",
             num_slots,
             tier.capacity_tokens,
             tier.nbytes / 1e9,
             "pinned" if tier.stream is not None else "in a second buffer",
+            tier.chunk_slots * tier.bytes_per_block / 1e6,
             "" if engine_cfg.kv_host_gb >= 0 else ", default: free RAM after the expert pool less a margin",
             cost["h2d_gbps"],
             "bandwidth profile" if profile else "measured",

@@ -255,8 +255,9 @@ class PrefixCache:
             self.num_evictions += 1
         pending: dict[int, tuple[int, BlockKey, int]] = {}  # slot taken -> (block, key, node), in eviction order
         for entry in entries:
-            if host is not None and (host.num_free or host.num_live):
-                if not host.num_free:
+            ready = host is not None and host.free_slot_ready()  # may add a chunk of host memory
+            if host is not None and (ready or host.num_live):
+                if not ready:
                     slot = host.evict_lru()
                     if slot in pending:  # a tier smaller than this batch: an earlier block of it leaves again
                         self._forget(pending.pop(slot)[2])
