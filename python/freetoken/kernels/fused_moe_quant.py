@@ -27,14 +27,15 @@ Numerics (exact products, as the CPU kernels in rust/freetoken-core/src/quant/ke
 
 Expected time per call, Qwen3-30B-A3B decode (H 2048, I 768, top-8, batch 1: 8 experts, 37.7 M weights), H200
 (4.8 TB/s, 132 SMs x 4 schedulers issuing one warp instruction per clock at ~1.98 GHz = 1.05e12 warp-instr/s).
-SASS of the sm_90 builds (compiled without a GPU: triton.compile for GPUTarget("cuda", 90, 32), nvdisasm), inner
-loop of the gate/up kernel at 16-row tiles: NVFP4 ~12.2 instructions per weight (PRMT/shift/LOP3 to split bytes
-and build float16 codes, HADD2.F32, FMUL by the scale, half an F2FP pack), MXFP4 ~11.1, FP8 ~9.2; HMMA for the dots
-(HGMMA at 64-row tiles), weights staged by cp.async (LDGSTS) with 3-4 stages.
+SASS of the sm_90 builds (compiled without a GPU: triton.compile for GPUTarget("cuda", 90, 32), nvdisasm;
+`benches/quant_moe_sass.py`), K loop at 16-row tiles, instructions per weight in gate/up and down: NVFP4 ~12.2
+and 14.8 (PRMT/shift/LOP3 to split bytes and build float16 codes, HADD2.F32, FMUL by the scale, half an F2FP
+pack), MXFP4 ~11.1 in gate/up, FP8 ~9.2 and 10.3; HMMA for the dots (HGMMA at 64-row tiles), weights staged by
+cp.async (LDGSTS) with 3-4 stages.
   - bytes: NVFP4 18.9 MB codes + 2.4 MB scales = 21.2 MB -> 4.4 us; MXFP4 20.0 MB -> 4.2 us; FP8 37.7 MB -> 7.9 us;
     bf16 75.5 MB -> 15.7 us (the baseline's floor).
-  - issue: 37.7 M weights x instr/weight / 32 lanes / 1.05e12: NVFP4 ~13.7 us, MXFP4 ~12.5 us, FP8 ~10.3 us, so at
-    batch 1-16 the 4-bit kernels are bound by instruction issue, not bandwidth (the M tile's 16 rows cost the same
+  - issue: 37.7 M weights x instr/weight / 32 lanes / 1.05e12: NVFP4 ~14.7 us, MXFP4 ~13 us, FP8 ~10.8 us, so at
+    batch 1-16 all three are bound by instruction issue, not bandwidth (the M tile's 16 rows cost the same
     decode as one). Programs: gate/up 8 tiles x 768 / 32 = 192, down 8 x 2048 / 32 = 512, each >= one per SM.
   - expected: ~15-20 us per layer call for NVFP4 and MXFP4 (was 237 us), ~12-16 us for FP8, against bf16's
     ~16-20 us. Prefill (64-row tiles) amortizes the decode over 64 rows and runs on wgmma.
