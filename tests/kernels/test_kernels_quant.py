@@ -1,8 +1,9 @@
 """The quantized grouped MoE kernels (`freetoken.kernels.fused_moe_quant`) against their torch reference.
 
-Without a GPU, Triton's interpreter (TRITON_INTERPRET=1, set in conftest) runs them on the CPU in float32 at small
-shapes, so CI checks the decoding, scale indexing and masking; the `gpu` tests run the real Qwen3-30B-A3B shapes in
-bf16 on CUDA.
+Without a GPU, Triton's interpreter (TRITON_INTERPRET=1, set in conftest) runs them on the CPU at small shapes, in
+float32 (activations split in two bf16 parts) and in bf16 (the GPU's path), so CI checks the decoding, scale
+indexing and masking; a test shows the float32 tolerance fails a swapped nibble order or a shifted scale index. The
+`gpu` tests run the real Qwen3-30B-A3B shapes in bf16 on CUDA.
 """
 
 from __future__ import annotations
@@ -35,7 +36,18 @@ def quantized_slots(fmt, num_slots: int, hidden: int, inter: int, seed: int = 0,
     return slots
 
 
-def _case(fmt, num_tokens: int, top_k: int, hidden: int, inter: int, num_slots: int, dtype: torch.dtype):
+def _case(
+    fmt,
+    num_tokens: int,
+    top_k: int,
+    hidden: int,
+    inter: int,
+    num_slots: int,
+    dtype: torch.dtype,
+    corrupt=None,
+):
+    """(kernel output, reference output) float32 [M, hidden]; `corrupt(slots, layout)` edits the bytes the reference
+    reads (not the kernel's), standing in for a kernel that decodes them wrong."""
     gen = torch.Generator().manual_seed(num_tokens)
     slots = quantized_slots(fmt, num_slots, hidden, inter).to(DEVICE)
     ids = torch.stack([torch.randperm(num_slots, generator=gen)[:top_k] for _ in range(num_tokens)])
@@ -44,17 +56,67 @@ def _case(fmt, num_tokens: int, top_k: int, hidden: int, inter: int, num_slots: 
     hidden_states = torch.randn(num_tokens, hidden, generator=gen)
     layout = fmt.layout(hidden, inter)
     got = fused_moe_quant(hidden_states.to(DEVICE, dtype), slots, layout, ids.to(DEVICE), weights.to(DEVICE, dtype))
+    if corrupt is not None:
+        slots = corrupt(slots.clone(), layout)
     want = fused_moe_quant_reference(hidden_states.to(DEVICE), slots, layout, ids.to(DEVICE), weights.to(DEVICE))
     return got.float(), want
+
+
+def _small_sizes(fmt) -> tuple[int, int]:
+    return (256, 128) if fmt.block_rows == 128 else (128, 64)
+
+
+# float32 activations: the kernels dot two bf16 parts of each activation (hi + lo, 16 significant bits) against
+# weights decoded exactly, accumulating in float32; measured <= 6e-7 of the largest output at these sizes.
+F32_TOL = 1e-5
 
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 @pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 4), (5, 2)])
 def test_quant_kernel_matches_reference_small(fmt, num_tokens, top_k):
-    """float32 (the interpreter on the CPU): dots in float32 in another order than torch's: 1e-4 of the largest."""
-    hidden, inter = (256, 128) if fmt.block_rows == 128 else (128, 64)
-    got, want = _case(fmt, num_tokens, top_k, hidden, inter, 6, torch.float32)
-    torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=0)
+    """float32 (the interpreter on the CPU): `F32_TOL` of the largest output (bf16 hi + lo activation parts, float32
+    sums in another order than torch's)."""
+    got, want = _case(fmt, num_tokens, top_k, *_small_sizes(fmt), 6, torch.float32)
+    torch.testing.assert_close(got, want, atol=F32_TOL * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_quant_kernel_bf16_small(fmt):
+    """bf16 activations, the path GPUs run (one bf16 dot per weight tile, no activation split), on the CPU: the
+    reference is float32 from unrounded inputs while the kernel rounds its inputs, the GEMM outputs, SiLU and h to
+    bf16 as the bf16 kernel does; measured <= 2.7e-2 of the largest output at these small sizes (the previous
+    float32-dot kernel gave the same errors): 4e-2. A wrong nibble order or scale is off by the output's size."""
+    got, want = _case(fmt, 5, 2, *_small_sizes(fmt), 6, torch.bfloat16)
+    torch.testing.assert_close(got, want, atol=4e-2 * want.abs().max().item(), rtol=0)
+
+
+def _swap_nibbles(slots: torch.Tensor, layout) -> torch.Tensor:
+    off, nbytes = layout.sections["gate_up"]
+    part = slots[:, off : off + nbytes]
+    slots[:, off : off + nbytes] = (part >> 4) | (part << 4)
+    return slots
+
+
+def _shift_scales(slots: torch.Tensor, layout) -> torch.Tensor:
+    """Each row's block scales moved one block along K (a scale index off by one block column)."""
+    fmt = layout.format
+    off, nbytes = layout.sections["down_scale"]
+    rows, cols = fmt.scale_shape(layout.hidden, layout.inter)
+    scales = slots[:, off : off + nbytes].reshape(slots.shape[0], rows, cols * fmt.scale_bytes)
+    slots[:, off : off + nbytes] = scales.roll(fmt.scale_bytes, dims=2).reshape(slots.shape[0], -1)
+    return slots
+
+
+@pytest.mark.parametrize(
+    ("fmt", "corrupt"),
+    [(NVFP4, _swap_nibbles), (MXFP4, _swap_nibbles), (NVFP4, _shift_scales), (MXFP4, _shift_scales)],
+    ids=["nvfp4-nibbles", "mxfp4-nibbles", "nvfp4-scales", "mxfp4-scales"],
+)
+def test_tolerance_catches_wrong_decoding(fmt, corrupt):
+    """The float32 tolerance is far below what a swapped nibble order or a scale index off by one block costs:
+    against a reference that decodes the bytes that way, the kernel is off by more than 100x `F32_TOL`."""
+    got, want = _case(fmt, 5, 2, *_small_sizes(fmt), 6, torch.float32, corrupt=corrupt)
+    assert (got - want).abs().max().item() > 100 * F32_TOL * want.abs().max().item()
 
 
 @pytest.mark.gpu

@@ -1,21 +1,52 @@
-"""Grouped SwiGLU over quantized experts (FP8 block, NVFP4, MXFP4) in Triton, dequantizing in the inner loop.
+"""Grouped SwiGLU over quantized experts (FP8 block, NVFP4, MXFP4) in Triton: weights decoded exactly to bf16
+tiles in the inner loop, bf16 tensor-core dots with float32 accumulation.
 
 Variants:
   - `fused_moe_quant`: `freetoken.kernels.fused_moe`'s two grouped kernels (gate/up + SiLU*up, then down + routing
     weight, over (token, expert) pairs sorted by expert and padded to BLOCK_SIZE_M, `align_pairs`), reading each
-    expert's bytes from a uint8 table of experts or cache slots in the pool layout (`freetoken.quant.formats`):
-    every weight tile is loaded as bytes, decoded with integer and float ops (e4m3 and e2m1 by their bit fields,
-    e8m0 as an exponent) and scaled by its block's scale before the dot. One launch shape for decode (16-row M
-    tiles, batch 1-64) and prefill chunks (64-row tiles), as the bf16 kernel.
+    expert's bytes from a uint8 table of experts or cache slots in the pool layout (`freetoken.quant.formats`).
+    Tile shapes by format and M tile (`LAUNCH_CONFIGS`): decode (16-row M tiles, batch 1-64) and prefill chunks
+    (64-row tiles).
+  - `fused_moe_quant_tiles`: the same over tiles split in stages (the decode driver's hits, then its fills).
   - `fused_moe_quant_reference`: the whole layer dequantized by `freetoken.quant.reference`, then
     `freetoken.kernels.fused_moe.fused_moe_reference` (float32), the correctness reference.
 
-Decoding by bit fields (not a float8 cast) runs the same under TRITON_INTERPRET=1 on the CPU as on any GPU; on Hopper
-the native e4m3 conversion (and FP8 tensor-core dots) is the next step where it measures faster.
+Numerics (exact products, as the CPU kernels in rust/freetoken-core/src/quant/kernels/avx512_bf16.rs):
+  - FP8 block (DeepSeek-V3 arXiv:2412.19437 section 3.3.2; e4m3 per OCP OFP8 rev. 1.0): a tile is one 128 x 128
+    scale block (BLOCK_SIZE_K = block columns, BLOCK_SIZE_N divides block rows), so acc += dot(a, codes) * scale.
+    e4m3 codes shifted into a float16 are exact (value * 2^-8, subnormals included), hence exact in bf16.
+  - NVFP4 (NVIDIA NVFP4, ModelOpt NVFP4QTensor): e2m1 x its e4m3 block scale has <= 6 significant bits, exact in
+    bf16; the per-tensor weight_scale_2 multiplies the float32 accumulator once at the end.
+  - MXFP4 (OCP MX v1.0 section 6.3): e2m1 x 2^(e8m0 - 127), exact in bf16 between 2^-120 and 2^113 (`_weight_step`).
+  - e2m1 and e4m3 are decoded by moving bit fields into float16 (`_e2m1_pair_f16`, `_e4m3_f16`): no exp2, no
+    select per element. Packed bytes are loaded once: even columns meet the low nibbles, odd ones the high nibbles
+    in two dots (sum_k a[k] w[k] = a_even . w_low + a_odd . w_high), so nibbles are never interleaved.
+  - Activations: bf16 enters the dots as it is (the GPU path). float32 (CPU tests) or float16 is split into two bf16
+    parts, hi + lo, and dotted twice: float32 results to ~2^-16 relative (tests: 1e-5 of the largest output).
+  The kernels then equal the reference's dequantized weights bit for bit; only float32 sum order differs.
+
+Expected time per call, Qwen3-30B-A3B decode (H 2048, I 768, top-8, batch 1: 8 experts, 37.7 M weights), H200
+(4.8 TB/s, 132 SMs x 4 schedulers issuing one warp instruction per clock at ~1.98 GHz = 1.05e12 warp-instr/s).
+SASS of the sm_90 builds (compiled without a GPU: triton.compile for GPUTarget("cuda", 90, 32), nvdisasm;
+`benches/quant_moe_sass.py`), K loop at 16-row tiles, instructions per weight in gate/up and down: NVFP4 ~12.2
+and 14.8 (PRMT/shift/LOP3 to split bytes and build float16 codes, HADD2.F32, FMUL by the scale, half an F2FP
+pack), MXFP4 ~11.1 in gate/up, FP8 ~9.2 and 10.3; HMMA for the dots (HGMMA at 64-row tiles), weights staged by
+cp.async (LDGSTS) with 3-4 stages.
+  - bytes: NVFP4 18.9 MB codes + 2.4 MB scales = 21.2 MB -> 4.4 us; MXFP4 20.0 MB -> 4.2 us; FP8 37.7 MB -> 7.9 us;
+    bf16 75.5 MB -> 15.7 us (the baseline's floor).
+  - issue: 37.7 M weights x instr/weight / 32 lanes / 1.05e12: NVFP4 ~14.7 us, MXFP4 ~13 us, FP8 ~10.8 us, so at
+    batch 1-16 all three are bound by instruction issue, not bandwidth (the M tile's 16 rows cost the same
+    decode as one). Programs: gate/up 8 tiles x 768 / 32 = 192, down 8 x 2048 / 32 = 512, each >= one per SM.
+  - expected: ~15-20 us per layer call for NVFP4 and MXFP4 (was 237 us), ~12-16 us for FP8, against bf16's
+    ~16-20 us. Prefill (64-row tiles) amortizes the decode over 64 rows and runs on wgmma.
+  Reaching the bandwidth floor needs packed conversions (several weights per 32-bit instruction, Marlin-style:
+  PTX cvt.rn.f16x2.e4m3x2 for FP8, a PRMT lookup of 8 nibbles per word for e2m1 through tl.inline_asm_elementwise,
+  or tl.dot_scaled for MXFP4); `benches/quant_moe.py` measures where the kernels stand.
 
 Shapes (project letters): M tokens, K hidden, N expert intermediate, S slots (or E experts), k top-k.
-Test: TRITON_INTERPRET=1 python -m pytest tests/kernels/test_kernels_quant.py   (GPU sizes: -m gpu on a CUDA machine)
-Bench: python benches/quant_moe.py
+Test: python -m pytest tests/kernels/test_kernels_quant.py   (TRITON_INTERPRET=1 without a GPU, as conftest sets;
+      the Qwen3-30B shapes: -m gpu on a CUDA machine)
+Bench: python benches/quant_moe.py [--profile] [--sweep]   (GPU: us per call by format and batch against bf16)
 """
 
 from __future__ import annotations
@@ -28,15 +59,16 @@ import triton.language as tl
 
 from freetoken.kernels.fused_moe import align_pairs, block_m_for, fused_moe_reference
 from freetoken.kernels.moe_tiles import swiglu_rounded, tile_rows
-from freetoken.quant.formats import ExpertLayout
+from freetoken.quant.formats import ExpertFormat, ExpertLayout
 from freetoken.quant.reference import dequantize_experts
 
 FORMAT_IDS = {"fp8_block": 0, "nvfp4": 1, "mxfp4": 2}
 
 
 @triton.jit
-def _e4m3(code):
-    """e4m3 codes (int32, 0..255) -> float32 (OCP OFP8: bias 7, exponent 0 subnormal m/8 * 2^-6)."""
+def _e4m3_f32(code):
+    """e4m3 codes (int32, 0..255) -> float32 (OCP OFP8: bias 7, exponent 0 subnormal m/8 * 2^-6); used on the
+    small tiles of NVFP4 block scales only, so its select costs nothing next to the weights."""
     mag = code & 0x7F
     normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
     value = tl.where(mag < 8, mag.to(tl.float32) * (1.0 / 512.0), normal)
@@ -44,42 +76,158 @@ def _e4m3(code):
 
 
 @triton.jit
-def _e2m1(code):
-    """e2m1 codes (int32, 0..15) -> float32 (OCP MX: bias 1; 0, 0.5, 1, 1.5, 2, 3, 4, 6)."""
-    exp = (code >> 1) & 3
-    man = (code & 1).to(tl.float32)
-    value = tl.where(exp == 0, man * 0.5, (1.0 + man * 0.5) * tl.exp2((exp - 1).to(tl.float32)))
-    return tl.where((code & 8) != 0, -value, value)
+def _e4m3_f16(code):
+    """FP8 e4m3 codes (int32, 0..255) -> float16 holding the value * 2^-8, exactly, by moving bit fields only.
+
+    e4m3 (s eeee mmm, bias 7) shifted left by 7 is a float16 (bias 15) of the same sign, exponent field and
+    mantissa: the value scaled by 2^(7 - 15), subnormals included (e4m3's m/8 * 2^-6 lands on float16's m/8 * 2^-14),
+    so no select and no exp2 per element; the caller multiplies its tile scale by 2^8. The NaN code (S.1111.111)
+    decodes as 480 (as the previous decoder did): `reference.nonfinite_experts` refuses such experts at load."""
+    bits = ((code & 0x7F) << 7) | ((code & 0x80) << 8)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
-def _weight_tile(
-    base,
-    rows,
-    cols,
-    num_cols,
-    weight_off,
-    scale_off,
-    tensor_scale,
-    ok,
+def _e2m1_pair_f16(byte):
+    """Packed e2m1 bytes (int32, 0..255) -> (low nibble, high nibble) as float16 holding the value * 2^-14.
+
+    e2m1 (s ee m, bias 1) placed at float16's sign, low exponent bits and top mantissa bit is the value scaled by
+    2^(1 - 15): e = 0 (0 and 0.5) lands on float16 subnormals m/2 * 2^-14, which every float16 path keeps (no
+    flush to zero for 16-bit floats, and the float16 -> float32 conversion is exact). Four integer ops per
+    element, no select and no exp2; the caller folds 2^14 into the block scale."""
+    low = ((byte & 0x07) << 9) | ((byte & 0x08) << 12)
+    high = ((byte & 0x70) << 5) | ((byte & 0x80) << 8)
+    return low.to(tl.int16).to(tl.float16, bitcast=True), high.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _bf16_split(a, SPLIT_ACTIVATIONS: tl.constexpr):
+    """Activations -> (hi, lo) bfloat16 operands for tensor-core dots. bf16 activations pass as they are (lo is
+    unused). Other dtypes (float32 under the CPU tests, float16) split into hi = bf16(a) and lo = bf16(a - hi):
+    hi + lo carries 16 significant bits, so two bf16 dots give float32-activation results to ~2^-16 relative."""
+    hi = a.to(tl.bfloat16)
+    if SPLIT_ACTIVATIONS:
+        lo = (a.to(tl.float32) - hi.to(tl.float32)).to(tl.bfloat16)
+    else:
+        lo = hi
+    return hi, lo
+
+
+@triton.jit
+def _dot_split(a_hi, a_lo, w, acc, SPLIT_ACTIVATIONS: tl.constexpr):
+    """acc + a . w, bf16 operands, float32 accumulation (tensor cores); `_bf16_split`'s lo part when split."""
+    acc = tl.dot(a_hi, w, acc)
+    if SPLIT_ACTIVATIONS:
+        acc = tl.dot(a_lo, w, acc)
+    return acc
+
+
+@triton.jit
+def _activations(
+    x_rows,
+    row_ok,
+    k0,
+    num_in,
+    FORMAT: tl.constexpr,
+    SPLIT_ACTIVATIONS: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+):
+    """The activation operands of one K step, columns k0 .. k0 + BLOCK_SIZE_K of rows `x_rows` ([M, 1] pointers).
+
+    FP8: (hi, lo, hi, lo) of a [M, BLOCK_SIZE_K]. 4-bit formats: (even hi, even lo, odd hi, odd lo), each
+    [M, BLOCK_SIZE_K / 2]: the packed weights hold column 2j in a byte's low nibble and 2j + 1 in its high one, and
+    sum_k a[k] w[k] = even columns . low nibbles + odd columns . high nibbles, so the bytes are loaded once and
+    never interleaved."""
+    # one return for both formats: compiled Triton requires every return of a function to have one type
+    if FORMAT == 0:
+        offs = k0 + tl.arange(0, BLOCK_SIZE_K)
+        a = tl.load(x_rows + offs[None, :], mask=row_ok[:, None] & (offs[None, :] < num_in), other=0.0)
+        first_hi, first_lo = _bf16_split(a, SPLIT_ACTIVATIONS)
+        second_hi, second_lo = first_hi, first_lo
+    else:
+        offs = k0 + 2 * tl.arange(0, BLOCK_SIZE_K // 2)
+        ok = row_ok[:, None] & (offs[None, :] < num_in)
+        first_hi, first_lo = _bf16_split(tl.load(x_rows + offs[None, :], mask=ok, other=0.0), SPLIT_ACTIVATIONS)
+        second_hi, second_lo = _bf16_split(tl.load(x_rows + offs[None, :] + 1, mask=ok, other=0.0), SPLIT_ACTIVATIONS)
+    return first_hi, first_lo, second_hi, second_lo
+
+
+@triton.jit
+def _weight_step(
+    acc,
+    a1_hi,
+    a1_lo,
+    a2_hi,
+    a2_lo,
+    weights,
+    scales,
+    out0,
+    offs_out,
+    out_ok,
+    k0,
+    num_in,
     FORMAT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    SPLIT_ACTIVATIONS: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
 ):
-    """The float32 weights W[rows, cols] of one matrix stored at `base + weight_off` (row-major, `num_cols` columns)
-    with its block scales at `base + scale_off`; `rows` and `cols` broadcast to the tile's shape."""
-    num_scale_cols = (num_cols + BLOCK_COLS - 1) // BLOCK_COLS
-    scale_idx = (rows // BLOCK_ROWS) * num_scale_cols + cols // BLOCK_COLS
+    """acc [M, BLOCK_SIZE_N] + activations . W[offs_out, k0 : k0 + BLOCK_SIZE_K]^T for one matrix W [rows (out),
+    num_in] stored at `weights` (uint8 pointer, row-major codes) with its block scales at `scales`.
+
+    Weights become bf16 tiles exactly (see the module doc) and meet the activations in bf16 dots with float32
+    accumulation. FP8: the tile is one scale block (BLOCK_SIZE_K = BLOCK_COLS, BLOCK_SIZE_N divides BLOCK_ROWS), so
+    the dot runs on the codes and its result is scaled once. NVFP4/MXFP4: codes times their block scale, exact in
+    bf16, per element (the scale varies along K within the tile); NVFP4's per-tensor scale is left to the caller."""
+    # if/else, one return: compiled Triton generates what follows a return inside a constexpr branch
     if FORMAT == 0:
-        code = tl.load(base + weight_off + rows * num_cols + cols, mask=ok, other=0).to(tl.int32)
-        scale = tl.load((base + scale_off).to(tl.pointer_type(tl.float32)) + scale_idx, mask=ok, other=0.0)
-        return _e4m3(code) * scale
-    byte = tl.load(base + weight_off + (rows * num_cols + cols) // 2, mask=ok, other=0).to(tl.int32)
-    code = (byte >> ((cols % 2) * 4)) & 0xF
-    scale_code = tl.load(base + scale_off + scale_idx, mask=ok, other=0).to(tl.int32)
-    if FORMAT == 1:
-        return _e2m1(code) * (_e4m3(scale_code) * tensor_scale)
-    return _e2m1(code) * (scale_code << 23).to(tl.float32, bitcast=True)
+        offs_k = k0 + tl.arange(0, BLOCK_SIZE_K)
+        codes = tl.load(
+            weights + offs_out[None, :] * num_in + offs_k[:, None],
+            mask=(offs_k[:, None] < num_in) & out_ok[None, :],
+            other=0,
+        )
+        # [BLOCK_SIZE_K, BLOCK_SIZE_N] weights * 2^-8, exact; through float32 because sm_90 has no packed
+        # float16 -> bf16 convert (a direct cast compiles to one quarter-rate F2F per element; this to a
+        # full-rate HADD2.F32 and half an F2FP pack)
+        w = _e4m3_f16(codes.to(tl.int32)).to(tl.float32).to(tl.bfloat16)
+        part = _dot_split(a1_hi, a1_lo, w, tl.zeros_like(acc), SPLIT_ACTIVATIONS)
+        scale_idx = (out0 // BLOCK_ROWS) * tl.cdiv(num_in, BLOCK_COLS) + k0 // BLOCK_COLS
+        scale = tl.load(scales.to(tl.pointer_type(tl.float32)) + scale_idx)
+        acc = acc + part * (scale * 256.0)
+    else:
+        offs_j = k0 // 2 + tl.arange(0, BLOCK_SIZE_K // 2)  # byte columns
+        byte = tl.load(
+            weights + offs_out[None, :] * (num_in // 2) + offs_j[:, None],
+            mask=(offs_j[:, None] < num_in // 2) & out_ok[None, :],
+            other=0,
+        ).to(tl.int32)  # [BLOCK_SIZE_K / 2, BLOCK_SIZE_N]
+        num_blocks: tl.constexpr = BLOCK_SIZE_K // BLOCK_COLS
+        offs_b = k0 // BLOCK_COLS + tl.arange(0, num_blocks)
+        code = tl.load(
+            scales + offs_out[None, :] * (num_in // BLOCK_COLS) + offs_b[:, None],
+            mask=(offs_b[:, None] < num_in // BLOCK_COLS) & out_ok[None, :],
+            other=0,
+        ).to(tl.int32)  # [blocks, BLOCK_SIZE_N]
+        if FORMAT == 1:
+            scale = _e4m3_f32(code) * 16384.0  # 2^14 undoes `_e2m1_pair_f16`'s 2^-14
+        else:
+            # 2^(e - 127) * 2^14 built as float32 bits: exact for e <= 240; e8m0 codes above (scales past 2^113) and
+            # 0xFF (NaN) are never in a checkpoint's weights. Below ~2^-120 the products leave bf16's normal range and
+            # lose bits (the reference keeps float32 subnormals); no real block is that small either.
+            scale = ((code + 14) << 23).to(tl.float32, bitcast=True)
+        # byte row j (columns 2j, 2j + 1) takes block (k0 + 2j) // BLOCK_COLS: [blocks, BLOCK_COLS / 2, N] -> [K / 2, N]
+        scale = tl.reshape(
+            tl.broadcast_to(scale[:, None, :], (num_blocks, BLOCK_COLS // 2, scale.shape[1])),
+            (BLOCK_SIZE_K // 2, scale.shape[1]),
+        )
+        low, high = _e2m1_pair_f16(byte)
+        # e2m1 (<= 2 significant bits) x e4m3 (<= 4) or x 2^e fits bf16's 8: the rounding to bf16 is exact
+        w_even = (low.to(tl.float32) * scale).to(tl.bfloat16)
+        w_odd = (high.to(tl.float32) * scale).to(tl.bfloat16)
+        acc = _dot_split(a1_hi, a1_lo, w_even, acc, SPLIT_ACTIVATIONS)
+        acc = _dot_split(a2_hi, a2_lo, w_odd, acc, SPLIT_ACTIVATIONS)
+    return acc
 
 
 @triton.jit
@@ -104,11 +252,13 @@ def _gate_up_quant_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     HAS_TENSOR_SCALE: tl.constexpr,
+    SPLIT_ACTIVATIONS: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
 ):
-    """h[row, n] = silu(x[t] . gate[e, n]) * (x[t] . up[e, n]) for the rows of one expert's M tile."""
+    """h[row, n] = silu(x[t] . gate[e, n]) * (x[t] . up[e, n]) for the rows of one expert's M tile: gate [N, K] at
+    byte 0 of the expert, up [N, K] at `up_off`, their block scales at `gate_up_scale_off` and `up_scale_off`."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
@@ -116,33 +266,32 @@ def _gate_up_quant_kernel(
         return
     rows, pair, row_ok = tile_rows(sorted_pair_ptr, num_pairs, pid_m, BLOCK_SIZE_M)
     token = pair // top_k
-    offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
-    offs_k = tl.arange(0, BLOCK_SIZE_K)
-    base = w_ptr + expert.to(tl.int64) * stride_we
-    gate_ts = 1.0
-    up_ts = 1.0
-    if HAS_TENSOR_SCALE:
-        ts_ptr = (base + tensor_scale_off).to(tl.pointer_type(tl.float32))
-        gate_ts = tl.load(ts_ptr)
-        up_ts = tl.load(ts_ptr + 1)
+    n0 = pid_n * BLOCK_SIZE_N
+    offs_n = n0 + tl.arange(0, BLOCK_SIZE_N)
+    n_ok = offs_n < N
+    base = w_ptr + expert.to(tl.int64) * stride_we  # int64: slots * stride passes 2^31 bytes
+    x_rows = x_ptr + token[:, None] * stride_xm
     acc_gate = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
-    n_ok = offs_n[None, :] < N
     for k0 in range(0, K, BLOCK_SIZE_K):
-        k = offs_k[:, None] + k0
-        ok = (k < K) & n_ok
-        a = tl.load(
-            x_ptr + token[:, None] * stride_xm + k0 + offs_k[None, :],
-            mask=row_ok[:, None] & (offs_k[None, :] + k0 < K),
-            other=0.0,
-        )
-        g = _weight_tile(base, offs_n[None, :], k, K, 0, gate_up_scale_off, gate_ts, ok, FORMAT, BLOCK_ROWS, BLOCK_COLS)
-        u = _weight_tile(base, offs_n[None, :], k, K, up_off, up_scale_off, up_ts, ok, FORMAT, BLOCK_ROWS, BLOCK_COLS)
-        acc_gate = tl.dot(a.to(tl.float32), g, acc_gate, input_precision="ieee")
-        acc_up = tl.dot(a.to(tl.float32), u, acc_up, input_precision="ieee")
+        a1_hi, a1_lo, a2_hi, a2_lo = _activations(x_rows, row_ok, k0, K, FORMAT, SPLIT_ACTIVATIONS, BLOCK_SIZE_K)
+        acc_gate = _weight_step(
+            acc_gate, a1_hi, a1_lo, a2_hi, a2_lo, base, base + gate_up_scale_off, n0, offs_n, n_ok, k0, K,
+            FORMAT, BLOCK_ROWS, BLOCK_COLS, SPLIT_ACTIVATIONS, BLOCK_SIZE_K,
+        )  # fmt: skip
+        acc_up = _weight_step(
+            acc_up, a1_hi, a1_lo, a2_hi, a2_lo, base + up_off, base + up_scale_off, n0, offs_n, n_ok, k0, K,
+            FORMAT, BLOCK_ROWS, BLOCK_COLS, SPLIT_ACTIVATIONS, BLOCK_SIZE_K,
+        )  # fmt: skip
+    if HAS_TENSOR_SCALE:  # NVFP4's weight_scale_2, once per output instead of once per weight
+        ts_ptr = (base + tensor_scale_off).to(tl.pointer_type(tl.float32))
+        acc_gate = acc_gate * tl.load(ts_ptr)
+        acc_up = acc_up * tl.load(ts_ptr + 1)
     h = swiglu_rounded(acc_gate, acc_up, h_ptr)
     tl.store(
-        h_ptr + rows[:, None] * stride_hm + offs_n[None, :], h.to(h_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok
+        h_ptr + rows[:, None] * stride_hm + offs_n[None, :],
+        h.to(h_ptr.dtype.element_ty),
+        mask=row_ok[:, None] & n_ok[None, :],
     )
 
 
@@ -167,50 +316,82 @@ def _down_quant_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     HAS_TENSOR_SCALE: tl.constexpr,
+    SPLIT_ACTIVATIONS: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
 ):
-    """out[pair, kk] = weight[pair] * (h[row] . down[e, kk]) for the rows of one expert's M tile (kk over K)."""
+    """out[pair, kk] = weight[pair] * (h[row] . down[e, kk]) for the rows of one expert's M tile (kk over hidden K,
+    the dot over N): down [K, N] at `down_off`, its block scales at `down_scale_off`."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     expert = tl.load(block_expert_ptr + pid_m)
     if expert < 0:
         return
     rows, pair, row_ok = tile_rows(sorted_pair_ptr, num_pairs, pid_m, BLOCK_SIZE_M)
-    offs_out = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
-    offs_in = tl.arange(0, BLOCK_SIZE_K)
+    out0 = pid_n * BLOCK_SIZE_N
+    offs_out = out0 + tl.arange(0, BLOCK_SIZE_N)
+    out_ok = offs_out < K
     base = w_ptr + expert.to(tl.int64) * stride_we
-    ts = 1.0
-    if HAS_TENSOR_SCALE:
-        ts = tl.load((base + tensor_scale_off).to(tl.pointer_type(tl.float32)) + 2)
-    out_ok = offs_out[None, :] < K
+    h_rows = h_ptr + rows[:, None] * stride_hm
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_SIZE_K):
-        n = offs_in[:, None] + n0
-        a = tl.load(
-            h_ptr + rows[:, None] * stride_hm + n0 + offs_in[None, :],
-            mask=row_ok[:, None] & (offs_in[None, :] + n0 < N),
-            other=0.0,
-        )
-        b = _weight_tile(
-            base,
-            offs_out[None, :],
-            n,
-            N,
-            down_off,
-            down_scale_off,
-            ts,
-            (n < N) & out_ok,
-            FORMAT,
-            BLOCK_ROWS,
-            BLOCK_COLS,
-        )
-        acc = tl.dot(a.to(tl.float32), b, acc, input_precision="ieee")
+        a1_hi, a1_lo, a2_hi, a2_lo = _activations(h_rows, row_ok, n0, N, FORMAT, SPLIT_ACTIVATIONS, BLOCK_SIZE_K)
+        acc = _weight_step(
+            acc, a1_hi, a1_lo, a2_hi, a2_lo, base + down_off, base + down_scale_off, out0, offs_out, out_ok, n0, N,
+            FORMAT, BLOCK_ROWS, BLOCK_COLS, SPLIT_ACTIVATIONS, BLOCK_SIZE_K,
+        )  # fmt: skip
+    if HAS_TENSOR_SCALE:
+        acc = acc * tl.load((base + tensor_scale_off).to(tl.pointer_type(tl.float32)) + 2)
     routing = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
-    acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * routing[:, None]
+    acc = acc.to(out_ptr.dtype.element_ty).to(tl.float32) * routing[:, None]  # rounded like the reference
     out_ptrs = out_ptr + pair[:, None] * stride_om + offs_out[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok[None, :])
+
+
+# (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages) by (weight bits, BLOCK_SIZE_M): decode tiles (16 rows) take
+# narrow N tiles so a batch-1 call still spreads over the SMs (gate/up: 8 experts x 768 / 32 = 192 programs, down:
+# 8 x 2048 / 32 = 512 on Qwen3-30B-A3B) with deep K steps that keep 2-4 KB per matrix in flight per stage; prefill
+# tiles (64 rows) take 64 x 128 tiles, tensor-core sized. FP8's BLOCK_SIZE_K is its scale block's columns and its
+# BLOCK_SIZE_N a divisor of the block's rows (one scale per tile), whatever this table says. The module doc has the
+# reasoning; `benches/quant_moe.py --sweep` times alternatives on a GPU.
+LAUNCH_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
+    (4, 16): (32, 256, 4, 4),
+    (4, 64): (64, 128, 4, 3),
+    (8, 16): (32, 128, 4, 4),
+    (8, 64): (64, 128, 4, 3),
+}
+
+
+def launch_config(fmt: ExpertFormat, num_pairs: int) -> tuple[int, int, int, int]:
+    """The default (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages) of `fmt`'s kernels for `num_pairs` pairs."""
+    return LAUNCH_CONFIGS[(fmt.weight_bits, block_m_for(num_pairs))]
+
+
+def _pow2_at_most(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
+
+
+def _blocks(fmt: ExpertFormat, config: tuple[int, int, int, int], num_in: int) -> tuple[int, int]:
+    """(BLOCK_SIZE_N, BLOCK_SIZE_K) of one kernel whose dot runs over `num_in` columns, from `config`.
+
+    Raises:
+        ValueError: a block shape the kernels cannot tile (names it): FP8 needs power-of-two block columns >= 16
+            and block rows with a power-of-two divisor >= 16 (128 x 128 and 32 x 32 do).
+    """
+    block_n, block_k = config[0], config[1]
+    if fmt.weight_bits == 8:
+        rows, cols = fmt.block_rows, fmt.block_cols
+        block_n = min(_pow2_at_most(block_n), rows & -rows)  # largest power of two dividing both
+        if cols < 16 or cols & (cols - 1) or block_n < 16:
+            raise ValueError(
+                f"fused_moe_quant tiles FP8 blocks of power-of-two columns >= 16 and rows divisible by 16; the "
+                f"checkpoint's weight_block_size is [{rows}, {cols}] (serve it with the CPU backend or requantize)"
+            )
+        return block_n, cols  # one scale block per tile
+    # 4-bit: whole scale blocks per K step and K / 2 >= 16 for tl.dot; no step wider than the matrix needs
+    wanted = min(_pow2_at_most(block_k), 1 << max(num_in - 1, 1).bit_length())
+    return block_n, max(wanted, fmt.block_cols, 32)
 
 
 def fused_moe_quant(
@@ -221,6 +402,7 @@ def fused_moe_quant(
     topk_weights: torch.Tensor,
     alignment: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """Weighted sum of the routed SwiGLU experts of each token, the experts quantized.
 
@@ -233,15 +415,20 @@ def fused_moe_quant(
         topk_weights: [M, k] routing weights.
         alignment: `align_pairs(topk_ids, S, block_m_for(M * k))`, when the caller has it.
         out: [M, K] buffer for the result (hidden's dtype); None allocates.
+        config: (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages) of both kernels; None: `launch_config`.
 
     Returns:
         [M, K] in hidden's dtype, as `freetoken.kernels.fused_moe.fused_moe` computes it from the dequantized
-        weights (dots in float32 with the activations widened; rounded to hidden's dtype where it rounds).
+        weights: the dequantized weights exactly (bf16 tiles), float32 accumulation, rounded to hidden's dtype where
+        it rounds. bf16 activations enter the dots as they are; float32 or float16 ones as two bf16 parts (hi + lo,
+        ~2^-16 relative), so a float32 call matches the float32 reference to float32-sum rounding.
     """
     if alignment is None:
         alignment = align_pairs(topk_ids, experts.shape[0], block_m_for(topk_ids.numel()))
     sorted_pairs, block_expert = alignment
-    return fused_moe_quant_tiles(hidden, experts, layout, topk_weights, sorted_pairs, block_expert[None], out=out)
+    return fused_moe_quant_tiles(
+        hidden, experts, layout, topk_weights, sorted_pairs, block_expert[None], out=out, config=config
+    )
 
 
 def fused_moe_quant_tiles(
@@ -253,12 +440,13 @@ def fused_moe_quant_tiles(
     tile_stages: torch.Tensor,
     out: torch.Tensor | None = None,
     before_stage: Callable[[int], None] | None = None,
+    config: tuple[int, int, int, int] | None = None,
 ) -> torch.Tensor:
     """`fused_moe_quant` over an alignment whose tiles are split in stages run one after the other, as
     `freetoken.kernels.fused_moe.fused_moe_tiles` does for bf16 (the decode driver's hits, then its fills).
 
     Args:
-        hidden, experts, layout, topk_weights, out: as `fused_moe_quant`.
+        hidden, experts, layout, topk_weights, out, config: as `fused_moe_quant`.
         sorted_pairs: [R] int64 of `align_pairs` (block_m_for(M * k) rows per tile).
         tile_stages: [S, R / block_m] int64: the slot of each tile in the stage that runs it, -1 in the others.
         before_stage: called with s before stage s > 0 is queued.
@@ -281,19 +469,23 @@ def fused_moe_quant_tiles(
     sec = layout.sections
     gate_up_off, gate_up_n = sec["gate_up"]
     gate_up_scale_off, gate_up_scale_n = sec["gate_up_scale"]
+    config = config or launch_config(fmt, num_pairs)
     meta = {
         "FORMAT": FORMAT_IDS[fmt.name],
         "BLOCK_ROWS": fmt.block_rows,
         "BLOCK_COLS": fmt.block_cols,
         "HAS_TENSOR_SCALE": fmt.tensor_scale,
+        "SPLIT_ACTIVATIONS": hidden.dtype != torch.bfloat16,
         "BLOCK_SIZE_M": block_m,
-        "BLOCK_SIZE_N": 64,
-        "BLOCK_SIZE_K": 64,
+        "num_warps": config[2],
+        "num_stages": config[3],
     }
+    gate_up_n_block, gate_up_k_block = _blocks(fmt, config, hidden_size)
+    down_n_block, down_k_block = _blocks(fmt, config, inter)
     for stage, block_expert in enumerate(tile_stages):
         if stage and before_stage is not None:
             before_stage(stage)
-        grid = (num_rows // block_m, triton.cdiv(inter, 64))
+        grid = (num_rows // block_m, triton.cdiv(inter, gate_up_n_block))
         _gate_up_quant_kernel[grid](
             hidden,
             experts,
@@ -311,9 +503,11 @@ def fused_moe_quant_tiles(
             gate_up_scale_off,
             gate_up_scale_off + gate_up_scale_n // 2,
             sec["tensor_scale"][0],
+            BLOCK_SIZE_N=gate_up_n_block,
+            BLOCK_SIZE_K=gate_up_k_block,
             **meta,
         )
-        grid = (num_rows // block_m, triton.cdiv(hidden_size, 64))
+        grid = (num_rows // block_m, triton.cdiv(hidden_size, down_n_block))
         _down_quant_kernel[grid](
             h,
             experts,
@@ -330,6 +524,8 @@ def fused_moe_quant_tiles(
             sec["down"][0],
             sec["down_scale"][0],
             sec["tensor_scale"][0],
+            BLOCK_SIZE_N=down_n_block,
+            BLOCK_SIZE_K=down_k_block,
             **meta,
         )
     return torch.sum(pairs.view(num_tokens, top_k, hidden_size), dim=1, out=out)

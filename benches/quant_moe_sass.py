@@ -1,0 +1,104 @@
+"""SASS instruction counts of the quantized grouped kernels (`fused_moe_quant`), compiled for sm_90 without a GPU:
+Triton's `triton.compile` for GPUTarget("cuda", 90, 32) with the ptxas and nvdisasm its wheel ships.
+
+    python benches/quant_moe_sass.py [--formats fp8 nvfp4 mxfp4] [--block-m 16 64]
+
+For each format, M tile and kernel (Qwen3-30B-A3B: H 2048, I 768): the K loop's instructions per thread, per
+weight, and its most frequent opcodes; a compile error here is one the GPU would hit (the interpreter accepts more).
+Integer arguments and pointers are declared 16-divisible, as Triton specializes them at a real launch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ.pop("TRITON_INTERPRET", None)  # before the kernels are defined: compile them, do not interpret
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from freetoken.kernels import fused_moe_quant as fmq
+from freetoken.quant import MXFP4, NVFP4, fp8_block
+
+HIDDEN, INTER = 2048, 768
+FORMATS = {"fp8": fp8_block(), "nvfp4": NVFP4, "mxfp4": MXFP4}
+POINTERS = {"x_ptr": "*bf16", "h_ptr": "*bf16", "out_ptr": "*bf16", "weight_ptr": "*bf16", "w_ptr": "*u8"}
+POINTERS |= {"sorted_pair_ptr": "*i64", "block_expert_ptr": "*i64"}
+NOT_16_DIVISIBLE = {"num_pairs", "top_k"}
+
+
+def loop_ops(sass: str) -> list[str]:
+    """Opcodes of the longest backward-branch loop in `sass` (nvdisasm -c output)."""
+    ins: list[str] = []
+    labels: dict[str, int] = {}
+    for line in sass.splitlines():
+        if m := re.match(r"\s+/\*[0-9a-f]{4}\*/\s+(.*?);", line):
+            ins.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1)))
+        elif m := re.match(r"\.(L_x_\d+):", line.strip()):
+            labels[m.group(1)] = len(ins)
+    best: list[str] = []
+    for i, text in enumerate(ins):
+        m = re.search(r"BRA\s+(?:`\()?\.?(L_x_\d+)", text)
+        if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > len(best):
+            best = [t.split()[0] for t in ins[labels[m.group(1)] : i + 1]]
+    return best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument("--block-m", type=int, nargs="+", default=[16, 64], choices=[16, 64])
+    args = parser.parse_args()
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    for name in args.formats:
+        fmt = FORMATS[name]
+        for block_m in args.block_m:
+            config = fmq.launch_config(fmt, 8 if block_m == 16 else 4096)
+            for kernel, num_in in ((fmq._gate_up_quant_kernel, HIDDEN), (fmq._down_quant_kernel, INTER)):
+                block_n, block_k = fmq._blocks(fmt, config, num_in)
+                constants = {
+                    "FORMAT": fmq.FORMAT_IDS[fmt.name],
+                    "BLOCK_ROWS": fmt.block_rows,
+                    "BLOCK_COLS": fmt.block_cols,
+                    "HAS_TENSOR_SCALE": fmt.tensor_scale,
+                    "SPLIT_ACTIVATIONS": False,
+                    "BLOCK_SIZE_M": block_m,
+                    "BLOCK_SIZE_N": block_n,
+                    "BLOCK_SIZE_K": block_k,
+                }
+                args_ = [a for a in kernel.arg_names if a not in constants]
+                signature = {a: "constexpr" if a in constants else POINTERS.get(a, "i32") for a in kernel.arg_names}
+                attrs = {
+                    (kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in args_ if a not in NOT_16_DIVISIBLE
+                }
+                compiled = triton.compile(
+                    ASTSource(kernel, signature, constants, attrs),
+                    target=GPUTarget("cuda", 90, 32),
+                    options={"num_warps": config[2], "num_stages": config[3]},
+                )
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                    f.write(compiled.asm["cubin"])
+                    f.flush()
+                    sass = subprocess.run(
+                        [os.path.join(bindir, "nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True
+                    ).stdout
+                ops = loop_ops(sass)
+                weights = 2 if kernel is fmq._gate_up_quant_kernel else 1
+                per_thread = weights * block_k * block_n / (32 * config[2])
+                counts: dict[str, int] = {}
+                for op in ops:
+                    counts[op] = counts.get(op, 0) + 1
+                top = ", ".join(f"{op} {n}" for op, n in sorted(counts.items(), key=lambda t: -t[1])[:8])
+                print(
+                    f"{kernel.__name__:>22} {name:>5} M tile {block_m:>2} ({block_n} x {block_k}): loop "
+                    f"{len(ops)} instructions per thread, {len(ops) / per_thread:.1f} per weight; {top}"
+                )
+
+
+if __name__ == "__main__":
+    main()
