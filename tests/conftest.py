@@ -59,8 +59,34 @@ def _interpreter_rounds_bf16_to_nearest() -> None:
     builder.cast_impl = cast_impl
 
 
+def _interpreter_dots_bf16_by_value() -> None:
+    """Make Triton's interpreter multiply bfloat16 dot operands by their values: Triton 3.9's `create_dot` widens
+    only 8-bit floats and hands the rest to `np.matmul` as they are stored, and it stores bfloat16 as raw uint16
+    bits, so a bf16 `tl.dot` multiplied bit patterns (a 16 x 16 product of N(0, 1) values came out 2.6e10 off; the
+    quantized MoE kernels' bf16 dots failed every CPU test). The GPU's bf16 MMA takes the exact values and
+    accumulates in float32, as the float32 matmul here does."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    dot = builder.create_dot
+
+    def values(handle):
+        if handle.dtype.scalar != tl.bfloat16:
+            return handle
+        bits = handle.data.astype(np.uint32) << 16
+        return interpreter.TensorHandle(bits.view(np.float32), tl.float32)
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return dot(self, values(a), values(b), d, input_precision, max_num_imprecise_acc)
+
+    builder.create_dot = create_dot
+
+
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpreter_rounds_bf16_to_nearest()
+    _interpreter_dots_bf16_by_value()
 
 
 # The `gpu` marker's check and skip (tests/gpu_marker.py).
