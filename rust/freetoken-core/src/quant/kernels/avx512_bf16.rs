@@ -15,9 +15,12 @@
 //!   every normal code's magnitude, a masked `vpermw` from an 8-entry table puts the subnormal
 //!   ones in (exact; `vdpbf16ps` would flush bf16 subnormals, so they cannot be left shifted), a
 //!   ternary-logic OR adds the sign. Each block's sum is multiplied once by its f32 scale.
-//! - Rows in blocks of 4 (2 from 3 tokens: registers), tokens in blocks of up to 4 inside each
+//! - One driver for both ([`run`] over a [`Format`], monomorphised per format, rows and tokens):
+//!   rows in blocks of 4 (2 from 3 tokens: registers), tokens in blocks of up to 4 inside each
 //!   row block, so a row block's bytes come from memory once and from L1 for the later token
-//!   blocks; the next row block is prefetched into L2 while this one streams.
+//!   blocks; the next row block is prefetched into L2 while this one streams. A format gives
+//!   only its column groups (a 4-bit chunk, an FP8 block), their multipliers and their decode,
+//!   dot products and scaling.
 //! - Any shape the formats allow: a 4-bit row's last partial chunk and FP8's partial vectors (end
 //!   of a block or of the row) are read with byte masks; masked weights and activations are zero.
 //!
@@ -85,7 +88,209 @@ static SPREAD: [[[u32; 16]; 4]; 2] = {
     t
 };
 
-/// The rows' block multipliers and the activations in the order the kernels read them.
+/// One format's step, what the driver ([`run`]) leaves to it: a row's weights fall into column
+/// groups, each served by one vector of multipliers per row (a 4-bit chunk of 128 elements, an
+/// FP8 block's columns); the format gives the rows' multipliers, decodes a group of R rows, dots
+/// it with T tokens and adds the scaled sums to the accumulators. The driver owns the row-block
+/// and token-block loops, the prefetch, the accumulators and the output, monomorphised for each
+/// format, R and T.
+///
+/// # Safety
+/// For every method: rows `r..r + R` lie below `m.rows` and tokens `t0..t0 + T` below the call's
+/// `n_tok` (the value was made for that call), `g < groups()`, and the CPU has the features of
+/// [`gemv`].
+trait Format {
+    /// The matrix.
+    fn matrix(&self) -> &QMatrix<'_>;
+    /// Weight bytes per row.
+    #[inline(always)]
+    fn row_bytes(&self) -> usize {
+        let m = self.matrix();
+        m.cols * m.format.weight_bits() / 8
+    }
+    /// Weight bytes of a row that [`Self::dot`] reads with one load.
+    const VECTOR_BYTES: usize;
+    /// Weight bytes per column group (the row's last group may be narrower).
+    fn group_width(&self) -> usize;
+    /// Column groups per row.
+    #[inline(always)]
+    fn groups(&self) -> usize {
+        self.row_bytes().div_ceil(self.group_width())
+    }
+    /// The groups `0..whole_groups()` are whole: as wide as the others and a whole number of the
+    /// format's vectors, so their loads need no mask.
+    #[inline(always)]
+    fn whole_groups(&self) -> usize {
+        if self.group_width().is_multiple_of(Self::VECTOR_BYTES) {
+            self.row_bytes() / self.group_width()
+        } else {
+            0
+        }
+    }
+    /// Group g's weight bytes in a row: `start..end`.
+    #[inline(always)]
+    fn group_bytes(&self, g: usize) -> (usize, usize) {
+        let w = self.group_width();
+        (g * w, ((g + 1) * w).min(self.row_bytes()))
+    }
+    /// Once per row block, before its token blocks: rows r..r+R (NVFP4/MXFP4: their multipliers).
+    #[inline(always)]
+    unsafe fn begin<const R: usize>(&mut self, _r: usize) {}
+    /// Group g of rows r..r+R against tokens t0..t0+T, times the rows' multipliers `s` (from
+    /// [`Self::scales`], lane by lane), added to `acc[row][token]`. `WHOLE`: `g < whole_groups()`.
+    /// Each (row, token) sum is scaled as soon as it is complete, so only one is live at a time.
+    unsafe fn dot<const R: usize, const T: usize, const WHOLE: bool>(
+        &self,
+        r: usize,
+        g: usize,
+        t0: usize,
+        s: [__m512; R],
+        acc: &mut [[__m512; T]; R],
+    );
+    /// Group g's multipliers of rows r..r+R (one vector a row).
+    unsafe fn scales<const R: usize>(&self, r: usize, g: usize) -> [__m512; R];
+}
+
+/// What one call computes: rows `r0..r1` for tokens `0..n_tok`, into `out[t * ldo + r - r0]`.
+#[derive(Clone, Copy)]
+struct Job {
+    r0: usize,
+    r1: usize,
+    n_tok: usize,
+    out: *mut f32,
+    ldo: usize,
+}
+
+/// The job: blocks of R rows (then single rows), each block's [`Format::begin`] once and its token
+/// blocks of up to 4 served while its bytes are in L1; the next row block is prefetched while the
+/// first token block streams this one. R is 4 up to 2 tokens, 2 from 3 (registers: accumulators,
+/// activations).
+///
+/// # Safety
+/// As [`Format`], for the job's rows and tokens; the job's `out` elements are writable.
+#[inline(always)]
+unsafe fn run<F: Format>(f: &mut F, job: Job) {
+    /// [`run`] with R rows a block.
+    #[inline(always)]
+    unsafe fn blocks<F: Format, const R: usize>(f: &mut F, job: Job) {
+        let Job {
+            r0,
+            r1,
+            n_tok,
+            out,
+            ldo,
+        } = job;
+        // SAFETY: forwarded; row block r writes out[t * ldo + r - r0 ..].
+        unsafe {
+            let mut r = r0;
+            while r + R <= r1 {
+                let pf = r + 2 * R <= r1;
+                block::<F, R>(f, r, n_tok, out.add(r - r0), ldo, pf);
+                r += R;
+            }
+            while r < r1 {
+                block::<F, 1>(f, r, n_tok, out.add(r - r0), ldo, false);
+                r += 1;
+            }
+        }
+    }
+    // SAFETY: forwarded.
+    unsafe {
+        if job.n_tok <= 2 {
+            blocks::<F, 4>(f, job)
+        } else {
+            blocks::<F, 2>(f, job)
+        }
+    }
+}
+
+/// Rows r..r+R for every token, into `out[t * ldo + k]`; `pf`: prefetch rows r+R..r+2R.
+#[inline(always)]
+unsafe fn block<F: Format, const R: usize>(
+    f: &mut F,
+    r: usize,
+    n_tok: usize,
+    out: *mut f32,
+    ldo: usize,
+    pf: bool,
+) {
+    // SAFETY: forwarded.
+    unsafe {
+        f.begin::<R>(r);
+        let mut t0 = 0;
+        while t0 < n_tok {
+            let (o, pf) = (out.add(t0 * ldo), pf && t0 == 0);
+            match n_tok - t0 {
+                1 => rows::<F, R, 1>(f, r, t0, o, ldo, pf),
+                2 => rows::<F, R, 2>(f, r, t0, o, ldo, pf),
+                3 => rows::<F, R, 3>(f, r, t0, o, ldo, pf),
+                _ => rows::<F, R, 4>(f, r, t0, o, ldo, pf),
+            }
+            t0 += 4;
+        }
+    }
+}
+
+/// Rows r..r+R, tokens t0..t0+T, into `out[t * ldo + k]`: per group, the format's sums times its
+/// multipliers, summed over the groups.
+#[inline(always)]
+unsafe fn rows<F: Format, const R: usize, const T: usize>(
+    f: &F,
+    r: usize,
+    t0: usize,
+    out: *mut f32,
+    ldo: usize,
+    pf: bool,
+) {
+    let rb = f.row_bytes();
+    // The first byte of row r + R (the next block), only ever prefetched.
+    let next = f.matrix().weight.as_ptr().wrapping_add((r + R) * rb);
+    // SAFETY: forwarded; prefetches read nothing.
+    unsafe {
+        /// Group g: its prefetch, then the format's step.
+        #[inline(always)]
+        unsafe fn group<F: Format, const R: usize, const T: usize, const WHOLE: bool>(
+            f: &F,
+            (r, g, t0): (usize, usize, usize),
+            next: Option<*const u8>,
+            acc: &mut [[__m512; T]; R],
+        ) {
+            // SAFETY: forwarded; prefetches read nothing.
+            unsafe {
+                if let Some(next) = next {
+                    let rb = f.row_bytes();
+                    let (start, end) = f.group_bytes(g);
+                    let mut o = start.next_multiple_of(64);
+                    while o < end {
+                        for k in 0..R {
+                            _mm_prefetch::<_MM_HINT_T1>(next.wrapping_add(k * rb + o) as *const i8);
+                        }
+                        o += 64;
+                    }
+                }
+                f.dot::<R, T, WHOLE>(r, g, t0, f.scales::<R>(r, g), acc)
+            }
+        }
+        let mut acc = [[_mm512_setzero_ps(); T]; R];
+        let next = pf.then_some(next);
+        // Whole groups in a loop of their own, the partial one after it (as the loads are).
+        let whole = f.whole_groups();
+        for g in 0..whole {
+            group::<F, R, T, true>(f, (r, g, t0), next, &mut acc);
+        }
+        for g in whole..f.groups() {
+            group::<F, R, T, false>(f, (r, g, t0), next, &mut acc);
+        }
+        for k in 0..R {
+            for t in 0..T {
+                *out.add(t * ldo + k) = hsum(acc[k][t]);
+            }
+        }
+    }
+}
+
+/// NVFP4 / MXFP4: the rows' block multipliers and the activations in the order the kernels read
+/// them; a group is a chunk.
 struct Fp4<'a> {
     m: &'a QMatrix<'a>,
     /// Chunks per row (the last may be partial).
@@ -118,21 +323,19 @@ pub(super) unsafe fn gemv(
     if n_tok == 0 || r0 == r1 {
         return;
     }
+    let job = Job {
+        r0,
+        r1,
+        n_tok,
+        out,
+        ldo,
+    };
     // SAFETY: the caller's; each path reads rows r0..r1 and tokens 0..n_tok only.
     unsafe {
         if m.format.weight_bits() == 8 {
-            match n_tok {
-                1 => fp8_all::<4>(m, r0, r1, x, n_tok, out, ldo),
-                2 => fp8_all::<4>(m, r0, r1, x, n_tok, out, ldo),
-                _ => fp8_all::<2>(m, r0, r1, x, n_tok, out, ldo),
-            }
+            run(&mut Fp8::new(m, x), job)
         } else {
-            let mut f = Fp4::new(m, x, n_tok);
-            if n_tok <= 2 {
-                f.all::<4>(r0, r1, n_tok, out, ldo)
-            } else {
-                f.all::<2>(r0, r1, n_tok, out, ldo)
-            }
+            run(&mut Fp4::new(m, x, n_tok), job)
         }
     }
 }
@@ -279,148 +482,83 @@ impl<'a> Fp4<'a> {
             }
         }
     }
+}
 
-    /// Rows r0..r1 for every token: blocks of R rows (then single rows), each row block's
-    /// multipliers expanded once and its token blocks served while its bytes are in L1.
+impl Format for Fp4<'_> {
+    const VECTOR_BYTES: usize = 64;
+
     #[inline(always)]
-    unsafe fn all<const R: usize>(
-        &mut self,
-        r0: usize,
-        r1: usize,
-        n_tok: usize,
-        out: *mut f32,
-        ldo: usize,
-    ) {
-        // SAFETY: forwarded; row block r writes out[t * ldo + r - r0 ..].
-        unsafe {
-            let mut r = r0;
-            while r + R <= r1 {
-                let last = r + 2 * R > r1;
-                self.block::<R>(r, n_tok, out.add(r - r0), ldo, last);
-                r += R;
-            }
-            while r < r1 {
-                self.block::<1>(r, n_tok, out.add(r - r0), ldo, true);
-                r += 1;
-            }
+    fn matrix(&self) -> &QMatrix<'_> {
+        self.m
+    }
+
+    #[inline(always)]
+    fn group_width(&self) -> usize {
+        CHUNK / 2
+    }
+
+    #[inline(always)]
+    unsafe fn begin<const R: usize>(&mut self, r: usize) {
+        for k in 0..R {
+            // SAFETY: row r + k < m.rows (the trait's contract), slot k < R <= 4.
+            unsafe { self.row_scales(r + k, k) };
         }
     }
 
-    /// Rows r..r+R for every token, into `out[t * ldo + k]`.
+    /// Chunk g of rows r..r+R: its 64 bytes a row (the last chunk masked to the row) decoded to
+    /// 4 vectors of bf16, each against the tokens' permuted activations.
     #[inline(always)]
-    unsafe fn block<const R: usize>(
-        &mut self,
-        r: usize,
-        n_tok: usize,
-        out: *mut f32,
-        ldo: usize,
-        last: bool,
-    ) {
-        // SAFETY: forwarded.
-        unsafe {
-            for k in 0..R {
-                self.row_scales(r + k, k);
-            }
-            let mut t0 = 0;
-            while t0 < n_tok {
-                // Prefetch the next row block while the first token block streams this one.
-                let pf = t0 == 0 && !last;
-                let o = out.add(t0 * ldo);
-                match n_tok - t0 {
-                    1 => self.rows::<R, 1>(r, t0, o, ldo, pf),
-                    2 => self.rows::<R, 2>(r, t0, o, ldo, pf),
-                    3 => self.rows::<R, 3>(r, t0, o, ldo, pf),
-                    _ => self.rows::<R, 4>(r, t0, o, ldo, pf),
-                }
-                t0 += 4;
-            }
-        }
-    }
-
-    /// Chunk `ch` of R rows (their 64 bytes each in `wv`) against T tokens' activations at `x`
-    /// (token t at `x + t * nch * CHUNK`), added to `acc`.
-    #[inline(always)]
-    unsafe fn chunk<const R: usize, const T: usize>(
-        &self,
-        acc: &mut [[__m512; T]; R],
-        ch: usize,
-        wv: [__m512i; R],
-        lut: __m512i,
-        x: *const u16,
-    ) {
-        let ncp = self.nch * CHUNK;
-        // SAFETY: chunk ch < nch of T tokens lies in xp, of R row slots in sc (the caller).
-        unsafe {
-            for k in 0..R {
-                // Vector j: element 4i + j of the chunk in word i.
-                let q = [
-                    _mm512_permutexvar_epi16(wv[k], lut),
-                    _mm512_permutexvar_epi16(_mm512_srli_epi16::<4>(wv[k]), lut),
-                    _mm512_permutexvar_epi16(_mm512_srli_epi16::<8>(wv[k]), lut),
-                    _mm512_permutexvar_epi16(_mm512_srli_epi16::<12>(wv[k]), lut),
-                ];
-                let s = _mm512_loadu_ps(self.sc.as_ptr().add(k * self.scs + ch * 16));
-                for t in 0..T {
-                    let xc = x.add(t * ncp + ch * CHUNK);
-                    let mut d = _mm512_setzero_ps();
-                    for (j, qj) in q.iter().enumerate() {
-                        d = dp(d, *qj, _mm512_loadu_si512(xc.add(32 * j) as *const _));
-                    }
-                    acc[k][t] = _mm512_fmadd_ps(d, s, acc[k][t]);
-                }
-            }
-        }
-    }
-
-    /// Rows r..r+R (multipliers in slots 0..R), tokens t0..t0+T, into `out[t * ldo + k]`.
-    #[inline(always)]
-    unsafe fn rows<const R: usize, const T: usize>(
+    unsafe fn dot<const R: usize, const T: usize, const WHOLE: bool>(
         &self,
         r: usize,
+        g: usize,
         t0: usize,
-        out: *mut f32,
-        ldo: usize,
-        pf: bool,
+        s: [__m512; R],
+        acc: &mut [[__m512; T]; R],
     ) {
-        let m = self.m;
-        let rb = m.cols / 2;
+        let rb = self.row_bytes();
         let ncp = self.nch * CHUNK;
-        let full = m.cols / CHUNK;
-        // SAFETY: rows r..r+R < m.rows, so bytes r * rb .. (r + R) * rb of the weights exist;
-        // full chunks read 64 of them, the partial one is masked to the row; activations and
-        // multipliers are read inside xp and sc; prefetches read nothing.
+        // SAFETY: rows r..r+R < m.rows, so bytes r * rb .. (r + R) * rb of the weights exist; a
+        // full chunk reads 64 of them, the partial one is masked to the row; chunk g < nch of
+        // tokens t0..t0+T lies in xp.
         unsafe {
             let lut = _mm512_loadu_si512(E2M1_BF16.as_ptr() as *const _);
-            let w = m.weight.as_ptr().add(r * rb);
-            let x = self.xp.as_ptr().add(t0 * ncp);
-            let mut acc = [[_mm512_setzero_ps(); T]; R];
-            for ch in 0..full {
-                if pf {
-                    for k in 0..R {
-                        _mm_prefetch::<_MM_HINT_T1>(
-                            w.wrapping_add((R + k) * rb + ch * 64) as *const i8
-                        );
-                    }
+            let w = self.m.weight.as_ptr().add(r * rb + 64 * g);
+            let x = self.xp.as_ptr().add(t0 * ncp + g * CHUNK);
+            // Every row's bytes loaded first: the loads are the long wait.
+            let wv: [__m512i; R] = std::array::from_fn(|k| {
+                if WHOLE {
+                    _mm512_loadu_si512(w.add(k * rb) as *const _)
+                } else {
+                    _mm512_maskz_loadu_epi8(low_bits(rb - 64 * g), w.add(k * rb) as *const i8)
                 }
-                let wv: [__m512i; R] =
-                    std::array::from_fn(
-                        |k| _mm512_loadu_si512(w.add(k * rb + ch * 64) as *const _),
-                    );
-                self.chunk(&mut acc, ch, wv, lut, x);
-            }
-            if full < self.nch {
-                let mask = low_bits(rb - full * 64);
-                let wv: [__m512i; R] = std::array::from_fn(|k| {
-                    _mm512_maskz_loadu_epi8(mask, w.add(k * rb + full * 64) as *const i8)
-                });
-                self.chunk(&mut acc, full, wv, lut, x);
-            }
-            for k in 0..R {
+            });
+            for (k, &wk) in wv.iter().enumerate() {
+                // Vector j: element 4i + j of the chunk in word i.
+                let q = [
+                    _mm512_permutexvar_epi16(wk, lut),
+                    _mm512_permutexvar_epi16(_mm512_srli_epi16::<4>(wk), lut),
+                    _mm512_permutexvar_epi16(_mm512_srli_epi16::<8>(wk), lut),
+                    _mm512_permutexvar_epi16(_mm512_srli_epi16::<12>(wk), lut),
+                ];
                 for t in 0..T {
-                    *out.add(t * ldo + k) = hsum(acc[k][t]);
+                    let xt = x.add(t * ncp);
+                    let mut d = _mm512_setzero_ps();
+                    for (j, qj) in q.iter().enumerate() {
+                        d = dp(d, *qj, _mm512_loadu_si512(xt.add(32 * j) as *const _));
+                    }
+                    acc[k][t] = _mm512_fmadd_ps(d, s[k], acc[k][t]);
                 }
             }
         }
+    }
+
+    #[inline(always)]
+    unsafe fn scales<const R: usize>(&self, _r: usize, g: usize) -> [__m512; R] {
+        // SAFETY: slots 0..R hold nch (rounded up to 4) vectors each (`begin`); g < nch.
+        std::array::from_fn(|k| unsafe {
+            _mm512_loadu_ps(self.sc.as_ptr().add(k * self.scs + g * 16))
+        })
     }
 }
 
@@ -443,79 +581,62 @@ unsafe fn e4m3_bf16(codes: __m256i, sub: __m512i) -> __m512i {
     }
 }
 
-/// FP8 rows r0..r1 for every token: blocks of R rows (then single rows), token blocks of up to 4
-/// inside each.
-#[inline(always)]
-unsafe fn fp8_all<const R: usize>(
-    m: &QMatrix<'_>,
-    r0: usize,
-    r1: usize,
-    x: &[u16],
-    n_tok: usize,
-    out: *mut f32,
-    ldo: usize,
-) {
-    // SAFETY: forwarded; row block r writes out[t * ldo + r - r0 ..].
-    unsafe {
-        let mut r = r0;
-        while r < r1 {
-            let rows = if r + R <= r1 { R } else { 1 };
-            let last = r + rows + R > r1;
-            let mut t0 = 0;
-            while t0 < n_tok {
-                let o = out.add(t0 * ldo + r - r0);
-                let pf = t0 == 0 && !last;
-                match (rows == 1, n_tok - t0) {
-                    (true, 1) => fp8_rows::<1, 1>(m, r, x, t0, o, ldo, pf),
-                    (true, 2) => fp8_rows::<1, 2>(m, r, x, t0, o, ldo, pf),
-                    (true, 3) => fp8_rows::<1, 3>(m, r, x, t0, o, ldo, pf),
-                    (true, _) => fp8_rows::<1, 4>(m, r, x, t0, o, ldo, pf),
-                    (false, 1) => fp8_rows::<R, 1>(m, r, x, t0, o, ldo, pf),
-                    (false, 2) => fp8_rows::<R, 2>(m, r, x, t0, o, ldo, pf),
-                    (false, 3) => fp8_rows::<R, 3>(m, r, x, t0, o, ldo, pf),
-                    (false, _) => fp8_rows::<R, 4>(m, r, x, t0, o, ldo, pf),
-                }
-                t0 += 4;
-            }
-            r += rows;
+/// FP8 blocks: a group is a block's columns of a row (32 at a time, the last ones masked).
+struct Fp8<'a> {
+    m: &'a QMatrix<'a>,
+    /// Activations `[n_tok, m.cols]` bf16.
+    x: &'a [u16],
+    /// Column blocks per row.
+    ncb: usize,
+}
+
+impl<'a> Fp8<'a> {
+    fn new(m: &'a QMatrix<'a>, x: &'a [u16]) -> Self {
+        Self {
+            m,
+            x,
+            ncb: m.cols.div_ceil(m.format.block().1),
         }
     }
 }
 
-/// FP8 rows r..r+R, tokens t0..t0+T, into `out[t * ldo + k]`.
-#[inline(always)]
-unsafe fn fp8_rows<const R: usize, const T: usize>(
-    m: &QMatrix<'_>,
-    r: usize,
-    x: &[u16],
-    t0: usize,
-    out: *mut f32,
-    ldo: usize,
-    pf: bool,
-) {
-    let cols = m.cols;
-    let (br, bc) = m.format.block();
-    let ncb = cols.div_ceil(bc);
-    // SAFETY: rows r..r+R < m.rows and tokens t0..t0+T < n_tok (the caller); every load is
-    // masked to the row (and block); scales are in the grid `super::gemv` checked; prefetches
-    // read nothing.
-    unsafe {
-        let sub = _mm512_loadu_si512(E4M3_SUBNORMAL_BF16.as_ptr() as *const _);
-        let w = m.weight.as_ptr().add(r * cols);
-        let xb = x.as_ptr().add(t0 * cols);
-        let mut acc = [[_mm512_setzero_ps(); T]; R];
-        for cb in 0..ncb {
-            let end = ((cb + 1) * bc).min(cols);
-            let mut blk = [[_mm512_setzero_ps(); T]; R];
-            let mut c = cb * bc;
+impl Format for Fp8<'_> {
+    const VECTOR_BYTES: usize = 32;
+
+    #[inline(always)]
+    fn matrix(&self) -> &QMatrix<'_> {
+        self.m
+    }
+
+    /// A block's columns.
+    #[inline(always)]
+    fn group_width(&self) -> usize {
+        self.m.format.block().1
+    }
+
+    /// Block g of rows r..r+R: 32 codes at a time to bf16, each against the tokens' activations.
+    #[inline(always)]
+    unsafe fn dot<const R: usize, const T: usize, const WHOLE: bool>(
+        &self,
+        r: usize,
+        g: usize,
+        t0: usize,
+        s: [__m512; R],
+        acc: &mut [[__m512; T]; R],
+    ) {
+        let cols = self.m.cols;
+        let (start, end) = self.group_bytes(g);
+        // SAFETY: rows r..r+R < m.rows and tokens t0..t0+T < n_tok (the trait's contract); every
+        // load is masked to the block, which ends inside the row.
+        unsafe {
+            let sub = _mm512_loadu_si512(E4M3_SUBNORMAL_BF16.as_ptr() as *const _);
+            let w = self.m.weight.as_ptr().add(r * cols);
+            let xb = self.x.as_ptr().add(t0 * cols);
+            let mut d = [[_mm512_setzero_ps(); T]; R];
+            let mut c = start;
             while c < end {
                 let n = (end - c).min(32);
-                if pf && c.is_multiple_of(64) {
-                    for k in 0..R {
-                        _mm_prefetch::<_MM_HINT_T1>(w.wrapping_add((R + k) * cols + c) as *const i8);
-                    }
-                }
-                let (xs, wv): ([__m512i; T], [__m512i; R]) = if n == 32 {
+                let (xs, wv): ([__m512i; T], [__m512i; R]) = if WHOLE || n == 32 {
                     (
                         std::array::from_fn(|t| {
                             _mm512_loadu_si512(xb.add(t * cols + c) as *const _)
@@ -544,26 +665,30 @@ unsafe fn fp8_rows<const R: usize, const T: usize>(
                 };
                 for k in 0..R {
                     for t in 0..T {
-                        blk[k][t] = dp(blk[k][t], wv[k], xs[t]);
+                        d[k][t] = dp(d[k][t], wv[k], xs[t]);
                     }
                 }
                 c += 32;
             }
             for k in 0..R {
-                let i = ((r + k) / br) * ncb + cb;
-                let s = _mm512_set1_ps(std::ptr::read_unaligned(
-                    m.scales.as_ptr().add(4 * i) as *const f32
-                ));
                 for t in 0..T {
-                    acc[k][t] = _mm512_fmadd_ps(blk[k][t], s, acc[k][t]);
+                    acc[k][t] = _mm512_fmadd_ps(d[k][t], s[k], acc[k][t]);
                 }
             }
         }
-        for k in 0..R {
-            for t in 0..T {
-                *out.add(t * ldo + k) = hsum(acc[k][t]);
-            }
-        }
+    }
+
+    /// Each row's f32 block scale, in every lane.
+    #[inline(always)]
+    unsafe fn scales<const R: usize>(&self, r: usize, g: usize) -> [__m512; R] {
+        let br = self.m.format.block().0;
+        // SAFETY: block (row (r + k) / br, column g) lies in the scale grid `super::gemv` checked.
+        std::array::from_fn(|k| unsafe {
+            let i = ((r + k) / br) * self.ncb + g;
+            _mm512_set1_ps(std::ptr::read_unaligned(
+                self.m.scales.as_ptr().add(4 * i) as *const f32
+            ))
+        })
     }
 }
 
