@@ -297,3 +297,47 @@ def test_generated_tool_calls_whole_equals_every_split(calls, reasoning, content
     for position in range(len(truncated) + 1):
         got, _ = _stream(PROMPT, True, [truncated[:position], truncated[position:]])
         assert got == whole, position
+
+
+# A tool's parameters as pydantic writes them: the nested model under "$defs", referred to from the root ("#/...").
+# In the tool-calls grammar the parameters sit inside a larger schema, where those references used to resolve against
+# the wrong root: every forced call of such a tool was a 400 ("Pointer '/$defs/Step' does not exist").
+PYDANTIC_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "plan",
+        "parameters": {
+            "$defs": {"Step": {"type": "object", "properties": {"n": {"type": "integer", "maximum": 9}}}},
+            "type": "object",
+            "properties": {"steps": {"type": "array", "items": {"$ref": "#/$defs/Step"}}, "next": {"$ref": "#"}},
+            "required": ["steps"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # llguidance warns of each refused token
+@pytest.mark.parametrize(
+    ("arguments", "ok"),
+    [
+        ({"steps": [{"n": 1}]}, True),
+        ({"steps": [{"n": 1}], "next": {"steps": []}}, True),  # "#" is the parameters' root, not the grammar's
+        ({"steps": [{"n": 10}]}, False),  # the referred schema is enforced
+        ({"steps": [], "next": {"name": "plan", "arguments": {"steps": []}}}, False),
+    ],
+)
+def test_tool_calls_grammar_resolves_the_parameters_own_references(demo_tokenizer, arguments, ok):
+    from freetoken.config import ModelConfig
+    from freetoken.engine.structured import GrammarBackend, json_grammar
+    from freetoken.models.demo import demo_checkpoint_dir
+
+    backend = GrammarBackend(demo_tokenizer, ModelConfig.from_dir(demo_checkpoint_dir()).vocab_size, [151645])
+    parser = _parser(PROMPT_NO_THINK, True)
+    matcher = backend.matcher(
+        json_grammar(None, parser.reasoning_grammar(optional=False), parser.tool_calls_grammar([PYDANTIC_TOOL]))
+    )
+    call = json.dumps({"name": "plan", "arguments": arguments}, separators=(",", ":"))
+    tokens = demo_tokenizer.encode(f"<tool_call>\n{call}\n</tool_call>")
+    accepted = all(matcher.matcher.consume_token(t) for t in tokens) and matcher.is_accepting
+    assert accepted is ok

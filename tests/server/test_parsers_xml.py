@@ -488,3 +488,23 @@ def test_qwen35_forced_call_is_constrained_anthropic(qwen35_server, parse_sse, t
         e["delta"]["partial_json"] for e in events if e["type"] == "content_block_delta" and e["index"] == 0
     )
     assert json.loads(partial) == uses[0].input
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # llguidance warns of each refused token
+@pytest.mark.parametrize(("days", "ok"), [("[1,7]", True), ("[8]", False)])
+def test_forced_call_grammar_resolves_the_parameters_own_references(demo_tokenizer, days, ok):
+    """A parameter whose JSON schema refers to the tool's ``$defs`` (as pydantic writes them) compiles, and the
+    referred schema is enforced: each value's grammar is compiled apart from the tool's schema."""
+    from freetoken.config import ModelConfig
+    from freetoken.engine.structured import GrammarBackend, json_grammar
+    from freetoken.models.demo import demo_checkpoint_dir
+
+    day = {"type": "integer", "minimum": 1, "maximum": 7}
+    tool = _tool(
+        "plan", properties={"days": {"type": "array", "items": {"$ref": "#/$defs/Day"}}}, **{"$defs": {"Day": day}}
+    )
+    backend = GrammarBackend(demo_tokenizer, ModelConfig.from_dir(demo_checkpoint_dir()).vocab_size, [151645])
+    parser = _forced_parser("<think>\n\n</think>\n\n")
+    grammar = json_grammar(None, parser.reasoning_grammar(optional=False), parser.tool_calls_grammar([tool]))
+    text = "<tool_call>\n<function=plan>\n" + _param("days", days) + CLOSE
+    assert _accepts((grammar, backend), demo_tokenizer, text) is ok

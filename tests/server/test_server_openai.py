@@ -281,6 +281,25 @@ def test_tool_choice_none_leaves_tools_out(openai_client, demo_tokenizer):
     assert required.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def test_forced_call_of_a_tool_with_defs_references(http):
+    """A tool whose parameters refer to their own ``$defs`` (pydantic's form) can be forced on every API: the
+    references used to resolve against the tool-calls grammar's root, a 400 ("Pointer '/$defs/Step' does not
+    exist")."""
+    step = {"type": "object", "properties": {"n": {"type": "integer"}}}
+    params = {"$defs": {"Step": step}, "type": "object", "properties": {"step": {"$ref": "#/$defs/Step"}}}
+    requests = [
+        ("/v1/chat/completions", {"messages": HELLO, "max_tokens": 8, "tool_choice": "required",
+                                  "tools": [{"type": "function", "function": {"name": "plan", "parameters": params}}]}),
+        ("/v1/messages", {"messages": HELLO, "max_tokens": 8, "tool_choice": {"type": "any"},
+                          "tools": [{"name": "plan", "input_schema": params}]}),
+        ("/v1/responses", {"input": "hi", "max_output_tokens": 8, "tool_choice": "required",
+                           "tools": [{"type": "function", "name": "plan", "parameters": params}]}),
+    ]  # fmt: skip
+    for path, body in requests:
+        response = http.post(path, json={"model": "m", **body})
+        assert response.status_code == 200, (path, response.text)
+
+
 def test_bad_tool_choice_is_400(http):
     base = {"model": "m", "messages": HELLO, "max_tokens": 1}
     cases = [

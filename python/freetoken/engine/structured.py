@@ -47,6 +47,35 @@ def json_expression(schema: dict[str, Any]) -> str:
     return f"%json {json.dumps({**schema, 'x-guidance': _JSON_OPTIONS}, ensure_ascii=False)}"
 
 
+# Keywords whose values are JSON data, not schemas: a "$ref" key inside them is data and stays as it is.
+_DATA_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
+
+
+def rebase_refs(schema: Any, base: str) -> tuple[Any, bool]:
+    """`schema` with each local reference (a ``$ref`` of ``#`` or ``#/...``, which JSON Schema resolves against the
+    root of the document it is in) pointing under `base`, a pointer such as ``#/$defs/tool0``, and whether it had
+    any. For a schema embedded in a larger one (a tool's parameters inside the tool-calls grammar), whose root is
+    no longer the document's: the caller puts the rebased schema at `base` too. A pydantic model's schema refers
+    to its ``#/$defs/...`` this way."""
+    if isinstance(schema, list):
+        items = [rebase_refs(item, base) for item in schema]
+        return [item for item, _ in items], any(found for _, found in items)
+    if not isinstance(schema, dict):
+        return schema, False
+    out: dict[str, Any] = {}
+    found = False
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/")):
+            out[key] = base + value[1:]
+            found = True
+        elif key in _DATA_KEYWORDS:
+            out[key] = value
+        else:
+            out[key], sub = rebase_refs(value, base)
+            found = found or sub
+    return out, found
+
+
 def json_grammar(schema: dict[str, Any] | None, reasoning_prefix: str = "", tool_calls: str = "") -> str:
     """A Lark grammar (llguidance's dialect) for one JSON value matching `schema`, or tool calls.
 

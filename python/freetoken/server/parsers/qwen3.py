@@ -36,7 +36,7 @@ import logging
 import re
 from typing import Any
 
-from freetoken.engine.structured import json_expression
+from freetoken.engine.structured import json_expression, rebase_refs
 from freetoken.server.parsers import (
     ParsedDelta,
     ParserFamily,
@@ -195,19 +195,25 @@ class Qwen3Parser:
     def tool_calls_grammar(self, tools: list[dict[str, Any]]) -> str:
         """Calls as the template shows them, one ``<tool_call>`` block each: a newline, the call's JSON (the
         name one of `tools`, the arguments its parameters' schema), a newline, the closing tag."""
-        calls = [
-            {
-                "type": "object",
-                "properties": {
-                    "name": {"const": tool["function"]["name"]},
-                    "arguments": tool["function"].get("parameters") or {"type": "object"},
-                },
-                "required": ["name", "arguments"],
-                "additionalProperties": False,
-            }
-            for tool in tools
-        ]
-        call = f'{TOOL_OPEN} "\\n" {json_expression({"anyOf": calls})} "\\n" {TOOL_CLOSE}'
+        calls, defs = [], {}
+        for i, tool in enumerate(tools):
+            # The parameters' own references ("#/$defs/...") resolve against their root, now under "$defs".
+            base = f"tool{i}"
+            arguments, has_refs = rebase_refs(
+                tool["function"].get("parameters") or {"type": "object"}, f"#/$defs/{base}"
+            )
+            if has_refs:
+                defs[base] = arguments
+            calls.append(
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": tool["function"]["name"]}, "arguments": arguments},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+            )
+        schema: dict[str, Any] = {"anyOf": calls, "$defs": defs} if defs else {"anyOf": calls}
+        call = f'{TOOL_OPEN} "\\n" {json_expression(schema)} "\\n" {TOOL_CLOSE}'
         return f"({call} /\\n?/)+"
 
     def _emit(self, out: ParsedDelta, text: str) -> None:

@@ -37,7 +37,7 @@ import json
 import logging
 from typing import Any
 
-from freetoken.engine.structured import json_expression
+from freetoken.engine.structured import json_expression, rebase_refs
 from freetoken.server.parsers import (
     ParsedDelta,
     ParserFamily,
@@ -111,11 +111,11 @@ _LITERALS = {"boolean": ("true", "false", "True", "False"), "null": ("null", "No
 _VALUE_END = json.dumps("\n" + PARAMETER_CLOSE + "\n")
 
 
-def _value_grammar(schema: Any) -> str:
+def _value_grammar(schema: Any, root: dict[str, Any] | None = None) -> str:
     """A Lark expression for one parameter's value and its closing line (see `tool_calls_grammar`): one of the
     strings of an enum/const of strings, free text where the schema allows a string or names no type, a boolean or
     null in JSON's or Python's spelling (the template writes values with Jinja's `string`, so ``False``), else JSON
-    matching the schema."""
+    matching the schema, whose references (``#/$defs/...``) resolve against `root` (the tool's parameters)."""
     if not isinstance(schema, dict):
         return "TEXT_VALUE"
     choices = schema["enum"] if isinstance(schema.get("enum"), list) else [schema["const"]] if "const" in schema else []
@@ -127,6 +127,11 @@ def _value_grammar(schema: Any) -> str:
     if set(types) <= {"boolean", "null"}:  # as JSON or as the template renders them (Python's `str`)
         words = [w for t in types for w in _LITERALS[t]]
         return "(" + " | ".join(json.dumps(f"{w}\n{PARAMETER_CLOSE}\n") for w in words) + ")"
+    rebased, has_refs = rebase_refs(schema, "#/$defs/__tool")
+    if has_refs and root is not None:
+        own = rebased.get("$defs")
+        rebased["$defs"] = {**(own if isinstance(own, dict) else {}), "__tool": rebase_refs(root, "#/$defs/__tool")[0]}
+        return f"{json_expression(rebased)} {_VALUE_END}"
     return f"{json_expression(schema)} {_VALUE_END}"
 
 
@@ -189,7 +194,9 @@ class Qwen3XmlParser(Qwen3Parser):
             required = set(schema.get("required") or [])
             params = []
             for j, (name, prop) in enumerate(properties.items()):
-                rules.append(f"p{i}_{j}: {json.dumps(f'{PARAMETER_OPEN}{name}>' + chr(10))} {_value_grammar(prop)}")
+                rules.append(
+                    f"p{i}_{j}: {json.dumps(f'{PARAMETER_OPEN}{name}>' + chr(10))} {_value_grammar(prop, schema)}"
+                )
                 params.append(f"p{i}_{j}" if name in required else f"p{i}_{j}?")
             if not properties and schema.get("additionalProperties") is not False:
                 rules.append(f'p{i}_any: {json.dumps(PARAMETER_OPEN)} /[^>\\n]+/ ">\\n" TEXT_VALUE')
