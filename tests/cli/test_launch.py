@@ -20,7 +20,7 @@ import yaml
 
 import freetoken
 from conftest import API_KEY, MAX_MODEL_LEN, SERVED_MODEL_NAME, free_port
-from freetoken.cli.launch import HARNESSES, is_cloud_credential
+from freetoken.cli.launch import HARNESSES, ServedModel, _claude_output_tokens, is_cloud_credential
 
 tomllib = pytest.importorskip("tomllib")  # Python >= 3.11: codex's -c values are TOML
 
@@ -94,6 +94,8 @@ def follow(name: str, argv: list[str], env: dict[str, str]) -> tuple[str, str]:
         for tier in ("OPUS", "SONNET", "HAIKU"):
             assert env[f"ANTHROPIC_DEFAULT_{tier}_MODEL"] == model
         assert env["CLAUDE_CODE_MAX_CONTEXT_TOKENS"] == str(MAX_MODEL_LEN)  # else it assumes 1M for an unknown id
+        # within the server's cap (here the context): Claude Code's own 32000 would be a 400 on every request
+        assert env["CLAUDE_CODE_MAX_OUTPUT_TOKENS"] == str(MAX_MODEL_LEN)
         r = httpx.post(
             f"{base}/v1/messages",
             timeout=60,
@@ -127,7 +129,7 @@ def follow(name: str, argv: list[str], env: dict[str, str]) -> tuple[str, str]:
         provider_id, model = config["model"].split("/", 1)
         provider = config["provider"][provider_id]
         assert provider["npm"] == "@ai-sdk/openai-compatible"
-        assert provider["models"][model]["limit"]["context"] == MAX_MODEL_LEN
+        assert provider["models"][model]["limit"] == {"context": MAX_MODEL_LEN, "output": MAX_MODEL_LEN}
         key_ref = provider["options"]["apiKey"]
         key = env[key_ref.removeprefix("{env:").removesuffix("}")]
         chat(provider["options"]["baseURL"], key, model)
@@ -138,7 +140,7 @@ def follow(name: str, argv: list[str], env: dict[str, str]) -> tuple[str, str]:
         provider = config["models"]["providers"][provider_id]
         assert provider["api"] == "openai-completions"
         card = next(m for m in provider["models"] if m["id"] == model)
-        assert card["contextWindow"] == MAX_MODEL_LEN
+        assert card["contextWindow"] == MAX_MODEL_LEN and card["maxTokens"] == MAX_MODEL_LEN
         key = env[provider["apiKey"].removeprefix("${").removesuffix("}")]
         chat(provider["baseUrl"], key, model)
         return model, key
@@ -297,3 +299,22 @@ def test_credential_list():
         assert is_cloud_credential(name), name
     for name in ("PATH", "HOME", "FREETOKEN_API_KEY", "TERM", "OPENCODE_CONFIG"):
         assert not is_cloud_credential(name), name
+
+
+@pytest.mark.parametrize(
+    ("cap", "user", "want"),
+    [
+        (64, None, 64),  # the server's cap below Claude Code's 32000: every request would be a 400
+        (262_144, None, 32_000),  # a cap above it: Claude Code's own default
+        (64, "32", 32),  # the user's smaller value stays
+        (64, "4096", 64),  # a larger one is cut to the cap
+        (64, "lots", 64),  # not a number: as if unset
+    ],
+)
+def test_claude_output_limit_stays_within_the_servers_cap(cap, user, want, monkeypatch):
+    if user is None:
+        monkeypatch.delenv("CLAUDE_CODE_MAX_OUTPUT_TOKENS", raising=False)
+    else:
+        monkeypatch.setenv("CLAUDE_CODE_MAX_OUTPUT_TOKENS", user)
+    served = ServedModel("http://127.0.0.1:1919", "m", 65_536, "k", cap)
+    assert _claude_output_tokens(served) == want

@@ -32,6 +32,7 @@ def test_health_and_models(http, openai_client):
     raw = http.get("/v1/models").json()
     assert raw["object"] == "list"
     assert raw["data"][0]["max_model_len"] == MAX_MODEL_LEN
+    assert raw["data"][0]["max_output_tokens"] == MAX_MODEL_LEN  # the per-request cap (262144) within the context
     assert openai_client.models.retrieve(SERVED_MODEL_NAME).id == SERVED_MODEL_NAME
 
 

@@ -2,16 +2,18 @@
 
 For each harness, `HARNESSES` says how it is pointed at the server: environment variables, command-line config
 overrides, or a config file of its own that freetoken writes under `$FREETOKEN_CACHE_DIR/launch/<harness>/`
-(selected by an environment variable or a flag), so the user's own config is never rewritten. The model id and
-context length come from the server's ``GET /v1/models``. Every cloud credential (`CLOUD_CREDENTIAL_PREFIXES`,
-`CLOUD_CREDENTIALS`) is removed from the child's environment, so the agent cannot fall back to a paid endpoint
-without saying so; then the harness replaces this process (`os.execvpe`). The harness's binary is the command on
-PATH, else the one a PyPI package bundles (`Bundled`: Claude Code in ``claude-agent-sdk``, Codex in
-``openai-codex-cli-bin``).
+(selected by an environment variable or a flag), so the user's own config is never rewritten. The model id,
+context length and per-request output cap come from the server's ``GET /v1/models``; each harness's output limit
+is set within that cap (a harness asking for more gets a 400 on every request). Every cloud credential
+(`CLOUD_CREDENTIAL_PREFIXES`, `CLOUD_CREDENTIALS`) is removed from the child's environment, so the agent cannot fall
+back to a paid endpoint without saying so; then the harness replaces this process (`os.execvpe`). The harness's
+binary is the command on PATH, else the one a PyPI package bundles (`Bundled`: Claude Code in ``claude-agent-sdk``,
+Codex in ``openai-codex-cli-bin``).
 
 Harnesses and what they are given:
     claude    Claude Code: ANTHROPIC_BASE_URL / ANTHROPIC_AUTH_TOKEN / ANTHROPIC_MODEL and the per-tier model names
-              (the Anthropic Messages API at /v1/messages), CLAUDE_CODE_MAX_CONTEXT_TOKENS the context length.
+              (the Anthropic Messages API at /v1/messages), CLAUDE_CODE_MAX_CONTEXT_TOKENS the context length,
+              CLAUDE_CODE_MAX_OUTPUT_TOKENS at most the server's per-request output cap.
     codex     Codex CLI: `-c` overrides adding a `freetoken` model provider on /v1/responses (wire_api "responses"),
               its model and context window; the key in FREETOKEN_API_KEY.
     opencode  opencode: OPENCODE_CONFIG -> a config adding an OpenAI-compatible `freetoken` provider.
@@ -23,6 +25,7 @@ Harnesses and what they are given:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -64,12 +67,15 @@ class ServedModel:
         model: the served model id (``GET /v1/models``).
         max_model_len: its context length in tokens.
         api_key: the server's key, or `PLACEHOLDER_KEY` when it has none.
+        max_output_tokens: the most output tokens one request may ask for (the card's `max_output_tokens`:
+            `--max-request-output-tokens` within the context; the context length from a server without it).
     """
 
     base_url: str
     model: str
     max_model_len: int
     api_key: str
+    max_output_tokens: int
 
 
 @dataclass
@@ -126,6 +132,21 @@ class Harness:
     bundled: Bundled | None = None
 
 
+# Claude Code's own output limit per request: its requests ask for max_tokens 32000 (Claude Code 2.1.332, measured
+# through `ft serve`), and `CLAUDE_CODE_MAX_OUTPUT_TOKENS` lowers it.
+CLAUDE_CODE_DEFAULT_OUTPUT_TOKENS = 32_000
+
+
+def _claude_output_tokens(served: ServedModel) -> int:
+    """Claude Code's output limit under the server's: the user's `CLAUDE_CODE_MAX_OUTPUT_TOKENS` when it is a
+    smaller number, else the server's cap when it is below Claude Code's default, else that default. Above the
+    server's cap every request of the session would be a 400."""
+    wanted = CLAUDE_CODE_DEFAULT_OUTPUT_TOKENS
+    with contextlib.suppress(ValueError):
+        wanted = int(os.environ.get("CLAUDE_CODE_MAX_OUTPUT_TOKENS", wanted))
+    return max(1, min(wanted, served.max_output_tokens))
+
+
 def _claude(served: ServedModel, args: list[str], _dir: Path) -> LaunchPlan:
     env = {
         "ANTHROPIC_BASE_URL": served.base_url,
@@ -139,6 +160,7 @@ def _claude(served: ServedModel, args: list[str], _dir: Path) -> LaunchPlan:
         # The served context: Claude Code assumes 1M tokens for a model id it does not know (and says so on every
         # start), so it would compact too late and overrun the server's context.
         "CLAUDE_CODE_MAX_CONTEXT_TOKENS": str(served.max_model_len),
+        "CLAUDE_CODE_MAX_OUTPUT_TOKENS": str(_claude_output_tokens(served)),
         # no telemetry, error reporting or auto-update calls to the cloud
         "CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC": "1",
     }
@@ -187,7 +209,7 @@ def _opencode(served: ServedModel, args: list[str], config_dir: Path) -> LaunchP
                 "models": {
                     served.model: {
                         "name": served.model,
-                        "limit": {"context": served.max_model_len, "output": served.max_model_len},
+                        "limit": {"context": served.max_model_len, "output": served.max_output_tokens},
                     },
                 },
             }
@@ -214,7 +236,7 @@ def _openclaw(served: ServedModel, args: list[str], config_dir: Path) -> LaunchP
                             "input": ["text"],
                             "cost": {"input": 0, "output": 0, "cacheRead": 0, "cacheWrite": 0},
                             "contextWindow": served.max_model_len,
-                            "maxTokens": served.max_model_len,
+                            "maxTokens": served.max_output_tokens,
                         }
                     ],
                 }
@@ -256,7 +278,7 @@ def _dsh(served: ServedModel, args: list[str], config_dir: Path) -> LaunchPlan:
                             "name": served.model,
                             "input": ["text"],
                             "contextWindow": served.max_model_len,
-                            "maxTokens": served.max_model_len,
+                            "maxTokens": served.max_output_tokens,
                         }
                     ],
                 }
@@ -295,7 +317,14 @@ def discover(server: str, api_key: str | None) -> ServedModel:
     body = get_json(server, "/v1/models", api_key)
     try:
         card = body["data"][0]
-        return ServedModel(base_url(server), str(card["id"]), int(card["max_model_len"]), api_key or PLACEHOLDER_KEY)
+        max_model_len = int(card["max_model_len"])
+        return ServedModel(
+            base_url(server),
+            str(card["id"]),
+            max_model_len,
+            api_key or PLACEHOLDER_KEY,
+            int(card.get("max_output_tokens") or max_model_len),
+        )
     except (KeyError, IndexError, TypeError, ValueError):
         raise ServerError(
             f"{base_url(server)}/v1/models lists no model with max_model_len; is it a freetoken server?"

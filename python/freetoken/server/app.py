@@ -294,6 +294,9 @@ def _model_card(state: Any, flavor: ApiFlavor) -> dict[str, Any]:
         "created": state.created,
         "owned_by": "freetoken",
         "max_model_len": state.engine.max_model_len,
+        # what one request may ask for (--max-request-output-tokens, within the context): `ft launch` sets the
+        # harness's output limit to it, since a harness asking for more gets a 400 on every request
+        "max_output_tokens": min(state.engine.max_request_output_tokens, state.engine.max_model_len),
     }
 
 
