@@ -229,6 +229,9 @@ def test_every_api_caps_one_requests_output(limited_server: ServerProcess, path:
         assert refused.status_code == 400, refused.text
         assert "--max-request-output-tokens" in refused.text and field in refused.text
         assert "n x" not in refused.text  # these APIs have no n: the message speaks of the budget alone
+        # the client's own figure, not what it was lowered to to fit the context (1e9 read as 65k-odd before)
+        huge = client.post(path, json={**base, field: 10**9})
+        assert huge.status_code == 400 and f"{field} is 1000000000 tokens" in huge.text, huge.text
         if path.startswith("/v1/responses"):
             capped = client.post(path, json=base)
             assert capped.status_code == 200, capped.text

@@ -122,6 +122,11 @@ def test_multi_turn_items(openai_client, http):
     ]:
         bad = http.post("/v1/responses", json={"model": "m", "max_output_tokens": 1, **body})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param, bad.text
+    # only items of types a chat has no place for: the 400 says they were left out, not just "no message"
+    only_unknown = [{"type": "some_future_item"}, {"type": "web_search_call"}, {"type": "some_future_item"}]
+    bad = http.post("/v1/responses", json={"model": "m", "max_output_tokens": 1, "input": only_unknown})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input", bad.text
+    assert "'some_future_item', 'web_search_call' are left out" in bad.json()["error"]["message"]
 
 
 def test_reasoning_and_calls_validate_as_sdk_events():

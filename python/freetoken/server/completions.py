@@ -194,6 +194,7 @@ async def completions(request: Request) -> Response:
         sampling.params.max_tokens,
         body.get(sampling.max_tokens_param) is not None,
         max_tokens_param=sampling.max_tokens_param,
+        asked=sampling.max_tokens,
     )
     check_request(engine, prompt_ids, sampling.params, messages_param="prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"

@@ -451,26 +451,30 @@ def fit_context(
     return room
 
 
-def fit_output_budget(engine: EngineClient, n: int, max_tokens: int, explicit: bool, *, max_tokens_param: str) -> int:
+def fit_output_budget(
+    engine: EngineClient, n: int, max_tokens: int, explicit: bool, *, max_tokens_param: str, asked: int | None = None
+) -> int:
     """Check `n` choices of `max_tokens` each against the engine's cap on one request's output tokens
     (`EngineConfig.max_request_output_tokens`); return the per-choice budget.
 
-    A budget the client gave (`explicit`) over the cap is a 400 naming `max_tokens_param`; one it did not give
-    (the context's rest) is lowered to the cap's share, ``cap // n``.
+    A budget the client gave (`explicit`) over the cap is a 400 naming `max_tokens_param` and quoting `asked`, the
+    client's own value when `max_tokens` is what `fit_context` lowered it to (a client that sent 1e9 reads 1e9, not
+    the context's rest); one it did not give (the context's rest) is lowered to the cap's share, ``cap // n``.
     """
     cap = engine.max_request_output_tokens
     if n * max_tokens <= cap:
         return max_tokens
     if not explicit:
         return max(1, cap // n)
-    asked = (
-        f"{max_tokens_param} is {max_tokens} tokens;"
+    sent = max(asked or 0, max_tokens)
+    asked_text = (
+        f"{max_tokens_param} is {sent} tokens;"
         if n == 1
-        else (f"n x {max_tokens_param} is {n} x {max_tokens} = {n * max_tokens} tokens;")
+        else (f"n x {max_tokens_param} is {n} x {sent} = {n * sent} tokens;")
     )
     raise invalid_request(
         ErrorCode.INVALID_VALUE,
-        f"{asked} this server allows {cap} per request (--max-request-output-tokens); lower {max_tokens_param} "
+        f"{asked_text} this server allows {cap} per request (--max-request-output-tokens); lower {max_tokens_param} "
         f"to at most {max(1, cap // n)}" + ("" if n == 1 else " or n"),
         max_tokens_param,
     )

@@ -680,6 +680,7 @@ async def chat_completions(request: Request) -> Response:
         sampling.params.max_tokens,
         sampling.max_tokens is not None,
         max_tokens_param=sampling.max_tokens_param,
+        asked=sampling.max_tokens,
     )
     await constrain_output(engine, plan, sampling.params, prompt_ids, chat.response_format, tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

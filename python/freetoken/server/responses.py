@@ -162,6 +162,7 @@ def convert_input(body: dict[str, Any], history: list[dict[str, Any]] | None = N
         messages.append({"role": "system", "content": instructions})
     history = history or []
     reasoning: list[str] = []
+    skipped: list[str] = []  # item types with no place in a chat (a harness's web_search_call, say): left out
     for i, item in enumerate([*history, *input_items(body)]):
         # The history was checked when it was input (or made here, as output); an error can only be in input.
         path = join_path("input", i - len(history)) if i >= len(history) else "previous_response_id"
@@ -214,8 +215,13 @@ def convert_input(body: dict[str, Any], history: list[dict[str, Any]] | None = N
             parts = item.get("content") or item.get("summary") or []
             if isinstance(parts, list):
                 reasoning += [p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        elif kind not in skipped:
+            skipped.append(kind)
     if not messages:
-        raise invalid_request(ErrorCode.INVALID_VALUE, "input must hold at least one message", "input")
+        left_out = f" (items of type {', '.join(map(repr, skipped))} are left out)" if skipped else ""
+        raise invalid_request(
+            ErrorCode.INVALID_VALUE, f"input must hold at least one message or tool call{left_out}", "input"
+        )
     return messages
 
 
@@ -682,7 +688,12 @@ async def responses(request: Request) -> Response:
         messages_param="input",
     )
     params.max_tokens = fit_output_budget(
-        engine, 1, params.max_tokens, max_output_tokens is not None, max_tokens_param="max_output_tokens"
+        engine,
+        1,
+        params.max_tokens,
+        max_output_tokens is not None,
+        max_tokens_param="max_output_tokens",
+        asked=max_output_tokens,
     )
     fmt = response_format[1] if response_format is not None else None
     await constrain_output(engine, plan, params, prompt.ids, fmt, offered, messages_param="input")
@@ -754,7 +765,12 @@ async def compact(request: Request) -> Response:
     )
     # --max-request-output-tokens holds here too: a budget asked past it is a 400, the default is lowered to it.
     params.max_tokens = fit_output_budget(
-        engine, 1, params.max_tokens, max_output_tokens is not None, max_tokens_param="max_output_tokens"
+        engine,
+        1,
+        params.max_tokens,
+        max_output_tokens is not None,
+        max_tokens_param="max_output_tokens",
+        asked=max_output_tokens,
     )
     await constrain_output(engine, plan, params, prompt.ids, messages_param="input")
     response_id = f"resp_{uuid.uuid4().hex}"
