@@ -686,9 +686,7 @@ async def messages(request: Request) -> Response:
     req.params.max_tokens = fit_context(
         len(prompt_ids), asked, context_fit(state, ApiFlavor.ANTHROPIC), max_tokens_param="max_tokens"
     )
-    req.params.max_tokens = fit_output_budget(
-        engine, 1, req.params.max_tokens, True, max_tokens_param="max_tokens", asked=asked
-    )
+    req.params.max_tokens = fit_output_budget(engine, 1, req.params.max_tokens, asked, max_tokens_param="max_tokens")
     await constrain_output(engine, plan, req.params, prompt_ids, req.output_format, tools)
     message_id = f"msg_{uuid.uuid4().hex}"
     model = state.served_model_name

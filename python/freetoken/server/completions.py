@@ -192,9 +192,8 @@ async def completions(request: Request) -> Response:
         engine,
         1,
         sampling.params.max_tokens,
-        body.get(sampling.max_tokens_param) is not None,
+        sampling.max_tokens if body.get(sampling.max_tokens_param) is not None else None,  # not the default's
         max_tokens_param=sampling.max_tokens_param,
-        asked=sampling.max_tokens,
     )
     check_request(engine, prompt_ids, sampling.params, messages_param="prompt")
     request_id = f"cmpl-{uuid.uuid4().hex}"

@@ -452,25 +452,25 @@ def fit_context(
 
 
 def fit_output_budget(
-    engine: EngineClient, n: int, max_tokens: int, explicit: bool, *, max_tokens_param: str, asked: int | None = None
+    engine: EngineClient, n: int, max_tokens: int, asked: int | None, *, max_tokens_param: str
 ) -> int:
     """Check `n` choices of `max_tokens` each against the engine's cap on one request's output tokens
     (`EngineConfig.max_request_output_tokens`); return the per-choice budget.
 
-    A budget the client gave (`explicit`) over the cap is a 400 naming `max_tokens_param` and quoting `asked`, the
-    client's own value when `max_tokens` is what `fit_context` lowered it to (a client that sent 1e9 reads 1e9, not
-    the context's rest); one it did not give (the context's rest) is lowered to the cap's share, ``cap // n``.
+    `asked` is the client's own `max_tokens_param`, None when it gave none (`max_tokens` may be less: what
+    `fit_context` lowered it to). A budget the client gave over the cap is a 400 naming `max_tokens_param` and
+    quoting `asked` (a client that sent 1e9 reads 1e9, not the context's rest); one it did not give (a default or
+    the context's rest) is lowered to the cap's share, ``cap // n``.
     """
     cap = engine.max_request_output_tokens
     if n * max_tokens <= cap:
         return max_tokens
-    if not explicit:
+    if asked is None:
         return max(1, cap // n)
-    sent = max(asked or 0, max_tokens)
     asked_text = (
-        f"{max_tokens_param} is {sent} tokens;"
+        f"{max_tokens_param} is {asked} tokens;"
         if n == 1
-        else (f"n x {max_tokens_param} is {n} x {sent} = {n * sent} tokens;")
+        else (f"n x {max_tokens_param} is {n} x {asked} = {n * asked} tokens;")
     )
     raise invalid_request(
         ErrorCode.INVALID_VALUE,

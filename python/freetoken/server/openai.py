@@ -678,9 +678,8 @@ async def chat_completions(request: Request) -> Response:
         engine,
         sampling.n,
         sampling.params.max_tokens,
-        sampling.max_tokens is not None,
+        sampling.max_tokens,
         max_tokens_param=sampling.max_tokens_param,
-        asked=sampling.max_tokens,
     )
     await constrain_output(engine, plan, sampling.params, prompt_ids, chat.response_format, tools)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"

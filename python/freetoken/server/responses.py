@@ -691,9 +691,8 @@ async def responses(request: Request) -> Response:
         engine,
         1,
         params.max_tokens,
-        max_output_tokens is not None,
+        max_output_tokens,
         max_tokens_param="max_output_tokens",
-        asked=max_output_tokens,
     )
     fmt = response_format[1] if response_format is not None else None
     await constrain_output(engine, plan, params, prompt.ids, fmt, offered, messages_param="input")
@@ -768,9 +767,8 @@ async def compact(request: Request) -> Response:
         engine,
         1,
         params.max_tokens,
-        max_output_tokens is not None,
+        max_output_tokens,
         max_tokens_param="max_output_tokens",
-        asked=max_output_tokens,
     )
     await constrain_output(engine, plan, params, prompt.ids, messages_param="input")
     response_id = f"resp_{uuid.uuid4().hex}"
