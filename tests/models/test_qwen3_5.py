@@ -316,12 +316,30 @@ def _bf16_steps_apart(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     return (a - b).abs()
 
 
+# float32 states and sums: the tolerance `test_chunk_kernels_match_torch` holds on each device.
+STATE_TOL = 1e-5 if DEVICE == "cpu" else 1e-4
+
+
+def _assert_rounds_as_torch(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bfloat16 outputs rounded where torch rounds them. Under the interpreter: equal but for a rare one-step tie. On
+    CUDA the float32 sums run in other orders (up to `STATE_TOL` apart, as in float32), and an output that nearly
+    cancels is a few bfloat16 steps from torch's by that alone (14 steps, 2 of 10,240 outputs, measured on the H200):
+    each output within that sum error plus one rounding step (2^-7 relative) of torch's, and still almost all equal."""
+    steps = _bf16_steps_apart(got, want)
+    assert (steps > 0).float().mean() < 0.01, (steps > 0).float().mean()
+    if DEVICE == "cpu":
+        assert steps.max() <= 1, steps.max()
+    else:
+        torch.testing.assert_close(got.float(), want.float(), atol=STATE_TOL, rtol=2**-7 + STATE_TOL)
+
+
 @gpu_when_available
 def test_kernels_round_bfloat16_as_torch(on_kernel_device):
     """bfloat16 q/k/v (and beta): the Triton prefill and decode kernels (Triton's interpreter on the CPU, which the
     conftest makes round to nearest as the GPU does) give torch's bfloat16 outputs, bit for bit except a rare one-ulp
     tie of their float32 sums, and its float32 states: no intermediate is rounded to bfloat16 where torch keeps
-    float32 (the l2norm, the decay and beta, the output's one rounding)."""
+    float32 (the l2norm, the decay and beta, the output's one rounding). On CUDA the float32 sums run in other orders
+    (`_assert_rounds_as_torch`)."""
     torch.manual_seed(5)
     dtype = torch.bfloat16
     length, heads_k, heads_v, dk, dv = 80, 2, 4, 32, 32
@@ -331,16 +349,14 @@ def test_kernels_round_bfloat16_as_torch(on_kernel_device):
     state = torch.randn(heads_v, dk, dv)
     want, want_state = chunk_gated_delta_rule_torch(q, k, v, g, beta, state)
     got = chunk_gated_delta_rule(q, k, v, g, beta, state)
-    steps = _bf16_steps_apart(got, want)
-    assert steps.max() <= 1 and (steps > 0).float().mean() < 0.01, (steps > 0).float().mean()
-    torch.testing.assert_close(state, want_state, atol=1e-5, rtol=1e-5)
+    _assert_rounds_as_torch(got, want)
+    torch.testing.assert_close(state, want_state, atol=STATE_TOL, rtol=STATE_TOL)
     states = torch.randn(6, heads_v, dk, dv)
     want_states, slots = states.clone(), torch.tensor([4, 1, 0])
     want = recurrent_gated_delta_rule_torch(q[:3], k[:3], v[:3], g[:3], beta[:3], want_states, slots)
     got = recurrent_gated_delta_rule(q[:3], k[:3], v[:3], g[:3], beta[:3], states, slots)
-    steps = _bf16_steps_apart(got, want)
-    assert steps.max() <= 1 and (steps > 0).float().mean() < 0.01, (steps > 0).float().mean()
-    torch.testing.assert_close(states, want_states, atol=1e-5, rtol=1e-5)
+    _assert_rounds_as_torch(got, want)
+    torch.testing.assert_close(states, want_states, atol=STATE_TOL, rtol=STATE_TOL)
 
 
 # Shared memory per block on the H200 (sm_90: 227 KiB opt-in), and the share of it a kernel may take, leaving room
