@@ -105,6 +105,8 @@ pub struct CudaCopier {
     stride: usize,
     num_slots: usize,
     pending: bool,
+    /// The pending group's end event is recorded (`end_group`).
+    ended: bool,
 }
 
 // SAFETY: the CUDA handles are process-wide driver objects, usable from any thread that binds
@@ -151,6 +153,7 @@ impl CudaCopier {
             stride,
             num_slots,
             pending: false,
+            ended: false,
         })
     }
 }
@@ -159,6 +162,16 @@ impl CudaCopier {
     /// Whether the current group of fills is timed.
     fn timing(&self) -> bool {
         self.groups % TIME_FILLS_EVERY == 1
+    }
+
+    /// The event that marks the end of the current group: the second timing event when it is
+    /// timed, the untimed one otherwise.
+    fn done_event(&self) -> CuEvent {
+        if self.timing() {
+            self.timed[1]
+        } else {
+            self.event
+        }
     }
 }
 
@@ -208,6 +221,17 @@ impl SlotCopier for CudaCopier {
             unsafe { (self.api.memcpy_htod_async)(dst, src as *const c_void, nbytes, self.stream) };
         check("cuMemcpyHtoDAsync", r)?;
         self.pending = true;
+        self.ended = false; // a copy after `end_group`: `wait` marks the end again, after it
+        Ok(())
+    }
+
+    fn end_group(&mut self) -> Result<(), DriverError> {
+        if self.pending && !self.ended {
+            // SAFETY: events created in `attach`, stream live (constructor contract).
+            let r = unsafe { (self.api.event_record)(self.done_event(), self.stream) };
+            check("cuEventRecord", r)?;
+            self.ended = true;
+        }
         Ok(())
     }
 
@@ -215,12 +239,13 @@ impl SlotCopier for CudaCopier {
         if !self.pending {
             return Ok(None);
         }
+        self.end_group()?;
         self.pending = false;
+        self.ended = false;
         let timed = self.timing();
-        let done = if timed { self.timed[1] } else { self.event };
+        let done = self.done_event();
         // SAFETY: events created in `attach`, stream live (constructor contract).
         unsafe {
-            check("cuEventRecord", (self.api.event_record)(done, self.stream))?;
             let start = std::time::Instant::now();
             loop {
                 match (self.api.event_query)(done) {

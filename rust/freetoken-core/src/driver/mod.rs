@@ -67,6 +67,14 @@ pub trait SlotCopier: Send {
         src: *const u8,
         nbytes: usize,
     ) -> Result<(), DriverError>;
+    /// The group of copies queued since the last [`wait`](Self::wait) is complete: their timing
+    /// ends where the last of them lands. The caller runs its CPU experts between queueing and
+    /// `wait`; an end marked only at `wait` would count that time as copy time, and the longer
+    /// the CPU part the lower the PCIe rate the planner measures, so the more misses q* sends to
+    /// the CPU. Optional: `wait` marks the end itself when this was not called.
+    fn end_group(&mut self) -> Result<(), DriverError> {
+        Ok(())
+    }
     /// Blocks until every queued copy has landed. Returns the copies' own duration in seconds
     /// when they were timed (every few groups: timing costs driver calls), else None.
     fn wait(&mut self) -> Result<Option<f64>, DriverError>;

@@ -283,6 +283,10 @@ impl LayerServer {
                     // SAFETY: `src` is a pool expert of `nbytes`, and the pool outlives the step.
                     unsafe { copier.copy(slot as usize, src, nbytes) }
                 });
+            // The copies' timing ends here, not after the CPU experts (`SlotCopier::end_group`).
+            if issued.is_ok() {
+                issued = copier.end_group();
+            }
             if issued.is_ok() {
                 match hooks.fills_queued(copier.as_mut(), plan.fill_experts.len()) {
                     Ok(p) => published = p,
