@@ -662,3 +662,32 @@ def test_stop_strings_skip_the_reasoning_block(demo, reasoning_tags):
             if matched is not None:
                 break
         assert (released, matched) == (expected, "STOP")
+
+
+def test_a_short_request_is_not_queued_behind_a_long_prompt(demo):
+    """A request that arrives while a long prompt is prefilled in budget-sized chunks joins the next step, its prompt
+    in the room the long one leaves, instead of waiting for all of it (`Scheduler._short_arrivals`); a waiting prompt
+    as long as the running one gets no room. Both answers equal each one alone."""
+    budget = 16
+    engine = demo.engine(max_prefill_tokens=budget, max_num_seqs=4)
+    long_prompt = [(7 * i) % 50 + 3 for i in range(8 * budget)]
+    short_prompt, params = [5, 6, 7], greedy(max_tokens=3)
+    engine.add_request("long", long_prompt, params)
+    engine.step()  # the long prompt's first chunk
+    engine.add_request("short", short_prompt, params)
+    engine.add_request("other-long", long_prompt[::-1], params)
+    first_token: dict[str, int] = {}
+    results: dict[str, Result] = {}
+    step = 1
+    while engine.has_work():
+        step += 1
+        for o in engine.step():
+            r = results.setdefault(o.request_id, Result())
+            r.token_ids.extend(o.chunk.token_ids)
+            if o.chunk.token_ids:
+                first_token.setdefault(o.request_id, step)
+    assert first_token["short"] == 2, first_token  # the step right after it arrived
+    assert first_token["long"] == 8 + 1, first_token  # one more step than alone: the short prompt's room
+    assert first_token["other-long"] > first_token["long"], first_token  # no room for a prompt as long
+    for rid, prompt in (("long", long_prompt), ("short", short_prompt), ("other-long", long_prompt[::-1])):
+        assert results[rid].token_ids == alone(demo, prompt, params).token_ids, rid

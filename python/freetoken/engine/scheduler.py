@@ -3,9 +3,10 @@
 Each step takes a token budget (`max_prefill_tokens`). Running sequences that are decoding go first, one token
 each, so a long prompt never stalls them; the rest of the budget goes to prompt chunks, of sequences already
 admitted and then of waiting ones, up to `max_num_seqs` running and, per request, its share of them
-(`freetoken.engine.admission`). When the KV cache cannot give a decoding
-sequence its next block, the most recently arrived running sequence is preempted: its blocks are freed and it
-is recomputed from its tokens later (vLLM's recompute preemption).
+(`freetoken.engine.admission`); prompts being prefilled leave room for waiting ones short enough to finish in the
+step, so a short request is not queued behind a long prompt (`_short_arrivals`). When the KV cache cannot give a
+decoding sequence its next block, the most recently arrived running sequence is preempted: its blocks are freed
+and it is recomputed from its tokens later (vLLM's recompute preemption).
 
 A waiting sequence is admitted on the longest prefix of its tokens that the prefix cache holds
 (`freetoken.engine.prefix_cache`): it shares those blocks and prefills only the rest (a sequence that asks for its
@@ -313,6 +314,31 @@ class Scheduler:
             step = self._schedule_once()
         return step
 
+    def _short_arrivals(self, budget: int, share: int) -> int:
+        """Tokens of this step's `budget` that running prefills leave to waiting sequences short enough to finish
+        their prompt in it (at most half the budget in all).
+
+        A long prompt would otherwise take the whole budget step after step, and a request arriving behind it (a
+        subagent's turn, a probe) would wait for all of it: a 2-token request waited 86 s behind a 58k-token
+        prompt on the CPU device. A step of an offloaded MoE costs about the same with a chunk a little shorter
+        (streaming its experts dominates it), so the long prompt loses little; a waiting prompt as long as it is
+        gets nothing, as sharing the budget between two long prompts would only delay the first. What a waiting
+        prompt needs is estimated from the prefix cache (`estimate_reuse`): an agent's next turn is mostly cached.
+        """
+        room = self.max_num_seqs - len(self.running)
+        reserve, limit = 0, budget // 2
+        for seq in self.waiting:
+            if room <= 0 or reserve >= limit:
+                break
+            if not self.admission.admissible(seq, self.running, share):
+                continue
+            reused = 0 if seq.wants_prompt_logprobs else self.estimate_reuse(seq.token_ids)[0]
+            need = len(seq.token_ids) - reused
+            if need <= limit - reserve:
+                reserve += need
+                room -= 1
+        return reserve
+
     def _schedule_once(self) -> ScheduledStep:
         budget = self.max_prefill_tokens
         step = ScheduledStep([], [])
@@ -336,10 +362,11 @@ class Scheduler:
                 step.query_lens.append(1)
                 budget -= 1
         prefilling = [s for s in self.running if s.num_uncomputed > 1 and s not in step.seqs]
+        reserve = self._short_arrivals(budget, share) if prefilling else 0
         for seq in prefilling:
-            if budget <= 0:
+            if budget - reserve <= 0:
                 break
-            chunk = min(seq.num_uncomputed, budget)
+            chunk = min(seq.num_uncomputed, budget - reserve)
             if self._grow(seq, chunk):
                 step.seqs.append(seq)
                 step.query_lens.append(chunk)
