@@ -330,3 +330,35 @@ def test_the_tier_stops_growing_when_host_memory_runs_low(monkeypatch, caplog):
     assert host.num_slots == host.num_allocated == 2 and host.num_live == 2  # seqs[1] on the host, seqs[0] dropped
     assert len(gone) == 2 and "stays at 2 blocks" in caplog.text
     assert cache.match(seqs[1]).num_blocks == 2 and cache.match(seqs[0]).num_blocks == 0
+
+
+def test_reserve_grows_ahead_to_the_free_slots_asked_within_the_capacity():
+    """`reserve(n)` adds chunks until n allocated slots are free (a chunk at a time), never past the capacity."""
+    kv = KVCache(2, 1, 2, 6, BS, torch.float32, torch.device("cpu"))
+    host = HostKVTier(kv, 7, chunk_bytes=2 * kv.bytes_per_block)
+    assert host.num_allocated == 2
+    assert host.reserve(5) == 2 and host.num_allocated == 6 and len(host._free) == 6
+    assert host.reserve(5) == 0  # already there
+    assert host.reserve(100) == 1 and host.num_allocated == host.num_slots == 7  # the last chunk is shorter
+    assert host.reserve(100) == 0
+
+
+def test_the_engine_keeps_one_steps_evictions_pinned_ahead(demo, monkeypatch):
+    """At start the tier holds the blocks one step can evict (its token budget's and one per sequence); once
+    evictions used them, going idle grows it back (`LLMEngine.idle`), so no request pays for the growth. (Chunks of
+    two blocks: the demo's blocks are small.)"""
+    from freetoken.engine import kv_host
+
+    monkeypatch.setattr(kv_host, "CHUNK_BYTES", 2 * demo.engine(kv_block_size=BS).kv.bytes_per_block)
+    engine = demo.engine(
+        kv_block_size=BS, kv_cache_tokens=64, max_model_len=96, kv_host_gb=0.01, max_prefill_tokens=16, max_num_seqs=2
+    )
+    tier, headroom = engine.kv_host, engine.kv.blocks_for(16) + 2
+    assert tier.num_slots > 3 * headroom and len(tier._free) >= headroom
+    assert tier.allocated_nbytes < tier.nbytes  # not all of it: the rest is added as it fills
+    for salt in range(6):  # sessions that evict each other's blocks into the tier
+        one(engine, long_prompt(demo, 40, salt=salt), greedy(4), rid=str(salt))
+    assert tier.num_live > 0 and len(tier._free) < headroom
+    engine.idle()
+    assert len(tier._free) >= headroom
+    assert_all_blocks_free(engine)

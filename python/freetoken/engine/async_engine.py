@@ -311,6 +311,7 @@ class AsyncEngine:
                     block = False
             except queue.Empty:
                 if block and trim_due and not self.engine.has_work():
+                    self.engine.idle()
                     release_free_memory()
                     trim_due = False
             if not self.engine.has_work():

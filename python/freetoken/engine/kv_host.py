@@ -16,9 +16,11 @@ layout (slot = block; slot s is row s % chunk_slots of chunk s // chunk_slots), 
 to 64 GB and record an event per copy). Not all at start: the default budget is most of the free RAM, and pinning
 it whole cost every engine start (each test's engine on the 128 GB device box pinned ~75 GB: tens of seconds) and
 took memory from everything else on the box before any block was evicted. A chunk is added when no allocated slot
-is free (`free_slot_ready`), if MemAvailable still leaves `DEFAULT_MARGIN_BYTES`; otherwise the capacity stops
-where it is (logged once). The pairs of a demotion or a promotion are sorted and cut into runs that are contiguous
-on both sides and inside one chunk: one copy per run and K/V tensor (the GPU cache has one tensor per layer, K and V).
+is free (`free_slot_ready`), and ahead of need, off a request's path, up to the blocks one step can evict (`reserve`:
+at engine start and when the engine goes idle after work), if MemAvailable still leaves `DEFAULT_MARGIN_BYTES`;
+otherwise the capacity stops where it is (logged once). The pairs of a demotion or a promotion are sorted and cut
+into runs that are contiguous on both sides and inside one chunk: one copy per run and K/V tensor (the GPU cache has
+one tensor per layer, K and V).
 On CUDA the copies run on a side stream that first waits for the compute stream (the blocks' last writers), and
 the compute stream waits for them before anything queued after (an event, no host sync): a demoted block is read
 before its new owner writes it, and a promoted one is written before the attention (or the block copy of a fully
@@ -189,7 +191,7 @@ class HostKVTier:
         num_slots: blocks the tier may hold (>= 1); memory for them is allocated a chunk at a time as they fill
             (the first chunk at start, for the copy measurement).
         h2d_bytes_per_s: the bandwidth profile's host-to-device rate; None measures it at start.
-        chunk_bytes: host memory added at a time (`CHUNK_BYTES`), rounded down to whole blocks (at least one).
+        chunk_bytes: host memory added at a time (None: `CHUNK_BYTES`), rounded down to whole blocks (at least one).
 
     Raises:
         ValueError: num_slots < 1.
@@ -197,7 +199,7 @@ class HostKVTier:
     """
 
     def __init__(
-        self, kv, num_slots: int, h2d_bytes_per_s: float | None = None, chunk_bytes: int = CHUNK_BYTES
+        self, kv, num_slots: int, h2d_bytes_per_s: float | None = None, chunk_bytes: int | None = None
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"a host KV tier needs at least one block, got {num_slots}")
@@ -206,7 +208,7 @@ class HostKVTier:
         self.block_size = kv.block_size
         self.device = kv.layers[0][0].device
         self.bytes_per_block = kv.bytes_per_block
-        self.chunk_slots = max(1, chunk_bytes // self.bytes_per_block)
+        self.chunk_slots = max(1, (chunk_bytes or CHUNK_BYTES) // self.bytes_per_block)
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         # Per chunk: its (K, V) views per layer, and its page-locked registration on CUDA (None on a CPU device).
         self.chunks: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
@@ -287,6 +289,21 @@ class HostKVTier:
         )
         self.num_slots = self.num_allocated
         return False
+
+    def reserve(self, num_free: int) -> int:
+        """Grow (`_grow`) until `num_free` allocated slots are free, the capacity is reached or growth stops.
+
+        Done ahead, off a request's path: at engine start and when the engine goes idle after work
+        (`LLMEngine.idle`), for the blocks one step can evict. Otherwise a step whose evictions need room pins it
+        then: an agent trace's first turn on the H200 box (18.8k tokens, demoting the blocks of earlier prompts)
+        took 1.80 s against 1.02 s for a prompt of its length on the same server before (`benches/agent_trace.py`).
+
+        Returns the chunks added.
+        """
+        added = 0
+        while len(self._free) < num_free and self.num_allocated < self.num_slots and self._grow():
+            added += 1
+        return added
 
     # Slots (the prefix cache calls these).
 

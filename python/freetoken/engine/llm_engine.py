@@ -110,6 +110,7 @@ class LLMEngine:
             )
         self.checkpoints = self._make_checkpoints(model_cfg, engine_cfg, tokenizer, dtype)
         self.experts = model.experts
+        self._kv_host_headroom = 0  # host-tier slots kept allocated and free (`idle`), set with the tier
         self.kv_host = self._make_kv_host(model_cfg, engine_cfg, dtype)
         self.admission = Admission(engine_cfg.max_seqs_per_request or default_share(engine_cfg.max_num_seqs))
         self.scheduler = Scheduler(
@@ -204,15 +205,19 @@ class LLMEngine:
         planner = getattr(self.experts, "planner", None)
         profile = planner.profile() if planner is not None else None
         tier = HostKVTier(self.kv, num_slots, profile[0] if profile else None)
+        # The blocks one step can evict: its prompt tokens' and one per decoding sequence.
+        self._kv_host_headroom = self.kv.blocks_for(engine_cfg.max_prefill_tokens) + engine_cfg.max_num_seqs
+        tier.reserve(self._kv_host_headroom)
         cost = tier.cost.stats()
         log.info(
-            "KV host tier: up to %d blocks = %d tokens, %.2f GB %s as it fills, %.0f MB at a time (--kv-host-gb%s); a "
-            "host hit is copied back at %.1f GB/s (%s) + %.0f us instead of prefilled again from the crossover on "
-            "(measured once prefill steps ran)",
+            "KV host tier: up to %d blocks = %d tokens, %.2f GB %s as it fills (%.2f GB now, one step's evictions), "
+            "%.0f MB at a time (--kv-host-gb%s); a host hit is copied back at %.1f GB/s (%s) + %.0f us instead of "
+            "prefilled again from the crossover on (measured once prefill steps ran)",
             num_slots,
             tier.capacity_tokens,
             tier.nbytes / 1e9,
             "pinned" if tier.stream is not None else "in a second buffer",
+            tier.allocated_nbytes / 1e9,
             tier.chunk_slots * tier.bytes_per_block / 1e6,
             "" if engine_cfg.kv_host_gb >= 0 else ", default: free RAM after the expert pool less a margin",
             cost["h2d_gbps"],
@@ -316,6 +321,13 @@ class LLMEngine:
         seq = self._seqs.get(request_id)
         if seq is not None:
             self.scheduler.resume(seq)
+
+    def idle(self) -> None:
+        """Work done while no request runs (the engine thread calls it when it goes idle after work): the KV host
+        tier grows back to one step's worth of free pinned slots (`HostKVTier.reserve`), so the next request's
+        evictions do not page-lock memory on its time."""
+        if self.kv_host is not None:
+            self.kv_host.reserve(self._kv_host_headroom)
 
     def has_work(self) -> bool:
         """Whether a step has anything to run (paused requests do not count)."""
