@@ -37,6 +37,7 @@ from freetoken.models.loader import (
 from freetoken.models.qwen3_moe import Qwen3MoeForCausalLM
 from freetoken.moe import make_expert_backend, resolve_backend
 from freetoken.moe.budget import check_host_memory
+from freetoken.moe.expert_cache import ExpertCacheBackend
 from freetoken.moe.routing_replay import describe as describe_routing
 from freetoken.moe.routing_replay import install_replay
 from freetoken.tokenizer import Tokenizer
@@ -195,15 +196,15 @@ class LLMEngine:
 
     def _make_kv_host(self, model_cfg: ModelConfig, engine_cfg: EngineConfig, dtype: torch.dtype) -> HostKVTier | None:
         """The prefix cache's host-RAM tier (`freetoken.engine.kv_host`), None when its budget is 0."""
-        mode = getattr(self.experts, "mode", "fused")
+        cache = self.experts if isinstance(self.experts, ExpertCacheBackend) else None
+        mode = cache.mode if cache is not None else "fused"
         nbytes = default_host_bytes(engine_cfg, model_cfg, dtype, mode)
         num_slots = nbytes // self.kv.bytes_per_block
         if num_slots < 1:
             if engine_cfg.kv_host_gb > 0:
                 log.warning("--kv-host-gb %s holds no KV block; no host tier", engine_cfg.kv_host_gb)
             return None
-        planner = getattr(self.experts, "planner", None)
-        profile = planner.profile() if planner is not None else None
+        profile = cache.planner.profile() if cache is not None else None
         tier = HostKVTier(self.kv, num_slots, profile[0] if profile else None)
         # The blocks one step can evict: its prompt tokens' and one per decoding sequence.
         self._kv_host_headroom = self.kv.blocks_for(engine_cfg.max_prefill_tokens) + engine_cfg.max_num_seqs

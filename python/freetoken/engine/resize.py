@@ -157,8 +157,8 @@ def cache_sizes(engine: LLMEngine) -> dict[str, Any]:
             "num_free_blocks": prefix.num_free,
             "max_model_len": engine.max_model_len,
         },
-        "num_resizes": getattr(engine, "num_resizes", 0),
-        "last_resize": getattr(engine, "last_resize", None),
+        "num_resizes": engine.num_resizes,
+        "last_resize": engine.last_resize,
     }
 
 
@@ -331,7 +331,7 @@ def resize(
         "seconds": round(time.perf_counter() - t0, 3),
         "notes": notes,
     }
-    engine.num_resizes = getattr(engine, "num_resizes", 0) + 1
+    engine.num_resizes += 1
     engine.last_resize = answer
     slots = lambda sizes: None if sizes["expert_cache"] is None else sizes["expert_cache"]["num_slots"]
     log.info(

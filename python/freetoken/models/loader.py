@@ -218,8 +218,7 @@ def load_checkpoint(
 
     Raises:
         FileNotFoundError: config.json, the safetensors file or a shard of the index is missing.
-        CheckpointError: a tensor or a quantization scale is missing, mis-shaped or of an unexpected dtype; or
-            quantized experts for a backend that cannot serve them yet.
+        CheckpointError: a tensor or a quantization scale is missing, mis-shaped or of an unexpected dtype.
         ConfigError: config.json is unsupported (QuantConfigError: its quantization_config).
     """
     from freetoken.quant import checkpoint as quantized
@@ -251,15 +250,9 @@ def load_checkpoint(
         expected.add(stored)
     for layer in cfg.moe_layers if experts.wants_weights else ():
         if spec.format.quantized:
-            load_quantized = getattr(experts, "load_layer_quantized", None)
-            if load_quantized is None:
-                raise CheckpointError(
-                    f"{model_dir}: {spec.format.name} experts are not served by {type(experts).__name__} yet; "
-                    "use --moe-backend fused"
-                )
             layout = spec.format.layout(cfg.hidden_size, cfg.moe_intermediate_size)
             packed = quantized.read_experts(reader, spec, layout, cfg.num_experts, layer, prefix)
-            load_quantized(layer, layout, packed.to(device))
+            experts.load_layer_quantized(layer, layout, packed.to(device))
         else:
             sizes = (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
             experts.load_layer(layer, *read_float_experts(reader, *sizes, layer, device, dtype, prefix))
@@ -315,7 +308,7 @@ FINITE_SAMPLES_PER_TENSOR = 4096
 FINITE_SAMPLES_PER_EXPERT = 256
 
 
-def check_finite_weights(model: torch.nn.Module, experts: object) -> None:
+def check_finite_weights(model: torch.nn.Module, experts: ExpertBackend) -> None:
     """Refuse weights with NaN or inf values, from an evenly strided sample of every tensor of `model` and of
     every routed expert in `experts`' host pool (an `ExpertCacheBackend`'s ``pool_experts``), when it has one.
 
@@ -334,10 +327,11 @@ def check_finite_weights(model: torch.nn.Module, experts: object) -> None:
         sample = flat[:: max(1, flat.numel() // FINITE_SAMPLES_PER_TENSOR)]
         if not bool(torch.isfinite(sample).all()):
             raise CheckpointError(f"tensor {name!r} holds NaN or inf values; {fix}")
-    pool_experts = getattr(experts, "pool_experts", None)
-    if pool_experts is None:
+    from freetoken.moe.expert_cache import ExpertCacheBackend
+
+    if not isinstance(experts, ExpertCacheBackend):
         return
-    pool = experts.pool  # type: ignore[attr-defined]
+    pool, pool_experts = experts.pool, experts.pool_experts
     if pool.format == "bf16":
         values = pool_experts[:, : pool.expert_nbytes].view(torch.bfloat16)  # [experts, 3*I*H] bf16, zero-copy
         sample = values[:, :: max(1, values.shape[1] // FINITE_SAMPLES_PER_EXPERT)]

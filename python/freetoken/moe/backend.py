@@ -16,6 +16,7 @@ import torch
 if TYPE_CHECKING:
     from freetoken._core import StepReport
     from freetoken.moe.handshake import DeviceHandshake
+    from freetoken.quant.formats import ExpertLayout
 
 
 @runtime_checkable
@@ -23,8 +24,9 @@ class ExpertBackend(Protocol):
     """Computes the routed experts of MoE layers (SwiGLU: y = down(silu(gate x) * up x)).
 
     Attributes:
-        wants_weights: True when the loader must hand it each layer's experts (`load_layer`); False when it
-            reads them itself (the host `ExpertPool`).
+        wants_weights: True when the loader must hand it each layer's experts (`load_layer`, or
+            `load_layer_quantized` for a quantized checkpoint); False when it reads them itself (the host
+            `ExpertPool`).
         graph_safe: True when `forward` never syncs with the host, so a decode step can be a CUDA graph.
     """
 
@@ -38,6 +40,17 @@ class ExpertBackend(Protocol):
             layer: decoder layer index (0-based, as in the checkpoint's tensor names).
             gate_up: [E, 2I, H], gate_proj rows then up_proj rows of each expert (transformers 5 `gate_up_proj`).
             down: [E, H, I], each expert's down_proj.
+        """
+        ...
+
+    def load_layer_quantized(self, layer: int, layout: ExpertLayout, packed: torch.Tensor) -> None:
+        """Take the routed experts of decoder layer `layer` quantized, as the checkpoint stores them.
+
+        Args:
+            layer: decoder layer index.
+            layout: the format's byte layout of one expert (`freetoken.quant.formats.ExpertLayout`).
+            packed: [E, layout.expert_nbytes] uint8 on the compute device, each row one expert in the pool layout
+                (codes, then their scales: `freetoken.quant.checkpoint.read_experts`).
         """
         ...
 

@@ -54,7 +54,7 @@ from freetoken.moe.prefill import (
     measure_gpu_flops,
 )
 from freetoken.quant.experts import quantized_swiglu
-from freetoken.quant.formats import format_named
+from freetoken.quant.formats import ExpertLayout, format_named
 
 MODES = ("offload", "cpu", "hybrid")
 # Parts of a driven decode step as the driver thread saw them (`DecodeDriver.finish`): waiting for the device's
@@ -303,6 +303,10 @@ class ExpertCacheBackend:
 
     def load_layer(self, layer: int, gate_up: torch.Tensor, down: torch.Tensor) -> None:
         """Not used: the pool read the experts from the checkpoint (`wants_weights` is False)."""
+        raise TypeError("ExpertCacheBackend takes its experts from its ExpertPool, not from the torch loader")
+
+    def load_layer_quantized(self, layer: int, layout: ExpertLayout, packed: torch.Tensor) -> None:
+        """Not used, as `load_layer`: the pool holds the checkpoint's quantized bytes itself."""
         raise TypeError("ExpertCacheBackend takes its experts from its ExpertPool, not from the torch loader")
 
     def forward(
