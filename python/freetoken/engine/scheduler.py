@@ -326,6 +326,8 @@ class Scheduler:
         prompt needs is estimated from the prefix cache (`estimate_reuse`): an agent's next turn is mostly cached.
         """
         room = self.max_num_seqs - len(self.running)
+        if self.state_pool is not None:  # a hybrid model's sequence also needs a free recurrent-state slot
+            room = min(room, self.state_pool.num_free)
         reserve, limit = 0, budget // 2
         for seq in self.waiting:
             if room <= 0 or reserve >= limit:
