@@ -2,6 +2,7 @@
 against the bf16 slot kernel (`fused_moe`, the baseline), at Qwen3-30B-A3B's expert shapes (H 2048, I 768, top-8).
 
     python benches/quant_moe.py [--slots 128] [--batch 1 4 16 64 512] [--iters 50] [--profile] [--sweep]
+                                [--byte-loads]
 
 Each row: microseconds per call (CUDA events, median; the call includes `align_pairs` and the k-sum), speed against
 bf16's call at that batch (the issue's targets at decode: FP8 >= 1.6x, NVFP4 >= 2.5x), the expert bytes the call
@@ -9,7 +10,9 @@ reads (distinct slots routed to x the format's expert_nbytes) per second, and th
 bf16. --profile adds each kernel's own microseconds (torch profiler: `_gate_up_quant_kernel`, `_down_quant_kernel`
 and bf16's `_gate_up_kernel`, `_down_kernel`). --sweep also times the (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps,
 num_stages) candidates of `SWEEP` per format and batch and prints the fastest, to retune
-`fused_moe_quant.LAUNCH_CONFIGS`. Prints one line per row and a final JSON line.
+`fused_moe_quant.LAUNCH_CONFIGS`. --byte-loads runs the 4-bit kernels with `fused_moe_quant.WORD_LOADS` off (block
+scales read by byte and activations by 16-bit element inside each K step, as before), to time the word loads.
+Prints one line per row and a final JSON line.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import statistics
 
 import torch
 
+from freetoken.kernels import fused_moe_quant as fused_moe_quant_module
 from freetoken.kernels.fused_moe import fused_moe
 from freetoken.kernels.fused_moe_quant import fused_moe_quant, launch_config
 from freetoken.quant import BF16, MXFP4, NVFP4, fp8_block
@@ -81,7 +85,14 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--profile", action="store_true", help="also each kernel's microseconds (torch profiler)")
     parser.add_argument("--sweep", action="store_true", help="also time the SWEEP launch configs per format")
+    parser.add_argument(
+        "--byte-loads",
+        action="store_true",
+        help="the 4-bit kernels' previous loads (scales by byte, activations by 16-bit element) instead of words",
+    )
     args = parser.parse_args()
+    if args.byte_loads:
+        fused_moe_quant_module.WORD_LOADS = False
     records = []
     for batch in args.batch:
         gen = torch.Generator().manual_seed(batch)

@@ -67,6 +67,9 @@ def main() -> None:
                     "BLOCK_COLS": fmt.block_cols,
                     "HAS_TENSOR_SCALE": fmt.tensor_scale,
                     "SPLIT_ACTIVATIONS": False,
+                    # the wrapper's choice for aligned slots and bf16 activations (`fused_moe_quant_tiles`)
+                    "WORD_ACTIVATIONS": fmq.WORD_LOADS and fmt.weight_bits == 4,
+                    "SCALE_WORDS": fmq.WORD_LOADS and fmt.weight_bits == 4 and fmq._scale_words(fmt, num_in, block_k),
                     "BLOCK_SIZE_M": block_m,
                     "BLOCK_SIZE_N": block_n,
                     "BLOCK_SIZE_K": block_k,

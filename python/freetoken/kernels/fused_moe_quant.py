@@ -18,30 +18,44 @@ Numerics (exact products, as the CPU kernels in rust/freetoken-core/src/quant/ke
   - NVFP4 (NVIDIA NVFP4, ModelOpt NVFP4QTensor): e2m1 x its e4m3 block scale has <= 6 significant bits, exact in
     bf16; the per-tensor weight_scale_2 multiplies the float32 accumulator once at the end.
   - MXFP4 (OCP MX v1.0 section 6.3): e2m1 x 2^(e8m0 - 127), exact in bf16 between 2^-120 and 2^113 (`_weight_step`).
-  - e2m1 and e4m3 are decoded by moving bit fields into float16 (`_e2m1_pair_f16`, `_e4m3_f16`): no exp2, no
-    select per element. Packed bytes are loaded once: even columns meet the low nibbles, odd ones the high nibbles
-    in two dots (sum_k a[k] w[k] = a_even . w_low + a_odd . w_high), so nibbles are never interleaved.
+  - e2m1 and e4m3 (FP8 weights, NVFP4 block scales) are decoded by moving bit fields into float16 (`_e2m1_pair_f16`,
+    `_e4m3_f16`): no exp2, no select per element. Packed bytes are loaded once: even columns meet the low nibbles,
+    odd ones the high nibbles in two dots (sum_k a[k] w[k] = a_even . w_low + a_odd . w_high), so nibbles are never
+    interleaved; 16-bit activations come as 32-bit words of (even, odd) columns, split by bit moves.
   - Activations: bf16 enters the dots as it is (the GPU path). float32 (CPU tests) or float16 is split into two bf16
     parts, hi + lo, and dotted twice: float32 results to ~2^-16 relative (tests: 1e-5 of the largest output).
   The kernels then equal the reference's dequantized weights bit for bit; only float32 sum order differs.
 
-Expected time per call, Qwen3-30B-A3B decode (H 2048, I 768, top-8, batch 1: 8 experts, 37.7 M weights), H200
-(4.8 TB/s, 132 SMs x 4 schedulers issuing one warp instruction per clock at ~1.98 GHz = 1.05e12 warp-instr/s).
+Measured on an H200 (`benches/quant_moe.py --profile`, before the word loads below), gate/up + down kernel
+microseconds per layer call, Qwen3-30B-A3B (H 2048, I 768, top-8): batch 1: bf16 20.3 + 9.8, FP8 16.8 + 8.3, NVFP4
+39.4 + 14.1, MXFP4 24.3 + 9.9; batch 4: bf16 46.6 + 26.4, FP8 44.8 + 26.2, NVFP4 128.8 + 44.7, MXFP4 76.7 + 32.2;
+batch 16: NVFP4 342 + 125, MXFP4 205 + 88, bf16 135 + 68. (Batch 4 routes to ~3.5x the experts of batch 1, so
+most of the growth with batch is weight bytes, not per-row work.)
+
 SASS of the sm_90 builds (compiled without a GPU: triton.compile for GPUTarget("cuda", 90, 32), nvdisasm;
-`benches/quant_moe_sass.py`), K loop at 16-row tiles, instructions per weight in gate/up and down: NVFP4 ~12.2
-and 14.8 (PRMT/shift/LOP3 to split bytes and build float16 codes, HADD2.F32, FMUL by the scale, half an F2FP
-pack), MXFP4 ~11.1 in gate/up, FP8 ~9.2 and 10.3; HMMA for the dots (HGMMA at 64-row tiles), weights staged by
-cp.async (LDGSTS) with 3-4 stages.
+`benches/quant_moe_sass.py`), the K loop at 16-row tiles. Before: the 4-bit block scales were loaded by byte
+(1 byte per thread) and the activations by 16-bit element at stride 2; Triton's pipeliner stages only loads of >= 4
+bytes per thread by cp.async, so both stayed plain loads inside every K step (NVFP4 gate/up: 40 LDG per loop, 4 of
+them scale bytes from DRAM whose wait, a shared-memory layout conversion and a barrier sat before the weights'
+multiply; 34 STS + 5 BAR), and NVFP4's gate/up took 255 registers with a 16-byte stack; per weight NVFP4 12.2 and
+14.8 instructions (gate/up, down), MXFP4 11.1 and 13.6. Now (`WORD_LOADS`): scales read as the 32-bit words that
+hold them and 16-bit activations as 32-bit words of (even, odd) columns, all staged by cp.async with the weights
+(no LDG, no STS, 2 BAR in the loop), e4m3 scales decoded by bit moves (no I2F/FSEL), e2m1 by sign-extension shifts
+(five integer operations per byte instead of eight); at the 32 x 128 tiles now used for decode NVFP4 10.0 and 12.2
+per weight with 128 and 104 registers (4 programs per SM instead of 2), MXFP4 9.5 and 11.7, FP8 (unchanged) 9.2 and
+10.3. Time per call on the GPU: to be measured (`benches/quant_moe.py --profile --sweep`, `--byte-loads` for the
+previous loads).
   - bytes: NVFP4 18.9 MB codes + 2.4 MB scales = 21.2 MB -> 4.4 us; MXFP4 20.0 MB -> 4.2 us; FP8 37.7 MB -> 7.9 us;
     bf16 75.5 MB -> 15.7 us (the baseline's floor).
-  - issue: 37.7 M weights x instr/weight / 32 lanes / 1.05e12: NVFP4 ~14.7 us, MXFP4 ~13 us, FP8 ~10.8 us, so at
-    batch 1-16 all three are bound by instruction issue, not bandwidth (the M tile's 16 rows cost the same
-    decode as one). Programs: gate/up 8 tiles x 768 / 32 = 192, down 8 x 2048 / 32 = 512, each >= one per SM.
-  - expected: ~15-20 us per layer call for NVFP4 and MXFP4 (was 237 us), ~12-16 us for FP8, against bf16's
-    ~16-20 us. Prefill (64-row tiles) amortizes the decode over 64 rows and runs on wgmma.
-  Reaching the bandwidth floor needs packed conversions (several weights per 32-bit instruction, Marlin-style:
-  PTX cvt.rn.f16x2.e4m3x2 for FP8, a PRMT lookup of 8 nibbles per word for e2m1 through tl.inline_asm_elementwise,
-  or tl.dot_scaled for MXFP4); `benches/quant_moe.py` measures where the kernels stand.
+  - issue (132 SMs x 4 schedulers x ~1.98 GHz = 1.05e12 warp-instr/s): 37.7 M weights x instr/weight / 32 lanes /
+    1.05e12 ~ 11-12 us for NVFP4 and MXFP4 at batch 1, ~10.8 us for FP8: at decode the kernels are bound by
+    instruction issue and latency, not bandwidth (the M tile's 16 rows cost the same decode as one). Programs:
+    gate/up 8 tiles x 768 / 32 = 192, down 8 x 2048 / 32 = 512.
+  Per weight what is left is the decode itself: byte extraction and shifts (PRMT, SHL, SHF, LOP3; ~3.5), the
+  float16 -> float32 conversion (HADD2.F32), the scale's FMUL and half an F2FP pack. Going below needs packed
+  conversions (several weights per 32-bit instruction, Marlin-style: PTX cvt.rn.f16x2.e4m3x2 for FP8, a PRMT lookup
+  of 8 nibbles per word for e2m1 through tl.inline_asm_elementwise, which the interpreter cannot run, or
+  tl.dot_scaled for MXFP4).
 
 Shapes (project letters): M tokens, K hidden, N expert intermediate, S slots (or E experts), k top-k.
 Test: python -m pytest tests/kernels/test_kernels_quant.py   (TRITON_INTERPRET=1 without a GPU, as conftest sets;
@@ -66,16 +80,6 @@ FORMAT_IDS = {"fp8_block": 0, "nvfp4": 1, "mxfp4": 2}
 
 
 @triton.jit
-def _e4m3_f32(code):
-    """e4m3 codes (int32, 0..255) -> float32 (OCP OFP8: bias 7, exponent 0 subnormal m/8 * 2^-6); used on the
-    small tiles of NVFP4 block scales only, so its select costs nothing next to the weights."""
-    mag = code & 0x7F
-    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
-    value = tl.where(mag < 8, mag.to(tl.float32) * (1.0 / 512.0), normal)
-    return tl.where((code & 0x80) != 0, -value, value)
-
-
-@triton.jit
 def _e4m3_f16(code):
     """FP8 e4m3 codes (int32, 0..255) -> float16 holding the value * 2^-8, exactly, by moving bit fields only.
 
@@ -89,14 +93,18 @@ def _e4m3_f16(code):
 
 @triton.jit
 def _e2m1_pair_f16(byte):
-    """Packed e2m1 bytes (int32, 0..255) -> (low nibble, high nibble) as float16 holding the value * 2^-14.
+    """Packed e2m1 bytes (int32, sign-extended from int8) -> (low nibble, high nibble) as float16 holding the value
+    * 2^-14.
 
     e2m1 (s ee m, bias 1) placed at float16's sign, low exponent bits and top mantissa bit is the value scaled by
     2^(1 - 15): e = 0 (0 and 0.5) lands on float16 subnormals m/2 * 2^-14, which every float16 path keeps (no
-    flush to zero for 16-bit floats, and the float16 -> float32 conversion is exact). Four integer ops per
-    element, no select and no exp2; the caller folds 2^14 into the block scale."""
-    low = ((byte & 0x07) << 9) | ((byte & 0x08) << 12)
-    high = ((byte & 0x70) << 5) | ((byte & 0x80) << 8)
+    flush to zero for 16-bit floats, and the float16 -> float32 conversion is exact). No select and no exp2; the
+    caller folds 2^14 into the block scale. Bits are moved with the sign's copies: the low nibble shifted to the
+    top of the word then arithmetically back to bits 9-12 leaves copies of its sign bit 3 above, bit 15 among them;
+    the sign-extended byte shifted by 5 puts bits 4-6 at 9-11 and copies of bit 7 from bit 13 up. One mask keeps
+    bits 9-11 and 15: five integer operations per byte (the previous masks-and-ors took eight)."""
+    low = ((byte << 28) >> 19) & 0x8E00
+    high = (byte << 5) & 0x8E00
     return low.to(tl.int16).to(tl.float16, bitcast=True), high.to(tl.int16).to(tl.float16, bitcast=True)
 
 
@@ -130,6 +138,7 @@ def _activations(
     num_in,
     FORMAT: tl.constexpr,
     SPLIT_ACTIVATIONS: tl.constexpr,
+    WORD_ACTIVATIONS: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
 ):
     """The activation operands of one K step, columns k0 .. k0 + BLOCK_SIZE_K of rows `x_rows` ([M, 1] pointers).
@@ -144,6 +153,19 @@ def _activations(
         a = tl.load(x_rows + offs[None, :], mask=row_ok[:, None] & (offs[None, :] < num_in), other=0.0)
         first_hi, first_lo = _bf16_split(a, SPLIT_ACTIVATIONS)
         second_hi, second_lo = first_hi, first_lo
+    elif WORD_ACTIVATIONS:
+        # 16-bit activations read as 32-bit words, one per (even, odd) column pair: a contiguous load that the
+        # pipeliner stages by cp.async (a stride-2 load of 16-bit elements is neither vectorized nor staged), split
+        # by bit moves (low half: the even column, little-endian)
+        offs_w = k0 // 2 + tl.arange(0, BLOCK_SIZE_K // 2)
+        words = tl.load(
+            x_rows.to(tl.pointer_type(tl.int32)) + offs_w[None, :],
+            mask=row_ok[:, None] & (offs_w[None, :] < num_in // 2),
+            other=0,
+        )
+        dtype = x_rows.dtype.element_ty
+        first_hi, first_lo = _bf16_split(words.to(tl.int16).to(dtype, bitcast=True), SPLIT_ACTIVATIONS)
+        second_hi, second_lo = _bf16_split((words >> 16).to(tl.int16).to(dtype, bitcast=True), SPLIT_ACTIVATIONS)
     else:
         offs = k0 + 2 * tl.arange(0, BLOCK_SIZE_K // 2)
         ok = row_ok[:, None] & (offs[None, :] < num_in)
@@ -170,6 +192,7 @@ def _weight_step(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     SPLIT_ACTIVATIONS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
 ):
     """acc [M, BLOCK_SIZE_N] + activations . W[offs_out, k0 : k0 + BLOCK_SIZE_K]^T for one matrix W [rows (out),
@@ -197,20 +220,39 @@ def _weight_step(
         acc = acc + part * (scale * 256.0)
     else:
         offs_j = k0 // 2 + tl.arange(0, BLOCK_SIZE_K // 2)  # byte columns
-        byte = tl.load(
-            weights + offs_out[None, :] * (num_in // 2) + offs_j[:, None],
-            mask=(offs_j[:, None] < num_in // 2) & out_ok[None, :],
-            other=0,
-        ).to(tl.int32)  # [BLOCK_SIZE_K / 2, BLOCK_SIZE_N]
+        byte = (
+            tl.load(
+                weights + offs_out[None, :] * (num_in // 2) + offs_j[:, None],
+                mask=(offs_j[:, None] < num_in // 2) & out_ok[None, :],
+                other=0,
+            )
+            .to(tl.int8, bitcast=True)
+            .to(tl.int32)
+        )  # [BLOCK_SIZE_K / 2, BLOCK_SIZE_N], sign-extended
         num_blocks: tl.constexpr = BLOCK_SIZE_K // BLOCK_COLS
-        offs_b = k0 // BLOCK_COLS + tl.arange(0, num_blocks)
-        code = tl.load(
-            scales + offs_out[None, :] * (num_in // BLOCK_COLS) + offs_b[:, None],
-            mask=(offs_b[:, None] < num_in // BLOCK_COLS) & out_ok[None, :],
-            other=0,
-        ).to(tl.int32)  # [blocks, BLOCK_SIZE_N]
+        if SCALE_WORDS:
+            # the 32-bit word holding each block's scale byte (4 blocks share a word, so their loads repeat its
+            # address): loads of 4 bytes, which the pipeliner stages by cp.async with the weights (a byte load waits
+            # for memory inside every K step); bytes picked by shifts, little-endian
+            words_per_row = num_in // (4 * BLOCK_COLS)
+            offs_b = k0 // BLOCK_COLS + tl.arange(0, num_blocks)
+            word = tl.load(
+                scales.to(tl.pointer_type(tl.int32)) + offs_out[None, :] * words_per_row + offs_b[:, None] // 4,
+                mask=(offs_b[:, None] // 4 < words_per_row) & out_ok[None, :],
+                other=0,
+            )  # [blocks, BLOCK_SIZE_N]
+            code = (word >> (8 * (offs_b[:, None] % 4))) & 0xFF
+        else:
+            offs_b = k0 // BLOCK_COLS + tl.arange(0, num_blocks)
+            code = tl.load(
+                scales + offs_out[None, :] * (num_in // BLOCK_COLS) + offs_b[:, None],
+                mask=(offs_b[:, None] < num_in // BLOCK_COLS) & out_ok[None, :],
+                other=0,
+            ).to(tl.int32)  # [blocks, BLOCK_SIZE_N]
         if FORMAT == 1:
-            scale = _e4m3_f32(code) * 16384.0  # 2^14 undoes `_e2m1_pair_f16`'s 2^-14
+            # e4m3 by bit moves (`_e4m3_f16`: the scale * 2^-8, exact); 2^22 = 2^8 back times 2^14, which undoes
+            # `_e2m1_pair_f16`'s 2^-14
+            scale = _e4m3_f16(code).to(tl.float32) * 4194304.0
         else:
             # 2^(e - 127) * 2^14 built as float32 bits: exact for e <= 240; e8m0 codes above (scales past 2^113) and
             # 0xFF (NaN) are never in a checkpoint's weights. Below ~2^-120 the products leave bf16's normal range and
@@ -253,6 +295,8 @@ def _gate_up_quant_kernel(
     BLOCK_COLS: tl.constexpr,
     HAS_TENSOR_SCALE: tl.constexpr,
     SPLIT_ACTIVATIONS: tl.constexpr,
+    WORD_ACTIVATIONS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -274,14 +318,16 @@ def _gate_up_quant_kernel(
     acc_gate = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_SIZE_K):
-        a1_hi, a1_lo, a2_hi, a2_lo = _activations(x_rows, row_ok, k0, K, FORMAT, SPLIT_ACTIVATIONS, BLOCK_SIZE_K)
+        a1_hi, a1_lo, a2_hi, a2_lo = _activations(
+            x_rows, row_ok, k0, K, FORMAT, SPLIT_ACTIVATIONS, WORD_ACTIVATIONS, BLOCK_SIZE_K
+        )
         acc_gate = _weight_step(
             acc_gate, a1_hi, a1_lo, a2_hi, a2_lo, base, base + gate_up_scale_off, n0, offs_n, n_ok, k0, K,
-            FORMAT, BLOCK_ROWS, BLOCK_COLS, SPLIT_ACTIVATIONS, BLOCK_SIZE_K,
+            FORMAT, BLOCK_ROWS, BLOCK_COLS, SPLIT_ACTIVATIONS, SCALE_WORDS, BLOCK_SIZE_K,
         )  # fmt: skip
         acc_up = _weight_step(
             acc_up, a1_hi, a1_lo, a2_hi, a2_lo, base + up_off, base + up_scale_off, n0, offs_n, n_ok, k0, K,
-            FORMAT, BLOCK_ROWS, BLOCK_COLS, SPLIT_ACTIVATIONS, BLOCK_SIZE_K,
+            FORMAT, BLOCK_ROWS, BLOCK_COLS, SPLIT_ACTIVATIONS, SCALE_WORDS, BLOCK_SIZE_K,
         )  # fmt: skip
     if HAS_TENSOR_SCALE:  # NVFP4's weight_scale_2, once per output instead of once per weight
         ts_ptr = (base + tensor_scale_off).to(tl.pointer_type(tl.float32))
@@ -317,6 +363,8 @@ def _down_quant_kernel(
     BLOCK_COLS: tl.constexpr,
     HAS_TENSOR_SCALE: tl.constexpr,
     SPLIT_ACTIVATIONS: tl.constexpr,
+    WORD_ACTIVATIONS: tl.constexpr,
+    SCALE_WORDS: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -336,10 +384,12 @@ def _down_quant_kernel(
     h_rows = h_ptr + rows[:, None] * stride_hm
     acc = tl.zeros((BLOCK_SIZE_M, BLOCK_SIZE_N), dtype=tl.float32)
     for n0 in range(0, N, BLOCK_SIZE_K):
-        a1_hi, a1_lo, a2_hi, a2_lo = _activations(h_rows, row_ok, n0, N, FORMAT, SPLIT_ACTIVATIONS, BLOCK_SIZE_K)
+        a1_hi, a1_lo, a2_hi, a2_lo = _activations(
+            h_rows, row_ok, n0, N, FORMAT, SPLIT_ACTIVATIONS, WORD_ACTIVATIONS, BLOCK_SIZE_K
+        )
         acc = _weight_step(
             acc, a1_hi, a1_lo, a2_hi, a2_lo, base + down_off, base + down_scale_off, out0, offs_out, out_ok, n0, N,
-            FORMAT, BLOCK_ROWS, BLOCK_COLS, SPLIT_ACTIVATIONS, BLOCK_SIZE_K,
+            FORMAT, BLOCK_ROWS, BLOCK_COLS, SPLIT_ACTIVATIONS, SCALE_WORDS, BLOCK_SIZE_K,
         )  # fmt: skip
     if HAS_TENSOR_SCALE:
         acc = acc * tl.load((base + tensor_scale_off).to(tl.pointer_type(tl.float32)) + 2)
@@ -351,16 +401,23 @@ def _down_quant_kernel(
 
 # (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages) by (weight bits, BLOCK_SIZE_M): decode tiles (16 rows) take
 # narrow N tiles so a batch-1 call still spreads over the SMs (gate/up: 8 experts x 768 / 32 = 192 programs, down:
-# 8 x 2048 / 32 = 512 on Qwen3-30B-A3B) with deep K steps that keep 2-4 KB per matrix in flight per stage; prefill
-# tiles (64 rows) take 64 x 128 tiles, tensor-core sized. FP8's BLOCK_SIZE_K is its scale block's columns and its
-# BLOCK_SIZE_N a divisor of the block's rows (one scale per tile), whatever this table says. The module doc has the
-# reasoning; `benches/quant_moe.py --sweep` times alternatives on a GPU.
+# 8 x 2048 / 32 = 512 on Qwen3-30B-A3B) with 3-4 stages of 2 KB per matrix in flight; prefill tiles (64 rows) take
+# 64 x 128 tiles, tensor-core sized. 4-bit decode K steps are 128 (were 256): in the sm_90 SASS the 256 step's gate/up
+# took 244 registers (255 and a stack before the word loads), 2 programs per SM, the 128 step 128 registers, 4 per SM,
+# at 10.0 instructions per weight against 9.3 (not yet timed on a GPU; --sweep times both). FP8's BLOCK_SIZE_K is its
+# scale block's columns and its BLOCK_SIZE_N a divisor of the block's rows (one scale per tile), whatever this table
+# says. The module doc has the reasoning; `benches/quant_moe.py --sweep` times alternatives on a GPU.
 LAUNCH_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
-    (4, 16): (32, 256, 4, 4),
+    (4, 16): (32, 128, 4, 4),
     (4, 64): (64, 128, 4, 3),
     (8, 16): (32, 128, 4, 4),
     (8, 64): (64, 128, 4, 3),
 }
+
+
+# 16-bit activations and 4-bit formats' block scales read as 32-bit words where aligned (`_activations`,
+# `_weight_step`); False: the byte and 16-bit element loads (kept to time both: benches/quant_moe.py --variants)
+WORD_LOADS = True
 
 
 def launch_config(fmt: ExpertFormat, num_pairs: int) -> tuple[int, int, int, int]:
@@ -392,6 +449,13 @@ def _blocks(fmt: ExpertFormat, config: tuple[int, int, int, int], num_in: int) -
     # 4-bit: whole scale blocks per K step and K / 2 >= 16 for tl.dot; no step wider than the matrix needs
     wanted = min(_pow2_at_most(block_k), 1 << max(num_in - 1, 1).bit_length())
     return block_n, max(wanted, fmt.block_cols, 32)
+
+
+def _scale_words(fmt: ExpertFormat, num_in: int, block_k: int) -> bool:
+    """Whether a 4-bit kernel over `num_in` columns with K steps of `block_k` can read its block scales as 32-bit
+    words: whole words per K step and per matrix row (the byte offsets' alignment is the caller's to check)."""
+    word_cols = 4 * fmt.block_cols
+    return block_k % word_cols == 0 and num_in % word_cols == 0
 
 
 def fused_moe_quant(
@@ -482,6 +546,22 @@ def fused_moe_quant_tiles(
     }
     gate_up_n_block, gate_up_k_block = _blocks(fmt, config, hidden_size)
     down_n_block, down_k_block = _blocks(fmt, config, inter)
+    # word loads need 4-byte aligned rows and sections (checked here: a misaligned 32-bit load faults)
+    words_ok = WORD_LOADS and fmt.weight_bits == 4 and experts.stride(0) % 4 == 0 and experts.data_ptr() % 4 == 0
+    gate_up_words = {
+        "WORD_ACTIVATIONS": words_ok
+        and hidden.element_size() == 2
+        and hidden.stride(0) % 2 == 0
+        and hidden.data_ptr() % 4 == 0,
+        "SCALE_WORDS": words_ok
+        and _scale_words(fmt, hidden_size, gate_up_k_block)
+        and gate_up_scale_off % 4 == 0
+        and (gate_up_scale_n // 2) % 4 == 0,
+    }
+    down_words = {
+        "WORD_ACTIVATIONS": words_ok and h.element_size() == 2,  # h: a fresh [rows, inter] buffer, inter even
+        "SCALE_WORDS": words_ok and _scale_words(fmt, inter, down_k_block) and sec["down_scale"][0] % 4 == 0,
+    }
     for stage, block_expert in enumerate(tile_stages):
         if stage and before_stage is not None:
             before_stage(stage)
@@ -505,6 +585,7 @@ def fused_moe_quant_tiles(
             sec["tensor_scale"][0],
             BLOCK_SIZE_N=gate_up_n_block,
             BLOCK_SIZE_K=gate_up_k_block,
+            **gate_up_words,
             **meta,
         )
         grid = (num_rows // block_m, triton.cdiv(hidden_size, down_n_block))
@@ -526,6 +607,7 @@ def fused_moe_quant_tiles(
             sec["tensor_scale"][0],
             BLOCK_SIZE_N=down_n_block,
             BLOCK_SIZE_K=down_k_block,
+            **down_words,
             **meta,
         )
     return torch.sum(pairs.view(num_tokens, top_k, hidden_size), dim=1, out=out)
