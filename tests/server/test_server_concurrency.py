@@ -145,8 +145,12 @@ def test_concurrent_streams_match_sequential_and_disconnect_frees_slot(server, h
 
 # A prompt big enough that tokenizing it takes seconds (about 2 s per 4 MB here), within the 32 MiB body limit.
 HUGE_PROMPT_BYTES = 8 * 1024 * 1024
-# How long /health may take while that prompt is rendered and tokenized (it takes milliseconds when idle).
+# How long /health may take while that prompt is rendered and tokenized (it takes milliseconds when idle), but
+# for `HEALTH_OUTLIERS` calls of 20 or more (4x as long for those): on a 2-core box shared with other jobs two of 89
+# took 0.29 and 0.73 s (the event loop's thread waited for a core). A loop blocked by the tokenizer would hold every
+# call made during it for seconds.
 HEALTH_BOUND_S = 0.5
+HEALTH_OUTLIERS = 2
 
 
 @pytest.mark.parametrize(
@@ -186,4 +190,6 @@ def test_health_answers_while_a_huge_prompt_is_tokenized(server, http, path, fie
     if path == "/v1/completions":  # a raw prompt is tokenized whole; chat prompts this long are refused untokenized
         assert len(latencies) >= 5, "the huge request finished too soon to measure anything"
     print(f"{path}: {len(latencies)} /health calls during the huge request, max {max(latencies) * 1e3:.0f} ms")
-    assert max(latencies) < HEALTH_BOUND_S, sorted(latencies)[-5:]
+    outliers = HEALTH_OUTLIERS if len(latencies) >= 20 else 0
+    assert sorted(latencies)[-1 - outliers] < HEALTH_BOUND_S, sorted(latencies)[-5:]
+    assert max(latencies) < 4 * HEALTH_BOUND_S, sorted(latencies)[-5:]
