@@ -5,6 +5,7 @@ follow real requests on a real server, both read the same snapshot, and /metrics
 from __future__ import annotations
 
 import re
+import time
 
 import httpx
 import pytest
@@ -100,6 +101,27 @@ def test_metrics_follow_requests(http):
     assert value(reused, "freetoken_prefix_cache_blocks") > 0
     # scrapes and stats reads are not requests
     assert ("freetoken_requests_total", (("endpoint", "/metrics"), ("status", "200"))) not in after
+
+
+def test_a_client_that_leaves_before_the_response_is_a_499_not_a_500(http, server):
+    """A non-streaming request abandoned mid-generation: no status reached anyone, and nothing failed in the server,
+    so it is counted under 499 (nginx's "client closed request"), not 500."""
+    before = scrape(http)
+    body = {"model": "m", "messages": [{"role": "user", "content": "Go on and on."}], "max_tokens": 100_000}
+    with httpx.Client(base_url=server.base_url, headers=http.headers, timeout=0.5) as client:
+        with pytest.raises(httpx.ReadTimeout):
+            client.post(CHAT, json=body | {"ignore_eos": True})
+    deadline = time.monotonic() + 30
+    while value(scrape(http), "freetoken_requests_total", endpoint=CHAT, status="499") == value(
+        before, "freetoken_requests_total", endpoint=CHAT, status="499"
+    ):
+        assert time.monotonic() < deadline, "the abandoned request was never recorded"
+        time.sleep(0.1)
+    after = scrape(http)
+    assert value(after, "freetoken_requests_total", endpoint=CHAT, status="500") == value(
+        before, "freetoken_requests_total", endpoint=CHAT, status="500"
+    )
+    assert http.get("/v1/stats").json()["server"]["num_requests_by_status"]["499"] >= 1
 
 
 # Name parts that are not base units (Prometheus naming: seconds, bytes, ratios; never ms, MB or percent).

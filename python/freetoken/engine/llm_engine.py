@@ -288,7 +288,10 @@ class LLMEngine:
             raise RequestError(str(e)) from e
         if not prompt_ids:
             raise RequestError("prompt is empty")
+        # The tokenizer's ids (special tokens included); the embedding rows past them are padding, never text.
         vocab_size = self.model_cfg.vocab_size
+        if self.tokenizer is not None:
+            vocab_size = min(vocab_size, self.tokenizer.vocab_size)
         bad = [t for t in prompt_ids if not 0 <= t < vocab_size]
         if bad:
             raise RequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")

@@ -229,9 +229,16 @@ class Telemetry:
         return {**self.engine.stats(), "server": self.server_stats()}
 
 
+# The status recorded for a request whose client left before any response began (a non-streaming request
+# abandoned mid-generation, a body cut off): no status reached anyone, and it is not a server error. 499 is nginx's
+# "client closed request".
+CLIENT_CLOSED_REQUEST = 499
+
+
 class TelemetryMiddleware:
     """ASGI middleware: one `RequestRecord` per HTTP request, made current for the request's tasks (so the
-    streaming body's chunks are counted into it), and finished with the response's status.
+    streaming body's chunks are counted into it), and finished with the response's status (`CLIENT_CLOSED_REQUEST`
+    when the client left before one began).
 
     The status page, `/metrics` and `/health` are not recorded: a scraper or an open page would otherwise
     dominate the request counts.
@@ -249,7 +256,8 @@ class TelemetryMiddleware:
             await self.app(scope, receive, send)
             return
         record = RequestRecord(self.telemetry, endpoint=_endpoint(scope), start_s=time.monotonic())
-        status = 500
+        status: int | None = None
+        disconnected = False
 
         async def recording_send(message: Message) -> None:
             nonlocal status
@@ -257,13 +265,21 @@ class TelemetryMiddleware:
                 status = message["status"]
             await send(message)
 
+        async def watching_receive() -> Message:
+            nonlocal disconnected
+            message = await receive()
+            disconnected = disconnected or message["type"] == "http.disconnect"
+            return message
+
         token = _current.set(record)
         self.telemetry.in_flight[id(record)] = record
         try:
-            await self.app(scope, receive, recording_send)
+            await self.app(scope, watching_receive, recording_send)
         finally:
             _current.reset(token)
             del self.telemetry.in_flight[id(record)]
+            if status is None:  # no response began: the client left first (499), else the app failed (500)
+                status = CLIENT_CLOSED_REQUEST if disconnected else 500
             self.telemetry._finish(record, status)
 
 
