@@ -488,6 +488,43 @@ def test_oversized_and_deeply_nested_bodies(http):
     assert http.get("/health").status_code == 200
 
 
+def test_compressed_bodies_are_decoded_within_the_size_limit(http):
+    """gzip and deflate bodies (Content-Encoding) are served as the plain ones; another coding is a 415 naming it,
+    a body its coding cannot decode a 400, and one that decodes past the size limit a 413 (a small gzip of zeros
+    cannot expand without bound)."""
+    import gzip
+    import zlib
+
+    from freetoken.server.schema import MAX_BODY_BYTES
+
+    body = json.dumps({"model": "m", "messages": USER, "max_tokens": 2, "temperature": 0}).encode()
+    plain = http.post(CHAT, content=body, headers={"content-type": "application/json"})
+    assert plain.status_code == 200, plain.text
+    for coding, data in (("gzip", gzip.compress(body)), ("deflate", zlib.compress(body)), ("gzip, identity", None)):
+        data = data if data is not None else gzip.compress(body)
+        response = http.post(CHAT, content=data, headers={"content-encoding": coding})
+        assert response.status_code == 200, (coding, response.text)
+        assert response.json()["choices"][0]["message"] == plain.json()["choices"][0]["message"], coding
+    assert http.post(MESSAGES, content=gzip.compress(body), headers={"content-encoding": "gzip"}).status_code == 200
+    assert_openai_error(
+        http.post(CHAT, content=body, headers={"content-encoding": "br"}), 415, mentions="'br'", code="unsupported"
+    )
+    assert_anthropic_error(
+        http.post(MESSAGES, content=body, headers={"content-encoding": "zstd"}), 415, "invalid_request_error"
+    )
+    assert_openai_error(
+        http.post(CHAT, content=body, headers={"content-encoding": "gzip"}), 400, mentions="not valid gzip"
+    )
+    cut = gzip.compress(body)[:-12]
+    assert_openai_error(http.post(CHAT, content=cut, headers={"content-encoding": "gzip"}), 400, mentions="cut short")
+    bomb = gzip.compress(b"0" * (MAX_BODY_BYTES + 1))
+    assert len(bomb) < MAX_BODY_BYTES // 100
+    assert_openai_error(
+        http.post(CHAT, content=bomb, headers={"content-encoding": "gzip"}), 413, code="request_too_large"
+    )
+    assert http.get("/health").status_code == 200
+
+
 def test_client_disconnect_aborts_every_choice(server, http):
     """With n choices streamed, a client that leaves aborts all of their engine requests."""
     body = {

@@ -60,6 +60,7 @@ _TYPES_BY_STATUS: dict[int, tuple[str, str]] = {
     408: ("invalid_request_error", "invalid_request_error"),
     409: ("invalid_request_error", "invalid_request_error"),
     413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "invalid_request_error"),
     422: ("invalid_request_error", "invalid_request_error"),
     500: ("server_error", "api_error"),
     503: ("server_error", "overloaded_error"),

@@ -12,6 +12,7 @@ import json
 import math
 import re
 import warnings
+import zlib
 from typing import Any
 
 import jsonschema
@@ -36,11 +37,33 @@ _TYPE_NAMES = {
 MAX_BODY_BYTES = 32 * 1024 * 1024
 
 
+# Content-Encoding values a request body may come in (RFC 9110 section 8.4.1), with zlib's window bits for each:
+# gzip's header and trailer, or deflate's zlib wrapper (RFC 9110 section 8.4.1.2: "deflate" is zlib-wrapped).
+_BODY_ENCODINGS = {"gzip": 16 + zlib.MAX_WBITS, "x-gzip": 16 + zlib.MAX_WBITS, "deflate": zlib.MAX_WBITS}
+
+
 async def read_body(request: Any) -> bytes:
-    """The request body, refused with a 413 once it passes MAX_BODY_BYTES (by Content-Length, or while read)."""
+    """The request body, refused with a 413 once it passes MAX_BODY_BYTES (by Content-Length, or while read), and
+    decoded from its Content-Encoding (gzip or deflate; the decoded body is held to the same limit, so a small
+    compressed body cannot expand without bound).
+
+    Raises:
+        ApiError: 413 past the limit; 415 for another Content-Encoding; 400 for a body its encoding cannot decode.
+    """
     too_large = ApiError(
         413, ErrorCode.REQUEST_TOO_LARGE, f"request body is larger than {MAX_BODY_BYTES // (1024 * 1024)} MiB"
     )
+    # Codings in the order applied; decoded in reverse. Checked before the body is read: an unknown one is refused.
+    codings = [c.strip().lower() for c in request.headers.get("content-encoding", "").split(",")]
+    codings = [c for c in codings if c and c != "identity"]
+    unknown = [c for c in codings if c not in _BODY_ENCODINGS]
+    if unknown:
+        raise ApiError(
+            415,
+            ErrorCode.UNSUPPORTED,
+            f"Content-Encoding {unknown[0]!r} is not supported; send the body uncompressed, gzip or deflate",
+            param="content-encoding",
+        )
     length = request.headers.get("content-length", "")
     if length.isdigit() and int(length) > MAX_BODY_BYTES:
         raise too_large
@@ -50,7 +73,19 @@ async def read_body(request: Any) -> bytes:
         if size > MAX_BODY_BYTES:
             raise too_large
         chunks.append(chunk)
-    return b"".join(chunks)
+    body = b"".join(chunks)
+    for coding in reversed(codings):
+        decoder = zlib.decompressobj(wbits=_BODY_ENCODINGS[coding])
+        try:
+            decoded = decoder.decompress(body, MAX_BODY_BYTES + 1)
+        except zlib.error as exc:
+            raise invalid_request(ErrorCode.INVALID_VALUE, f"request body is not valid {coding}: {exc}") from None
+        if len(decoded) > MAX_BODY_BYTES:
+            raise too_large
+        if not decoder.eof:
+            raise invalid_request(ErrorCode.INVALID_VALUE, f"request body is not valid {coding}: it is cut short")
+        body = decoded
+    return body
 
 
 # A \u escape of a UTF-16 surrogate: only a body holding one can decode to a string that is not valid Unicode.
