@@ -297,8 +297,17 @@ def test_server_not_running(fake_path, tmp_path):
 def test_credential_list():
     for name in CLOUD_ENV:
         assert is_cloud_credential(name), name
-    for name in ("PATH", "HOME", "FREETOKEN_API_KEY", "TERM", "OPENCODE_CONFIG"):
-        assert not is_cloud_credential(name), name
+    for name in ("PATH", "HOME", "FREETOKEN_API_KEY", "TERM", "OPENCODE_CONFIG", "AWS_CA_BUNDLE", "AWS_REGION"):
+        assert not is_cloud_credential(name), name  # AWS settings that authenticate nothing stay (the aws CLI)
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        assert is_cloud_credential(name), name
+
+
+def test_dry_run_masks_secrets_not_limits():
+    from freetoken.cli.launch import mask
+
+    assert mask("ANTHROPIC_AUTH_TOKEN", "abc") == mask("OPENAI_API_KEY", "abc") == "<3 chars masked>"
+    assert mask("CLAUDE_CODE_MAX_OUTPUT_TOKENS", "64") == "64" and mask("OPENCODE_CONFIG", "/x") == "/x"
 
 
 @pytest.mark.parametrize(

@@ -53,9 +53,17 @@ CLOUD_CREDENTIALS = frozenset({
 })  # fmt: skip
 
 
+# Settings under those prefixes that authenticate nothing (a certificate bundle, a region, output and retry
+# options): kept, so that the agent's own tools (the aws CLI in a user's project) still find them.
+NOT_CREDENTIALS = frozenset({
+    "AWS_CA_BUNDLE", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_DEFAULT_OUTPUT", "AWS_PAGER", "AWS_MAX_ATTEMPTS",
+    "AWS_RETRY_MODE",
+})  # fmt: skip
+
+
 def is_cloud_credential(name: str) -> bool:
     """True for an environment variable that `ft launch` removes (see `CLOUD_CREDENTIAL_PREFIXES`)."""
-    return name.startswith(CLOUD_CREDENTIAL_PREFIXES) or name in CLOUD_CREDENTIALS
+    return (name.startswith(CLOUD_CREDENTIAL_PREFIXES) or name in CLOUD_CREDENTIALS) and name not in NOT_CREDENTIALS
 
 
 @dataclass(frozen=True)
@@ -375,9 +383,14 @@ def child_env(parent: Mapping[str, str], plan: LaunchPlan) -> tuple[dict[str, st
     return env, removed
 
 
+# Words of a variable name (split at "_") that mark its value as a secret.
+SECRET_WORDS = frozenset({"KEY", "APIKEY", "TOKEN", "SECRET", "PASSWORD", "CREDENTIALS"})
+
+
 def mask(name: str, value: str) -> str:
-    """`value` for display: secrets (names with KEY, TOKEN or SECRET) show their length only."""
-    if any(word in name.upper() for word in ("KEY", "TOKEN", "SECRET", "PASSWORD")):
+    """`value` for display: secrets (a name with the word KEY, TOKEN, SECRET, PASSWORD or CREDENTIALS) show their
+    length only; a limit such as CLAUDE_CODE_MAX_OUTPUT_TOKENS shows as it is."""
+    if SECRET_WORDS & set(name.upper().split("_")):
         return f"<{len(value)} chars masked>"
     return value
 
@@ -440,7 +453,7 @@ def run(args: argparse.Namespace) -> int:
             path.chmod(0o600)
     print(
         f"ft launch: {harness.title} on {served.model} at {served.base_url}"
-        + (f" ({len(removed)} cloud credentials removed)" if removed else ""),
+        + (f" ({len(removed)} cloud credential{'s' if len(removed) > 1 else ''} removed)" if removed else ""),
         file=sys.stderr,
     )
     sys.stdout.flush()
