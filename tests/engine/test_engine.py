@@ -691,3 +691,26 @@ def test_a_short_request_is_not_queued_behind_a_long_prompt(demo):
     assert first_token["other-long"] > first_token["long"], first_token  # no room for a prompt as long
     for rid, prompt in (("long", long_prompt), ("short", short_prompt), ("other-long", long_prompt[::-1])):
         assert results[rid].token_ids == alone(demo, prompt, params).token_ids, rid
+
+
+def test_a_mostly_cached_prompt_gets_room_beside_a_long_prefill(demo):
+    """A long prompt whose prefix is cached (an agent's next turn) needs only its new tokens: it joins the step after
+    it arrives, beside a long prompt being prefilled, and answers as alone."""
+    budget = 16
+    engine = demo.engine(max_prefill_tokens=budget, max_num_seqs=4)
+    history = [(5 * i) % 40 + 3 for i in range(6 * budget)]
+    params = greedy(max_tokens=3)
+    run(engine, {"turn-1": (history, params)})  # its blocks are now cached
+    engine.add_request("other", [(11 * i) % 60 + 2 for i in range(8 * budget)], params)
+    engine.step()
+    next_turn = history + [7, 8, 9]
+    engine.add_request("turn-2", next_turn, params)
+    first_token, tokens, step = {}, {}, 1
+    while engine.has_work():
+        step += 1
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.chunk.token_ids)
+            if o.chunk.token_ids:
+                first_token.setdefault(o.request_id, step)
+    assert first_token["turn-2"] == 2, first_token
+    assert tokens["turn-2"] == alone(demo, next_turn, params).token_ids

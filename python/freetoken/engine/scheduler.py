@@ -334,8 +334,9 @@ class Scheduler:
                 break
             if not self.admission.admissible(seq, self.running, share):
                 continue
-            reused = 0 if seq.wants_prompt_logprobs else self.estimate_reuse(seq.token_ids)[0]
-            need = len(seq.token_ids) - reused
+            need = len(seq.token_ids)
+            if need > limit - reserve and not seq.wants_prompt_logprobs:  # only a long prompt needs the lookup
+                need -= self.estimate_reuse(seq.token_ids)[0]
             if need <= limit - reserve:
                 reserve += need
                 room -= 1
