@@ -72,3 +72,17 @@ def test_status_without_a_server():
     result = ft_ctl("status", "--server", f"http://127.0.0.1:{free_port()}")
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 1 and len(lines) == 1 and "ft serve --model" in lines[0], result.stderr
+
+
+def test_cache_sizes_are_checked_in_the_flags_own_spelling():
+    """A bad size is refused by `ft ctl cache` itself, naming the flag (not the API field), before any server is
+    asked (none runs here)."""
+    port = free_port()
+    for args, says in (
+        (("--kv-gb", "-1"), "argument --kv-gb: must be > 0, got -1"),
+        (("--expert-slots", "2.5"), "argument --expert-slots: expected an integer, got '2.5'"),
+        (("--expert-gb", "nan"), "argument --expert-gb: must be > 0, got nan"),
+    ):
+        result = ft_ctl("cache", "--server", f"http://127.0.0.1:{port}", *args)
+        assert result.returncode == 2 and says in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr

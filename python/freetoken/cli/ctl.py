@@ -6,9 +6,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from collections.abc import Callable
 
 from freetoken.cli.client import ServerError, add_server_args, base_url, get_json, post_json
+
+
+def _positive(kind: type) -> Callable[[str], float | int]:
+    """An argparse type: a finite number of `kind` above 0 (the flag is named in argparse's message), so a bad size
+    is refused before the server is asked, in the flag's own spelling."""
+
+    def parse(text: str) -> float | int:
+        try:
+            value = kind(text)
+        except ValueError:
+            what = "an integer" if kind is int else "a number"
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not math.isfinite(value) or value <= 0:
+            raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+        return value
+
+    return parse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,10 +52,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "refused before anything changes.",
     )
     add_server_args(cache)
-    cache.add_argument("--expert-gb", type=float, help="the expert-slot cache's new size in GB (1e9 bytes)")
-    cache.add_argument("--kv-gb", type=float, help="the KV cache's new size in GB (1e9 bytes)")
-    cache.add_argument("--expert-slots", type=int, help="the expert-slot cache's new size in slots")
-    cache.add_argument("--kv-blocks", type=int, help="the KV cache's new size in blocks")
+    cache.add_argument("--expert-gb", type=_positive(float), help="the expert-slot cache's new size in GB (1e9 bytes)")
+    cache.add_argument("--kv-gb", type=_positive(float), help="the KV cache's new size in GB (1e9 bytes)")
+    cache.add_argument("--expert-slots", type=_positive(int), help="the expert-slot cache's new size in slots")
+    cache.add_argument("--kv-blocks", type=_positive(int), help="the KV cache's new size in blocks")
     cache.add_argument("--json", action="store_true", help="print the server's JSON answer instead")
     cache.set_defaults(func=run_cache, parser=cache)
     p.set_defaults(parser=p)
