@@ -21,6 +21,7 @@ checkpoints (`--state-checkpoints off`) the prefix cache is off for them.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -329,7 +330,8 @@ class Scheduler:
         if self.state_pool is not None:  # a hybrid model's sequence also needs a free recurrent-state slot
             room = min(room, self.state_pool.num_free)
         reserve, limit = 0, budget // 2
-        for seq in self.waiting:
+        # The first of the queue only, as admission takes them in order: a step looks up at most this many prompts.
+        for seq in itertools.islice(self.waiting, self.max_num_seqs):
             if room <= 0 or reserve >= limit:
                 break
             if not self.admission.admissible(seq, self.running, share):
