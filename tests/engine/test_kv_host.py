@@ -333,14 +333,17 @@ def test_the_tier_stops_growing_when_host_memory_runs_low(monkeypatch, caplog):
 
 
 def test_reserve_grows_ahead_to_the_free_slots_asked_within_the_capacity():
-    """`reserve(n)` adds chunks until n allocated slots are free (a chunk at a time), never past the capacity."""
+    """`reserve()` adds chunks until `headroom` allocated slots are free (a chunk at a time), never past the
+    capacity."""
     kv = KVCache(2, 1, 2, 6, BS, torch.float32, torch.device("cpu"))
     host = HostKVTier(kv, 7, chunk_bytes=2 * kv.bytes_per_block)
     assert host.num_allocated == 2
-    assert host.reserve(5) == 2 and host.num_allocated == 6 and len(host._free) == 6
-    assert host.reserve(5) == 0  # already there
-    assert host.reserve(100) == 1 and host.num_allocated == host.num_slots == 7  # the last chunk is shorter
-    assert host.reserve(100) == 0
+    host.headroom = 5
+    assert host.reserve() == 2 and host.num_allocated == 6 and len(host._free) == 6
+    assert host.reserve() == 0  # already there
+    host.headroom = 100
+    assert host.reserve() == 1 and host.num_allocated == host.num_slots == 7  # the last chunk is shorter
+    assert host.reserve() == 0
 
 
 def test_the_engine_keeps_one_steps_evictions_pinned_ahead(demo, monkeypatch):

@@ -192,6 +192,8 @@ class HostKVTier:
             (the first chunk at start, for the copy measurement).
         h2d_bytes_per_s: the bandwidth profile's host-to-device rate; None measures it at start.
         chunk_bytes: host memory added at a time (None: `CHUNK_BYTES`), rounded down to whole blocks (at least one).
+        headroom: allocated slots kept free ahead of need (`reserve`, at start and on each call): the blocks one
+            engine step can evict.
 
     Raises:
         ValueError: num_slots < 1.
@@ -199,7 +201,12 @@ class HostKVTier:
     """
 
     def __init__(
-        self, kv, num_slots: int, h2d_bytes_per_s: float | None = None, chunk_bytes: int | None = None
+        self,
+        kv,
+        num_slots: int,
+        h2d_bytes_per_s: float | None = None,
+        chunk_bytes: int | None = None,
+        headroom: int = 0,
     ) -> None:
         if num_slots < 1:
             raise ValueError(f"a host KV tier needs at least one block, got {num_slots}")
@@ -225,6 +232,8 @@ class HostKVTier:
         self.bytes_h2d = 0
         self.num_copies = 0
         self.cost = self._measure(h2d_bytes_per_s)
+        self.headroom = headroom
+        self.reserve()
 
     @property
     def capacity_tokens(self) -> int:
@@ -252,9 +261,12 @@ class HostKVTier:
         return len(self._free) + self.num_slots - self.num_allocated
 
     def _grow(self) -> bool:
-        """Add one chunk of host memory (page-locked on CUDA) and its slots to the free ones. False, with the
-        capacity cut to what is allocated (logged), when MemAvailable would leave less than `DEFAULT_MARGIN_BYTES`
-        after it or the page-locking fails; the first chunk's failure raises instead."""
+        """Add one chunk of host memory (page-locked on CUDA) and its slots to the free ones. False when the
+        capacity is all allocated, and, with the capacity cut to what is allocated (logged), when MemAvailable would
+        leave less than `DEFAULT_MARGIN_BYTES` after it or the page-locking fails; the first chunk's failure raises
+        instead."""
+        if self.num_allocated >= self.num_slots:
+            return False
         n = min(self.chunk_slots, self.num_slots - self.num_allocated)
         k0 = self.kv.layers[0][0]
         nbytes = n * self.bytes_per_block
@@ -290,8 +302,8 @@ class HostKVTier:
         self.num_slots = self.num_allocated
         return False
 
-    def reserve(self, num_free: int) -> int:
-        """Grow (`_grow`) until `num_free` allocated slots are free, the capacity is reached or growth stops.
+    def reserve(self) -> int:
+        """Grow (`_grow`) until `headroom` allocated slots are free, the capacity is reached or growth stops.
 
         Done ahead, off a request's path: at engine start and when the engine goes idle after work
         (`LLMEngine.idle`), for the blocks one step can evict. Otherwise a step whose evictions need room pins it
@@ -301,7 +313,7 @@ class HostKVTier:
         Returns the chunks added.
         """
         added = 0
-        while len(self._free) < num_free and self.num_allocated < self.num_slots and self._grow():
+        while len(self._free) < self.headroom and self._grow():
             added += 1
         return added
 
@@ -310,7 +322,7 @@ class HostKVTier:
     def free_slot_ready(self) -> bool:
         """Whether `take` has a slot: an allocated free one, or one of a chunk added now (`_grow`) while the
         capacity has room for it. False: `evict_lru` makes one."""
-        return bool(self._free) or (self.num_allocated < self.num_slots and self._grow())
+        return bool(self._free) or self._grow()
 
     def take(self) -> int:
         """A free slot, now live and most recently used. Raises IndexError when none is ready (`free_slot_ready`

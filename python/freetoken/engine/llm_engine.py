@@ -111,7 +111,6 @@ class LLMEngine:
             )
         self.checkpoints = self._make_checkpoints(model_cfg, engine_cfg, tokenizer, dtype)
         self.experts = model.experts
-        self._kv_host_headroom = 0  # host-tier slots kept allocated and free (`idle`), set with the tier
         self.kv_host = self._make_kv_host(model_cfg, engine_cfg, dtype)
         self.admission = Admission(engine_cfg.max_seqs_per_request or default_share(engine_cfg.max_num_seqs))
         self.scheduler = Scheduler(
@@ -205,10 +204,9 @@ class LLMEngine:
                 log.warning("--kv-host-gb %s holds no KV block; no host tier", engine_cfg.kv_host_gb)
             return None
         profile = cache.planner.profile() if cache is not None else None
-        tier = HostKVTier(self.kv, num_slots, profile[0] if profile else None)
-        # The blocks one step can evict: its prompt tokens' and one per decoding sequence.
-        self._kv_host_headroom = self.kv.blocks_for(engine_cfg.max_prefill_tokens) + engine_cfg.max_num_seqs
-        tier.reserve(self._kv_host_headroom)
+        # Kept free ahead of need: the blocks one step can evict, its prompt tokens' and one per decoding sequence.
+        headroom = self.kv.blocks_for(engine_cfg.max_prefill_tokens) + engine_cfg.max_num_seqs
+        tier = HostKVTier(self.kv, num_slots, profile[0] if profile else None, headroom=headroom)
         cost = tier.cost.stats()
         log.info(
             "KV host tier: up to %d blocks = %d tokens, %.2f GB %s as it fills (%.2f GB now, one step's evictions), "
@@ -331,7 +329,7 @@ class LLMEngine:
         tier grows back to one step's worth of free pinned slots (`HostKVTier.reserve`), so the next request's
         evictions do not page-lock memory on its time."""
         if self.kv_host is not None:
-            self.kv_host.reserve(self._kv_host_headroom)
+            self.kv_host.reserve()
 
     def has_work(self) -> bool:
         """Whether a step has anything to run (paused requests do not count)."""

@@ -416,7 +416,7 @@ LAUNCH_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
 
 
 # 16-bit activations and 4-bit formats' block scales read as 32-bit words where aligned (`_activations`,
-# `_weight_step`); False: the byte and 16-bit element loads (kept to time both: benches/quant_moe.py --variants)
+# `_weight_step`); False: the byte and 16-bit element loads (kept to time both: benches/quant_moe.py --byte-loads)
 WORD_LOADS = True
 
 
