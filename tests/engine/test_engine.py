@@ -664,6 +664,20 @@ def test_stop_strings_skip_the_reasoning_block(demo, reasoning_tags):
         assert (released, matched) == (expected, "STOP")
 
 
+def step_to_the_end(engine: LLMEngine, step: int) -> tuple[dict[str, int], dict[str, list[int]]]:
+    """Step `engine` until idle, counting steps on from `step`: (request id -> the step of its first token, request
+    id -> its tokens)."""
+    first_token: dict[str, int] = {}
+    tokens: dict[str, list[int]] = {}
+    while engine.has_work():
+        step += 1
+        for o in engine.step():
+            tokens.setdefault(o.request_id, []).extend(o.chunk.token_ids)
+            if o.chunk.token_ids:
+                first_token.setdefault(o.request_id, step)
+    return first_token, tokens
+
+
 def test_a_short_request_is_not_queued_behind_a_long_prompt(demo):
     """A request that arrives while a long prompt is prefilled in budget-sized chunks joins the next step, its prompt
     in the room the long one leaves, instead of waiting for all of it (`Scheduler._short_arrivals`); a waiting prompt
@@ -676,21 +690,12 @@ def test_a_short_request_is_not_queued_behind_a_long_prompt(demo):
     engine.step()  # the long prompt's first chunk
     engine.add_request("short", short_prompt, params)
     engine.add_request("other-long", long_prompt[::-1], params)
-    first_token: dict[str, int] = {}
-    results: dict[str, Result] = {}
-    step = 1
-    while engine.has_work():
-        step += 1
-        for o in engine.step():
-            r = results.setdefault(o.request_id, Result())
-            r.token_ids.extend(o.chunk.token_ids)
-            if o.chunk.token_ids:
-                first_token.setdefault(o.request_id, step)
+    first_token, tokens = step_to_the_end(engine, 1)
     assert first_token["short"] == 2, first_token  # the step right after it arrived
     assert first_token["long"] == 8 + 1, first_token  # one more step than alone: the short prompt's room
     assert first_token["other-long"] > first_token["long"], first_token  # no room for a prompt as long
     for rid, prompt in (("long", long_prompt), ("short", short_prompt), ("other-long", long_prompt[::-1])):
-        assert results[rid].token_ids == alone(demo, prompt, params).token_ids, rid
+        assert tokens[rid] == alone(demo, prompt, params).token_ids, rid
 
 
 def test_a_mostly_cached_prompt_gets_room_beside_a_long_prefill(demo):
@@ -705,12 +710,6 @@ def test_a_mostly_cached_prompt_gets_room_beside_a_long_prefill(demo):
     engine.step()
     next_turn = history + [7, 8, 9]
     engine.add_request("turn-2", next_turn, params)
-    first_token, tokens, step = {}, {}, 1
-    while engine.has_work():
-        step += 1
-        for o in engine.step():
-            tokens.setdefault(o.request_id, []).extend(o.chunk.token_ids)
-            if o.chunk.token_ids:
-                first_token.setdefault(o.request_id, step)
+    first_token, tokens = step_to_the_end(engine, 1)
     assert first_token["turn-2"] == 2, first_token
     assert tokens["turn-2"] == alone(demo, next_turn, params).token_ids
