@@ -43,8 +43,13 @@ hold them and 16-bit activations as 32-bit words of (even, odd) columns, all sta
 (no LDG, no STS, 2 BAR in the loop), e4m3 scales decoded by bit moves (no I2F/FSEL), e2m1 by sign-extension shifts
 (five integer operations per byte instead of eight); at the 32 x 128 tiles now used for decode NVFP4 10.0 and 12.2
 per weight with 128 and 104 registers (4 programs per SM instead of 2), MXFP4 9.5 and 11.7, FP8 (unchanged) 9.2 and
-10.3. Time per call on the GPU: to be measured (`benches/quant_moe.py --profile --sweep`, `--byte-loads` for the
-previous loads).
+10.3. Measured on the H200 with the word loads (`benches/quant_moe.py --profile`, main at adcb2a2), gate/up + down
+microseconds: batch 1: bf16 19.9 + 9.7, FP8 16.7 + 8.2, NVFP4 38.7 + 14.7, MXFP4 19.2 + 9.3; batch 4: bf16 45.5 +
+25.1, FP8 44.2 + 25.4, NVFP4 128.1 + 51.1, MXFP4 48.1 + 29.0; batch 16: NVFP4 340 + 140, MXFP4 122 + 79. Against the
+figures above (another run, the byte loads), the word loads sped MXFP4 up by 1.3-1.7x and left NVFP4 where it was:
+NVFP4's extra cost is in its 16-column scale blocks (8 per K step, each decoded from e4m3 and broadcast over 8 byte
+rows), not in the loads. Per weight byte at batch 1 that is FP8 1.7x bf16's kernel time, MXFP4 3.6x, NVFP4 6.4x
+(the issue's target is 1.3x).
   - bytes: NVFP4 18.9 MB codes + 2.4 MB scales = 21.2 MB -> 4.4 us; MXFP4 20.0 MB -> 4.2 us; FP8 37.7 MB -> 7.9 us;
     bf16 75.5 MB -> 15.7 us (the baseline's floor).
   - issue (132 SMs x 4 schedulers x ~1.98 GHz = 1.05e12 warp-instr/s): 37.7 M weights x instr/weight / 32 lanes /
