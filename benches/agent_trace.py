@@ -25,7 +25,9 @@ prefilled tokens, interpolated (`AloneCurve`), is that time, measured through th
 p50/p99/max TTFT, turns over the bound, turns over the harness watchdog (`--watchdog-s`, 120 s: a request that
 streams nothing for that long is killed), last-turn over first-turn decode tok/s; `--time-limit-s` stops a run's
 sessions from starting more turns past a wall-clock limit and reports what ran (marked cut). Prints the routing the
-server runs (`/v1/stats`), a rich table per run, a summary, and a final JSON line.
+server runs (`/v1/stats`), the expert backend's prefill counters after each run (`/v1/stats` moe_backend.prefill:
+chunks per strategy, `auto`'s measured / predicted scales, bytes streamed), a rich table per run, a summary, and a
+final JSON line.
 
     # on the GPU box: starts `ft serve` twice (with and without --no-prefix-cache) on a free port
     python benches/agent_trace.py --model qwen3-30b-a3b \\
@@ -818,6 +820,10 @@ def run_all(base_url: str, label: str, variants: list[str], sessions: list[int],
             if kv_host is not None:  # the KV host tier's counters so far (they add up over the server's runs)
                 summary["kv_host"] = kv_host
                 console.print(f"{label}: kv host tier {json.dumps(kv_host)}")
+            prefill = (server_stats(base_url, args.api_key).get("moe_backend") or {}).get("prefill")
+            if prefill is not None:  # which prefill strategy ran the chunks, and auto's measured / predicted scales
+                summary["prefill"] = prefill
+                console.print(f"{label}: prefill {json.dumps(prefill)}")
             checkpoints = server_stats(base_url, args.api_key).get("state_checkpoints")
             if checkpoints is not None:  # hybrid models: the counters so far (they add up over the server's runs)
                 summary["state_checkpoints"] = checkpoints

@@ -92,6 +92,8 @@ def test_tiny_run_against_the_demo(replay_server, capsys, api, variants, session
             assert turn["bound_s"] == pytest.approx(agent_trace.BOUND_ALLOWANCE_S + turn["alone_s"])
         assert run["over_bound"] == sum(t["ttft_s"] > t["bound_s"] for t in run["per_turn"])
         assert run["cut_at_time_limit"] is False
+        # the server's prefill counters so far: every prompt (the fresh ones and the turns) ran in >= 1 chunk
+        assert sum(run["prefill"]["steps_by_strategy"].values()) >= turns * run["sessions"]
 
 
 @pytest.mark.timeout(120)
