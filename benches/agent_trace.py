@@ -816,15 +816,16 @@ def run_all(base_url: str, label: str, variants: list[str], sessions: list[int],
             summary["errors"] = errors
             summary["cut_at_time_limit"] = cut
             summary["alone"] = None if alone is None else {"tokens": alone.tokens, "seconds": alone.seconds}
-            kv_host = server_stats(base_url, args.api_key).get("kv_host")
+            stats = server_stats(base_url, args.api_key)  # one snapshot for the counters below
+            kv_host = stats.get("kv_host")
             if kv_host is not None:  # the KV host tier's counters so far (they add up over the server's runs)
                 summary["kv_host"] = kv_host
                 console.print(f"{label}: kv host tier {json.dumps(kv_host)}")
-            prefill = (server_stats(base_url, args.api_key).get("moe_backend") or {}).get("prefill")
+            prefill = (stats.get("moe_backend") or {}).get("prefill")
             if prefill is not None:  # which prefill strategy ran the chunks, and auto's measured / predicted scales
                 summary["prefill"] = prefill
                 console.print(f"{label}: prefill {json.dumps(prefill)}")
-            checkpoints = server_stats(base_url, args.api_key).get("state_checkpoints")
+            checkpoints = stats.get("state_checkpoints")
             if checkpoints is not None:  # hybrid models: the counters so far (they add up over the server's runs)
                 summary["state_checkpoints"] = checkpoints
                 console.print(f"{label}: state checkpoints {json.dumps(checkpoints)}")
