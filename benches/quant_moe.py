@@ -2,16 +2,21 @@
 against the bf16 slot kernel (`fused_moe`, the baseline), at Qwen3-30B-A3B's expert shapes (H 2048, I 768, top-8).
 
     python benches/quant_moe.py [--slots 128] [--batch 1 4 16 64 512] [--iters 50] [--profile] [--sweep]
-                                [--byte-loads]
+                                [--byte-loads] [--packed-slots]
 
 Each row: microseconds per call (CUDA events, median; the call includes `align_pairs` and the k-sum), speed against
 bf16's call at that batch (the issue's targets at decode: FP8 >= 1.6x, NVFP4 >= 2.5x), the expert bytes the call
 reads (distinct slots routed to x the format's expert_nbytes) per second, and the time per weight byte relative to
 bf16. --profile adds each kernel's own microseconds (torch profiler: `_gate_up_quant_kernel`, `_down_quant_kernel`
-and bf16's `_gate_up_kernel`, `_down_kernel`). --sweep also times the (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps,
-num_stages) candidates of `SWEEP` per format and batch and prints the fastest, to retune
-`fused_moe_quant.LAUNCH_CONFIGS`. --byte-loads runs the 4-bit kernels with `fused_moe_quant.WORD_LOADS` off (block
-scales read by byte and activations by 16-bit element inside each K step, as before), to time the word loads.
+and bf16's `_gate_up_kernel`, `_down_kernel`). --sweep also times, per format and batch, each 4-bit scale mode
+(`fused_moe_quant.SCALE_MODES`, one row each, with its kernels' microseconds under --profile) and the
+(BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages) configs one step from the default (`neighbours`), and prints the
+fastest, to retune `fused_moe_quant.SCALE_MODE` and `LAUNCH_CONFIGS` (about a minute at --batch 1 4 16).
+--byte-loads runs the 4-bit kernels with `fused_moe_quant.WORD_LOADS` off (block scales read by byte and activations
+by 16-bit element inside each K step, as before), to time the word loads. Slots are `SLOT_ALIGN` bytes apart, as the
+pool's and the slot cache's are; --packed-slots puts them expert_nbytes apart (the bench before: NVFP4's 2654220
+bytes are not 16-divisible, so Triton's launch cannot prove the weights' loads aligned and they go by byte, ~1.7x
+the instructions of the aligned build in `benches/quant_moe_sass.py --unaligned-stride`).
 Prints one line per row and a final JSON line.
 """
 
@@ -25,18 +30,30 @@ import torch
 
 from freetoken.kernels import fused_moe_quant as fused_moe_quant_module
 from freetoken.kernels.fused_moe import fused_moe
-from freetoken.kernels.fused_moe_quant import fused_moe_quant, launch_config
+from freetoken.kernels.fused_moe_quant import SCALE_MODES, fused_moe_quant, launch_config
 from freetoken.quant import BF16, MXFP4, NVFP4, fp8_block
 from freetoken.quant import reference as ref
 
 HIDDEN, INTER, TOP_K = 2048, 768, 8
-# (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages) tried by --sweep (FP8 clamps K to its scale block's 128)
-SWEEP = [(n, k, w, s) for n in (16, 32, 64) for k in (128, 256) for w in (4, 8) for s in (3, 4)]
+# the values of each (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages) field that --sweep tries, one field at a time
+# (FP8 clamps K to its scale block's 128)
+SWEEP_AXES = ((16, 32, 64), (128, 256), (4, 8), (3, 4, 5))
+# bytes between slots: rust/freetoken-core/src/pool EXPERT_ALIGN, the pool's and the slot cache's expert stride
+SLOT_ALIGN = 256
 
 
-def slots_of(fmt, num_slots: int) -> torch.Tensor:
-    """[S, expert_nbytes] uint8 on the GPU: one reference-quantized random expert repeated (speed does not depend
-    on the values)."""
+def neighbours(config: tuple[int, int, int, int]) -> list[tuple[int, int, int, int]]:
+    """The configs of `SWEEP_AXES` that differ from `config` in one field: a few compiles per format and M tile
+    where the whole grid took minutes."""
+    out = []
+    for i, values in enumerate(SWEEP_AXES):
+        out += [config[:i] + (v,) + config[i + 1 :] for v in values if v != config[i]]
+    return out
+
+
+def slots_of(fmt, num_slots: int, packed: bool = False) -> torch.Tensor:
+    """[S, expert_nbytes rounded up to SLOT_ALIGN] uint8 on the GPU (a view of [S, expert_nbytes] when `packed`):
+    one reference-quantized random expert repeated (speed does not depend on the values)."""
     layout = fmt.layout(HIDDEN, INTER)
     gen = torch.Generator().manual_seed(0)
     gate, up, down = (
@@ -46,7 +63,10 @@ def slots_of(fmt, num_slots: int) -> torch.Tensor:
         one = ref.pack_expert(layout, *(ref.quantize_matrix(fmt, w) for w in (gate, up, down)))
     else:
         one = torch.cat([gate, up, down.reshape(-1, HIDDEN)]).to(torch.bfloat16).reshape(-1).view(torch.uint8)
-    return one.cuda().repeat(num_slots, 1)
+    stride = one.numel() if packed else -(-one.numel() // SLOT_ALIGN) * SLOT_ALIGN
+    slots = torch.zeros(num_slots, stride, dtype=torch.uint8, device="cuda")
+    slots[:, : one.numel()] = one.cuda()
+    return slots[:, : one.numel()]
 
 
 def time_call(fn, iters: int) -> float:
@@ -84,12 +104,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4, 16, 64, 512])
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--profile", action="store_true", help="also each kernel's microseconds (torch profiler)")
-    parser.add_argument("--sweep", action="store_true", help="also time the SWEEP launch configs per format")
+    parser.add_argument(
+        "--sweep", action="store_true", help="also time the scale modes and neighbouring launch configs"
+    )
     parser.add_argument(
         "--byte-loads",
         action="store_true",
         help="the 4-bit kernels' previous loads (scales by byte, activations by 16-bit element) instead of words",
     )
+    parser.add_argument("--packed-slots", action="store_true", help="slots expert_nbytes apart, not SLOT_ALIGN")
     args = parser.parse_args()
     if args.byte_loads:
         fused_moe_quant_module.WORD_LOADS = False
@@ -103,15 +126,16 @@ def main() -> None:
         base_us_per_byte = base_us = None
         for fmt in (BF16, fp8_block(), NVFP4, MXFP4):
             layout = fmt.layout(HIDDEN, INTER)
-            slots = slots_of(fmt, args.slots)
+            slots = slots_of(fmt, args.slots, args.packed_slots)
             configs: list = [None]
+            modes = list(SCALE_MODES) if args.sweep and fmt.weight_bits == 4 else []
             if fmt.quantized:
                 names: tuple[str, ...] = ("_gate_up_quant_kernel", "_down_quant_kernel")
                 if args.sweep:
-                    configs += SWEEP
+                    configs += neighbours(launch_config(fmt, batch * TOP_K))
 
-                def call(config, x=x, s=slots, lay=layout, i=ids, w=weights):
-                    return fused_moe_quant(x, s, lay, i, w, config=config)
+                def call(config, mode=None, x=x, s=slots, lay=layout, i=ids, w=weights):
+                    return fused_moe_quant(x, s, lay, i, w, config=config, scale_mode=mode)
             else:
                 names = ("_gate_up_kernel", "_down_kernel")
                 words = slots.view(torch.bfloat16)
@@ -120,7 +144,7 @@ def main() -> None:
                     words[:, 2 * INTER * HIDDEN :].view(-1, HIDDEN, INTER),
                 )
 
-                def call(config, x=x, gu=gate_up, d=down, i=ids, w=weights):
+                def call(config, mode=None, x=x, gu=gate_up, d=down, i=ids, w=weights):
                     return fused_moe(x, gu, d, i, w)
 
             timed = []
@@ -148,6 +172,15 @@ def main() -> None:
                 record["config"] = launch_config(fmt, batch * TOP_K)
             if args.sweep and fmt.quantized:
                 record["best_config"], record["best_us_per_call"] = best, round(best_us, 2)
+            for mode in modes:  # each 4-bit scale mode at the default config, side by side
+                mode_us = time_call(lambda m=mode: call(None, m), args.iters)
+                line = f"quant_moe {fmt.name:>9} batch {batch:>3}: scale mode {mode:>4}: {mode_us:8.1f} us per call"
+                record.setdefault("scale_modes", {})[mode] = {"us_per_call": round(mode_us, 2)}
+                if args.profile:
+                    mode_kernels = kernel_us(lambda m=mode: call(None, m), names, args.iters)
+                    record["scale_modes"][mode]["kernel_us"] = mode_kernels
+                    line += f"; kernels {mode_kernels}"
+                print(line)
             if args.profile:
                 record["kernel_us"] = kernel_us(lambda: call(None), names, args.iters)
             records.append(record)

@@ -1,11 +1,16 @@
 """SASS instruction counts of the quantized grouped kernels (`fused_moe_quant`), compiled for sm_90 without a GPU:
-Triton's `triton.compile` for GPUTarget("cuda", 90, 32) with the ptxas and nvdisasm its wheel ships.
+Triton's `triton.compile` for GPUTarget("cuda", 90, 32) with the ptxas, nvdisasm and cuobjdump its wheel ships.
 
-    python benches/quant_moe_sass.py [--formats fp8 nvfp4 mxfp4] [--block-m 16 64]
+    python benches/quant_moe_sass.py [--formats fp8 nvfp4 mxfp4] [--block-m 16 64] [--scale-modes f32 bf16]
+                                     [--unaligned-stride]
 
-For each format, M tile and kernel (Qwen3-30B-A3B: H 2048, I 768): the K loop's instructions per thread, per
-weight, and its most frequent opcodes; a compile error here is one the GPU would hit (the interpreter accepts more).
-Integer arguments and pointers are declared 16-divisible, as Triton specializes them at a real launch.
+For each format, M tile, 4-bit scale mode (`fused_moe_quant.SCALE_MODES`, default all) and kernel (Qwen3-30B-A3B:
+H 2048, I 768): the K loop's instructions per thread and per weight, its shared-memory operations (LDS*, STS*, BAR:
+layout conversions and cp.async stages), the kernel's registers and stack, and the loop's most frequent opcodes; a
+compile error here is one the GPU would hit (the interpreter accepts more). Integer arguments and pointers are
+declared 16-divisible, as Triton specializes them at a real launch on the pool's slots (`EXPERT_ALIGN`-byte strides);
+--unaligned-stride declares the expert stride not 16-divisible, as a launch on experts packed at expert_nbytes gets
+for NVFP4 (2654220 bytes here): the weights' loads lose their alignment and go by byte.
 """
 
 from __future__ import annotations
@@ -53,54 +58,71 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     parser.add_argument("--block-m", type=int, nargs="+", default=[16, 64], choices=[16, 64])
+    parser.add_argument("--scale-modes", nargs="+", default=list(fmq.SCALE_MODES), choices=list(fmq.SCALE_MODES))
+    parser.add_argument("--unaligned-stride", action="store_true", help="the expert stride not 16-divisible")
     args = parser.parse_args()
+    not_divisible = NOT_16_DIVISIBLE | ({"stride_we"} if args.unaligned_stride else set())
     bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    for name in args.formats:
+    cases = [
+        (f, m, mode)
+        for f in args.formats
+        for m in args.block_m
+        for mode in (args.scale_modes if FORMATS[f].weight_bits == 4 else ["-"])
+    ]
+    for name, block_m, mode in cases:
         fmt = FORMATS[name]
-        for block_m in args.block_m:
-            config = fmq.launch_config(fmt, 8 if block_m == 16 else 4096)
-            for kernel, num_in in ((fmq._gate_up_quant_kernel, HIDDEN), (fmq._down_quant_kernel, INTER)):
-                block_n, block_k = fmq._blocks(fmt, config, num_in)
-                constants = {
-                    "FORMAT": fmq.FORMAT_IDS[fmt.name],
-                    "BLOCK_ROWS": fmt.block_rows,
-                    "BLOCK_COLS": fmt.block_cols,
-                    "HAS_TENSOR_SCALE": fmt.tensor_scale,
-                    "SPLIT_ACTIVATIONS": False,
-                    # the wrapper's choice for aligned slots and bf16 activations (`fused_moe_quant_tiles`)
-                    "WORD_ACTIVATIONS": fmq.WORD_LOADS and fmt.weight_bits == 4,
-                    "SCALE_WORDS": fmq.WORD_LOADS and fmt.weight_bits == 4 and fmq._scale_words(fmt, num_in, block_k),
-                    "BLOCK_SIZE_M": block_m,
-                    "BLOCK_SIZE_N": block_n,
-                    "BLOCK_SIZE_K": block_k,
-                }
-                args_ = [a for a in kernel.arg_names if a not in constants]
-                signature = {a: "constexpr" if a in constants else POINTERS.get(a, "i32") for a in kernel.arg_names}
-                attrs = {
-                    (kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in args_ if a not in NOT_16_DIVISIBLE
-                }
-                compiled = triton.compile(
-                    ASTSource(kernel, signature, constants, attrs),
-                    target=GPUTarget("cuda", 90, 32),
-                    options={"num_warps": config[2], "num_stages": config[3]},
-                )
-                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                    f.write(compiled.asm["cubin"])
-                    f.flush()
-                    sass = subprocess.run(
-                        [os.path.join(bindir, "nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True
-                    ).stdout
-                ops = loop_ops(sass)
-                weights = 2 if kernel is fmq._gate_up_quant_kernel else 1
-                per_thread = weights * block_k * block_n / (32 * config[2])
-                counts: dict[str, int] = {}
-                for op in ops:
-                    counts[op] = counts.get(op, 0) + 1
-                top = ", ".join(f"{op} {n}" for op, n in sorted(counts.items(), key=lambda t: -t[1])[:8])
-                print(
-                    f"{kernel.__name__:>22} {name:>5} M tile {block_m:>2} ({block_n} x {block_k}): loop "
-                    f"{len(ops)} instructions per thread, {len(ops) / per_thread:.1f} per weight; {top}"
-                )
+        config = fmq.launch_config(fmt, 8 if block_m == 16 else 4096)
+        for kernel, num_in in ((fmq._gate_up_quant_kernel, HIDDEN), (fmq._down_quant_kernel, INTER)):
+            block_n, block_k = fmq._blocks(fmt, config, num_in)
+            constants = {
+                "FORMAT": fmq.FORMAT_IDS[fmt.name],
+                "BLOCK_ROWS": fmt.block_rows,
+                "BLOCK_COLS": fmt.block_cols,
+                "HAS_TENSOR_SCALE": fmt.tensor_scale,
+                "SPLIT_ACTIVATIONS": False,
+                "SCALE_MODE": fmq.SCALE_MODES.get(mode, 0),
+                # the wrapper's choice for aligned slots and bf16 activations (`fused_moe_quant_tiles`)
+                "WORD_ACTIVATIONS": fmq.WORD_LOADS and fmt.weight_bits == 4,
+                "SCALE_WORDS": fmq.WORD_LOADS and fmt.weight_bits == 4 and fmq._scale_words(fmt, num_in, block_k),
+                "BLOCK_SIZE_M": block_m,
+                "BLOCK_SIZE_N": block_n,
+                "BLOCK_SIZE_K": block_k,
+            }
+            args_ = [a for a in kernel.arg_names if a not in constants]
+            signature = {a: "constexpr" if a in constants else POINTERS.get(a, "i32") for a in kernel.arg_names}
+            attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in args_ if a not in not_divisible}
+            compiled = triton.compile(
+                ASTSource(kernel, signature, constants, attrs),
+                target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": config[2], "num_stages": config[3]},
+            )
+            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                f.write(compiled.asm["cubin"])
+                f.flush()
+                sass = subprocess.run(
+                    [os.path.join(bindir, "nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True
+                ).stdout
+                usage = subprocess.run(
+                    [os.path.join(bindir, "cuobjdump"), "-res-usage", f.name],
+                    capture_output=True,
+                    text=True,
+                    check=True,
+                ).stdout
+            regs, stack = (re.search(rf"{key}:(\d+)", usage).group(1) for key in ("REG", "STACK"))  # type: ignore[union-attr]
+            ops = loop_ops(sass)
+            weights = 2 if kernel is fmq._gate_up_quant_kernel else 1
+            per_thread = weights * block_k * block_n / (32 * config[2])
+            counts: dict[str, int] = {}
+            for op in ops:
+                counts[op] = counts.get(op, 0) + 1
+            top = ", ".join(f"{op} {n}" for op, n in sorted(counts.items(), key=lambda t: -t[1])[:8])
+            shared = {kind: sum(n for op, n in counts.items() if op.startswith(kind)) for kind in ("LDS", "STS", "BAR")}
+            print(
+                f"{kernel.__name__:>22} {name:>5} {mode:>4} M tile {block_m:>2} ({block_n} x {block_k}): loop "
+                f"{len(ops)} instructions per thread, {len(ops) / per_thread:.1f} per weight, "
+                f"LDS {shared['LDS']} STS {shared['STS']} BAR {shared['BAR']}; {regs} registers, stack {stack}; "
+                f"{top}"
+            )
 
 
 if __name__ == "__main__":

@@ -42,7 +42,10 @@ if not torch.cuda.is_available():
 def _interpreter_rounds_bf16_to_nearest() -> None:
     """Make Triton's interpreter round float32 -> bfloat16 casts to nearest even, as the GPU does (`fptrunc`, PTX
     `cvt.rn.bf16.f32`): Triton 3.9's interpreter truncates them, so half of a kernel's bfloat16 outputs came out
-    one ulp off torch's (measured on the gated delta kernels) and bf16 comparisons on the CPU meant nothing."""
+    one ulp off torch's (measured on the gated delta kernels) and bf16 comparisons on the CPU meant nothing. And
+    widen bfloat16 -> float32 by value (the bits shifted up 16, as the GPU's `fpext` is): the interpreter
+    normalizes bf16 subnormals then clamps the exponent, so 2^-127 came out 0 (the quantized MoE kernels' "bf16"
+    scale mode decodes e2m1 0.5 codes to bf16 subnormals)."""
     import numpy as np
     import triton.language as tl
     from triton.runtime import interpreter
@@ -54,6 +57,9 @@ def _interpreter_rounds_bf16_to_nearest() -> None:
         if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
             data = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.bfloat16).view(torch.int16).numpy()
             return interpreter.TensorHandle(data.view(np.uint16), dst_type.scalar)
+        if src.dtype.scalar == tl.bfloat16 and dst_type.scalar == tl.float32:
+            bits = src.data.astype(np.uint32) << 16
+            return interpreter.TensorHandle(bits.view(np.float32), dst_type.scalar)
         return cast(self, src, dst_type)
 
     builder.cast_impl = cast_impl

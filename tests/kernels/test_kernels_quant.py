@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from freetoken.kernels.fused_moe_quant import fused_moe_quant, fused_moe_quant_reference
+from freetoken.kernels.fused_moe_quant import SCALE_MODES, fused_moe_quant, fused_moe_quant_reference
 from freetoken.quant import MXFP4, NVFP4, fp8_block
 from freetoken.quant import reference as ref
 
@@ -45,6 +45,7 @@ def _case(
     num_slots: int,
     dtype: torch.dtype,
     corrupt=None,
+    scale_mode: str | None = None,
 ):
     """(kernel output, reference output) float32 [M, hidden]; `corrupt(slots, layout)` edits the bytes the reference
     reads (not the kernel's), standing in for a kernel that decodes them wrong."""
@@ -55,7 +56,9 @@ def _case(
     weights = torch.softmax(torch.randn(num_tokens, top_k, generator=gen), dim=-1)
     hidden_states = torch.randn(num_tokens, hidden, generator=gen)
     layout = fmt.layout(hidden, inter)
-    got = fused_moe_quant(hidden_states.to(DEVICE, dtype), slots, layout, ids.to(DEVICE), weights.to(DEVICE, dtype))
+    got = fused_moe_quant(
+        hidden_states.to(DEVICE, dtype), slots, layout, ids.to(DEVICE), weights.to(DEVICE, dtype), scale_mode=scale_mode
+    )
     if corrupt is not None:
         slots = corrupt(slots.clone(), layout)
     want = fused_moe_quant_reference(hidden_states.to(DEVICE), slots, layout, ids.to(DEVICE), weights.to(DEVICE))
@@ -71,22 +74,37 @@ def _small_sizes(fmt) -> tuple[int, int]:
 F32_TOL = 1e-5
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+# (format, scale mode) cases: FP8 has one way to apply its scale, the 4-bit formats each of `SCALE_MODES`
+MODE_CASES = [(fmt, None) for fmt in FORMATS[:2]] + [(fmt, m) for fmt in (NVFP4, MXFP4) for m in SCALE_MODES]
+MODE_IDS = IDS[:2] + [f"{name}-{m}" for name in ("nvfp4", "mxfp4") for m in SCALE_MODES]
+
+
+@pytest.mark.parametrize(("fmt", "scale_mode"), MODE_CASES, ids=MODE_IDS)
 @pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 4), (5, 2)])
-def test_quant_kernel_matches_reference_small(fmt, num_tokens, top_k):
+def test_quant_kernel_matches_reference_small(fmt, scale_mode, num_tokens, top_k):
     """float32 (the interpreter on the CPU): `F32_TOL` of the largest output (bf16 hi + lo activation parts, float32
     sums in another order than torch's)."""
-    got, want = _case(fmt, num_tokens, top_k, *_small_sizes(fmt), 6, torch.float32)
+    got, want = _case(fmt, num_tokens, top_k, *_small_sizes(fmt), 6, torch.float32, scale_mode=scale_mode)
     torch.testing.assert_close(got, want, atol=F32_TOL * want.abs().max().item(), rtol=0)
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
-def test_quant_kernel_bf16_small(fmt):
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_scale_modes_agree_bit_for_bit(fmt, dtype):
+    """Every scale mode hands the dots the same bf16 weights up to a power of two that the accumulator gets back
+    exactly, so the outputs are equal bit for bit, not only within tolerance."""
+    outs = [_case(fmt, 5, 2, *_small_sizes(fmt), 6, dtype, scale_mode=m)[0] for m in SCALE_MODES]
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
+@pytest.mark.parametrize(("fmt", "scale_mode"), MODE_CASES, ids=MODE_IDS)
+def test_quant_kernel_bf16_small(fmt, scale_mode):
     """bf16 activations, the path GPUs run (one bf16 dot per weight tile, no activation split), on the CPU: the
     reference is float32 from unrounded inputs while the kernel rounds its inputs, the GEMM outputs, SiLU and h to
     bf16 as the bf16 kernel does; measured <= 2.7e-2 of the largest output at these small sizes (the previous
     float32-dot kernel gave the same errors): 4e-2. A wrong nibble order or scale is off by the output's size."""
-    got, want = _case(fmt, 5, 2, *_small_sizes(fmt), 6, torch.bfloat16)
+    got, want = _case(fmt, 5, 2, *_small_sizes(fmt), 6, torch.bfloat16, scale_mode=scale_mode)
     torch.testing.assert_close(got, want, atol=4e-2 * want.abs().max().item(), rtol=0)
 
 
@@ -121,10 +139,23 @@ def test_tolerance_catches_wrong_decoding(fmt, corrupt):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("fmt", [fp8_block(), NVFP4, MXFP4], ids=["fp8_128", "nvfp4", "mxfp4"])
+@pytest.mark.parametrize(("fmt", "scale_mode"), MODE_CASES[1:], ids=MODE_IDS[1:])
 @pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 8), (4, 8), (64, 8), (512, 8)])
-def test_quant_kernel_matches_reference_qwen3_30b_shapes(fmt, num_tokens, top_k):
+def test_quant_kernel_matches_reference_qwen3_30b_shapes(fmt, scale_mode, num_tokens, top_k):
     """bf16 activations at Qwen3-30B-A3B's shapes (H 2048, I 768), decode batch 1-64 and a 512-token prefill
     chunk; bf16 rounding of the GEMM outputs as the bf16 kernel: 2e-2 of the largest output."""
-    got, want = _case(fmt, num_tokens, top_k, 2048, 768, 32, torch.bfloat16)
+    got, want = _case(fmt, num_tokens, top_k, 2048, 768, 32, torch.bfloat16, scale_mode=scale_mode)
     torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("num_tokens", [1, 64])
+def test_scale_modes_agree_bit_for_bit_qwen3_30b_shapes(fmt, num_tokens):
+    """The scale modes' outputs are equal bit for bit on the GPU too: the "bf16" mode's packed bf16 multiply
+    (HMUL2.BF16) keeps its subnormal operands (the e2m1 0.5 codes, 0.5 * 2^-126), which the tolerance above could
+    miss."""
+    outs = [_case(fmt, num_tokens, 8, 2048, 768, 32, torch.bfloat16, scale_mode=m)[0] for m in SCALE_MODES]
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])

@@ -57,10 +57,24 @@ rows), not in the loads. Per weight byte at batch 1 that is FP8 1.7x bf16's kern
     instruction issue and latency, not bandwidth (the M tile's 16 rows cost the same decode as one). Programs:
     gate/up 8 tiles x 768 / 32 = 192, down 8 x 2048 / 32 = 512.
   Per weight what is left is the decode itself: byte extraction and shifts (PRMT, SHL, SHF, LOP3; ~3.5), the
-  float16 -> float32 conversion (HADD2.F32), the scale's FMUL and half an F2FP pack. Going below needs packed
-  conversions (several weights per 32-bit instruction, Marlin-style: PTX cvt.rn.f16x2.e4m3x2 for FP8, a PRMT lookup
-  of 8 nibbles per word for e2m1 through tl.inline_asm_elementwise, which the interpreter cannot run, or
-  tl.dot_scaled for MXFP4).
+  float16 -> float32 conversion (HADD2.F32), the scale's FMUL and half an F2FP pack.
+Why NVFP4 measured ~2x MXFP4 with loops of nearly the same SASS: the bench packed its slots expert_nbytes apart, and
+NVFP4's 2654220 bytes (the 12-byte tensor scale at the end) are not 16-divisible, so Triton's launch did not
+specialize the expert stride as 16-divisible and the weights' loads lost their alignment: byte loads (LDG.E.U8) each
+K step, not cp.async, 64 STS.U16 + 8 BAR in the loop, 214 registers, 16.8 instructions per weight (gate/up, 16-row
+tiles; `benches/quant_moe_sass.py --unaligned-stride`). MXFP4's 2506752 bytes are 16-divisible. The pool and the slot
+cache space experts 256 bytes apart (EXPERT_ALIGN), as the bench now does (`--packed-slots` for the old spacing), so
+served NVFP4 runs the aligned build; not the 16-column scale blocks: the scales' broadcast to byte rows compiles to
+no shared-memory traffic at 16-row tiles (each thread's byte rows share its scales).
+Scale modes (`SCALE_MODES`): "f32" as above; "bf16" decodes e2m1 straight to bf16 (`_e2m1_pair_bf16`) and
+multiplies by a bf16 scale, one packed HMUL2.BF16 per two weights instead of a HADD2.F32, an FMUL and half an F2FP
+per weight, the power of two left out put back on the accumulator (`_unscale`). sm_90 SASS, instructions per weight
+(gate/up, down; registers): 16-row tiles NVFP4 f32 10.0, 12.2 (128, 104) -> bf16 8.1, 10.2 (128, 104), MXFP4 9.5,
+11.7 (104, 78) -> 7.4, 9.7 (104, 78); 64-row tiles NVFP4 8.5, 10.2 (249, 167) -> 6.5, 8.2 (223, 154), MXFP4 8.3, 9.9
+(255, 168) -> 6.3, 7.9 (226, 159); shared-memory operations in the loop unchanged (16-row: LDS 21/16, no STS, 2 BAR).
+"bf16" is the default; `benches/quant_moe.py --sweep` times both. Going below needs packed conversions (several
+weights per 32-bit instruction, Marlin-style: PTX cvt.rn.f16x2.e4m3x2 for FP8, a PRMT lookup of 8 nibbles per word
+for e2m1 through tl.inline_asm_elementwise, which the interpreter cannot run, or tl.dot_scaled for MXFP4).
 
 Shapes (project letters): M tokens, K hidden, N expert intermediate, S slots (or E experts), k top-k.
 Test: python -m pytest tests/kernels/test_kernels_quant.py   (TRITON_INTERPRET=1 without a GPU, as conftest sets;
@@ -111,6 +125,19 @@ def _e2m1_pair_f16(byte):
     low = ((byte << 28) >> 19) & 0x8E00
     high = (byte << 5) & 0x8E00
     return low.to(tl.int16).to(tl.float16, bitcast=True), high.to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _e2m1_pair_bf16(byte):
+    """Packed e2m1 bytes (int32, sign-extended from int8) -> (low nibble, high nibble) as bfloat16 holding the value
+    * 2^-126 (`SCALE_MODES` "bf16").
+
+    `_e2m1_pair_f16`'s bit moves aimed at bfloat16's fields (sign bit 15, exponent from bit 7, top mantissa bit 6):
+    e2m1's exponent (bias 1) in bf16's low exponent bits scales the value by 2^(1 - 127), e = 0 (0 and 0.5) landing
+    on bf16 subnormals m/2 * 2^-126. The same five integer operations per byte."""
+    low = ((byte << 28) >> 22) & 0x81C0
+    high = (byte << 2) & 0x81C0
+    return low.to(tl.int16).to(tl.bfloat16, bitcast=True), high.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
@@ -198,6 +225,7 @@ def _weight_step(
     BLOCK_COLS: tl.constexpr,
     SPLIT_ACTIVATIONS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
 ):
     """acc [M, BLOCK_SIZE_N] + activations . W[offs_out, k0 : k0 + BLOCK_SIZE_K]^T for one matrix W [rows (out),
@@ -254,26 +282,58 @@ def _weight_step(
                 mask=(offs_b[:, None] < num_in // BLOCK_COLS) & out_ok[None, :],
                 other=0,
             ).to(tl.int32)  # [blocks, BLOCK_SIZE_N]
-        if FORMAT == 1:
-            # e4m3 by bit moves (`_e4m3_f16`: the scale * 2^-8, exact); 2^22 = 2^8 back times 2^14, which undoes
-            # `_e2m1_pair_f16`'s 2^-14
-            scale = _e4m3_f16(code).to(tl.float32) * 4194304.0
+        if SCALE_MODE == 0:
+            if FORMAT == 1:
+                # e4m3 by bit moves (`_e4m3_f16`: the scale * 2^-8, exact); 2^22 = 2^8 back times 2^14, which undoes
+                # `_e2m1_pair_f16`'s 2^-14
+                scale = _e4m3_f16(code).to(tl.float32) * 4194304.0
+            else:
+                # 2^(e - 127) * 2^14 built as float32 bits: exact for e <= 240; e8m0 codes above (scales past 2^113)
+                # and 0xFF (NaN) are never in a checkpoint's weights. Below ~2^-120 the products leave bf16's normal
+                # range and lose bits (the reference keeps float32 subnormals); no real block is that small either.
+                scale = ((code + 14) << 23).to(tl.float32, bitcast=True)
         else:
-            # 2^(e - 127) * 2^14 built as float32 bits: exact for e <= 240; e8m0 codes above (scales past 2^113) and
-            # 0xFF (NaN) are never in a checkpoint's weights. Below ~2^-120 the products leave bf16's normal range and
-            # lose bits (the reference keeps float32 subnormals); no real block is that small either.
-            scale = ((code + 14) << 23).to(tl.float32, bitcast=True)
+            # bf16 scales that undo `_e2m1_pair_bf16`'s 2^-126 but for NVFP4's 2^-7, MXFP4's 2^-32 (`_unscale`)
+            if FORMAT == 1:
+                # the e4m3 scale * 2^-8 (`_e4m3_f16`) * 2^127: s * 2^119 <= 480 * 2^119 < bf16's largest, exact (4
+                # significant bits, normal from s = 2^-9 up); products value * s * 2^-7 lie in 2^-17 .. 21
+                scale = (_e4m3_f16(code).to(tl.float32) * 1.7014118346046923e38).to(tl.bfloat16)
+            else:
+                # 2^(e - 127 + 126 - 32) as bf16 bits: products value * 2^(e - 127 - 32) stay normal and exact for
+                # block scales 2^-93 .. 2^33 (e8m0 codes 34 .. 160, real checkpoints' far inside)
+                scale = ((code + 94) << 7).to(tl.int16).to(tl.bfloat16, bitcast=True)
         # byte row j (columns 2j, 2j + 1) takes block (k0 + 2j) // BLOCK_COLS: [blocks, BLOCK_COLS / 2, N] -> [K / 2, N]
         scale = tl.reshape(
             tl.broadcast_to(scale[:, None, :], (num_blocks, BLOCK_COLS // 2, scale.shape[1])),
             (BLOCK_SIZE_K // 2, scale.shape[1]),
         )
-        low, high = _e2m1_pair_f16(byte)
         # e2m1 (<= 2 significant bits) x e4m3 (<= 4) or x 2^e fits bf16's 8: the rounding to bf16 is exact
-        w_even = (low.to(tl.float32) * scale).to(tl.bfloat16)
-        w_odd = (high.to(tl.float32) * scale).to(tl.bfloat16)
+        if SCALE_MODE == 0:
+            low, high = _e2m1_pair_f16(byte)
+            w_even = (low.to(tl.float32) * scale).to(tl.bfloat16)
+            w_odd = (high.to(tl.float32) * scale).to(tl.bfloat16)
+        else:
+            # one packed bf16 multiply per two weights (PTX mul.bf16x2, SASS HMUL2.BF16_V2; bf16 has no flush to
+            # zero, the subnormal codes count): written widened to float32 because Triton's interpreter multiplies
+            # bf16 as its raw uint16 bits; LLVM narrows fptrunc(fmul(fpext a, fpext b)) back to the bf16 multiply
+            # (float32's 24 bits >= 2 x 8 + 2: one rounding either way)
+            low, high = _e2m1_pair_bf16(byte)
+            w_even = (low.to(tl.float32) * scale.to(tl.float32)).to(tl.bfloat16)
+            w_odd = (high.to(tl.float32) * scale.to(tl.float32)).to(tl.bfloat16)
         acc = _dot_split(a1_hi, a1_lo, w_even, acc, SPLIT_ACTIVATIONS)
         acc = _dot_split(a2_hi, a2_lo, w_odd, acc, SPLIT_ACTIVATIONS)
+    return acc
+
+
+@triton.jit
+def _unscale(acc, FORMAT: tl.constexpr, SCALE_MODE: tl.constexpr):
+    """acc times the power of two that `_weight_step`'s "bf16" scale mode left out of the 4-bit weights (NVFP4 2^7,
+    MXFP4 2^32): exact, so the sums equal those of unscaled weights (float32 subnormal products aside: below 2^-119
+    or 2^-94 of a weight times an activation, far under what a sum keeps)."""
+    if FORMAT == 1 and SCALE_MODE == 1:
+        acc = acc * 128.0
+    elif FORMAT == 2 and SCALE_MODE == 1:
+        acc = acc * 4294967296.0
     return acc
 
 
@@ -302,6 +362,7 @@ def _gate_up_quant_kernel(
     SPLIT_ACTIVATIONS: tl.constexpr,
     WORD_ACTIVATIONS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -328,12 +389,14 @@ def _gate_up_quant_kernel(
         )
         acc_gate = _weight_step(
             acc_gate, a1_hi, a1_lo, a2_hi, a2_lo, base, base + gate_up_scale_off, n0, offs_n, n_ok, k0, K,
-            FORMAT, BLOCK_ROWS, BLOCK_COLS, SPLIT_ACTIVATIONS, SCALE_WORDS, BLOCK_SIZE_K,
+            FORMAT, BLOCK_ROWS, BLOCK_COLS, SPLIT_ACTIVATIONS, SCALE_WORDS, SCALE_MODE, BLOCK_SIZE_K,
         )  # fmt: skip
         acc_up = _weight_step(
             acc_up, a1_hi, a1_lo, a2_hi, a2_lo, base + up_off, base + up_scale_off, n0, offs_n, n_ok, k0, K,
-            FORMAT, BLOCK_ROWS, BLOCK_COLS, SPLIT_ACTIVATIONS, SCALE_WORDS, BLOCK_SIZE_K,
+            FORMAT, BLOCK_ROWS, BLOCK_COLS, SPLIT_ACTIVATIONS, SCALE_WORDS, SCALE_MODE, BLOCK_SIZE_K,
         )  # fmt: skip
+    acc_gate = _unscale(acc_gate, FORMAT, SCALE_MODE)
+    acc_up = _unscale(acc_up, FORMAT, SCALE_MODE)
     if HAS_TENSOR_SCALE:  # NVFP4's weight_scale_2, once per output instead of once per weight
         ts_ptr = (base + tensor_scale_off).to(tl.pointer_type(tl.float32))
         acc_gate = acc_gate * tl.load(ts_ptr)
@@ -370,6 +433,7 @@ def _down_quant_kernel(
     SPLIT_ACTIVATIONS: tl.constexpr,
     WORD_ACTIVATIONS: tl.constexpr,
     SCALE_WORDS: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -394,8 +458,9 @@ def _down_quant_kernel(
         )
         acc = _weight_step(
             acc, a1_hi, a1_lo, a2_hi, a2_lo, base + down_off, base + down_scale_off, out0, offs_out, out_ok, n0, N,
-            FORMAT, BLOCK_ROWS, BLOCK_COLS, SPLIT_ACTIVATIONS, SCALE_WORDS, BLOCK_SIZE_K,
+            FORMAT, BLOCK_ROWS, BLOCK_COLS, SPLIT_ACTIVATIONS, SCALE_WORDS, SCALE_MODE, BLOCK_SIZE_K,
         )  # fmt: skip
+    acc = _unscale(acc, FORMAT, SCALE_MODE)
     if HAS_TENSOR_SCALE:
         acc = acc * tl.load((base + tensor_scale_off).to(tl.pointer_type(tl.float32)) + 2)
     routing = tl.load(weight_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)
@@ -423,6 +488,15 @@ LAUNCH_CONFIGS: dict[tuple[int, int], tuple[int, int, int, int]] = {
 # 16-bit activations and 4-bit formats' block scales read as 32-bit words where aligned (`_activations`,
 # `_weight_step`); False: the byte and 16-bit element loads (kept to time both: benches/quant_moe.py --byte-loads)
 WORD_LOADS = True
+
+
+# How the 4-bit kernels apply block scales (`_weight_step`), by name: "f32" decodes e2m1 to float16, multiplies by
+# a float32 scale and rounds to bf16 (a HADD2.F32 convert, an FMUL and half an F2FP pack per weight); "bf16" decodes
+# e2m1 straight to bf16 and multiplies by a bf16 scale (half a packed HMUL2.BF16 per weight), the power of two kept
+# out of range put back on the accumulator (`_unscale`). Both give the reference's weights bit for bit.
+# benches/quant_moe.py --sweep times each.
+SCALE_MODES = {"f32": 0, "bf16": 1}
+SCALE_MODE = "bf16"
 
 
 def launch_config(fmt: ExpertFormat, num_pairs: int) -> tuple[int, int, int, int]:
@@ -472,19 +546,22 @@ def fused_moe_quant(
     alignment: tuple[torch.Tensor, torch.Tensor] | None = None,
     out: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
+    scale_mode: str | None = None,
 ) -> torch.Tensor:
     """Weighted sum of the routed SwiGLU experts of each token, the experts quantized.
 
     Args:
         hidden: [M, K] activations (bf16/fp16/fp32, contiguous), CUDA (or CPU under TRITON_INTERPRET=1).
         experts: [S, stride] uint8, one expert (or cache slot) per row in `layout`'s pool layout, stride >=
-            expert_nbytes; the same device.
+            expert_nbytes; the same device. A stride (and base address) that is a multiple of 16 bytes, as the
+            pool's 256 are, keeps the weights' loads vectorized and staged (else they go by byte: see the module doc).
         layout: the experts' `ExpertLayout` (fp8_block, nvfp4 or mxfp4; K = layout.hidden, N = layout.inter).
         topk_ids: [M, k] int64 rows of `experts`; negative: skip that pair (computed elsewhere).
         topk_weights: [M, k] routing weights.
         alignment: `align_pairs(topk_ids, S, block_m_for(M * k))`, when the caller has it.
         out: [M, K] buffer for the result (hidden's dtype); None allocates.
         config: (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages) of both kernels; None: `launch_config`.
+        scale_mode: how 4-bit block scales are applied, a `SCALE_MODES` name; None: `SCALE_MODE`.
 
     Returns:
         [M, K] in hidden's dtype, as `freetoken.kernels.fused_moe.fused_moe` computes it from the dequantized
@@ -496,7 +573,15 @@ def fused_moe_quant(
         alignment = align_pairs(topk_ids, experts.shape[0], block_m_for(topk_ids.numel()))
     sorted_pairs, block_expert = alignment
     return fused_moe_quant_tiles(
-        hidden, experts, layout, topk_weights, sorted_pairs, block_expert[None], out=out, config=config
+        hidden,
+        experts,
+        layout,
+        topk_weights,
+        sorted_pairs,
+        block_expert[None],
+        out,
+        config=config,
+        scale_mode=scale_mode,
     )
 
 
@@ -510,12 +595,13 @@ def fused_moe_quant_tiles(
     out: torch.Tensor | None = None,
     before_stage: Callable[[int], None] | None = None,
     config: tuple[int, int, int, int] | None = None,
+    scale_mode: str | None = None,
 ) -> torch.Tensor:
     """`fused_moe_quant` over an alignment whose tiles are split in stages run one after the other, as
     `freetoken.kernels.fused_moe.fused_moe_tiles` does for bf16 (the decode driver's hits, then its fills).
 
     Args:
-        hidden, experts, layout, topk_weights, out, config: as `fused_moe_quant`.
+        hidden, experts, layout, topk_weights, out, config, scale_mode: as `fused_moe_quant`.
         sorted_pairs: [R] int64 of `align_pairs` (block_m_for(M * k) rows per tile).
         tile_stages: [S, R / block_m] int64: the slot of each tile in the stage that runs it, -1 in the others.
         before_stage: called with s before stage s > 0 is queued.
@@ -545,6 +631,7 @@ def fused_moe_quant_tiles(
         "BLOCK_COLS": fmt.block_cols,
         "HAS_TENSOR_SCALE": fmt.tensor_scale,
         "SPLIT_ACTIVATIONS": hidden.dtype != torch.bfloat16,
+        "SCALE_MODE": SCALE_MODES[scale_mode or SCALE_MODE] if fmt.weight_bits == 4 else 0,  # FP8: one build
         "BLOCK_SIZE_M": block_m,
         "num_warps": config[2],
         "num_stages": config[3],
