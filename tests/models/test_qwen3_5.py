@@ -366,41 +366,34 @@ SHARED_MEMORY_MARGIN = 0.75
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kernel", ["prepare", "state", "output"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-def test_chunk_scan_fits_shared_memory(dtype):
-    """The prefill scan kernel at Qwen3.5-35B-A3B's head sizes (Dk = Dv = 128, value heads in groups of 2), with the
-    tiling `chunk_gated_delta_rule` launches it with, needs at most 3/4 of the H200's shared memory per block, from
-    Triton's compiler for sm_90 without a GPU (tests/triton_shared_memory.py; 3 pipeline stages needed 296,456 B
-    in float32, over the limit). In a subprocess: the interpreter this suite runs under compiles nothing."""
+def test_chunk_kernels_fit_shared_memory(dtype, kernel):
+    """Each prefill kernel at Qwen3.5-35B-A3B's head sizes (Dk = Dv = 128, value heads in groups of 2), with the
+    launch `chunk_gated_delta_rule` gives it (`LAUNCH`, `DOT_PRECISION`), needs at most 3/4 of the H200's shared
+    memory per block, from Triton's compiler for sm_90 without a GPU (tests/triton_shared_memory.py; the old scan
+    kernel's 3 pipeline stages needed 296,456 B in float32, over the limit). In a subprocess: the interpreter this
+    suite runs under compiles nothing."""
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    from freetoken.kernels.gated_delta import CHUNK_SIZE, scan_launch_config
+    from freetoken.kernels.gated_delta import CHUNK_SIZE, DOT_PRECISION, LAUNCH
 
-    launch = scan_launch_config(dtype, 128)
+    warps, stages, block_v = LAUNCH[kernel]
     elem = {torch.float32: "fp32", torch.bfloat16: "bf16"}[dtype]
-    signature = {
-        "q_ptr": f"*{elem}",
-        "k_ptr": f"*{elem}",
-        "o_ptr": f"*{elem}",
-        "w_ptr": "*fp32",
-        "u_ptr": "*fp32",
-        "gcum_ptr": "*fp32",
-        "state_ptr": "*fp32",
-        "length": "i32",
-        "scale": "fp32",
-    }
-    spec = {
-        "signature": signature,
-        "num_stages": launch["num_stages"],
-        "constexprs": {"GROUP": 2, "CHUNK": CHUNK_SIZE, "DK": 128, "DV": 128, "BLOCK_V": launch["BLOCK_V"]},
-    }
+    floats = {"w_ptr", "u_ptr", "gcum_ptr", "state_ptr", "h_ptr", "g_ptr"}
+    names = ("q_ptr", "k_ptr", "v_ptr", "beta_ptr", "o_ptr", *floats)
+    signature = {n: "*fp32" if n in floats else f"*{elem}" for n in names} | {"length": "i32", "scale": "fp32"}
+    constexprs = {"GROUP": 2, "CHUNK": CHUNK_SIZE, "DK": 128, "DV": 128, "PRECISION": DOT_PRECISION}
+    constexprs |= {"DV_PAD": 128} if kernel == "prepare" else {"BLOCK_V": block_v}
+    name = f"_chunk_{kernel}_kernel"
+    spec = {"signature": signature, "num_stages": stages, "num_warps": warps, "constexprs": constexprs}
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     helper = Path(__file__).parents[1] / "triton_shared_memory.py"
     done = subprocess.run(
-        [sys.executable, str(helper), "freetoken.kernels.gated_delta", "_chunk_scan_kernel", json.dumps(spec)],
+        [sys.executable, str(helper), "freetoken.kernels.gated_delta", name, json.dumps(spec)],
         env=env,
         capture_output=True,
         text=True,
@@ -408,7 +401,7 @@ def test_chunk_scan_fits_shared_memory(dtype):
         check=True,
     )
     need = int(done.stdout.split()[-1])
-    assert need <= SHARED_MEMORY_MARGIN * H200_SHARED_MEMORY, f"{need} B of shared memory with {launch}"
+    assert need <= SHARED_MEMORY_MARGIN * H200_SHARED_MEMORY, f"{name}: {need} B of shared memory with {spec}"
 
 
 @gpu_when_available

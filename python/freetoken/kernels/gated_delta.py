@@ -17,10 +17,15 @@ Variants:
     per chunk of C tokens, with G the in-chunk cumulative log decay and A the strictly lower [C, C] matrix
     A_ij = beta_i exp(G_i - G_j) k_i . k_j, T = (I + A)^-1 gives W = T (beta exp(G) k) and U = T (beta v); across
     chunks, V' = U - W S, O = (exp(G) q) S + (mask(q k^T exp(G_i - G_j))) V', S <- exp(G_C) S + (exp(G_C - G) k)^T V'.
-    torch (`chunk_gated_delta_rule_torch`, the CPU path and the reference); on CUDA Triton kernels
-    (`_chunk_prepare_kernel`: cumulative decay, A, its inverse by forward substitution, W and U per chunk, all chunks
-    in parallel; `_chunk_scan_kernel`: the sequential pass over chunks per (value head, block of Dv columns), the state
-    block in registers).
+    torch (`chunk_gated_delta_rule_torch`, the CPU path and the reference); on CUDA three Triton kernels, split as
+    flash-linear-attention splits its own (`_chunk_prepare_kernel`: cumulative decay, A, its inverse by forward
+    substitution, W and U per chunk, all chunks in parallel; `_chunk_state_kernel`: the sequential pass over chunks
+    per (value head, block of Dv columns), the state block in registers, storing each chunk's starting state h and
+    V'; `_chunk_output_kernel`: every chunk's outputs from its h and V', all chunks in parallel). The dots run on
+    the tensor cores at float32 accuracy (`DOT_PRECISION`). The single scan kernel they replace computed the outputs
+    inside the sequential pass, on 128 programs (32 value heads x 4 column blocks) with IEEE float32 dots that
+    compiled to 32 registers and 11.7 KB of stack per thread: 112 ms per 8192-token span of one layer, 10.1 of 13.7 s
+    of an 18,944-token Qwen3.5-35B-A3B prefill on the H200 (`benches/engine_prefill.py --profile`).
 
 Shapes: q, k [L, Hk, Dk]; v [L, Hv, Dv]; g, beta [L, Hv] (float32 g); states [num_slots, Hv, Dk, Dv] float32.
 Tests: python -m pytest tests/models/test_qwen3_5.py -q (torch paths; the Triton kernels in Triton's interpreter);
@@ -278,6 +283,7 @@ def _chunk_prepare_kernel(
     DK: tl.constexpr,
     DV: tl.constexpr,
     DV_PAD: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Chunk `pid(0)` of value head `pid(1)`: G = in-chunk cumsum of g; T = (I + A)^-1 with A_ij = beta_i
     exp(G_i - G_j) k_i . k_j (i > j) by forward substitution; W = T (beta exp(G) k), U = T (beta v) (float32)."""
@@ -303,15 +309,15 @@ def _chunk_prepare_kernel(
     lower = i[:, None] > i[None, :]
     decay = tl.exp(tl.where(lower, gc[:, None] - gc[None, :], float("-inf")))
     kb = k * beta[:, None]
-    a = tl.dot(kb, tl.trans(k), input_precision="ieee") * decay  # strictly lower
+    a = tl.dot(kb, tl.trans(k), input_precision=PRECISION) * decay  # strictly lower
     # Forward substitution, row by row: T_i = e_i - sum_{j<i} A_ij T_j (rows j < i of T are final).
     t = tl.where(i[:, None] == i[None, :], 1.0, 0.0)
     for r in range(1, CHUNK):
         a_row = tl.sum(tl.where(i[:, None] == r, a, 0.0), axis=0)  # A[r, :]
         t_row = tl.sum(a_row[:, None] * t, axis=0)  # (A[r, :] T)
         t = tl.where(i[:, None] == r, t - t_row[None, :], t)
-    w = tl.dot(t, kb * tl.exp(gc)[:, None], input_precision="ieee")
-    u = tl.dot(t, v * beta[:, None], input_precision="ieee")
+    w = tl.dot(t, kb * tl.exp(gc)[:, None], input_precision=PRECISION)
+    u = tl.dot(t, v * beta[:, None], input_precision=PRECISION)
     tl.store(w_ptr + rows[:, None] * stride_wt + h * stride_wh + dk[None, :], w, mask=ok[:, None])
     tl.store(u_ptr + rows[:, None] * stride_ut + h * stride_uh + dv[None, :], u, mask=ok[:, None] & (dv < DV)[None, :])
     tl.store(gcum_ptr + rows * stride_ct + h, gc, mask=ok)
@@ -319,18 +325,14 @@ def _chunk_prepare_kernel(
 
 # Not specialised on `length`, as `_chunk_prepare_kernel`.
 @triton.jit(do_not_specialize=["length"])
-def _chunk_scan_kernel(
-    q_ptr,
+def _chunk_state_kernel(
     k_ptr,
     w_ptr,
     u_ptr,
     gcum_ptr,
     state_ptr,
-    o_ptr,
+    h_ptr,
     length,
-    scale,
-    stride_qt,
-    stride_qh,
     stride_kt,
     stride_kh,
     stride_wt,
@@ -340,17 +342,20 @@ def _chunk_scan_kernel(
     stride_ct,
     stride_sh,
     stride_sk,
-    stride_ot,
-    stride_oh,
+    stride_hc,
+    stride_hh,
+    stride_hk,
     GROUP: tl.constexpr,
     CHUNK: tl.constexpr,
     DK: tl.constexpr,
     DV: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """Value head `pid(0)`, state columns block `pid(1)`: the chunks in order, the state block [DK, BLOCK_V] in
-    registers: V' = U - W S; O = (exp(G) q) S + mask(q k^T exp(G_i - G_j)) V'; S <- exp(G_C) S + (exp(G_C - G) k)^T V'.
-    """
+    """Value head `pid(0)`, state columns block `pid(1)`: the chunks in order, the state block S [DK, BLOCK_V] in
+    registers (float32): h[c] = S (the state the chunk starts from), U <- V' = U - W S in place, then
+    S <- exp(G_C) S + (exp(G_C - G) k)^T V'; the last S written back to the pool row. Only the two products that
+    carry the state are sequential; `_chunk_output_kernel` computes the outputs of all chunks in parallel."""
     h = tl.program_id(0)
     vb = tl.program_id(1)
     kh = h // GROUP
@@ -358,56 +363,118 @@ def _chunk_scan_kernel(
     dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = dv < DV
     i = tl.arange(0, CHUNK)
-    causal = i[:, None] >= i[None, :]
     s_ptrs = state_ptr + h * stride_sh + dk[:, None] * stride_sk + dv[None, :]
     s = tl.load(s_ptrs, mask=v_ok[None, :], other=0.0)
+    h_ptrs = h_ptr + h * stride_hh + dk[:, None] * stride_hk + dv[None, :]
     for c in range(tl.cdiv(length, CHUNK)):
+        tl.store(h_ptrs + c * stride_hc, s.to(h_ptr.dtype.element_ty), mask=v_ok[None, :])
         rows = c * CHUNK + i
         ok = rows < length
-        q = tl.load(q_ptr + rows[:, None] * stride_qt + kh * stride_qh + dk[None, :], mask=ok[:, None], other=0.0).to(
+        # k loaded as [DK, CHUNK] (the update's left operand, transposed by the addressing rather than in
+        # registers) and normalised per column
+        k_t = tl.load(k_ptr + rows[None, :] * stride_kt + kh * stride_kh + dk[:, None], mask=ok[None, :], other=0.0).to(
             tl.float32
         )
-        k = tl.load(k_ptr + rows[:, None] * stride_kt + kh * stride_kh + dk[None, :], mask=ok[:, None], other=0.0).to(
-            tl.float32
-        )
-        q = _l2norm_rows(q) * scale
-        k = _l2norm_rows(k)
+        k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t, axis=0) + 1e-6)[None, :]
         w = tl.load(w_ptr + rows[:, None] * stride_wt + h * stride_wh + dk[None, :], mask=ok[:, None], other=0.0)
-        u = tl.load(
-            u_ptr + rows[:, None] * stride_ut + h * stride_uh + dv[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0
-        )
+        u_ptrs = u_ptr + rows[:, None] * stride_ut + h * stride_uh + dv[None, :]
+        u = tl.load(u_ptrs, mask=ok[:, None] & v_ok[None, :], other=0.0)
         # Rows past the span repeat the last cumulative decay (their g is 0): G_C is the span's.
         gc = tl.load(gcum_ptr + tl.minimum(rows, length - 1) * stride_ct + h)
         g_last = tl.load(gcum_ptr + tl.minimum(c * CHUNK + CHUNK - 1, length - 1) * stride_ct + h)
-        v_new = u - tl.dot(w, s, input_precision="ieee")
-        attn = tl.dot(q, tl.trans(k), input_precision="ieee")
-        attn = tl.where(causal, attn * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
-        o = tl.dot(q * tl.exp(gc)[:, None], s, input_precision="ieee") + tl.dot(attn, v_new, input_precision="ieee")
-        tl.store(
-            o_ptr + rows[:, None] * stride_ot + h * stride_oh + dv[None, :],
-            o.to(o_ptr.dtype.element_ty),
-            mask=ok[:, None] & v_ok[None, :],
-        )
-        k_decayed = k * tl.exp(g_last - gc)[:, None]
-        s = s * tl.exp(g_last) + tl.dot(tl.trans(k_decayed), v_new, input_precision="ieee")
+        v_new = u - tl.dot(w, s, input_precision=PRECISION)
+        tl.store(u_ptrs, v_new, mask=ok[:, None] & v_ok[None, :])
+        k_decayed = k_t * tl.exp(g_last - gc)[None, :]
+        s = s * tl.exp(g_last) + tl.dot(k_decayed, v_new, input_precision=PRECISION)
     tl.store(s_ptrs, s, mask=v_ok[None, :])
 
 
-def scan_launch_config(dtype: torch.dtype, dv: int) -> dict[str, int]:
-    """`_chunk_scan_kernel`'s tiling for q/k of `dtype` and value head size `dv`: BLOCK_V state columns per program
-    and the software-pipelining depth of its per-chunk loads.
+# Not specialised on `length`, as `_chunk_prepare_kernel`.
+@triton.jit(do_not_specialize=["length"])
+def _chunk_output_kernel(
+    q_ptr,
+    k_ptr,
+    u_ptr,
+    gcum_ptr,
+    h_ptr,
+    o_ptr,
+    length,
+    scale,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_ut,
+    stride_uh,
+    stride_ct,
+    stride_hc,
+    stride_hh,
+    stride_hk,
+    stride_ot,
+    stride_oh,
+    GROUP: tl.constexpr,
+    CHUNK: tl.constexpr,
+    DK: tl.constexpr,
+    DV: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Chunk `pid(0)`, value head `pid(1)`, output columns block `pid(2)`: O = (exp(G) q) h[c] + mask(q k^T
+    exp(G_i - G_j)) V', from the state the chunk starts from (h[c]) and V' (in U's buffer), both written by
+    `_chunk_state_kernel`."""
+    c = tl.program_id(0)
+    h = tl.program_id(1)
+    vb = tl.program_id(2)
+    kh = h // GROUP
+    dk = tl.arange(0, DK)
+    dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = dv < DV
+    i = tl.arange(0, CHUNK)
+    rows = c * CHUNK + i
+    ok = rows < length
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + kh * stride_qh + dk[None, :], mask=ok[:, None], other=0.0).to(
+        tl.float32
+    )
+    k = tl.load(k_ptr + rows[:, None] * stride_kt + kh * stride_kh + dk[None, :], mask=ok[:, None], other=0.0).to(
+        tl.float32
+    )
+    q = _l2norm_rows(q) * scale
+    k = _l2norm_rows(k)
+    gc = tl.load(gcum_ptr + tl.minimum(rows, length - 1) * stride_ct + h)
+    s = tl.load(
+        h_ptr + c * stride_hc + h * stride_hh + dk[:, None] * stride_hk + dv[None, :], mask=v_ok[None, :], other=0.0
+    ).to(tl.float32)
+    v_new = tl.load(
+        u_ptr + rows[:, None] * stride_ut + h * stride_uh + dv[None, :], mask=ok[:, None] & v_ok[None, :], other=0.0
+    )
+    causal = i[:, None] >= i[None, :]
+    attn = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    attn = tl.where(causal, attn * tl.exp(tl.where(causal, gc[:, None] - gc[None, :], 0.0)), 0.0)
+    o = tl.dot(q * tl.exp(gc)[:, None], s, input_precision=PRECISION)
+    o = o + tl.dot(attn, v_new, input_precision=PRECISION)
+    tl.store(
+        o_ptr + rows[:, None] * stride_ot + h * stride_oh + dv[None, :],
+        o.to(o_ptr.dtype.element_ty),
+        mask=ok[:, None] & v_ok[None, :],
+    )
 
-    Each pipeline stage buffers a chunk's q, k (in q's dtype) and W (float32) tiles, [64, Dk] each, in shared memory:
-    at Dk 128 a stage is 96 KiB with float32 q/k and 64 KiB with bfloat16, so Triton's default of 3 stages needed
-    296,456 B (float32) and 165,384 B (bfloat16) against the H200's 232,448 B per block. Two stages for 2-byte
-    inputs (123,652 B) keep the next chunk's loads in flight; float32 inputs take one (106,496 B), as their dots
-    (IEEE float32, FMA rather than tensor cores) are compute-bound anyway. Figures from Triton 3.9's compiler for
-    sm_90 (`tests/models/test_qwen3_5.py::test_chunk_scan_fits_shared_memory` recomputes them without a GPU).
-    """
-    return {
-        "BLOCK_V": min(32, max(16, triton.next_power_of_2(dv))),
-        "num_stages": 1 if torch.empty((), dtype=dtype).element_size() >= 4 else 2,
-    }
+
+# Per kernel (num_warps, num_stages, BLOCK_V), chosen from the sm_90 builds of Triton 3.9 at Qwen3.5-35B-A3B's heads
+# (Dk = Dv = 128; `benches/gated_delta.py` times them on a GPU): register spills fall with more warps per tile
+# (the prepare kernel: 8584 B of stack at 4 warps in IEEE float32 against 232 B at 8 with tensor-core dots), and
+# narrow state/output column blocks keep the sequential kernel's state and the dots' operands in registers.
+LAUNCH = {
+    "prepare": (8, 1, 0),
+    "state": (8, 1, 16),
+    "output": (8, 1, 16),
+}
+# The dots' precision on the GPU: three TF32 tensor-core products per dot (Triton's "tf32x3": the operands split
+# into TF32 hi + lo parts, lo * lo dropped), float32 accuracy to ~1e-6 relative at tensor-core speed. IEEE float32
+# dots run on the FMA pipes and compile to register-starved code at these tiles (32 registers, 11.7 KB of stack per
+# thread for the old single scan kernel: 112 ms per 8192-token span of one layer on the H200, 74 % of Qwen3.5's
+# prefill); plain TF32 (10-bit mantissa) moves float32 states by ~1e-3 relative, past what the tests against the
+# torch form allow.
+DOT_PRECISION = "tf32x3"
 
 
 def chunk_gated_delta_rule(
@@ -418,79 +485,64 @@ def chunk_gated_delta_rule(
     beta: torch.Tensor,
     state: torch.Tensor,
 ) -> torch.Tensor:
-    """`chunk_gated_delta_rule_torch` in two Triton kernels (on CUDA, or in Triton's interpreter on the CPU), the
-    state advanced in place.
+    """`chunk_gated_delta_rule_torch` in three Triton kernels (on CUDA, or in Triton's interpreter on the CPU), the
+    state advanced in place: `_chunk_prepare_kernel` (W, U, G of every chunk, in parallel), `_chunk_state_kernel`
+    (the state at each chunk's start, h, and V' = U - W S: the only sequential pass), `_chunk_output_kernel` (every
+    chunk's outputs from h and V', in parallel), as flash-linear-attention splits its `chunk_gated_delta_rule`.
 
     Args:
         q, k: [L, Hk, Dk]; v: [L, Hv, Dv]; g: [L, Hv] float32; beta: [L, Hv].
         state: [Hv, Dk, Dv] float32, contiguous (a pool row), read and written in place.
 
     Returns:
-        o [L, Hv, Dv] in v's dtype. Dk must be a power of two >= 16, Dv >= 16.
+        o [L, Hv, Dv] in v's dtype. Dk must be a power of two >= 16, Dv >= 16. Scratch beside the output, float32:
+        W [L, Hv, Dk], U [L, Hv, Dv], G [L, Hv] and h [ceil(L / 64), Hv, Dk, Dv] (`chunk_scratch_nbytes`; h in
+        float32, not in the inputs' dtype as flash-linear-attention keeps it: a bfloat16 h moved a quarter of the
+        bfloat16 outputs off torch's rounding).
     """
     q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
     length, num_k_heads, dk = q.shape
     num_v_heads, dv = v.shape[1], v.shape[2]
     group = num_v_heads // num_k_heads
+    chunks = triton.cdiv(length, CHUNK_SIZE)
     w = torch.empty(length, num_v_heads, dk, dtype=torch.float32, device=q.device)
     u = torch.empty(length, num_v_heads, dv, dtype=torch.float32, device=q.device)
     gcum = torch.empty(length, num_v_heads, dtype=torch.float32, device=q.device)
-    dv_pad = max(16, triton.next_power_of_2(dv))
-    _chunk_prepare_kernel[(triton.cdiv(length, CHUNK_SIZE), num_v_heads)](
-        k,
-        v,
-        g,
-        beta,
-        w,
-        u,
-        gcum,
-        length,
-        k.stride(0),
-        k.stride(1),
-        v.stride(0),
-        v.stride(1),
-        g.stride(0),
-        beta.stride(0),
-        w.stride(0),
-        w.stride(1),
-        u.stride(0),
-        u.stride(1),
-        gcum.stride(0),
-        GROUP=group,
-        CHUNK=CHUNK_SIZE,
-        DK=dk,
-        DV=dv,
-        DV_PAD=dv_pad,
-    )
+    h = torch.empty(chunks, num_v_heads, dk, dv, dtype=torch.float32, device=q.device)
+    interpret = q.device.type != "cuda"
+    precision = "ieee" if interpret else DOT_PRECISION
+    warps, stages, _ = LAUNCH["prepare"]
+    _chunk_prepare_kernel[(chunks, num_v_heads)](
+        k, v, g, beta, w, u, gcum, length,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        w.stride(0), w.stride(1), u.stride(0), u.stride(1), gcum.stride(0),
+        GROUP=group, CHUNK=CHUNK_SIZE, DK=dk, DV=dv, DV_PAD=max(16, triton.next_power_of_2(dv)),
+        PRECISION=precision, num_warps=warps, num_stages=stages,
+    )  # fmt: skip
+    warps, stages, block_v = LAUNCH["state"]
+    block_v = min(block_v, max(16, triton.next_power_of_2(dv)))
+    _chunk_state_kernel[(num_v_heads, triton.cdiv(dv, block_v))](
+        k, w, u, gcum, state, h, length,
+        k.stride(0), k.stride(1), w.stride(0), w.stride(1), u.stride(0), u.stride(1), gcum.stride(0),
+        state.stride(0), state.stride(1), h.stride(0), h.stride(1), h.stride(2),
+        GROUP=group, CHUNK=CHUNK_SIZE, DK=dk, DV=dv, BLOCK_V=block_v, PRECISION=precision,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
     out = torch.empty(length, num_v_heads, dv, dtype=v.dtype, device=v.device)
-    launch = scan_launch_config(q.dtype, dv)
-    _chunk_scan_kernel[(num_v_heads, triton.cdiv(dv, launch["BLOCK_V"]))](
-        q,
-        k,
-        w,
-        u,
-        gcum,
-        state,
-        out,
-        length,
-        dk**-0.5,
-        q.stride(0),
-        q.stride(1),
-        k.stride(0),
-        k.stride(1),
-        w.stride(0),
-        w.stride(1),
-        u.stride(0),
-        u.stride(1),
-        gcum.stride(0),
-        state.stride(0),
-        state.stride(1),
-        out.stride(0),
-        out.stride(1),
-        GROUP=group,
-        CHUNK=CHUNK_SIZE,
-        DK=dk,
-        DV=dv,
-        **launch,
-    )
+    warps, stages, block_v = LAUNCH["output"]
+    block_v = min(block_v, max(16, triton.next_power_of_2(dv)))
+    _chunk_output_kernel[(chunks, num_v_heads, triton.cdiv(dv, block_v))](
+        q, k, u, gcum, h, out, length, dk**-0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), u.stride(0), u.stride(1), gcum.stride(0),
+        h.stride(0), h.stride(1), h.stride(2), out.stride(0), out.stride(1),
+        GROUP=group, CHUNK=CHUNK_SIZE, DK=dk, DV=dv, BLOCK_V=block_v, PRECISION=precision,
+        num_warps=warps, num_stages=stages,
+    )  # fmt: skip
     return out
+
+
+def chunk_scratch_nbytes(length: int, num_v_heads: int, dk: int, dv: int) -> int:
+    """Device bytes `chunk_gated_delta_rule` allocates beside its output for a `length`-token span: W, U, G and h
+    ([chunks, Hv, Dk, Dv]), all float32."""
+    chunks = -(-length // CHUNK_SIZE)
+    return 4 * (length * num_v_heads * (dk + dv + 1) + chunks * num_v_heads * dk * dv)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from freetoken.config import ModelConfig
+from freetoken.kernels.gated_delta import chunk_scratch_nbytes
 
 # Rows of the grouped expert kernel's M tiles at prefill sizes (`freetoken.kernels.fused_moe.block_m_for`).
 PREFILL_BLOCK_M = 64
@@ -133,10 +134,10 @@ def _qwen3_5_mixers(cfg: ModelConfig, t: int, d: int, stream: int, q_bytes: int,
     base = stream + t * conv * d + 2 * t * value_dim * d + t * v_heads * (d + 4 * 4)
     # the conv (`causal_conv_span`): the window and the span concatenated, conv1d's output, SiLU, the transpose;
     conv_stage = base + 4 * t * conv * d
-    # the chunked rule (`chunk_gated_delta_rule`): beside the conv's output, w and u float32 [T, v_heads, Dk/Dv],
-    # the cumulated decay float32 [T, v_heads], the output [T, value_dim];
-    dk = cfg.linear_key_head_dim
-    chunk_stage = base + t * conv * d + t * v_heads * (dk + cfg.linear_value_head_dim + 1) * 4 + t * value_dim * d
+    # the chunked rule (`chunk_gated_delta_rule`): beside the conv's output, its float32 scratch (w, u, the
+    # cumulated decay and each 64-token chunk's starting state, `chunk_scratch_nbytes`), the output [T, value_dim];
+    scratch = chunk_scratch_nbytes(t, v_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    chunk_stage = base + t * conv * d + scratch + t * value_dim * d
     # the gated norm (`GatedRMSNorm`): x / rms(x) float32, w times it in d, z float32 and silu(z) float32.
     norm_stage = base + t * conv * d + t * value_dim * (4 + d + 4 + 4)
     parts["linear_attention"] = max(conv_stage, chunk_stage, norm_stage)
