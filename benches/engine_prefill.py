@@ -85,9 +85,12 @@ def profile_prompt(engine: LLMEngine, length: int, rng: np.random.Generator, voc
     for key in (device_key, "self_cpu_time_total"):
         log(events.table(sort_by=key, row_limit=20, max_name_column_width=60))
     by_kind: dict[str, float] = {}
-    kind_key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    cuda = torch.cuda.is_available()
     for event in events:
-        seconds = getattr(event, kind_key) / 1e6
+        # Device-side events only (kernels, copies): an op's own row repeats its kernels' device time.
+        if cuda and event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        seconds = (event.self_device_time_total if cuda else event.self_cpu_time_total) / 1e6
         if seconds > 0:
             by_kind[kind_of(event.key)] = by_kind.get(kind_of(event.key), 0.0) + seconds
     return {"wall_s": round(wall, 3), **{k: round(v, 3) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}}
