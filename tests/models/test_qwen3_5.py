@@ -308,6 +308,27 @@ def test_chunk_kernels_match_torch(on_kernel_device):
         torch.testing.assert_close(state, want_state, atol=tol, rtol=tol)
 
 
+@gpu_when_available
+def test_chunk_kernels_in_passes_equal_one_pass(on_kernel_device, monkeypatch):
+    """A span longer than `PASS_TOKENS` runs in passes with the state carried between them: the same outputs and
+    state as one pass, bit for bit (the passes end on chunk boundaries), so the scratch is bounded at no cost."""
+    from freetoken.kernels import gated_delta
+
+    torch.manual_seed(4)
+    length, heads_k, heads_v, dk, dv = 150, 1, 2, 16, 16
+    q, k = torch.randn(length, heads_k, dk), torch.randn(length, heads_k, dk)
+    v = torch.randn(length, heads_v, dv)
+    g, beta = -torch.rand(length, heads_v) * 2, torch.rand(length, heads_v)
+    state = torch.randn(heads_v, dk, dv)
+    one_state = state.clone()
+    one = chunk_gated_delta_rule(q, k, v, g, beta, one_state)
+    monkeypatch.setattr(gated_delta, "PASS_TOKENS", 64)
+    split = chunk_gated_delta_rule(q, k, v, g, beta, state)
+    assert torch.equal(split, one)
+    assert torch.equal(state, one_state)
+    assert gated_delta.chunk_scratch_nbytes(length, heads_v, dk, dv) == 4 * (64 * 2 * 33 + 2 * 256)
+
+
 def _bf16_steps_apart(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
     """Per element, how many bfloat16 values lie between two bfloat16 tensors (0: equal)."""
     a, b = (x.view(torch.int16).int() for x in (got, want))

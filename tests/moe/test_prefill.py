@@ -263,6 +263,29 @@ def test_exploration_measures_a_close_untried_strategy_once():
         assert picks == ["hybrid", "hybrid", *tried, "hybrid", "hybrid"], (n, picks)
 
 
+def test_no_exploration_where_streaming_is_the_measured_best():
+    """A long chunk that streams as predicted is not spent on measuring an on-demand strategy priced within the
+    margin: streaming's price is a layer's copy, and a wrong exploration costs two long chunks (a 32768-token Qwen3.5
+    chunk under hybrid ran 6.1x its prediction on the H200, 10.5 s of TTFT twice)."""
+    costs = _costs(resident=22)
+    n = 8192
+    assert 1 < costs.seconds("hybrid", n) / costs.seconds("stream", n) <= EXPLORE_MARGIN_NEAR
+    calibration = _FakeClock(torch.device("cpu"))
+    for strategy in ("hybrid", "hybrid"):  # measured at a short size, as predicted: the near margin applies
+        calibration.start(strategy, 64, costs.seconds(strategy, 64))
+        calibration.now += costs.seconds(strategy, 64)
+        calibration.end()
+    assert calibration.measured_anywhere("hybrid")
+    picks = []
+    for _ in range(6):
+        strategy = choose_strategy(costs, n, ["stream", "hybrid"], calibration)
+        calibration.start(strategy, n, costs.seconds(strategy, n))
+        calibration.now += costs.seconds(strategy, n)
+        calibration.end()
+        picks.append(strategy)
+    assert picks == ["stream"] * 6
+
+
 def test_a_strategy_measured_at_another_size_explores_within_the_near_margin_only():
     """Measured at a neighbouring size class, a strategy's price carries that class's scale, so it is explored only
     within EXPLORE_MARGIN_NEAR of the best: 1.5x dearer after calibration is not run at the new size."""

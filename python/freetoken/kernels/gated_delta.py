@@ -469,6 +469,12 @@ LAUNCH = {
     "state": (4, 1, 32),
     "output": (8, 1, 64),
 }
+# Most tokens `chunk_gated_delta_rule` runs in one pass of its kernels (a multiple of CHUNK_SIZE): 8192 tokens of
+# Qwen3.5-35B-A3B's heads take 4.3 ms and 0.54 GB of float32 scratch (h half of it), so a 32768-token prefill chunk
+# runs four passes instead of holding 2.15 GB, which pushed the second prefill layer buffer out of a 24 GB budget
+# with state checkpoints on (`freetoken.moe.budget.plan_expert_slots`).
+PASS_TOKENS = 8192
+
 # The dots' precision on the GPU: three TF32 tensor-core products per dot (Triton's "tf32x3": the operands split
 # into TF32 hi + lo parts, lo * lo dropped), float32 accuracy to ~1e-6 relative at tensor-core speed. IEEE float32
 # dots run on the FMA pipes and compile to register-starved code at these tiles (32 registers, 11.7 KB of stack per
@@ -496,12 +502,23 @@ def chunk_gated_delta_rule(
         state: [Hv, Dk, Dv] float32, contiguous (a pool row), read and written in place.
 
     Returns:
-        o [L, Hv, Dv] in v's dtype. Dk must be a power of two >= 16, Dv >= 16. Scratch beside the output, float32:
-        W [L, Hv, Dk], U [L, Hv, Dv], G [L, Hv] and h [ceil(L / 64), Hv, Dk, Dv] (`chunk_scratch_nbytes`; h in
-        float32, not in the inputs' dtype as flash-linear-attention keeps it: a bfloat16 h moved a quarter of the
-        bfloat16 outputs off torch's rounding).
+        o [L, Hv, Dv] in v's dtype. Dk must be a power of two >= 16, Dv >= 16. Spans past `PASS_TOKENS` run in
+        passes of that many tokens (a multiple of the chunk size, so the chunks and the result are the same), the
+        state carried from one to the next, so the float32 scratch beside the output is bounded whatever the
+        prefill chunk: W [L', Hv, Dk], U [L', Hv, Dv], G [L', Hv] and h [L' / 64, Hv, Dk, Dv] for L' = min(L,
+        PASS_TOKENS) (`chunk_scratch_nbytes`; h in float32, not in the inputs' dtype as flash-linear-attention keeps
+        it: a bfloat16 h moved a quarter of the bfloat16 outputs off torch's rounding).
     """
     q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    for start in range(0, q.shape[0], PASS_TOKENS):
+        rows = slice(start, start + PASS_TOKENS)
+        _chunk_pass(q[rows], k[rows], v[rows], g[rows], beta[rows], state, out[rows])
+    return out
+
+
+def _chunk_pass(q, k, v, g, beta, state: torch.Tensor, out: torch.Tensor) -> None:
+    """One pass of `chunk_gated_delta_rule` over a span of at most `PASS_TOKENS`, its outputs written into `out`."""
     length, num_k_heads, dk = q.shape
     num_v_heads, dv = v.shape[1], v.shape[2]
     group = num_v_heads // num_k_heads
@@ -529,7 +546,6 @@ def chunk_gated_delta_rule(
         GROUP=group, CHUNK=CHUNK_SIZE, DK=dk, DV=dv, BLOCK_V=block_v, PRECISION=precision,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    out = torch.empty(length, num_v_heads, dv, dtype=v.dtype, device=v.device)
     warps, stages, block_v = LAUNCH["output"]
     block_v = min(block_v, max(16, triton.next_power_of_2(dv)))
     _chunk_output_kernel[(chunks, num_v_heads, triton.cdiv(dv, block_v))](
@@ -539,11 +555,11 @@ def chunk_gated_delta_rule(
         GROUP=group, CHUNK=CHUNK_SIZE, DK=dk, DV=dv, BLOCK_V=block_v, PRECISION=precision,
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
-    return out
 
 
 def chunk_scratch_nbytes(length: int, num_v_heads: int, dk: int, dv: int) -> int:
-    """Device bytes `chunk_gated_delta_rule` allocates beside its output for a `length`-token span: W, U, G and h
-    ([chunks, Hv, Dk, Dv]), all float32."""
+    """Device bytes `chunk_gated_delta_rule` allocates beside its output for a `length`-token span (one pass of at
+    most `PASS_TOKENS`): W, U, G and h ([chunks, Hv, Dk, Dv]), all float32."""
+    length = min(length, PASS_TOKENS)
     chunks = -(-length // CHUNK_SIZE)
     return 4 * (length * num_v_heads * (dk + dv + 1) + chunks * num_v_heads * dk * dv)

@@ -133,13 +133,17 @@ def choose_strategy(
     prediction times its measured / predicted scale (`Calibration.scale`). Once the cheapest has been measured at
     this size class, a candidate not measured there whose price is within `EXPLORE_MARGIN` of it
     (`EXPLORE_MARGIN_NEAR` when the candidate has been measured at another size) is taken instead (the cheapest
-    such), so that it gets measured: a strategy the model overprices by less than that is found."""
+    such), so that it gets measured: a strategy the model overprices by less than that is found. Not where streaming
+    is the measured best: its price is a layer's copy, which the model gets within ~20 % (measured / predicted
+    0.78-1.13 on the lent H200 box), and an on-demand strategy that routes to nearly every expert copies the same
+    bytes without the overlap; exploring there cost two long chunks of a strategy far off its price (Qwen3.5-35B-A3B,
+    a 32768-token chunk under `hybrid`: 6.1x its prediction, 10.5 s of TTFT twice in one agent session)."""
 
     def price(c: str) -> float:
         return costs.seconds(c, num_tokens) * (calibration.scale(c, num_tokens) if calibration else 1.0)
 
     best = min(candidates, key=price)
-    if calibration is None or not calibration.measured(best, num_tokens):
+    if calibration is None or not calibration.measured(best, num_tokens) or best == "stream":
         return best
 
     def margin(c: str) -> float:
