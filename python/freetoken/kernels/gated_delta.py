@@ -148,6 +148,17 @@ def recurrent_gated_delta_rule_torch(
 
 
 @triton.jit
+def _head_columns(
+    head_axis: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_V: tl.constexpr
+):
+    """The value head on grid axis `head_axis` and the state column block on the next one: (value head, its key head,
+    key dims [DK], value columns [BLOCK_V], which of those are < DV)."""
+    h = tl.program_id(head_axis)
+    dv = tl.program_id(head_axis + 1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    return h, h // GROUP, tl.arange(0, DK), dv, dv < DV
+
+
+@triton.jit
 def _recurrent_kernel(
     q_ptr,
     k_ptr,
@@ -178,12 +189,7 @@ def _recurrent_kernel(
 ):
     """One token of sequence `pid(0)`, value head `pid(1)`, state columns [pid(2) * BLOCK_V, +BLOCK_V)."""
     b = tl.program_id(0)
-    h = tl.program_id(1)
-    vb = tl.program_id(2)
-    kh = h // GROUP
-    dk = tl.arange(0, DK)
-    dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    v_ok = dv < DV
+    h, kh, dk, dv, v_ok = _head_columns(1, GROUP, DK, DV, BLOCK_V)
     slot = tl.load(slot_ptr + b)
     q = tl.load(q_ptr + b * stride_qb + kh * stride_qh + dk).to(tl.float32)
     k = tl.load(k_ptr + b * stride_kb + kh * stride_kh + dk).to(tl.float32)
@@ -356,12 +362,7 @@ def _chunk_state_kernel(
     registers (float32): h[c] = S (the state the chunk starts from), U <- V' = U - W S in place, then
     S <- exp(G_C) S + (exp(G_C - G) k)^T V'; the last S written back to the pool row. Only the two products that
     carry the state are sequential; `_chunk_output_kernel` computes the outputs of all chunks in parallel."""
-    h = tl.program_id(0)
-    vb = tl.program_id(1)
-    kh = h // GROUP
-    dk = tl.arange(0, DK)
-    dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    v_ok = dv < DV
+    h, kh, dk, dv, v_ok = _head_columns(0, GROUP, DK, DV, BLOCK_V)
     i = tl.arange(0, CHUNK)
     s_ptrs = state_ptr + h * stride_sh + dk[:, None] * stride_sk + dv[None, :]
     s = tl.load(s_ptrs, mask=v_ok[None, :], other=0.0)
@@ -423,12 +424,7 @@ def _chunk_output_kernel(
     exp(G_i - G_j)) V', from the state the chunk starts from (h[c]) and V' (in U's buffer), both written by
     `_chunk_state_kernel`."""
     c = tl.program_id(0)
-    h = tl.program_id(1)
-    vb = tl.program_id(2)
-    kh = h // GROUP
-    dk = tl.arange(0, DK)
-    dv = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    v_ok = dv < DV
+    h, kh, dk, dv, v_ok = _head_columns(1, GROUP, DK, DV, BLOCK_V)
     i = tl.arange(0, CHUNK)
     rows = c * CHUNK + i
     ok = rows < length
