@@ -4,7 +4,6 @@ prints a row per prompt length whose chunk counts add up, and refuses flags `ft 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -13,10 +12,8 @@ BENCH = Path(__file__).resolve().parents[2] / "benches" / "engine_prefill.py"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(BENCH.parents[1] / "python"), *sys.path])}
-    return subprocess.run(
-        [sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=300, env=env, check=False
-    )
+    """The bench in a child process with this one's environment (the freetoken it imports is the one under test)."""
+    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=300, check=False)
 
 
 def test_demo_prefill_rows_and_profile():

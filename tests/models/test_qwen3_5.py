@@ -145,6 +145,19 @@ def _prompt_logits(engine: LLMEngine, prompt: list[int]) -> torch.Tensor:
     return logits
 
 
+def test_passes_give_the_same_logits(checkpoint, monkeypatch):
+    """A span longer than `PASS_TOKENS` runs the conv and the gated norm in passes (the conv window carried from one
+    to the next): the logits equal one pass's, here with passes of 5 tokens across an 81-token prompt."""
+    from freetoken.models import qwen3_5_moe
+
+    path, _ = checkpoint
+    engine = _engine(path)
+    want = _prompt_logits(engine, PROMPTS[1])
+    monkeypatch.setattr(qwen3_5_moe, "PASS_TOKENS", 5)
+    got = _prompt_logits(engine, PROMPTS[1])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_fused_expert_layout_loads_the_same(checkpoint, expected, tmp_path):
     """The fused 3-D expert tensors (the released checkpoints) give the same model as one tensor per expert (what
     transformers saves)."""
