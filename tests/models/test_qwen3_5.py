@@ -340,6 +340,16 @@ def test_chunk_kernels_in_passes_equal_one_pass(on_kernel_device, monkeypatch):
     assert torch.equal(split, one)
     assert torch.equal(state, one_state)
     assert gated_delta.chunk_scratch_nbytes(length, heads_v, dk, dv) == 4 * (64 * 2 * 33 + 2 * 256)
+    # Written into rows of a step's output: the same values there; a transposed or mistyped `out` is refused.
+    rows = torch.zeros(length + 3, heads_v, dv)
+    chunk_gated_delta_rule(q, k, v, g, beta, one_state.clone(), rows[3:])
+    assert torch.equal(rows[3:], chunk_gated_delta_rule(q, k, v, g, beta, one_state.clone()))
+    for bad in (
+        torch.empty(length, dv, heads_v).transpose(1, 2),
+        torch.empty(length, heads_v, dv, dtype=torch.float64),
+    ):
+        with pytest.raises(ValueError, match="out:"):
+            chunk_gated_delta_rule(q, k, v, g, beta, one_state.clone(), bad)
 
 
 def _bf16_steps_apart(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:

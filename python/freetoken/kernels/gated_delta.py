@@ -500,6 +500,9 @@ def chunk_gated_delta_rule(
         out: where to write o ([L, Hv, Dv], v's dtype, unit stride in the last dim), e.g. the rows of a step's
             output, instead of a new tensor.
 
+    Raises:
+        ValueError: `out` not of v's shape and dtype, or not of unit stride in its last dim.
+
     Returns:
         o [L, Hv, Dv] in v's dtype (`out` when given). Dk must be a power of two >= 16, Dv >= 16. Spans past
         `PASS_TOKENS` run in passes of that many tokens (a multiple of the chunk size, so the chunks and the result
@@ -511,6 +514,10 @@ def chunk_gated_delta_rule(
     q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
     if out is None:
         out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    elif out.shape != v.shape or out.dtype != v.dtype or out.stride(-1) != 1:
+        # the output kernel writes rows by `out`'s strides and the head dim at unit stride
+        raise ValueError(f"out: {tuple(out.shape)} {out.dtype} with strides {out.stride()}, want v's shape and dtype "
+                         f"{tuple(v.shape)} {v.dtype} with unit stride in the last dim")  # fmt: skip
     for start in range(0, q.shape[0], PASS_TOKENS):
         rows = slice(start, start + PASS_TOKENS)
         _chunk_pass(q[rows], k[rows], v[rows], g[rows], beta[rows], state, out[rows])
