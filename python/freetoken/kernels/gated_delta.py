@@ -487,7 +487,6 @@ def chunk_gated_delta_rule(
     g: torch.Tensor,
     beta: torch.Tensor,
     state: torch.Tensor,
-    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`chunk_gated_delta_rule_torch` in three Triton kernels (on CUDA, or in Triton's interpreter on the CPU), the
     state advanced in place: `_chunk_prepare_kernel` (W, U, G of every chunk, in parallel), `_chunk_state_kernel`
@@ -497,27 +496,17 @@ def chunk_gated_delta_rule(
     Args:
         q, k: [L, Hk, Dk]; v: [L, Hv, Dv]; g: [L, Hv] float32; beta: [L, Hv].
         state: [Hv, Dk, Dv] float32, contiguous (a pool row), read and written in place.
-        out: where to write o ([L, Hv, Dv], v's dtype, unit stride in the last dim), e.g. the rows of a step's
-            output, instead of a new tensor.
-
-    Raises:
-        ValueError: `out` not of v's shape and dtype, or not of unit stride in its last dim.
 
     Returns:
-        o [L, Hv, Dv] in v's dtype (`out` when given). Dk must be a power of two >= 16, Dv >= 16. Spans past
-        `PASS_TOKENS` run in passes of that many tokens (a multiple of the chunk size, so the chunks and the result
-        are the same), the state carried from one to the next, so the float32 scratch beside the output is bounded
-        whatever the prefill chunk: W [L', Hv, Dk], U [L', Hv, Dv], G [L', Hv] and h [L' / 64, Hv, Dk, Dv] for
-        L' = min(L, PASS_TOKENS) (`chunk_scratch_nbytes`; h in float32, not in the inputs' dtype as
-        flash-linear-attention keeps it: a bfloat16 h moved a quarter of the bfloat16 outputs off torch's rounding).
+        o [L, Hv, Dv] in v's dtype. Dk must be a power of two >= 16, Dv >= 16. Spans past `PASS_TOKENS` run in
+        passes of that many tokens (a multiple of the chunk size, so the chunks and the result are the same), the
+        state carried from one to the next, so the float32 scratch beside the output is bounded whatever the
+        prefill chunk: W [L', Hv, Dk], U [L', Hv, Dv], G [L', Hv] and h [L' / 64, Hv, Dk, Dv] for L' = min(L,
+        PASS_TOKENS) (`chunk_scratch_nbytes`; h in float32, not in the inputs' dtype as flash-linear-attention keeps
+        it: a bfloat16 h moved a quarter of the bfloat16 outputs off torch's rounding).
     """
     q, k, v, g, beta = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v, g, beta))
-    if out is None:
-        out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
-    elif out.shape != v.shape or out.dtype != v.dtype or out.stride(-1) != 1:
-        # the output kernel writes rows by `out`'s strides and the head dim at unit stride
-        raise ValueError(f"out: {tuple(out.shape)} {out.dtype} with strides {out.stride()}, want v's shape and dtype "
-                         f"{tuple(v.shape)} {v.dtype} with unit stride in the last dim")  # fmt: skip
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     for start in range(0, q.shape[0], PASS_TOKENS):
         rows = slice(start, start + PASS_TOKENS)
         _chunk_pass(q[rows], k[rows], v[rows], g[rows], beta[rows], state, out[rows])

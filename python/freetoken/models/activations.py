@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from freetoken.config import ModelConfig
-from freetoken.kernels.gated_delta import PASS_TOKENS, chunk_scratch_nbytes
+from freetoken.kernels.gated_delta import chunk_scratch_nbytes
 
 # Rows of the grouped expert kernel's M tiles at prefill sizes (`freetoken.kernels.fused_moe.block_m_for`).
 PREFILL_BLOCK_M = 64
@@ -132,16 +132,13 @@ def _qwen3_5_mixers(cfg: ModelConfig, t: int, d: int, stream: int, q_bytes: int,
     # GatedDeltaNet: in_proj_qkv's output [T, conv], z [T, value_dim], beta (d) and the log decay g (float32, and
     # its softplus's float32 temporaries) [T, v_heads], the output rows `core` [T, value_dim]; then, one at a time:
     base = stream + t * conv * d + 2 * t * value_dim * d + t * v_heads * (d + 4 * 4)
-    # the conv (`causal_conv_span`, in passes of p = min(T, PASS_TOKENS) tokens): its output [T, conv], and a pass's
-    # window and inputs concatenated and conv1d's output, then that output and SiLU's;
-    p = min(t, PASS_TOKENS)
-    conv_stage = base + t * conv * d + 2 * p * conv * d + (cfg.linear_conv_kernel_dim - 1) * conv * d
-    # the chunked rule (`chunk_gated_delta_rule`, writing into `core`): beside the conv's output, its float32
-    # scratch (w, u, the cumulated decay and each 64-token chunk's starting state, `chunk_scratch_nbytes`);
+    # the conv (`causal_conv_span`): the window and the span concatenated, conv1d's output, SiLU, the transpose;
+    conv_stage = base + 4 * t * conv * d
+    # the chunked rule (`chunk_gated_delta_rule`): beside the conv's output, its float32 scratch (w, u, the
+    # cumulated decay and each 64-token chunk's starting state, `chunk_scratch_nbytes`), the output [T, value_dim];
     scratch = chunk_scratch_nbytes(t, v_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
-    chunk_stage = base + t * conv * d + scratch
-    # the gated norm (`GatedRMSNorm`, in passes into `normed` [T, value_dim]): a pass's x / rms(x) float32, w times
-    # it in d, z float32 and silu(z) float32, and its output.
-    norm_stage = base + t * value_dim * d + p * value_dim * (4 + d + 4 + 4 + d)
+    chunk_stage = base + t * conv * d + scratch + t * value_dim * d
+    # the gated norm (`GatedRMSNorm`): x / rms(x) float32, w times it in d, z float32 and silu(z) float32.
+    norm_stage = base + t * conv * d + t * value_dim * (4 + d + 4 + 4)
     parts["linear_attention"] = max(conv_stage, chunk_stage, norm_stage)
     return parts

@@ -32,7 +32,6 @@ from torch import nn
 
 from freetoken.config import ModelConfig
 from freetoken.kernels.gated_delta import (
-    PASS_TOKENS,
     chunk_gated_delta_rule,
     chunk_gated_delta_rule_torch,
     recurrent_gated_delta_rule,
@@ -163,10 +162,6 @@ def causal_conv_decode(x: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor
 def causal_conv_span(x: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, slot: int) -> torch.Tensor:
     """A span of L inputs of one sequence through the depthwise causal conv + SiLU, continuing its window at `slot`.
 
-    Runs in passes of `PASS_TOKENS` (the delta rule's), each continuing the window the last one left, so its
-    temporaries (the window and inputs transposed, the conv's output, SiLU's) are a pass's, not the span's: a
-    32768-token span's were 2.15 GB at Qwen3.5-35B-A3B's 8192 channels.
-
     Args:
         x: [L, C]; conv: [num_slots, C, K - 1] windows, row `slot` written in place; weight: [C, K].
 
@@ -174,15 +169,10 @@ def causal_conv_span(x: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, 
         [L, C] in x's dtype.
     """
     width = conv.shape[-1]
-    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    for start in range(0, x.shape[0], PASS_TOKENS):
-        rows = slice(start, start + PASS_TOKENS)
-        full = torch.cat((conv[slot], x[rows].t().to(conv.dtype)), dim=-1)  # (C, K - 1 + pass)
-        conv[slot] = full[:, full.shape[1] - width :]
-        y = F.conv1d(full[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]  # (C, pass)
-        del full
-        out[rows] = F.silu(y).t()
-    return out
+    full = torch.cat((conv[slot], x.t().to(conv.dtype)), dim=-1)  # (C, K - 1 + L)
+    conv[slot] = full[:, full.shape[1] - width :]
+    out = F.conv1d(full[None].to(weight.dtype), weight[:, None, :], groups=weight.shape[0])[0]  # (C, L)
+    return F.silu(out).t().contiguous().to(x.dtype)
 
 
 class GatedDeltaNet(nn.Module):
@@ -237,18 +227,13 @@ class GatedDeltaNet(nn.Module):
                 for hi in [*splits, length]:
                     rows = slice(start + lo, start + hi)
                     q, k, v = self._split(causal_conv_span(mixed[rows], conv, weight, slot))
-                    self._chunk(q, k, v, g[rows], beta[rows], ssm[slot], core[rows])
-                    del q, k, v  # the conv's output: free before the next sub-span's and the norm
+                    core[rows] = self._chunk(q, k, v, g[rows], beta[rows], ssm[slot])
                     if hi < length and meta.state_capture is not None:
                         meta.state_capture(self.layer, i, hi, conv[slot], ssm[slot])
                     lo = hi
                 start += length
-        # The gated norm in passes: its float32 temporaries are a pass's (a 32768-token step's were 1.9 GB).
-        normed = torch.empty(num_tokens, self.value_dim, dtype=x.dtype, device=x.device)
-        for first in range(0, num_tokens, PASS_TOKENS):
-            rows = slice(first, first + PASS_TOKENS)
-            normed[rows] = self.norm(core[rows], z[rows]).reshape(-1, self.value_dim)
-        return self.out_proj(normed)
+        out = self.norm(core.reshape(-1, self.head_v_dim), z.reshape(-1, self.head_v_dim))
+        return self.out_proj(out.reshape(num_tokens, self.value_dim))
 
     def _split(self, mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Conv output [T, C] -> q, k [T, Hk, Dk], v [T, Hv, Dv]."""
@@ -260,13 +245,13 @@ class GatedDeltaNet(nn.Module):
             v.reshape(num_tokens, self.num_v_heads, self.head_v_dim),
         )
 
-    def _chunk(self, q, k, v, g, beta, state: torch.Tensor, out: torch.Tensor) -> None:
-        """One sequence's span through the chunked rule, o written into `out` ([L, Hv, Dv], rows of the step's
-        output); `state` ([Hv, Dk, Dv] float32, a pool row) advanced in place."""
+    def _chunk(self, q, k, v, g, beta, state: torch.Tensor) -> torch.Tensor:
+        """One sequence's span through the chunked rule: o [L, Hv, Dv]; `state` ([Hv, Dk, Dv] float32, a pool row)
+        advanced in place."""
         if q.device.type in KERNEL_DEVICES:
-            chunk_gated_delta_rule(q, k, v, g, beta, state, out)
-            return
-        out[:], state[:] = chunk_gated_delta_rule_torch(q, k, v, g, beta, state)
+            return chunk_gated_delta_rule(q, k, v, g, beta, state)
+        out, state[:] = chunk_gated_delta_rule_torch(q, k, v, g, beta, state)
+        return out
 
 
 class SparseMoeBlock(_RoutedMoeBlock):
