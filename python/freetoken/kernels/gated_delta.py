@@ -193,8 +193,8 @@ def _recurrent_kernel(
     slot = tl.load(slot_ptr + b)
     q = tl.load(q_ptr + b * stride_qb + kh * stride_qh + dk).to(tl.float32)
     k = tl.load(k_ptr + b * stride_kb + kh * stride_kh + dk).to(tl.float32)
-    q = q * tl.rsqrt(tl.sum(q * q) + 1e-6) * scale
-    k = k * tl.rsqrt(tl.sum(k * k) + 1e-6)
+    q = _l2norm(q, 0) * scale
+    k = _l2norm(k, 0)
     v = tl.load(v_ptr + b * stride_vb + h * stride_vh + dv, mask=v_ok, other=0.0).to(tl.float32)
     g = tl.load(g_ptr + b * stride_gb + h).to(tl.float32)
     beta = tl.load(beta_ptr + b * stride_bb + h).to(tl.float32)
@@ -256,9 +256,10 @@ def recurrent_gated_delta_rule(
 
 
 @triton.jit
-def _l2norm_rows(x):
-    """Rows of x [N, D] (float32) over sqrt(sum(x^2) + 1e-6), as `l2norm`."""
-    return x * tl.rsqrt(tl.sum(x * x, axis=1) + 1e-6)[:, None]
+def _l2norm(x, AXIS: tl.constexpr):
+    """x (float32) over sqrt(sum(x^2) + 1e-6) along `AXIS`, as `l2norm`: a vector, or a tile's rows (AXIS 1) or
+    columns (AXIS 0)."""
+    return x * tl.rsqrt(tl.sum(x * x, axis=AXIS, keep_dims=True) + 1e-6)
 
 
 # One compiled kernel for every span length (Triton would specialise `length` on divisibility by 16 and on 1,
@@ -302,7 +303,7 @@ def _chunk_prepare_kernel(
     k = tl.load(
         k_ptr + rows[:, None] * stride_kt + (h // GROUP) * stride_kh + dk[None, :], mask=ok[:, None], other=0.0
     ).to(tl.float32)
-    k = _l2norm_rows(k)
+    k = _l2norm(k, 1)
     v = tl.load(
         v_ptr + rows[:, None] * stride_vt + h * stride_vh + dv[None, :],
         mask=ok[:, None] & (dv < DV)[None, :],
@@ -376,7 +377,7 @@ def _chunk_state_kernel(
         k_t = tl.load(k_ptr + rows[None, :] * stride_kt + kh * stride_kh + dk[:, None], mask=ok[None, :], other=0.0).to(
             tl.float32
         )
-        k_t = k_t * tl.rsqrt(tl.sum(k_t * k_t, axis=0) + 1e-6)[None, :]
+        k_t = _l2norm(k_t, 0)
         w = tl.load(w_ptr + rows[:, None] * stride_wt + h * stride_wh + dk[None, :], mask=ok[:, None], other=0.0)
         u_ptrs = u_ptr + rows[:, None] * stride_ut + h * stride_uh + dv[None, :]
         u = tl.load(u_ptrs, mask=ok[:, None] & v_ok[None, :], other=0.0)
@@ -434,8 +435,8 @@ def _chunk_output_kernel(
     k = tl.load(k_ptr + rows[:, None] * stride_kt + kh * stride_kh + dk[None, :], mask=ok[:, None], other=0.0).to(
         tl.float32
     )
-    q = _l2norm_rows(q) * scale
-    k = _l2norm_rows(k)
+    q = _l2norm(q, 1) * scale
+    k = _l2norm(k, 1)
     gc = tl.load(gcum_ptr + tl.minimum(rows, length - 1) * stride_ct + h)
     s = tl.load(
         h_ptr + c * stride_hc + h * stride_hh + dk[:, None] * stride_hk + dv[None, :], mask=v_ok[None, :], other=0.0
