@@ -2,7 +2,7 @@
 against the bf16 slot kernel (`fused_moe`, the baseline), at Qwen3-30B-A3B's expert shapes (H 2048, I 768, top-8).
 
     python benches/quant_moe.py [--slots 128] [--batch 1 4 16 64 512] [--iters 50] [--profile] [--sweep]
-                                [--byte-loads] [--packed-slots]
+                                [--kernels auto mma gemv] [--byte-loads] [--packed-slots]
 
 Each row: microseconds per call (CUDA events, median; the call includes `align_pairs` and the k-sum), speed against
 bf16's call at that batch (the issue's targets at decode: FP8 >= 1.6x, NVFP4 >= 2.5x), the expert bytes the call
@@ -17,6 +17,11 @@ by 16-bit element inside each K step, as before), to time the word loads. Slots 
 pool's and the slot cache's are; --packed-slots puts them expert_nbytes apart (the bench before: NVFP4's 2654220
 bytes are not 16-divisible, so Triton's launch cannot prove the weights' loads aligned and they go by byte, ~1.7x
 the instructions of the aligned build in `benches/quant_moe_sass.py --unaligned-stride`).
+--kernels picks the quantized kernels timed, a row each: `auto` (what `fused_moe_quant` runs when left to choose, as
+the server does), `mma` (the tensor-core kernels) and `gemv` (`fused_moe_gemv`'s CUDA-core kernels, any batch);
+under --sweep a gemv row also tries the (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps) one step from its default
+(`GEMV_SWEEP_AXES`). Under --profile each row also gives its kernels' time per weight byte against bf16's kernels'
+(`kernel_time_per_byte_vs_bf16`, the issue's 1.3x target; the per-call figure includes launches).
 Prints one line per row and a final JSON line.
 """
 
@@ -30,6 +35,7 @@ import torch
 
 from freetoken.kernels import fused_moe_quant as fused_moe_quant_module
 from freetoken.kernels.fused_moe import fused_moe
+from freetoken.kernels.fused_moe_gemv import GEMV_CONFIGS, GEMV_MAX_PAIRS
 from freetoken.kernels.fused_moe_quant import SCALE_MODES, fused_moe_quant, launch_config
 from freetoken.quant import BF16, MXFP4, NVFP4, fp8_block
 from freetoken.quant import reference as ref
@@ -38,15 +44,17 @@ HIDDEN, INTER, TOP_K = 2048, 768, 8
 # the values of each (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages) field that --sweep tries, one field at a time
 # (FP8 clamps K to its scale block's 128)
 SWEEP_AXES = ((16, 32, 64), (128, 256), (4, 8), (3, 4, 5))
+# the same for the gemv kernels' (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps)
+GEMV_SWEEP_AXES = ((8, 16, 32, 64), (128, 256, 512), (1, 2, 4, 8))
 # bytes between slots: rust/freetoken-core/src/pool EXPERT_ALIGN, the pool's and the slot cache's expert stride
 SLOT_ALIGN = 256
 
 
-def neighbours(config: tuple[int, int, int, int]) -> list[tuple[int, int, int, int]]:
-    """The configs of `SWEEP_AXES` that differ from `config` in one field: a few compiles per format and M tile
-    where the whole grid took minutes."""
+def neighbours(config: tuple[int, ...], axes: tuple[tuple[int, ...], ...] = SWEEP_AXES) -> list[tuple[int, ...]]:
+    """The configs of `axes` that differ from `config` in one field: a few compiles per format and M tile where the
+    whole grid took minutes."""
     out = []
-    for i, values in enumerate(SWEEP_AXES):
+    for i, values in enumerate(axes):
         out += [config[:i] + (v,) + config[i + 1 :] for v in values if v != config[i]]
     return out
 
@@ -98,6 +106,70 @@ def kernel_us(fn, names: tuple[str, ...], iters: int) -> dict[str, float]:
     return {name: round(found.get(name, 0.0), 2) for name in names}
 
 
+def time_row(args, fmt, kernel: str, batch: int, x, slots, layout, ids, weights) -> dict:
+    """One row: `kernel`'s ("bf16", "mma" or "gemv") microseconds per call at its default config, under --sweep its
+    neighbours' and scale modes', under --profile its kernels' own microseconds."""
+    names: tuple[str, ...]
+    configs: list = [None]
+    modes = list(SCALE_MODES) if args.sweep and kernel == "mma" and fmt.weight_bits == 4 else []
+    if kernel == "bf16":
+        names = ("_gate_up_kernel", "_down_kernel")
+        words = slots.view(torch.bfloat16)
+        gate_up, down = (
+            words[:, : 2 * INTER * HIDDEN].view(-1, 2 * INTER, HIDDEN),
+            words[:, 2 * INTER * HIDDEN :].view(-1, HIDDEN, INTER),
+        )
+
+        def call(config, mode=None):
+            return fused_moe(x, gate_up, down, ids, weights)
+    elif kernel == "mma":
+        names = ("_gate_up_quant_kernel", "_down_quant_kernel")
+        default = launch_config(fmt, batch * TOP_K)
+        configs += neighbours(default) if args.sweep else []
+
+        def call(config, mode=None):
+            return fused_moe_quant(x, slots, layout, ids, weights, config=config, scale_mode=mode, kernel="mma")
+    else:
+        names = ("_gate_up_gemv_kernel", "_down_gemv_kernel")
+        default = GEMV_CONFIGS[fmt.weight_bits]
+        configs += neighbours(default, GEMV_SWEEP_AXES) if args.sweep else []
+
+        def call(config, mode=None):
+            return fused_moe_quant(x, slots, layout, ids, weights, kernel="gemv", gemv_config=config)
+
+    timed = []
+    for config in configs:
+        try:
+            timed.append((time_call(lambda c=config: call(c), args.iters), config))
+        except Exception as e:  # a sweep candidate the format cannot tile (FP8 blocks) or out of resources
+            print(f"quant_moe {fmt.name:>9} {kernel} batch {batch:>3}: config {config} failed: {type(e).__name__}: {e}")
+    us, _ = timed[0]
+    record: dict = {
+        "bench": "quant_moe",
+        "format": fmt.name,
+        "kernel": kernel,
+        "batch": batch,
+        "us_per_call": round(us, 2),
+    }
+    if kernel != "bf16":
+        record["config"] = default
+    if len(timed) > 1:
+        best_us, best = min(timed, key=lambda t: t[0])
+        record["best_config"], record["best_us_per_call"] = best or default, round(best_us, 2)
+    for mode in modes:  # each 4-bit scale mode at the default config, side by side
+        mode_us = time_call(lambda m=mode: call(None, m), args.iters)
+        line = f"quant_moe {fmt.name:>9} batch {batch:>3}: scale mode {mode:>4}: {mode_us:8.1f} us per call"
+        record.setdefault("scale_modes", {})[mode] = {"us_per_call": round(mode_us, 2)}
+        if args.profile:
+            mode_kernels = kernel_us(lambda m=mode: call(None, m), names, args.iters)
+            record["scale_modes"][mode]["kernel_us"] = mode_kernels
+            line += f"; kernels {mode_kernels}"
+        print(line)
+    if args.profile:
+        record["kernel_us"] = kernel_us(lambda: call(None), names, args.iters)
+    return record
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--slots", type=int, default=128)
@@ -113,6 +185,7 @@ def main() -> None:
         help="the 4-bit kernels' previous loads (scales by byte, activations by 16-bit element) instead of words",
     )
     parser.add_argument("--packed-slots", action="store_true", help="slots expert_nbytes apart, not SLOT_ALIGN")
+    parser.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "mma", "gemv"])
     args = parser.parse_args()
     if args.byte_loads:
         fused_moe_quant_module.WORD_LOADS = False
@@ -123,75 +196,42 @@ def main() -> None:
         weights = torch.softmax(torch.randn(batch, TOP_K, generator=gen), -1).to(torch.bfloat16).cuda()
         x = torch.randn(batch, HIDDEN, generator=gen).to(torch.bfloat16).cuda()
         distinct = int(ids.unique().numel())
-        base_us_per_byte = base_us = None
+        base_us_per_byte = base_us = base_kernel_us_per_byte = None
         for fmt in (BF16, fp8_block(), NVFP4, MXFP4):
             layout = fmt.layout(HIDDEN, INTER)
             slots = slots_of(fmt, args.slots, args.packed_slots)
-            configs: list = [None]
-            modes = list(SCALE_MODES) if args.sweep and fmt.weight_bits == 4 else []
-            if fmt.quantized:
-                names: tuple[str, ...] = ("_gate_up_quant_kernel", "_down_quant_kernel")
-                if args.sweep:
-                    configs += neighbours(launch_config(fmt, batch * TOP_K))
-
-                def call(config, mode=None, x=x, s=slots, lay=layout, i=ids, w=weights):
-                    return fused_moe_quant(x, s, lay, i, w, config=config, scale_mode=mode)
-            else:
-                names = ("_gate_up_kernel", "_down_kernel")
-                words = slots.view(torch.bfloat16)
-                gate_up, down = (
-                    words[:, : 2 * INTER * HIDDEN].view(-1, 2 * INTER, HIDDEN),
-                    words[:, 2 * INTER * HIDDEN :].view(-1, HIDDEN, INTER),
-                )
-
-                def call(config, mode=None, x=x, gu=gate_up, d=down, i=ids, w=weights):
-                    return fused_moe(x, gu, d, i, w)
-
-            timed = []
-            for config in configs:
-                try:
-                    timed.append((time_call(lambda c=config: call(c), args.iters), config))
-                except Exception as e:  # a sweep candidate the format cannot tile (FP8 blocks) or out of resources
-                    print(f"quant_moe {fmt.name:>9} batch {batch:>3}: config {config} failed: {type(e).__name__}: {e}")
-            us, config = timed[0]
-            best_us, best = min(timed, key=lambda t: t[0])
-            nbytes = distinct * layout.expert_nbytes
-            us_per_byte = us / nbytes
-            base_us_per_byte = base_us_per_byte or us_per_byte
-            base_us = base_us or us
-            record = {
-                "bench": "quant_moe",
-                "format": fmt.name,
-                "batch": batch,
-                "us_per_call": round(us, 2),
-                "speed_vs_bf16": round(base_us / us, 3),
-                "expert_gbps": round(nbytes / us / 1e3, 2),
-                "time_per_byte_vs_bf16": round(us_per_byte / base_us_per_byte, 3),
-            }
-            if fmt.quantized:
-                record["config"] = launch_config(fmt, batch * TOP_K)
-            if args.sweep and fmt.quantized:
-                record["best_config"], record["best_us_per_call"] = best, round(best_us, 2)
-            for mode in modes:  # each 4-bit scale mode at the default config, side by side
-                mode_us = time_call(lambda m=mode: call(None, m), args.iters)
-                line = f"quant_moe {fmt.name:>9} batch {batch:>3}: scale mode {mode:>4}: {mode_us:8.1f} us per call"
-                record.setdefault("scale_modes", {})[mode] = {"us_per_call": round(mode_us, 2)}
+            for kernel in args.kernels if fmt.quantized else ["bf16"]:
+                if kernel == "auto":
+                    kernel = "gemv" if batch * TOP_K <= GEMV_MAX_PAIRS and not args.packed_slots else "mma"
+                record = time_row(args, fmt, kernel, batch, x, slots, layout, ids, weights)
+                nbytes = distinct * layout.expert_nbytes
+                us = record["us_per_call"]
+                base_us_per_byte = base_us_per_byte or us / nbytes
+                base_us = base_us or us
+                record["speed_vs_bf16"] = round(base_us / us, 3)
+                record["expert_gbps"] = round(nbytes / us / 1e3, 2)
+                record["time_per_byte_vs_bf16"] = round(us / nbytes / base_us_per_byte, 3)
                 if args.profile:
-                    mode_kernels = kernel_us(lambda m=mode: call(None, m), names, args.iters)
-                    record["scale_modes"][mode]["kernel_us"] = mode_kernels
-                    line += f"; kernels {mode_kernels}"
-                print(line)
-            if args.profile:
-                record["kernel_us"] = kernel_us(lambda: call(None), names, args.iters)
-            records.append(record)
-            print(
-                f"quant_moe {fmt.name:>9} batch {batch:>3}: {us:8.1f} us per call, "
-                f"{record['speed_vs_bf16']:.2f}x bf16's speed, {record['expert_gbps']:7.1f} GB/s of expert bytes, "
-                f"time per byte "
-                f"{record['time_per_byte_vs_bf16']:.2f}x bf16's"
-                + (f"; kernels {record['kernel_us']}" if args.profile else "")
-                + (f"; best {best} at {best_us:.1f} us" if args.sweep and fmt.quantized else "")
-            )
+                    kernels_us = sum(record["kernel_us"].values())
+                    base_kernel_us_per_byte = base_kernel_us_per_byte or kernels_us / nbytes
+                    record["kernel_time_per_byte_vs_bf16"] = round(kernels_us / nbytes / base_kernel_us_per_byte, 3)
+                records.append(record)
+                print(
+                    f"quant_moe {fmt.name:>9} {kernel:>4} batch {batch:>3}: {us:8.1f} us per call, "
+                    f"{record['speed_vs_bf16']:.2f}x bf16's speed, {record['expert_gbps']:7.1f} GB/s of expert "
+                    f"bytes, time per byte {record['time_per_byte_vs_bf16']:.2f}x bf16's"
+                    + (
+                        f"; kernels {record['kernel_us']}, kernel time per byte "
+                        f"{record['kernel_time_per_byte_vs_bf16']:.2f}x bf16's"
+                        if args.profile
+                        else ""
+                    )
+                    + (
+                        f"; best {record['best_config']} at {record['best_us_per_call']:.1f} us"
+                        if "best_config" in record
+                        else ""
+                    )
+                )
     print(json.dumps(records))
 
 

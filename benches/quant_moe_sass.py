@@ -27,6 +27,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from freetoken.kernels import fused_moe_gemv as gemv
 from freetoken.kernels import fused_moe_quant as fmq
 from freetoken.quant import MXFP4, NVFP4, fp8_block
 
@@ -46,12 +47,59 @@ def loop_ops(sass: str) -> list[str]:
             ins.append(re.sub(r"^@!?U?P\w+\s+", "", m.group(1)))
         elif m := re.match(r"\.(L_x_\d+):", line.strip()):
             labels[m.group(1)] = len(ins)
-    best: list[str] = []
+    loops = []
     for i, text in enumerate(ins):
         m = re.search(r"BRA\s+(?:`\()?\.?(L_x_\d+)", text)
-        if m and labels.get(m.group(1), i) < i and i - labels[m.group(1)] > len(best):
-            best = [t.split()[0] for t in ins[labels[m.group(1)] : i + 1]]
-    return best
+        if m and labels.get(m.group(1), i) < i:
+            loops.append((labels[m.group(1)], i))
+    # innermost loops (no other loop inside), the longest of them: the K loop, also where it sits in a row loop
+    inner = [(a, b) for a, b in loops if not any(a <= c and d < b and (c, d) != (a, b) for c, d in loops)]
+    if not inner:
+        return []
+    a, b = max(inner, key=lambda span: span[1] - span[0])
+    return [t.split()[0] for t in ins[a : b + 1]]
+
+
+def compile_sass(kernel, constants: dict, num_warps: int, num_stages: int, not_divisible: set[str]):
+    """(SASS text, registers, stack bytes) of `kernel` compiled for sm_90 with `constants`."""
+    args_ = [a for a in kernel.arg_names if a not in constants]
+    signature = {a: "constexpr" if a in constants else POINTERS.get(a, "i32") for a in kernel.arg_names}
+    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in args_ if a not in not_divisible}
+    compiled = triton.compile(
+        ASTSource(kernel, signature, constants, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": num_warps, "num_stages": num_stages},
+    )
+    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        sass = subprocess.run(
+            [os.path.join(bindir, "nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True
+        ).stdout
+        usage = subprocess.run(
+            [os.path.join(bindir, "cuobjdump"), "-res-usage", f.name], capture_output=True, text=True, check=True
+        ).stdout
+    regs, stack = (re.search(rf"{key}:(\d+)", usage).group(1) for key in ("REG", "STACK"))  # type: ignore[union-attr]
+    return sass, regs, stack
+
+
+def report(label: str, sass: str, regs: str, stack: str, per_thread: float) -> None:
+    """One line: the K loop's instructions per thread and per weight (`per_thread` weights per thread per K step),
+    its shared-memory operations, registers, stack, flush-to-zero float operations anywhere in the kernel (the
+    gemv kernels' e2m1 0.5 codes are float32 subnormals) and the loop's most frequent opcodes."""
+    ops = loop_ops(sass)
+    counts: dict[str, int] = {}
+    for op in ops:
+        counts[op] = counts.get(op, 0) + 1
+    top = ", ".join(f"{op} {n}" for op, n in sorted(counts.items(), key=lambda t: -t[1])[:8])
+    shared = {kind: sum(n for op, n in counts.items() if op.startswith(kind)) for kind in ("LDS", "STS", "BAR")}
+    ftz = len(re.findall(r"\.FTZ", sass))
+    print(
+        f"{label}: loop {len(ops)} instructions per thread, {len(ops) / per_thread:.1f} per weight, "
+        f"LDS {shared['LDS']} STS {shared['STS']} BAR {shared['BAR']}; {regs} registers, stack {stack}; "
+        f"FTZ {ftz}; {top}"
+    )
 
 
 def main() -> None:
@@ -60,9 +108,41 @@ def main() -> None:
     parser.add_argument("--block-m", type=int, nargs="+", default=[16, 64], choices=[16, 64])
     parser.add_argument("--scale-modes", nargs="+", default=list(fmq.SCALE_MODES), choices=list(fmq.SCALE_MODES))
     parser.add_argument("--unaligned-stride", action="store_true", help="the expert stride not 16-divisible")
+    parser.add_argument("--kernels", nargs="+", default=["mma", "gemv"], choices=["mma", "gemv"])
+    parser.add_argument(
+        "--gemv-config",
+        type=int,
+        nargs=3,
+        metavar=("N", "K", "WARPS"),
+        help="the gemv kernels' (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps); default: fused_moe_gemv.GEMV_CONFIGS",
+    )
     args = parser.parse_args()
     not_divisible = NOT_16_DIVISIBLE | ({"stride_we"} if args.unaligned_stride else set())
-    bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    if "mma" in args.kernels:
+        mma(args, not_divisible)
+    if "gemv" in args.kernels:
+        for name in args.formats:
+            fmt = FORMATS[name]
+            block_n, block_k, warps = args.gemv_config or gemv.GEMV_CONFIGS[fmt.weight_bits]
+            unit = 8 if fmt.weight_bits == 8 else 16
+            for kernel, num_in, rows in ((gemv._gate_up_gemv_kernel, HIDDEN, 2), (gemv._down_gemv_kernel, INTER, 1)):
+                step = max(unit, min(block_k, num_in, fmt.block_cols if fmt.weight_bits == 8 else num_in))
+                constants = {
+                    "FORMAT": fmq.FORMAT_IDS[fmt.name],
+                    "BLOCK_ROWS": fmt.block_rows,
+                    "BLOCK_COLS": fmt.block_cols,
+                    "HAS_TENSOR_SCALE": fmt.tensor_scale,
+                    "BLOCK_SIZE_M": 16,
+                    "BLOCK_SIZE_N": block_n,
+                    "BLOCK_SIZE_K": step,
+                }
+                sass, regs, stack = compile_sass(kernel, constants, warps, 1, not_divisible)
+                label = f"{kernel.__name__:>22} {name:>5} gemv ({rows * block_n} x {step}, {warps} warps)"
+                report(label, sass, regs, stack, rows * block_n * step / (32 * warps))
+
+
+def mma(args, not_divisible: set[str]) -> None:
+    """The tensor-core kernels (`fused_moe_quant`) at each format, M tile and scale mode."""
     cases = [
         (f, m, mode)
         for f in args.formats
@@ -88,41 +168,10 @@ def main() -> None:
                 "BLOCK_SIZE_N": block_n,
                 "BLOCK_SIZE_K": block_k,
             }
-            args_ = [a for a in kernel.arg_names if a not in constants]
-            signature = {a: "constexpr" if a in constants else POINTERS.get(a, "i32") for a in kernel.arg_names}
-            attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]] for a in args_ if a not in not_divisible}
-            compiled = triton.compile(
-                ASTSource(kernel, signature, constants, attrs),
-                target=GPUTarget("cuda", 90, 32),
-                options={"num_warps": config[2], "num_stages": config[3]},
-            )
-            with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-                f.write(compiled.asm["cubin"])
-                f.flush()
-                sass = subprocess.run(
-                    [os.path.join(bindir, "nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True
-                ).stdout
-                usage = subprocess.run(
-                    [os.path.join(bindir, "cuobjdump"), "-res-usage", f.name],
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                ).stdout
-            regs, stack = (re.search(rf"{key}:(\d+)", usage).group(1) for key in ("REG", "STACK"))  # type: ignore[union-attr]
-            ops = loop_ops(sass)
+            sass, regs, stack = compile_sass(kernel, constants, config[2], config[3], not_divisible)
             weights = 2 if kernel is fmq._gate_up_quant_kernel else 1
-            per_thread = weights * block_k * block_n / (32 * config[2])
-            counts: dict[str, int] = {}
-            for op in ops:
-                counts[op] = counts.get(op, 0) + 1
-            top = ", ".join(f"{op} {n}" for op, n in sorted(counts.items(), key=lambda t: -t[1])[:8])
-            shared = {kind: sum(n for op, n in counts.items() if op.startswith(kind)) for kind in ("LDS", "STS", "BAR")}
-            print(
-                f"{kernel.__name__:>22} {name:>5} {mode:>4} M tile {block_m:>2} ({block_n} x {block_k}): loop "
-                f"{len(ops)} instructions per thread, {len(ops) / per_thread:.1f} per weight, "
-                f"LDS {shared['LDS']} STS {shared['STS']} BAR {shared['BAR']}; {regs} registers, stack {stack}; "
-                f"{top}"
-            )
+            label = f"{kernel.__name__:>22} {name:>5} {mode:>4} M tile {block_m:>2} ({block_n} x {block_k})"
+            report(label, sass, regs, stack, weights * block_k * block_n / (32 * config[2]))
 
 
 if __name__ == "__main__":

@@ -20,12 +20,15 @@ FORMATS = [fp8_block(32, 32), fp8_block(), NVFP4, MXFP4]
 IDS = ["fp8_32", "fp8_128", "nvfp4", "mxfp4"]
 
 
-def quantized_slots(fmt, num_slots: int, hidden: int, inter: int, seed: int = 0, pad: int = 192) -> torch.Tensor:
-    """[S, expert_nbytes + pad] uint8 slots (a padded stride, as the slot cache has) of reference-quantized
-    N(0, 0.05) experts."""
+def quantized_slots(
+    fmt, num_slots: int, hidden: int, inter: int, seed: int = 0, pad: int = 192, align: int = 256
+) -> torch.Tensor:
+    """[S, stride] uint8 slots of reference-quantized N(0, 0.05) experts: stride = expert_nbytes + pad rounded up to
+    `align` bytes (256: the pool's and the slot cache's EXPERT_ALIGN spacing; 1: packed, as a misaligned caller)."""
     gen = torch.Generator().manual_seed(seed)
     layout = fmt.layout(hidden, inter)
-    slots = torch.zeros(num_slots, layout.expert_nbytes + pad, dtype=torch.uint8)
+    stride = -(-(layout.expert_nbytes + pad) // align) * align
+    slots = torch.zeros(num_slots, stride, dtype=torch.uint8)
     for s in range(num_slots):
         gate, up, down = (
             torch.randn(r, c, generator=gen) * 0.05 for r, c in ((inter, hidden),) * 2 + ((hidden, inter),)
@@ -46,18 +49,27 @@ def _case(
     dtype: torch.dtype,
     corrupt=None,
     scale_mode: str | None = None,
+    kernel: str | None = None,
+    align: int = 256,
+    pad: int = 192,
 ):
     """(kernel output, reference output) float32 [M, hidden]; `corrupt(slots, layout)` edits the bytes the reference
     reads (not the kernel's), standing in for a kernel that decodes them wrong."""
     gen = torch.Generator().manual_seed(num_tokens)
-    slots = quantized_slots(fmt, num_slots, hidden, inter).to(DEVICE)
+    slots = quantized_slots(fmt, num_slots, hidden, inter, pad=pad, align=align).to(DEVICE)
     ids = torch.stack([torch.randperm(num_slots, generator=gen)[:top_k] for _ in range(num_tokens)])
     ids[0, -1] = -1  # a pair computed elsewhere
     weights = torch.softmax(torch.randn(num_tokens, top_k, generator=gen), dim=-1)
     hidden_states = torch.randn(num_tokens, hidden, generator=gen)
     layout = fmt.layout(hidden, inter)
     got = fused_moe_quant(
-        hidden_states.to(DEVICE, dtype), slots, layout, ids.to(DEVICE), weights.to(DEVICE, dtype), scale_mode=scale_mode
+        hidden_states.to(DEVICE, dtype),
+        slots,
+        layout,
+        ids.to(DEVICE),
+        weights.to(DEVICE, dtype),
+        scale_mode=scale_mode,
+        kernel=kernel,
     )
     if corrupt is not None:
         slots = corrupt(slots.clone(), layout)
@@ -82,10 +94,35 @@ MODE_IDS = IDS[:2] + [f"{name}-{m}" for name in ("nvfp4", "mxfp4") for m in SCAL
 @pytest.mark.parametrize(("fmt", "scale_mode"), MODE_CASES, ids=MODE_IDS)
 @pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 4), (5, 2)])
 def test_quant_kernel_matches_reference_small(fmt, scale_mode, num_tokens, top_k):
-    """float32 (the interpreter on the CPU): `F32_TOL` of the largest output (bf16 hi + lo activation parts, float32
-    sums in another order than torch's)."""
-    got, want = _case(fmt, num_tokens, top_k, *_small_sizes(fmt), 6, torch.float32, scale_mode=scale_mode)
+    """float32 (the interpreter on the CPU), the tensor-core kernels: `F32_TOL` of the largest output (bf16 hi + lo
+    activation parts, float32 sums in another order than torch's)."""
+    got, want = _case(fmt, num_tokens, top_k, *_small_sizes(fmt), 6, torch.float32, scale_mode=scale_mode, kernel="mma")
     torch.testing.assert_close(got, want, atol=F32_TOL * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+@pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 4), (5, 2)])
+def test_gemv_kernel_matches_reference_small(fmt, num_tokens, top_k):
+    """float32, the CUDA-core kernels (`fused_moe_gemv`, float32 products of exactly decoded weights, group sums
+    scaled once): `F32_TOL` of the largest output; five tokens put several rows in one expert's tile."""
+    got, want = _case(fmt, num_tokens, top_k, *_small_sizes(fmt), 6, torch.float32, kernel="gemv")
+    torch.testing.assert_close(got, want, atol=F32_TOL * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("fmt", [NVFP4, fp8_block()], ids=["nvfp4", "fp8_128"])
+def test_decode_batches_take_gemv_where_aligned(fmt, monkeypatch):
+    """Left to choose, a decode-sized call runs the gemv kernels on aligned slots and the tensor-core kernels on
+    slots packed at expert_nbytes (64-bit words would be misaligned), each matching the reference."""
+    from freetoken.kernels import fused_moe_gemv, fused_moe_quant
+
+    calls: list[str] = []
+    gemv_tiles = fused_moe_gemv.gemv_tiles
+    monkeypatch.setattr(fused_moe_quant, "gemv_tiles", lambda *a, **k: calls.append("gemv") or gemv_tiles(*a, **k))
+    for align, expected in ((256, ["gemv"]), (1, [])):
+        calls.clear()
+        got, want = _case(fmt, 1, 4, *_small_sizes(fmt), 6, torch.float32, align=align, pad=3)
+        assert calls == expected
+        torch.testing.assert_close(got, want, atol=F32_TOL * want.abs().max().item(), rtol=0)
 
 
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=["nvfp4", "mxfp4"])
@@ -104,7 +141,15 @@ def test_quant_kernel_bf16_small(fmt, scale_mode):
     reference is float32 from unrounded inputs while the kernel rounds its inputs, the GEMM outputs, SiLU and h to
     bf16 as the bf16 kernel does; measured <= 2.7e-2 of the largest output at these small sizes (the previous
     float32-dot kernel gave the same errors): 4e-2. A wrong nibble order or scale is off by the output's size."""
-    got, want = _case(fmt, 5, 2, *_small_sizes(fmt), 6, torch.bfloat16, scale_mode=scale_mode)
+    got, want = _case(fmt, 5, 2, *_small_sizes(fmt), 6, torch.bfloat16, scale_mode=scale_mode, kernel="mma")
+    torch.testing.assert_close(got, want, atol=4e-2 * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_gemv_kernel_bf16_small(fmt):
+    """bf16 activations through the gemv kernels: rounded where the tensor-core kernels round (the GEMM outputs,
+    SiLU, h), the same 4e-2 of the largest output."""
+    got, want = _case(fmt, 5, 2, *_small_sizes(fmt), 6, torch.bfloat16, kernel="gemv")
     torch.testing.assert_close(got, want, atol=4e-2 * want.abs().max().item(), rtol=0)
 
 
@@ -130,10 +175,11 @@ def _shift_scales(slots: torch.Tensor, layout) -> torch.Tensor:
     [(NVFP4, _swap_nibbles), (MXFP4, _swap_nibbles), (NVFP4, _shift_scales), (MXFP4, _shift_scales)],
     ids=["nvfp4-nibbles", "mxfp4-nibbles", "nvfp4-scales", "mxfp4-scales"],
 )
-def test_tolerance_catches_wrong_decoding(fmt, corrupt):
+@pytest.mark.parametrize("kernel", ["mma", "gemv"])
+def test_tolerance_catches_wrong_decoding(fmt, corrupt, kernel):
     """The float32 tolerance is far below what a swapped nibble order or a scale index off by one block costs:
-    against a reference that decodes the bytes that way, the kernel is off by more than 100x `F32_TOL`."""
-    got, want = _case(fmt, 5, 2, *_small_sizes(fmt), 6, torch.float32, corrupt=corrupt)
+    against a reference that decodes the bytes that way, each kernel is off by more than 100x `F32_TOL`."""
+    got, want = _case(fmt, 5, 2, *_small_sizes(fmt), 6, torch.float32, corrupt=corrupt, kernel=kernel)
     assert (got - want).abs().max().item() > 100 * F32_TOL * want.abs().max().item()
 
 
@@ -141,10 +187,14 @@ def test_tolerance_catches_wrong_decoding(fmt, corrupt):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(("fmt", "scale_mode"), MODE_CASES[1:], ids=MODE_IDS[1:])
 @pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 8), (4, 8), (64, 8), (512, 8)])
-def test_quant_kernel_matches_reference_qwen3_30b_shapes(fmt, scale_mode, num_tokens, top_k):
+@pytest.mark.parametrize("kernel", ["mma", "gemv"])
+def test_quant_kernel_matches_reference_qwen3_30b_shapes(fmt, scale_mode, num_tokens, top_k, kernel):
     """bf16 activations at Qwen3-30B-A3B's shapes (H 2048, I 768), decode batch 1-64 and a 512-token prefill
-    chunk; bf16 rounding of the GEMM outputs as the bf16 kernel: 2e-2 of the largest output."""
-    got, want = _case(fmt, num_tokens, top_k, 2048, 768, 32, torch.bfloat16, scale_mode=scale_mode)
+    chunk (the tensor-core kernels only), each kernel; bf16 rounding of the GEMM outputs as the bf16 kernel: 2e-2
+    of the largest output."""
+    if kernel == "gemv" and (num_tokens > 64 or scale_mode not in (None, "bf16")):
+        pytest.skip("the gemv kernels run decode batches and have one way to apply scales")
+    got, want = _case(fmt, num_tokens, top_k, 2048, 768, 32, torch.bfloat16, scale_mode=scale_mode, kernel=kernel)
     torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0)
 
 

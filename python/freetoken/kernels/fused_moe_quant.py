@@ -19,7 +19,7 @@ Numerics (exact products, as the CPU kernels in rust/freetoken-core/src/quant/ke
     bf16; the per-tensor weight_scale_2 multiplies the float32 accumulator once at the end.
   - MXFP4 (OCP MX v1.0 section 6.3): e2m1 x 2^(e8m0 - 127), exact in bf16 between 2^-120 and 2^113 (`_weight_step`).
   - e2m1 and e4m3 (FP8 weights, NVFP4 block scales) are decoded by moving bit fields into float16 (`_e2m1_pair_f16`,
-    `_e4m3_f16`): no exp2, no select per element. Packed bytes are loaded once: even columns meet the low nibbles,
+    `e4m3_f16`): no exp2, no select per element. Packed bytes are loaded once: even columns meet the low nibbles,
     odd ones the high nibbles in two dots (sum_k a[k] w[k] = a_even . w_low + a_odd . w_high), so nibbles are never
     interleaved; 16-bit activations come as 32-bit words of (even, odd) columns, split by bit moves.
   - Activations: bf16 enters the dots as it is (the GPU path). float32 (CPU tests) or float16 is split into two bf16
@@ -91,23 +91,12 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.fused_moe import align_pairs, block_m_for, fused_moe_reference
-from freetoken.kernels.moe_tiles import swiglu_rounded, tile_rows
+from freetoken.kernels.fused_moe_gemv import GEMV_MAX_PAIRS, gemv_supported, gemv_tiles
+from freetoken.kernels.moe_tiles import e4m3_f16, swiglu_rounded, tile_rows
 from freetoken.quant.formats import ExpertFormat, ExpertLayout
 from freetoken.quant.reference import dequantize_experts
 
 FORMAT_IDS = {"fp8_block": 0, "nvfp4": 1, "mxfp4": 2}
-
-
-@triton.jit
-def _e4m3_f16(code):
-    """FP8 e4m3 codes (int32, 0..255) -> float16 holding the value * 2^-8, exactly, by moving bit fields only.
-
-    e4m3 (s eeee mmm, bias 7) shifted left by 7 is a float16 (bias 15) of the same sign, exponent field and
-    mantissa: the value scaled by 2^(7 - 15), subnormals included (e4m3's m/8 * 2^-6 lands on float16's m/8 * 2^-14),
-    so no select and no exp2 per element; the caller multiplies its tile scale by 2^8. The NaN code (S.1111.111)
-    decodes as 480 (as the previous decoder did): `reference.nonfinite_experts` refuses such experts at load."""
-    bits = ((code & 0x7F) << 7) | ((code & 0x80) << 8)
-    return bits.to(tl.int16).to(tl.float16, bitcast=True)
 
 
 @triton.jit
@@ -246,7 +235,7 @@ def _weight_step(
         # [BLOCK_SIZE_K, BLOCK_SIZE_N] weights * 2^-8, exact; through float32 because sm_90 has no packed
         # float16 -> bf16 convert (a direct cast compiles to one quarter-rate F2F per element; this to a
         # full-rate HADD2.F32 and half an F2FP pack)
-        w = _e4m3_f16(codes.to(tl.int32)).to(tl.float32).to(tl.bfloat16)
+        w = e4m3_f16(codes.to(tl.int32)).to(tl.float32).to(tl.bfloat16)
         part = _dot_split(a1_hi, a1_lo, w, tl.zeros_like(acc), SPLIT_ACTIVATIONS)
         scale_idx = (out0 // BLOCK_ROWS) * tl.cdiv(num_in, BLOCK_COLS) + k0 // BLOCK_COLS
         scale = tl.load(scales.to(tl.pointer_type(tl.float32)) + scale_idx)
@@ -284,9 +273,9 @@ def _weight_step(
             ).to(tl.int32)  # [blocks, BLOCK_SIZE_N]
         if SCALE_MODE == 0:
             if FORMAT == 1:
-                # e4m3 by bit moves (`_e4m3_f16`: the scale * 2^-8, exact); 2^22 = 2^8 back times 2^14, which undoes
+                # e4m3 by bit moves (`e4m3_f16`: the scale * 2^-8, exact); 2^22 = 2^8 back times 2^14, which undoes
                 # `_e2m1_pair_f16`'s 2^-14
-                scale = _e4m3_f16(code).to(tl.float32) * 4194304.0
+                scale = e4m3_f16(code).to(tl.float32) * 4194304.0
             else:
                 # 2^(e - 127) * 2^14 built as float32 bits: exact for e <= 240; e8m0 codes above (scales past 2^113)
                 # and 0xFF (NaN) are never in a checkpoint's weights. Below ~2^-120 the products leave bf16's normal
@@ -295,9 +284,9 @@ def _weight_step(
         else:
             # bf16 scales that undo `_e2m1_pair_bf16`'s 2^-126 but for NVFP4's 2^-7, MXFP4's 2^-32 (`_unscale`)
             if FORMAT == 1:
-                # the e4m3 scale * 2^-8 (`_e4m3_f16`) * 2^127: s * 2^119 <= 480 * 2^119 < bf16's largest, exact (4
+                # the e4m3 scale * 2^-8 (`e4m3_f16`) * 2^127: s * 2^119 <= 480 * 2^119 < bf16's largest, exact (4
                 # significant bits, normal from s = 2^-9 up); products value * s * 2^-7 lie in 2^-17 .. 21
-                scale = (_e4m3_f16(code).to(tl.float32) * 1.7014118346046923e38).to(tl.bfloat16)
+                scale = (e4m3_f16(code).to(tl.float32) * 1.7014118346046923e38).to(tl.bfloat16)
             else:
                 # 2^(e - 127 + 126 - 32) as bf16 bits: products value * 2^(e - 127 - 32) stay normal and exact for
                 # block scales 2^-93 .. 2^33 (e8m0 codes 34 .. 160, real checkpoints' far inside)
@@ -547,6 +536,8 @@ def fused_moe_quant(
     out: torch.Tensor | None = None,
     config: tuple[int, int, int, int] | None = None,
     scale_mode: str | None = None,
+    kernel: str | None = None,
+    gemv_config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Weighted sum of the routed SwiGLU experts of each token, the experts quantized.
 
@@ -562,6 +553,7 @@ def fused_moe_quant(
         out: [M, K] buffer for the result (hidden's dtype); None allocates.
         config: (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages) of both kernels; None: `launch_config`.
         scale_mode: how 4-bit block scales are applied, a `SCALE_MODES` name; None: `SCALE_MODE`.
+        kernel, gemv_config: as `fused_moe_quant_tiles`.
 
     Returns:
         [M, K] in hidden's dtype, as `freetoken.kernels.fused_moe.fused_moe` computes it from the dequantized
@@ -582,6 +574,8 @@ def fused_moe_quant(
         out,
         config=config,
         scale_mode=scale_mode,
+        kernel=kernel,
+        gemv_config=gemv_config,
     )
 
 
@@ -596,6 +590,8 @@ def fused_moe_quant_tiles(
     before_stage: Callable[[int], None] | None = None,
     config: tuple[int, int, int, int] | None = None,
     scale_mode: str | None = None,
+    kernel: str | None = None,
+    gemv_config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """`fused_moe_quant` over an alignment whose tiles are split in stages run one after the other, as
     `freetoken.kernels.fused_moe.fused_moe_tiles` does for bf16 (the decode driver's hits, then its fills).
@@ -605,9 +601,15 @@ def fused_moe_quant_tiles(
         sorted_pairs: [R] int64 of `align_pairs` (block_m_for(M * k) rows per tile).
         tile_stages: [S, R / block_m] int64: the slot of each tile in the stage that runs it, -1 in the others.
         before_stage: called with s before stage s > 0 is queued.
+        kernel: "mma" (this module's tensor-core kernels), "gemv" (`fused_moe_gemv`'s CUDA-core ones) or None:
+            "gemv" for at most `GEMV_MAX_PAIRS` pairs where `gemv_supported`, unless `config` is given.
+        gemv_config: (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps) of the "gemv" kernels; None: their defaults.
 
     Returns:
         [M, K] as `fused_moe_quant`; each tile computed by the same kernels whatever the staging.
+
+    Raises:
+        ValueError: an unknown `kernel`, or "gemv" for experts `gemv_supported` refuses.
     """
     fmt = layout.format
     if fmt.name not in FORMAT_IDS:
@@ -621,6 +623,18 @@ def fused_moe_quant_tiles(
     h = torch.empty(num_rows, inter, dtype=hidden.dtype, device=hidden.device)
     pairs = torch.zeros(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).contiguous()
+    if kernel not in (None, "mma", "gemv"):
+        raise ValueError(f"fused_moe_quant kernel {kernel!r}: expected 'mma' or 'gemv'")
+    if kernel == "gemv" and not gemv_supported(layout, experts):
+        raise ValueError(f"the gemv kernels cannot read these {fmt.name} experts (unaligned rows or FP8 blocks)")
+    if kernel is None and config is None:
+        kernel = "gemv" if num_pairs <= GEMV_MAX_PAIRS and gemv_supported(layout, experts) else "mma"
+    if kernel == "gemv":
+        for stage, block_expert in enumerate(tile_stages):
+            if stage and before_stage is not None:
+                before_stage(stage)
+            gemv_tiles(hidden, experts, layout, weights, sorted_pairs, block_expert, block_m, h, pairs, gemv_config)
+        return torch.sum(pairs.view(num_tokens, top_k, hidden_size), dim=1, out=out)
     sec = layout.sections
     gate_up_off, gate_up_n = sec["gate_up"]
     gate_up_scale_off, gate_up_scale_n = sec["gate_up_scale"]

@@ -29,3 +29,15 @@ def swiglu_rounded(acc_gate, acc_up, h_ptr):
     gate = acc_gate.to(dtype).to(tl.float32)
     act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
     return act * acc_up.to(dtype).to(tl.float32)
+
+
+@triton.jit
+def e4m3_f16(code):
+    """FP8 e4m3 codes (int32, 0..255) -> float16 holding the value * 2^-8, exactly, by moving bit fields only.
+
+    e4m3 (s eeee mmm, bias 7) shifted left by 7 is a float16 (bias 15) of the same sign, exponent field and
+    mantissa: the value scaled by 2^(7 - 15), subnormals included (e4m3's m/8 * 2^-6 lands on float16's m/8 * 2^-14),
+    so no select and no exp2 per element; the caller multiplies its tile scale by 2^8. The NaN code (S.1111.111)
+    decodes as 480 (as the previous decoder did): `reference.nonfinite_experts` refuses such experts at load."""
+    bits = ((code & 0x7F) << 7) | ((code & 0x80) << 8)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True)

@@ -1,0 +1,345 @@
+"""Grouped SwiGLU over quantized experts for decode batches, as matrix-vector products on the CUDA cores (Triton).
+
+`fused_moe_quant`'s tensor-core kernels pad every expert's rows to a 16-row M tile: at decode, one or two real rows,
+so 15/16 of each dot is padding, and every decoded weight still pays its way into the dot's operand layout. Here
+each program owns BLOCK_SIZE_N output rows of one expert and, for each real row of the expert's tile in turn, runs
+the dot over K as float32 fused multiply-adds straight from the decoded words: no padding rows, no layout change,
+no shared memory, and programs small enough that a batch-1 call fills the SMs. Same arguments, same tiles (the
+`align_pairs` alignment and the driver's stages), same results up to float32 sum order: `fused_moe_quant_tiles`
+runs these where its tiles hold few rows (`GEMV_MAX_PAIRS`).
+
+Decoding, per 64-bit word of the packed weights (little-endian, column c of the word in its c-th nibble or byte):
+  - e2m1 (NVFP4, MXFP4; s ee m, bias 1): nibble j of a 32-bit half shifted to the top, then arithmetically down
+    to bits 22-25, leaves sign copies above; one mask keeps bit 31 (the sign) and bits 22-24, a float32 whose
+    exponent field is ee and top mantissa bit m: the value * 2^-126 (ee = 0, the codes 0 and 0.5, lands on float32
+    subnormals, which FFMA keeps: the SASS has no .FTZ, `benches/quant_moe_sass.py` checks). Three integer
+    operations per weight, no conversion instruction.
+  - e4m3 (FP8; s eeee mmm, bias 7): the same moves to bits 20-26 and 31: the value * 2^-120, subnormals included.
+  - Activations enter as float32 times 2^64, so the products (value * 2^-126 or 2^-120 times activation * 2^64)
+    stay normal for activations down to ~2^-60; the block scale brings the rest back: NVFP4's e4m3 block scale
+    decoded to float16 (`moe_tiles.e4m3_f16`, s * 2^-8) times 2^70, MXFP4's 2^(e - 127 + 62) built as float32
+    bits (exact for e8m0 codes <= 192, scales <= 2^65), FP8's float32 block scale times 2^56. NVFP4's per-tensor
+    weight_scale_2 multiplies each row's sum once.
+  - Scale blocks: a 4-bit word is one 16-column group (NVFP4's block; half an MXFP4 block), so each word's 16
+    products are summed, times its group's scale, into a [rows, words] accumulator; FP8's K step is within one
+    128-column block, whose scale multiplies the step's [rows, words] products.
+
+Gate and up are one [2 BLOCK_SIZE_N, K] tile (rows interleaved: even rows gate n, odd rows up n; in the pool they
+are one [2 N, K] matrix, scales too), so a K step loads the activations once for both and SwiGLU pairs them after
+the row sums.
+
+Shapes (project letters): M tokens, K hidden, N expert intermediate, S slots (or E experts), k top-k.
+Test: python -m pytest tests/kernels/test_kernels_quant.py   Bench: python benches/quant_moe.py --kernel gemv mma
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from freetoken.kernels.moe_tiles import e4m3_f16, swiglu_rounded
+from freetoken.quant.formats import ExpertLayout
+
+# e2m1 / e4m3 sign + field masks as int32 literals (0x81C00000 and 0x87F00000 past int32's top, Triton would widen)
+_E2M1_MASK = tl.constexpr(0x81C00000 - (1 << 32))
+_E4M3_MASK = tl.constexpr(0x87F00000 - (1 << 32))
+_ACT_SCALE = tl.constexpr(2.0**64)  # activations * 2^64: the decoded weights carry 2^-126 (e2m1) or 2^-120 (e4m3)
+
+
+@triton.jit
+def _e2m1_f32(half, J: tl.constexpr):
+    """Nibble J (bits 4J .. 4J + 3) of int32 words -> float32 holding the e2m1 value * 2^-126 (module doc)."""
+    if J == 7:
+        bits = (half >> 6) & _E2M1_MASK
+    else:
+        bits = ((half << (28 - 4 * J)) >> 6) & _E2M1_MASK
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _e4m3_f32(half, J: tl.constexpr):
+    """Byte J (bits 8J .. 8J + 7) of int32 words -> float32 holding the e4m3 value * 2^-120 (module doc)."""
+    if J == 3:
+        bits = (half >> 4) & _E4M3_MASK
+    else:
+        bits = ((half << (24 - 8 * J)) >> 4) & _E4M3_MASK
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _row_dots(
+    w_ptr,
+    s_ptr,
+    wrow,
+    row_ok,
+    x_row,
+    num_in,
+    row_words,
+    FORMAT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+):
+    """sum_k W[wrow, k] * x[k] for each of `wrow` ([R] rows of a matrix W [rows, num_in] at `w_ptr`, uint8 pointer
+    to its codes, 8-byte aligned rows of `row_words` 64-bit words; block scales at `s_ptr`), float32 [R], without
+    NVFP4's tensor scale. `x_row` points at the activations (any float dtype)."""
+    UNIT: tl.constexpr = 8 if FORMAT == 0 else 16  # weights per 64-bit word
+    G: tl.constexpr = BLOCK_SIZE_K // UNIT
+    words_ptr = w_ptr.to(tl.pointer_type(tl.int64)) + wrow[:, None].to(tl.int64) * row_words
+    acc = tl.zeros((wrow.shape[0], G), dtype=tl.float32)
+    for k0 in range(0, num_in, BLOCK_SIZE_K):
+        offs_g = k0 // UNIT + tl.arange(0, G)
+        g_ok = offs_g < num_in // UNIT
+        words = tl.load(words_ptr + offs_g[None, :], mask=row_ok[:, None] & g_ok[None, :], other=0)
+        low = words.to(tl.int32)
+        high = (words >> 32).to(tl.int32)
+        part = tl.zeros((wrow.shape[0], G), dtype=tl.float32)
+        for j in tl.static_range(UNIT):
+            a = tl.load(x_row + offs_g * UNIT + j, mask=g_ok, other=0.0).to(tl.float32) * _ACT_SCALE
+            if FORMAT == 0:
+                if j < 4:
+                    w = _e4m3_f32(low, j)
+                else:
+                    w = _e4m3_f32(high, j - 4)
+            elif j < 8:
+                w = _e2m1_f32(low, j)
+            else:
+                w = _e2m1_f32(high, j - 8)
+            part += w * a[None, :]
+        if FORMAT == 0:
+            # one 128 x 128 block per K step and row (BLOCK_SIZE_K divides the block's columns)
+            scale_idx = (wrow // BLOCK_ROWS) * tl.cdiv(num_in, BLOCK_COLS) + k0 // BLOCK_COLS
+            scale = tl.load(s_ptr.to(tl.pointer_type(tl.float32)) + scale_idx, mask=row_ok, other=0.0)
+            acc += part * (scale * 72057594037927936.0)[:, None]  # 2^56 (module doc)
+        else:
+            blocks_per_row = num_in // BLOCK_COLS
+            code = tl.load(
+                s_ptr + wrow[:, None] * blocks_per_row + (offs_g * 16 // BLOCK_COLS)[None, :],
+                mask=row_ok[:, None] & g_ok[None, :],
+                other=0,
+            ).to(tl.int32)
+            if FORMAT == 1:
+                scale = e4m3_f16(code).to(tl.float32) * 1.1805916207174113e21  # * 2^70
+            else:
+                scale = ((code + 62) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127 + 62)
+            acc += part * scale
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _gate_up_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    h_ptr,
+    sorted_pair_ptr,
+    block_expert_ptr,
+    num_pairs,
+    N,
+    K,
+    top_k,
+    stride_xm,
+    stride_we,
+    stride_hm,
+    row_words,
+    gate_up_scale_off,
+    tensor_scale_off,
+    FORMAT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    HAS_TENSOR_SCALE: tl.constexpr,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+):
+    """h[row, n] = silu(x[t] . gate[e, n]) * (x[t] . up[e, n]) for each real row of M tile `pid_m`, n in the
+    program's BLOCK_SIZE_N: gate_up [2 N, K] at byte 0 of the expert, its scales at `gate_up_scale_off`."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= 0:
+        base = w_ptr + expert.to(tl.int64) * stride_we
+        # rows 2i: gate n0 + i, rows 2i + 1: up n0 + i, of the [2 N, K] gate_up matrix
+        r = tl.arange(0, 2 * BLOCK_SIZE_N)
+        n = pid_n * BLOCK_SIZE_N + r // 2
+        wrow = n + (r % 2) * N
+        row_ok = n < N
+        if HAS_TENSOR_SCALE:  # NVFP4's weight_scale_2: gate's, then up's
+            ts = tl.load((base + tensor_scale_off).to(tl.pointer_type(tl.float32)) + r % 2)
+        offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+        for i in range(BLOCK_SIZE_M):
+            row = pid_m * BLOCK_SIZE_M + i
+            pair = tl.load(sorted_pair_ptr + row)
+            if pair < num_pairs:
+                x_row = x_ptr + (pair // top_k) * stride_xm
+                dots = _row_dots(
+                    base, base + gate_up_scale_off, wrow, row_ok, x_row, K, row_words,
+                    FORMAT, BLOCK_ROWS, BLOCK_COLS, BLOCK_SIZE_K,
+                )  # fmt: skip
+                if HAS_TENSOR_SCALE:
+                    dots = dots * ts
+                gate, up = tl.split(tl.reshape(dots, (BLOCK_SIZE_N, 2)))
+                h = swiglu_rounded(gate, up, h_ptr)
+                tl.store(h_ptr + row * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=offs_n < N)
+
+
+@triton.jit
+def _down_gemv_kernel(
+    h_ptr,
+    w_ptr,
+    out_ptr,
+    weight_ptr,
+    sorted_pair_ptr,
+    block_expert_ptr,
+    num_pairs,
+    K,
+    N,
+    stride_hm,
+    stride_we,
+    stride_om,
+    row_words,
+    down_off,
+    down_scale_off,
+    tensor_scale_off,
+    FORMAT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    HAS_TENSOR_SCALE: tl.constexpr,
+    BLOCK_SIZE_M: tl.constexpr,
+    BLOCK_SIZE_N: tl.constexpr,
+    BLOCK_SIZE_K: tl.constexpr,
+):
+    """out[pair, kk] = weight[pair] * (h[row] . down[e, kk]) for each real row of M tile `pid_m`, kk in the
+    program's BLOCK_SIZE_N of hidden K: down [K, N] at `down_off`, its scales at `down_scale_off`."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    expert = tl.load(block_expert_ptr + pid_m)
+    if expert >= 0:
+        base = w_ptr + expert.to(tl.int64) * stride_we
+        offs_out = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
+        out_ok = offs_out < K
+        if HAS_TENSOR_SCALE:
+            ts = tl.load((base + tensor_scale_off).to(tl.pointer_type(tl.float32)) + 2)
+        for i in range(BLOCK_SIZE_M):
+            row = pid_m * BLOCK_SIZE_M + i
+            pair = tl.load(sorted_pair_ptr + row)
+            if pair < num_pairs:
+                dots = _row_dots(
+                    base + down_off, base + down_scale_off, offs_out, out_ok, h_ptr + row * stride_hm, N, row_words,
+                    FORMAT, BLOCK_ROWS, BLOCK_COLS, BLOCK_SIZE_K,
+                )  # fmt: skip
+                if HAS_TENSOR_SCALE:
+                    dots = dots * ts
+                routing = tl.load(weight_ptr + pair).to(tl.float32)
+                out = dots.to(out_ptr.dtype.element_ty).to(tl.float32) * routing  # rounded like the reference
+                tl.store(out_ptr + pair * stride_om + offs_out, out.to(out_ptr.dtype.element_ty), mask=out_ok)
+
+
+# (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps) of both kernels by weight bits; BLOCK_SIZE_N output rows per program (gate
+# and up each), so a batch-1 gate/up call on Qwen3-30B-A3B runs 8 x 768 / 16 = 384 programs, down 8 x 2048 / 16 =
+# 1024. FP8's K step is capped at its scale block's columns. `benches/quant_moe.py --sweep` times alternatives.
+GEMV_CONFIGS: dict[int, tuple[int, int, int]] = {4: (16, 256, 2), 8: (16, 128, 2)}
+
+# Tiles whose pairs number at most this run here (fused_moe_quant_tiles): every tile then holds a few rows, each
+# re-reading the expert's words (from L2) that the tensor-core kernels read once per tile.
+GEMV_MAX_PAIRS = 64
+
+
+def gemv_supported(layout: ExpertLayout, experts: torch.Tensor) -> bool:
+    """Whether these kernels can read `layout`'s experts in `experts` ([S, stride] uint8): 64-bit words need 8-byte
+    aligned rows and sections, FP8 blocks of power-of-two columns >= 8."""
+    fmt = layout.format
+    sec = layout.sections
+    aligned = experts.stride(0) % 8 == 0 and experts.data_ptr() % 8 == 0 and sec["down"][0] % 8 == 0
+    if fmt.weight_bits == 4:
+        return aligned and layout.hidden % 16 == 0 and layout.inter % 16 == 0
+    cols = fmt.block_cols
+    return aligned and cols >= 8 and cols & (cols - 1) == 0 and layout.hidden % cols == 0 and layout.inter % cols == 0
+
+
+def gemv_tiles(
+    hidden: torch.Tensor,
+    experts: torch.Tensor,
+    layout: ExpertLayout,
+    weights: torch.Tensor,
+    sorted_pairs: torch.Tensor,
+    block_expert: torch.Tensor,
+    block_m: int,
+    h: torch.Tensor,
+    pairs: torch.Tensor,
+    config: tuple[int, int, int] | None = None,
+) -> None:
+    """One stage of `fused_moe_quant_tiles` through these kernels: h[rows] then pairs[pair] of every real row of the
+    tiles whose `block_expert` is >= 0.
+
+    Args:
+        hidden: [M, K] activations, CUDA (or CPU under TRITON_INTERPRET=1).
+        experts, layout: as `fused_moe_quant`; `gemv_supported(layout, experts)` must hold.
+        weights: [M * k] routing weights, flat.
+        sorted_pairs, block_expert: the stage's `align_pairs` rows ([R] int64) and tile slots ([R / block_m]).
+        block_m: rows per tile.
+        h: [R, N] buffer of the SwiGLU outputs (hidden's dtype); pairs: [M * k, K] buffer of the weighted outputs.
+        config: (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps); None: `GEMV_CONFIGS` of the format's weight bits.
+    """
+    fmt = layout.format
+    hidden_size, inter = layout.hidden, layout.inter
+    block_n, block_k, num_warps = config or GEMV_CONFIGS[fmt.weight_bits]
+    unit = 8 if fmt.weight_bits == 8 else 16
+    sec = layout.sections
+
+    def k_step(num_in: int) -> int:
+        step = min(block_k, 1 << max(num_in - 1, 1).bit_length())  # no wider than the matrix needs
+        if fmt.weight_bits == 8:
+            step = min(step, fmt.block_cols)
+        return max(step, unit)
+
+    meta = {
+        "FORMAT": {8: 0}.get(fmt.weight_bits, 1 if fmt.tensor_scale else 2),
+        "BLOCK_ROWS": fmt.block_rows,
+        "BLOCK_COLS": fmt.block_cols,
+        "HAS_TENSOR_SCALE": fmt.tensor_scale,
+        "BLOCK_SIZE_M": block_m,
+        "BLOCK_SIZE_N": block_n,
+        "num_warps": num_warps,
+    }
+    num_pairs = weights.numel()
+    tiles = block_expert.numel()
+    _gate_up_gemv_kernel[(tiles, triton.cdiv(inter, block_n))](
+        hidden,
+        experts,
+        h,
+        sorted_pairs,
+        block_expert,
+        num_pairs,
+        inter,
+        hidden_size,
+        num_pairs // hidden.shape[0],
+        hidden.stride(0),
+        experts.stride(0),
+        h.stride(0),
+        hidden_size // unit,
+        sec["gate_up_scale"][0],
+        sec["tensor_scale"][0],
+        BLOCK_SIZE_K=k_step(hidden_size),
+        **meta,
+    )
+    _down_gemv_kernel[(tiles, triton.cdiv(hidden_size, block_n))](
+        h,
+        experts,
+        pairs,
+        weights,
+        sorted_pairs,
+        block_expert,
+        num_pairs,
+        hidden_size,
+        inter,
+        h.stride(0),
+        experts.stride(0),
+        pairs.stride(0),
+        inter // unit,
+        sec["down"][0],
+        sec["down_scale"][0],
+        sec["tensor_scale"][0],
+        BLOCK_SIZE_K=k_step(inter),
+        **meta,
+    )
