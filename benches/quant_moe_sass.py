@@ -132,6 +132,8 @@ def main() -> None:
                     "BLOCK_ROWS": fmt.block_rows,
                     "BLOCK_COLS": fmt.block_cols,
                     "HAS_TENSOR_SCALE": fmt.tensor_scale,
+                    "EVEN_K": num_in % step == 0,
+                    "WORD_ACTIVATIONS": True,  # bf16 activations, as served
                     "BLOCK_SIZE_M": 16,
                     "BLOCK_SIZE_N": block_n,
                     "BLOCK_SIZE_K": step,

@@ -68,6 +68,21 @@ def _e4m3_f32(half, J: tl.constexpr):
 
 
 @triton.jit
+def _weight(low, high, J: tl.constexpr, FORMAT: tl.constexpr):
+    """Column J of the 64-bit words whose halves are `low` and `high`, float32 (module doc's scaling)."""
+    if FORMAT == 0:
+        if J < 4:
+            w = _e4m3_f32(low, J)
+        else:
+            w = _e4m3_f32(high, J - 4)
+    elif J < 8:
+        w = _e2m1_f32(low, J)
+    else:
+        w = _e2m1_f32(high, J - 8)
+    return w
+
+
+@triton.jit
 def _row_dots(
     w_ptr,
     s_ptr,
@@ -79,43 +94,56 @@ def _row_dots(
     FORMAT: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    WORD_ACTIVATIONS: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
 ):
     """sum_k W[wrow, k] * x[k] for each of `wrow` ([R] rows of a matrix W [rows, num_in] at `w_ptr`, uint8 pointer
     to its codes, 8-byte aligned rows of `row_words` 64-bit words; block scales at `s_ptr`), float32 [R], without
-    NVFP4's tensor scale. `x_row` points at the activations (any float dtype)."""
+    NVFP4's tensor scale. `x_row` points at the activations (any float dtype; WORD_ACTIVATIONS: bf16 read as 32-bit
+    words of two columns, 4-byte aligned). EVEN_K: num_in is a multiple of BLOCK_SIZE_K (no K masks)."""
     UNIT: tl.constexpr = 8 if FORMAT == 0 else 16  # weights per 64-bit word
     G: tl.constexpr = BLOCK_SIZE_K // UNIT
-    words_ptr = w_ptr.to(tl.pointer_type(tl.int64)) + wrow[:, None].to(tl.int64) * row_words
+    offs_g = tl.arange(0, G)
+    # pointers advanced by whole K steps, so Triton sees the words' 16-byte alignment and loads two per instruction
+    words_ptrs = w_ptr.to(tl.pointer_type(tl.int64)) + wrow[:, None].to(tl.int64) * row_words + offs_g[None, :]
+    if WORD_ACTIVATIONS:
+        x_ptrs = x_row.to(tl.pointer_type(tl.int32)) + offs_g * (UNIT // 2)
+    else:
+        x_ptrs = x_row + offs_g * UNIT
     acc = tl.zeros((wrow.shape[0], G), dtype=tl.float32)
     for k0 in range(0, num_in, BLOCK_SIZE_K):
-        offs_g = k0 // UNIT + tl.arange(0, G)
-        g_ok = offs_g < num_in // UNIT
-        words = tl.load(words_ptr + offs_g[None, :], mask=row_ok[:, None] & g_ok[None, :], other=0)
+        if EVEN_K:
+            g_ok = offs_g < G
+        else:
+            g_ok = k0 // UNIT + offs_g < num_in // UNIT
+        words = tl.load(words_ptrs, mask=row_ok[:, None] & g_ok[None, :], other=0)
         low = words.to(tl.int32)
         high = (words >> 32).to(tl.int32)
         part = tl.zeros((wrow.shape[0], G), dtype=tl.float32)
-        for j in tl.static_range(UNIT):
-            a = tl.load(x_row + offs_g * UNIT + j, mask=g_ok, other=0.0).to(tl.float32) * _ACT_SCALE
-            if FORMAT == 0:
-                if j < 4:
-                    w = _e4m3_f32(low, j)
-                else:
-                    w = _e4m3_f32(high, j - 4)
-            elif j < 8:
-                w = _e2m1_f32(low, j)
+        for m in tl.static_range(UNIT // 2):  # columns 2m, 2m + 1 of each word
+            if WORD_ACTIVATIONS:
+                # bf16 pairs: the low half is column 2m (little-endian); a bf16 is a float32's top 16 bits
+                pair = tl.load(x_ptrs + m, mask=g_ok, other=0)
+                a_even = (pair << 16).to(tl.float32, bitcast=True)
+                a_odd = (pair & -65536).to(tl.float32, bitcast=True)
             else:
-                w = _e2m1_f32(high, j - 8)
-            part += w * a[None, :]
+                a_even = tl.load(x_ptrs + 2 * m, mask=g_ok, other=0.0).to(tl.float32)
+                a_odd = tl.load(x_ptrs + 2 * m + 1, mask=g_ok, other=0.0).to(tl.float32)
+            part += _weight(low, high, 2 * m, FORMAT) * (a_even * _ACT_SCALE)[None, :]
+            part += _weight(low, high, 2 * m + 1, FORMAT) * (a_odd * _ACT_SCALE)[None, :]
         if FORMAT == 0:
             # one 128 x 128 block per K step and row (BLOCK_SIZE_K divides the block's columns)
             scale_idx = (wrow // BLOCK_ROWS) * tl.cdiv(num_in, BLOCK_COLS) + k0 // BLOCK_COLS
             scale = tl.load(s_ptr.to(tl.pointer_type(tl.float32)) + scale_idx, mask=row_ok, other=0.0)
             acc += part * (scale * 72057594037927936.0)[:, None]  # 2^56 (module doc)
         else:
-            blocks_per_row = num_in // BLOCK_COLS
+            # indexed from k0, not a pointer advanced per step: Triton then sees no contiguity along the groups and
+            # loads the bytes in the words' layout (a contiguous byte load takes its own, and a shared-memory
+            # conversion per step)
+            block = (k0 // UNIT + offs_g) * 16 // BLOCK_COLS
             code = tl.load(
-                s_ptr + wrow[:, None] * blocks_per_row + (offs_g * 16 // BLOCK_COLS)[None, :],
+                s_ptr + wrow[:, None] * (num_in // BLOCK_COLS) + block[None, :],
                 mask=row_ok[:, None] & g_ok[None, :],
                 other=0,
             ).to(tl.int32)
@@ -124,6 +152,11 @@ def _row_dots(
             else:
                 scale = ((code + 62) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127 + 62)
             acc += part * scale
+        words_ptrs += G
+        if WORD_ACTIVATIONS:
+            x_ptrs += BLOCK_SIZE_K // 2
+        else:
+            x_ptrs += BLOCK_SIZE_K
     return tl.sum(acc, axis=1)
 
 
@@ -148,6 +181,8 @@ def _gate_up_gemv_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     HAS_TENSOR_SCALE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    WORD_ACTIVATIONS: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -174,7 +209,7 @@ def _gate_up_gemv_kernel(
                 x_row = x_ptr + (pair // top_k) * stride_xm
                 dots = _row_dots(
                     base, base + gate_up_scale_off, wrow, row_ok, x_row, K, row_words,
-                    FORMAT, BLOCK_ROWS, BLOCK_COLS, BLOCK_SIZE_K,
+                    FORMAT, BLOCK_ROWS, BLOCK_COLS, EVEN_K, WORD_ACTIVATIONS, BLOCK_SIZE_K,
                 )  # fmt: skip
                 if HAS_TENSOR_SCALE:
                     dots = dots * ts
@@ -205,6 +240,8 @@ def _down_gemv_kernel(
     BLOCK_ROWS: tl.constexpr,
     BLOCK_COLS: tl.constexpr,
     HAS_TENSOR_SCALE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    WORD_ACTIVATIONS: tl.constexpr,
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
@@ -226,7 +263,7 @@ def _down_gemv_kernel(
             if pair < num_pairs:
                 dots = _row_dots(
                     base + down_off, base + down_scale_off, offs_out, out_ok, h_ptr + row * stride_hm, N, row_words,
-                    FORMAT, BLOCK_ROWS, BLOCK_COLS, BLOCK_SIZE_K,
+                    FORMAT, BLOCK_ROWS, BLOCK_COLS, EVEN_K, WORD_ACTIVATIONS, BLOCK_SIZE_K,
                 )  # fmt: skip
                 if HAS_TENSOR_SCALE:
                     dots = dots * ts
@@ -304,6 +341,8 @@ def gemv_tiles(
     }
     num_pairs = weights.numel()
     tiles = block_expert.numel()
+    gate_up_k, down_k = k_step(hidden_size), k_step(inter)
+    words = hidden.dtype == torch.bfloat16 and hidden.stride(0) % 2 == 0 and hidden.data_ptr() % 4 == 0
     _gate_up_gemv_kernel[(tiles, triton.cdiv(inter, block_n))](
         hidden,
         experts,
@@ -320,7 +359,9 @@ def gemv_tiles(
         hidden_size // unit,
         sec["gate_up_scale"][0],
         sec["tensor_scale"][0],
-        BLOCK_SIZE_K=k_step(hidden_size),
+        EVEN_K=hidden_size % gate_up_k == 0,
+        WORD_ACTIVATIONS=words,
+        BLOCK_SIZE_K=gate_up_k,
         **meta,
     )
     _down_gemv_kernel[(tiles, triton.cdiv(hidden_size, block_n))](
@@ -340,6 +381,8 @@ def gemv_tiles(
         sec["down"][0],
         sec["down_scale"][0],
         sec["tensor_scale"][0],
-        BLOCK_SIZE_K=k_step(inter),
+        EVEN_K=inter % down_k == 0,
+        WORD_ACTIVATIONS=h.dtype == torch.bfloat16,  # h: a fresh [rows, inter] buffer, inter even
+        BLOCK_SIZE_K=down_k,
         **meta,
     )
