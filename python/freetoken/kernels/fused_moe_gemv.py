@@ -83,6 +83,44 @@ def _weight(low, high, J: tl.constexpr, FORMAT: tl.constexpr):
 
 
 @triton.jit
+def _step_loads(
+    words_ptrs,
+    s_ptr,
+    wrow,
+    row_ok,
+    offs_g,
+    k0,
+    num_in,
+    FORMAT: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+    UNIT: tl.constexpr,
+):
+    """The K step at column k0 of `_row_dots`: its 64-bit words [R, G] (`words_ptrs` points at them) and its raw
+    block scales (4-bit: the scale codes [R, G] int32, a group's block each; FP8: the float32 block scale of each
+    row [R]); zeros for a step at or past num_in (nothing read)."""
+    g_ok = k0 // UNIT + offs_g < num_in // UNIT  # (num_in a multiple of UNIT: false past the end too)
+    words = tl.load(words_ptrs, mask=row_ok[:, None] & g_ok[None, :], other=0)
+    if FORMAT == 0:
+        # one 128 x 128 block per K step and row (BLOCK_SIZE_K divides the block's columns)
+        scale_idx = (wrow // BLOCK_ROWS) * tl.cdiv(num_in, BLOCK_COLS) + k0 // BLOCK_COLS
+        raw = tl.load(
+            s_ptr.to(tl.pointer_type(tl.float32)) + scale_idx, mask=row_ok & (k0 + 0 * wrow < num_in), other=0.0
+        )
+    else:
+        # indexed from k0, not a pointer advanced per step: Triton then sees no contiguity along the groups and
+        # loads the bytes in the words' layout (a contiguous byte load takes its own, and a shared-memory conversion
+        # per step)
+        block = (k0 // UNIT + offs_g) * 16 // BLOCK_COLS
+        raw = tl.load(
+            s_ptr + wrow[:, None] * (num_in // BLOCK_COLS) + block[None, :],
+            mask=row_ok[:, None] & g_ok[None, :],
+            other=0,
+        ).to(tl.int32)
+    return words, raw
+
+
+@triton.jit
 def _row_dots(
     w_ptr,
     s_ptr,
@@ -101,7 +139,11 @@ def _row_dots(
     """sum_k W[wrow, k] * x[k] for each of `wrow` ([R] rows of a matrix W [rows, num_in] at `w_ptr`, uint8 pointer
     to its codes, 8-byte aligned rows of `row_words` 64-bit words; block scales at `s_ptr`), float32 [R], without
     NVFP4's tensor scale. `x_row` points at the activations (any float dtype; WORD_ACTIVATIONS: bf16 read as 32-bit
-    words of two columns, 4-byte aligned). EVEN_K: num_in is a multiple of BLOCK_SIZE_K (no K masks)."""
+    words of two columns, 4-byte aligned). EVEN_K: num_in is a multiple of BLOCK_SIZE_K (no K masks on them).
+
+    Software-pipelined by hand: each step issues the next step's weight and scale loads before its own arithmetic,
+    so one step's HBM latency hides behind the previous step's work (Triton pipelines only loads that feed a dot;
+    at decode a program has a few warps, too few to hide it by switching)."""
     UNIT: tl.constexpr = 8 if FORMAT == 0 else 16  # weights per 64-bit word
     G: tl.constexpr = BLOCK_SIZE_K // UNIT
     offs_g = tl.arange(0, G)
@@ -111,13 +153,17 @@ def _row_dots(
         x_ptrs = x_row.to(tl.pointer_type(tl.int32)) + offs_g * (UNIT // 2)
     else:
         x_ptrs = x_row + offs_g * UNIT
+    words, raw = _step_loads(words_ptrs, s_ptr, wrow, row_ok, offs_g, 0, num_in, FORMAT, BLOCK_ROWS, BLOCK_COLS, UNIT)
     acc = tl.zeros((wrow.shape[0], G), dtype=tl.float32)
     for k0 in range(0, num_in, BLOCK_SIZE_K):
+        words_ptrs += G
+        next_words, next_raw = _step_loads(
+            words_ptrs, s_ptr, wrow, row_ok, offs_g, k0 + BLOCK_SIZE_K, num_in, FORMAT, BLOCK_ROWS, BLOCK_COLS, UNIT
+        )
         if EVEN_K:
             g_ok = offs_g < G
         else:
             g_ok = k0 // UNIT + offs_g < num_in // UNIT
-        words = tl.load(words_ptrs, mask=row_ok[:, None] & g_ok[None, :], other=0)
         low = words.to(tl.int32)
         high = (words >> 32).to(tl.int32)
         part = tl.zeros((wrow.shape[0], G), dtype=tl.float32)
@@ -133,31 +179,33 @@ def _row_dots(
             part += _weight(low, high, 2 * m, FORMAT) * (a_even * _ACT_SCALE)[None, :]
             part += _weight(low, high, 2 * m + 1, FORMAT) * (a_odd * _ACT_SCALE)[None, :]
         if FORMAT == 0:
-            # one 128 x 128 block per K step and row (BLOCK_SIZE_K divides the block's columns)
-            scale_idx = (wrow // BLOCK_ROWS) * tl.cdiv(num_in, BLOCK_COLS) + k0 // BLOCK_COLS
-            scale = tl.load(s_ptr.to(tl.pointer_type(tl.float32)) + scale_idx, mask=row_ok, other=0.0)
-            acc += part * (scale * 72057594037927936.0)[:, None]  # 2^56 (module doc)
+            acc += part * (raw * 72057594037927936.0)[:, None]  # 2^56 (module doc)
+        elif FORMAT == 1:
+            acc += part * (e4m3_f16(raw).to(tl.float32) * 1.1805916207174113e21)  # s * 2^-8 * 2^70
         else:
-            # indexed from k0, not a pointer advanced per step: Triton then sees no contiguity along the groups and
-            # loads the bytes in the words' layout (a contiguous byte load takes its own, and a shared-memory
-            # conversion per step)
-            block = (k0 // UNIT + offs_g) * 16 // BLOCK_COLS
-            code = tl.load(
-                s_ptr + wrow[:, None] * (num_in // BLOCK_COLS) + block[None, :],
-                mask=row_ok[:, None] & g_ok[None, :],
-                other=0,
-            ).to(tl.int32)
-            if FORMAT == 1:
-                scale = e4m3_f16(code).to(tl.float32) * 1.1805916207174113e21  # * 2^70
-            else:
-                scale = ((code + 62) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127 + 62)
-            acc += part * scale
-        words_ptrs += G
+            acc += part * ((raw + 62) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127 + 62)
+        words = next_words
+        raw = next_raw
         if WORD_ACTIVATIONS:
             x_ptrs += BLOCK_SIZE_K // 2
         else:
             x_ptrs += BLOCK_SIZE_K
     return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _tile_pairs(sorted_pair_ptr, num_pairs, pid_m, BLOCK_SIZE_M: tl.constexpr):
+    """The pair ids of M tile `pid_m` ([BLOCK_SIZE_M] int64, one load) and how many of them are real: `align_pairs`
+    puts an expert's pairs first in its tiles, the padding (id num_pairs) after them, so the real rows are the first
+    ones. (A scalar load per row inside the row loop waited on memory once per row, padding rows included.)"""
+    pairs = tl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + tl.arange(0, BLOCK_SIZE_M))
+    return pairs, tl.sum((pairs < num_pairs).to(tl.int32))
+
+
+@triton.jit
+def _pick(values, i):
+    """values[i] of a small 1-D tensor, as a scalar (a masked sum: Triton has no dynamic indexing of tensors)."""
+    return tl.sum(tl.where(tl.arange(0, values.shape[0]) == i, values, 0))
 
 
 @triton.jit
@@ -202,20 +250,20 @@ def _gate_up_gemv_kernel(
         if HAS_TENSOR_SCALE:  # NVFP4's weight_scale_2: gate's, then up's
             ts = tl.load((base + tensor_scale_off).to(tl.pointer_type(tl.float32)) + r % 2)
         offs_n = pid_n * BLOCK_SIZE_N + tl.arange(0, BLOCK_SIZE_N)
-        for i in range(BLOCK_SIZE_M):
+        tile_pairs, real_rows = _tile_pairs(sorted_pair_ptr, num_pairs, pid_m, BLOCK_SIZE_M)
+        for i in range(real_rows):
             row = pid_m * BLOCK_SIZE_M + i
-            pair = tl.load(sorted_pair_ptr + row)
-            if pair < num_pairs:
-                x_row = x_ptr + (pair // top_k) * stride_xm
-                dots = _row_dots(
-                    base, base + gate_up_scale_off, wrow, row_ok, x_row, K, row_words,
-                    FORMAT, BLOCK_ROWS, BLOCK_COLS, EVEN_K, WORD_ACTIVATIONS, BLOCK_SIZE_K,
-                )  # fmt: skip
-                if HAS_TENSOR_SCALE:
-                    dots = dots * ts
-                gate, up = tl.split(tl.reshape(dots, (BLOCK_SIZE_N, 2)))
-                h = swiglu_rounded(gate, up, h_ptr)
-                tl.store(h_ptr + row * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=offs_n < N)
+            pair = _pick(tile_pairs, i)
+            x_row = x_ptr + (pair // top_k) * stride_xm
+            dots = _row_dots(
+                base, base + gate_up_scale_off, wrow, row_ok, x_row, K, row_words,
+                FORMAT, BLOCK_ROWS, BLOCK_COLS, EVEN_K, WORD_ACTIVATIONS, BLOCK_SIZE_K,
+            )  # fmt: skip
+            if HAS_TENSOR_SCALE:
+                dots = dots * ts
+            gate, up = tl.split(tl.reshape(dots, (BLOCK_SIZE_N, 2)))
+            h = swiglu_rounded(gate, up, h_ptr)
+            tl.store(h_ptr + row * stride_hm + offs_n, h.to(h_ptr.dtype.element_ty), mask=offs_n < N)
 
 
 @triton.jit
@@ -257,19 +305,19 @@ def _down_gemv_kernel(
         out_ok = offs_out < K
         if HAS_TENSOR_SCALE:
             ts = tl.load((base + tensor_scale_off).to(tl.pointer_type(tl.float32)) + 2)
-        for i in range(BLOCK_SIZE_M):
+        tile_pairs, real_rows = _tile_pairs(sorted_pair_ptr, num_pairs, pid_m, BLOCK_SIZE_M)
+        for i in range(real_rows):
             row = pid_m * BLOCK_SIZE_M + i
-            pair = tl.load(sorted_pair_ptr + row)
-            if pair < num_pairs:
-                dots = _row_dots(
-                    base + down_off, base + down_scale_off, offs_out, out_ok, h_ptr + row * stride_hm, N, row_words,
-                    FORMAT, BLOCK_ROWS, BLOCK_COLS, EVEN_K, WORD_ACTIVATIONS, BLOCK_SIZE_K,
-                )  # fmt: skip
-                if HAS_TENSOR_SCALE:
-                    dots = dots * ts
-                routing = tl.load(weight_ptr + pair).to(tl.float32)
-                out = dots.to(out_ptr.dtype.element_ty).to(tl.float32) * routing  # rounded like the reference
-                tl.store(out_ptr + pair * stride_om + offs_out, out.to(out_ptr.dtype.element_ty), mask=out_ok)
+            pair = _pick(tile_pairs, i)
+            dots = _row_dots(
+                base + down_off, base + down_scale_off, offs_out, out_ok, h_ptr + row * stride_hm, N, row_words,
+                FORMAT, BLOCK_ROWS, BLOCK_COLS, EVEN_K, WORD_ACTIVATIONS, BLOCK_SIZE_K,
+            )  # fmt: skip
+            if HAS_TENSOR_SCALE:
+                dots = dots * ts
+            routing = tl.load(weight_ptr + pair).to(tl.float32)
+            out = dots.to(out_ptr.dtype.element_ty).to(tl.float32) * routing  # rounded like the reference
+            tl.store(out_ptr + pair * stride_om + offs_out, out.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
 # (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps) of both kernels by weight bits; BLOCK_SIZE_N output rows per program (gate
