@@ -321,9 +321,13 @@ def _down_gemv_kernel(
 
 
 # (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps) of both kernels by weight bits; BLOCK_SIZE_N output rows per program (gate
-# and up each), so a batch-1 gate/up call on Qwen3-30B-A3B runs 8 x 768 / 16 = 384 programs, down 8 x 2048 / 16 =
-# 1024. FP8's K step is capped at its scale block's columns. `benches/quant_moe.py --sweep` times alternatives.
-GEMV_CONFIGS: dict[int, tuple[int, int, int]] = {4: (16, 256, 2), 8: (16, 128, 2)}
+# and up each), so a batch-1 gate/up call on Qwen3-30B-A3B runs 8 x 768 / 8 = 768 programs of 2 warps, down 8 x 2048
+# / 8 = 2048: at decode the kernels wait on memory latency, and more, smaller programs keep more loads in flight.
+# FP8's K step is capped at its scale block's columns. Chosen by `benches/quant_moe.py --profile --sweep --kernels
+# gemv` on the H200 (kernel microseconds, gate/up + down, at batch 1: NVFP4 19.0 at (8, 256, 2) against 21.7 at
+# (16, 256, 2), MXFP4 17.6 / 18.4, FP8 20.2 at (8, 128, 2) / 23.1; the narrower tile also led at batch 4 and 8 for
+# NVFP4, within 4 % of the best elsewhere).
+GEMV_CONFIGS: dict[int, tuple[int, int, int]] = {4: (8, 256, 2), 8: (8, 128, 2)}
 
 # Tiles whose pairs number at most this run here (fused_moe_quant_tiles): every tile then holds a few rows, each
 # re-reading the expert's words (from L2) that the tensor-core kernels read once per tile.
