@@ -15,11 +15,15 @@ Decoding, per 64-bit word of the packed weights (little-endian, column c of the 
     subnormals, which FFMA keeps: the SASS has no .FTZ, `benches/quant_moe_sass.py` checks). Three integer
     operations per weight, no conversion instruction.
   - e4m3 (FP8; s eeee mmm, bias 7): the same moves to bits 20-26 and 31: the value * 2^-120, subnormals included.
-  - Activations enter as float32 times 2^64, so the products (value * 2^-126 or 2^-120 times activation * 2^64)
-    stay normal for activations down to ~2^-60; the block scale brings the rest back: NVFP4's e4m3 block scale
-    decoded to float16 (`moe_tiles.e4m3_f16`, s * 2^-8) times 2^70, MXFP4's 2^(e - 127 + 62) built as float32
-    bits (exact for e8m0 codes <= 192, scales <= 2^65), FP8's float32 block scale times 2^56. NVFP4's per-tensor
-    weight_scale_2 multiplies each row's sum once.
+  - Activations enter as they are (float32), so a product is the true one times 2^-126 (2^-120): a float32
+    subnormal where |value * activation| < 1, rounded to a multiple of 2^-149, i.e. off by at most 2^-24 (2^-30)
+    of the block scale; the group sums likewise. That is below the float32 accumulator's own rounding of the dot
+    (2^-24 of the running sum, and a sum of 2048 products dwarfs one block scale), so the rows match the
+    reference as closely as with scaled activations (measured: the CPU tests' float32 errors), for one float
+    multiply per activation less. The block scale brings the sums up to 2^-64 of their value: NVFP4's e4m3 block
+    scale decoded to float16 (`moe_tiles.e4m3_f16`, s * 2^-8) times 2^70, MXFP4's 2^(e - 127 + 62) built as
+    float32 bits (exact for e8m0 codes <= 192, scales <= 2^65), FP8's float32 block scale times 2^56; each row's
+    sum is then multiplied by 2^64 once (and by NVFP4's per-tensor weight_scale_2).
   - Scale blocks: a 4-bit word is one 16-column group (NVFP4's block; half an MXFP4 block), so each word's 16
     products are summed, times its group's scale, into a [rows, words] accumulator; FP8's K step is within one
     128-column block, whose scale multiplies the step's [rows, words] products.
@@ -44,7 +48,7 @@ from freetoken.quant.formats import ExpertLayout
 # e2m1 / e4m3 sign + field masks as int32 literals (0x81C00000 and 0x87F00000 past int32's top, Triton would widen)
 _E2M1_MASK = tl.constexpr(0x81C00000 - (1 << 32))
 _E4M3_MASK = tl.constexpr(0x87F00000 - (1 << 32))
-_ACT_SCALE = tl.constexpr(2.0**64)  # activations * 2^64: the decoded weights carry 2^-126 (e2m1) or 2^-120 (e4m3)
+_UNSCALE = tl.constexpr(2.0**64)  # the row sums' factor back (module doc)
 
 
 @triton.jit
@@ -176,8 +180,8 @@ def _row_dots(
             else:
                 a_even = tl.load(x_ptrs + 2 * m, mask=g_ok, other=0.0).to(tl.float32)
                 a_odd = tl.load(x_ptrs + 2 * m + 1, mask=g_ok, other=0.0).to(tl.float32)
-            part += _weight(low, high, 2 * m, FORMAT) * (a_even * _ACT_SCALE)[None, :]
-            part += _weight(low, high, 2 * m + 1, FORMAT) * (a_odd * _ACT_SCALE)[None, :]
+            part += _weight(low, high, 2 * m, FORMAT) * a_even[None, :]
+            part += _weight(low, high, 2 * m + 1, FORMAT) * a_odd[None, :]
         if FORMAT == 0:
             acc += part * (raw * 72057594037927936.0)[:, None]  # 2^56 (module doc)
         elif FORMAT == 1:
@@ -190,7 +194,7 @@ def _row_dots(
             x_ptrs += BLOCK_SIZE_K // 2
         else:
             x_ptrs += BLOCK_SIZE_K
-    return tl.sum(acc, axis=1)
+    return tl.sum(acc, axis=1) * _UNSCALE
 
 
 @triton.jit
