@@ -7,7 +7,10 @@ Variants:
     expert's bytes from a uint8 table of experts or cache slots in the pool layout (`freetoken.quant.formats`).
     Tile shapes by format and M tile (`LAUNCH_CONFIGS`): decode (16-row M tiles, batch 1-64) and prefill chunks
     (64-row tiles).
-  - `fused_moe_quant_tiles`: the same over tiles split in stages (the decode driver's hits, then its fills).
+  - `fused_moe_quant_tiles`: the same over tiles split in stages (the decode driver's hits, then its fills). Left to
+    choose, it runs decode batches (<= `fused_moe_gemv.GEMV_MAX_PAIRS` pairs, slots 8-byte aligned as the pool's
+    and the cache's are) through `freetoken.kernels.fused_moe_gemv`'s CUDA-core kernels instead: same tiles,
+    same results up to float32 sum order, about half the time at batch 1 (see that module).
   - `fused_moe_quant_reference`: the whole layer dequantized by `freetoken.quant.reference`, then
     `freetoken.kernels.fused_moe.fused_moe_reference` (float32), the correctness reference.
 
