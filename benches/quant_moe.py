@@ -37,8 +37,8 @@ import torch
 
 from freetoken.kernels import fused_moe_quant as fused_moe_quant_module
 from freetoken.kernels.fused_moe import fused_moe
-from freetoken.kernels.fused_moe_gemv import GEMV_CONFIGS, GEMV_MAX_PAIRS
-from freetoken.kernels.fused_moe_quant import SCALE_MODES, fused_moe_quant, launch_config
+from freetoken.kernels.fused_moe_gemv import GEMV_CONFIGS
+from freetoken.kernels.fused_moe_quant import SCALE_MODES, default_kernel, fused_moe_quant, launch_config
 from freetoken.quant import BF16, MXFP4, NVFP4, fp8_block
 from freetoken.quant import reference as ref
 
@@ -139,19 +139,22 @@ def time_row(args, fmt, kernel: str, batch: int, x, slots, layout, ids, weights)
         def call(config, mode=None):
             return fused_moe_quant(x, slots, layout, ids, weights, kernel="gemv", gemv_config=config)
 
+    us = time_call(lambda: call(None), args.iters)
     timed = []
-    default_out = call(None).float()
+    sweep = configs if len(configs) > 1 else []
+    default_out = call(None).float() if sweep else None
     worst = 0.0  # each sweep candidate's output against the default's: a config must not change the result
-    for config in configs:
+    for config in sweep:
         try:
-            worst = max(worst, ((call(config).float() - default_out).abs().max() / default_out.abs().max()).item())
-            us = time_call(lambda c=config: call(c), args.iters)
-            if args.profile and len(configs) > 1:  # rank by the kernels' own time: the call's is launch-bound
-                us = sum(kernel_us(lambda c=config: call(c), names, args.iters).values())
-            timed.append((us, config))
+            if config is not None:
+                worst = max(worst, ((call(config).float() - default_out).abs().max() / default_out.abs().max()).item())
+            if args.profile:  # rank by the kernels' own time: the call's is launch-bound
+                score = sum(kernel_us(lambda c=config: call(c), names, args.iters).values())
+            else:
+                score = us if config is None else time_call(lambda c=config: call(c), args.iters)
+            timed.append((score, config))
         except Exception as e:  # a sweep candidate the format cannot tile (FP8 blocks) or out of resources
             print(f"quant_moe {fmt.name:>9} {kernel} batch {batch:>3}: config {config} failed: {type(e).__name__}: {e}")
-    us = time_call(lambda: call(None), args.iters)
     record: dict = {
         "bench": "quant_moe",
         "format": fmt.name,
@@ -218,7 +221,7 @@ def main() -> None:
             slots = slots_of(fmt, args.slots, args.packed_slots)
             for kernel in args.kernels if fmt.quantized else ["bf16"]:
                 if kernel == "auto":
-                    kernel = "gemv" if batch * TOP_K <= GEMV_MAX_PAIRS and not args.packed_slots else "mma"
+                    kernel = default_kernel(layout, slots, batch * TOP_K)
                 record = time_row(args, fmt, kernel, batch, x, slots, layout, ids, weights)
                 nbytes = distinct * layout.expert_nbytes
                 us = record["us_per_call"]

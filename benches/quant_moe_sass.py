@@ -29,6 +29,7 @@ from triton.compiler import ASTSource
 
 from freetoken.kernels import fused_moe_gemv as gemv
 from freetoken.kernels import fused_moe_quant as fmq
+from freetoken.kernels.moe_tiles import FORMAT_IDS
 from freetoken.quant import MXFP4, NVFP4, fp8_block
 
 HIDDEN, INTER = 2048, 768
@@ -124,11 +125,10 @@ def main() -> None:
         for name in args.formats:
             fmt = FORMATS[name]
             block_n, block_k, warps = args.gemv_config or gemv.GEMV_CONFIGS[fmt.weight_bits]
-            unit = 8 if fmt.weight_bits == 8 else 16
             for kernel, num_in, rows in ((gemv._gate_up_gemv_kernel, HIDDEN, 2), (gemv._down_gemv_kernel, INTER, 1)):
-                step = max(unit, min(block_k, num_in, fmt.block_cols if fmt.weight_bits == 8 else num_in))
+                step = gemv.gemv_k_step(fmt, block_k, num_in)
                 constants = {
-                    "FORMAT": fmq.FORMAT_IDS[fmt.name],
+                    "FORMAT": FORMAT_IDS[fmt.name],
                     "BLOCK_ROWS": fmt.block_rows,
                     "BLOCK_COLS": fmt.block_cols,
                     "HAS_TENSOR_SCALE": fmt.tensor_scale,
@@ -157,7 +157,7 @@ def mma(args, not_divisible: set[str]) -> None:
         for kernel, num_in in ((fmq._gate_up_quant_kernel, HIDDEN), (fmq._down_quant_kernel, INTER)):
             block_n, block_k = fmq._blocks(fmt, config, num_in)
             constants = {
-                "FORMAT": fmq.FORMAT_IDS[fmt.name],
+                "FORMAT": FORMAT_IDS[fmt.name],
                 "BLOCK_ROWS": fmt.block_rows,
                 "BLOCK_COLS": fmt.block_cols,
                 "HAS_TENSOR_SCALE": fmt.tensor_scale,

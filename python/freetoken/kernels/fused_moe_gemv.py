@@ -55,8 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
-from freetoken.kernels.moe_tiles import e4m3_f16, swiglu_rounded
-from freetoken.quant.formats import ExpertLayout
+from freetoken.kernels.moe_tiles import FORMAT_IDS, e4m3_f16, swiglu_rounded
+from freetoken.quant.formats import ExpertFormat, ExpertLayout
 
 # e2m1 / e4m3 sign + field masks as int32 literals (0x81C00000 and 0x87F00000 past int32's top, Triton would widen)
 _E2M1_MASK = tl.constexpr(0x81C00000 - (1 << 32))
@@ -336,6 +336,20 @@ GEMV_CONFIGS: dict[int, tuple[int, int, int]] = {4: (8, 256, 2), 8: (8, 128, 2)}
 GEMV_MAX_PAIRS = 64
 
 
+def _weights_per_word(fmt: ExpertFormat) -> int:
+    """Weights in one 64-bit word of `fmt`'s codes (the kernels' UNIT): 8 e4m3 bytes or 16 e2m1 nibbles."""
+    return 8 if fmt.weight_bits == 8 else 16
+
+
+def gemv_k_step(fmt: ExpertFormat, block_k: int, num_in: int) -> int:
+    """The K step (BLOCK_SIZE_K) of a gemv kernel whose dot runs over `num_in` columns, from the config's `block_k`:
+    no wider than the matrix needs, within one scale block's columns for FP8, at least one 64-bit word."""
+    step = min(block_k, 1 << max(num_in - 1, 1).bit_length())
+    if fmt.weight_bits == 8:
+        step = min(step, fmt.block_cols)
+    return max(step, _weights_per_word(fmt))
+
+
 def gemv_supported(layout: ExpertLayout, experts: torch.Tensor) -> bool:
     """Whether these kernels can read `layout`'s experts in `experts` ([S, stride] uint8): 64-bit words need 8-byte
     aligned rows and sections, FP8 blocks of power-of-two columns >= 8."""
@@ -375,17 +389,10 @@ def gemv_tiles(
     fmt = layout.format
     hidden_size, inter = layout.hidden, layout.inter
     block_n, block_k, num_warps = config or GEMV_CONFIGS[fmt.weight_bits]
-    unit = 8 if fmt.weight_bits == 8 else 16
+    unit = _weights_per_word(fmt)
     sec = layout.sections
-
-    def k_step(num_in: int) -> int:
-        step = min(block_k, 1 << max(num_in - 1, 1).bit_length())  # no wider than the matrix needs
-        if fmt.weight_bits == 8:
-            step = min(step, fmt.block_cols)
-        return max(step, unit)
-
     meta = {
-        "FORMAT": {8: 0}.get(fmt.weight_bits, 1 if fmt.tensor_scale else 2),
+        "FORMAT": FORMAT_IDS[fmt.name],
         "BLOCK_ROWS": fmt.block_rows,
         "BLOCK_COLS": fmt.block_cols,
         "HAS_TENSOR_SCALE": fmt.tensor_scale,
@@ -395,7 +402,7 @@ def gemv_tiles(
     }
     num_pairs = weights.numel()
     tiles = block_expert.numel()
-    gate_up_k, down_k = k_step(hidden_size), k_step(inter)
+    gate_up_k, down_k = gemv_k_step(fmt, block_k, hidden_size), gemv_k_step(fmt, block_k, inter)
     words = hidden.dtype == torch.bfloat16 and hidden.stride(0) % 2 == 0 and hidden.data_ptr() % 4 == 0
     _gate_up_gemv_kernel[(tiles, triton.cdiv(inter, block_n))](
         hidden,

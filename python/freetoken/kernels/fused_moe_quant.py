@@ -95,11 +95,9 @@ import triton.language as tl
 
 from freetoken.kernels.fused_moe import align_pairs, block_m_for, fused_moe_reference
 from freetoken.kernels.fused_moe_gemv import GEMV_MAX_PAIRS, gemv_supported, gemv_tiles
-from freetoken.kernels.moe_tiles import e4m3_f16, swiglu_rounded, tile_rows
+from freetoken.kernels.moe_tiles import FORMAT_IDS, e4m3_f16, swiglu_rounded, tile_rows
 from freetoken.quant.formats import ExpertFormat, ExpertLayout
 from freetoken.quant.reference import dequantize_experts
-
-FORMAT_IDS = {"fp8_block": 0, "nvfp4": 1, "mxfp4": 2}
 
 
 @triton.jit
@@ -529,6 +527,13 @@ def _scale_words(fmt: ExpertFormat, num_in: int, block_k: int) -> bool:
     return block_k % word_cols == 0 and num_in % word_cols == 0
 
 
+def default_kernel(layout: ExpertLayout, experts: torch.Tensor, num_pairs: int) -> str:
+    """The kernels `fused_moe_quant_tiles` runs for `num_pairs` (token, expert) pairs of `experts` when left to
+    choose: "gemv" (`fused_moe_gemv`) for decode batches of at most `GEMV_MAX_PAIRS` pairs on slots it can read
+    (`gemv_supported`), else "mma" (this module's tensor-core kernels)."""
+    return "gemv" if num_pairs <= GEMV_MAX_PAIRS and gemv_supported(layout, experts) else "mma"
+
+
 def fused_moe_quant(
     hidden: torch.Tensor,
     experts: torch.Tensor,
@@ -631,7 +636,7 @@ def fused_moe_quant_tiles(
     if kernel == "gemv" and not gemv_supported(layout, experts):
         raise ValueError(f"the gemv kernels cannot read these {fmt.name} experts (unaligned rows or FP8 blocks)")
     if kernel is None and config is None:
-        kernel = "gemv" if num_pairs <= GEMV_MAX_PAIRS and gemv_supported(layout, experts) else "mma"
+        kernel = default_kernel(layout, experts, num_pairs)
     if kernel == "gemv":
         for stage, block_expert in enumerate(tile_stages):
             if stage and before_stage is not None:

@@ -10,6 +10,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+# the FORMAT constexpr of the quantized kernels (`fused_moe_quant`'s and `fused_moe_gemv`'s), by format name
+FORMAT_IDS = {"fp8_block": 0, "nvfp4": 1, "mxfp4": 2}
+
 
 @triton.jit
 def tile_rows(sorted_pair_ptr, num_pairs, pid_m, BLOCK_SIZE_M: tl.constexpr):
