@@ -18,10 +18,10 @@ pool's and the slot cache's are; --packed-slots puts them expert_nbytes apart (t
 bytes are not 16-divisible, so Triton's launch cannot prove the weights' loads aligned and they go by byte, ~1.7x
 the instructions of the aligned build in `benches/quant_moe_sass.py --unaligned-stride`).
 --kernels picks the quantized kernels timed, a row each: `auto` (what `fused_moe_quant` runs when left to choose, as
-the server does), `mma` (the tensor-core kernels) and `gemv` (`fused_moe_gemv`'s CUDA-core kernels, any batch);
-under --sweep a gemv row also tries the (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps) one step from its default
-(`GEMV_SWEEP_AXES`), each checked against the default's output (`sweep_max_diff`, of the largest output), ranked
-by the kernels' own microseconds under --profile (the call's are launch-bound), else by the call's. Under
+the server does), `mma` (the tensor-core kernels) and `gemv` (`fused_moe_gemv`'s CUDA-core kernels, any batch,
+at their `GEMV_CONFIGS`: `benches/gemv_grid.py` times those kernels' configs). --sweep candidates are checked
+against the default config's output (`sweep_max_diff`, of the largest output) and ranked by the kernels' own
+microseconds under --profile (the call's are launch-bound), else by the call's. Under
 --profile each row also gives its kernels' time per weight byte against bf16's kernels'
 (`kernel_time_per_byte_vs_bf16`, the issue's 1.3x target; the per-call figure includes launches).
 Prints one line per row and a final JSON line.
@@ -46,8 +46,6 @@ HIDDEN, INTER, TOP_K = 2048, 768, 8
 # the values of each (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages) field that --sweep tries, one field at a time
 # (FP8 clamps K to its scale block's 128)
 SWEEP_AXES = ((16, 32, 64), (128, 256), (4, 8), (3, 4, 5))
-# the same for the gemv kernels' (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps)
-GEMV_SWEEP_AXES = ((4, 8, 16, 32), (128, 256, 512, 1024), (1, 2, 4, 8))
 # bytes between slots: rust/freetoken-core/src/pool EXPERT_ALIGN, the pool's and the slot cache's expert stride
 SLOT_ALIGN = 256
 
@@ -134,10 +132,9 @@ def time_row(args, fmt, kernel: str, batch: int, x, slots, layout, ids, weights)
     else:
         names = ("_gate_up_gemv_kernel", "_down_gemv_kernel")
         default = GEMV_CONFIGS[fmt.weight_bits]
-        configs += neighbours(default, GEMV_SWEEP_AXES) if args.sweep else []
 
         def call(config, mode=None):
-            return fused_moe_quant(x, slots, layout, ids, weights, kernel="gemv", gemv_config=config)
+            return fused_moe_quant(x, slots, layout, ids, weights, kernel="gemv")
 
     us = time_call(lambda: call(None), args.iters)
     timed = []

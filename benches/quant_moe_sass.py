@@ -113,9 +113,9 @@ def main() -> None:
     parser.add_argument(
         "--gemv-config",
         type=int,
-        nargs=3,
-        metavar=("N", "K", "WARPS"),
-        help="the gemv kernels' (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps); default: fused_moe_gemv.GEMV_CONFIGS",
+        nargs=4,
+        metavar=("N", "K", "WARPS", "PREFETCH"),
+        help="one `GemvConfig` for both gemv kernels; default: each kernel's of fused_moe_gemv.GEMV_CONFIGS",
     )
     args = parser.parse_args()
     not_divisible = NOT_16_DIVISIBLE | ({"stride_we"} if args.unaligned_stride else set())
@@ -124,23 +124,17 @@ def main() -> None:
     if "gemv" in args.kernels:
         for name in args.formats:
             fmt = FORMATS[name]
-            block_n, block_k, warps = args.gemv_config or gemv.GEMV_CONFIGS[fmt.weight_bits]
-            for kernel, num_in, rows in ((gemv._gate_up_gemv_kernel, HIDDEN, 2), (gemv._down_gemv_kernel, INTER, 1)):
-                step = gemv.gemv_k_step(fmt, block_k, num_in)
-                constants = {
-                    "FORMAT": FORMAT_IDS[fmt.name],
-                    "BLOCK_ROWS": fmt.block_rows,
-                    "BLOCK_COLS": fmt.block_cols,
-                    "HAS_TENSOR_SCALE": fmt.tensor_scale,
-                    "EVEN_K": num_in % step == 0,
-                    "WORD_ACTIVATIONS": True,  # bf16 activations, as served
-                    "BLOCK_SIZE_M": 16,
-                    "BLOCK_SIZE_N": block_n,
-                    "BLOCK_SIZE_K": step,
-                }
+            defaults = gemv.GEMV_CONFIGS[fmt.weight_bits]
+            kernels = ((gemv._gate_up_gemv_kernel, HIDDEN, 2), (gemv._down_gemv_kernel, INTER, 1))
+            for (kernel, num_in, rows), default in zip(kernels, defaults, strict=True):
+                config = tuple(args.gemv_config) if args.gemv_config else default
+                constants = gemv._launch_meta(fmt, config, 16, num_in)  # type: ignore[arg-type]
+                warps = constants.pop("num_warps")
+                constants["WORD_ACTIVATIONS"] = True  # bf16 activations, as served
+                step = constants["BLOCK_SIZE_K"]
                 sass, regs, stack = compile_sass(kernel, constants, warps, 1, not_divisible)
-                label = f"{kernel.__name__:>22} {name:>5} gemv ({rows * block_n} x {step}, {warps} warps)"
-                report(label, sass, regs, stack, rows * block_n * step / (32 * warps))
+                label = f"{kernel.__name__:>22} {name:>5} gemv ({rows * config[0]} x {step}, {warps} warps)"
+                report(label, sass, regs, stack, rows * config[0] * step / (32 * warps))
 
 
 def mma(args, not_divisible: set[str]) -> None:

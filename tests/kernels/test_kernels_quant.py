@@ -52,6 +52,7 @@ def _case(
     kernel: str | None = None,
     align: int = 256,
     pad: int = 192,
+    gemv_configs=None,
 ):
     """(kernel output, reference output) float32 [M, hidden]; `corrupt(slots, layout)` edits the bytes the reference
     reads (not the kernel's), standing in for a kernel that decodes them wrong."""
@@ -70,6 +71,7 @@ def _case(
         weights.to(DEVICE, dtype),
         scale_mode=scale_mode,
         kernel=kernel,
+        gemv_configs=gemv_configs,
     )
     if corrupt is not None:
         slots = corrupt(slots.clone(), layout)
@@ -106,6 +108,16 @@ def test_gemv_kernel_matches_reference_small(fmt, num_tokens, top_k):
     """float32, the CUDA-core kernels (`fused_moe_gemv`, float32 products of exactly decoded weights, group sums
     scaled once): `F32_TOL` of the largest output; five tokens put several rows in one expert's tile."""
     got, want = _case(fmt, num_tokens, top_k, *_small_sizes(fmt), 6, torch.float32, kernel="gemv")
+    torch.testing.assert_close(got, want, atol=F32_TOL * want.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_gemv_prefetch_two_steps_matches_reference_small(fmt):
+    """The gemv kernels loading two K steps ahead (`fused_moe_gemv.GemvConfig`'s last field), with narrow steps
+    so the dots run over 2-8 of them and the loads ahead run past the end of each matrix (masked): `F32_TOL` of the
+    largest output."""
+    config = (4, 32, 1, 2)
+    got, want = _case(fmt, 5, 2, *_small_sizes(fmt), 6, torch.float32, kernel="gemv", gemv_configs=(config, config))
     torch.testing.assert_close(got, want, atol=F32_TOL * want.abs().max().item(), rtol=0)
 
 

@@ -137,6 +137,7 @@ def _row_dots(
     EVEN_K: tl.constexpr,
     WORD_ACTIVATIONS: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """sum_k W[wrow, k] * x[k] for each of `wrow` ([R] rows of a matrix W [rows, num_in] at `w_ptr`, uint8 pointer
     to its codes, 8-byte aligned rows of `row_words` 64-bit words; block scales at `s_ptr`), float32 [R], without
@@ -156,12 +157,18 @@ def _row_dots(
     else:
         x_ptrs = x_row + offs_g * UNIT
     words, raw = _step_loads(words_ptrs, s_ptr, wrow, row_ok, offs_g, 0, num_in, FORMAT, BLOCK_ROWS, BLOCK_COLS, UNIT)
+    if PREFETCH == 2:
+        words_ptrs += G
+        words_1, raw_1 = _step_loads(
+            words_ptrs, s_ptr, wrow, row_ok, offs_g, BLOCK_SIZE_K, num_in, FORMAT, BLOCK_ROWS, BLOCK_COLS, UNIT
+        )
     acc = tl.zeros((wrow.shape[0], G), dtype=tl.float32)
     for k0 in range(0, num_in, BLOCK_SIZE_K):
         words_ptrs += G
         next_words, next_raw = _step_loads(
-            words_ptrs, s_ptr, wrow, row_ok, offs_g, k0 + BLOCK_SIZE_K, num_in, FORMAT, BLOCK_ROWS, BLOCK_COLS, UNIT
-        )
+            words_ptrs, s_ptr, wrow, row_ok, offs_g, k0 + PREFETCH * BLOCK_SIZE_K, num_in, FORMAT, BLOCK_ROWS,
+            BLOCK_COLS, UNIT,
+        )  # fmt: skip
         if EVEN_K:
             g_ok = offs_g < G
         else:
@@ -186,8 +193,10 @@ def _row_dots(
             acc += part * (e4m3_f16(raw).to(tl.float32) * 1.1805916207174113e21)  # s * 2^-8 * 2^70
         else:
             acc += part * ((raw + 62) << 23).to(tl.float32, bitcast=True)  # 2^(e - 127 + 62)
-        words = next_words
-        raw = next_raw
+        if PREFETCH == 2:
+            words, raw, words_1, raw_1 = words_1, raw_1, next_words, next_raw
+        else:
+            words, raw = next_words, next_raw
         if WORD_ACTIVATIONS:
             x_ptrs += BLOCK_SIZE_K // 2
         else:
@@ -236,6 +245,7 @@ def _gate_up_gemv_kernel(
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """h[row, n] = silu(x[t] . gate[e, n]) * (x[t] . up[e, n]) for each real row of M tile `pid_m`, n in the
     program's BLOCK_SIZE_N: gate_up [2 N, K] at byte 0 of the expert, its scales at `gate_up_scale_off`."""
@@ -259,7 +269,7 @@ def _gate_up_gemv_kernel(
             x_row = x_ptr + (pair // top_k) * stride_xm
             dots = _row_dots(
                 base, base + gate_up_scale_off, wrow, row_ok, x_row, K, row_words,
-                FORMAT, BLOCK_ROWS, BLOCK_COLS, EVEN_K, WORD_ACTIVATIONS, BLOCK_SIZE_K,
+                FORMAT, BLOCK_ROWS, BLOCK_COLS, EVEN_K, WORD_ACTIVATIONS, BLOCK_SIZE_K, PREFETCH,
             )  # fmt: skip
             if HAS_TENSOR_SCALE:
                 dots = dots * ts
@@ -295,6 +305,7 @@ def _down_gemv_kernel(
     BLOCK_SIZE_M: tl.constexpr,
     BLOCK_SIZE_N: tl.constexpr,
     BLOCK_SIZE_K: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """out[pair, kk] = weight[pair] * (h[row] . down[e, kk]) for each real row of M tile `pid_m`, kk in the
     program's BLOCK_SIZE_N of hidden K: down [K, N] at `down_off`, its scales at `down_scale_off`."""
@@ -313,7 +324,7 @@ def _down_gemv_kernel(
             pair = _pick(tile_pairs, i)
             dots = _row_dots(
                 base + down_off, base + down_scale_off, offs_out, out_ok, h_ptr + row * stride_hm, N, row_words,
-                FORMAT, BLOCK_ROWS, BLOCK_COLS, EVEN_K, WORD_ACTIVATIONS, BLOCK_SIZE_K,
+                FORMAT, BLOCK_ROWS, BLOCK_COLS, EVEN_K, WORD_ACTIVATIONS, BLOCK_SIZE_K, PREFETCH,
             )  # fmt: skip
             if HAS_TENSOR_SCALE:
                 dots = dots * ts
@@ -322,14 +333,23 @@ def _down_gemv_kernel(
             tl.store(out_ptr + pair * stride_om + offs_out, out.to(out_ptr.dtype.element_ty), mask=out_ok)
 
 
-# (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps) of both kernels by weight bits; BLOCK_SIZE_N output rows per program (gate
-# and up each), so a batch-1 gate/up call on Qwen3-30B-A3B runs 8 x 768 / 8 = 768 programs of 2 warps, down 8 x 2048
-# / 8 = 2048: at decode the kernels wait on memory latency, and more, smaller programs keep more loads in flight.
-# FP8's K step is capped at its scale block's columns. Chosen by `benches/quant_moe.py --profile --sweep --kernels
-# gemv` on the H200 (kernel microseconds, gate/up + down, at batch 1: NVFP4 19.0 at (8, 256, 2) against 21.7 at
-# (16, 256, 2), MXFP4 17.6 / 18.4, FP8 20.2 at (8, 128, 2) / 23.1; the narrower tile also led at batch 4 and 8 for
-# NVFP4, within 4 % of the best elsewhere).
-GEMV_CONFIGS: dict[int, tuple[int, int, int]] = {4: (8, 256, 2), 8: (8, 128, 2)}
+# A kernel's launch config: (BLOCK_SIZE_N output rows per program (gate and up each), BLOCK_SIZE_K columns per K
+# step (FP8's capped at its scale block's, `gemv_k_step`), num_warps, K steps loaded ahead (`_row_dots`' PREFETCH)).
+GemvConfig = tuple[int, int, int, int]
+
+# (gate/up, down) configs by weight bits, each kernel's own: the two read matrices of other shapes (gate/up [2 I, H]
+# rows of H columns, down [H, I]: a third as many columns, 2.7x the rows). One-warp programs lead: a thread then
+# holds 4-8 rows of the same words, so an activation load and split serves that many weights (SASS 5.6-6.0
+# instructions per weight against 6.2-6.9 at two warps, `benches/quant_moe_sass.py`). Chosen by
+# `benches/gemv_grid.py` on the H200 (each kernel's microseconds over 54 configs, Qwen3-30B-A3B shapes, batch 1 and
+# 4): at batch 1 NVFP4 gate/up 10.1 us at (4, 512, 1, 1) against 11.6 at the previous shared (8, 256, 2, 1), down
+# 5.9 at (16, 256, 1, 1) against 7.2; MXFP4 10.0 / 10.5 and 5.9 / 7.2; FP8 gate/up 12.2 at (8, 128, 4, 1) against
+# 12.7, down 5.7 at (16, 128, 1, 2) against 7.5 (FP8's down runs six 128-column steps: two loaded ahead hid more
+# of each step's wait, 5.7 against 6.9 at one). The same configs led or were within 5 % of the best at batch 4.
+GEMV_CONFIGS: dict[int, tuple[GemvConfig, GemvConfig]] = {
+    4: ((4, 512, 1, 1), (16, 256, 1, 1)),
+    8: ((8, 128, 4, 1), (16, 128, 1, 2)),
+}
 
 # Tiles whose pairs number at most this run here (fused_moe_quant_tiles): every tile then holds a few rows, each
 # re-reading the expert's words (from L2) that the tensor-core kernels read once per tile.
@@ -362,6 +382,24 @@ def gemv_supported(layout: ExpertLayout, experts: torch.Tensor) -> bool:
     return aligned and cols >= 8 and cols & (cols - 1) == 0 and layout.hidden % cols == 0 and layout.inter % cols == 0
 
 
+def _launch_meta(fmt: ExpertFormat, config: GemvConfig, block_m: int, num_in: int) -> dict:
+    """The compile-time arguments of a gemv kernel whose dots run over `num_in` columns, under `config`."""
+    block_n, block_k, num_warps, prefetch = config
+    step = gemv_k_step(fmt, block_k, num_in)
+    return {
+        "FORMAT": FORMAT_IDS[fmt.name],
+        "BLOCK_ROWS": fmt.block_rows,
+        "BLOCK_COLS": fmt.block_cols,
+        "HAS_TENSOR_SCALE": fmt.tensor_scale,
+        "EVEN_K": num_in % step == 0,
+        "BLOCK_SIZE_M": block_m,
+        "BLOCK_SIZE_N": block_n,
+        "BLOCK_SIZE_K": step,
+        "PREFETCH": prefetch,
+        "num_warps": num_warps,
+    }
+
+
 def gemv_tiles(
     hidden: torch.Tensor,
     experts: torch.Tensor,
@@ -372,7 +410,7 @@ def gemv_tiles(
     block_m: int,
     h: torch.Tensor,
     pairs: torch.Tensor,
-    config: tuple[int, int, int] | None = None,
+    configs: tuple[GemvConfig, GemvConfig] | None = None,
 ) -> None:
     """One stage of `fused_moe_quant_tiles` through these kernels: h[rows] then pairs[pair] of every real row of the
     tiles whose `block_expert` is >= 0.
@@ -384,27 +422,17 @@ def gemv_tiles(
         sorted_pairs, block_expert: the stage's `align_pairs` rows ([R] int64) and tile slots ([R / block_m]).
         block_m: rows per tile.
         h: [R, N] buffer of the SwiGLU outputs (hidden's dtype); pairs: [M * k, K] buffer of the weighted outputs.
-        config: (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps); None: `GEMV_CONFIGS` of the format's weight bits.
+        configs: the (gate/up, down) kernels' `GemvConfig`s; None: `GEMV_CONFIGS` of the format's weight bits.
     """
     fmt = layout.format
     hidden_size, inter = layout.hidden, layout.inter
-    block_n, block_k, num_warps = config or GEMV_CONFIGS[fmt.weight_bits]
+    gate_up_config, down_config = configs or GEMV_CONFIGS[fmt.weight_bits]
     unit = _weights_per_word(fmt)
     sec = layout.sections
-    meta = {
-        "FORMAT": FORMAT_IDS[fmt.name],
-        "BLOCK_ROWS": fmt.block_rows,
-        "BLOCK_COLS": fmt.block_cols,
-        "HAS_TENSOR_SCALE": fmt.tensor_scale,
-        "BLOCK_SIZE_M": block_m,
-        "BLOCK_SIZE_N": block_n,
-        "num_warps": num_warps,
-    }
     num_pairs = weights.numel()
     tiles = block_expert.numel()
-    gate_up_k, down_k = gemv_k_step(fmt, block_k, hidden_size), gemv_k_step(fmt, block_k, inter)
     words = hidden.dtype == torch.bfloat16 and hidden.stride(0) % 2 == 0 and hidden.data_ptr() % 4 == 0
-    _gate_up_gemv_kernel[(tiles, triton.cdiv(inter, block_n))](
+    _gate_up_gemv_kernel[(tiles, triton.cdiv(inter, gate_up_config[0]))](
         hidden,
         experts,
         h,
@@ -420,12 +448,10 @@ def gemv_tiles(
         hidden_size // unit,
         sec["gate_up_scale"][0],
         sec["tensor_scale"][0],
-        EVEN_K=hidden_size % gate_up_k == 0,
         WORD_ACTIVATIONS=words,
-        BLOCK_SIZE_K=gate_up_k,
-        **meta,
+        **_launch_meta(fmt, gate_up_config, block_m, hidden_size),
     )
-    _down_gemv_kernel[(tiles, triton.cdiv(hidden_size, block_n))](
+    _down_gemv_kernel[(tiles, triton.cdiv(hidden_size, down_config[0]))](
         h,
         experts,
         pairs,
@@ -442,8 +468,6 @@ def gemv_tiles(
         sec["down"][0],
         sec["down_scale"][0],
         sec["tensor_scale"][0],
-        EVEN_K=inter % down_k == 0,
         WORD_ACTIVATIONS=h.dtype == torch.bfloat16,  # h: a fresh [rows, inter] buffer, inter even
-        BLOCK_SIZE_K=down_k,
-        **meta,
+        **_launch_meta(fmt, down_config, block_m, inter),
     )

@@ -94,7 +94,7 @@ import triton
 import triton.language as tl
 
 from freetoken.kernels.fused_moe import align_pairs, block_m_for, fused_moe_reference
-from freetoken.kernels.fused_moe_gemv import GEMV_MAX_PAIRS, gemv_supported, gemv_tiles
+from freetoken.kernels.fused_moe_gemv import GEMV_MAX_PAIRS, GemvConfig, gemv_supported, gemv_tiles
 from freetoken.kernels.moe_tiles import FORMAT_IDS, e4m3_f16, swiglu_rounded, tile_rows
 from freetoken.quant.formats import ExpertFormat, ExpertLayout
 from freetoken.quant.reference import dequantize_experts
@@ -545,7 +545,7 @@ def fused_moe_quant(
     config: tuple[int, int, int, int] | None = None,
     scale_mode: str | None = None,
     kernel: str | None = None,
-    gemv_config: tuple[int, int, int] | None = None,
+    gemv_configs: tuple[GemvConfig, GemvConfig] | None = None,
 ) -> torch.Tensor:
     """Weighted sum of the routed SwiGLU experts of each token, the experts quantized.
 
@@ -561,7 +561,7 @@ def fused_moe_quant(
         out: [M, K] buffer for the result (hidden's dtype); None allocates.
         config: (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages) of both kernels; None: `launch_config`.
         scale_mode: how 4-bit block scales are applied, a `SCALE_MODES` name; None: `SCALE_MODE`.
-        kernel, gemv_config: as `fused_moe_quant_tiles`.
+        kernel, gemv_configs: as `fused_moe_quant_tiles`.
 
     Returns:
         [M, K] in hidden's dtype, as `freetoken.kernels.fused_moe.fused_moe` computes it from the dequantized
@@ -583,7 +583,7 @@ def fused_moe_quant(
         config=config,
         scale_mode=scale_mode,
         kernel=kernel,
-        gemv_config=gemv_config,
+        gemv_configs=gemv_configs,
     )
 
 
@@ -599,7 +599,7 @@ def fused_moe_quant_tiles(
     config: tuple[int, int, int, int] | None = None,
     scale_mode: str | None = None,
     kernel: str | None = None,
-    gemv_config: tuple[int, int, int] | None = None,
+    gemv_configs: tuple[GemvConfig, GemvConfig] | None = None,
 ) -> torch.Tensor:
     """`fused_moe_quant` over an alignment whose tiles are split in stages run one after the other, as
     `freetoken.kernels.fused_moe.fused_moe_tiles` does for bf16 (the decode driver's hits, then its fills).
@@ -611,7 +611,7 @@ def fused_moe_quant_tiles(
         before_stage: called with s before stage s > 0 is queued.
         kernel: "mma" (this module's tensor-core kernels), "gemv" (`fused_moe_gemv`'s CUDA-core ones) or None:
             "gemv" for at most `GEMV_MAX_PAIRS` pairs where `gemv_supported`, unless `config` is given.
-        gemv_config: (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps) of the "gemv" kernels; None: their defaults.
+        gemv_configs: the "gemv" kernels' (gate/up, down) `fused_moe_gemv.GemvConfig`s; None: their defaults.
 
     Returns:
         [M, K] as `fused_moe_quant`; each tile computed by the same kernels whatever the staging.
@@ -641,7 +641,7 @@ def fused_moe_quant_tiles(
         for stage, block_expert in enumerate(tile_stages):
             if stage and before_stage is not None:
                 before_stage(stage)
-            gemv_tiles(hidden, experts, layout, weights, sorted_pairs, block_expert, block_m, h, pairs, gemv_config)
+            gemv_tiles(hidden, experts, layout, weights, sorted_pairs, block_expert, block_m, h, pairs, gemv_configs)
         return torch.sum(pairs.view(num_tokens, top_k, hidden_size), dim=1, out=out)
     sec = layout.sections
     gate_up_off, gate_up_n = sec["gate_up"]

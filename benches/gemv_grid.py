@@ -1,0 +1,130 @@
+"""Each gemv kernel's time over a grid of launch configs (`fused_moe_gemv`), to choose `GEMV_CONFIGS` per kernel.
+
+    python benches/gemv_grid.py [--formats fp8 nvfp4 mxfp4] [--batch 1 4] [--iters 50] [--jobs 16]
+                                [--configs N,K,WARPS,PREFETCH ...] [--repeat 1]
+
+Every `GemvConfig` of `GRID_AXES` (or those given by --configs) is timed, and each kernel's own microseconds (torch
+profiler, the median of --repeat runs of --iters calls) rank it alone: the two kernels read matrices of different
+shapes (gate/up [2 I, H], down [H, I]) and need not share a config. Slots, routing and activations are `quant_moe.py`'s
+(Qwen3-30B-A3B shapes, 128 slots `SLOT_ALIGN` apart, distinct random experts per token). Each config's output is
+checked against the default config's. The configs compile first in `--jobs` processes (Triton's on-disk cache),
+then are timed one by one in this process. Prints one line per format, batch and kernel (the best config, its
+microseconds, the default's) and a final JSON line with every timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+from quant_moe import HIDDEN, INTER, TOP_K, kernel_us, slots_of
+
+from freetoken.kernels.fused_moe_gemv import GEMV_CONFIGS, GemvConfig, gemv_k_step
+from freetoken.kernels.fused_moe_quant import fused_moe_quant
+from freetoken.quant import MXFP4, NVFP4, fp8_block
+
+FORMATS = {"fp8": fp8_block(), "nvfp4": NVFP4, "mxfp4": MXFP4}
+# (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, prefetch depth)
+GRID_AXES = ((4, 8, 16), (256, 512, 1024), (1, 2, 4), (1, 2))
+NAMES = ("_gate_up_gemv_kernel", "_down_gemv_kernel")
+
+
+def inputs(fmt, batch: int):
+    """(x, slots, layout, ids, weights) as `quant_moe.py` builds them for `batch` tokens."""
+    gen = torch.Generator().manual_seed(batch)
+    slots = slots_of(fmt, 128)
+    ids = torch.stack([torch.randperm(128, generator=gen)[:TOP_K] for _ in range(batch)]).cuda()
+    weights = torch.softmax(torch.randn(batch, TOP_K, generator=gen), -1).to(torch.bfloat16).cuda()
+    x = torch.randn(batch, HIDDEN, generator=gen).to(torch.bfloat16).cuda()
+    return x, slots, fmt.layout(HIDDEN, INTER), ids, weights
+
+
+def configs_of(fmt) -> list[GemvConfig]:
+    """The grid for `fmt`, without configs whose K steps (`gemv_k_step`) repeat another's (FP8's cap)."""
+    seen, out = set(), []
+    for n, k, w, p in itertools.product(*GRID_AXES):
+        key = (n, gemv_k_step(fmt, k, HIDDEN), gemv_k_step(fmt, k, INTER), w, p)
+        if key not in seen:
+            seen.add(key)
+            out.append((n, k, w, p))
+    return out
+
+
+def _compile(job: tuple[str, int, list[GemvConfig]]) -> list[str]:
+    """Run each config once (compiles it into Triton's cache); the errors, as text."""
+    name, batch, configs = job
+    x, slots, layout, ids, weights = inputs(FORMATS[name], batch)
+    errors = []
+    for config in configs:
+        try:
+            fused_moe_quant(x, slots, layout, ids, weights, kernel="gemv", gemv_configs=(config, config))
+        except Exception as e:  # out of resources: reported, then skipped in the timing
+            errors.append(f"{name} {config}: {type(e).__name__}: {e}")
+    torch.cuda.synchronize()
+    return errors
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    parser.add_argument(
+        "--configs", nargs="+", metavar="N,K,WARPS,PREFETCH", help="time these configs instead of the grid"
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="profile each config this many times (median)")
+    args = parser.parse_args()
+    chosen = [tuple(int(v) for v in c.split(",")) for c in args.configs] if args.configs else None
+    jobs = []
+    split = max(1, args.jobs // (len(args.formats) * len(args.batch)))
+    for name, batch in itertools.product(args.formats, args.batch):
+        configs = chosen or configs_of(FORMATS[name])
+        jobs += [(name, batch, configs[i::split]) for i in range(split)]
+    ctx = torch.multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
+        for errors in pool.map(_compile, jobs):
+            for line in errors:
+                print(f"gemv_grid: {line}")
+    records = []
+    for name in args.formats:
+        fmt = FORMATS[name]
+        for batch in args.batch:
+            x, slots, layout, ids, weights = inputs(fmt, batch)
+            default = GEMV_CONFIGS[fmt.weight_bits]
+
+            def call(config, args=(x, slots, layout, ids, weights)):
+                configs = None if config is None else (config, config)
+                return fused_moe_quant(*args, kernel="gemv", gemv_configs=configs)
+
+            reference = call(None).float()
+            timings = []
+            for config in chosen or configs_of(fmt):
+                try:
+                    diff = ((call(config).float() - reference).abs().max() / reference.abs().max()).item()
+                    runs = [kernel_us(lambda c=config: call(c), NAMES, args.iters) for _ in range(args.repeat)]
+                except Exception:  # reported by the compile pass
+                    continue
+                us = {kernel: statistics.median(run[kernel] for run in runs) for kernel in NAMES}
+                timings.append({"config": list(config), "us": us, "max_diff": round(diff, 5)})
+                if diff > 2e-2:
+                    print(f"gemv_grid {name} batch {batch}: config {config} changed the output by {diff:.3g}")
+            runs = [kernel_us(lambda: call(None), NAMES, args.iters) for _ in range(args.repeat)]
+            base = {kernel: statistics.median(run[kernel] for run in runs) for kernel in NAMES}
+            for kernel, kernel_default in zip(NAMES, default, strict=True):
+                best = min(timings, key=lambda t: t["us"][kernel])
+                print(
+                    f"gemv_grid {name:>9} batch {batch:>3} {kernel:>22}: best {tuple(best['config'])} "
+                    f"{best['us'][kernel]:.2f} us, default {kernel_default} {base[kernel]:.2f} us"
+                )
+            records.append({"format": fmt.name, "batch": batch, "default_us": base, "timings": timings})
+    print(json.dumps(records))
+
+
+if __name__ == "__main__":
+    main()
