@@ -32,18 +32,23 @@ Gate and up are one [2 BLOCK_SIZE_N, K] tile (rows interleaved: even rows gate n
 are one [2 N, K] matrix, scales too), so a K step loads the activations once for both and SwiGLU pairs them after
 the row sums.
 
-Measured on the H200 (`benches/quant_moe.py --profile --kernels mma gemv`, Qwen3-30B-A3B shapes, 128 slots),
-gate/up + down kernel microseconds per layer call at batch 1: NVFP4 11.5 + 7.4 against the tensor-core kernels'
-25.3 + 10.8, MXFP4 10.3 + 7.2 against 16.5 + 8.5, FP8 12.0 + 8.1 against 16.7 + 8.2 (bf16's kernels: 20.0 + 9.7);
-at batch 4 NVFP4 45.6 + 26.7 against 66.1 + 34.7, MXFP4 and FP8 within 3 % of theirs. Per weight byte that is
-NVFP4 2.26x bf16's kernel time, MXFP4 2.22x, FP8 1.35x (the tensor-core kernels: 4.32x, 3.15x, 1.67x). Decode
-through the expert cache (`benches/moe_backends.py --backends hybrid --budgets 24 --batch 1`, synthetic trace):
-NVFP4 127.3 tok/s against bf16's 48.3 (2.63x), FP8 112.7 (2.33x).
-What is left to the issue's 1.3x per byte: these kernels spend 6.2-6.9 instructions per weight (sm_90 SASS,
-`benches/quant_moe_sass.py --kernels gemv`: 3 integer operations to decode, 1 FFMA, the rest activation loads and
-splits), and the batch-1 kernels do not reach full issue rate (~19 us where the instruction count alone allows
-~8); a Marlin-style kernel that decodes to bf16 pairs in the tensor-core operand layout (inline PTX, beyond what
-Triton lays out) is the known way further.
+Measured on the H200 (`benches/quant_moe.py --profile --kernels gemv`, Qwen3-30B-A3B shapes, 128 slots, each
+kernel at its own `GEMV_CONFIGS` entry), gate/up + down kernel microseconds per layer call at batch 1 (the same in
+three runs within 0.1 us): FP8 12.1 + 5.8, NVFP4 10.1 + 5.7, MXFP4 10.0 + 5.7 against bf16's 20.3 + 9.8 (the
+tensor-core kernels, an earlier run: FP8 16.7 + 8.2, NVFP4 25.3 + 10.8, MXFP4 16.5 + 8.5). Per weight byte that is
+FP8 1.19x bf16's kernel time, NVFP4 1.87x, MXFP4 1.97x (tensor-core kernels 1.67x, 4.32x, 3.15x). At batch 4 FP8
+39.3 + 21.5, NVFP4 42.0 + 23.1, MXFP4 42.0 + 21.7 against bf16's 47.0 + 25.9; at batch 8 (64 pairs, the cut-over)
+within 5 % of the tensor-core kernels or faster (NVFP4 119 us against 167). Decode through the expert cache
+(`benches/moe_backends.py --backends hybrid --budgets 24 --batch 1`, synthetic trace, two runs): FP8 101.0 and 118.0
+tok/s against bf16's 48.0 and 48.1 (2.10x, 2.45x), NVFP4 120.6 and 125.0 (2.51x, 2.60x).
+What is left to the issue's 1.3x per byte for the 4-bit formats: per weight they are no faster than FP8 (the same
+25.2 M gate/up weights in 10.1 us against FP8's 12.1) although they read half the bytes: the work per weight (5.3-6.0
+SASS instructions: 3 integer operations to decode, 1 FFMA, the rest activation loads and splits, `benches/
+quant_moe_sass.py --kernels gemv`) and its latency bound them, not bytes (the instruction count alone needs ~6.6 us
+for both kernels at full issue rate; they take 15.8). Fewer instructions alone did not help: one 64-bit word per
+thread (8-byte loads) cut NVFP4 to 5.5 instructions per weight and 127 registers, and its best configs ran slower
+(gate/up 11.5 us, down 6.1; `benches/gemv_grid.py`, one H200 run). A Marlin-style kernel that decodes packed pairs straight into the tensor cores' operand registers (inline
+PTX, beyond what Triton lays out; no FFMA per weight) is the known way further.
 
 Shapes (project letters): M tokens, K hidden, N expert intermediate, S slots (or E experts), k top-k.
 Test: python -m pytest tests/kernels/test_kernels_quant.py   Bench: python benches/quant_moe.py --kernels gemv mma
