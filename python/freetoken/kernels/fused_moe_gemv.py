@@ -344,9 +344,10 @@ def _down_gemv_kernel(
 GemvConfig = tuple[int, int, int, int]
 
 # (gate/up, down) configs by weight bits, each kernel's own: the two read matrices of other shapes (gate/up [2 I, H]
-# rows of H columns, down [H, I]: a third as many columns, 2.7x the rows). One-warp programs lead: a thread then
-# holds 4-8 rows of the same words, so an activation load and split serves that many weights (SASS 5.6-6.0
-# instructions per weight against 6.2-6.9 at two warps, `benches/quant_moe_sass.py`). Chosen by
+# rows of H columns, down [H, I]: a third as many columns, 2.7x the rows). One-warp programs lead where they fit: a
+# thread then holds 4-8 rows of the same words, so an activation load and split serves that many weights (SASS
+# 5.3-6.0 instructions per weight against 6.2-6.9 at two warps, `benches/quant_moe_sass.py`; FP8's gate/up, 128
+# columns a step, is the exception at four warps and 7.2). Chosen by
 # `benches/gemv_grid.py` on the H200 (each kernel's microseconds over 54 configs, Qwen3-30B-A3B shapes, batch 1 and
 # 4): at batch 1 NVFP4 gate/up 10.1 us at (4, 512, 1, 1) against 11.6 at the previous shared (8, 256, 2, 1), down
 # 5.9 at (16, 256, 1, 1) against 7.2; MXFP4 10.0 / 10.5 and 5.9 / 7.2; FP8 gate/up 12.2 at (8, 128, 4, 1) against
