@@ -22,7 +22,7 @@ import statistics
 from concurrent.futures import ProcessPoolExecutor
 
 import torch
-from quant_moe import HIDDEN, INTER, TOP_K, kernel_us, slots_of
+from quant_moe import HIDDEN, INTER, kernel_us, routing, slots_of
 
 from freetoken.kernels.fused_moe_gemv import GEMV_CONFIGS, GemvConfig, gemv_k_step
 from freetoken.kernels.fused_moe_quant import fused_moe_quant
@@ -35,13 +35,15 @@ NAMES = ("_gate_up_gemv_kernel", "_down_gemv_kernel")
 
 
 def inputs(fmt, batch: int):
-    """(x, slots, layout, ids, weights) as `quant_moe.py` builds them for `batch` tokens."""
-    gen = torch.Generator().manual_seed(batch)
-    slots = slots_of(fmt, 128)
-    ids = torch.stack([torch.randperm(128, generator=gen)[:TOP_K] for _ in range(batch)]).cuda()
-    weights = torch.softmax(torch.randn(batch, TOP_K, generator=gen), -1).to(torch.bfloat16).cuda()
-    x = torch.randn(batch, HIDDEN, generator=gen).to(torch.bfloat16).cuda()
-    return x, slots, fmt.layout(HIDDEN, INTER), ids, weights
+    """(x, slots, layout, ids, weights) as `quant_moe.py` builds them for `batch` tokens on 128 slots."""
+    x, ids, weights = routing(batch, 128)
+    return x, slots_of(fmt, 128), fmt.layout(HIDDEN, INTER), ids, weights
+
+
+def median_kernel_us(fn, iters: int, repeat: int) -> dict[str, float]:
+    """Each of `NAMES`' microseconds per call of `fn`: the median of `repeat` profiles of `iters` calls."""
+    runs = [kernel_us(fn, NAMES, iters) for _ in range(repeat)]
+    return {kernel: statistics.median(run[kernel] for run in runs) for kernel in NAMES}
 
 
 def configs_of(fmt) -> list[GemvConfig]:
@@ -107,15 +109,13 @@ def main() -> None:
             for config in chosen or configs_of(fmt):
                 try:
                     diff = ((call(config).float() - reference).abs().max() / reference.abs().max()).item()
-                    runs = [kernel_us(lambda c=config: call(c), NAMES, args.iters) for _ in range(args.repeat)]
+                    us = median_kernel_us(lambda c=config: call(c), args.iters, args.repeat)
                 except Exception:  # reported by the compile pass
                     continue
-                us = {kernel: statistics.median(run[kernel] for run in runs) for kernel in NAMES}
                 timings.append({"config": list(config), "us": us, "max_diff": round(diff, 5)})
                 if diff > 2e-2:
                     print(f"gemv_grid {name} batch {batch}: config {config} changed the output by {diff:.3g}")
-            runs = [kernel_us(lambda: call(None), NAMES, args.iters) for _ in range(args.repeat)]
-            base = {kernel: statistics.median(run[kernel] for run in runs) for kernel in NAMES}
+            base = median_kernel_us(lambda: call(None), args.iters, args.repeat)
             for kernel, kernel_default in zip(NAMES, default, strict=True):
                 best = min(timings, key=lambda t: t["us"][kernel])
                 print(

@@ -77,6 +77,16 @@ def slots_of(fmt, num_slots: int, packed: bool = False) -> torch.Tensor:
     return slots[:, : one.numel()]
 
 
+def routing(batch: int, num_slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x [batch, HIDDEN] bf16, ids [batch, TOP_K] int64, weights [batch, TOP_K] bf16) on the GPU, seeded by
+    `batch`: TOP_K distinct random slots per token, softmax routing weights, N(0, 1) activations."""
+    gen = torch.Generator().manual_seed(batch)
+    ids = torch.stack([torch.randperm(num_slots, generator=gen)[:TOP_K] for _ in range(batch)]).cuda()
+    weights = torch.softmax(torch.randn(batch, TOP_K, generator=gen), -1).to(torch.bfloat16).cuda()
+    x = torch.randn(batch, HIDDEN, generator=gen).to(torch.bfloat16).cuda()
+    return x, ids, weights
+
+
 def time_call(fn, iters: int) -> float:
     """Median microseconds of `fn()` over `iters` calls after 5 warm-up calls."""
     for _ in range(5):
@@ -207,10 +217,7 @@ def main() -> None:
         fused_moe_quant_module.WORD_LOADS = False
     records = []
     for batch in args.batch:
-        gen = torch.Generator().manual_seed(batch)
-        ids = torch.stack([torch.randperm(args.slots, generator=gen)[:TOP_K] for _ in range(batch)]).cuda()
-        weights = torch.softmax(torch.randn(batch, TOP_K, generator=gen), -1).to(torch.bfloat16).cuda()
-        x = torch.randn(batch, HIDDEN, generator=gen).to(torch.bfloat16).cuda()
+        x, ids, weights = routing(batch, args.slots)
         distinct = int(ids.unique().numel())
         base_us_per_byte = base_us = base_kernel_us_per_byte = None
         for fmt in (BF16, fp8_block(), NVFP4, MXFP4):
