@@ -24,7 +24,8 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 from quant_moe import HIDDEN, INTER, kernel_us, routing, slots_of
 
-from freetoken.kernels.fused_moe_gemv import GEMV_CONFIGS, GemvConfig, gemv_k_step
+from freetoken.kernels.fused_moe_fp4_mma import FP4_MMA_CONFIGS, fits
+from freetoken.kernels.fused_moe_gemv import GEMV_CONFIGS, gemv_k_step
 from freetoken.kernels.fused_moe_quant import fused_moe_quant
 from freetoken.quant import MXFP4, NVFP4, fp8_block
 
@@ -32,6 +33,9 @@ FORMATS = {"fp8": fp8_block(), "nvfp4": NVFP4, "mxfp4": MXFP4}
 # (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, prefetch depth)
 GRID_AXES = ((4, 8, 16), (256, 512, 1024), (1, 2, 4), (1, 2))
 NAMES = ("_gate_up_gemv_kernel", "_down_gemv_kernel")
+# --kernel fp4_mma (`fused_moe_fp4_mma.Fp4MmaConfig`): (K step / 32 columns, num_warps: K slices)
+FP4_MMA_AXES = ((4, 8), (1, 2, 4, 8))
+FP4_MMA_NAMES = ("_gate_up_fp4_mma_kernel", "_down_fp4_mma_kernel")
 
 
 def inputs(fmt, batch: int):
@@ -40,14 +44,31 @@ def inputs(fmt, batch: int):
     return x, slots_of(fmt, 128), fmt.layout(HIDDEN, INTER), ids, weights
 
 
-def median_kernel_us(fn, iters: int, repeat: int) -> dict[str, float]:
-    """Each of `NAMES`' microseconds per call of `fn`: the median of `repeat` profiles of `iters` calls."""
-    runs = [kernel_us(fn, NAMES, iters) for _ in range(repeat)]
-    return {kernel: statistics.median(run[kernel] for run in runs) for kernel in NAMES}
+def median_kernel_us(fn, names: tuple[str, ...], iters: int, repeat: int) -> dict[str, float]:
+    """Each of `names`' microseconds per call of `fn`: the median of `repeat` profiles of `iters` calls."""
+    runs = [kernel_us(fn, names, iters) for _ in range(repeat)]
+    return {kernel: statistics.median(run[kernel] for run in runs) for kernel in names}
 
 
-def configs_of(fmt) -> list[GemvConfig]:
-    """The grid for `fmt`, without configs whose K steps (`gemv_k_step`) repeat another's (FP8's cap)."""
+def run(kernel: str, args, config) -> torch.Tensor:
+    """`fused_moe_quant` on `args` (x, slots, layout, ids, weights) through `kernel`'s kernels, both at `config`
+    (None: their defaults)."""
+    configs = None if config is None else (config, config)
+    if kernel == "fp4_mma":
+        # a config that does not split one matrix's columns into whole steps: that kernel at its default
+        if config is not None:
+            configs = tuple(
+                c if fits(c, n) else d for c, n, d in zip(configs, (HIDDEN, INTER), FP4_MMA_CONFIGS, strict=True)
+            )
+        return fused_moe_quant(*args, kernel=kernel, fp4_mma_configs=configs)
+    return fused_moe_quant(*args, kernel=kernel, gemv_configs=configs)
+
+
+def configs_of(kernel: str, fmt) -> list[tuple[int, ...]]:
+    """The grid of `kernel` for `fmt`; gemv's without configs whose K steps (`gemv_k_step`) repeat another's (FP8's
+    cap)."""
+    if kernel == "fp4_mma":
+        return list(itertools.product(*FP4_MMA_AXES))
     seen, out = set(), []
     for n, k, w, p in itertools.product(*GRID_AXES):
         key = (n, gemv_k_step(fmt, k, HIDDEN), gemv_k_step(fmt, k, INTER), w, p)
@@ -57,14 +78,14 @@ def configs_of(fmt) -> list[GemvConfig]:
     return out
 
 
-def _compile(job: tuple[str, int, list[GemvConfig]]) -> list[str]:
+def _compile(job: tuple[str, str, int, list[tuple[int, ...]]]) -> list[str]:
     """Run each config once (compiles it into Triton's cache); the errors, as text."""
-    name, batch, configs = job
-    x, slots, layout, ids, weights = inputs(FORMATS[name], batch)
+    kernel, name, batch, configs = job
+    args = inputs(FORMATS[name], batch)
     errors = []
     for config in configs:
         try:
-            fused_moe_quant(x, slots, layout, ids, weights, kernel="gemv", gemv_configs=(config, config))
+            run(kernel, args, config)
         except Exception as e:  # out of resources: reported, then skipped in the timing
             errors.append(f"{name} {config}: {type(e).__name__}: {e}")
     torch.cuda.synchronize()
@@ -73,12 +94,16 @@ def _compile(job: tuple[str, int, list[GemvConfig]]) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kernel", default="gemv", choices=["gemv", "fp4_mma"])
     parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     parser.add_argument(
-        "--configs", nargs="+", metavar="N,K,WARPS,PREFETCH", help="time these configs instead of the grid"
+        "--configs",
+        nargs="+",
+        metavar="N,K,WARPS,PREFETCH",
+        help="time these configs instead of the grid (fp4_mma: K_UNITS,WARPS)",
     )
     parser.add_argument("--repeat", type=int, default=1, help="profile each config this many times (median)")
     args = parser.parse_args()
@@ -86,40 +111,42 @@ def main() -> None:
     jobs = []
     split = max(1, args.jobs // (len(args.formats) * len(args.batch)))
     for name, batch in itertools.product(args.formats, args.batch):
-        configs = chosen or configs_of(FORMATS[name])
-        jobs += [(name, batch, configs[i::split]) for i in range(split)]
+        configs = chosen or configs_of(args.kernel, FORMATS[name])
+        jobs += [(args.kernel, name, batch, configs[i::split]) for i in range(split)]
     ctx = torch.multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
         for errors in pool.map(_compile, jobs):
             for line in errors:
                 print(f"gemv_grid: {line}")
+    names = FP4_MMA_NAMES if args.kernel == "fp4_mma" else NAMES
     records = []
     for name in args.formats:
         fmt = FORMATS[name]
         for batch in args.batch:
-            x, slots, layout, ids, weights = inputs(fmt, batch)
-            default = GEMV_CONFIGS[fmt.weight_bits]
+            data = inputs(fmt, batch)
+            default = FP4_MMA_CONFIGS if args.kernel == "fp4_mma" else GEMV_CONFIGS[fmt.weight_bits]
 
-            def call(config, args=(x, slots, layout, ids, weights)):
-                configs = None if config is None else (config, config)
-                return fused_moe_quant(*args, kernel="gemv", gemv_configs=configs)
+            def call(config, data=data):
+                return run(args.kernel, data, config)
 
             reference = call(None).float()
             timings = []
-            for config in chosen or configs_of(fmt):
+            for config in chosen or configs_of(args.kernel, fmt):
                 try:
                     diff = ((call(config).float() - reference).abs().max() / reference.abs().max()).item()
-                    us = median_kernel_us(lambda c=config: call(c), args.iters, args.repeat)
+                    us = median_kernel_us(lambda c=config: call(c), names, args.iters, args.repeat)
                 except Exception:  # reported by the compile pass
                     continue
                 timings.append({"config": list(config), "us": us, "max_diff": round(diff, 5)})
                 if diff > 2e-2:
                     print(f"gemv_grid {name} batch {batch}: config {config} changed the output by {diff:.3g}")
-            base = median_kernel_us(lambda: call(None), args.iters, args.repeat)
-            for kernel, kernel_default in zip(NAMES, default, strict=True):
-                best = min(timings, key=lambda t: t["us"][kernel])
+            base = median_kernel_us(lambda: call(None), names, args.iters, args.repeat)
+            for i, (kernel, kernel_default) in enumerate(zip(names, default, strict=True)):
+                num_in = (HIDDEN, INTER)[i]
+                own = [t for t in timings if args.kernel != "fp4_mma" or fits(tuple(t["config"]), num_in)]
+                best = min(own, key=lambda t: t["us"][kernel])
                 print(
-                    f"gemv_grid {name:>9} batch {batch:>3} {kernel:>22}: best {tuple(best['config'])} "
+                    f"gemv_grid {name:>9} batch {batch:>3} {kernel:>25}: best {tuple(best['config'])} "
                     f"{best['us'][kernel]:.2f} us, default {kernel_default} {base[kernel]:.2f} us"
                 )
             records.append({"format": fmt.name, "batch": batch, "default_us": base, "timings": timings})

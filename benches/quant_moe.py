@@ -139,6 +139,12 @@ def time_row(args, fmt, kernel: str, batch: int, x, slots, layout, ids, weights)
 
         def call(config, mode=None):
             return fused_moe_quant(x, slots, layout, ids, weights, config=config, scale_mode=mode, kernel="mma")
+    elif kernel == "fp4_mma":
+        names = ("_gate_up_fp4_mma_kernel", "_down_fp4_mma_kernel")
+        default = None
+
+        def call(config, mode=None):
+            return fused_moe_quant(x, slots, layout, ids, weights, kernel="fp4_mma")
     else:
         names = ("_gate_up_gemv_kernel", "_down_gemv_kernel")
         default = GEMV_CONFIGS[fmt.weight_bits]
@@ -211,7 +217,7 @@ def main() -> None:
         help="the 4-bit kernels' previous loads (scales by byte, activations by 16-bit element) instead of words",
     )
     parser.add_argument("--packed-slots", action="store_true", help="slots expert_nbytes apart, not SLOT_ALIGN")
-    parser.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "mma", "gemv"])
+    parser.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "mma", "gemv", "fp4_mma"])
     args = parser.parse_args()
     if args.byte_loads:
         fused_moe_quant_module.WORD_LOADS = False
@@ -224,6 +230,8 @@ def main() -> None:
             layout = fmt.layout(HIDDEN, INTER)
             slots = slots_of(fmt, args.slots, args.packed_slots)
             for kernel in args.kernels if fmt.quantized else ["bf16"]:
+                if kernel == "fp4_mma" and fmt.weight_bits != 4:
+                    continue  # the 4-bit formats' kernels
                 if kernel == "auto":
                     kernel = default_kernel(layout, slots, batch * TOP_K)
                 record = time_row(args, fmt, kernel, batch, x, slots, layout, ids, weights)

@@ -199,13 +199,15 @@ def test_tolerance_catches_wrong_decoding(fmt, corrupt, kernel):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize(("fmt", "scale_mode"), MODE_CASES[1:], ids=MODE_IDS[1:])
 @pytest.mark.parametrize(("num_tokens", "top_k"), [(1, 8), (4, 8), (64, 8), (512, 8)])
-@pytest.mark.parametrize("kernel", ["mma", "gemv"])
+@pytest.mark.parametrize("kernel", ["mma", "gemv", "fp4_mma"])
 def test_quant_kernel_matches_reference_qwen3_30b_shapes(fmt, scale_mode, num_tokens, top_k, kernel):
     """bf16 activations at Qwen3-30B-A3B's shapes (H 2048, I 768), decode batch 1-64 and a 512-token prefill
     chunk (the tensor-core kernels only), each kernel; bf16 rounding of the GEMM outputs as the bf16 kernel: 2e-2
     of the largest output."""
-    if kernel == "gemv" and (num_tokens > 64 or scale_mode not in (None, "bf16")):
-        pytest.skip("the gemv kernels run decode batches and have one way to apply scales")
+    if kernel in ("gemv", "fp4_mma") and (num_tokens > 64 or scale_mode not in (None, "bf16")):
+        pytest.skip("the gemv and fp4_mma kernels run decode batches and have one way to apply scales")
+    if kernel == "fp4_mma" and fmt.weight_bits != 4:
+        pytest.skip("the fp4_mma kernels run the 4-bit formats")
     got, want = _case(fmt, num_tokens, top_k, 2048, 768, 32, torch.bfloat16, scale_mode=scale_mode, kernel=kernel)
     torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0)
 

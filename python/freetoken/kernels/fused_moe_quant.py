@@ -93,6 +93,7 @@ import torch
 import triton
 import triton.language as tl
 
+from freetoken.kernels import fused_moe_fp4_mma as fp4_mma
 from freetoken.kernels.fused_moe import align_pairs, block_m_for, fused_moe_reference
 from freetoken.kernels.fused_moe_gemv import GEMV_MAX_PAIRS, GemvConfig, gemv_supported, gemv_tiles
 from freetoken.kernels.moe_tiles import FORMAT_IDS, e4m3_f16, swiglu_rounded, tile_rows
@@ -546,6 +547,7 @@ def fused_moe_quant(
     scale_mode: str | None = None,
     kernel: str | None = None,
     gemv_configs: tuple[GemvConfig, GemvConfig] | None = None,
+    fp4_mma_configs: tuple[fp4_mma.Fp4MmaConfig, fp4_mma.Fp4MmaConfig] | None = None,
 ) -> torch.Tensor:
     """Weighted sum of the routed SwiGLU experts of each token, the experts quantized.
 
@@ -561,7 +563,7 @@ def fused_moe_quant(
         out: [M, K] buffer for the result (hidden's dtype); None allocates.
         config: (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages) of both kernels; None: `launch_config`.
         scale_mode: how 4-bit block scales are applied, a `SCALE_MODES` name; None: `SCALE_MODE`.
-        kernel, gemv_configs: as `fused_moe_quant_tiles`.
+        kernel, gemv_configs, fp4_mma_configs: as `fused_moe_quant_tiles`.
 
     Returns:
         [M, K] in hidden's dtype, as `freetoken.kernels.fused_moe.fused_moe` computes it from the dequantized
@@ -584,6 +586,7 @@ def fused_moe_quant(
         scale_mode=scale_mode,
         kernel=kernel,
         gemv_configs=gemv_configs,
+        fp4_mma_configs=fp4_mma_configs,
     )
 
 
@@ -600,6 +603,7 @@ def fused_moe_quant_tiles(
     scale_mode: str | None = None,
     kernel: str | None = None,
     gemv_configs: tuple[GemvConfig, GemvConfig] | None = None,
+    fp4_mma_configs: tuple[fp4_mma.Fp4MmaConfig, fp4_mma.Fp4MmaConfig] | None = None,
 ) -> torch.Tensor:
     """`fused_moe_quant` over an alignment whose tiles are split in stages run one after the other, as
     `freetoken.kernels.fused_moe.fused_moe_tiles` does for bf16 (the decode driver's hits, then its fills).
@@ -609,15 +613,17 @@ def fused_moe_quant_tiles(
         sorted_pairs: [R] int64 of `align_pairs` (block_m_for(M * k) rows per tile).
         tile_stages: [S, R / block_m] int64: the slot of each tile in the stage that runs it, -1 in the others.
         before_stage: called with s before stage s > 0 is queued.
-        kernel: "mma" (this module's tensor-core kernels), "gemv" (`fused_moe_gemv`'s CUDA-core ones) or None:
-            "gemv" for at most `GEMV_MAX_PAIRS` pairs where `gemv_supported`, unless `config` is given.
+        kernel: "mma" (this module's tensor-core kernels), "gemv" (`fused_moe_gemv`'s CUDA-core ones), "fp4_mma"
+            (`fused_moe_fp4_mma`'s, NVFP4 / MXFP4 on CUDA) or None: `default_kernel`, unless `config` is given.
         gemv_configs: the "gemv" kernels' (gate/up, down) `fused_moe_gemv.GemvConfig`s; None: their defaults.
+        fp4_mma_configs: the "fp4_mma" kernels' (gate/up, down) `fused_moe_fp4_mma.Fp4MmaConfig`s; None: theirs.
 
     Returns:
         [M, K] as `fused_moe_quant`; each tile computed by the same kernels whatever the staging.
 
     Raises:
-        ValueError: an unknown `kernel`, or "gemv" for experts `gemv_supported` refuses.
+        ValueError: an unknown `kernel`, "gemv" for experts `gemv_supported` refuses, or "fp4_mma" where
+            `fused_moe_fp4_mma.supported` does not hold.
     """
     fmt = layout.format
     if fmt.name not in FORMAT_IDS:
@@ -631,17 +637,28 @@ def fused_moe_quant_tiles(
     h = torch.empty(num_rows, inter, dtype=hidden.dtype, device=hidden.device)
     pairs = torch.zeros(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).contiguous()
-    if kernel not in (None, "mma", "gemv"):
-        raise ValueError(f"fused_moe_quant kernel {kernel!r}: expected 'mma' or 'gemv'")
+    if kernel not in (None, "mma", "gemv", "fp4_mma"):
+        raise ValueError(f"fused_moe_quant kernel {kernel!r}: expected 'mma', 'gemv' or 'fp4_mma'")
     if kernel == "gemv" and not gemv_supported(layout, experts):
         raise ValueError(f"the gemv kernels cannot read these {fmt.name} experts (unaligned rows or FP8 blocks)")
+    if kernel == "fp4_mma" and not fp4_mma.supported(layout, experts, hidden):
+        raise ValueError(
+            f"the fp4_mma kernels run NVFP4 / MXFP4 experts on sm_80+ CUDA with bf16 activations, not these {fmt.name}"
+        )
     if kernel is None and config is None:
         kernel = default_kernel(layout, experts, num_pairs)
-    if kernel == "gemv":
+    if kernel in ("gemv", "fp4_mma"):
         for stage, block_expert in enumerate(tile_stages):
             if stage and before_stage is not None:
                 before_stage(stage)
-            gemv_tiles(hidden, experts, layout, weights, sorted_pairs, block_expert, block_m, h, pairs, gemv_configs)
+            if kernel == "gemv":
+                gemv_tiles(
+                    hidden, experts, layout, weights, sorted_pairs, block_expert, block_m, h, pairs, gemv_configs
+                )
+            else:
+                fp4_mma.fp4_mma_tiles(
+                    hidden, experts, layout, weights, sorted_pairs, block_expert, block_m, h, pairs, fp4_mma_configs
+                )
         return torch.sum(pairs.view(num_tokens, top_k, hidden_size), dim=1, out=out)
     sec = layout.sections
     gate_up_off, gate_up_n = sec["gate_up"]

@@ -1,0 +1,502 @@
+"""Grouped SwiGLU over 4-bit (e2m1) experts for decode batches, decoded in registers straight into the tensor
+cores' operands (Gluon, sm_80+ `mma.sync`), Marlin-style.
+
+`fused_moe_gemv`'s CUDA-core kernels spend per weight three integer operations to decode it and a float32 FMA;
+on the H200 the integer pipe runs at half the FMA pipe's rate, so the decode, not the bytes, bounds them. Here each
+32-bit word of eight nibbles becomes four packed bf16 pairs in 15 integer operations, one packed multiply per pair
+applies the block scale, and `mma.sync` (m16n8k16, float32 accumulators) does the multiply-adds: about two integer
+operations per weight and no FMA. Same arguments, tiles and results as `fused_moe_gemv.gemv_tiles` (up to float32
+sum order); `fused_moe_quant_tiles` runs these for NVFP4 and MXFP4 decode batches on CUDA.
+
+Operands (Gluon layouts, `_layouts`): the weights are mma's A operand, [rows, K] with k_width 8, so a thread holds
+8 consecutive K columns of a row, i.e. one 32-bit word of the packed weights; the tokens of an M tile are the B
+operand's 8 columns (a tile's real rows, 8 at a time; padding columns are zeros). A dot is a sum over K in any
+order, so the kernel decodes each word in the order its bits make cheap and loads the activations in the same
+order:
+  - Decoding (`_DECODE`): nibbles j and j + 4 of a word sit 16 bits apart, as the two halves of a bf16 pair do.
+    One shift puts both magnitudes (e2m1 `ee m`) at bf16's low exponent bits and top mantissa bit (bits 6-8 of each
+    half), another both signs at bits 15 and 31: a bf16 pair holding the values * 2^-126 (ee = 0, the codes 0 and
+    0.5, lands on bf16 subnormals, which the packed bf16 multiply keeps: `fused_moe_quant`'s "bf16" scale mode
+    relies on the same, tested on the GPU). Pair j of the word is (nibble j, nibble j + 4), so the word's 8 K
+    positions in the operand are the columns 0, 4, 1, 5, 2, 6, 3, 7 of its 8.
+  - Activations: each thread loads its 8 columns of a token as they lie (one 16-byte load) and permutes the bf16
+    halves into that order (`_PERMUTE`, four PRMT).
+  - Block scales multiply the decoded pair (`mul.rn.bf16x2`): products of an e2m1 value (2 significant bits) and
+    an e4m3 scale (4) are exact in bf16, as in `fused_moe_quant`. The multiplier is the scale * 2^62: NVFP4's e4m3
+    code moved into bf16's fields is the scale * 2^-120 (subnormals included), then two multiplies by 2^91;
+    MXFP4's e8m0 code e becomes the bf16 2^(e - 65) by one integer multiply-add (exact for e <= 192, scales up to
+    2^65, as `fused_moe_gemv`). Products are value * scale * 2^-64; the accumulators are multiplied by 2^64 once
+    (and by NVFP4's per-tensor weight_scale_2).
+  - NVFP4 block scales are taken as non-negative (the sign bit is not decoded): ModelOpt writes amax / 6.
+Gate and up: a program's 16-row mma blocks hold 8 gate rows then the same 8 up rows, so a thread's accumulators for
+gate n and up n are in its own registers (the accumulator layout's rows i and i + 8) and SwiGLU needs no shuffle.
+
+Software-pipelined by hand as `fused_moe_gemv`: a K step issues the next step's weight, scale and activation loads
+before its own decode.
+
+Shapes (project letters): M tokens, K hidden, N expert intermediate. K of each matrix a multiple of the K step
+(`supported`).
+Test: python -m pytest -m gpu tests/kernels/test_kernels_quant.py   Bench: python benches/quant_moe.py --kernels
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+from freetoken.quant.formats import ExpertLayout
+
+# nibbles j, j + 4 -> a bf16 pair of the values * 2^-126, times the block multiplier $5 (module doc): pair j's
+# magnitudes shifted by 6 - 4j to bits 6-8 / 22-24, its signs by 12 - 4j to bits 15 / 31
+_DECODE = gl.constexpr("""{
+.reg .b32 m, s;
+shl.b32 m, $4, 6;
+shl.b32 s, $4, 12;
+and.b32 m, m, 0x01C001C0;
+and.b32 s, s, 0x80008000;
+or.b32 m, m, s;
+mul.rn.bf16x2 $0, m, $5;
+shl.b32 m, $4, 2;
+shl.b32 s, $4, 8;
+and.b32 m, m, 0x01C001C0;
+and.b32 s, s, 0x80008000;
+or.b32 m, m, s;
+mul.rn.bf16x2 $1, m, $5;
+shr.b32 m, $4, 2;
+shl.b32 s, $4, 4;
+and.b32 m, m, 0x01C001C0;
+and.b32 s, s, 0x80008000;
+or.b32 m, m, s;
+mul.rn.bf16x2 $2, m, $5;
+shr.b32 m, $4, 6;
+and.b32 m, m, 0x01C001C0;
+and.b32 s, $4, 0x80008000;
+or.b32 m, m, s;
+mul.rn.bf16x2 $3, m, $5;
+}""")
+
+# the block multiplier (scale * 2^62) as a bf16 pair from a scale code $1: NVFP4's e4m3 moved to bf16's fields in
+# both halves (scale * 2^-120), times 2^91 twice (0x6D00: 2^91); MXFP4's e8m0 e: bf16 exponent field e + 62
+_NVFP4_MULT = gl.constexpr("""{
+.reg .b32 t, c;
+and.b32 t, $1, 0x7F;
+mul.lo.u32 t, t, 0x00100010;
+mov.b32 c, 0x6D006D00;
+mul.rn.bf16x2 t, t, c;
+mul.rn.bf16x2 $0, t, c;
+}""")
+_MXFP4_MULT = gl.constexpr("mad.lo.u32 $0, $1, 0x00800080, 0x1F001F00;")
+
+# 8 activations of a thread (columns 0-7 of a word, as bf16 pairs $4-$7) -> the decode's order 0, 4, 1, 5, 2, 6, 3, 7
+_PERMUTE = gl.constexpr("""{
+prmt.b32 $0, $4, $6, 0x5410;
+prmt.b32 $1, $4, $6, 0x7632;
+prmt.b32 $2, $5, $7, 0x5410;
+prmt.b32 $3, $5, $7, 0x7632;
+}""")
+
+# bf16 pair (int32) -> its two halves as bf16 elements (a register rename)
+_HALVES = gl.constexpr("mov.b32 $0, $1;")
+
+# %tid.x of each thread (the warp's K slice, `_dots`)
+_THREAD = gl.constexpr("mov.u32 $0, %tid.x;")
+
+_UNSCALE = gl.constexpr(2.0**64)
+
+# A kernel's launch config: (K step in 32-column units, num_warps: each warp runs its own slice of K)
+Fp4MmaConfig = tuple[int, int]
+# (gate/up, down): gate/up's 2048 columns in 4 slices of 4 steps, down's 768 in 2 of 3
+FP4_MMA_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = ((4, 4), (4, 2))
+
+
+def _layouts(k_units: int, num_warps: int, group_words: int) -> dict:
+    """The kernel's Gluon layouts for K steps of BK = 32 * `k_units` columns, `num_warps` warps each on its own K
+    slice of the program's 16 rows (BM = 16 * num_warps rows of the operands: warp w's 16 are the same rows at
+    slice w) and scale blocks of `group_words` 32-bit words (NVFP4 2, MXFP4 4):
+
+    MMA: the [BM, 8] float32 accumulators (mma.sync m16n8, warps along the rows); A / B: the weight and activation
+    operands, k_width 8 (a thread holds 8 consecutive K of a row / of a token column); WORDS: the [BM, BK / 8] int32
+    packed weights, one per thread and 8 K columns of A (A's layout with its three lowest K bits dropped: bases from
+    Triton's linear layout of A, `gl.to_linear_layout`); LOADS: the same elements per lane indexed by where the
+    words lie (`_dots`: a lane's words are contiguous, its registers in that order: one vector load); SCALES:
+    [BM, groups per lane, 4] scale codes, one per row, scale block and lane of a row (`_weights` broadcasts them to
+    WORDS)."""
+    bm, bk = 16 * num_warps, 32 * k_units
+    mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
+    a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+    b = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+    # A: registers K 1, 2, 4, row 8, K 32 .. BK / 2; lanes K 8, 16, rows 1, 2, 4; warps rows 16, 32 ..
+    warps = [[16 << i, 0] for i in range(num_warps.bit_length() - 1)]
+    row_lanes = [[1, 0], [2, 0], [4, 0]]
+    units = [1 << i for i in range(k_units.bit_length() - 1)]
+    words = gl.DistributedLinearLayout(
+        [[8, 0]] + [[0, 4 * u] for u in units], [[0, 1], [0, 2]] + row_lanes, warps, [], [bm, bk // 8]
+    )
+    loads = gl.DistributedLinearLayout(
+        [[0, u] for u in units] + [[8, 0]], [[0, k_units], [0, 2 * k_units]] + row_lanes, warps, [], [bm, bk // 8]
+    )
+    # SCALES [BM, groups per lane, lane]: the word registers past the group's become the group dimension
+    groups = k_units // group_words
+    reg3 = [[8, 0, 0]] + [[0, 1 << i, 0] for i in range(groups.bit_length() - 1)]
+    lanes3 = [[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
+    scales = gl.DistributedLinearLayout(reg3, lanes3, [w + [0] for w in warps], [], [bm, groups, 4])
+    return {"MMA": mma, "A": a, "B": b, "WORDS": words, "LOADS": loads, "SCALES": scales, "BK": bk}
+
+
+@gluon.jit
+def _weights(
+    words, codes, FORMAT: gl.constexpr, A: gl.constexpr, WORDS: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr
+):
+    """Packed words [BM, BK / 8] int32 (WORDS) and the block scale codes of their lanes' groups ([BM, groups, 4]
+    int32, SCALES) -> the A operand [BM, BK] bf16: the values * scale * 2^-64, each word's 8 columns in the order
+    0, 4, 1, 5, 2, 6, 3, 7."""
+    if FORMAT == 1:
+        mult = gl.inline_asm_elementwise(_NVFP4_MULT, "=r,r", [codes], dtype=gl.int32, is_pure=True, pack=1)
+        # a lane's words r of its K step: its group r // 2
+        mult = gl.reshape(gl.permute(gl.join(mult, mult), [0, 1, 3, 2]), [BM, BK // 32, 4])
+    else:
+        mult = gl.inline_asm_elementwise(_MXFP4_MULT, "=r,r", [codes], dtype=gl.int32, is_pure=True, pack=1)
+        mult = gl.join(mult, mult)
+        mult = gl.reshape(gl.permute(gl.join(mult, mult), [0, 1, 3, 4, 2]), [BM, BK // 32, 4])
+    mult = gl.convert_layout(gl.reshape(mult, [BM, BK // 8]), WORDS, assert_trivial=True)
+    p0, p1, p2, p3 = gl.inline_asm_elementwise(
+        _DECODE, "=r,=r,=r,=r,r,r", [words, mult], dtype=(gl.int32, gl.int32, gl.int32, gl.int32), is_pure=True, pack=1
+    )
+    pairs = gl.reshape(gl.join(gl.join(p0, p2), gl.join(p1, p3)), [BM, BK // 8, 4])
+    halves = gl.inline_asm_elementwise(
+        _HALVES, "=r,r,r", [gl.join(pairs, pairs)], dtype=gl.bfloat16, is_pure=True, pack=2
+    )
+    return gl.convert_layout(gl.reshape(halves, [BM, BK]), A, assert_trivial=True)
+
+
+@gluon.jit
+def _step_loads(
+    w_ptrs, s_ptrs, x_ptrs, step, WORDS: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, GW: gl.constexpr
+):
+    """K step `step` of each warp's slice: its words [BM, BK / 8] int32 in A's order (WORDS), scale codes
+    (SCALES) and activations [BK, 8] (B)."""
+    raw = gl.load(w_ptrs + step * (BK // 8))
+    # [BM, lane, R] (where they lie) -> [BM, R, lane]: A's order, c = lane + 4 * register
+    R: gl.constexpr = BK // 32
+    words = gl.reshape(gl.permute(gl.reshape(raw, [BM, 4, R]), [0, 2, 1]), [BM, BK // 8])
+    codes = gl.load(s_ptrs + step * (BK // (8 * GW))).to(gl.int32)
+    x = gl.load(x_ptrs + step * BK)
+    return gl.convert_layout(words, WORDS, assert_trivial=True), codes, x
+
+
+@gluon.jit
+def _dots(
+    w_ptr,
+    s_ptr,
+    prow,
+    srow,
+    x_rows,
+    K,
+    FORMAT: gl.constexpr,
+    MMA: gl.constexpr,
+    A: gl.constexpr,
+    B: gl.constexpr,
+    WORDS: gl.constexpr,
+    LOADS: gl.constexpr,
+    SCALES: gl.constexpr,
+    BK: gl.constexpr,
+):
+    """[16, 8] float32: sum_k W[row, k] * x[n, k] * 2^-64 (without NVFP4's tensor scale) for 16 rows of the matrix
+    W [rows, K] at `w_ptr` (int32 words; the rows `prow` [BM] in LOADS' row slice, `srow` in SCALES', each warp's
+    16 the same), block scale codes at `s_ptr` (uint8); `x_rows` [8] the tokens' activation rows (B's column slice).
+
+    Each warp runs K / num_warps columns (its slice, the warp index from %tid.x: the B operand, which the layout
+    holds the same in every warp, is loaded per warp from the warp's slice) and the slices' [16, 8] sums are added
+    at the end: at batch 1 a layer has too few 16-row blocks (gate/up 8 x 96) to give every scheduler of 132 SMs
+    warps enough, and a warp's steps wait on memory one after the other.
+
+    Word c of a K step (c = lane + 4 * register, A's order) is the step's word p = (c % 4) * R + c // 4 (R = BK /
+    32 words per lane): a lane's words are contiguous (one vector load) and share scale blocks; the activations
+    follow (loads of 8 columns at 8 p). Loads are not masked: the caller's rows and tokens are valid ones, and the
+    last step loads itself again as its next. Software-pipelined by hand: a step issues the next step's loads
+    before its own decode."""
+    BM: gl.constexpr = MMA.warps_per_cta[0] * 16
+    W: gl.constexpr = MMA.warps_per_cta[0]
+    R: gl.constexpr = BK // 32
+    GW: gl.constexpr = 2 if FORMAT == 1 else 4  # words per scale block: NVFP4 16 columns, MXFP4 32
+    G: gl.constexpr = R // GW
+    KS = K // W  # a warp's columns
+    NUM_STEPS = KS // BK
+    vr = gl.arange(0, BM, layout=gl.SliceLayout(1, LOADS))
+    p = gl.arange(0, BK // 8, layout=gl.SliceLayout(0, LOADS))
+    w_ptrs = w_ptr + (prow * (K // 8) + (vr // 16) * (KS // 8))[:, None] + p[None, :]
+    vs = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
+    gi = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
+    lane = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
+    s_row = srow * (K // (8 * GW)) + (vs // 16) * (KS // (8 * GW))
+    s_ptrs = s_ptr + s_row[:, None, None] + (lane[None, None, :] * G + gi[None, :, None])
+    thread = gl.inline_asm_elementwise(
+        _THREAD, "=r,r", [gl.full([8], 0, gl.int32, gl.SliceLayout(0, B))], dtype=gl.int32, is_pure=True, pack=1
+    )
+    x_rows += gl.multiple_of((thread // 32) * KS, BK)
+    kk = gl.arange(0, BK, layout=gl.SliceLayout(1, B))
+    cb = kk // 8
+    x_ptrs = x_rows[None, :] + (((cb % 4) * R + cb // 4) * 8 + kk % 8)[:, None]
+    words, codes, x = _step_loads(w_ptrs, s_ptrs, x_ptrs, 0, WORDS, BM, BK, GW)
+    acc = gl.full([BM, 8], 0.0, gl.float32, MMA)
+    for step in range(NUM_STEPS):
+        next_words, next_codes, next_x = _step_loads(
+            w_ptrs, s_ptrs, x_ptrs, gl.minimum(step + 1, NUM_STEPS - 1), WORDS, BM, BK, GW
+        )
+        acc = mma_v2(_weights(words, codes, FORMAT, A, WORDS, BM, BK), _activations(x, B), acc)
+        words, codes, x = next_words, next_codes, next_x
+    return gl.sum(gl.reshape(acc, [W, 16, 8]), axis=0)
+
+
+@gluon.jit
+def _activations(x, B: gl.constexpr):
+    """Activations [BK, 8] bf16 as loaded (each thread's 8 consecutive columns of a token) -> the B operand in the
+    decode's column order."""
+    x = gl.inline_asm_elementwise(_PERMUTE, "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.bfloat16, is_pure=True, pack=8)
+    return gl.convert_layout(x, B, assert_trivial=True)
+
+
+@gluon.jit
+def _tile(sorted_pair_ptr, num_pairs, pid_m, BLOCK_SIZE_M: gl.constexpr):
+    """The number of real rows of M tile `pid_m` (`align_pairs` puts them first)."""
+    lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+    pairs = gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + gl.arange(0, BLOCK_SIZE_M, layout=lay))
+    return gl.sum((pairs < num_pairs).to(gl.int32), axis=0)
+
+
+@gluon.jit
+def _gate_up_rows(pid_n, N, LAYOUT: gl.constexpr, BM: gl.constexpr):
+    """The gate_up [2 N, K] rows of program pid_n's 16 rows, for each of the BM operand rows (LAYOUT: a row slice;
+    row r is row r % 16 at K slice r // 16): 8 gate rows n0 .. n0 + 7, then the same 8 up rows; n past N reads row
+    N - 1 (its outputs are not stored)."""
+    r = gl.arange(0, BM, layout=LAYOUT) % 16
+    n = gl.minimum(pid_n * 8 + r % 8, N - 1)
+    return n + (r // 8) * N
+
+
+@gluon.jit
+def _gate_up_fp4_mma_kernel(
+    x_ptr,
+    w_ptr,
+    h_ptr,
+    sorted_pair_ptr,
+    block_expert_ptr,
+    num_pairs,
+    N,
+    K,
+    top_k,
+    stride_xm,
+    stride_we,
+    stride_hm,
+    gate_up_scale_off,
+    tensor_scale_off,
+    FORMAT: gl.constexpr,
+    HAS_TENSOR_SCALE: gl.constexpr,
+    BLOCK_SIZE_M: gl.constexpr,
+    MMA: gl.constexpr,
+    A: gl.constexpr,
+    B: gl.constexpr,
+    WORDS: gl.constexpr,
+    LOADS: gl.constexpr,
+    SCALES: gl.constexpr,
+    BK: gl.constexpr,
+):
+    """h[row, n] = silu(x[t] . gate[e, n]) * (x[t] . up[e, n]) for the real rows of M tile pid_m, n in the
+    program's 8: gate_up [2 N, K] at byte 0 of the expert, its scales at `gate_up_scale_off`."""
+    BM: gl.constexpr = MMA.warps_per_cta[0] * 16
+    pid_m = gl.program_id(0)
+    pid_n = gl.program_id(1)
+    expert = gl.load(block_expert_ptr + pid_m)
+    if expert >= 0:
+        base = w_ptr + expert.to(gl.int64) * stride_we
+        real = _tile(sorted_pair_ptr, num_pairs, pid_m, BLOCK_SIZE_M)
+        tok = gl.arange(0, 8, layout=gl.SliceLayout(0, B))
+        for i0 in range(0, real, 8):
+            # padding columns read the tile's first token (valid memory); their outputs are not stored
+            row = pid_m * BLOCK_SIZE_M + gl.where(i0 + tok < real, i0 + tok, 0)
+            pair = gl.load(sorted_pair_ptr + row)
+            acc = _dots(
+                base.to(gl.pointer_type(gl.int32)), base + gate_up_scale_off,
+                _gate_up_rows(pid_n, N, gl.SliceLayout(1, LOADS), BM),
+                _gate_up_rows(pid_n, N, gl.SliceLayout(1, gl.SliceLayout(2, SCALES)), BM),
+                x_ptr + (pair // top_k) * stride_xm, K, FORMAT, MMA, A, B, WORDS, LOADS, SCALES, BK,
+            )  # fmt: skip
+            acc = acc * _UNSCALE
+            # [16, 8] -> [gate/up, 8 rows, 8 tokens] -> gate, up [8, 8]
+            gate, up = gl.split(gl.permute(gl.reshape(acc, [2, 8, 8]), [1, 2, 0]))
+            if HAS_TENSOR_SCALE:
+                ts = (base + tensor_scale_off).to(gl.pointer_type(gl.float32))
+                gate = gate * gl.load(ts)
+                up = up * gl.load(ts + 1)
+            dtype: gl.constexpr = h_ptr.dtype.element_ty
+            g = gate.to(dtype).to(gl.float32)
+            act = (g / (1.0 + gl.exp(-g))).to(dtype).to(gl.float32)
+            h = act * up.to(dtype).to(gl.float32)
+            h_lay: gl.constexpr = h.type.layout
+            hi = gl.arange(0, 8, layout=gl.SliceLayout(1, h_lay))
+            ht = gl.arange(0, 8, layout=gl.SliceLayout(0, h_lay))
+            hn = pid_n * 8 + hi[:, None]
+            gl.store(
+                h_ptr + (pid_m * BLOCK_SIZE_M + i0 + ht[None, :]) * stride_hm + hn,
+                h.to(dtype),
+                mask=(hn < N) & (i0 + ht[None, :] < real),
+            )
+
+
+@gluon.jit
+def _down_fp4_mma_kernel(
+    h_ptr,
+    w_ptr,
+    out_ptr,
+    weight_ptr,
+    sorted_pair_ptr,
+    block_expert_ptr,
+    num_pairs,
+    K,
+    N,
+    stride_hm,
+    stride_we,
+    stride_om,
+    down_off,
+    down_scale_off,
+    tensor_scale_off,
+    FORMAT: gl.constexpr,
+    HAS_TENSOR_SCALE: gl.constexpr,
+    BLOCK_SIZE_M: gl.constexpr,
+    MMA: gl.constexpr,
+    A: gl.constexpr,
+    B: gl.constexpr,
+    WORDS: gl.constexpr,
+    LOADS: gl.constexpr,
+    SCALES: gl.constexpr,
+    BK: gl.constexpr,
+):
+    """out[pair, kk] = weight[pair] * (h[row] . down[e, kk]) for the real rows of M tile pid_m, kk in the program's
+    16 rows of hidden K: down [K, N] at `down_off`, its scales at `down_scale_off`."""
+    BM: gl.constexpr = MMA.warps_per_cta[0] * 16
+    pid_m = gl.program_id(0)
+    pid_n = gl.program_id(1)
+    expert = gl.load(block_expert_ptr + pid_m)
+    if expert >= 0:
+        base = w_ptr + expert.to(gl.int64) * stride_we
+        real = _tile(sorted_pair_ptr, num_pairs, pid_m, BLOCK_SIZE_M)
+        tok = gl.arange(0, 8, layout=gl.SliceLayout(0, B))
+        wr = gl.minimum(pid_n * 16 + gl.arange(0, BM, layout=gl.SliceLayout(1, LOADS)) % 16, K - 1)
+        sr = gl.minimum(pid_n * 16 + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES))) % 16, K - 1)
+        for i0 in range(0, real, 8):
+            # padding columns read the tile's first row of h (valid memory); their outputs are not stored
+            row = pid_m * BLOCK_SIZE_M + gl.where(i0 + tok < real, i0 + tok, 0)
+            acc = _dots(
+                (base + down_off).to(gl.pointer_type(gl.int32)), base + down_scale_off, wr, sr,
+                h_ptr + row * stride_hm, N, FORMAT, MMA, A, B, WORDS, LOADS, SCALES, BK,
+            )  # fmt: skip
+            acc = acc * _UNSCALE
+            if HAS_TENSOR_SCALE:
+                acc = acc * gl.load((base + tensor_scale_off).to(gl.pointer_type(gl.float32)) + 2)
+            o_lay: gl.constexpr = acc.type.layout
+            o_r = pid_n * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, o_lay))
+            o_t = gl.arange(0, 8, layout=gl.SliceLayout(0, o_lay))
+            t_ok = i0 + o_t < real
+            pair = gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + i0 + o_t, mask=t_ok, other=0)
+            routing = gl.load(weight_ptr + pair, mask=t_ok, other=0.0).to(gl.float32)
+            dtype: gl.constexpr = out_ptr.dtype.element_ty
+            out = acc.to(dtype).to(gl.float32) * routing[None, :]  # rounded like the reference
+            gl.store(
+                out_ptr + pair[None, :] * stride_om + o_r[:, None],
+                out.to(dtype),
+                mask=(o_r[:, None] < K) & t_ok[None, :],
+            )
+
+
+def fits(config: Fp4MmaConfig, num_in: int) -> bool:
+    """Whether a kernel whose dots run over `num_in` columns can take `config`: whole K steps in each warp's slice."""
+    k_units, num_warps = config
+    return num_in % (32 * k_units * num_warps) == 0
+
+
+def supported(layout: ExpertLayout, experts: torch.Tensor, hidden: torch.Tensor) -> bool:
+    """Whether these kernels can run `layout`'s experts in `experts` ([S, stride] uint8) on `hidden`: NVFP4 or
+    MXFP4, CUDA tensors of sm_80+, bf16 activations, 16-byte aligned rows and sections (vector loads), each
+    matrix's K (hidden, intermediate) a multiple of its kernel's warps' slices of whole K steps."""
+    fmt = layout.format
+    if fmt.name not in ("nvfp4", "mxfp4") or not experts.is_cuda or hidden.dtype != torch.bfloat16:
+        return False
+    if torch.cuda.get_device_capability(experts.device) < (8, 0):
+        return False
+    sec = layout.sections
+    aligned = experts.stride(0) % 16 == 0 and experts.data_ptr() % 16 == 0 and sec["down"][0] % 16 == 0
+    gate_up, down = FP4_MMA_CONFIGS
+    return aligned and fits(gate_up, layout.hidden) and fits(down, layout.inter)
+
+
+def fp4_mma_tiles(
+    hidden: torch.Tensor,
+    experts: torch.Tensor,
+    layout: ExpertLayout,
+    weights: torch.Tensor,
+    sorted_pairs: torch.Tensor,
+    block_expert: torch.Tensor,
+    block_m: int,
+    h: torch.Tensor,
+    pairs: torch.Tensor,
+    configs: tuple[Fp4MmaConfig, Fp4MmaConfig] | None = None,
+) -> None:
+    """One stage of `fused_moe_quant_tiles` through these kernels, as `fused_moe_gemv.gemv_tiles`: h[rows] then
+    pairs[pair] of every real row of the tiles whose `block_expert` is >= 0. `supported(layout, experts, hidden)`
+    must hold; `configs`: the (gate/up, down) kernels' `Fp4MmaConfig`, None: `FP4_MMA_CONFIGS`.
+
+    Raises:
+        ValueError: a config that does not `fit` its matrix."""
+    fmt = layout.format
+    hidden_size, inter = layout.hidden, layout.inter
+    sec = layout.sections
+    num_pairs = weights.numel()
+    tiles = block_expert.numel()
+    fmt_id = 1 if fmt.name == "nvfp4" else 2
+    group_words = 2 if fmt_id == 1 else 4
+    (gu_units, gu_warps), (down_units, down_warps) = configs = configs or FP4_MMA_CONFIGS
+    for config, num_in in zip(configs, (hidden_size, inter), strict=True):
+        if not fits(config, num_in):
+            raise ValueError(f"fp4_mma config {config} does not split {num_in} columns into whole K steps")
+    common = {"FORMAT": fmt_id, "HAS_TENSOR_SCALE": fmt.tensor_scale, "BLOCK_SIZE_M": block_m}
+    _gate_up_fp4_mma_kernel[(tiles, -(-inter // 8))](
+        hidden,
+        experts,
+        h,
+        sorted_pairs,
+        block_expert,
+        num_pairs,
+        inter,
+        hidden_size,
+        num_pairs // hidden.shape[0],
+        hidden.stride(0),
+        experts.stride(0),
+        h.stride(0),
+        sec["gate_up_scale"][0],
+        sec["tensor_scale"][0],
+        **common,
+        **_layouts(gu_units, gu_warps, group_words),
+        num_warps=gu_warps,
+    )
+    _down_fp4_mma_kernel[(tiles, -(-hidden_size // 16))](
+        h,
+        experts,
+        pairs,
+        weights,
+        sorted_pairs,
+        block_expert,
+        num_pairs,
+        hidden_size,
+        inter,
+        h.stride(0),
+        experts.stride(0),
+        pairs.stride(0),
+        sec["down"][0],
+        sec["down_scale"][0],
+        sec["tensor_scale"][0],
+        **common,
+        **_layouts(down_units, down_warps, group_words),
+        num_warps=down_warps,
+    )
