@@ -137,6 +137,50 @@ def test_decode_batches_take_gemv_where_aligned(fmt, monkeypatch):
         torch.testing.assert_close(got, want, atol=F32_TOL * want.abs().max().item(), rtol=0)
 
 
+def test_fp4_mma_refuses_what_it_cannot_run():
+    """The fp4_mma kernels (Gluon, mma.sync) run NVFP4 / MXFP4 on CUDA with bf16 activations and whole K steps per
+    warp slice: anything else is refused with a ValueError before a launch, not run wrong."""
+    from freetoken.kernels import fused_moe_fp4_mma
+
+    assert fused_moe_fp4_mma.fits((4, 4), 2048) and fused_moe_fp4_mma.fits((4, 2), 768)
+    assert not fused_moe_fp4_mma.fits((4, 4), 768) and not fused_moe_fp4_mma.fits((8, 2), 768)
+    fmt = NVFP4
+    slots = quantized_slots(fmt, 2, *_small_sizes(fmt))
+    args = (fmt.layout(*_small_sizes(fmt)), torch.tensor([[0, 1]]), torch.tensor([[0.5, 0.5]]))
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="fp4_mma"):
+            fused_moe_quant(torch.randn(1, _small_sizes(fmt)[0], dtype=torch.bfloat16), slots, *args, kernel="fp4_mma")
+    with pytest.raises(ValueError, match="fp4_mma"):
+        fused_moe_quant(torch.randn(1, 256), quantized_slots(fp8_block(), 2, 256, 128), fp8_block().layout(256, 128),
+                        *args[1:], kernel="fp4_mma")  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("num_tokens", [1, 3, 64])
+def test_fp4_mma_matches_gemv_other_shapes_and_configs(fmt, num_tokens):
+    """fp4_mma at another model's shapes (H 1024, I 512) and each config that fits them (K steps of 128 or 256
+    columns, 1-4 warp slices), against the reference at the bf16 tolerance; 64 tokens put more than 8 rows in
+    tiles (two token groups)."""
+    from freetoken.kernels.fused_moe_fp4_mma import fits
+
+    for gate_up in [(4, 1), (4, 2), (8, 4)]:
+        for down in [(4, 1), (8, 2)]:
+            assert fits(gate_up, 1024) and fits(down, 512)
+            gen = torch.Generator().manual_seed(num_tokens)
+            slots = quantized_slots(fmt, 16, 1024, 512).cuda()
+            ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(num_tokens)]).cuda()
+            weights = torch.softmax(torch.randn(num_tokens, 4, generator=gen), dim=-1).cuda()
+            x = torch.randn(num_tokens, 1024, generator=gen).cuda()
+            layout = fmt.layout(1024, 512)
+            got = fused_moe_quant(
+                x.bfloat16(), slots, layout, ids, weights.bfloat16(), kernel="fp4_mma", fp4_mma_configs=(gate_up, down)
+            ).float()
+            want = fused_moe_quant_reference(x, slots, layout, ids, weights)
+            torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0)
+
+
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_scale_modes_agree_bit_for_bit(fmt, dtype):

@@ -142,7 +142,15 @@ def _layouts(k_units: int, num_warps: int, group_words: int) -> dict:
     reg3 = [[8, 0, 0]] + [[0, 1 << i, 0] for i in range(groups.bit_length() - 1)]
     lanes3 = [[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
     scales = gl.DistributedLinearLayout(reg3, lanes3, [w + [0] for w in warps], [], [bm, groups, 4])
-    return {"MMA": mma, "A": a, "B": b, "WORDS": words, "LOADS": loads, "SCALES": scales, "BK": bk}
+    # PAIRS [BK / 2, 8] int32: B's elements (K 1, 2, 4 in registers, K 8, 16 and the token in lanes) as bf16 pairs
+    pairs = gl.DistributedLinearLayout(
+        [[1, 0], [2, 0]] + [[16 * u, 0] for u in units],
+        [[4, 0], [8, 0], [0, 1], [0, 2], [0, 4]],
+        [[0, 0]] * (num_warps.bit_length() - 1),
+        [],
+        [bk // 2, 8],
+    )
+    return {"MMA": mma, "A": a, "B": b, "WORDS": words, "LOADS": loads, "SCALES": scales, "PAIRS": pairs, "BK": bk}
 
 
 @gluon.jit
@@ -176,13 +184,13 @@ def _step_loads(
     w_ptrs, s_ptrs, x_ptrs, step, WORDS: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, GW: gl.constexpr
 ):
     """K step `step` of each warp's slice: its words [BM, BK / 8] int32 in A's order (WORDS), scale codes
-    (SCALES) and activations [BK, 8] (B)."""
+    (SCALES) and activations (bf16 pairs [BK / 2, 8] int32, PAIRS)."""
     raw = gl.load(w_ptrs + step * (BK // 8))
     # [BM, lane, R] (where they lie) -> [BM, R, lane]: A's order, c = lane + 4 * register
     R: gl.constexpr = BK // 32
     words = gl.reshape(gl.permute(gl.reshape(raw, [BM, 4, R]), [0, 2, 1]), [BM, BK // 8])
     codes = gl.load(s_ptrs + step * (BK // (8 * GW))).to(gl.int32)
-    x = gl.load(x_ptrs + step * BK)
+    x = gl.load(x_ptrs + step * (BK // 2))
     return gl.convert_layout(words, WORDS, assert_trivial=True), codes, x
 
 
@@ -201,11 +209,12 @@ def _dots(
     WORDS: gl.constexpr,
     LOADS: gl.constexpr,
     SCALES: gl.constexpr,
+    PAIRS: gl.constexpr,
     BK: gl.constexpr,
 ):
     """[16, 8] float32: sum_k W[row, k] * x[n, k] * 2^-64 (without NVFP4's tensor scale) for 16 rows of the matrix
     W [rows, K] at `w_ptr` (int32 words; the rows `prow` [BM] in LOADS' row slice, `srow` in SCALES', each warp's
-    16 the same), block scale codes at `s_ptr` (uint8); `x_rows` [8] the tokens' activation rows (B's column slice).
+    16 the same), block scale codes at `s_ptr` (uint8); `x_rows` [8] the tokens' activation rows (bf16, PAIRS' column slice).
 
     Each warp runs K / num_warps columns (its slice, the warp index from %tid.x: the B operand, which the layout
     holds the same in every warp, is loaded per warp from the warp's slice) and the slices' [16, 8] sums are added
@@ -226,36 +235,42 @@ def _dots(
     NUM_STEPS = KS // BK
     vr = gl.arange(0, BM, layout=gl.SliceLayout(1, LOADS))
     p = gl.arange(0, BK // 8, layout=gl.SliceLayout(0, LOADS))
-    w_ptrs = w_ptr + (prow * (K // 8) + (vr // 16) * (KS // 8))[:, None] + p[None, :]
+    # (row and slice starts in whole K steps: 16-byte aligned words, vector loads)
+    w_ptrs = w_ptr + (prow * ((K // BK) * (BK // 8)) + (vr // 16) * (NUM_STEPS * (BK // 8)))[:, None] + p[None, :]
     vs = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
     gi = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
     lane = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
     s_row = srow * (K // (8 * GW)) + (vs // 16) * (KS // (8 * GW))
     s_ptrs = s_ptr + s_row[:, None, None] + (lane[None, None, :] * G + gi[None, :, None])
-    thread = gl.inline_asm_elementwise(
-        _THREAD, "=r,r", [gl.full([8], 0, gl.int32, gl.SliceLayout(0, B))], dtype=gl.int32, is_pure=True, pack=1
+    # the warp's slice of the activations, from %tid.x (B holds the same elements in every warp, loaded per warp)
+    warp = (
+        gl.inline_asm_elementwise(
+            _THREAD, "=r,r", [gl.full([8], 0, gl.int32, gl.SliceLayout(0, PAIRS))], dtype=gl.int32, is_pure=True, pack=1
+        )
+        // 32
     )
-    x_rows += gl.multiple_of((thread // 32) * KS, BK)
-    kk = gl.arange(0, BK, layout=gl.SliceLayout(1, B))
-    cb = kk // 8
-    x_ptrs = x_rows[None, :] + (((cb % 4) * R + cb // 4) * 8 + kk % 8)[:, None]
+    x_pairs = x_rows.to(gl.pointer_type(gl.int32)) + gl.multiple_of(warp * (KS // 2), BK // 2)
+    q = gl.arange(0, BK // 2, layout=gl.SliceLayout(1, PAIRS))  # pair q: columns 2q, 2q + 1 of A's order
+    cb = q // 4
+    x_ptrs = x_pairs[None, :] + (((cb % 4) * R + cb // 4) * 4 + q % 4)[:, None]
     words, codes, x = _step_loads(w_ptrs, s_ptrs, x_ptrs, 0, WORDS, BM, BK, GW)
     acc = gl.full([BM, 8], 0.0, gl.float32, MMA)
     for step in range(NUM_STEPS):
         next_words, next_codes, next_x = _step_loads(
             w_ptrs, s_ptrs, x_ptrs, gl.minimum(step + 1, NUM_STEPS - 1), WORDS, BM, BK, GW
         )
-        acc = mma_v2(_weights(words, codes, FORMAT, A, WORDS, BM, BK), _activations(x, B), acc)
+        acc = mma_v2(_weights(words, codes, FORMAT, A, WORDS, BM, BK), _activations(x, B, BK), acc)
         words, codes, x = next_words, next_codes, next_x
     return gl.sum(gl.reshape(acc, [W, 16, 8]), axis=0)
 
 
 @gluon.jit
-def _activations(x, B: gl.constexpr):
-    """Activations [BK, 8] bf16 as loaded (each thread's 8 consecutive columns of a token) -> the B operand in the
-    decode's column order."""
-    x = gl.inline_asm_elementwise(_PERMUTE, "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.bfloat16, is_pure=True, pack=8)
-    return gl.convert_layout(x, B, assert_trivial=True)
+def _activations(x, B: gl.constexpr, BK: gl.constexpr):
+    """Activations as loaded, bf16 pairs [BK / 2, 8] int32 (PAIRS: each thread's 8 consecutive columns of a token
+    in 4 registers) -> the B operand [BK, 8] bf16 in the decode's column order."""
+    x = gl.inline_asm_elementwise(_PERMUTE, "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.int32, is_pure=True, pack=4)
+    halves = gl.inline_asm_elementwise(_HALVES, "=r,r,r", [gl.join(x, x)], dtype=gl.bfloat16, is_pure=True, pack=2)
+    return gl.convert_layout(gl.reshape(gl.permute(halves, [0, 2, 1]), [BK, 8]), B, assert_trivial=True)
 
 
 @gluon.jit
@@ -301,6 +316,7 @@ def _gate_up_fp4_mma_kernel(
     WORDS: gl.constexpr,
     LOADS: gl.constexpr,
     SCALES: gl.constexpr,
+    PAIRS: gl.constexpr,
     BK: gl.constexpr,
 ):
     """h[row, n] = silu(x[t] . gate[e, n]) * (x[t] . up[e, n]) for the real rows of M tile pid_m, n in the
@@ -312,7 +328,7 @@ def _gate_up_fp4_mma_kernel(
     if expert >= 0:
         base = w_ptr + expert.to(gl.int64) * stride_we
         real = _tile(sorted_pair_ptr, num_pairs, pid_m, BLOCK_SIZE_M)
-        tok = gl.arange(0, 8, layout=gl.SliceLayout(0, B))
+        tok = gl.arange(0, 8, layout=gl.SliceLayout(0, PAIRS))
         for i0 in range(0, real, 8):
             # padding columns read the tile's first token (valid memory); their outputs are not stored
             row = pid_m * BLOCK_SIZE_M + gl.where(i0 + tok < real, i0 + tok, 0)
@@ -321,7 +337,7 @@ def _gate_up_fp4_mma_kernel(
                 base.to(gl.pointer_type(gl.int32)), base + gate_up_scale_off,
                 _gate_up_rows(pid_n, N, gl.SliceLayout(1, LOADS), BM),
                 _gate_up_rows(pid_n, N, gl.SliceLayout(1, gl.SliceLayout(2, SCALES)), BM),
-                x_ptr + (pair // top_k) * stride_xm, K, FORMAT, MMA, A, B, WORDS, LOADS, SCALES, BK,
+                x_ptr + (pair // top_k) * stride_xm, K, FORMAT, MMA, A, B, WORDS, LOADS, SCALES, PAIRS, BK,
             )  # fmt: skip
             acc = acc * _UNSCALE
             # [16, 8] -> [gate/up, 8 rows, 8 tokens] -> gate, up [8, 8]
@@ -371,6 +387,7 @@ def _down_fp4_mma_kernel(
     WORDS: gl.constexpr,
     LOADS: gl.constexpr,
     SCALES: gl.constexpr,
+    PAIRS: gl.constexpr,
     BK: gl.constexpr,
 ):
     """out[pair, kk] = weight[pair] * (h[row] . down[e, kk]) for the real rows of M tile pid_m, kk in the program's
@@ -382,7 +399,7 @@ def _down_fp4_mma_kernel(
     if expert >= 0:
         base = w_ptr + expert.to(gl.int64) * stride_we
         real = _tile(sorted_pair_ptr, num_pairs, pid_m, BLOCK_SIZE_M)
-        tok = gl.arange(0, 8, layout=gl.SliceLayout(0, B))
+        tok = gl.arange(0, 8, layout=gl.SliceLayout(0, PAIRS))
         wr = gl.minimum(pid_n * 16 + gl.arange(0, BM, layout=gl.SliceLayout(1, LOADS)) % 16, K - 1)
         sr = gl.minimum(pid_n * 16 + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES))) % 16, K - 1)
         for i0 in range(0, real, 8):
@@ -390,7 +407,7 @@ def _down_fp4_mma_kernel(
             row = pid_m * BLOCK_SIZE_M + gl.where(i0 + tok < real, i0 + tok, 0)
             acc = _dots(
                 (base + down_off).to(gl.pointer_type(gl.int32)), base + down_scale_off, wr, sr,
-                h_ptr + row * stride_hm, N, FORMAT, MMA, A, B, WORDS, LOADS, SCALES, BK,
+                h_ptr + row * stride_hm, N, FORMAT, MMA, A, B, WORDS, LOADS, SCALES, PAIRS, BK,
             )  # fmt: skip
             acc = acc * _UNSCALE
             if HAS_TENSOR_SCALE:
