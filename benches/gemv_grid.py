@@ -33,8 +33,8 @@ FORMATS = {"fp8": fp8_block(), "nvfp4": NVFP4, "mxfp4": MXFP4}
 # (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, prefetch depth)
 GRID_AXES = ((4, 8, 16), (256, 512, 1024), (1, 2, 4), (1, 2))
 NAMES = ("_gate_up_gemv_kernel", "_down_gemv_kernel")
-# --kernel fp4_mma (`fused_moe_fp4_mma.Fp4MmaConfig`): (K step / 32 columns, num_warps: K slices)
-FP4_MMA_AXES = ((4, 8), (1, 2, 4, 8))
+# --kernel fp4_mma (`fused_moe_fp4_mma.Fp4MmaConfig`): (K step / 32 columns, num_warps: K slices, prefetch depth)
+FP4_MMA_AXES = ((4, 8), (1, 2, 4, 8), (1, 2))
 FP4_MMA_NAMES = ("_gate_up_fp4_mma_kernel", "_down_fp4_mma_kernel")
 
 
@@ -103,7 +103,7 @@ def main() -> None:
         "--configs",
         nargs="+",
         metavar="N,K,WARPS,PREFETCH",
-        help="time these configs instead of the grid (fp4_mma: K_UNITS,WARPS)",
+        help="time these configs instead of the grid (fp4_mma: K_UNITS,WARPS,PREFETCH)",
     )
     parser.add_argument("--repeat", type=int, default=1, help="profile each config this many times (median)")
     args = parser.parse_args()

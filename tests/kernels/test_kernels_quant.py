@@ -142,8 +142,8 @@ def test_fp4_mma_refuses_what_it_cannot_run():
     warp slice: anything else is refused with a ValueError before a launch, not run wrong."""
     from freetoken.kernels import fused_moe_fp4_mma
 
-    assert fused_moe_fp4_mma.fits((4, 4), 2048) and fused_moe_fp4_mma.fits((4, 2), 768)
-    assert not fused_moe_fp4_mma.fits((4, 4), 768) and not fused_moe_fp4_mma.fits((8, 2), 768)
+    assert fused_moe_fp4_mma.fits((4, 4, 1), 2048) and fused_moe_fp4_mma.fits((4, 2, 2), 768)
+    assert not fused_moe_fp4_mma.fits((4, 4, 1), 768) and not fused_moe_fp4_mma.fits((8, 2, 1), 768)
     fmt = NVFP4
     slots = quantized_slots(fmt, 2, *_small_sizes(fmt))
     args = (fmt.layout(*_small_sizes(fmt)), torch.tensor([[0, 1]]), torch.tensor([[0.5, 0.5]]))
@@ -160,13 +160,13 @@ def test_fp4_mma_refuses_what_it_cannot_run():
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("num_tokens", [1, 3, 64])
 def test_fp4_mma_matches_gemv_other_shapes_and_configs(fmt, num_tokens):
-    """fp4_mma at another model's shapes (H 1024, I 512) and each config that fits them (K steps of 128 or 256
-    columns, 1-4 warp slices), against the reference at the bf16 tolerance; 64 tokens put more than 8 rows in
-    tiles (two token groups)."""
+    """fp4_mma at another model's shapes (H 1024, I 512) and configs that fit them (K steps of 128 or 256
+    columns, 1-4 warp slices, loads 1 or 2 steps ahead), against the reference at the bf16 tolerance; 64 tokens put
+    more than 8 rows in tiles (two token groups)."""
     from freetoken.kernels.fused_moe_fp4_mma import fits
 
-    for gate_up in [(4, 1), (4, 2), (8, 4)]:
-        for down in [(4, 1), (8, 2)]:
+    for gate_up in [(4, 1, 1), (4, 2, 2), (8, 4, 1)]:
+        for down in [(4, 1, 2), (8, 2, 1)]:
             assert fits(gate_up, 1024) and fits(down, 512)
             gen = torch.Generator().manual_seed(num_tokens)
             slots = quantized_slots(fmt, 16, 1024, 512).cuda()

@@ -105,10 +105,11 @@ _THREAD = gl.constexpr("mov.u32 $0, %tid.x;")
 
 _UNSCALE = gl.constexpr(2.0**64)
 
-# A kernel's launch config: (K step in 32-column units, num_warps: each warp runs its own slice of K)
-Fp4MmaConfig = tuple[int, int]
+# A kernel's launch config: (K step in 32-column units, num_warps: each warp runs its own slice of K, K steps
+# loaded ahead)
+Fp4MmaConfig = tuple[int, int, int]
 # (gate/up, down): gate/up's 2048 columns in 4 slices of 4 steps, down's 768 in 2 of 3
-FP4_MMA_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = ((4, 4), (4, 2))
+FP4_MMA_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = ((4, 4, 1), (4, 2, 1))
 
 
 def _layouts(k_units: int, num_warps: int, group_words: int) -> dict:
@@ -211,10 +212,12 @@ def _dots(
     SCALES: gl.constexpr,
     PAIRS: gl.constexpr,
     BK: gl.constexpr,
+    PREFETCH: gl.constexpr,
 ):
     """[16, 8] float32: sum_k W[row, k] * x[n, k] * 2^-64 (without NVFP4's tensor scale) for 16 rows of the matrix
     W [rows, K] at `w_ptr` (int32 words; the rows `prow` [BM] in LOADS' row slice, `srow` in SCALES', each warp's
-    16 the same), block scale codes at `s_ptr` (uint8); `x_rows` [8] the tokens' activation rows (bf16, PAIRS' column slice).
+    16 the same), block scale codes at `s_ptr` (uint8); `x_rows` [8] the tokens' activation rows (bf16, PAIRS'
+    column slice).
 
     Each warp runs K / num_warps columns (its slice, the warp index from %tid.x: the B operand, which the layout
     holds the same in every warp, is loaded per warp from the warp's slice) and the slices' [16, 8] sums are added
@@ -224,8 +227,8 @@ def _dots(
     Word c of a K step (c = lane + 4 * register, A's order) is the step's word p = (c % 4) * R + c // 4 (R = BK /
     32 words per lane): a lane's words are contiguous (one vector load) and share scale blocks; the activations
     follow (loads of 8 columns at 8 p). Loads are not masked: the caller's rows and tokens are valid ones, and the
-    last step loads itself again as its next. Software-pipelined by hand: a step issues the next step's loads
-    before its own decode."""
+    last step loads itself again as its next. Software-pipelined by hand: a step issues the loads of the step
+    PREFETCH (1 or 2) ahead before its own decode."""
     BM: gl.constexpr = MMA.warps_per_cta[0] * 16
     W: gl.constexpr = MMA.warps_per_cta[0]
     R: gl.constexpr = BK // 32
@@ -254,13 +257,18 @@ def _dots(
     cb = q // 4
     x_ptrs = x_pairs[None, :] + (((cb % 4) * R + cb // 4) * 4 + q % 4)[:, None]
     words, codes, x = _step_loads(w_ptrs, s_ptrs, x_ptrs, 0, WORDS, BM, BK, GW)
+    if PREFETCH == 2:
+        words_1, codes_1, x_1 = _step_loads(w_ptrs, s_ptrs, x_ptrs, gl.minimum(1, NUM_STEPS - 1), WORDS, BM, BK, GW)
     acc = gl.full([BM, 8], 0.0, gl.float32, MMA)
     for step in range(NUM_STEPS):
         next_words, next_codes, next_x = _step_loads(
-            w_ptrs, s_ptrs, x_ptrs, gl.minimum(step + 1, NUM_STEPS - 1), WORDS, BM, BK, GW
+            w_ptrs, s_ptrs, x_ptrs, gl.minimum(step + PREFETCH, NUM_STEPS - 1), WORDS, BM, BK, GW
         )
         acc = mma_v2(_weights(words, codes, FORMAT, A, WORDS, BM, BK), _activations(x, B, BK), acc)
-        words, codes, x = next_words, next_codes, next_x
+        if PREFETCH == 2:
+            words, codes, x, words_1, codes_1, x_1 = words_1, codes_1, x_1, next_words, next_codes, next_x
+        else:
+            words, codes, x = next_words, next_codes, next_x
     return gl.sum(gl.reshape(acc, [W, 16, 8]), axis=0)
 
 
@@ -318,6 +326,7 @@ def _gate_up_fp4_mma_kernel(
     SCALES: gl.constexpr,
     PAIRS: gl.constexpr,
     BK: gl.constexpr,
+    PREFETCH: gl.constexpr,
 ):
     """h[row, n] = silu(x[t] . gate[e, n]) * (x[t] . up[e, n]) for the real rows of M tile pid_m, n in the
     program's 8: gate_up [2 N, K] at byte 0 of the expert, its scales at `gate_up_scale_off`."""
@@ -337,7 +346,7 @@ def _gate_up_fp4_mma_kernel(
                 base.to(gl.pointer_type(gl.int32)), base + gate_up_scale_off,
                 _gate_up_rows(pid_n, N, gl.SliceLayout(1, LOADS), BM),
                 _gate_up_rows(pid_n, N, gl.SliceLayout(1, gl.SliceLayout(2, SCALES)), BM),
-                x_ptr + (pair // top_k) * stride_xm, K, FORMAT, MMA, A, B, WORDS, LOADS, SCALES, PAIRS, BK,
+                x_ptr + (pair // top_k) * stride_xm, K, FORMAT, MMA, A, B, WORDS, LOADS, SCALES, PAIRS, BK, PREFETCH,
             )  # fmt: skip
             acc = acc * _UNSCALE
             # [16, 8] -> [gate/up, 8 rows, 8 tokens] -> gate, up [8, 8]
@@ -389,6 +398,7 @@ def _down_fp4_mma_kernel(
     SCALES: gl.constexpr,
     PAIRS: gl.constexpr,
     BK: gl.constexpr,
+    PREFETCH: gl.constexpr,
 ):
     """out[pair, kk] = weight[pair] * (h[row] . down[e, kk]) for the real rows of M tile pid_m, kk in the program's
     16 rows of hidden K: down [K, N] at `down_off`, its scales at `down_scale_off`."""
@@ -407,7 +417,7 @@ def _down_fp4_mma_kernel(
             row = pid_m * BLOCK_SIZE_M + gl.where(i0 + tok < real, i0 + tok, 0)
             acc = _dots(
                 (base + down_off).to(gl.pointer_type(gl.int32)), base + down_scale_off, wr, sr,
-                h_ptr + row * stride_hm, N, FORMAT, MMA, A, B, WORDS, LOADS, SCALES, PAIRS, BK,
+                h_ptr + row * stride_hm, N, FORMAT, MMA, A, B, WORDS, LOADS, SCALES, PAIRS, BK, PREFETCH,
             )  # fmt: skip
             acc = acc * _UNSCALE
             if HAS_TENSOR_SCALE:
@@ -429,7 +439,7 @@ def _down_fp4_mma_kernel(
 
 def fits(config: Fp4MmaConfig, num_in: int) -> bool:
     """Whether a kernel whose dots run over `num_in` columns can take `config`: whole K steps in each warp's slice."""
-    k_units, num_warps = config
+    k_units, num_warps, _ = config
     return num_in % (32 * k_units * num_warps) == 0
 
 
@@ -473,7 +483,7 @@ def fp4_mma_tiles(
     tiles = block_expert.numel()
     fmt_id = 1 if fmt.name == "nvfp4" else 2
     group_words = 2 if fmt_id == 1 else 4
-    (gu_units, gu_warps), (down_units, down_warps) = configs = configs or FP4_MMA_CONFIGS
+    (gu_units, gu_warps, gu_prefetch), (down_units, down_warps, down_prefetch) = configs = configs or FP4_MMA_CONFIGS
     for config, num_in in zip(configs, (hidden_size, inter), strict=True):
         if not fits(config, num_in):
             raise ValueError(f"fp4_mma config {config} does not split {num_in} columns into whole K steps")
@@ -495,6 +505,7 @@ def fp4_mma_tiles(
         sec["tensor_scale"][0],
         **common,
         **_layouts(gu_units, gu_warps, group_words),
+        PREFETCH=gu_prefetch,
         num_warps=gu_warps,
     )
     _down_fp4_mma_kernel[(tiles, -(-hidden_size // 16))](
@@ -515,5 +526,6 @@ def fp4_mma_tiles(
         sec["tensor_scale"][0],
         **common,
         **_layouts(down_units, down_warps, group_words),
+        PREFETCH=down_prefetch,
         num_warps=down_warps,
     )
