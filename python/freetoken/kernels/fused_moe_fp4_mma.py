@@ -1,42 +1,45 @@
 """Grouped SwiGLU over 4-bit (e2m1) experts for decode batches, decoded in registers straight into the tensor
 cores' operands (Gluon, sm_80+ `mma.sync`), Marlin-style.
 
-`fused_moe_gemv`'s CUDA-core kernels spend per weight three integer operations to decode it and a float32 FMA;
-on the H200 the integer pipe runs at half the FMA pipe's rate, so the decode, not the bytes, bounds them. Here each
-32-bit word of eight nibbles becomes four packed bf16 pairs in 15 integer operations, one packed multiply per pair
-applies the block scale, and `mma.sync` (m16n8k16, float32 accumulators) does the multiply-adds: about two integer
-operations per weight and no FMA. Same arguments, tiles and results as `fused_moe_gemv.gemv_tiles` (up to float32
-sum order); `fused_moe_quant_tiles` runs these for NVFP4 and MXFP4 decode batches on CUDA.
+`fused_moe_gemv`'s CUDA-core kernels spend per weight three integer operations to decode it and a float32 FMA (the
+H200's integer pipes run at half the FMA pipe's rate). Here each 32-bit word of eight nibbles becomes four packed
+bf16 pairs in 15 integer operations, one packed multiply per pair applies the block scale, and `mma.sync`
+(m16n8k16, float32 accumulators) does the multiply-adds: about two integer operations per weight and no FMA. Same
+arguments, tiles and results as `fused_moe_gemv.gemv_tiles` (up to float32 sum order); `fused_moe_quant_tiles`
+runs these for NVFP4 and MXFP4 decode batches on CUDA.
 
 Operands (Gluon layouts, `_layouts`): the weights are mma's A operand, [rows, K] with k_width 8, so a thread holds
 8 consecutive K columns of a row, i.e. one 32-bit word of the packed weights; the tokens of an M tile are the B
-operand's 8 columns (a tile's real rows, 8 at a time; padding columns are zeros). A dot is a sum over K in any
-order, so the kernel decodes each word in the order its bits make cheap and loads the activations in the same
-order:
+operand's 8 columns (a tile's real rows, 8 at a time; padding columns repeat the first, not stored). A dot is a sum
+over K in any order, so the kernel decodes each word in the order its bits make cheap and loads the activations in
+the same order:
   - Decoding (`_DECODE`): nibbles j and j + 4 of a word sit 16 bits apart, as the two halves of a bf16 pair do.
     One shift puts both magnitudes (e2m1 `ee m`) at bf16's low exponent bits and top mantissa bit (bits 6-8 of each
     half), another both signs at bits 15 and 31: a bf16 pair holding the values * 2^-126 (ee = 0, the codes 0 and
     0.5, lands on bf16 subnormals, which the packed bf16 multiply keeps: `fused_moe_quant`'s "bf16" scale mode
     relies on the same, tested on the GPU). Pair j of the word is (nibble j, nibble j + 4), so the word's 8 K
     positions in the operand are the columns 0, 4, 1, 5, 2, 6, 3, 7 of its 8.
-  - Activations: each thread loads its 8 columns of a token as they lie (one 16-byte load) and permutes the bf16
-    halves into that order (`_PERMUTE`, four PRMT).
+  - Activations: each thread loads its 8 columns of a token as they lie (bf16 pairs, one 16-byte load) and permutes
+    the halves into that order (`_PERMUTE`, four PRMT).
   - Block scales multiply the decoded pair (`mul.rn.bf16x2`): products of an e2m1 value (2 significant bits) and
     an e4m3 scale (4) are exact in bf16, as in `fused_moe_quant`. The multiplier is the scale * 2^62: NVFP4's e4m3
     code moved into bf16's fields is the scale * 2^-120 (subnormals included), then two multiplies by 2^91;
     MXFP4's e8m0 code e becomes the bf16 2^(e - 65) by one integer multiply-add (exact for e <= 192, scales up to
-    2^65, as `fused_moe_gemv`). Products are value * scale * 2^-64; the accumulators are multiplied by 2^64 once
-    (and by NVFP4's per-tensor weight_scale_2).
+    2^65, as `fused_moe_gemv`). Products are value * scale * 2^-64; the sums are multiplied by 2^64 once (and by
+    NVFP4's per-tensor weight_scale_2).
   - NVFP4 block scales are taken as non-negative (the sign bit is not decoded): ModelOpt writes amax / 6.
-Gate and up: a program's 16-row mma blocks hold 8 gate rows then the same 8 up rows, so a thread's accumulators for
-gate n and up n are in its own registers (the accumulator layout's rows i and i + 8) and SwiGLU needs no shuffle.
+  - The K steps of a lane's words are contiguous in memory (`_dots`): one vector load per row, and the words of a
+    scale block in one lane.
+Work split: a program owns 16 weight rows of one expert tile (gate/up: 8 gate rows then the same 8 up rows, so a
+thread's accumulators for gate n and up n are in its own registers and SwiGLU needs no shuffle) and its warps
+each run one slice of K (`Fp4MmaConfig`), their [16, 8] sums added at the end: at batch 1 a layer has only 8 x 96
+gate/up blocks of 16 rows, one warp each would leave the SMs' schedulers idle while each warp's steps wait on
+memory one after the other.
 
-Software-pipelined by hand as `fused_moe_gemv`: a K step issues the next step's weight, scale and activation loads
-before its own decode.
-
-Shapes (project letters): M tokens, K hidden, N expert intermediate. K of each matrix a multiple of the K step
-(`supported`).
-Test: python -m pytest -m gpu tests/kernels/test_kernels_quant.py   Bench: python benches/quant_moe.py --kernels
+Shapes (project letters): M tokens, K hidden, N expert intermediate. Each matrix's K a multiple of its kernel's
+warp slices of whole K steps (`fits`, `supported`).
+Test: python -m pytest -m gpu tests/kernels/test_kernels_quant.py -k fp4_mma
+Bench: python benches/quant_moe.py --profile --kernels gemv fp4_mma; python benches/gemv_grid.py --kernel fp4_mma
 """
 
 from __future__ import annotations
