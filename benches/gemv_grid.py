@@ -1,15 +1,16 @@
 """Each gemv kernel's time over a grid of launch configs (`fused_moe_gemv`), to choose `GEMV_CONFIGS` per kernel.
 
-    python benches/gemv_grid.py [--formats fp8 nvfp4 mxfp4] [--batch 1 4] [--iters 50] [--jobs 16]
-                                [--configs N,K,WARPS,PREFETCH ...] [--repeat 1]
+    python benches/gemv_grid.py [--kernel gemv|fp4_mma] [--formats fp8 nvfp4 mxfp4] [--batch 1 4] [--iters 50]
+                                [--jobs 16] [--configs N,K,WARPS,PREFETCH ...] [--repeat 1] [--contiguous-slices]
 
 Every `GemvConfig` of `GRID_AXES` (or those given by --configs) is timed, and each kernel's own microseconds (torch
 profiler, the median of --repeat runs of --iters calls) rank it alone: the two kernels read matrices of different
 shapes (gate/up [2 I, H], down [H, I]) and need not share a config. Slots, routing and activations are `quant_moe.py`'s
 (Qwen3-30B-A3B shapes, 128 slots `SLOT_ALIGN` apart, distinct random experts per token). Each config's output is
 checked against the default config's. The configs compile first in `--jobs` processes (Triton's on-disk cache),
-then are timed one by one in this process. Prints one line per format, batch and kernel (the best config, its
-microseconds, the default's) and a final JSON line with every timing.
+then are timed one by one in this process. --kernel fp4_mma times `fused_moe_fp4_mma`'s configs instead
+(--contiguous-slices: with its warps' K slices contiguous, not interleaved). Prints one line per format, batch and
+kernel (the best config, its microseconds, the default's) and a final JSON line with every timing.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from concurrent.futures import ProcessPoolExecutor
 import torch
 from quant_moe import HIDDEN, INTER, kernel_us, routing, slots_of
 
+from freetoken.kernels import fused_moe_fp4_mma
 from freetoken.kernels.fused_moe_fp4_mma import FP4_MMA_CONFIGS, fits
 from freetoken.kernels.fused_moe_gemv import GEMV_CONFIGS, gemv_k_step
 from freetoken.kernels.fused_moe_quant import fused_moe_quant
@@ -78,9 +80,9 @@ def configs_of(kernel: str, fmt) -> list[tuple[int, ...]]:
     return out
 
 
-def _compile(job: tuple[str, str, int, list[tuple[int, ...]]]) -> list[str]:
+def _compile(job: tuple[str, str, int, list[tuple[int, ...]], bool]) -> list[str]:
     """Run each config once (compiles it into Triton's cache); the errors, as text."""
-    kernel, name, batch, configs = job
+    kernel, name, batch, configs, fused_moe_fp4_mma.INTERLEAVED_SLICES = job
     args = inputs(FORMATS[name], batch)
     errors = []
     for config in configs:
@@ -106,13 +108,17 @@ def main() -> None:
         help="time these configs instead of the grid (fp4_mma: K_UNITS,WARPS,PREFETCH)",
     )
     parser.add_argument("--repeat", type=int, default=1, help="profile each config this many times (median)")
+    parser.add_argument(
+        "--contiguous-slices", action="store_true", help="fp4_mma: each warp's K slice contiguous, not interleaved"
+    )
     args = parser.parse_args()
+    fused_moe_fp4_mma.INTERLEAVED_SLICES = not args.contiguous_slices
     chosen = [tuple(int(v) for v in c.split(",")) for c in args.configs] if args.configs else None
     jobs = []
     split = max(1, args.jobs // (len(args.formats) * len(args.batch)))
     for name, batch in itertools.product(args.formats, args.batch):
         configs = chosen or configs_of(args.kernel, FORMATS[name])
-        jobs += [(args.kernel, name, batch, configs[i::split]) for i in range(split)]
+        jobs += [(args.kernel, name, batch, configs[i::split], not args.contiguous_slices) for i in range(split)]
     ctx = torch.multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=ctx) as pool:
         for errors in pool.map(_compile, jobs):

@@ -233,7 +233,7 @@ def main() -> None:
                 if kernel == "fp4_mma" and fmt.weight_bits != 4:
                     continue  # the 4-bit formats' kernels
                 if kernel == "auto":
-                    kernel = default_kernel(layout, slots, batch * TOP_K)
+                    kernel = default_kernel(layout, slots, batch * TOP_K, x)
                 record = time_row(args, fmt, kernel, batch, x, slots, layout, ids, weights)
                 nbytes = distinct * layout.expert_nbytes
                 us = record["us_per_call"]

@@ -158,12 +158,17 @@ def test_fp4_mma_refuses_what_it_cannot_run():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=["nvfp4", "mxfp4"])
-@pytest.mark.parametrize("num_tokens", [1, 3, 64])
-def test_fp4_mma_matches_gemv_other_shapes_and_configs(fmt, num_tokens):
+@pytest.mark.parametrize("num_tokens", [1, 3, 40, 64])
+@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "contiguous"])
+def test_fp4_mma_matches_gemv_other_shapes_and_configs(fmt, num_tokens, interleaved, monkeypatch):
     """fp4_mma at another model's shapes (H 1024, I 512) and configs that fit them (K steps of 128 or 256
-    columns, 1-4 warp slices, loads 1 or 2 steps ahead), against the reference at the bf16 tolerance; 64 tokens put
-    more than 8 rows in tiles (two token groups)."""
+    columns, 1-4 warp slices, loads 1 or 2 steps ahead, the warps' K slices interleaved or contiguous), against the
+    reference at the bf16 tolerance; 40 and 64 tokens put more than 8 rows in tiles (a second token group, partly
+    or wholly real)."""
+    from freetoken.kernels import fused_moe_fp4_mma
     from freetoken.kernels.fused_moe_fp4_mma import fits
+
+    monkeypatch.setattr(fused_moe_fp4_mma, "INTERLEAVED_SLICES", interleaved)
 
     for gate_up in [(4, 1, 1), (4, 2, 2), (8, 4, 1)]:
         for down in [(4, 1, 2), (8, 2, 1)]:

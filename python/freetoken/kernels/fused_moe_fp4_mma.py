@@ -108,11 +108,16 @@ _THREAD = gl.constexpr("mov.u32 $0, %tid.x;")
 
 _UNSCALE = gl.constexpr(2.0**64)
 
+# the warps' K slices: interleaved by K step (True) or contiguous (False; `benches/gemv_grid.py --contiguous-slices`)
+INTERLEAVED_SLICES = True
+
 # A kernel's launch config: (K step in 32-column units, num_warps: each warp runs its own slice of K, K steps
 # loaded ahead)
 Fp4MmaConfig = tuple[int, int, int]
-# (gate/up, down): gate/up's 2048 columns in 4 slices of 4 steps, down's 768 in 2 of 3
-FP4_MMA_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = ((4, 4, 1), (4, 2, 1))
+# (gate/up, down): the H200's fastest at batch 1 on Qwen3-30B-A3B's shapes (`benches/gemv_grid.py --kernel
+# fp4_mma`, NVFP4 and MXFP4 alike within 10 %): K steps of 128 columns in 2 warp slices, one step ahead (gate/up's
+# 2048 columns: 8 steps per slice, down's 768: 3)
+FP4_MMA_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = ((4, 2, 1), (4, 2, 1))
 
 
 def _layouts(k_units: int, num_warps: int, group_words: int) -> dict:
@@ -184,26 +189,87 @@ def _weights(
 
 
 @gluon.jit
-def _step_loads(
-    w_ptrs, s_ptrs, x_ptrs, step, WORDS: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr, GW: gl.constexpr
-):
-    """K step `step` of each warp's slice: its words [BM, BK / 8] int32 in A's order (WORDS), scale codes
-    (SCALES) and activations (bf16 pairs [BK / 2, 8] int32, PAIRS)."""
-    raw = gl.load(w_ptrs + step * (BK // 8))
-    # [BM, lane, R] (where they lie) -> [BM, R, lane]: A's order, c = lane + 4 * register
-    R: gl.constexpr = BK // 32
-    words = gl.reshape(gl.permute(gl.reshape(raw, [BM, 4, R]), [0, 2, 1]), [BM, BK // 8])
-    codes = gl.load(s_ptrs + step * (BK // (8 * GW))).to(gl.int32)
-    x = gl.load(x_ptrs + step * (BK // 2))
-    return gl.convert_layout(words, WORDS, assert_trivial=True), codes, x
+def _slices(W: gl.constexpr, INTERLEAVE: gl.constexpr, NUM_STEPS):
+    """(first K step of warp 1's slice, K steps between a slice's steps): contiguous slices (warp w runs the steps
+    w * NUM_STEPS ..), or interleaved (warp w runs the steps w, w + W, ..: the warps' loads of a step lie side by
+    side in each row, W * BK / 2 bytes)."""
+    if INTERLEAVE:
+        return 1, W
+    else:
+        return NUM_STEPS, 1
 
 
 @gluon.jit
-def _dots(
+def _weight_loads(
+    w_ptrs,
+    s_ptrs,
+    step,
+    WORDS: gl.constexpr,
+    BM: gl.constexpr,
+    BK: gl.constexpr,
+    GW: gl.constexpr,
+    STRIDE: gl.constexpr,
+):
+    """K step `step` of each warp's slice: its words [BM, BK / 8] int32 in A's order (WORDS) and scale codes
+    (SCALES); STRIDE: K steps between a slice's steps (`_slices`)."""
+    raw = gl.load(w_ptrs + step * (STRIDE * BK // 8))
+    # [BM, lane, R] (where they lie) -> [BM, R, lane]: A's order, c = lane + 4 * register
+    R: gl.constexpr = BK // 32
+    words = gl.reshape(gl.permute(gl.reshape(raw, [BM, 4, R]), [0, 2, 1]), [BM, BK // 8])
+    codes = gl.load(s_ptrs + step * (STRIDE * BK // (8 * GW))).to(gl.int32)
+    return gl.convert_layout(words, WORDS, assert_trivial=True), codes
+
+
+@gluon.jit
+def _weight_ptrs(
     w_ptr,
     s_ptr,
     prow,
     srow,
+    K,
+    FORMAT: gl.constexpr,
+    MMA: gl.constexpr,
+    WORDS: gl.constexpr,
+    LOADS: gl.constexpr,
+    SCALES: gl.constexpr,
+    BK: gl.constexpr,
+    PREFETCH: gl.constexpr,
+    INTERLEAVE: gl.constexpr,
+):
+    """The word and scale pointers of 16 rows of the matrix W [rows, K] at `w_ptr` (int32 words; the rows `prow`
+    [BM] in LOADS' row slice, `srow` in SCALES', each warp's 16 the same) and its block scale codes at `s_ptr`
+    (uint8), at each warp's K slice, and the loads of the slice's first PREFETCH K steps (`_dots`), issued here so
+    that they are in flight while the caller finds its tokens.
+
+    Word c of a K step (c = lane + 4 * register, A's order) is the step's word p = (c % 4) * R + c // 4 (R = BK /
+    32 words per lane): a lane's words are contiguous (one vector load) and share scale blocks. Row and slice starts
+    are whole K steps: 16-byte aligned words."""
+    BM: gl.constexpr = MMA.warps_per_cta[0] * 16
+    W: gl.constexpr = MMA.warps_per_cta[0]
+    R: gl.constexpr = BK // 32
+    GW: gl.constexpr = 2 if FORMAT == 1 else 4  # words per scale block: NVFP4 16 columns, MXFP4 32
+    G: gl.constexpr = R // GW
+    NUM_STEPS = K // (W * BK)
+    START, STRIDE = _slices(W, INTERLEAVE, NUM_STEPS)
+    vr = gl.arange(0, BM, layout=gl.SliceLayout(1, LOADS))
+    p = gl.arange(0, BK // 8, layout=gl.SliceLayout(0, LOADS))
+    w_ptrs = w_ptr + (prow * ((K // BK) * (BK // 8)) + (vr // 16) * (START * (BK // 8)))[:, None] + p[None, :]
+    vs = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
+    gi = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
+    lane = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
+    s_row = srow * (K // (8 * GW)) + (vs // 16) * (START * BK // (8 * GW))
+    s_ptrs = s_ptr + s_row[:, None, None] + (lane[None, None, :] * G + gi[None, :, None])
+    words, codes = _weight_loads(w_ptrs, s_ptrs, 0, WORDS, BM, BK, GW, STRIDE)
+    # PREFETCH 1: step 1 is not loaded here (the step-1 pair repeats step 0's, unused)
+    words_1, codes_1 = words, codes
+    if PREFETCH == 2:
+        words_1, codes_1 = _weight_loads(w_ptrs, s_ptrs, gl.minimum(1, NUM_STEPS - 1), WORDS, BM, BK, GW, STRIDE)
+    return w_ptrs, s_ptrs, words, codes, words_1, codes_1
+
+
+@gluon.jit
+def _dots(
+    weights,
     x_rows,
     K,
     FORMAT: gl.constexpr,
@@ -211,43 +277,30 @@ def _dots(
     A: gl.constexpr,
     B: gl.constexpr,
     WORDS: gl.constexpr,
-    LOADS: gl.constexpr,
-    SCALES: gl.constexpr,
     PAIRS: gl.constexpr,
     BK: gl.constexpr,
     PREFETCH: gl.constexpr,
+    INTERLEAVE: gl.constexpr,
 ):
-    """[16, 8] float32: sum_k W[row, k] * x[n, k] * 2^-64 (without NVFP4's tensor scale) for 16 rows of the matrix
-    W [rows, K] at `w_ptr` (int32 words; the rows `prow` [BM] in LOADS' row slice, `srow` in SCALES', each warp's
-    16 the same), block scale codes at `s_ptr` (uint8); `x_rows` [8] the tokens' activation rows (bf16, PAIRS'
-    column slice).
+    """[16, 8] float32: sum_k W[row, k] * x[n, k] * 2^-64 (without NVFP4's tensor scale) for the 16 rows of
+    `weights` (`_weight_ptrs`: pointers and the first steps' loads); `x_rows` [8] the tokens' activation rows
+    (bf16, PAIRS' column slice).
 
     Each warp runs K / num_warps columns (its slice, the warp index from %tid.x: the B operand, which the layout
     holds the same in every warp, is loaded per warp from the warp's slice) and the slices' [16, 8] sums are added
     at the end: at batch 1 a layer has too few 16-row blocks (gate/up 8 x 96) to give every scheduler of 132 SMs
     warps enough, and a warp's steps wait on memory one after the other.
 
-    Word c of a K step (c = lane + 4 * register, A's order) is the step's word p = (c % 4) * R + c // 4 (R = BK /
-    32 words per lane): a lane's words are contiguous (one vector load) and share scale blocks; the activations
-    follow (loads of 8 columns at 8 p). Loads are not masked: the caller's rows and tokens are valid ones, and the
-    last step loads itself again as its next. Software-pipelined by hand: a step issues the loads of the step
-    PREFETCH (1 or 2) ahead before its own decode."""
+    The activations follow the words' order (`_weight_ptrs`: loads of 8 columns at 8 p). Loads are not masked: the
+    caller's rows and tokens are valid ones, and the last step loads itself again as its next. Software-pipelined
+    by hand: a step issues the loads of the step PREFETCH (1 or 2) ahead before its own decode."""
     BM: gl.constexpr = MMA.warps_per_cta[0] * 16
     W: gl.constexpr = MMA.warps_per_cta[0]
+    GW: gl.constexpr = 2 if FORMAT == 1 else 4
     R: gl.constexpr = BK // 32
-    GW: gl.constexpr = 2 if FORMAT == 1 else 4  # words per scale block: NVFP4 16 columns, MXFP4 32
-    G: gl.constexpr = R // GW
-    KS = K // W  # a warp's columns
-    NUM_STEPS = KS // BK
-    vr = gl.arange(0, BM, layout=gl.SliceLayout(1, LOADS))
-    p = gl.arange(0, BK // 8, layout=gl.SliceLayout(0, LOADS))
-    # (row and slice starts in whole K steps: 16-byte aligned words, vector loads)
-    w_ptrs = w_ptr + (prow * ((K // BK) * (BK // 8)) + (vr // 16) * (NUM_STEPS * (BK // 8)))[:, None] + p[None, :]
-    vs = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
-    gi = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
-    lane = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
-    s_row = srow * (K // (8 * GW)) + (vs // 16) * (KS // (8 * GW))
-    s_ptrs = s_ptr + s_row[:, None, None] + (lane[None, None, :] * G + gi[None, :, None])
+    NUM_STEPS = K // (W * BK)
+    START, STRIDE = _slices(W, INTERLEAVE, NUM_STEPS)
+    w_ptrs, s_ptrs, words, codes, words_1, codes_1 = weights
     # the warp's slice of the activations, from %tid.x (B holds the same elements in every warp, loaded per warp)
     warp = (
         gl.inline_asm_elementwise(
@@ -255,18 +308,18 @@ def _dots(
         )
         // 32
     )
-    x_pairs = x_rows.to(gl.pointer_type(gl.int32)) + gl.multiple_of(warp * (KS // 2), BK // 2)
+    x_pairs = x_rows.to(gl.pointer_type(gl.int32)) + gl.multiple_of(warp * (START * BK // 2), BK // 2)
     q = gl.arange(0, BK // 2, layout=gl.SliceLayout(1, PAIRS))  # pair q: columns 2q, 2q + 1 of A's order
     cb = q // 4
     x_ptrs = x_pairs[None, :] + (((cb % 4) * R + cb // 4) * 4 + q % 4)[:, None]
-    words, codes, x = _step_loads(w_ptrs, s_ptrs, x_ptrs, 0, WORDS, BM, BK, GW)
+    x = gl.load(x_ptrs)
     if PREFETCH == 2:
-        words_1, codes_1, x_1 = _step_loads(w_ptrs, s_ptrs, x_ptrs, gl.minimum(1, NUM_STEPS - 1), WORDS, BM, BK, GW)
+        x_1 = gl.load(x_ptrs + gl.minimum(1, NUM_STEPS - 1) * (STRIDE * BK // 2))
     acc = gl.full([BM, 8], 0.0, gl.float32, MMA)
     for step in range(NUM_STEPS):
-        next_words, next_codes, next_x = _step_loads(
-            w_ptrs, s_ptrs, x_ptrs, gl.minimum(step + PREFETCH, NUM_STEPS - 1), WORDS, BM, BK, GW
-        )
+        ahead = gl.minimum(step + PREFETCH, NUM_STEPS - 1)
+        next_words, next_codes = _weight_loads(w_ptrs, s_ptrs, ahead, WORDS, BM, BK, GW, STRIDE)
+        next_x = gl.load(x_ptrs + ahead * (STRIDE * BK // 2))
         acc = mma_v2(_weights(words, codes, FORMAT, A, WORDS, BM, BK), _activations(x, B, BK), acc)
         if PREFETCH == 2:
             words, codes, x, words_1, codes_1, x_1 = words_1, codes_1, x_1, next_words, next_codes, next_x
@@ -285,14 +338,6 @@ def _activations(x, B: gl.constexpr, BK: gl.constexpr):
 
 
 @gluon.jit
-def _tile(sorted_pair_ptr, num_pairs, pid_m, BLOCK_SIZE_M: gl.constexpr):
-    """The number of real rows of M tile `pid_m` (`align_pairs` puts them first)."""
-    lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
-    pairs = gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + gl.arange(0, BLOCK_SIZE_M, layout=lay))
-    return gl.sum((pairs < num_pairs).to(gl.int32), axis=0)
-
-
-@gluon.jit
 def _gate_up_rows(pid_n, N, LAYOUT: gl.constexpr, BM: gl.constexpr):
     """The gate_up [2 N, K] rows of program pid_n's 16 rows, for each of the BM operand rows (LAYOUT: a row slice;
     row r is row r % 16 at K slice r // 16): 8 gate rows n0 .. n0 + 7, then the same 8 up rows; n past N reads row
@@ -300,6 +345,60 @@ def _gate_up_rows(pid_n, N, LAYOUT: gl.constexpr, BM: gl.constexpr):
     r = gl.arange(0, BM, layout=LAYOUT) % 16
     n = gl.minimum(pid_n * 8 + r % 8, N - 1)
     return n + (r // 8) * N
+
+
+@gluon.jit
+def _gate_up_chunk(
+    i0,
+    weights,
+    x_ptr,
+    h_ptr,
+    ts_ptr,
+    sorted_pair_ptr,
+    num_pairs,
+    pid_m,
+    pid_n,
+    N,
+    K,
+    top_k,
+    stride_xm,
+    stride_hm,
+    FORMAT: gl.constexpr,
+    HAS_TENSOR_SCALE: gl.constexpr,
+    BLOCK_SIZE_M: gl.constexpr,
+    MMA: gl.constexpr,
+    A: gl.constexpr,
+    B: gl.constexpr,
+    WORDS: gl.constexpr,
+    PAIRS: gl.constexpr,
+    BK: gl.constexpr,
+    PREFETCH: gl.constexpr,
+    INTERLEAVE: gl.constexpr,
+):
+    """h[row, n] for the rows i0 .. i0 + 7 of M tile pid_m that hold a pair (padding rows hold `num_pairs`), n in
+    program pid_n's 8; `ts_ptr`: NVFP4's float32 tensor scales (gate, up)."""
+    tok = gl.arange(0, 8, layout=gl.SliceLayout(0, PAIRS))
+    pair = gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + i0 + tok)
+    # padding rows read token 0 (valid memory); their outputs are not stored
+    pair = gl.where(pair < num_pairs, pair, 0)
+    acc = _dots(
+        weights, x_ptr + (pair // top_k) * stride_xm, K, FORMAT, MMA, A, B, WORDS, PAIRS, BK, PREFETCH, INTERLEAVE
+    )
+    acc = acc * _UNSCALE
+    # [16, 8] -> [gate/up, 8 rows, 8 tokens] -> gate, up [8, 8]
+    gate, up = gl.split(gl.permute(gl.reshape(acc, [2, 8, 8]), [1, 2, 0]))
+    if HAS_TENSOR_SCALE:
+        gate = gate * gl.load(ts_ptr)
+        up = up * gl.load(ts_ptr + 1)
+    dtype: gl.constexpr = h_ptr.dtype.element_ty
+    g = gate.to(dtype).to(gl.float32)
+    act = (g / (1.0 + gl.exp(-g))).to(dtype).to(gl.float32)
+    h = act * up.to(dtype).to(gl.float32)
+    h_lay: gl.constexpr = h.type.layout
+    hn = pid_n * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, h_lay))
+    rows = pid_m * BLOCK_SIZE_M + i0 + gl.arange(0, 8, layout=gl.SliceLayout(0, h_lay))
+    real = gl.load(sorted_pair_ptr + rows) < num_pairs
+    gl.store(h_ptr + rows[None, :] * stride_hm + hn[:, None], h.to(dtype), mask=(hn[:, None] < N) & real[None, :])
 
 
 @gluon.jit
@@ -330,47 +429,80 @@ def _gate_up_fp4_mma_kernel(
     PAIRS: gl.constexpr,
     BK: gl.constexpr,
     PREFETCH: gl.constexpr,
+    INTERLEAVE: gl.constexpr,
 ):
     """h[row, n] = silu(x[t] . gate[e, n]) * (x[t] . up[e, n]) for the real rows of M tile pid_m, n in the
-    program's 8: gate_up [2 N, K] at byte 0 of the expert, its scales at `gate_up_scale_off`."""
+    program's 8: gate_up [2 N, K] at byte 0 of the expert, its scales at `gate_up_scale_off`.
+
+    The weights' first loads are issued before the tokens are looked up, and a tile's first 8 rows are run without
+    counting its real rows (`align_pairs` puts a tile's pairs first, so its first row is always one): neither
+    waits on the other's round trip to memory."""
     BM: gl.constexpr = MMA.warps_per_cta[0] * 16
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
     expert = gl.load(block_expert_ptr + pid_m)
     if expert >= 0:
         base = w_ptr + expert.to(gl.int64) * stride_we
-        real = _tile(sorted_pair_ptr, num_pairs, pid_m, BLOCK_SIZE_M)
-        tok = gl.arange(0, 8, layout=gl.SliceLayout(0, PAIRS))
-        for i0 in range(0, real, 8):
-            # padding columns read the tile's first token (valid memory); their outputs are not stored
-            row = pid_m * BLOCK_SIZE_M + gl.where(i0 + tok < real, i0 + tok, 0)
-            pair = gl.load(sorted_pair_ptr + row)
-            acc = _dots(
-                base.to(gl.pointer_type(gl.int32)), base + gate_up_scale_off,
-                _gate_up_rows(pid_n, N, gl.SliceLayout(1, LOADS), BM),
-                _gate_up_rows(pid_n, N, gl.SliceLayout(1, gl.SliceLayout(2, SCALES)), BM),
-                x_ptr + (pair // top_k) * stride_xm, K, FORMAT, MMA, A, B, WORDS, LOADS, SCALES, PAIRS, BK, PREFETCH,
-            )  # fmt: skip
-            acc = acc * _UNSCALE
-            # [16, 8] -> [gate/up, 8 rows, 8 tokens] -> gate, up [8, 8]
-            gate, up = gl.split(gl.permute(gl.reshape(acc, [2, 8, 8]), [1, 2, 0]))
-            if HAS_TENSOR_SCALE:
-                ts = (base + tensor_scale_off).to(gl.pointer_type(gl.float32))
-                gate = gate * gl.load(ts)
-                up = up * gl.load(ts + 1)
-            dtype: gl.constexpr = h_ptr.dtype.element_ty
-            g = gate.to(dtype).to(gl.float32)
-            act = (g / (1.0 + gl.exp(-g))).to(dtype).to(gl.float32)
-            h = act * up.to(dtype).to(gl.float32)
-            h_lay: gl.constexpr = h.type.layout
-            hi = gl.arange(0, 8, layout=gl.SliceLayout(1, h_lay))
-            ht = gl.arange(0, 8, layout=gl.SliceLayout(0, h_lay))
-            hn = pid_n * 8 + hi[:, None]
-            gl.store(
-                h_ptr + (pid_m * BLOCK_SIZE_M + i0 + ht[None, :]) * stride_hm + hn,
-                h.to(dtype),
-                mask=(hn < N) & (i0 + ht[None, :] < real),
-            )
+        weights = _weight_ptrs(
+            base.to(gl.pointer_type(gl.int32)), base + gate_up_scale_off,
+            _gate_up_rows(pid_n, N, gl.SliceLayout(1, LOADS), BM),
+            _gate_up_rows(pid_n, N, gl.SliceLayout(1, gl.SliceLayout(2, SCALES)), BM),
+            K, FORMAT, MMA, WORDS, LOADS, SCALES, BK, PREFETCH, INTERLEAVE,
+        )  # fmt: skip
+        ts_ptr = (base + tensor_scale_off).to(gl.pointer_type(gl.float32))
+        for i0 in gl.static_range(0, BLOCK_SIZE_M, 8):
+            if i0 == 0 or gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + i0) < num_pairs:
+                _gate_up_chunk(
+                    i0, weights, x_ptr, h_ptr, ts_ptr, sorted_pair_ptr, num_pairs, pid_m, pid_n, N, K, top_k,
+                    stride_xm, stride_hm, FORMAT, HAS_TENSOR_SCALE, BLOCK_SIZE_M, MMA, A, B, WORDS, PAIRS, BK,
+                    PREFETCH, INTERLEAVE,
+                )  # fmt: skip
+
+
+@gluon.jit
+def _down_chunk(
+    i0,
+    weights,
+    h_ptr,
+    out_ptr,
+    weight_ptr,
+    ts_ptr,
+    sorted_pair_ptr,
+    num_pairs,
+    pid_m,
+    pid_n,
+    K,
+    N,
+    stride_hm,
+    stride_om,
+    FORMAT: gl.constexpr,
+    HAS_TENSOR_SCALE: gl.constexpr,
+    BLOCK_SIZE_M: gl.constexpr,
+    MMA: gl.constexpr,
+    A: gl.constexpr,
+    B: gl.constexpr,
+    WORDS: gl.constexpr,
+    PAIRS: gl.constexpr,
+    BK: gl.constexpr,
+    PREFETCH: gl.constexpr,
+    INTERLEAVE: gl.constexpr,
+):
+    """out[pair, kk] for the rows i0 .. i0 + 7 of M tile pid_m that hold a pair, kk in program pid_n's 16;
+    `ts_ptr`: NVFP4's float32 tensor scale of down."""
+    # padding rows of h are read (valid memory) as they are; their outputs are not stored
+    row = pid_m * BLOCK_SIZE_M + i0 + gl.arange(0, 8, layout=gl.SliceLayout(0, PAIRS))
+    acc = _dots(weights, h_ptr + row * stride_hm, N, FORMAT, MMA, A, B, WORDS, PAIRS, BK, PREFETCH, INTERLEAVE)
+    acc = acc * _UNSCALE
+    if HAS_TENSOR_SCALE:
+        acc = acc * gl.load(ts_ptr)
+    o_lay: gl.constexpr = acc.type.layout
+    o_r = pid_n * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, o_lay))
+    pair = gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + i0 + gl.arange(0, 8, layout=gl.SliceLayout(0, o_lay)))
+    real = pair < num_pairs
+    routing = gl.load(weight_ptr + pair, mask=real, other=0.0).to(gl.float32)
+    dtype: gl.constexpr = out_ptr.dtype.element_ty
+    out = acc.to(dtype).to(gl.float32) * routing[None, :]  # rounded like the reference
+    gl.store(out_ptr + pair[None, :] * stride_om + o_r[:, None], out.to(dtype), mask=(o_r[:, None] < K) & real[None, :])
 
 
 @gluon.jit
@@ -402,42 +534,31 @@ def _down_fp4_mma_kernel(
     PAIRS: gl.constexpr,
     BK: gl.constexpr,
     PREFETCH: gl.constexpr,
+    INTERLEAVE: gl.constexpr,
 ):
     """out[pair, kk] = weight[pair] * (h[row] . down[e, kk]) for the real rows of M tile pid_m, kk in the program's
-    16 rows of hidden K: down [K, N] at `down_off`, its scales at `down_scale_off`."""
+    16 rows of hidden K: down [K, N] at `down_off`, its scales at `down_scale_off`. Loads ordered as the gate/up
+    kernel's."""
     BM: gl.constexpr = MMA.warps_per_cta[0] * 16
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
     expert = gl.load(block_expert_ptr + pid_m)
     if expert >= 0:
         base = w_ptr + expert.to(gl.int64) * stride_we
-        real = _tile(sorted_pair_ptr, num_pairs, pid_m, BLOCK_SIZE_M)
-        tok = gl.arange(0, 8, layout=gl.SliceLayout(0, PAIRS))
         wr = gl.minimum(pid_n * 16 + gl.arange(0, BM, layout=gl.SliceLayout(1, LOADS)) % 16, K - 1)
         sr = gl.minimum(pid_n * 16 + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES))) % 16, K - 1)
-        for i0 in range(0, real, 8):
-            # padding columns read the tile's first row of h (valid memory); their outputs are not stored
-            row = pid_m * BLOCK_SIZE_M + gl.where(i0 + tok < real, i0 + tok, 0)
-            acc = _dots(
-                (base + down_off).to(gl.pointer_type(gl.int32)), base + down_scale_off, wr, sr,
-                h_ptr + row * stride_hm, N, FORMAT, MMA, A, B, WORDS, LOADS, SCALES, PAIRS, BK, PREFETCH,
-            )  # fmt: skip
-            acc = acc * _UNSCALE
-            if HAS_TENSOR_SCALE:
-                acc = acc * gl.load((base + tensor_scale_off).to(gl.pointer_type(gl.float32)) + 2)
-            o_lay: gl.constexpr = acc.type.layout
-            o_r = pid_n * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, o_lay))
-            o_t = gl.arange(0, 8, layout=gl.SliceLayout(0, o_lay))
-            t_ok = i0 + o_t < real
-            pair = gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + i0 + o_t, mask=t_ok, other=0)
-            routing = gl.load(weight_ptr + pair, mask=t_ok, other=0.0).to(gl.float32)
-            dtype: gl.constexpr = out_ptr.dtype.element_ty
-            out = acc.to(dtype).to(gl.float32) * routing[None, :]  # rounded like the reference
-            gl.store(
-                out_ptr + pair[None, :] * stride_om + o_r[:, None],
-                out.to(dtype),
-                mask=(o_r[:, None] < K) & t_ok[None, :],
-            )
+        weights = _weight_ptrs(
+            (base + down_off).to(gl.pointer_type(gl.int32)), base + down_scale_off, wr, sr,
+            N, FORMAT, MMA, WORDS, LOADS, SCALES, BK, PREFETCH, INTERLEAVE,
+        )  # fmt: skip
+        ts_ptr = (base + tensor_scale_off).to(gl.pointer_type(gl.float32)) + 2
+        for i0 in gl.static_range(0, BLOCK_SIZE_M, 8):
+            if i0 == 0 or gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + i0) < num_pairs:
+                _down_chunk(
+                    i0, weights, h_ptr, out_ptr, weight_ptr, ts_ptr, sorted_pair_ptr, num_pairs, pid_m, pid_n, K,
+                    N, stride_hm, stride_om, FORMAT, HAS_TENSOR_SCALE, BLOCK_SIZE_M, MMA, A, B, WORDS, PAIRS, BK,
+                    PREFETCH, INTERLEAVE,
+                )  # fmt: skip
 
 
 def fits(config: Fp4MmaConfig, num_in: int) -> bool:
@@ -509,6 +630,7 @@ def fp4_mma_tiles(
         **common,
         **_layouts(gu_units, gu_warps, group_words),
         PREFETCH=gu_prefetch,
+        INTERLEAVE=INTERLEAVED_SLICES,
         num_warps=gu_warps,
     )
     _down_fp4_mma_kernel[(tiles, -(-hidden_size // 16))](
@@ -530,5 +652,6 @@ def fp4_mma_tiles(
         **common,
         **_layouts(down_units, down_warps, group_words),
         PREFETCH=down_prefetch,
+        INTERLEAVE=INTERLEAVED_SLICES,
         num_warps=down_warps,
     )

@@ -8,9 +8,11 @@ Variants:
     Tile shapes by format and M tile (`LAUNCH_CONFIGS`): decode (16-row M tiles, batch 1-64) and prefill chunks
     (64-row tiles).
   - `fused_moe_quant_tiles`: the same over tiles split in stages (the decode driver's hits, then its fills). Left to
-    choose, it runs decode batches (<= `fused_moe_gemv.GEMV_MAX_PAIRS` pairs, slots 8-byte aligned as the pool's
-    and the cache's are) through `freetoken.kernels.fused_moe_gemv`'s CUDA-core kernels instead: same tiles,
-    same results up to float32 sum order, about half the time at batch 1 (see that module).
+    choose (`default_kernel`), it runs decode batches (<= `fused_moe_gemv.GEMV_MAX_PAIRS` pairs) of NVFP4 / MXFP4
+    on CUDA through `freetoken.kernels.fused_moe_fp4_mma` (decode in registers into `mma.sync` operands), other
+    decode batches on slots 8-byte aligned as the pool's and the cache's are through
+    `freetoken.kernels.fused_moe_gemv`'s CUDA-core kernels: same tiles, same results up to float32 sum order,
+    about half this module's time at batch 1 (see those modules).
   - `fused_moe_quant_reference`: the whole layer dequantized by `freetoken.quant.reference`, then
     `freetoken.kernels.fused_moe.fused_moe_reference` (float32), the correctness reference.
 
@@ -528,11 +530,17 @@ def _scale_words(fmt: ExpertFormat, num_in: int, block_k: int) -> bool:
     return block_k % word_cols == 0 and num_in % word_cols == 0
 
 
-def default_kernel(layout: ExpertLayout, experts: torch.Tensor, num_pairs: int) -> str:
-    """The kernels `fused_moe_quant_tiles` runs for `num_pairs` (token, expert) pairs of `experts` when left to
-    choose: "gemv" (`fused_moe_gemv`) for decode batches of at most `GEMV_MAX_PAIRS` pairs on slots it can read
-    (`gemv_supported`), else "mma" (this module's tensor-core kernels)."""
-    return "gemv" if num_pairs <= GEMV_MAX_PAIRS and gemv_supported(layout, experts) else "mma"
+def default_kernel(layout: ExpertLayout, experts: torch.Tensor, num_pairs: int, hidden: torch.Tensor) -> str:
+    """The kernels `fused_moe_quant_tiles` runs for `num_pairs` (token, expert) pairs of `experts` on `hidden`
+    when left to choose. Decode batches (at most `GEMV_MAX_PAIRS` pairs): "fp4_mma" (`fused_moe_fp4_mma`) for
+    NVFP4 / MXFP4 where it runs (`fused_moe_fp4_mma.supported`: on the H200 0.8x gemv's time at batch 1, 0.6x
+    at batch 4), else "gemv" (`fused_moe_gemv`) on slots it can read (`gemv_supported`); otherwise "mma" (this
+    module's tensor-core kernels)."""
+    if num_pairs > GEMV_MAX_PAIRS:
+        return "mma"
+    if fp4_mma.supported(layout, experts, hidden):
+        return "fp4_mma"
+    return "gemv" if gemv_supported(layout, experts) else "mma"
 
 
 def fused_moe_quant(
@@ -646,7 +654,7 @@ def fused_moe_quant_tiles(
             f"the fp4_mma kernels run NVFP4 / MXFP4 experts on sm_80+ CUDA with bf16 activations, not these {fmt.name}"
         )
     if kernel is None and config is None:
-        kernel = default_kernel(layout, experts, num_pairs)
+        kernel = default_kernel(layout, experts, num_pairs, hidden)
     if kernel in ("gemv", "fp4_mma"):
         for stage, block_expert in enumerate(tile_stages):
             if stage and before_stage is not None:
