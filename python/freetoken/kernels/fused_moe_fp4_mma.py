@@ -114,10 +114,11 @@ INTERLEAVED_SLICES = True
 # A kernel's launch config: (K step in 32-column units, num_warps: each warp runs its own slice of K, K steps
 # loaded ahead)
 Fp4MmaConfig = tuple[int, int, int]
-# (gate/up, down): the H200's fastest at batch 1 on Qwen3-30B-A3B's shapes (`benches/gemv_grid.py --kernel
-# fp4_mma`, NVFP4 and MXFP4 alike within 10 %): K steps of 128 columns in 2 warp slices, one step ahead (gate/up's
-# 2048 columns: 8 steps per slice, down's 768: 3)
-FP4_MMA_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = ((4, 2, 1), (4, 2, 1))
+# (gate/up, down): the H200's fastest at batches 1 and 4 on Qwen3-30B-A3B's shapes (`benches/gemv_grid.py --kernel
+# fp4_mma`, NVFP4 and MXFP4 alike), K steps of 128 columns loaded one step ahead: gate/up's 2048 columns in 2 warp
+# slices of 8 steps (4 slices: 1.07-1.6x its time, 1 slice: 1.08-1.2x), down's 768 in one warp of 6 steps (2 slices:
+# 1.07-1.1x; steps of 256 columns or 2 ahead: no faster)
+FP4_MMA_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = ((4, 2, 1), (4, 1, 1))
 
 
 def _layouts(k_units: int, num_warps: int, group_words: int) -> dict:
