@@ -36,6 +36,25 @@ each run one slice of K (`Fp4MmaConfig`), their [16, 8] sums added at the end: a
 gate/up blocks of 16 rows, one warp each would leave the SMs' schedulers idle while each warp's steps wait on
 memory one after the other.
 
+Loads: a program issues its weights' first loads right after reading its tile's expert, before it looks up its
+tokens, and runs a tile's first 8 rows without counting its real rows (`align_pairs` puts them first): the two
+round trips to memory overlap. The warps' K slices interleave by K step (`INTERLEAVED_SLICES`): a step's loads of
+a row lie side by side.
+
+Measured on the H200 (`benches/quant_moe.py --profile --kernels gemv fp4_mma --batch 1 4`, Qwen3-30B-A3B shapes,
+128 slots, one run): gate/up + down kernel microseconds per layer call at batch 1, NVFP4 7.91 + 5.47 and MXFP4
+7.37 + 5.22 against bf16's 20.1 + 9.6 and `fused_moe_gemv`'s 10.1 + 5.75: per weight byte 1.60x bf16's kernel
+time for both (gemv 1.90x, 2.01x); at batch 4 NVFP4 31.9 + 17.8, MXFP4 26.2 + 17.2 (gemv 42.0 + 23.0, 42.5 +
+21.9; bf16 45.2 + 25.6). Earlier versions, same benches: one warp per 16 rows with no K split, 10.1 + 5.5
+(NVFP4); the K steps staged through shared memory by cp.async, 13.7 + 6.0; the loads above (early, unmasked,
+interleaved slices) changed the figures by less than the box's noise (`benches/gemv_grid.py --kernel fp4_mma`,
+with and without --contiguous-slices, side by side). What bounds batch 1 is latency, not instructions or bytes: the
+SASS runs ~3.6-4 instructions per weight against gemv's 5.5 for 0.78x its time, and a layer's 14 MB of NVFP4
+gate/up moves at 1.8 TB/s of the H200's 4.8; each warp waits on its next step's loads, which ptxas issues
+mid-step however far ahead they are written (prefetch 2: slower). The issue's 1.3x per byte is not met.
+(Persistent or programmatic-dependent launches, so that the down kernel's weight loads start while gate/up
+finishes, are the next step.)
+
 Shapes (project letters): M tokens, K hidden, N expert intermediate. Each matrix's K a multiple of its kernel's
 warp slices of whole K steps (`fits`, `supported`).
 Test: python -m pytest -m gpu tests/kernels/test_kernels_quant.py -k fp4_mma

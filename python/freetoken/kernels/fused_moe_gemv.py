@@ -47,9 +47,10 @@ SASS instructions: 3 integer operations to decode, 1 FFMA, the rest activation l
 quant_moe_sass.py --kernels gemv`) and its latency bound them, not bytes (the instruction count alone needs ~6.6 us
 for both kernels at full issue rate; they take 15.8). Fewer instructions alone did not help: one 64-bit word per
 thread (8-byte loads) cut NVFP4 to 5.5 instructions per weight and 127 registers, and its best configs ran slower
-(gate/up 11.5 us, down 6.1; `benches/gemv_grid.py`, one H200 run). A Marlin-style kernel that decodes packed
-pairs straight into the tensor cores' operand registers (inline PTX, beyond what Triton lays out; no FFMA per weight)
-is the known way further.
+(gate/up 11.5 us, down 6.1; `benches/gemv_grid.py`, one H200 run). The Marlin-style kernel that decodes packed
+pairs straight into the tensor cores' operand registers (inline PTX, no FFMA per weight) is
+`freetoken.kernels.fused_moe_fp4_mma`: `fused_moe_quant_tiles` runs 4-bit decode batches there where it can (CUDA,
+bf16 activations, whole K steps), these kernels FP8 and the rest.
 
 Shapes (project letters): M tokens, K hidden, N expert intermediate, S slots (or E experts), k top-k.
 Test: python -m pytest tests/kernels/test_kernels_quant.py   Bench: python benches/quant_moe.py --kernels gemv mma
