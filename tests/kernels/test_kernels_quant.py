@@ -190,8 +190,9 @@ def test_fp4_mma_matches_gemv_other_shapes_and_configs(fmt, num_tokens, interlea
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 def test_scale_modes_agree_bit_for_bit(fmt, dtype):
     """Every scale mode hands the dots the same bf16 weights up to a power of two that the accumulator gets back
-    exactly, so the outputs are equal bit for bit, not only within tolerance."""
-    outs = [_case(fmt, 5, 2, *_small_sizes(fmt), 6, dtype, scale_mode=m)[0] for m in SCALE_MODES]
+    exactly, so the outputs are equal bit for bit, not only within tolerance. The tensor-core kernels ("mma"),
+    whose scale modes these are (the default at 10 pairs, gemv, applies scales one way)."""
+    outs = [_case(fmt, 5, 2, *_small_sizes(fmt), 6, dtype, scale_mode=m, kernel="mma")[0] for m in SCALE_MODES]
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
 
@@ -268,7 +269,10 @@ def test_quant_kernel_matches_reference_qwen3_30b_shapes(fmt, scale_mode, num_to
 def test_scale_modes_agree_bit_for_bit_qwen3_30b_shapes(fmt, num_tokens):
     """The scale modes' outputs are equal bit for bit on the GPU too: the "bf16" mode's packed bf16 multiply
     (HMUL2.BF16) keeps its subnormal operands (the e2m1 0.5 codes, 0.5 * 2^-126), which the tolerance above could
-    miss."""
-    outs = [_case(fmt, num_tokens, 8, 2048, 768, 32, torch.bfloat16, scale_mode=m)[0] for m in SCALE_MODES]
+    miss. The tensor-core kernels ("mma"), whose scale modes these are: at decode sizes the default kernels apply
+    scales one way."""
+    outs = [
+        _case(fmt, num_tokens, 8, 2048, 768, 32, torch.bfloat16, scale_mode=m, kernel="mma")[0] for m in SCALE_MODES
+    ]
     for out in outs[1:]:
         assert torch.equal(out, outs[0])
