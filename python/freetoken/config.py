@@ -44,6 +44,8 @@ class ModelConfig:
     (Gated DeltaNet, `linear_*` sizes; empty: all full attention); `partial_rotary_factor`, the share of each head's
     dims that RoPE rotates; `attn_output_gate`, q_proj also emits a per-head sigmoid gate on the attention output;
     `shared_expert_intermediate_size` (0: none); `weight_prefix`, the tensor-name prefix of the text model.
+    `model_dir`: the checkpoint's directory when read from one (`from_dir`), where `hf_quant_config.json` may
+    describe its quantization (`expert_nbytes`).
     """
 
     architecture: str
@@ -78,6 +80,7 @@ class ModelConfig:
     shared_expert_intermediate_size: int = 0
     weight_prefix: str = "model."
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    model_dir: str | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -91,11 +94,12 @@ class ModelConfig:
             raise ConfigError(f"{path}: not valid JSON ({e})") from e
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
-        return cls.from_dict(raw, source=str(path))
+        return cls.from_dict(raw, source=str(path), model_dir=str(model_dir))
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> ModelConfig:
-        """Build from a parsed config dict. Raises ConfigError for an unsupported architecture or bad values."""
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json", model_dir: str | None = None) -> ModelConfig:
+        """Build from a parsed config dict (read from `model_dir`, if given). Raises ConfigError for an unsupported
+        architecture or bad values."""
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -177,6 +181,7 @@ class ModelConfig:
             shared_expert_intermediate_size=num(int, "shared_expert_intermediate_size", 0),
             weight_prefix=("model.language_model." if arch == "Qwen3_5MoeForConditionalGeneration" else "model."),
             raw=raw,
+            model_dir=model_dir,
         )
         cfg._check(source)
         return cfg
@@ -288,10 +293,14 @@ class ModelConfig:
     @property
     def expert_nbytes(self) -> int:
         """Bytes of one routed expert as the checkpoint stores it, weights and scales (`freetoken.quant.formats`;
-        bf16 checkpoints: 2 * expert_numel). Raises QuantConfigError for an unsupported quantization_config."""
+        bf16 checkpoints: 2 * expert_numel), its quantization read as the loader reads it: config.json's
+        `quantization_config`, else `model_dir/hf_quant_config.json` (ModelOpt). Raises QuantConfigError for an
+        unsupported one, naming the file."""
         from freetoken.quant.formats import quant_spec
 
-        return quant_spec(self.raw).format.layout(self.hidden_size, self.moe_intermediate_size).expert_nbytes
+        source = str(Path(self.model_dir) / "config.json") if self.model_dir else "config.json"
+        spec = quant_spec(self.raw, self.model_dir, source=source)
+        return spec.format.layout(self.hidden_size, self.moe_intermediate_size).expert_nbytes
 
 
 @dataclass

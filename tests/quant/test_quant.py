@@ -423,3 +423,24 @@ def test_host_memory_plan_counts_quantized_experts_at_their_size():
     assert plan_host_memory(EngineConfig(device="cuda", gpu_memory_gb=24), bf16, torch.bfloat16, "offload")[
         "expert pool"
     ][0] == (len(cfg.moe_layers) * cfg.num_experts * 2 * cfg.expert_numel)
+
+
+@pytest.mark.cuda_mocked  # a CUDA memory plan, computed on the host: nothing touches a device
+def test_host_memory_plan_reads_a_modelopt_hf_quant_config(tmp_path):
+    """A ModelOpt export that declares NVFP4 only in hf_quant_config.json is sized as NVFP4 in the memory plan (as
+    the loader reads it), not as bf16: its config.json has no quantization_config."""
+    from freetoken.config import EngineConfig
+    from freetoken.moe.budget import plan_host_memory
+
+    raw = {k: v for k, v in json.loads(REAL_FP8_CONFIG.read_text()).items() if k != "quantization_config"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    (tmp_path / "hf_quant_config.json").write_text(
+        json.dumps({"producer": {"name": "modelopt"}, "quantization": {"quant_algo": "NVFP4", "group_size": 16}})
+    )
+    cfg = ModelConfig.from_dir(tmp_path)
+    assert cfg.expert_nbytes == NVFP4.layout(cfg.hidden_size, cfg.moe_intermediate_size).expert_nbytes
+    plan = plan_host_memory(EngineConfig(device="cuda", gpu_memory_gb=24), cfg, torch.bfloat16, "offload")
+    assert plan["expert pool"][0] == len(cfg.moe_layers) * cfg.num_experts * cfg.expert_nbytes
+    (tmp_path / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "AWQ"}}))
+    with pytest.raises(QuantConfigError, match="hf_quant_config"):
+        _ = ModelConfig.from_dir(tmp_path).expert_nbytes
