@@ -320,9 +320,9 @@ def _edit(src: Path, dest: Path, edit) -> Path:
         ),
         (
             lambda t: t.update(
-                {"model.layers.0.mlp.experts.1.gate_proj.weight_scale_inv": torch.ones(1, 2, dtype=torch.bfloat16)}
+                {"model.layers.0.mlp.experts.1.gate_proj.weight_scale_inv": torch.ones(1, 2, dtype=torch.int32)}
             ),
-            "gate_proj.weight_scale_inv' has dtype BF16; expected one of F32",
+            "gate_proj.weight_scale_inv' has dtype I32; expected one of F32, BF16, F16",
         ),
         (
             lambda t: t.update(
@@ -338,6 +338,28 @@ def test_broken_fp8_checkpoints_name_the_tensor(tmp_path_factory, edit, message)
     bad = _edit(src, root / "bad", edit)
     with pytest.raises(CheckpointError, match=message):
         load_checkpoint(bad, FusedExperts(), torch.device("cpu"), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_fp8_scales_stored_in_16_bits_load_as_float32(tmp_path_factory, dtype):
+    """Some Qwen FP8 releases store `weight_scale_inv` in bf16 or float16: such a checkpoint loads, experts and
+    linears, and gives the logits of the same scales stored in float32 (widened exactly), bit for bit."""
+    root = tmp_path_factory.mktemp("scales16")
+    src = build_quantized_checkpoint(root / "q", FP8_SMALL, seed=1, **SMALL)
+
+    def rounded(store):
+        def edit(tensors):
+            for name in [n for n in tensors if n.endswith("scale_inv")]:
+                tensors[name] = tensors[name].to(dtype).to(store)
+
+        return edit
+
+    wide = _edit(src, root / "f32", rounded(torch.float32))
+    narrow = _edit(src, root / "narrow", rounded(dtype))
+    assert load_file(narrow / "model.safetensors")["model.layers.0.self_attn.o_proj.weight_scale_inv"].dtype == dtype
+    got = _logits(load_checkpoint(narrow, FusedExperts(), torch.device("cpu"), torch.float32))
+    want = _logits(load_checkpoint(wide, FusedExperts(), torch.device("cpu"), torch.float32))
+    assert torch.equal(got, want)
 
 
 MX = "model.layers.0.mlp.experts."

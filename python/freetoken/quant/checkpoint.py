@@ -3,9 +3,10 @@ ones in the real layouts from random weights.
 
 Tensor names read, for a quantized linear module `m` (e.g. `model.layers.0.self_attn.q_proj`):
 - FP8 block (Qwen3 / Qwen3.5 FP8, DeepSeek-V3): `m.weight` F8_E4M3 [out, in] and `m.weight_scale_inv` F32
-  [out / 128, in / 128]. Routed experts per expert (`...mlp.experts.E.{gate,up,down}_proj.weight` and
-  `.weight_scale_inv`), or fused 3-D as transformers' `FP8Experts` names them: `...mlp.experts.gate_up_proj`
-  [E, 2I, H] with `gate_up_proj_scale_inv` [E, 2I / 128, H / 128], and `down_proj` / `down_proj_scale_inv`.
+  (BF16 or F16 in some Qwen FP8 releases, widened to F32) [out / 128, in / 128]. Routed experts per expert
+  (`...mlp.experts.E.{gate,up,down}_proj.weight` and `.weight_scale_inv`), or fused 3-D as transformers'
+  `FP8Experts` names them: `...mlp.experts.gate_up_proj` [E, 2I, H] with `gate_up_proj_scale_inv`
+  [E, 2I / 128, H / 128], and `down_proj` / `down_proj_scale_inv`.
 - NVFP4 (ModelOpt export): `m.weight` U8 [out, in / 2], `m.weight_scale` F8_E4M3 [out, in / 16],
   `m.weight_scale_2` F32 [] (and `m.input_scale`, read by nobody: weight-only compute). Experts per expert only
   (ModelOpt exports no fused 3-D experts); a fused NVFP4 checkpoint is refused by name.
@@ -34,7 +35,9 @@ from freetoken.quant.formats import ExpertFormat, ExpertLayout, QuantSpec
 
 # safetensors dtype names of each part, per format.
 _WEIGHT_DTYPE = {"fp8_block": "F8_E4M3", "nvfp4": "U8"}
-_SCALE_DTYPE = {"fp8_block": "F32", "nvfp4": "F8_E4M3", "mxfp4": "U8"}
+# FP8 block scales: float32 as DeepSeek-V3 and most Qwen FP8 releases store them; some Qwen FP8 releases store
+# bf16 or float16 (widened to float32 on read, exactly).
+_SCALE_DTYPES = {"fp8_block": ("F32", "BF16", "F16"), "nvfp4": ("F8_E4M3",), "mxfp4": ("U8",)}
 _SCALE_SUFFIX = {"fp8_block": ".weight_scale_inv", "nvfp4": ".weight_scale"}
 # Suffixes of the weight and the scales of a fused 3-D expert tensor (`...mlp.experts.gate_up_proj`), per format.
 _FUSED_SUFFIXES = {"fp8_block": ("", "_scale_inv"), "mxfp4": ("_blocks", "_scales")}
@@ -59,6 +62,12 @@ def _check_supported(fmt: ExpertFormat) -> None:
         )
 
 
+def _scale_bytes(fmt: ExpertFormat, scale: torch.Tensor) -> torch.Tensor:
+    """Block scales as the pool stores them: 4-byte ones (FP8's) as float32, widened from bf16 / float16 exactly;
+    1-byte codes as uint8."""
+    return scale.float() if fmt.scale_bytes == 4 else scale.view(torch.uint8)
+
+
 def read_matrix(
     reader: CheckpointReader, fmt: ExpertFormat, module: str, rows: int, cols: int
 ) -> dict[str, torch.Tensor]:
@@ -71,15 +80,8 @@ def read_matrix(
     _check_supported(fmt)
     per_byte = 8 // fmt.weight_bits
     weight = reader.get(f"{module}.weight", (rows, cols // per_byte), (_WEIGHT_DTYPE[fmt.name],))
-    scale = reader.get(
-        module + _SCALE_SUFFIX[fmt.name],
-        fmt.scale_shape(rows, cols),
-        (_SCALE_DTYPE[fmt.name],),
-    )
-    parts = {
-        "weight": weight.view(torch.uint8),
-        "scale": scale if fmt.scale_bytes == 4 else scale.view(torch.uint8),
-    }
+    scale = reader.get(module + _SCALE_SUFFIX[fmt.name], fmt.scale_shape(rows, cols), _SCALE_DTYPES[fmt.name])
+    parts = {"weight": weight.view(torch.uint8), "scale": _scale_bytes(fmt, scale)}
     if fmt.tensor_scale:
         name = f"{module}.weight_scale_2"
         shape = reader.index.shapes.get(name, ())
@@ -183,8 +185,9 @@ def read_matrix_3d(
     cols: int,
 ) -> dict[str, torch.Tensor]:
     """The parts of fused expert tensor `name` ([E, rows, cols] = [E, out, in]) as `reference.quantize_matrix`
-    returns them, with a leading expert dimension: FP8's `name` F8_E4M3 and `name_scale_inv` F32, or MXFP4's
-    `name_blocks` U8 [E, rows, cols / 32, 16] (read as [E, rows, cols / 2]) and `name_scales` U8 (module docstring).
+    returns them, with a leading expert dimension: FP8's `name` F8_E4M3 and `name_scale_inv` F32 (or BF16 /
+    F16), or MXFP4's `name_blocks` U8 [E, rows, cols / 32, 16] (read as [E, rows, cols / 2]) and `name_scales`
+    U8 (module docstring).
 
     Raises:
         CheckpointError: a tensor is missing, mis-shaped or of the wrong dtype (names it and what is expected);
@@ -203,8 +206,8 @@ def read_matrix_3d(
         weight = blocks.reshape(num_experts, rows, cols // 2)  # each row's blocks back to back: the pool's bytes
     else:
         weight = reader.get(name + weight_suffix, (num_experts, rows, cols), (_WEIGHT_DTYPE[fmt.name],))
-    scale = reader.get(name + scale_suffix, scale_shape, (_SCALE_DTYPE[fmt.name],))
-    return {"weight": weight.view(torch.uint8), "scale": scale if fmt.scale_bytes == 4 else scale.view(torch.uint8)}
+    scale = reader.get(name + scale_suffix, scale_shape, _SCALE_DTYPES[fmt.name])
+    return {"weight": weight.view(torch.uint8), "scale": _scale_bytes(fmt, scale)}
 
 
 def quantize_linear_tensors(fmt: ExpertFormat, module: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
