@@ -18,6 +18,7 @@ from test_cli import assert_user_error, ft
 
 from freetoken import __version__, _core
 from freetoken._core import ExpertPool
+from freetoken.config import ModelConfig
 from freetoken.moe import choose_backend
 from freetoken.moe import profile as prof
 from freetoken.moe.expert_cache import ExpertCacheBackend
@@ -238,6 +239,27 @@ def test_cli_help_and_errors(tmp_path):
         assert needle in out
     assert_user_error(ft("bench", "bw", "--model", str(tmp_path / "nope")), "config.json")
     assert_user_error(ft("bench", "bw", "--seconds", "0"), "--seconds")
+
+
+def test_formats_that_do_not_split_the_model_are_skipped_or_refused_before_measuring(tmp_path):
+    """The demo's experts (I 32) split into no 128 x 128 FP8 block: by default `ft bench bw` measures the other
+    formats (fp8_block skipped with a note); asked for by --format, fp8_block is refused naming the flag, before
+    any measurement. An FP8 checkpoint's own `weight_block_size` is the block measured."""
+    from freetoken.bench.box import format_for
+    from freetoken.cli.bench import _formats, _model_config
+    from freetoken.cli.main import build_parser
+
+    cfg = _model_config(build_parser().parse_args(["bench", "bw", "--model", "demo"]))
+    shape = ExpertShape(cfg.hidden_size, cfg.moe_intermediate_size)
+    assert cfg.moe_intermediate_size % 128
+    assert _formats(cfg, shape, None) == ["bf16", "nvfp4", "mxfp4"]
+    start = time.perf_counter()
+    assert_user_error(ft("bench", "bw", "--model", "demo", "--format", "fp8_block"), "--format fp8_block", "128")
+    assert time.perf_counter() - start < 60  # refused up front, not after the bf16 measurements
+    raw = {**cfg.raw, "quantization_config": {"quant_method": "fp8", "weight_block_size": [32, 32]}}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    fp8 = format_for(ModelConfig.from_dir(tmp_path), shape, "fp8_block")
+    assert (fp8.block_rows, fp8.block_cols) == (32, 32)
 
 
 def test_model_demo_as_serve_takes_it():

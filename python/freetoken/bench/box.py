@@ -19,6 +19,7 @@ from typing import Any
 
 from freetoken.config import ModelConfig
 from freetoken.moe.profile import ExpertShape
+from freetoken.quant.formats import ExpertFormat, QuantConfigError, format_named, quant_spec
 
 log = logging.getLogger(__name__)
 
@@ -138,6 +139,29 @@ def gpu_info(index: int) -> dict[str, Any]:
     }
 
 
+def format_for(cfg: ModelConfig, shape: ExpertShape, name: str) -> ExpertFormat:
+    """The expert format `measure_box` measures as `name` (an `ExpertFormat.name`) for model `cfg`'s experts of
+    `shape`: FP8 blocks of
+    the model's own `weight_block_size` where its checkpoint is FP8, else 128 x 128 (Qwen's and DeepSeek-V3's
+    releases); the other formats as `format_named` gives them.
+
+    Raises:
+        QuantConfigError: an unknown name, or a format that cannot split `shape` into whole blocks (names the
+            format, the size and the block).
+    """
+    block = (128, 128)
+    if name == "fp8_block":
+        try:
+            own = quant_spec(cfg.raw, cfg.model_dir).format
+        except QuantConfigError:  # a checkpoint freetoken cannot serve still has shapes to measure
+            own = None
+        if own is not None and own.name == "fp8_block":
+            block = (own.block_rows, own.block_cols)
+    fmt = format_named(name, block)
+    fmt.check_shape(shape.hidden_size, shape.intermediate_size, source=f"{name} experts")
+    return fmt
+
+
 def measure_box(
     shape: ExpertShape,
     cfg: ModelConfig,
@@ -163,10 +187,13 @@ def measure_box(
         seconds: length of each timed measurement.
         pool_gb: the pool's size, far larger than the LLC so weights stream from DRAM.
         cpu_threads: threads of the host kernel; 0 is all CPUs.
-        formats: quantized formats (`ExpertFormat.name`: fp8_block with 128x128 blocks, nvfp4, mxfp4) measured
-            besides bf16, which is always measured (the profile's top-level figures are its); "bf16" is ignored.
+        formats: quantized formats (`ExpertFormat.name`: fp8_block, nvfp4, mxfp4; as `format_for` gives them)
+            measured besides bf16, which is always measured (the profile's top-level figures are its); "bf16" is
+            ignored.
 
     Raises:
+        QuantConfigError: a format of `formats` that cannot split the expert sizes (`format_for`), before anything
+            is measured.
         torch.cuda.OutOfMemoryError / RuntimeError: the pool cannot be built or pinned.
     """
     import torch
@@ -179,7 +206,8 @@ def measure_box(
     from freetoken.moe.profile import BATCHES
 
     gpu_indices = list(gpu_indices)
-    formats = [f for f in dict.fromkeys(formats) if f != "bf16"]
+    chosen = {name: format_for(cfg, shape, name) for name in dict.fromkeys(formats) if name != "bf16"}
+    formats = list(chosen)
     num_experts = max(experts_per_call, round(pool_gb * 1e9 / shape.expert_nbytes))
     num_layers = max(1, min(len(cfg.moe_layers), num_experts // cfg.num_experts))
     per_layer = min(cfg.num_experts, num_experts) if num_layers == 1 else cfg.num_experts
@@ -252,7 +280,7 @@ def measure_box(
         measured = {}
         for fmt in formats:
             phase(f"building the {fmt} expert pool")
-            block = (128, 128) if fmt == "fp8_block" else None
+            block = (chosen[fmt].block_rows, chosen[fmt].block_cols) if fmt == "fp8_block" else None
             qpool = ExpertPool.random(
                 num_layers, per_layer, shape.hidden_size, shape.intermediate_size, seed=0, format=fmt,
                 block=block or (0, 0),

@@ -7,9 +7,13 @@ import json
 import logging
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from freetoken.cli.serve import DEMO
 from freetoken.config import ModelConfig
+
+if TYPE_CHECKING:
+    from freetoken.moe.profile import ExpertShape
 
 log = logging.getLogger("freetoken.cli")
 
@@ -29,7 +33,8 @@ Methods (all figures GB/s = 1e9 bytes/s of expert weights):
   host memory read     a torch sum over the pool on the kernel's threads, best of 3: the ceiling
   overlapped           copies kept queued on the copy stream while the kernel runs at each b: both at once, as
                        a hybrid decode step does; these figures are what q* uses
-  --format FMT ...     each quantized format (fp8_block 128x128, nvfp4, mxfp4) on a random pool of its own: its
+  --format FMT ...     each quantized format (fp8_block: the model's blocks, else 128x128; nvfp4, mxfp4) on a
+                       random pool of its own (default: each that splits the model's expert sizes): its
                        host kernel, expert copies and both overlapped, as above (GB/s of its expert bytes, scales
                        included), stored by format in the profile; a profile without a format gives the planner
                        bf16's GB/s for it (an expert's time then scales with its bytes)
@@ -75,8 +80,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "--format",
         nargs="+",
         choices=EXPERT_FORMATS,
-        default=list(EXPERT_FORMATS),
-        help="expert formats to measure (default: all; bf16 is always measured)",
+        default=None,
+        help="expert formats to measure (default: every one the model's expert sizes split into; bf16 is always "
+        "measured)",
     )
     bw.add_argument("--out", type=Path, default=None, help="directory of the profiles (default: see above)")
     bw.set_defaults(func=run_bw, parser=bw)
@@ -93,6 +99,26 @@ def _model_config(args: argparse.Namespace) -> ModelConfig:
 
     name = args.preset or DEFAULT_PRESET
     return ModelConfig.from_dict(json.loads(preset_config_path(name).read_text()), source=name)
+
+
+def _formats(cfg: ModelConfig, shape: ExpertShape, asked: list[str] | None) -> list[str]:
+    """The formats to measure: `asked` (--format), each of which must split the model's expert sizes (else a
+    ValueError naming --format, before anything is measured), or by default every format that does (the others
+    are skipped with a note)."""
+    from freetoken.bench.box import format_for
+    from freetoken.quant.formats import QuantConfigError
+
+    formats = []
+    for name in asked or EXPERT_FORMATS:
+        try:
+            format_for(cfg, shape, name)
+        except QuantConfigError as e:
+            if asked:
+                raise ValueError(f"--format {name}: {e}; leave it out") from e
+            log.info("not measuring %s: %s", name, e)
+            continue
+        formats.append(name)
+    return formats
 
 
 def run_bw(args: argparse.Namespace) -> int:
@@ -114,10 +140,11 @@ def run_bw(args: argparse.Namespace) -> int:
     )  # fmt: skip
 
     shape = ExpertShape(cfg.hidden_size, cfg.moe_intermediate_size)
+    formats = _formats(cfg, shape, args.format)
     num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     run = measure_box(
         shape, cfg, args.experts_per_call or cfg.num_experts_per_tok, range(num_gpus), seconds=args.seconds,
-        pool_gb=args.pool_gb, cpu_threads=args.cpu_threads, formats=args.format,
+        pool_gb=args.pool_gb, cpu_threads=args.cpu_threads, formats=formats,
     )  # fmt: skip
     console = Console(no_color="NO_COLOR" in os.environ)
     if not run.gpus:
