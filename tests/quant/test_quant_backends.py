@@ -150,12 +150,18 @@ def test_nonfinite_quantized_experts_are_refused(built, tmp_path):
             r"experts\.9\.gate_proj\.weight_scale_2' missing",
         ),
         (
-            lambda t: t.update({"model.layers.0.mlp.experts.3.down_proj.weight_scale": torch.ones(64, 4)}),
+            lambda t: t.update(
+                {"model.layers.0.mlp.experts.3.down_proj.weight_scale": torch.ones(64, 4).to(torch.float8_e4m3fn)}
+            ),
             r"experts\.3\.down_proj\.weight_scale' has shape \[64, 4\], expected \[64, 2\]",
         ),
         (
             lambda t: t.update({"model.layers.0.mlp.experts.3.up_proj.weight_scale": torch.ones(32, 4)}),
             r"experts\.3\.up_proj\.weight_scale' has dtype F32; expected one of F8_E4M3",
+        ),
+        (  # an expert left unquantized: its dtype is the cause named, not the shape that follows from it
+            lambda t: t.update({"model.layers.0.mlp.experts.3.gate_proj.weight": torch.zeros(32, 64).bfloat16()}),
+            r"experts\.3\.gate_proj\.weight' has dtype BF16; expected one of U8",
         ),
         (
             lambda t: t.update({"model.layers.2.mlp.experts.gate_up_proj": torch.zeros(16, 64, 32, dtype=torch.uint8)}),

@@ -107,14 +107,16 @@ class CheckpointReader:
         path = self.index.files.get(name)
         if path is None:
             raise CheckpointError(f"tensor {name!r} missing from the checkpoint (expected shape {list(shape)})")
-        got = self.index.shapes[name]
-        if got != tuple(shape):
-            raise CheckpointError(f"{path.name}: tensor {name!r} has shape {list(got)}, expected {list(shape)}")
+        # dtype first: a packed format's shapes follow from its dtype (an NVFP4 expert left in bf16 is [I, H], not
+        # [I, H / 2]), so a wrong dtype is the cause to name
         dtype = self.index.dtypes[name]
         if dtype not in dtypes:
             raise CheckpointError(
                 f"{path.name}: tensor {name!r} has dtype {dtype}; expected one of {', '.join(dtypes)}"
             )
+        got = self.index.shapes[name]
+        if got != tuple(shape):
+            raise CheckpointError(f"{path.name}: tensor {name!r} has shape {list(got)}, expected {list(shape)}")
         handle = self._handles.get(path)
         if handle is None:
             handle = self._handles[path] = safe_open(str(path), framework="pt")
