@@ -10,9 +10,9 @@ runs these for NVFP4 and MXFP4 decode batches on CUDA.
 
 Operands (Gluon layouts, `_layouts`): the weights are mma's A operand, [rows, K] with k_width 8, so a thread holds
 8 consecutive K columns of a row, i.e. one 32-bit word of the packed weights; the tokens of an M tile are the B
-operand's 8 columns (a tile's real rows, 8 at a time; padding columns repeat the first, not stored). A dot is a sum
-over K in any order, so the kernel decodes each word in the order its bits make cheap and loads the activations in
-the same order:
+operand's 8 columns (a tile's rows, 8 at a time; padding rows read valid memory, token 0 or h's own padding rows,
+and are not stored). A dot is a sum over K in any order, so the kernel decodes each word in the order its bits make
+cheap and loads the activations in the same order:
   - Decoding (`_DECODE`): nibbles j and j + 4 of a word sit 16 bits apart, as the two halves of a bf16 pair do.
     One shift puts both magnitudes (e2m1 `ee m`) at bf16's low exponent bits and top mantissa bit (bits 6-8 of each
     half), another both signs at bits 15 and 31: a bf16 pair holding the values * 2^-126 (ee = 0, the codes 0 and
