@@ -291,6 +291,16 @@ def test_cpu_model_with_quantized_experts_matches_dequantized_float_model(built)
     want = _logits(load_checkpoint(deq, FusedExperts(), torch.device("cpu"), torch.float32))
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     assert experts.nbytes < 0.3 * 3 * 64 * 32 * 4 * 8 * 2  # a quarter (FP8) or an eighth (NVFP4) of float32
+    # /v1/stats and the expert-size gauge read these, as from the expert cache's backends
+    layout = next(iter(experts.quantized.values())).layout
+    assert experts.stats() == {
+        "backend": "fused",
+        "expert_format": built[2].name,
+        "expert_nbytes": layout.expert_nbytes,
+    }
+    dense = FusedExperts()
+    load_checkpoint(deq, dense, torch.device("cpu"), torch.float32)
+    assert dense.stats() == {"backend": "fused", "expert_format": "float32", "expert_nbytes": 3 * 64 * 32 * 4}
 
 
 def _edit(src: Path, dest: Path, edit) -> Path:

@@ -39,8 +39,22 @@ class FusedExperts:
         """Nothing to choose: every expert is resident."""
 
     def stats(self) -> dict:
-        """`{"backend": "fused"}`: nothing is planned or moved."""
-        return {"backend": "fused"}
+        """`{"backend": "fused"}`, and once a layer is loaded the experts' format and bytes per expert as the
+        expert cache reports them (`expert_format`: the quantized format's name, else "bf16" or the torch dtype
+        the experts are held in; `expert_nbytes`): nothing is planned or moved."""
+        out: dict = {"backend": "fused"}
+        if self.quantized:
+            layout = next(iter(self.quantized.values())).layout
+            out.update(expert_format=layout.format.name, expert_nbytes=layout.expert_nbytes)
+        elif self.gate_up:
+            layer = next(iter(self.gate_up))
+            gate_up, down = self.gate_up[layer], self.down[layer]
+            dtype = str(gate_up.dtype).removeprefix("torch.")
+            out.update(
+                expert_format="bf16" if dtype == "bfloat16" else dtype,
+                expert_nbytes=(gate_up[0].numel() + down[0].numel()) * gate_up.element_size(),
+            )
+        return out
 
     @property
     def nbytes(self) -> int:
