@@ -49,7 +49,7 @@ time for both (gemv 1.90x, 2.01x); at batch 4 NVFP4 31.9 + 17.8, MXFP4 26.2 + 17
 (NVFP4); the K steps staged through shared memory by cp.async, 13.7 + 6.0; the loads above (early, unmasked,
 interleaved slices) changed the figures by less than the box's noise (`benches/gemv_grid.py --kernel fp4_mma`,
 with and without --contiguous-slices, side by side). What bounds batch 1 is latency, not instructions or bytes: the
-SASS runs ~3.6-4 instructions per weight against gemv's 5.5 for 0.78x its time, and a layer's 14 MB of NVFP4
+SASS runs ~3.6-4 instructions per weight against gemv's 5.5 for 0.8x its time, and a layer's 14 MB of NVFP4
 gate/up moves at 1.8 TB/s of the H200's 4.8; each warp waits on its next step's loads, which ptxas issues
 mid-step however far ahead they are written (prefetch 2: slower). The issue's 1.3x per byte is not met.
 (Persistent or programmatic-dependent launches, so that the down kernel's weight loads start while gate/up
