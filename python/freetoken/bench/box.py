@@ -141,9 +141,8 @@ def gpu_info(index: int) -> dict[str, Any]:
 
 def format_for(cfg: ModelConfig, shape: ExpertShape, name: str) -> ExpertFormat:
     """The expert format `measure_box` measures as `name` (an `ExpertFormat.name`) for model `cfg`'s experts of
-    `shape`: FP8 blocks of
-    the model's own `weight_block_size` where its checkpoint is FP8, else 128 x 128 (Qwen's and DeepSeek-V3's
-    releases); the other formats as `format_named` gives them.
+    `shape`: FP8 blocks of the model's own `weight_block_size` where its checkpoint is FP8, else 128 x 128 (Qwen's
+    and DeepSeek-V3's releases); the other formats as `format_named` gives them.
 
     Raises:
         QuantConfigError: an unknown name, or a format that cannot split `shape` into whole blocks (names the
@@ -207,12 +206,11 @@ def measure_box(
 
     gpu_indices = list(gpu_indices)
     chosen = {name: format_for(cfg, shape, name) for name in dict.fromkeys(formats) if name != "bf16"}
-    formats = list(chosen)
     num_experts = max(experts_per_call, round(pool_gb * 1e9 / shape.expert_nbytes))
     num_layers = max(1, min(len(cfg.moe_layers), num_experts // cfg.num_experts))
     per_layer = min(cfg.num_experts, num_experts) if num_layers == 1 else cfg.num_experts
     per_format = len(BATCHES) + len(gpu_indices) * (1 + len(BATCHES))
-    phases = 1 + per_format + len(gpu_indices) * 2 + len(formats) * (1 + per_format)
+    phases = 1 + per_format + len(gpu_indices) * 2 + len(chosen) * (1 + per_format)
     t_start = time.perf_counter()
     with Progress(
         SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn(), console=stderr_console(), transient=True
@@ -278,9 +276,9 @@ def measure_box(
             for i, p in paths.items()
         ]
         measured = {}
-        for fmt in formats:
+        for fmt, spec in chosen.items():
             phase(f"building the {fmt} expert pool")
-            block = (chosen[fmt].block_rows, chosen[fmt].block_cols) if fmt == "fp8_block" else None
+            block = (spec.block_rows, spec.block_cols) if fmt == "fp8_block" else None
             qpool = ExpertPool.random(
                 num_layers, per_layer, shape.hidden_size, shape.intermediate_size, seed=0, format=fmt,
                 block=block or (0, 0),
