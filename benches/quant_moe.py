@@ -35,6 +35,7 @@ import statistics
 
 import torch
 
+from freetoken.kernels import fused_moe_fp4_mma as fp4_mma_module
 from freetoken.kernels import fused_moe_quant as fused_moe_quant_module
 from freetoken.kernels.fused_moe import fused_moe
 from freetoken.kernels.fused_moe_gemv import GEMV_CONFIGS
@@ -102,8 +103,37 @@ def time_call(fn, iters: int) -> float:
     return statistics.median(times)
 
 
+def graph_us(fn, iters: int, calls: int = 20) -> float:
+    """Median microseconds per call of `fn` replayed from a CUDA graph of `calls` calls (as the engine's decode
+    graphs run it: no launch gaps from the host), over `iters` replays after 3 warm-up ones."""
+    fn()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up on a side stream, as torch.cuda.graphs asks
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / calls)
+    return statistics.median(times)
+
+
 def kernel_us(fn, names: tuple[str, ...], iters: int) -> dict[str, float]:
-    """Mean device microseconds per call of each kernel in `names` over `iters` calls of `fn` (torch profiler)."""
+    """Mean device microseconds per call of each kernel in `names` over `iters` calls of `fn` (torch profiler), and
+    under "span" the median per call from the start of its first kernel (`names[0]`) to the end of its last: what
+    the kernels take together, the gap between them included, and counted once where they overlap (the fp4_mma
+    down kernel launched as a programmatic dependent of gate/up: its own time then includes its wait)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -113,7 +143,23 @@ def kernel_us(fn, names: tuple[str, ...], iters: int) -> dict[str, float]:
             fn()
         torch.cuda.synchronize()
     found = {e.key: e.device_time_total / iters for e in prof.key_averages() if e.key in names}
-    return {name: round(found.get(name, 0.0), 2) for name in names}
+    out = {name: round(found.get(name, 0.0), 2) for name in names}
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.name in names and e.device_type.name == "CUDA"
+    )
+    spans, start, end = [], None, 0.0
+    for t0, t1, name in kernels:  # a call's kernels run in order: each names[0] starts a call
+        if name == names[0]:
+            if start is not None:
+                spans.append(end - start)
+            start = t0
+        end = max(end, t1)
+    if start is not None:
+        spans.append(end - start)
+    out["span"] = round(statistics.median(spans), 2) if spans else 0.0
+    return out
 
 
 def time_row(args, fmt, kernel: str, batch: int, x, slots, layout, ids, weights) -> dict:
@@ -139,12 +185,13 @@ def time_row(args, fmt, kernel: str, batch: int, x, slots, layout, ids, weights)
 
         def call(config, mode=None):
             return fused_moe_quant(x, slots, layout, ids, weights, config=config, scale_mode=mode, kernel="mma")
-    elif kernel == "fp4_mma":
+    elif kernel.startswith("fp4_mma"):
         names = ("_gate_up_fp4_mma_kernel", "_down_fp4_mma_kernel")
-        default = None
+        default, pdl = fp4_variant(kernel)
+        fp4_mma_module.PROGRAMMATIC_LAUNCH = pdl
 
         def call(config, mode=None):
-            return fused_moe_quant(x, slots, layout, ids, weights, kernel="fp4_mma")
+            return fused_moe_quant(x, slots, layout, ids, weights, kernel="fp4_mma", fp4_mma_configs=default)
     else:
         names = ("_gate_up_gemv_kernel", "_down_gemv_kernel")
         default = GEMV_CONFIGS[fmt.weight_bits]
@@ -153,6 +200,7 @@ def time_row(args, fmt, kernel: str, batch: int, x, slots, layout, ids, weights)
             return fused_moe_quant(x, slots, layout, ids, weights, kernel="gemv")
 
     us = time_call(lambda: call(None), args.iters)
+    graph = graph_us(lambda: call(None), args.iters)
     timed = []
     sweep = configs if len(configs) > 1 else []
     default_out = call(None).float() if sweep else None
@@ -174,6 +222,7 @@ def time_row(args, fmt, kernel: str, batch: int, x, slots, layout, ids, weights)
         "kernel": kernel,
         "batch": batch,
         "us_per_call": round(us, 2),
+        "graph_us_per_call": round(graph, 2),
     }
     if kernel != "bf16":
         record["config"] = default
@@ -199,7 +248,19 @@ def time_row(args, fmt, kernel: str, batch: int, x, slots, layout, ids, weights)
         print(line)
     if args.profile:
         record["kernel_us"] = kernel_us(lambda: call(None), names, args.iters)
+        record["kernel_span_us"] = record["kernel_us"].pop("span")
+    fp4_mma_module.PROGRAMMATIC_LAUNCH = True
     return record
+
+
+def fp4_variant(kernel: str):
+    """("fp4_mma" or "fp4_mma:GU/DOWN[/nopdl]", GU and DOWN `Fp4MmaConfig`s as K_UNITS,WARPS,PREFETCH) -> (the
+    (gate/up, down) configs or None: the defaults, whether the down kernel is a programmatic dependent launch)."""
+    if kernel == "fp4_mma":
+        return None, True
+    parts = kernel.split(":", 1)[1].split("/")
+    configs = tuple(tuple(int(v) for v in part.split(",")) for part in parts[:2])
+    return configs, parts[2:] != ["nopdl"]
 
 
 def main() -> None:
@@ -217,7 +278,13 @@ def main() -> None:
         help="the 4-bit kernels' previous loads (scales by byte, activations by 16-bit element) instead of words",
     )
     parser.add_argument("--packed-slots", action="store_true", help="slots expert_nbytes apart, not SLOT_ALIGN")
-    parser.add_argument("--kernels", nargs="+", default=["auto"], choices=["auto", "mma", "gemv", "fp4_mma"])
+    parser.add_argument(
+        "--kernels",
+        nargs="+",
+        default=["auto"],
+        help="auto, mma, gemv, fp4_mma, or fp4_mma:GU/DOWN[/nopdl]: fp4_mma at these (gate/up, down) configs "
+        "(K_UNITS,WARPS,PREFETCH each; nopdl: the down kernel launched after gate/up, not as its dependent)",
+    )
     args = parser.parse_args()
     if args.byte_loads:
         fused_moe_quant_module.WORD_LOADS = False
@@ -225,12 +292,12 @@ def main() -> None:
     for batch in args.batch:
         x, ids, weights = routing(batch, args.slots)
         distinct = int(ids.unique().numel())
-        base_us_per_byte = base_us = base_kernel_us_per_byte = None
+        base_us_per_byte = base_us = base_span_us_per_byte = base_graph_us_per_byte = None
         for fmt in (BF16, fp8_block(), NVFP4, MXFP4):
             layout = fmt.layout(HIDDEN, INTER)
             slots = slots_of(fmt, args.slots, args.packed_slots)
             for kernel in args.kernels if fmt.quantized else ["bf16"]:
-                if kernel == "fp4_mma" and fmt.weight_bits != 4:
+                if kernel.startswith("fp4_mma") and fmt.weight_bits != 4:
                     continue  # the 4-bit formats' kernels
                 if kernel == "auto":
                     kernel = default_kernel(layout, slots, batch * TOP_K, x)
@@ -242,17 +309,21 @@ def main() -> None:
                 record["speed_vs_bf16"] = round(base_us / us, 3)
                 record["expert_gbps"] = round(nbytes / us / 1e3, 2)
                 record["time_per_byte_vs_bf16"] = round(us / nbytes / base_us_per_byte, 3)
+                graph = record["graph_us_per_call"]
+                base_graph_us_per_byte = base_graph_us_per_byte or graph / nbytes
+                record["graph_time_per_byte_vs_bf16"] = round(graph / nbytes / base_graph_us_per_byte, 3)
                 if args.profile:
-                    kernels_us = sum(record["kernel_us"].values())
-                    base_kernel_us_per_byte = base_kernel_us_per_byte or kernels_us / nbytes
-                    record["kernel_time_per_byte_vs_bf16"] = round(kernels_us / nbytes / base_kernel_us_per_byte, 3)
+                    span = record["kernel_span_us"]
+                    base_span_us_per_byte = base_span_us_per_byte or span / nbytes
+                    record["kernel_time_per_byte_vs_bf16"] = round(span / nbytes / base_span_us_per_byte, 3)
                 records.append(record)
                 print(
                     f"quant_moe {fmt.name:>9} {kernel:>4} batch {batch:>3}: {us:8.1f} us per call, "
                     f"{record['speed_vs_bf16']:.2f}x bf16's speed, {record['expert_gbps']:7.1f} GB/s of expert "
-                    f"bytes, time per byte {record['time_per_byte_vs_bf16']:.2f}x bf16's"
+                    f"bytes, time per byte {record['time_per_byte_vs_bf16']:.2f}x bf16's; graph {graph:.1f} us per "
+                    f"call, {record['graph_time_per_byte_vs_bf16']:.2f}x bf16's per byte"
                     + (
-                        f"; kernels {record['kernel_us']}, kernel time per byte "
+                        f"; kernels {record['kernel_us']}, span {record['kernel_span_us']} us, kernel time per byte "
                         f"{record['kernel_time_per_byte_vs_bf16']:.2f}x bf16's"
                         if args.profile
                         else ""

@@ -159,31 +159,71 @@ def test_fp4_mma_refuses_what_it_cannot_run():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=["nvfp4", "mxfp4"])
 @pytest.mark.parametrize("num_tokens", [1, 3, 40, 64])
-@pytest.mark.parametrize("interleaved", [True, False], ids=["interleaved", "contiguous"])
-def test_fp4_mma_matches_gemv_other_shapes_and_configs(fmt, num_tokens, interleaved, monkeypatch):
+@pytest.mark.parametrize(
+    ("interleaved", "pdl"), [(True, True), (False, True), (True, False)], ids=["interleaved", "contiguous", "no-pdl"]
+)
+def test_fp4_mma_matches_gemv_other_shapes_and_configs(fmt, num_tokens, interleaved, pdl, monkeypatch):
     """fp4_mma at another model's shapes (H 1024, I 512) and configs that fit them (K steps of 128 or 256
-    columns, 1-4 warp slices, loads 1 or 2 steps ahead, the warps' K slices interleaved or contiguous), against the
-    reference at the bf16 tolerance; 40 and 64 tokens put more than 8 rows in tiles (a second token group, partly
-    or wholly real)."""
+    columns, 1-4 warp slices, loads 1 or 2 steps ahead or all up front, the warps' K slices interleaved or
+    contiguous, the down kernel a programmatic dependent launch or not), against the reference at the bf16
+    tolerance; 40 and 64 tokens put more than 8 rows in tiles (a second token group, partly or wholly real). Loads
+    all up front add the same products in the same order as loads one step ahead: equal bit for bit."""
     from freetoken.kernels import fused_moe_fp4_mma
     from freetoken.kernels.fused_moe_fp4_mma import fits
 
     monkeypatch.setattr(fused_moe_fp4_mma, "INTERLEAVED_SLICES", interleaved)
-
-    for gate_up in [(4, 1, 1), (4, 2, 2), (8, 4, 1)]:
-        for down in [(4, 1, 2), (8, 2, 1)]:
+    monkeypatch.setattr(fused_moe_fp4_mma, "PROGRAMMATIC_LAUNCH", pdl)
+    gen = torch.Generator().manual_seed(num_tokens)
+    slots = quantized_slots(fmt, 16, 1024, 512).cuda()
+    ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(num_tokens)]).cuda()
+    weights = torch.softmax(torch.randn(num_tokens, 4, generator=gen), dim=-1).cuda()
+    x = torch.randn(num_tokens, 1024, generator=gen).cuda()
+    layout = fmt.layout(1024, 512)
+    want = fused_moe_quant_reference(x, slots, layout, ids, weights)
+    got = {}
+    for gate_up in [(4, 1, 1), (4, 2, 2), (8, 4, 1), (4, 2, 0)]:
+        for down in [(4, 1, 2), (8, 2, 1), (4, 1, 0)]:
             assert fits(gate_up, 1024) and fits(down, 512)
-            gen = torch.Generator().manual_seed(num_tokens)
-            slots = quantized_slots(fmt, 16, 1024, 512).cuda()
-            ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(num_tokens)]).cuda()
-            weights = torch.softmax(torch.randn(num_tokens, 4, generator=gen), dim=-1).cuda()
-            x = torch.randn(num_tokens, 1024, generator=gen).cuda()
-            layout = fmt.layout(1024, 512)
-            got = fused_moe_quant(
+            got[gate_up, down] = fused_moe_quant(
                 x.bfloat16(), slots, layout, ids, weights.bfloat16(), kernel="fp4_mma", fp4_mma_configs=(gate_up, down)
             ).float()
-            want = fused_moe_quant_reference(x, slots, layout, ids, weights)
-            torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0)
+            torch.testing.assert_close(got[gate_up, down], want, atol=2e-2 * want.abs().max().item(), rtol=0)
+    assert torch.equal(got[(4, 2, 0), (4, 1, 0)], got[(4, 2, 2), (4, 1, 2)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=["nvfp4", "mxfp4"])
+def test_fp4_mma_in_a_cuda_graph_matches_eager(fmt):
+    """The fp4_mma kernels captured in a CUDA graph (the engine's decode graphs; the down kernel's programmatic
+    dependence on gate/up becomes a graph edge) give the eager call's output bit for bit, replayed after the
+    inputs change in place."""
+    gen = torch.Generator().manual_seed(0)
+    slots = quantized_slots(fmt, 16, 1024, 512).cuda()
+    layout = fmt.layout(1024, 512)
+    ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(2)]).cuda()
+    weights = torch.softmax(torch.randn(2, 4, generator=gen), dim=-1).bfloat16().cuda()
+    x = torch.randn(2, 1024, generator=gen).bfloat16().cuda()
+
+    def call():
+        return fused_moe_quant(x, slots, layout, ids, weights, kernel="fp4_mma")
+
+    call()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        call()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for seed in (1, 2):
+        gen = torch.Generator().manual_seed(seed)
+        x.copy_(torch.randn(2, 1024, generator=gen).bfloat16())
+        ids.copy_(torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(2)]))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, call())
 
 
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=["nvfp4", "mxfp4"])

@@ -127,11 +127,20 @@ _THREAD = gl.constexpr("mov.u32 $0, %tid.x;")
 
 _UNSCALE = gl.constexpr(2.0**64)
 
+# programmatic dependent launch (PTX ISA 7.8, sm_90): the gate/up kernel lets the down kernel launch early, the down
+# kernel waits for it before reading h ($0: a dummy output, as inline asm needs one)
+_LAUNCH_DEPENDENTS = gl.constexpr("griddepcontrol.launch_dependents; // $0")
+_WAIT_PRIMARY = gl.constexpr("griddepcontrol.wait; // $0")
+
 # the warps' K slices: interleaved by K step (True) or contiguous (False; `benches/gemv_grid.py --contiguous-slices`)
 INTERLEAVED_SLICES = True
 
+# the down kernel launched as a programmatic dependent of the gate/up kernel where the GPU has it (sm_90+); False:
+# one after the other (`benches/quant_moe.py --no-pdl`)
+PROGRAMMATIC_LAUNCH = True
+
 # A kernel's launch config: (K step in 32-column units, num_warps: each warp runs its own slice of K, K steps
-# loaded ahead)
+# loaded ahead: 1 or 2, or 0: all of a warp's steps before the first decode)
 Fp4MmaConfig = tuple[int, int, int]
 # (gate/up, down): the H200's fastest at batches 1 and 4 on Qwen3-30B-A3B's shapes (`benches/gemv_grid.py --kernel
 # fp4_mma`, NVFP4 and MXFP4 alike), K steps of 128 columns loaded one step ahead: gate/up's 2048 columns in 2 warp
@@ -209,17 +218,6 @@ def _weights(
 
 
 @gluon.jit
-def _slices(W: gl.constexpr, INTERLEAVE: gl.constexpr, NUM_STEPS):
-    """(first K step of warp 1's slice, K steps between a slice's steps): contiguous slices (warp w runs the steps
-    w * NUM_STEPS ..), or interleaved (warp w runs the steps w, w + W, ..: the warps' loads of a step lie side by
-    side in each row, W * BK / 2 bytes)."""
-    if INTERLEAVE:
-        return 1, W
-    else:
-        return NUM_STEPS, 1
-
-
-@gluon.jit
 def _weight_loads(
     w_ptrs,
     s_ptrs,
@@ -231,7 +229,7 @@ def _weight_loads(
     STRIDE: gl.constexpr,
 ):
     """K step `step` of each warp's slice: its words [BM, BK / 8] int32 in A's order (WORDS) and scale codes
-    (SCALES); STRIDE: K steps between a slice's steps (`_slices`)."""
+    (SCALES); STRIDE: K steps between a slice's steps (`_weight_ptrs`)."""
     raw = gl.load(w_ptrs + step * (STRIDE * BK // 8))
     # [BM, lane, R] (where they lie) -> [BM, R, lane]: A's order, c = lane + 4 * register
     R: gl.constexpr = BK // 32
@@ -246,20 +244,24 @@ def _weight_ptrs(
     s_ptr,
     prow,
     srow,
-    K,
     FORMAT: gl.constexpr,
     MMA: gl.constexpr,
     WORDS: gl.constexpr,
     LOADS: gl.constexpr,
     SCALES: gl.constexpr,
     BK: gl.constexpr,
+    STEPS: gl.constexpr,
     PREFETCH: gl.constexpr,
     INTERLEAVE: gl.constexpr,
 ):
     """The word and scale pointers of 16 rows of the matrix W [rows, K] at `w_ptr` (int32 words; the rows `prow`
-    [BM] in LOADS' row slice, `srow` in SCALES', each warp's 16 the same) and its block scale codes at `s_ptr`
-    (uint8), at each warp's K slice, and the loads of the slice's first PREFETCH K steps (`_dots`), issued here so
-    that they are in flight while the caller finds its tokens.
+    [BM] in LOADS' row slice, `srow` in SCALES', each warp's 16 the same; K = STEPS * num_warps * BK) and its block
+    scale codes at `s_ptr` (uint8), at each warp's K slice, and the loads of the slice's first K steps (`_dots`):
+    PREFETCH of them, or all STEPS where PREFETCH is 0. They are issued here, so that they are in flight while the
+    caller finds its tokens (and, in the down kernel, while it waits for h).
+
+    Slices: contiguous (warp w runs the steps w * STEPS ..) or interleaved (INTERLEAVE: warp w runs the steps w,
+    w + W, ..: the warps' loads of a step lie side by side in each row, W * BK / 2 bytes).
 
     Word c of a K step (c = lane + 4 * register, A's order) is the step's word p = (c % 4) * R + c // 4 (R = BK /
     32 words per lane): a lane's words are contiguous (one vector load) and share scale blocks. Row and slice starts
@@ -269,29 +271,28 @@ def _weight_ptrs(
     R: gl.constexpr = BK // 32
     GW: gl.constexpr = 2 if FORMAT == 1 else 4  # words per scale block: NVFP4 16 columns, MXFP4 32
     G: gl.constexpr = R // GW
-    NUM_STEPS = K // (W * BK)
-    START, STRIDE = _slices(W, INTERLEAVE, NUM_STEPS)
+    START: gl.constexpr = 1 if INTERLEAVE else STEPS  # warp 1's first K step
+    STRIDE: gl.constexpr = W if INTERLEAVE else 1  # K steps between a slice's steps
     vr = gl.arange(0, BM, layout=gl.SliceLayout(1, LOADS))
     p = gl.arange(0, BK // 8, layout=gl.SliceLayout(0, LOADS))
-    w_ptrs = w_ptr + (prow * ((K // BK) * (BK // 8)) + (vr // 16) * (START * (BK // 8)))[:, None] + p[None, :]
+    w_ptrs = w_ptr + (prow * (STEPS * W * (BK // 8)) + (vr // 16) * (START * (BK // 8)))[:, None] + p[None, :]
     vs = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
     gi = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
     lane = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
-    s_row = srow * (K // (8 * GW)) + (vs // 16) * (START * BK // (8 * GW))
+    s_row = srow * (STEPS * W * BK // (8 * GW)) + (vs // 16) * (START * BK // (8 * GW))
     s_ptrs = s_ptr + s_row[:, None, None] + (lane[None, None, :] * G + gi[None, :, None])
-    words, codes = _weight_loads(w_ptrs, s_ptrs, 0, WORDS, BM, BK, GW, STRIDE)
-    # PREFETCH 1: step 1 is not loaded here (the step-1 pair repeats step 0's, unused)
-    words_1, codes_1 = words, codes
-    if PREFETCH == 2:
-        words_1, codes_1 = _weight_loads(w_ptrs, s_ptrs, gl.minimum(1, NUM_STEPS - 1), WORDS, BM, BK, GW, STRIDE)
-    return w_ptrs, s_ptrs, words, codes, words_1, codes_1
+    # the first steps' loads (a slice of one step: the step-1 loads repeat step 0's, unused)
+    loads = ()
+    for step in gl.static_range(STEPS if PREFETCH == 0 else PREFETCH):
+        # a tuple one step longer each (unrolled) iteration: Triton builds it at compile time; mypy types it fixed
+        loads = loads + (_weight_loads(w_ptrs, s_ptrs, min(step, STEPS - 1), WORDS, BM, BK, GW, STRIDE),)  # type: ignore[assignment]
+    return w_ptrs, s_ptrs, loads
 
 
 @gluon.jit
 def _dots(
     weights,
     x_rows,
-    K,
     FORMAT: gl.constexpr,
     MMA: gl.constexpr,
     A: gl.constexpr,
@@ -299,6 +300,7 @@ def _dots(
     WORDS: gl.constexpr,
     PAIRS: gl.constexpr,
     BK: gl.constexpr,
+    STEPS: gl.constexpr,
     PREFETCH: gl.constexpr,
     INTERLEAVE: gl.constexpr,
 ):
@@ -312,15 +314,16 @@ def _dots(
     warps enough, and a warp's steps wait on memory one after the other.
 
     The activations follow the words' order (`_weight_ptrs`: loads of 8 columns at 8 p). Loads are not masked: the
-    caller's rows and tokens are valid ones, and the last step loads itself again as its next. Software-pipelined
-    by hand: a step issues the loads of the step PREFETCH (1 or 2) ahead before its own decode."""
+    caller's rows and tokens are valid ones, and the last step loads itself again as its next. PREFETCH 0: the
+    slice's weights are all in registers already (`_weight_ptrs`), the steps unrolled; PREFETCH 1 or 2:
+    software-pipelined by hand, a step issues the loads of the step PREFETCH ahead before its own decode."""
     BM: gl.constexpr = MMA.warps_per_cta[0] * 16
     W: gl.constexpr = MMA.warps_per_cta[0]
     GW: gl.constexpr = 2 if FORMAT == 1 else 4
     R: gl.constexpr = BK // 32
-    NUM_STEPS = K // (W * BK)
-    START, STRIDE = _slices(W, INTERLEAVE, NUM_STEPS)
-    w_ptrs, s_ptrs, words, codes, words_1, codes_1 = weights
+    START: gl.constexpr = 1 if INTERLEAVE else STEPS
+    STRIDE: gl.constexpr = W if INTERLEAVE else 1
+    w_ptrs, s_ptrs, loads = weights
     # the warp's slice of the activations, from %tid.x (B holds the same elements in every warp, loaded per warp)
     warp = (
         gl.inline_asm_elementwise(
@@ -332,19 +335,27 @@ def _dots(
     q = gl.arange(0, BK // 2, layout=gl.SliceLayout(1, PAIRS))  # pair q: columns 2q, 2q + 1 of A's order
     cb = q // 4
     x_ptrs = x_pairs[None, :] + (((cb % 4) * R + cb // 4) * 4 + q % 4)[:, None]
-    x = gl.load(x_ptrs)
-    if PREFETCH == 2:
-        x_1 = gl.load(x_ptrs + gl.minimum(1, NUM_STEPS - 1) * (STRIDE * BK // 2))
     acc = gl.full([BM, 8], 0.0, gl.float32, MMA)
-    for step in range(NUM_STEPS):
-        ahead = gl.minimum(step + PREFETCH, NUM_STEPS - 1)
-        next_words, next_codes = _weight_loads(w_ptrs, s_ptrs, ahead, WORDS, BM, BK, GW, STRIDE)
-        next_x = gl.load(x_ptrs + ahead * (STRIDE * BK // 2))
-        acc = mma_v2(_weights(words, codes, FORMAT, A, WORDS, BM, BK), _activations(x, B, BK), acc)
+    if PREFETCH == 0:
+        for step in gl.static_range(STEPS):
+            words, codes = loads[step]
+            x = gl.load(x_ptrs + step * (STRIDE * BK // 2))
+            acc = mma_v2(_weights(words, codes, FORMAT, A, WORDS, BM, BK), _activations(x, B, BK), acc)
+    else:
+        words, codes = loads[0]
+        x = gl.load(x_ptrs)
         if PREFETCH == 2:
-            words, codes, x, words_1, codes_1, x_1 = words_1, codes_1, x_1, next_words, next_codes, next_x
-        else:
-            words, codes, x = next_words, next_codes, next_x
+            words_1, codes_1 = loads[1]
+            x_1 = gl.load(x_ptrs + min(1, STEPS - 1) * (STRIDE * BK // 2))
+        for step in range(STEPS):
+            ahead = gl.minimum(step + PREFETCH, STEPS - 1)
+            next_words, next_codes = _weight_loads(w_ptrs, s_ptrs, ahead, WORDS, BM, BK, GW, STRIDE)
+            next_x = gl.load(x_ptrs + ahead * (STRIDE * BK // 2))
+            acc = mma_v2(_weights(words, codes, FORMAT, A, WORDS, BM, BK), _activations(x, B, BK), acc)
+            if PREFETCH == 2:
+                words, codes, x, words_1, codes_1, x_1 = words_1, codes_1, x_1, next_words, next_codes, next_x
+            else:
+                words, codes, x = next_words, next_codes, next_x
     return gl.sum(gl.reshape(acc, [W, 16, 8]), axis=0)
 
 
@@ -368,60 +379,6 @@ def _gate_up_rows(pid_n, N, LAYOUT: gl.constexpr, BM: gl.constexpr):
 
 
 @gluon.jit
-def _gate_up_chunk(
-    i0,
-    weights,
-    x_ptr,
-    h_ptr,
-    ts_ptr,
-    sorted_pair_ptr,
-    num_pairs,
-    pid_m,
-    pid_n,
-    N,
-    K,
-    top_k,
-    stride_xm,
-    stride_hm,
-    FORMAT: gl.constexpr,
-    HAS_TENSOR_SCALE: gl.constexpr,
-    BLOCK_SIZE_M: gl.constexpr,
-    MMA: gl.constexpr,
-    A: gl.constexpr,
-    B: gl.constexpr,
-    WORDS: gl.constexpr,
-    PAIRS: gl.constexpr,
-    BK: gl.constexpr,
-    PREFETCH: gl.constexpr,
-    INTERLEAVE: gl.constexpr,
-):
-    """h[row, n] for the rows i0 .. i0 + 7 of M tile pid_m that hold a pair (padding rows hold `num_pairs`), n in
-    program pid_n's 8; `ts_ptr`: NVFP4's float32 tensor scales (gate, up)."""
-    tok = gl.arange(0, 8, layout=gl.SliceLayout(0, PAIRS))
-    pair = gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + i0 + tok)
-    # padding rows read token 0 (valid memory); their outputs are not stored
-    pair = gl.where(pair < num_pairs, pair, 0)
-    acc = _dots(
-        weights, x_ptr + (pair // top_k) * stride_xm, K, FORMAT, MMA, A, B, WORDS, PAIRS, BK, PREFETCH, INTERLEAVE
-    )
-    acc = acc * _UNSCALE
-    # [16, 8] -> [gate/up, 8 rows, 8 tokens] -> gate, up [8, 8]
-    gate, up = gl.split(gl.permute(gl.reshape(acc, [2, 8, 8]), [1, 2, 0]))
-    if HAS_TENSOR_SCALE:
-        gate = gate * gl.load(ts_ptr)
-        up = up * gl.load(ts_ptr + 1)
-    dtype: gl.constexpr = h_ptr.dtype.element_ty
-    g = gate.to(dtype).to(gl.float32)
-    act = (g / (1.0 + gl.exp(-g))).to(dtype).to(gl.float32)
-    h = act * up.to(dtype).to(gl.float32)
-    h_lay: gl.constexpr = h.type.layout
-    hn = pid_n * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, h_lay))
-    rows = pid_m * BLOCK_SIZE_M + i0 + gl.arange(0, 8, layout=gl.SliceLayout(0, h_lay))
-    real = gl.load(sorted_pair_ptr + rows) < num_pairs
-    gl.store(h_ptr + rows[None, :] * stride_hm + hn[:, None], h.to(dtype), mask=(hn[:, None] < N) & real[None, :])
-
-
-@gluon.jit
 def _gate_up_fp4_mma_kernel(
     x_ptr,
     w_ptr,
@@ -430,7 +387,6 @@ def _gate_up_fp4_mma_kernel(
     block_expert_ptr,
     num_pairs,
     N,
-    K,
     top_k,
     stride_xm,
     stride_we,
@@ -448,15 +404,21 @@ def _gate_up_fp4_mma_kernel(
     SCALES: gl.constexpr,
     PAIRS: gl.constexpr,
     BK: gl.constexpr,
+    STEPS: gl.constexpr,
     PREFETCH: gl.constexpr,
     INTERLEAVE: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     """h[row, n] = silu(x[t] . gate[e, n]) * (x[t] . up[e, n]) for the real rows of M tile pid_m, n in the
-    program's 8: gate_up [2 N, K] at byte 0 of the expert, its scales at `gate_up_scale_off`.
+    program's 8: gate_up [2 N, K] at byte 0 of the expert (K = STEPS * num_warps * BK), its scales at
+    `gate_up_scale_off`, NVFP4's float32 tensor scales (gate, up) at `tensor_scale_off`.
 
     The weights' first loads are issued before the tokens are looked up, and a tile's first 8 rows are run without
     counting its real rows (`align_pairs` puts a tile's pairs first, so its first row is always one): neither
-    waits on the other's round trip to memory."""
+    waits on the other's round trip to memory. PDL: the down kernel may launch as soon as every program has
+    started (`griddepcontrol.launch_dependents`), so that its weights load while this kernel runs."""
+    if PDL:
+        gl.inline_asm_elementwise(_LAUNCH_DEPENDENTS, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
     BM: gl.constexpr = MMA.warps_per_cta[0] * 16
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
@@ -467,62 +429,34 @@ def _gate_up_fp4_mma_kernel(
             base.to(gl.pointer_type(gl.int32)), base + gate_up_scale_off,
             _gate_up_rows(pid_n, N, gl.SliceLayout(1, LOADS), BM),
             _gate_up_rows(pid_n, N, gl.SliceLayout(1, gl.SliceLayout(2, SCALES)), BM),
-            K, FORMAT, MMA, WORDS, LOADS, SCALES, BK, PREFETCH, INTERLEAVE,
+            FORMAT, MMA, WORDS, LOADS, SCALES, BK, STEPS, PREFETCH, INTERLEAVE,
         )  # fmt: skip
         ts_ptr = (base + tensor_scale_off).to(gl.pointer_type(gl.float32))
-        for i0 in gl.static_range(0, BLOCK_SIZE_M, 8):
+        tok = gl.arange(0, 8, layout=gl.SliceLayout(0, PAIRS))
+        dtype: gl.constexpr = h_ptr.dtype.element_ty
+        for i0 in gl.static_range(0, BLOCK_SIZE_M, 8):  # the tile's rows that hold a pair, 8 at a time
             if i0 == 0 or gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + i0) < num_pairs:
-                _gate_up_chunk(
-                    i0, weights, x_ptr, h_ptr, ts_ptr, sorted_pair_ptr, num_pairs, pid_m, pid_n, N, K, top_k,
-                    stride_xm, stride_hm, FORMAT, HAS_TENSOR_SCALE, BLOCK_SIZE_M, MMA, A, B, WORDS, PAIRS, BK,
-                    PREFETCH, INTERLEAVE,
+                pair = gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + i0 + tok)
+                # padding rows (holding `num_pairs`) read token 0, valid memory; their outputs are not stored
+                pair = gl.where(pair < num_pairs, pair, 0)
+                acc = _dots(
+                    weights, x_ptr + (pair // top_k) * stride_xm,
+                    FORMAT, MMA, A, B, WORDS, PAIRS, BK, STEPS, PREFETCH, INTERLEAVE,
                 )  # fmt: skip
-
-
-@gluon.jit
-def _down_chunk(
-    i0,
-    weights,
-    h_ptr,
-    out_ptr,
-    weight_ptr,
-    ts_ptr,
-    sorted_pair_ptr,
-    num_pairs,
-    pid_m,
-    pid_n,
-    K,
-    N,
-    stride_hm,
-    stride_om,
-    FORMAT: gl.constexpr,
-    HAS_TENSOR_SCALE: gl.constexpr,
-    BLOCK_SIZE_M: gl.constexpr,
-    MMA: gl.constexpr,
-    A: gl.constexpr,
-    B: gl.constexpr,
-    WORDS: gl.constexpr,
-    PAIRS: gl.constexpr,
-    BK: gl.constexpr,
-    PREFETCH: gl.constexpr,
-    INTERLEAVE: gl.constexpr,
-):
-    """out[pair, kk] for the rows i0 .. i0 + 7 of M tile pid_m that hold a pair, kk in program pid_n's 16;
-    `ts_ptr`: NVFP4's float32 tensor scale of down."""
-    # padding rows of h are read (valid memory) as they are; their outputs are not stored
-    row = pid_m * BLOCK_SIZE_M + i0 + gl.arange(0, 8, layout=gl.SliceLayout(0, PAIRS))
-    acc = _dots(weights, h_ptr + row * stride_hm, N, FORMAT, MMA, A, B, WORDS, PAIRS, BK, PREFETCH, INTERLEAVE)
-    acc = acc * _UNSCALE
-    if HAS_TENSOR_SCALE:
-        acc = acc * gl.load(ts_ptr)
-    o_lay: gl.constexpr = acc.type.layout
-    o_r = pid_n * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, o_lay))
-    pair = gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + i0 + gl.arange(0, 8, layout=gl.SliceLayout(0, o_lay)))
-    real = pair < num_pairs
-    routing = gl.load(weight_ptr + pair, mask=real, other=0.0).to(gl.float32)
-    dtype: gl.constexpr = out_ptr.dtype.element_ty
-    out = acc.to(dtype).to(gl.float32) * routing[None, :]  # rounded like the reference
-    gl.store(out_ptr + pair[None, :] * stride_om + o_r[:, None], out.to(dtype), mask=(o_r[:, None] < K) & real[None, :])
+                acc = acc * _UNSCALE
+                # [16, 8] -> [gate/up, 8 rows, 8 tokens] -> gate, up [8, 8]
+                gate, up = gl.split(gl.permute(gl.reshape(acc, [2, 8, 8]), [1, 2, 0]))
+                if HAS_TENSOR_SCALE:
+                    gate = gate * gl.load(ts_ptr)
+                    up = up * gl.load(ts_ptr + 1)
+                g = gate.to(dtype).to(gl.float32)
+                act = (g / (1.0 + gl.exp(-g))).to(dtype).to(gl.float32)
+                h = act * up.to(dtype).to(gl.float32)
+                hn = pid_n * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, h.type.layout))
+                rows = pid_m * BLOCK_SIZE_M + i0 + gl.arange(0, 8, layout=gl.SliceLayout(0, h.type.layout))
+                real = gl.load(sorted_pair_ptr + rows) < num_pairs
+                mask = (hn[:, None] < N) & real[None, :]
+                gl.store(h_ptr + rows[None, :] * stride_hm + hn[:, None], h.to(dtype), mask=mask)
 
 
 @gluon.jit
@@ -535,7 +469,6 @@ def _down_fp4_mma_kernel(
     block_expert_ptr,
     num_pairs,
     K,
-    N,
     stride_hm,
     stride_we,
     stride_om,
@@ -553,12 +486,18 @@ def _down_fp4_mma_kernel(
     SCALES: gl.constexpr,
     PAIRS: gl.constexpr,
     BK: gl.constexpr,
+    STEPS: gl.constexpr,
     PREFETCH: gl.constexpr,
     INTERLEAVE: gl.constexpr,
+    PDL: gl.constexpr,
 ):
     """out[pair, kk] = weight[pair] * (h[row] . down[e, kk]) for the real rows of M tile pid_m, kk in the program's
-    16 rows of hidden K: down [K, N] at `down_off`, its scales at `down_scale_off`. Loads ordered as the gate/up
-    kernel's."""
+    16 rows of hidden K: down [K, N] at `down_off` (N = STEPS * num_warps * BK), its scales at `down_scale_off`,
+    NVFP4's float32 tensor scale at `tensor_scale_off` + 8 bytes. Loads ordered as the gate/up kernel's.
+
+    PDL (launched as a programmatic dependent of the gate/up kernel, sm_90+): everything that does not read h (the
+    tile's expert, the weights' first loads: all of them at PREFETCH 0) runs before `griddepcontrol.wait`, which
+    returns once the gate/up kernel has finished and its writes are visible."""
     BM: gl.constexpr = MMA.warps_per_cta[0] * 16
     pid_m = gl.program_id(0)
     pid_n = gl.program_id(1)
@@ -569,16 +508,29 @@ def _down_fp4_mma_kernel(
         sr = gl.minimum(pid_n * 16 + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES))) % 16, K - 1)
         weights = _weight_ptrs(
             (base + down_off).to(gl.pointer_type(gl.int32)), base + down_scale_off, wr, sr,
-            N, FORMAT, MMA, WORDS, LOADS, SCALES, BK, PREFETCH, INTERLEAVE,
+            FORMAT, MMA, WORDS, LOADS, SCALES, BK, STEPS, PREFETCH, INTERLEAVE,
         )  # fmt: skip
         ts_ptr = (base + tensor_scale_off).to(gl.pointer_type(gl.float32)) + 2
-        for i0 in gl.static_range(0, BLOCK_SIZE_M, 8):
+        row = gl.arange(0, 8, layout=gl.SliceLayout(0, PAIRS))
+        dtype: gl.constexpr = out_ptr.dtype.element_ty
+        if PDL:
+            gl.inline_asm_elementwise(_WAIT_PRIMARY, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+        for i0 in gl.static_range(0, BLOCK_SIZE_M, 8):  # the tile's rows that hold a pair, 8 at a time
             if i0 == 0 or gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + i0) < num_pairs:
-                _down_chunk(
-                    i0, weights, h_ptr, out_ptr, weight_ptr, ts_ptr, sorted_pair_ptr, num_pairs, pid_m, pid_n, K,
-                    N, stride_hm, stride_om, FORMAT, HAS_TENSOR_SCALE, BLOCK_SIZE_M, MMA, A, B, WORDS, PAIRS, BK,
-                    PREFETCH, INTERLEAVE,
-                )  # fmt: skip
+                # padding rows of h are read (valid memory) as they are; their outputs are not stored
+                h_rows = h_ptr + (pid_m * BLOCK_SIZE_M + i0 + row) * stride_hm
+                acc = _dots(weights, h_rows, FORMAT, MMA, A, B, WORDS, PAIRS, BK, STEPS, PREFETCH, INTERLEAVE)
+                acc = acc * _UNSCALE
+                if HAS_TENSOR_SCALE:
+                    acc = acc * gl.load(ts_ptr)
+                o_r = pid_n * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, acc.type.layout))
+                o_c = pid_m * BLOCK_SIZE_M + i0 + gl.arange(0, 8, layout=gl.SliceLayout(0, acc.type.layout))
+                pair = gl.load(sorted_pair_ptr + o_c)
+                real = pair < num_pairs
+                routing = gl.load(weight_ptr + pair, mask=real, other=0.0).to(gl.float32)
+                out = acc.to(dtype).to(gl.float32) * routing[None, :]  # rounded like the reference
+                mask = (o_r[:, None] < K) & real[None, :]
+                gl.store(out_ptr + pair[None, :] * stride_om + o_r[:, None], out.to(dtype), mask=mask)
 
 
 def fits(config: Fp4MmaConfig, num_in: int) -> bool:
@@ -600,6 +552,18 @@ def supported(layout: ExpertLayout, experts: torch.Tensor, hidden: torch.Tensor)
     aligned = experts.stride(0) % 16 == 0 and experts.data_ptr() % 16 == 0 and sec["down"][0] % 16 == 0
     gate_up, down = FP4_MMA_CONFIGS
     return aligned and fits(gate_up, layout.hidden) and fits(down, layout.inter)
+
+
+def _constexprs(config: Fp4MmaConfig, num_in: int, group_words: int) -> dict:
+    """A kernel's layouts and tiling constants (and num_warps) for `config` over `num_in` columns."""
+    k_units, num_warps, prefetch = config
+    return {
+        **_layouts(k_units, num_warps, group_words),
+        "STEPS": num_in // (32 * k_units * num_warps),
+        "PREFETCH": prefetch,
+        "INTERLEAVE": INTERLEAVED_SLICES,
+        "num_warps": num_warps,
+    }
 
 
 def fp4_mma_tiles(
@@ -627,11 +591,13 @@ def fp4_mma_tiles(
     tiles = block_expert.numel()
     fmt_id = 1 if fmt.name == "nvfp4" else 2
     group_words = 2 if fmt_id == 1 else 4
-    (gu_units, gu_warps, gu_prefetch), (down_units, down_warps, down_prefetch) = configs = configs or FP4_MMA_CONFIGS
+    configs = configs or FP4_MMA_CONFIGS
     for config, num_in in zip(configs, (hidden_size, inter), strict=True):
         if not fits(config, num_in):
             raise ValueError(f"fp4_mma config {config} does not split {num_in} columns into whole K steps")
-    common = {"FORMAT": fmt_id, "HAS_TENSOR_SCALE": fmt.tensor_scale, "BLOCK_SIZE_M": block_m}
+    pdl = PROGRAMMATIC_LAUNCH and torch.cuda.get_device_capability(experts.device) >= (9, 0)
+    common = {"FORMAT": fmt_id, "HAS_TENSOR_SCALE": fmt.tensor_scale, "BLOCK_SIZE_M": block_m, "PDL": pdl}
+    gate_up, down = (_constexprs(c, n, group_words) for c, n in zip(configs, (hidden_size, inter), strict=True))
     _gate_up_fp4_mma_kernel[(tiles, -(-inter // 8))](
         hidden,
         experts,
@@ -640,7 +606,6 @@ def fp4_mma_tiles(
         block_expert,
         num_pairs,
         inter,
-        hidden_size,
         num_pairs // hidden.shape[0],
         hidden.stride(0),
         experts.stride(0),
@@ -648,10 +613,7 @@ def fp4_mma_tiles(
         sec["gate_up_scale"][0],
         sec["tensor_scale"][0],
         **common,
-        **_layouts(gu_units, gu_warps, group_words),
-        PREFETCH=gu_prefetch,
-        INTERLEAVE=INTERLEAVED_SLICES,
-        num_warps=gu_warps,
+        **gate_up,
     )
     _down_fp4_mma_kernel[(tiles, -(-hidden_size // 16))](
         h,
@@ -662,7 +624,6 @@ def fp4_mma_tiles(
         block_expert,
         num_pairs,
         hidden_size,
-        inter,
         h.stride(0),
         experts.stride(0),
         pairs.stride(0),
@@ -670,8 +631,6 @@ def fp4_mma_tiles(
         sec["down_scale"][0],
         sec["tensor_scale"][0],
         **common,
-        **_layouts(down_units, down_warps, group_words),
-        PREFETCH=down_prefetch,
-        INTERLEAVE=INTERLEAVED_SLICES,
-        num_warps=down_warps,
+        **down,
+        launch_pdl=pdl,
     )
