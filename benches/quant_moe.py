@@ -103,9 +103,9 @@ def time_call(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def graph_us(fn, iters: int, calls: int = 20) -> float:
-    """Median microseconds per call of `fn` replayed from a CUDA graph of `calls` calls (as the engine's decode
-    graphs run it: no launch gaps from the host), over `iters` replays after 3 warm-up ones."""
+def capture(fn, calls: int) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of `calls` calls of `fn`, as the engine's decode graphs run a layer: no launch gaps from the
+    host (what an eager loop under the profiler shows between two kernels is mostly the host launching)."""
     fn()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -116,6 +116,13 @@ def graph_us(fn, iters: int, calls: int = 20) -> float:
     with torch.cuda.graph(graph):
         for _ in range(calls):
             fn()
+    return graph
+
+
+def graph_us(fn, iters: int, calls: int = 20) -> float:
+    """Median microseconds per call of `fn` replayed from a CUDA graph of `calls` calls (`capture`), over `iters`
+    replays after 3 warm-up ones."""
+    graph = capture(fn, calls)
     for _ in range(3):
         graph.replay()
     times = []
@@ -130,17 +137,18 @@ def graph_us(fn, iters: int, calls: int = 20) -> float:
 
 
 def kernel_us(fn, names: tuple[str, ...], iters: int) -> dict[str, float]:
-    """Mean device microseconds per call of each kernel in `names` over `iters` calls of `fn` (torch profiler), and
-    under "span" the median per call from the start of its first kernel (`names[0]`) to the end of its last: what
-    the kernels take together, the gap between them included, and counted once where they overlap (the fp4_mma
-    down kernel launched as a programmatic dependent of gate/up: its own time then includes its wait)."""
+    """Mean device microseconds per call of each kernel in `names` over `iters` calls of `fn` replayed from a CUDA
+    graph (`capture`; torch profiler), and under "span" the median per call from the start of its first kernel
+    (`names[0]`) to the end of its last: what the kernels take together, the gap between them included, and
+    counted once where they overlap (the fp4_mma down kernel launched as a programmatic dependent of gate/up: its
+    own time then includes its wait)."""
     from torch.profiler import ProfilerActivity, profile
 
-    fn()
+    graph = capture(fn, iters)
+    graph.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
+        graph.replay()
         torch.cuda.synchronize()
     found = {e.key: e.device_time_total / iters for e in prof.key_averages() if e.key in names}
     out = {name: round(found.get(name, 0.0), 2) for name in names}
