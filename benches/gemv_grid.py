@@ -35,8 +35,9 @@ FORMATS = {"fp8": fp8_block(), "nvfp4": NVFP4, "mxfp4": MXFP4}
 # (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, prefetch depth)
 GRID_AXES = ((4, 8, 16), (256, 512, 1024), (1, 2, 4), (1, 2))
 NAMES = ("_gate_up_gemv_kernel", "_down_gemv_kernel")
-# --kernel fp4_mma (`fused_moe_fp4_mma.Fp4MmaConfig`): (K step / 32 columns, num_warps: K slices, prefetch depth)
-FP4_MMA_AXES = ((4, 8), (1, 2, 4, 8), (0, 1, 2))
+# --kernel fp4_mma (`fused_moe_fp4_mma.Fp4MmaConfig`): (K step / 32 columns, num_warps: K slices, prefetch depth,
+# registers per thread: 0 ptxas's choice)
+FP4_MMA_AXES = ((4, 8), (1, 2, 4, 8), (0, 1, 2), (0, 128, 168))
 FP4_MMA_NAMES = ("_gate_up_fp4_mma_kernel", "_down_fp4_mma_kernel")
 
 
@@ -106,7 +107,7 @@ def main() -> None:
         "--configs",
         nargs="+",
         metavar="N,K,WARPS,PREFETCH",
-        help="time these configs instead of the grid (fp4_mma: K_UNITS,WARPS,PREFETCH)",
+        help="time these configs instead of the grid (fp4_mma: K_UNITS,WARPS,PREFETCH,MAX_REGISTERS)",
     )
     parser.add_argument("--repeat", type=int, default=1, help="profile each config this many times (median)")
     parser.add_argument(

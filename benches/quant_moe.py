@@ -262,8 +262,9 @@ def time_row(args, fmt, kernel: str, batch: int, x, slots, layout, ids, weights)
 
 
 def fp4_variant(kernel: str):
-    """("fp4_mma" or "fp4_mma:GU/DOWN[/nopdl]", GU and DOWN `Fp4MmaConfig`s as K_UNITS,WARPS,PREFETCH) -> (the
-    (gate/up, down) configs or None: the defaults, whether the down kernel is a programmatic dependent launch)."""
+    """("fp4_mma" or "fp4_mma:GU/DOWN[/nopdl]", GU and DOWN `Fp4MmaConfig`s as K_UNITS,WARPS,PREFETCH,MAX_REGISTERS)
+    -> (the (gate/up, down) configs or None: the defaults, whether the down kernel is a programmatic dependent
+    launch)."""
     if kernel == "fp4_mma":
         return None, True
     parts = kernel.split(":", 1)[1].split("/")
@@ -291,7 +292,8 @@ def main() -> None:
         nargs="+",
         default=["auto"],
         help="auto, mma, gemv, fp4_mma, or fp4_mma:GU/DOWN[/nopdl]: fp4_mma at these (gate/up, down) configs "
-        "(K_UNITS,WARPS,PREFETCH each; nopdl: the down kernel launched after gate/up, not as its dependent)",
+        "(K_UNITS,WARPS,PREFETCH,MAX_REGISTERS each; nopdl: the down kernel launched after gate/up, not as its "
+        "dependent)",
     )
     args = parser.parse_args()
     if args.byte_loads:

@@ -142,8 +142,8 @@ def test_fp4_mma_refuses_what_it_cannot_run():
     warp slice: anything else is refused with a ValueError before a launch, not run wrong."""
     from freetoken.kernels import fused_moe_fp4_mma
 
-    assert fused_moe_fp4_mma.fits((4, 4, 1), 2048) and fused_moe_fp4_mma.fits((4, 2, 2), 768)
-    assert not fused_moe_fp4_mma.fits((4, 4, 1), 768) and not fused_moe_fp4_mma.fits((8, 2, 1), 768)
+    assert fused_moe_fp4_mma.fits((4, 4, 1, 0), 2048) and fused_moe_fp4_mma.fits((4, 2, 2, 0), 768)
+    assert not fused_moe_fp4_mma.fits((4, 4, 1, 0), 768) and not fused_moe_fp4_mma.fits((8, 2, 1, 0), 768)
     fmt = NVFP4
     slots = quantized_slots(fmt, 2, *_small_sizes(fmt))
     args = (fmt.layout(*_small_sizes(fmt)), torch.tensor([[0, 1]]), torch.tensor([[0.5, 0.5]]))
@@ -164,10 +164,11 @@ def test_fp4_mma_refuses_what_it_cannot_run():
 )
 def test_fp4_mma_matches_gemv_other_shapes_and_configs(fmt, num_tokens, interleaved, pdl, monkeypatch):
     """fp4_mma at another model's shapes (H 1024, I 512) and configs that fit them (K steps of 128 or 256
-    columns, 1-4 warp slices, loads 1 or 2 steps ahead or all up front, the warps' K slices interleaved or
-    contiguous, the down kernel a programmatic dependent launch or not), against the reference at the bf16
-    tolerance; 40 and 64 tokens put more than 8 rows in tiles (a second token group, partly or wholly real). Loads
-    all up front add the same products in the same order as loads one step ahead: equal bit for bit."""
+    columns, 1-4 warp slices, loads 1 or 2 steps ahead or all up front, register caps or none, the warps' K slices
+    interleaved or contiguous, the down kernel a programmatic dependent launch or not), against the reference at
+    the bf16 tolerance; 40 and 64 tokens put more than 8 rows in tiles (a second token group, partly or wholly
+    real). Loads all up front add the same products in the same order as loads two steps ahead: equal bit for
+    bit."""
     from freetoken.kernels import fused_moe_fp4_mma
     from freetoken.kernels.fused_moe_fp4_mma import fits
 
@@ -181,14 +182,14 @@ def test_fp4_mma_matches_gemv_other_shapes_and_configs(fmt, num_tokens, interlea
     layout = fmt.layout(1024, 512)
     want = fused_moe_quant_reference(x, slots, layout, ids, weights)
     got = {}
-    for gate_up in [(4, 1, 1), (4, 2, 2), (8, 4, 1), (4, 2, 0)]:
-        for down in [(4, 1, 2), (8, 2, 1), (4, 1, 0)]:
+    for gate_up in [(4, 1, 1, 0), (4, 2, 2, 168), (8, 4, 1, 0), (4, 2, 0, 0)]:
+        for down in [(4, 1, 2, 0), (8, 2, 1, 128), (4, 1, 0, 0)]:
             assert fits(gate_up, 1024) and fits(down, 512)
             got[gate_up, down] = fused_moe_quant(
                 x.bfloat16(), slots, layout, ids, weights.bfloat16(), kernel="fp4_mma", fp4_mma_configs=(gate_up, down)
             ).float()
             torch.testing.assert_close(got[gate_up, down], want, atol=2e-2 * want.abs().max().item(), rtol=0)
-    assert torch.equal(got[(4, 2, 0), (4, 1, 0)], got[(4, 2, 2), (4, 1, 2)])
+    assert torch.equal(got[(4, 2, 0, 0), (4, 1, 0, 0)], got[(4, 2, 2, 168), (4, 1, 2, 0)])
 
 
 @pytest.mark.gpu

@@ -140,13 +140,16 @@ INTERLEAVED_SLICES = True
 PROGRAMMATIC_LAUNCH = True
 
 # A kernel's launch config: (K step in 32-column units, num_warps: each warp runs its own slice of K, K steps
-# loaded ahead: 1 or 2, or 0: all of a warp's steps before the first decode)
-Fp4MmaConfig = tuple[int, int, int]
+# loaded ahead: 1 or 2, or 0: all of a warp's steps before the first decode, registers per thread: ptxas's maxnreg
+# or 0, ptxas's choice). The register cap decides where ptxas puts the next steps' loads: left to itself it issues
+# them after the step's first mma, so each step waits on its own round trip to memory; given a cap with room for
+# them (sm_90 SASS, `benches/quant_moe.py --kernels fp4_mma:..`) it issues them first, before the step's wait.
+Fp4MmaConfig = tuple[int, int, int, int]
 # (gate/up, down): the H200's fastest at batches 1 and 4 on Qwen3-30B-A3B's shapes (`benches/gemv_grid.py --kernel
 # fp4_mma`, NVFP4 and MXFP4 alike), K steps of 128 columns loaded one step ahead: gate/up's 2048 columns in 2 warp
 # slices of 8 steps (4 slices: 1.07-1.6x its time, 1 slice: 1.08-1.2x), down's 768 in one warp of 6 steps (2 slices:
 # 1.07-1.1x; steps of 256 columns or 2 ahead: no faster)
-FP4_MMA_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = ((4, 2, 1), (4, 1, 1))
+FP4_MMA_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = ((4, 2, 1, 0), (4, 1, 1, 0))
 
 
 def _layouts(k_units: int, num_warps: int, group_words: int) -> dict:
@@ -535,7 +538,7 @@ def _down_fp4_mma_kernel(
 
 def fits(config: Fp4MmaConfig, num_in: int) -> bool:
     """Whether a kernel whose dots run over `num_in` columns can take `config`: whole K steps in each warp's slice."""
-    k_units, num_warps, _ = config
+    k_units, num_warps = config[:2]
     return num_in % (32 * k_units * num_warps) == 0
 
 
@@ -556,13 +559,14 @@ def supported(layout: ExpertLayout, experts: torch.Tensor, hidden: torch.Tensor)
 
 def _constexprs(config: Fp4MmaConfig, num_in: int, group_words: int) -> dict:
     """A kernel's layouts and tiling constants (and num_warps) for `config` over `num_in` columns."""
-    k_units, num_warps, prefetch = config
+    k_units, num_warps, prefetch, max_registers = config
     return {
         **_layouts(k_units, num_warps, group_words),
         "STEPS": num_in // (32 * k_units * num_warps),
         "PREFETCH": prefetch,
         "INTERLEAVE": INTERLEAVED_SLICES,
         "num_warps": num_warps,
+        **({"maxnreg": max_registers} if max_registers else {}),
     }
 
 
