@@ -145,11 +145,14 @@ PROGRAMMATIC_LAUNCH = True
 # them after the step's first mma, so each step waits on its own round trip to memory; given a cap with room for
 # them (sm_90 SASS, `benches/quant_moe.py --kernels fp4_mma:..`) it issues them first, before the step's wait.
 Fp4MmaConfig = tuple[int, int, int, int]
-# (gate/up, down): the H200's fastest at batches 1 and 4 on Qwen3-30B-A3B's shapes (`benches/gemv_grid.py --kernel
-# fp4_mma`, NVFP4 and MXFP4 alike), K steps of 128 columns loaded one step ahead: gate/up's 2048 columns in 2 warp
-# slices of 8 steps (4 slices: 1.07-1.6x its time, 1 slice: 1.08-1.2x), down's 768 in one warp of 6 steps (2 slices:
-# 1.07-1.1x; steps of 256 columns or 2 ahead: no faster)
-FP4_MMA_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = ((4, 2, 1, 0), (4, 1, 1, 0))
+# (gate/up, down): the H200's fastest at batches 1, 4 and 8 on Qwen3-30B-A3B's shapes (`benches/quant_moe.py
+# --profile --kernels fp4_mma:...`, NVFP4 and MXFP4 alike; `benches/gemv_grid.py --kernel fp4_mma` for one kernel
+# alone), K steps of 128 columns loaded one step ahead, 80 registers: gate/up's 2048 columns in 2 warp slices of 8
+# steps, down's 768 in one warp of 6 steps. Against ptxas's own choice (96 registers, loads after the first mma): the
+# same at batch 1, 0.87x the two kernels' span at batch 4 (NVFP4; MXFP4 0.94x). No faster: 4 warp slices (at 72 or
+# 80 registers, to stay one wave of programs), 2 for down, loads 2 steps ahead (128 or 168 registers), all steps'
+# loads up front (spills), 256-column steps.
+FP4_MMA_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = ((4, 2, 1, 80), (4, 1, 1, 80))
 
 
 def _layouts(k_units: int, num_warps: int, group_words: int) -> dict:
@@ -319,7 +322,9 @@ def _dots(
     The activations follow the words' order (`_weight_ptrs`: loads of 8 columns at 8 p). Loads are not masked: the
     caller's rows and tokens are valid ones, and the last step loads itself again as its next. PREFETCH 0: the
     slice's weights are all in registers already (`_weight_ptrs`), the steps unrolled; PREFETCH 1 or 2:
-    software-pipelined by hand, a step issues the loads of the step PREFETCH ahead before its own decode."""
+    software-pipelined by hand, a step issues the weight loads of the step PREFETCH ahead before its own decode. The
+    activations load at their step: L1 hits after the first program's, they need no registers ahead (measured:
+    ahead with the weights, as before, no faster at batch 1 and 3-13% slower at batch 4)."""
     BM: gl.constexpr = MMA.warps_per_cta[0] * 16
     W: gl.constexpr = MMA.warps_per_cta[0]
     GW: gl.constexpr = 2 if FORMAT == 1 else 4
@@ -346,19 +351,17 @@ def _dots(
             acc = mma_v2(_weights(words, codes, FORMAT, A, WORDS, BM, BK), _activations(x, B, BK), acc)
     else:
         words, codes = loads[0]
-        x = gl.load(x_ptrs)
         if PREFETCH == 2:
             words_1, codes_1 = loads[1]
-            x_1 = gl.load(x_ptrs + min(1, STEPS - 1) * (STRIDE * BK // 2))
         for step in range(STEPS):
             ahead = gl.minimum(step + PREFETCH, STEPS - 1)
             next_words, next_codes = _weight_loads(w_ptrs, s_ptrs, ahead, WORDS, BM, BK, GW, STRIDE)
-            next_x = gl.load(x_ptrs + ahead * (STRIDE * BK // 2))
+            x = gl.load(x_ptrs + step * (STRIDE * BK // 2))
             acc = mma_v2(_weights(words, codes, FORMAT, A, WORDS, BM, BK), _activations(x, B, BK), acc)
             if PREFETCH == 2:
-                words, codes, x, words_1, codes_1, x_1 = words_1, codes_1, x_1, next_words, next_codes, next_x
+                words, codes, words_1, codes_1 = words_1, codes_1, next_words, next_codes
             else:
-                words, codes, x = next_words, next_codes, next_x
+                words, codes = next_words, next_codes
     return gl.sum(gl.reshape(acc, [W, 16, 8]), axis=0)
 
 
