@@ -2,28 +2,34 @@
 against the bf16 slot kernel (`fused_moe`, the baseline), at Qwen3-30B-A3B's expert shapes (H 2048, I 768, top-8).
 
     python benches/quant_moe.py [--slots 128] [--batch 1 4 16 64 512] [--iters 50] [--profile] [--sweep]
-                                [--kernels auto mma gemv] [--byte-loads] [--packed-slots]
+                                [--kernels auto mma gemv fp4_mma fp4_mma:GU/DOWN[/nopdl]] [--byte-loads]
+                                [--packed-slots]
 
-Each row: microseconds per call (CUDA events, median; the call includes `align_pairs` and the k-sum), speed against
-bf16's call at that batch (the issue's targets at decode: FP8 >= 1.6x, NVFP4 >= 2.5x), the expert bytes the call
-reads (distinct slots routed to x the format's expert_nbytes) per second, and the time per weight byte relative to
-bf16. --profile adds each kernel's own microseconds (torch profiler: `_gate_up_quant_kernel`, `_down_quant_kernel`
-and bf16's `_gate_up_kernel`, `_down_kernel`). --sweep also times, per format and batch, each 4-bit scale mode
-(`fused_moe_quant.SCALE_MODES`, one row each, with its kernels' microseconds under --profile) and the
-(BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages) configs one step from the default (`neighbours`), and prints the
-fastest, to retune `fused_moe_quant.SCALE_MODE` and `LAUNCH_CONFIGS` (about a minute at --batch 1 4 16).
---byte-loads runs the 4-bit kernels with `fused_moe_quant.WORD_LOADS` off (block scales read by byte and activations
-by 16-bit element inside each K step, as before), to time the word loads. Slots are `SLOT_ALIGN` bytes apart, as the
-pool's and the slot cache's are; --packed-slots puts them expert_nbytes apart (the bench before: NVFP4's 2654220
-bytes are not 16-divisible, so Triton's launch cannot prove the weights' loads aligned and they go by byte, ~1.7x
-the instructions of the aligned build in `benches/quant_moe_sass.py --unaligned-stride`).
+Each row: microseconds per call (CUDA events, median; the call includes `align_pairs` and the k-sum), the same
+replayed from a CUDA graph of 20 calls (`graph_us`: no host launch gaps, as the engine's decode graphs run it),
+speed against bf16's call at that batch, the expert bytes the call reads (distinct slots routed to x the format's
+expert_nbytes) per second, and the time per weight byte relative to bf16. --profile adds each kernel's own
+microseconds and their span per call, from the first kernel's start to the last one's end (torch profiler over a
+CUDA graph replay: `_gate_up_quant_kernel`, `_down_quant_kernel` and bf16's `_gate_up_kernel`, `_down_kernel`), and
+the span's time per weight byte against bf16's (`kernel_time_per_byte_vs_bf16`, the issue's 1.3x target). The span
+counts the gap between the kernels once and their overlap once: fp4_mma's down kernel, a programmatic dependent
+launch of gate/up, starts before gate/up ends, so its own time includes its wait. --sweep also times, per format
+and batch, each 4-bit scale mode (`fused_moe_quant.SCALE_MODES`, one row each, with its kernels' microseconds
+under --profile) and the (BLOCK_SIZE_N, BLOCK_SIZE_K, num_warps, num_stages) configs one step from the default
+(`neighbours`), and prints the fastest, to retune `fused_moe_quant.SCALE_MODE` and `LAUNCH_CONFIGS` (about a
+minute at --batch 1 4 16). --byte-loads runs the 4-bit kernels with `fused_moe_quant.WORD_LOADS` off (block scales
+read by byte and activations by 16-bit element inside each K step, as before), to time the word loads. Slots are
+`SLOT_ALIGN` bytes apart, as the pool's and the slot cache's are; --packed-slots puts them expert_nbytes apart (the
+bench before: NVFP4's 2654220 bytes are not 16-divisible, so Triton's launch cannot prove the weights' loads
+aligned and they go by byte, ~1.7x the instructions of the aligned build in
+`benches/quant_moe_sass.py --unaligned-stride`).
 --kernels picks the quantized kernels timed, a row each: `auto` (what `fused_moe_quant` runs when left to choose, as
-the server does), `mma` (the tensor-core kernels) and `gemv` (`fused_moe_gemv`'s CUDA-core kernels, any batch,
-at their `GEMV_CONFIGS`: `benches/gemv_grid.py` times those kernels' configs). --sweep candidates are checked
-against the default config's output (`sweep_max_diff`, of the largest output) and ranked by the kernels' own
-microseconds under --profile (the call's are launch-bound), else by the call's. Under
---profile each row also gives its kernels' time per weight byte against bf16's kernels'
-(`kernel_time_per_byte_vs_bf16`, the issue's 1.3x target; the per-call figure includes launches).
+the server does), `mma` (the tensor-core kernels), `gemv` (`fused_moe_gemv`'s CUDA-core kernels, any batch, at
+their `GEMV_CONFIGS`: `benches/gemv_grid.py` times those kernels' configs) and `fp4_mma` (`fused_moe_fp4_mma`,
+NVFP4 / MXFP4), or `fp4_mma:GU/DOWN` at other (gate/up, down) `Fp4MmaConfig`s, each K_UNITS,WARPS,PREFETCH,
+MAX_REGISTERS (`/nopdl`: the down kernel launched after gate/up, not as its dependent). --sweep candidates are
+checked against the default config's output (`sweep_max_diff`, of the largest output) and ranked by the kernels'
+own microseconds under --profile (the call's are launch-bound), else by the call's.
 Prints one line per row and a final JSON line.
 """
 

@@ -38,27 +38,38 @@ memory one after the other.
 
 Loads: a program issues its weights' first loads right after reading its tile's expert, before it looks up its
 tokens, and runs a tile's first 8 rows without counting its real rows (`align_pairs` puts them first): the two
-round trips to memory overlap. The warps' K slices interleave by K step (`INTERLEAVED_SLICES`): a step's loads of
-a row lie side by side.
+round trips to memory overlap. Each step then issues the next step's weight loads before it waits on its own
+(given the register cap of `Fp4MmaConfig`; ptxas left to itself sinks them past the step's first mma), and loads
+its activations (L1 hits) itself. The warps' K slices interleave by K step (`INTERLEAVED_SLICES`): a step's loads
+of a row lie side by side. On sm_90 the down kernel is a programmatic dependent launch of gate/up
+(`PROGRAMMATIC_LAUNCH`): its programs start as gate/up's last ones run, and load their expert and first weights
+before `griddepcontrol.wait`.
 
-Measured on the H200 (`benches/quant_moe.py --profile --kernels gemv fp4_mma --batch 1 4`, Qwen3-30B-A3B shapes,
-128 slots, one run): gate/up + down kernel microseconds per layer call at batch 1, NVFP4 7.91 + 5.47 and MXFP4
-7.37 + 5.22 against bf16's 20.1 + 9.6 and `fused_moe_gemv`'s 10.1 + 5.75: per weight byte 1.60x bf16's kernel
-time for both (gemv 1.90x, 2.01x); at batch 4 NVFP4 31.9 + 17.8, MXFP4 26.2 + 17.2 (gemv 42.0 + 23.0, 42.5 +
-21.9; bf16 45.2 + 25.6). Earlier versions, same benches: one warp per 16 rows with no K split, 10.1 + 5.5
-(NVFP4); the K steps staged through shared memory by cp.async, 13.7 + 6.0; the loads above (early, unmasked,
-interleaved slices) changed the figures by less than the box's noise (`benches/gemv_grid.py --kernel fp4_mma`,
-with and without --contiguous-slices, side by side). What bounds batch 1 is latency, not instructions or bytes: the
-SASS runs ~3.6-4 instructions per weight against gemv's 5.5 for 0.8x its time, and a layer's 14 MB of NVFP4
-gate/up moves at 1.8 TB/s of the H200's 4.8; each warp waits on its next step's loads, which ptxas issues
-mid-step however far ahead they are written (prefetch 2: slower). The issue's 1.3x per byte is not met.
-(Persistent or programmatic-dependent launches, so that the down kernel's weight loads start while gate/up
-finishes, are the next step.)
+Measured on the H200 (`benches/quant_moe.py --profile --batch 1 4 8 --kernels gemv fp4_mma`, Qwen3-30B-A3B
+shapes, 128 slots, one run, kernels replayed from a CUDA graph): the span of the two kernels per layer call, from
+gate/up's start to down's end, is at batch 1 12.6 us for NVFP4 and 11.8 us for MXFP4, against bf16's 30.2 us:
+1.46x bf16's time per weight byte (`fused_moe_gemv`: 15.7 us, 1.82x; FP8's gemv 1.18x). At batch 4 41.9 / 39.8 us
+(2.04x; bf16 73.3), at batch 8 71.4 / 61.3 us (2.00x / 1.82x; bf16 127.0). Against this module's previous version
+(ptxas's register choice, activations loaded ahead, no programmatic launch) the same run gives 12.5 / 12.4 us at
+batch 1 and 44.5 / 41.7 at batch 4. The issue's 1.3x per byte at batch 1 is not met.
+
+What bounds batch 1 (Nsight Compute on gate/up, NVFP4, `ncu --section WarpStateStats --section SchedulerStats`):
+latency with few warps. The layer's 768 programs of 2 warps are 2.9 warps per scheduler, 0.66 of them eligible on
+average; a scheduler issues every 2.1 cycles, and 47% of a warp's cycles between instructions wait on L1TEX loads;
+the ALU pipe is 34% busy and DRAM 24% of its peak. Reading the same 12.6 MB of gate/up words in the same order,
+without the decode, takes 2.9 us (`benches/read_pattern.py`, 4.3 TB/s), so the bytes are not the limit. Tried and
+measured, no faster at batch 1: 4 warp slices (at 72 or 80 registers, to stay one wave; the cross-warp sum and
+each warp's own prologue cost more than the extra warps hide), loads 2 steps ahead (128 or 168 registers), every
+step's loads up front (spills), 256-column steps, one warp per 16 rows with no K split (10.1 us gate/up), the K
+steps staged through shared memory by cp.async (13.7 us), contiguous rather than interleaved slices. Next: more
+independent warps per SM without more work per warp (split-K across programs, the last one adding the partial sums
+and applying SwiGLU), or one persistent program per SM that runs gate/up and down back to back.
 
 Shapes (project letters): M tokens, K hidden, N expert intermediate. Each matrix's K a multiple of its kernel's
 warp slices of whole K steps (`fits`, `supported`).
 Test: python -m pytest -m gpu tests/kernels/test_kernels_quant.py -k fp4_mma
-Bench: python benches/quant_moe.py --profile --kernels gemv fp4_mma; python benches/gemv_grid.py --kernel fp4_mma
+Bench: python benches/quant_moe.py --profile --kernels gemv fp4_mma; python benches/gemv_grid.py --kernel fp4_mma;
+python benches/read_pattern.py
 """
 
 from __future__ import annotations
