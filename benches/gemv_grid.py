@@ -4,8 +4,8 @@
                                 [--jobs 16] [--configs N,K,WARPS,PREFETCH ...] [--repeat 1] [--contiguous-slices]
 
 Every `GemvConfig` of `GRID_AXES` (or those given by --configs) is timed, and each kernel's own microseconds (torch
-profiler over a CUDA graph of --iters calls, the median of --repeat runs) rank it alone: the two kernels read matrices of different
-shapes (gate/up [2 I, H], down [H, I]) and need not share a config. Slots, routing and activations are `quant_moe.py`'s
+profiler over a CUDA graph of --iters calls, the median of --repeat runs) rank it alone: the two kernels read
+matrices of different shapes (gate/up [2 I, H], down [H, I]) and need not share a config. Slots, routing and activations are `quant_moe.py`'s
 (Qwen3-30B-A3B shapes, 128 slots `SLOT_ALIGN` apart, distinct random experts per token). Each config's output is
 checked against the default config's. The configs compile first in `--jobs` processes (Triton's on-disk cache),
 then are timed one by one in this process. --kernel fp4_mma times `fused_moe_fp4_mma`'s configs instead

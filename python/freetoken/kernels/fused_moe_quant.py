@@ -534,8 +534,8 @@ def default_kernel(layout: ExpertLayout, experts: torch.Tensor, num_pairs: int, 
     """The kernels `fused_moe_quant_tiles` runs for `num_pairs` (token, expert) pairs of `experts` on `hidden`
     when left to choose. Decode batches (at most `GEMV_MAX_PAIRS` pairs): "fp4_mma" (`fused_moe_fp4_mma`) for
     NVFP4 / MXFP4 where it runs (`fused_moe_fp4_mma.supported`: on the H200 0.8x gemv's time at batch 1, 0.65x
-    at batch 4, 0.6x at batch 8), else "gemv" (`fused_moe_gemv`) on slots it can read (`gemv_supported`); otherwise "mma" (this
-    module's tensor-core kernels)."""
+    at batch 4, 0.6x at batch 8), else "gemv" (`fused_moe_gemv`) on slots it can read (`gemv_supported`);
+    otherwise "mma" (this module's tensor-core kernels)."""
     if num_pairs > GEMV_MAX_PAIRS:
         return "mma"
     if fp4_mma.supported(layout, experts, hidden):
