@@ -19,27 +19,9 @@ import json
 import sys
 
 import torch
+from gpu_timing import graph_us
 
 from freetoken.kernels.paged_attention import PARTITION_SIZE, paged_decode_attention
-
-
-def time_graph(fn, replays: int) -> float:
-    """Median ms of one replay of a CUDA graph of `fn` (after a warm-up call that compiles the kernels)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
 
 
 def main() -> None:
@@ -93,12 +75,12 @@ def main() -> None:
                 if err > 2e-2:
                     sys.exit(f"{name} differs from the single pass by {err} at batch {batch}, context {ctx}")
 
-                def step(part=part, q=q, tables=tables, lens=lens, scale=scale):  # bound now: time_graph replays it
+                def step(part=part, q=q, tables=tables, lens=lens, scale=scale):  # bound now: graph_us replays it
                     for layer in range(args.layers):
                         k, v = caches[layer % num_caches]
                         paged_decode_attention(q, k, v, tables, lens, bs, scale, part)
 
-                row[name] = time_graph(step, args.replays)  # ms per step (all layers)
+                row[name] = graph_us(step, args.replays, calls=1) / 1e3  # ms per step (all layers)
             rows.append(row)
             print(
                 f"{batch:>5} {ctx:>7} "

@@ -4,15 +4,15 @@
                                 [--jobs 16] [--configs N,K,WARPS,PREFETCH ...] [--repeat 1] [--contiguous-slices]
 
 Every `GemvConfig` of `GRID_AXES` (or those given by --configs) is timed, and each kernel's own microseconds (torch
-profiler over a CUDA graph of --iters calls, the median of --repeat runs) rank it alone: the two kernels read
-matrices of different shapes (gate/up [2 I, H], down [H, I]) and need not share a config. Slots, routing and activations are `quant_moe.py`'s
-(Qwen3-30B-A3B shapes, 128 slots `SLOT_ALIGN` apart, distinct random experts per token). Each config's output is
-checked against the default config's. The configs compile first in `--jobs` processes (Triton's on-disk cache),
-then are timed one by one in this process. --kernel fp4_mma times `fused_moe_fp4_mma`'s configs instead
-(K_UNITS,WARPS,PREFETCH,MAX_REGISTERS; --contiguous-slices: with its warps' K slices contiguous, not interleaved),
-its down kernel launched after gate/up rather than as its programmatic dependent, so that each kernel's time is its
-own (`benches/quant_moe.py --profile` times the two together). Prints one line per format, batch and
-kernel (the best config, its microseconds, the default's) and a final JSON line with every timing.
+profiler over a CUDA graph of --iters calls, the median of --repeat runs) rank it alone: the two kernels read matrices
+of different shapes (gate/up [2 I, H], down [H, I]) and need not share a config. Slots, routing and activations are
+`quant_moe.py`'s (Qwen3-30B-A3B shapes, 128 slots `SLOT_ALIGN` apart, distinct random experts per token). Each config's
+output is checked against the default config's. The configs compile first in `--jobs` processes (Triton's on-disk
+cache), then are timed one by one in this process. --kernel fp4_mma times `fused_moe_fp4_mma`'s configs instead
+(K_UNITS,WARPS,PREFETCH,MAX_REGISTERS; --contiguous-slices: with its warps' K slices contiguous, not interleaved), its
+down kernel launched after gate/up rather than as its programmatic dependent, so that each kernel's time is its own
+(`benches/quant_moe.py --profile` times the two together). Prints one line per format, batch and kernel (the best
+config, its microseconds, the default's) and a final JSON line with every timing.
 """
 
 from __future__ import annotations

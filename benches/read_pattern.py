@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 import triton
 import triton.language as tl
+from gpu_timing import graph_us
 
 ROWS, WORDS = 2 * 768, 256  # gate/up rows per expert, int32 words per row (2048 e2m1 columns)
 
@@ -65,25 +65,6 @@ def _read_kernel(w_ptr, slots_ptr, out_ptr, stride_e, ORDER: tl.constexpr, ROWS:
 ORDERS = {"steps": 0, "steps_all": 1, "rows": 2, "rows_all": 3}
 
 
-def graph_us(fn, iters: int) -> float:
-    """Median microseconds of `fn` over 5 replays of a CUDA graph of `iters` calls."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
-    return statistics.median(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--experts", type=int, default=8)
@@ -108,11 +89,11 @@ def main() -> None:
         # the kernels sum in int32 (wrapping): equal modulo 2^32
         if (got - want) % 2**32:
             raise SystemExit(f"read_pattern: order {name} summed {got}, expected {want} (mod 2^32)")
-        us = graph_us(call, args.iters)
+        us = graph_us(call, 5, calls=args.iters)
         records.append({"bench": "read_pattern", "order": name, "us": round(us, 2), "gbps": round(nbytes / us / 1e3)})
     dst = torch.empty_like(slots[chosen])
     src = slots[chosen]
-    us = graph_us(lambda: dst.copy_(src), args.iters)
+    us = graph_us(lambda: dst.copy_(src), 5, calls=args.iters)
     records.append({"bench": "read_pattern", "order": "copy", "us": round(us, 2), "gbps": round(2 * nbytes / us / 1e3)})
     for r in records:
         print(f"read_pattern {r['order']:>9}: {r['us']:7.2f} us, {r['gbps']:5d} GB/s ({nbytes / 1e6:.1f} MB)")
