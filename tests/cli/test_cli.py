@@ -29,8 +29,9 @@ def ft(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
 
 
 def assert_user_error(result: subprocess.CompletedProcess, *needles: str) -> None:
-    """Non-zero exit, no traceback, one line on stderr that says what is wrong (with each of `needles`)."""
-    assert result.returncode != 0, result.stderr
+    """Exit 2 (a user error, as argparse's), no traceback, one line on stderr that says what is wrong (with each of
+    `needles`)."""
+    assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr and "Traceback" not in result.stdout, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("ft ")]

@@ -74,6 +74,22 @@ def test_status_without_a_server():
     assert result.returncode == 1 and len(lines) == 1 and "ft serve --model" in lines[0], result.stderr
 
 
+def test_server_flags_go_before_or_after_the_verb():
+    """`ft ctl --server URL status` asks the same server as `ft ctl status --server URL`; given in both places,
+    the verb's wins."""
+    url = f"http://127.0.0.1:{free_port()}"
+    other = f"http://127.0.0.1:{free_port()}"
+    for args in (
+        ("--server", url, "status"),
+        ("status", "--server", url),
+        ("--server", other, "status", "--server", url),
+    ):
+        result = ft_ctl(*args)
+        assert result.returncode == 1 and f"no freetoken server at {url}" in result.stderr, (args, result.stderr)
+    result = ft_ctl("--server", url, "cache")
+    assert result.returncode == 1 and f"no freetoken server at {url}" in result.stderr, result.stderr
+
+
 def test_cache_sizes_are_checked_in_the_flags_own_spelling():
     """A bad size is refused by `ft ctl cache` itself, naming the flag (not the API field), before any server is
     asked (none runs here)."""

@@ -171,7 +171,7 @@ def _table(console, shape, run, gpu) -> None:
 
     gbps = lambda v: f"{v / 1e9:.1f}"
     host = run.host
-    title = f"expert {shape.label()} ({shape.expert_nbytes / 1e6:.1f} MB); {host['cpu_model']}, "
+    title = f"expert {shape.label()} ({shape.expert_nbytes / 1e6:.3g} MB); {host['cpu_model']}, "
     title += f"{host['kernel_threads']} threads, {host['isa']}" + ("" if gpu is None else f"; {gpu.info['name']}")
     table = Table(title=title)
     for column in ("GB/s", "b", "alone", "overlapped", "PCIe overlapped"):
@@ -185,7 +185,7 @@ def _table(console, shape, run, gpu) -> None:
         table.add_row("host kernel", str(b), gbps(v), *over)
     table.add_row("host memory read (ceiling)", "", gbps(run.host_read))
     for name, f in run.formats.items():
-        label = f"{name} ({f.expert_nbytes / 1e6:.1f} MB)"
+        label = f"{name} ({f.expert_nbytes / 1e6:.3g} MB)"
         paths = None if gpu is None else f.gpus[gpu.info["index"]]
         if paths is not None:
             table.add_row(f"{label} PCIe expert copy", "", gbps(paths.pcie))

@@ -3,6 +3,7 @@ library's urllib, so these verbs start fast and need nothing beyond freetoken's 
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import urllib.error
@@ -34,14 +35,14 @@ def base_url(server: str) -> str:
     return url[:-3] if url.endswith("/v1") else url
 
 
-def add_server_args(parser: Any) -> None:
-    """`--server` and `--api-key` (default $FREETOKEN_API_KEY), as every client verb takes them."""
-    parser.add_argument("--server", default=DEFAULT_SERVER, help=f"the freetoken server (default: {DEFAULT_SERVER})")
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("FREETOKEN_API_KEY"),
-        help="the server's --api-key (default: $FREETOKEN_API_KEY)",
-    )
+def add_server_args(parser: Any, inherited: bool = False) -> None:
+    """`--server` and `--api-key` (default $FREETOKEN_API_KEY), as every client verb takes them. `inherited`: the
+    parser is a sub-verb of a command that takes them too (`ft ctl --server URL status` as `ft ctl status --server
+    URL`): given here they win, left out they keep the command's value (argparse.SUPPRESS: not set at all)."""
+    server_default = argparse.SUPPRESS if inherited else DEFAULT_SERVER
+    key_default = argparse.SUPPRESS if inherited else os.environ.get("FREETOKEN_API_KEY")
+    parser.add_argument("--server", default=server_default, help=f"the freetoken server (default: {DEFAULT_SERVER})")
+    parser.add_argument("--api-key", default=key_default, help="the server's --api-key (default: $FREETOKEN_API_KEY)")
 
 
 def get_json(server: str, path: str, api_key: str | None = None, timeout_s: float = 5.0) -> Any:

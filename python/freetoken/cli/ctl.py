@@ -33,6 +33,7 @@ def _positive(kind: type) -> Callable[[str], float | int]:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     """Add `ft ctl` and its flags to the subcommands of `ft` (`freetoken.cli.main.build_parser`)."""
     p = sub.add_parser("ctl", help="talk to a running server", description="Talk to a running freetoken server.")
+    add_server_args(p)
     verbs = p.add_subparsers(dest="ctl_command", required=True, metavar="VERB")
     status = verbs.add_parser(
         "status",
@@ -40,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Print the served model, its context, the expert backend and its slots, KV-cache use, "
         "requests and throughput of a running server (from /v1/models and /v1/stats).",
     )
-    add_server_args(status)
+    add_server_args(status, inherited=True)
     status.add_argument("--json", action="store_true", help="print /v1/stats as JSON instead")
     status.set_defaults(func=run_status, parser=status)
     cache = verbs.add_parser(
@@ -51,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "for it, resident experts and cached prefixes that still fit survive; a size that does not fit is "
         "refused before anything changes.",
     )
-    add_server_args(cache)
+    add_server_args(cache, inherited=True)
     cache.add_argument("--expert-gb", type=_positive(float), help="the expert-slot cache's new size in GB (1e9 bytes)")
     cache.add_argument("--kv-gb", type=_positive(float), help="the KV cache's new size in GB (1e9 bytes)")
     cache.add_argument("--expert-slots", type=_positive(int), help="the expert-slot cache's new size in slots")

@@ -152,8 +152,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def resolve_model_dir(model: str, dummy_weights: bool) -> Path:
     """`--model` value -> a model directory: a path; "demo" or "demo-qwen3.5" (tiny demo checkpoints, built once);
-    or the name of a shipped real config (`freetoken.models.presets`, with --dummy-weights). Raises SystemExit with
-    a message that says what to change when the value is not usable."""
+    or the name of a shipped real config (`freetoken.models.presets`, with --dummy-weights). Raises ValueError with
+    a message that says what to change when the value is not usable (`ft` prints it as one line and exits 2)."""
     from freetoken.models.presets import preset_dir, preset_names
 
     if model == DEMO:
@@ -167,15 +167,15 @@ def resolve_model_dir(model: str, dummy_weights: bool) -> Path:
     path = Path(model).expanduser()
     if not path.exists() and model in preset_names():
         if not dummy_weights:
-            raise SystemExit(f"ft serve: preset {model!r} has no weights; add --dummy-weights to run its real shapes")
+            raise ValueError(f"preset {model!r} has no weights; add --dummy-weights to run its real shapes")
         return preset_dir(model)
     if not path.is_dir():
-        raise SystemExit(
-            f"ft serve: --model {model!r} is not a directory (give a model directory, {DEMO!r}, or a preset "
+        raise ValueError(
+            f"--model {model!r} is not a directory (give a model directory, {DEMO!r}, or a preset "
             f"with --dummy-weights: {', '.join(preset_names())})"
         )
     if not (path / "config.json").is_file():
-        raise SystemExit(f"ft serve: {path} has no config.json; is it a Hugging Face model directory?")
+        raise ValueError(f"{path} has no config.json; is it a Hugging Face model directory?")
     return path
 
 
@@ -200,7 +200,7 @@ def exposure_warning(host: str, api_key: str | None) -> str | None:
 
 
 def check_port_free(host: str, port: int) -> None:
-    """Raise SystemExit naming the flags when `host:port` cannot be bound (in use, or not an address here)."""
+    """Raise ValueError naming the flags when `host:port` cannot be bound (in use, or not an address here)."""
     import socket
 
     try:
@@ -209,9 +209,7 @@ def check_port_free(host: str, port: int) -> None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((host, port))
     except OSError as exc:
-        raise SystemExit(
-            f"ft serve: cannot listen on {host}:{port} ({exc.strerror}); pick another --port or --host"
-        ) from None
+        raise ValueError(f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port or --host") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -220,12 +218,12 @@ def run(args: argparse.Namespace) -> int:
     if warning:
         log.warning("%s", warning)
     if not 0 < args.port < 65536:
-        raise SystemExit(f"ft serve: --port {args.port} is not a valid port (1..65535)")
+        raise ValueError(f"--port {args.port} is not a valid port (1..65535)")
     for flag in ("header_timeout_s", "keep_alive_timeout_s"):
         if not getattr(args, flag) > 0:
-            raise SystemExit(f"ft serve: --{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
+            raise ValueError(f"--{flag.replace('_', '-')} must be > 0, got {getattr(args, flag)}")
     if args.max_connections < 0:
-        raise SystemExit(f"ft serve: --max-connections must be >= 0 (0: no limit), got {args.max_connections}")
+        raise ValueError(f"--max-connections must be >= 0 (0: no limit), got {args.max_connections}")
     cfg = engine_config(args)
     cfg.validate()  # bad flags answer before anything loads
     model_dir = resolve_model_dir(args.model, cfg.dummy_weights)
@@ -247,7 +245,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("loading %s on %s (%s)", model_dir, cfg.device, "dummy weights" if cfg.dummy_weights else "safetensors")
     engine = LLMEngine.from_dir(model_dir, cfg)
     if engine.tokenizer is None:
-        raise SystemExit(f"ft serve: {model_dir} has no tokenizer.json; the chat APIs need one")
+        raise ValueError(f"{model_dir} has no tokenizer.json; the chat APIs need one")
     if engine.routing["source"] == "model":
         log.info("routing: the model's own routers")
     log.info("serving %r on http://%s:%d", name, args.host, args.port)

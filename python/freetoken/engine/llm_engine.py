@@ -103,7 +103,7 @@ class LLMEngine:
             self.state_pool = RecurrentStatePool(model_cfg, engine_cfg.max_num_seqs, dtype, self.device)
             model.attach_state(self.state_pool)
             log.info(
-                "recurrent-state pool: %d slots x %.1f MB (%d linear-attention layers) = %.2f GB",
+                "recurrent-state pool: %d slots x %.3g MB (%d linear-attention layers) = %.2f GB",
                 engine_cfg.max_num_seqs,
                 RecurrentStatePool.bytes_per_slot(model_cfg, dtype) / 1e6,
                 len(model_cfg.linear_layers),
@@ -179,7 +179,7 @@ class LLMEngine:
             host_budget_bytes(engine_cfg, model_cfg, dtype),
         )
         log.info(
-            "state checkpoints: %s; %d snapshots x %.1f MB = %.2f GB (--state-checkpoint-gb), %d more in host memory "
+            "state checkpoints: %s; %d snapshots x %.3g MB = %.2f GB (--state-checkpoint-gb), %d more in host memory "
             "(--state-checkpoint-host-gb)%s",
             checkpoints.mode,
             checkpoints.pool.capacity,
