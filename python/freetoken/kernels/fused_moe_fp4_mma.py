@@ -61,9 +61,14 @@ without the decode, takes 2.9 us (`benches/read_pattern.py`, 4.3 TB/s), so the b
 measured, no faster at batch 1: 4 warp slices (at 72 or 80 registers, to stay one wave; the cross-warp sum and
 each warp's own prologue cost more than the extra warps hide), loads 2 steps ahead (128 or 168 registers), every
 step's loads up front (spills), 256-column steps, one warp per 16 rows with no K split (10.1 us gate/up), the K
-steps staged through shared memory by cp.async (13.7 us), contiguous rather than interleaved slices. Next: more
-independent warps per SM without more work per warp (split-K across programs, the last one adding the partial sums
-and applying SwiGLU), or one persistent program per SM that runs gate/up and down back to back.
+steps staged through shared memory by cp.async (13.7 us), contiguous rather than interleaved slices. Nsight's
+per-instruction samples (`--section SourceCounters --page source --print-source sass`): 78% of the stall samples
+fall in the K-step loop, 15% before it; 27% of all of them on one instruction, the PRMT that waits on the third of a
+step's four 16-byte activation loads, though activations are 4 KB a token that every warp reads again each step:
+the L1 hit rate is 58%, and each SM streams ~100 KB of weights through L1. Next, in this order: load the weights
+and block scales past L1 (`cache_modifier=".cg"`) so that they stop evicting the activations (written and
+compiled, not yet measured); more independent warps per SM without more work per warp (split-K across programs,
+the last one adding the partial sums and applying SwiGLU); one persistent program per SM for gate/up and down.
 
 Shapes (project letters): M tokens, K hidden, N expert intermediate. Each matrix's K a multiple of its kernel's
 warp slices of whole K steps (`fits`, `supported`).
