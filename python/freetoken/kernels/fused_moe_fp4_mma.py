@@ -66,8 +66,8 @@ per-instruction samples (`--section SourceCounters --page source --print-source 
 fall in the K-step loop, 15% before it; 27% of all of them on one instruction, the PRMT that waits on the third of a
 step's four 16-byte activation loads, though activations are 4 KB a token that every warp reads again each step:
 the L1 hit rate is 58%, and each SM streams ~100 KB of weights through L1. Next, in this order: load the weights
-and block scales past L1 (`cache_modifier=".cg"`) so that they stop evicting the activations (written and
-compiled, not yet measured); more independent warps per SM without more work per warp (split-K across programs,
+and block scales past L1 (`cache_modifier=".cg"`: LDG.STRONG.GPU on sm_90) so that they stop evicting the
+activations (not yet measured); more independent warps per SM without more work per warp (split-K across programs,
 the last one adding the partial sums and applying SwiGLU); one persistent program per SM for gate/up and down.
 
 Shapes (project letters): M tokens, K hidden, N expert intermediate. Each matrix's K a multiple of its kernel's
