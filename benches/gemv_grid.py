@@ -51,7 +51,7 @@ def inputs(fmt, batch: int):
 
 def median_kernel_us(fn, names: tuple[str, ...], iters: int, repeat: int) -> dict[str, float]:
     """Each of `names`' microseconds per call of `fn`: the median of `repeat` profiles of `iters` calls."""
-    runs = [kernel_us(fn, names, iters) for _ in range(repeat)]
+    runs = [kernel_us(fn, names, iters)[0] for _ in range(repeat)]
     return {kernel: statistics.median(run[kernel] for run in runs) for kernel in names}
 
 

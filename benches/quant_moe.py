@@ -110,10 +110,10 @@ def time_call(fn, iters: int) -> float:
     return statistics.median(times)
 
 
-def kernel_us(fn, names: tuple[str, ...], iters: int) -> dict[str, float]:
-    """Mean device microseconds per call of each kernel in `names` over `iters` calls of `fn` replayed from a CUDA
-    graph (`capture`; torch profiler), and under "span" the median per call from the start of its first kernel
-    (`names[0]`) to the end of its last: what the kernels take together, the gap between them included, and
+def kernel_us(fn, names: tuple[str, ...], iters: int) -> tuple[dict[str, float], float]:
+    """(mean device microseconds per call of each kernel in `names`, over `iters` calls of `fn` replayed from a CUDA
+    graph (`capture`; torch profiler); the median per call from the start of its first kernel (`names[0]`) to the
+    end of its last, its span): what the kernels take together, the gap between them included, and
     counted once where they overlap (the fp4_mma down kernel launched as a programmatic dependent of gate/up: its
     own time then includes its wait)."""
     from torch.profiler import ProfilerActivity, profile
@@ -125,7 +125,6 @@ def kernel_us(fn, names: tuple[str, ...], iters: int) -> dict[str, float]:
         graph.replay()
         torch.cuda.synchronize()
     found = {e.key: e.device_time_total / iters for e in prof.key_averages() if e.key in names}
-    out = {name: round(found.get(name, 0.0), 2) for name in names}
     kernels = sorted(
         (e.time_range.start, e.time_range.end, e.name)
         for e in prof.events()
@@ -140,8 +139,8 @@ def kernel_us(fn, names: tuple[str, ...], iters: int) -> dict[str, float]:
         end = max(end, t1)
     if start is not None:
         spans.append(end - start)
-    out["span"] = round(statistics.median(spans), 2) if spans else 0.0
-    return out
+    per_kernel = {name: round(found.get(name, 0.0), 2) for name in names}
+    return per_kernel, round(statistics.median(spans), 2) if spans else 0.0
 
 
 def time_row(args, fmt, kernel: str, batch: int, x, slots, layout, ids, weights) -> dict:
@@ -192,7 +191,7 @@ def time_row(args, fmt, kernel: str, batch: int, x, slots, layout, ids, weights)
             if config is not None:
                 worst = max(worst, ((call(config).float() - default_out).abs().max() / default_out.abs().max()).item())
             if args.profile:  # rank by the kernels' own time: the call's is launch-bound
-                score = sum(kernel_us(lambda c=config: call(c), names, args.iters).values())
+                score = sum(kernel_us(lambda c=config: call(c), names, args.iters)[0].values())
             else:
                 score = us if config is None else time_call(lambda c=config: call(c), args.iters)
             timed.append((score, config))
@@ -224,13 +223,12 @@ def time_row(args, fmt, kernel: str, batch: int, x, slots, layout, ids, weights)
         line = f"quant_moe {fmt.name:>9} batch {batch:>3}: scale mode {mode:>4}: {mode_us:8.1f} us per call"
         record.setdefault("scale_modes", {})[mode] = {"us_per_call": round(mode_us, 2)}
         if args.profile:
-            mode_kernels = kernel_us(lambda m=mode: call(None, m), names, args.iters)
+            mode_kernels = kernel_us(lambda m=mode: call(None, m), names, args.iters)[0]
             record["scale_modes"][mode]["kernel_us"] = mode_kernels
             line += f"; kernels {mode_kernels}"
         print(line)
     if args.profile:
-        record["kernel_us"] = kernel_us(lambda: call(None), names, args.iters)
-        record["kernel_span_us"] = record["kernel_us"].pop("span")
+        record["kernel_us"], record["kernel_span_us"] = kernel_us(lambda: call(None), names, args.iters)
     fp4_mma_module.PROGRAMMATIC_LAUNCH = True
     return record
 
