@@ -2,7 +2,7 @@
 against the bf16 slot kernel (`fused_moe`, the baseline), at Qwen3-30B-A3B's expert shapes (H 2048, I 768, top-8).
 
     python benches/quant_moe.py [--slots 128] [--batch 1 4 16 64 512] [--iters 50] [--profile] [--sweep]
-                                [--kernels auto mma gemv fp4_mma fp4_mma:GU/DOWN[/nopdl]] [--byte-loads]
+                                [--kernels auto mma gemv fp4_mma fp4_mma:GU/DOWN[/OPTION..]] [--byte-loads]
                                 [--packed-slots]
 
 Each row: microseconds per call (CUDA events, median; the call includes `align_pairs` and the k-sum), the same
@@ -27,7 +27,9 @@ aligned and they go by byte, ~1.7x the instructions of the aligned build in
 the server does), `mma` (the tensor-core kernels), `gemv` (`fused_moe_gemv`'s CUDA-core kernels, any batch, at
 their `GEMV_CONFIGS`: `benches/gemv_grid.py` times those kernels' configs) and `fp4_mma` (`fused_moe_fp4_mma`,
 NVFP4 / MXFP4), or `fp4_mma:GU/DOWN` at other (gate/up, down) `Fp4MmaConfig`s, each K_UNITS,WARPS,PREFETCH,
-MAX_REGISTERS (`/nopdl`: the down kernel launched after gate/up, not as its dependent). --sweep candidates are
+MAX_REGISTERS, and options (`FP4_MMA_OPTIONS`: `/nopdl`: the down kernel launched after gate/up, not as its
+dependent; `/contiguous`: the warps' K slices contiguous, not interleaved). Plain `fp4_mma` runs the configs the
+call's batch gets (`fused_moe_fp4_mma.default_configs`). --sweep candidates are
 checked against the default config's output (`sweep_max_diff`, of the largest output) and ranked by the kernels'
 own microseconds under --profile (the call's are launch-bound), else by the call's.
 Prints one line per row and a final JSON line.
@@ -149,6 +151,7 @@ def time_row(args, fmt, kernel: str, batch: int, x, slots, layout, ids, weights)
     names: tuple[str, ...]
     configs: list = [None]
     modes = list(SCALE_MODES) if args.sweep and kernel == "mma" and fmt.weight_bits == 4 else []
+    restore: dict = {}  # fp4_mma module settings a row's options changed, put back at its end
     if kernel == "bf16":
         names = ("_gate_up_kernel", "_down_kernel")
         words = slots.view(torch.bfloat16)
@@ -168,8 +171,10 @@ def time_row(args, fmt, kernel: str, batch: int, x, slots, layout, ids, weights)
             return fused_moe_quant(x, slots, layout, ids, weights, config=config, scale_mode=mode, kernel="mma")
     elif kernel.startswith("fp4_mma"):
         names = ("_gate_up_fp4_mma_kernel", "_down_fp4_mma_kernel")
-        default, pdl = fp4_variant(kernel)
-        fp4_mma_module.PROGRAMMATIC_LAUNCH = pdl
+        default, settings = fp4_variant(kernel)
+        restore.update((name, getattr(fp4_mma_module, name)) for name in settings)
+        for name, value in settings.items():
+            setattr(fp4_mma_module, name, value)
 
         def call(config, mode=None):
             return fused_moe_quant(x, slots, layout, ids, weights, kernel="fp4_mma", fp4_mma_configs=default)
@@ -229,19 +234,29 @@ def time_row(args, fmt, kernel: str, batch: int, x, slots, layout, ids, weights)
         print(line)
     if args.profile:
         record["kernel_us"], record["kernel_span_us"] = kernel_us(lambda: call(None), names, args.iters)
-    fp4_mma_module.PROGRAMMATIC_LAUNCH = True
+    for name, value in restore.items():
+        setattr(fp4_mma_module, name, value)
     return record
 
 
+# `fp4_mma:GU/DOWN/OPTION..` options: the `fused_moe_fp4_mma` module settings each one changes for that row
+FP4_MMA_OPTIONS = {"nopdl": ("PROGRAMMATIC_LAUNCH", False), "contiguous": ("INTERLEAVED_SLICES", False)}
+
+
 def fp4_variant(kernel: str):
-    """("fp4_mma" or "fp4_mma:GU/DOWN[/nopdl]", GU and DOWN `Fp4MmaConfig`s as K_UNITS,WARPS,PREFETCH,MAX_REGISTERS)
-    -> (the (gate/up, down) configs or None: the defaults, whether the down kernel is a programmatic dependent
-    launch)."""
+    """("fp4_mma" or "fp4_mma:GU/DOWN[/OPTION..]", GU and DOWN `Fp4MmaConfig`s as K_UNITS,WARPS,PREFETCH,MAX_REGISTERS,
+    options from FP4_MMA_OPTIONS) -> (the (gate/up, down) configs or None: the defaults, {module setting: value}).
+
+    Raises:
+        ValueError: an option FP4_MMA_OPTIONS does not name."""
     if kernel == "fp4_mma":
-        return None, True
+        return None, {}
     parts = kernel.split(":", 1)[1].split("/")
     configs = tuple(tuple(int(v) for v in part.split(",")) for part in parts[:2])
-    return configs, parts[2:] != ["nopdl"]
+    unknown = [o for o in parts[2:] if o not in FP4_MMA_OPTIONS]
+    if unknown:
+        raise ValueError(f"{kernel}: unknown options {unknown}; options are {', '.join(FP4_MMA_OPTIONS)}")
+    return configs, dict(FP4_MMA_OPTIONS[o] for o in parts[2:])
 
 
 def main() -> None:
@@ -263,9 +278,9 @@ def main() -> None:
         "--kernels",
         nargs="+",
         default=["auto"],
-        help="auto, mma, gemv, fp4_mma, or fp4_mma:GU/DOWN[/nopdl]: fp4_mma at these (gate/up, down) configs "
-        "(K_UNITS,WARPS,PREFETCH,MAX_REGISTERS each; nopdl: the down kernel launched after gate/up, not as its "
-        "dependent)",
+        help="auto, mma, gemv, fp4_mma, or fp4_mma:GU/DOWN[/OPTION..]: fp4_mma at these (gate/up, down) configs "
+        "(K_UNITS,WARPS,PREFETCH,MAX_REGISTERS each) and options: nopdl (the down kernel launched after gate/up, not "
+        "as its dependent), contiguous (the warps' K slices contiguous)",
     )
     args = parser.parse_args()
     if args.byte_loads:

@@ -155,6 +155,17 @@ def test_fp4_mma_refuses_what_it_cannot_run():
                         *args[1:], kernel="fp4_mma")  # fmt: skip
 
 
+def test_fp4_mma_stages_k_steps_in_shared_memory_from_batch_8():
+    """Left to choose, the fp4_mma kernels keep one K step of loads ahead in registers for small decode batches and
+    copy every K step into shared memory up front from STAGED_FROM_PAIRS pairs on (batch 8 of top-8)."""
+    from freetoken.kernels import fused_moe_fp4_mma as m
+
+    assert m.default_configs(8) == m.default_configs(m.STAGED_FROM_PAIRS - 1) == m.FP4_MMA_CONFIGS
+    assert m.default_configs(m.STAGED_FROM_PAIRS) == m.default_configs(64) == m.FP4_MMA_STAGED_CONFIGS
+    assert all(config[2] == 0 for config in m.FP4_MMA_STAGED_CONFIGS)  # PREFETCH 0: staged
+    assert all(config[2] > 0 for config in m.FP4_MMA_CONFIGS)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=["nvfp4", "mxfp4"])
@@ -164,10 +175,10 @@ def test_fp4_mma_refuses_what_it_cannot_run():
 )
 def test_fp4_mma_matches_gemv_other_shapes_and_configs(fmt, num_tokens, interleaved, pdl, monkeypatch):
     """fp4_mma at another model's shapes (H 1024, I 512) and configs that fit them (K steps of 128 or 256
-    columns, 1-4 warp slices, loads 1 or 2 steps ahead or all up front, register caps or none, the warps' K slices
-    interleaved or contiguous, the down kernel a programmatic dependent launch or not), against the reference at
-    the bf16 tolerance; 40 and 64 tokens put more than 8 rows in tiles (a second token group, partly or wholly
-    real). Loads all up front add the same products in the same order as loads two steps ahead: equal bit for
+    columns, 1-4 warp slices, loads 1 or 2 steps ahead or all up front in shared memory, register caps or none, the
+    warps' K slices interleaved or contiguous, the down kernel a programmatic dependent launch or not), against the
+    reference at the bf16 tolerance; 40 and 64 tokens put more than 8 rows in tiles (a second token group, partly or
+    wholly real). Loads all up front add the same products in the same order as loads two steps ahead: equal bit for
     bit."""
     from freetoken.kernels import fused_moe_fp4_mma
     from freetoken.kernels.fused_moe_fp4_mma import fits

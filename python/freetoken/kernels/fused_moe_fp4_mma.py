@@ -43,7 +43,10 @@ round trips to memory overlap. Each step then issues the next step's weight load
 its activations (L1 hits) itself. The warps' K slices interleave by K step (`INTERLEAVED_SLICES`): a step's loads
 of a row lie side by side. On sm_90 the down kernel is a programmatic dependent launch of gate/up
 (`PROGRAMMATIC_LAUNCH`): its programs start as gate/up's last ones run, and load their expert and first weights
-before `griddepcontrol.wait`.
+before `griddepcontrol.wait`. What the epilogues read (NVFP4's tensor scales, the rows' pairs and routing weights) is
+loaded before the dots. From batch 8 (`default_configs`) a program copies every K step of its slice into shared
+memory up front instead (cp.async, 16-byte copies past L1; `FP4_MMA_STAGED_CONFIGS`): all of its bytes in flight
+at once, none of them in registers.
 
 Measured on the H200 (`benches/quant_moe.py --profile --batch 1 4 8 --kernels gemv fp4_mma`, Qwen3-30B-A3B
 shapes, 128 slots, one run, kernels replayed from a CUDA graph): the span of the two kernels per layer call, from
@@ -65,10 +68,16 @@ steps staged through shared memory by cp.async (13.7 us), contiguous rather than
 per-instruction samples (`--section SourceCounters --page source --print-source sass`): 78% of the stall samples
 fall in the K-step loop, 15% before it; 27% of all of them on one instruction, the PRMT that waits on the third of a
 step's four 16-byte activation loads, though activations are 4 KB a token that every warp reads again each step:
-the L1 hit rate is 58%, and each SM streams ~100 KB of weights through L1. Next, in this order: load the weights
-and block scales past L1 (`cache_modifier=".cg"`: LDG.STRONG.GPU on sm_90) so that they stop evicting the
-activations (not yet measured); more independent warps per SM without more work per warp (split-K across programs,
-the last one adding the partial sums and applying SwiGLU); one persistent program per SM for gate/up and down.
+the L1 hit rate is 58%, and each SM streams ~100 KB of weights through L1. Tried since, no faster at batch 1 (same
+bench, side by side): the weights loaded past L1 (`.cg`: 12.66 vs 12.51 us NVFP4), every K step staged in shared
+memory (12.4-13.0 us; faster from batch 8, above), two accumulators alternating by K step against the chain of 8
+mma.sync a step puts on one (no faster even when a compiler bug left the chains unlinked), the epilogue's loads
+hoisted (kept: within noise). Each program's own time (`%globaltimer` stamped at its start and end, batch 1): gate/up
+programs all start within 0.1 us and each runs ~6.2 us, staged or not; down programs run ~3.4-3.8 us after their
+wait, with their weights staged. The bytes arrive in about half that (read_pattern above), so most of a program's
+time is the decode's issue: ~19 instructions per 32-bit word (8 values) across ~3 warps per scheduler. Next: fewer
+integer operations per word in `_DECODE` (a PRMT-based e2m1 lookup), and gate/up and down as one launch whose
+down programs wait on per-tile counters instead of the whole gate/up grid.
 
 Shapes (project letters): M tokens, K hidden, N expert intermediate. Each matrix's K a multiple of its kernel's
 warp slices of whole K steps (`fits`, `supported`).
@@ -82,7 +91,7 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 from freetoken.quant.formats import ExpertLayout
 
@@ -169,6 +178,12 @@ Fp4MmaConfig = tuple[int, int, int, int]
 # 80 registers, to stay one wave of programs), 2 for down, loads 2 steps ahead (128 or 168 registers), all steps'
 # loads up front (spills), 256-column steps.
 FP4_MMA_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = ((4, 2, 1, 80), (4, 1, 1, 80))
+# (gate/up, down) from STAGED_FROM_PAIRS (token, expert) pairs on: every K step of a warp's slice copied into shared
+# memory up front (cp.async; PREFETCH 0), which holds no registers while the copies fly. The two kernels' span on the
+# H200 (same shapes and bench, two runs), against FP4_MMA_CONFIGS: at batch 8 0.88x / 0.88x NVFP4, 0.96x / 0.91x
+# MXFP4; at batch 4 0.96x / 1.01x NVFP4, 0.93x / 1.02x MXFP4; at batch 1 1.01x NVFP4, 1.02x MXFP4.
+FP4_MMA_STAGED_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = ((4, 2, 0, 0), (4, 1, 0, 0))
+STAGED_FROM_PAIRS = 64  # batch 8 of top-8, the first measured batch where staging wins in every run
 
 
 def _layouts(k_units: int, num_warps: int, group_words: int) -> dict:
@@ -210,7 +225,27 @@ def _layouts(k_units: int, num_warps: int, group_words: int) -> dict:
         [],
         [bk // 2, 8],
     )
-    return {"MMA": mma, "A": a, "B": b, "WORDS": words, "LOADS": loads, "SCALES": scales, "PAIRS": pairs, "BK": bk}
+    # STAGED [BM, 4 groups]: a K step's scale codes of each row (4 lanes x groups, as they lie), per thread one row's
+    # (one cp.async of 8 or 4 bytes; the 4 lanes of a row copy the same bytes), rows as SCALES'
+    cols = 4 * groups
+    staged = gl.DistributedLinearLayout(
+        [[0, 1 << i] for i in range(cols.bit_length() - 1)] + [[8, 0]],
+        [[0, 0], [0, 0]] + row_lanes,
+        warps,
+        [],
+        [bm, cols],
+    )
+    return {
+        "MMA": mma,
+        "A": a,
+        "B": b,
+        "WORDS": words,
+        "LOADS": loads,
+        "SCALES": scales,
+        "STAGED": staged,
+        "PAIRS": pairs,
+        "BK": bk,
+    }
 
 
 @gluon.jit
@@ -240,6 +275,15 @@ def _weights(
 
 
 @gluon.jit
+def _a_order(raw, WORDS: gl.constexpr, BM: gl.constexpr, BK: gl.constexpr):
+    """A K step's words as they lie ([BM, BK / 8] int32, LOADS: [BM, lane, R]) -> [BM, R, lane], A's order (WORDS,
+    word c = lane + 4 * register)."""
+    R: gl.constexpr = BK // 32
+    words = gl.reshape(gl.permute(gl.reshape(raw, [BM, 4, R]), [0, 2, 1]), [BM, BK // 8])
+    return gl.convert_layout(words, WORDS, assert_trivial=True)
+
+
+@gluon.jit
 def _weight_loads(
     w_ptrs,
     s_ptrs,
@@ -253,11 +297,19 @@ def _weight_loads(
     """K step `step` of each warp's slice: its words [BM, BK / 8] int32 in A's order (WORDS) and scale codes
     (SCALES); STRIDE: K steps between a slice's steps (`_weight_ptrs`)."""
     raw = gl.load(w_ptrs + step * (STRIDE * BK // 8))
-    # [BM, lane, R] (where they lie) -> [BM, R, lane]: A's order, c = lane + 4 * register
-    R: gl.constexpr = BK // 32
-    words = gl.reshape(gl.permute(gl.reshape(raw, [BM, 4, R]), [0, 2, 1]), [BM, BK // 8])
     codes = gl.load(s_ptrs + step * (STRIDE * BK // (8 * GW))).to(gl.int32)
-    return gl.convert_layout(words, WORDS, assert_trivial=True), codes
+    return _a_order(raw, WORDS, BM, BK), codes
+
+
+@gluon.jit
+def _staged_loads(staged, WORDS: gl.constexpr, LOADS: gl.constexpr, SCALES: gl.constexpr, BK: gl.constexpr):
+    """`_weight_loads` of a K step from its copy in shared memory (`_weight_ptrs`, PREFETCH 0: `staged`, the step's
+    words [BM, BK / 8] int32 and scale codes [BM, 4 G] uint8)."""
+    w_smem, s_smem = staged
+    BM: gl.constexpr = w_smem.shape[0]
+    G: gl.constexpr = s_smem.shape[1] // 4
+    codes = s_smem.reshape([BM, 4, G]).permute([0, 2, 1]).load(SCALES).to(gl.int32)
+    return _a_order(w_smem.load(LOADS), WORDS, BM, BK), codes
 
 
 @gluon.jit
@@ -271,6 +323,7 @@ def _weight_ptrs(
     WORDS: gl.constexpr,
     LOADS: gl.constexpr,
     SCALES: gl.constexpr,
+    STAGED: gl.constexpr,
     BK: gl.constexpr,
     STEPS: gl.constexpr,
     PREFETCH: gl.constexpr,
@@ -279,8 +332,11 @@ def _weight_ptrs(
     """The word and scale pointers of 16 rows of the matrix W [rows, K] at `w_ptr` (int32 words; the rows `prow`
     [BM] in LOADS' row slice, `srow` in SCALES', each warp's 16 the same; K = STEPS * num_warps * BK) and its block
     scale codes at `s_ptr` (uint8), at each warp's K slice, and the loads of the slice's first K steps (`_dots`):
-    PREFETCH of them, or all STEPS where PREFETCH is 0. They are issued here, so that they are in flight while the
-    caller finds its tokens (and, in the down kernel, while it waits for h).
+    PREFETCH of them into registers, or where PREFETCH is 0 all STEPS of them copied into shared memory (cp.async,
+    one commit group: a step's [BM, BK / 8] int32 words, each thread's own as LOADS reads them, and [BM, 4 G] uint8
+    scale codes). They
+    are issued here, so that they are in flight while the caller finds its tokens (and, in the down kernel, while it
+    waits for h).
 
     Slices: contiguous (warp w runs the steps w * STEPS ..) or interleaved (INTERLEAVE: warp w runs the steps w,
     w + W, ..: the warps' loads of a step lie side by side in each row, W * BK / 2 bytes).
@@ -303,11 +359,28 @@ def _weight_ptrs(
     lane = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
     s_row = srow * (STEPS * W * BK // (8 * GW)) + (vs // 16) * (START * BK // (8 * GW))
     s_ptrs = s_ptr + s_row[:, None, None] + (lane[None, None, :] * G + gi[None, :, None])
-    # the first steps' loads (a slice of one step: the step-1 loads repeat step 0's, unused)
-    loads = ()
-    for step in gl.static_range(STEPS if PREFETCH == 0 else PREFETCH):
-        # a tuple one step longer each (unrolled) iteration: Triton builds it at compile time; mypy types it fixed
-        loads = loads + (_weight_loads(w_ptrs, s_ptrs, min(step, STEPS - 1), WORDS, BM, BK, GW, STRIDE),)  # type: ignore[assignment]
+    if PREFETCH == 0:
+        flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # row-major
+        # a K step's codes of a row lie together, 4 G bytes: one copy a row (SCALES reads them lane by lane)
+        row_codes = gl.convert_layout(s_row, gl.SliceLayout(1, STAGED), assert_trivial=True)
+        c = gl.arange(0, 4 * G, layout=gl.SliceLayout(0, STAGED))
+        t_ptrs = s_ptr + row_codes[:, None] + c[None, :]
+        # a buffer per K step, not one indexed by step: Triton's barrier analysis would see each step's copy write
+        # where the previous one did, and sync the program's warps between them
+        loads = ()
+        for step in gl.static_range(STEPS):
+            w_smem = gl.allocate_shared_memory(gl.int32, [BM, BK // 8], flat)
+            s_smem = gl.allocate_shared_memory(gl.uint8, [BM, 4 * G], flat)
+            async_copy.async_copy_global_to_shared(w_smem, w_ptrs + step * (STRIDE * BK // 8))
+            async_copy.async_copy_global_to_shared(s_smem, t_ptrs + step * (STRIDE * BK // (8 * GW)))
+            loads = loads + ((w_smem, s_smem),)  # type: ignore[assignment]
+        async_copy.commit_group()
+    else:
+        # the first steps' loads (a slice of one step: the step-1 loads repeat step 0's, unused)
+        loads = ()
+        for step in gl.static_range(PREFETCH):
+            # a tuple one step longer each (unrolled) iteration: Triton builds it at compile time; mypy types it fixed
+            loads = loads + (_weight_loads(w_ptrs, s_ptrs, min(step, STEPS - 1), WORDS, BM, BK, GW, STRIDE),)  # type: ignore[assignment]
     return w_ptrs, s_ptrs, loads
 
 
@@ -320,6 +393,8 @@ def _dots(
     A: gl.constexpr,
     B: gl.constexpr,
     WORDS: gl.constexpr,
+    LOADS: gl.constexpr,
+    SCALES: gl.constexpr,
     PAIRS: gl.constexpr,
     BK: gl.constexpr,
     STEPS: gl.constexpr,
@@ -361,8 +436,10 @@ def _dots(
     x_ptrs = x_pairs[None, :] + (((cb % 4) * R + cb // 4) * 4 + q % 4)[:, None]
     acc = gl.full([BM, 8], 0.0, gl.float32, MMA)
     if PREFETCH == 0:
+        async_copy.wait_group(0)
+        gl.thread_barrier()  # a row's scale codes: copied by each of its lanes, or by one where Triton dedups
         for step in gl.static_range(STEPS):
-            words, codes = loads[step]
+            words, codes = _staged_loads(loads[step], WORDS, LOADS, SCALES, BK)
             x = gl.load(x_ptrs + step * (STRIDE * BK // 2))
             acc = mma_v2(_weights(words, codes, FORMAT, A, WORDS, BM, BK), _activations(x, B, BK), acc)
     else:
@@ -424,6 +501,7 @@ def _gate_up_fp4_mma_kernel(
     WORDS: gl.constexpr,
     LOADS: gl.constexpr,
     SCALES: gl.constexpr,
+    STAGED: gl.constexpr,
     PAIRS: gl.constexpr,
     BK: gl.constexpr,
     STEPS: gl.constexpr,
@@ -451,32 +529,37 @@ def _gate_up_fp4_mma_kernel(
             base.to(gl.pointer_type(gl.int32)), base + gate_up_scale_off,
             _gate_up_rows(pid_n, N, gl.SliceLayout(1, LOADS), BM),
             _gate_up_rows(pid_n, N, gl.SliceLayout(1, gl.SliceLayout(2, SCALES)), BM),
-            FORMAT, MMA, WORDS, LOADS, SCALES, BK, STEPS, PREFETCH, INTERLEAVE,
+            FORMAT, MMA, WORDS, LOADS, SCALES, STAGED, BK, STEPS, PREFETCH, INTERLEAVE,
         )  # fmt: skip
-        ts_ptr = (base + tensor_scale_off).to(gl.pointer_type(gl.float32))
+        # what the epilogue reads is loaded before the dots, not after them: no round trip to memory at the end
+        if HAS_TENSOR_SCALE:
+            ts_ptr = (base + tensor_scale_off).to(gl.pointer_type(gl.float32))
+            gate_scale = gl.load(ts_ptr)
+            up_scale = gl.load(ts_ptr + 1)
         tok = gl.arange(0, 8, layout=gl.SliceLayout(0, PAIRS))
         dtype: gl.constexpr = h_ptr.dtype.element_ty
         for i0 in gl.static_range(0, BLOCK_SIZE_M, 8):  # the tile's rows that hold a pair, 8 at a time
             if i0 == 0 or gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + i0) < num_pairs:
                 pair = gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + i0 + tok)
+                real_rows = pair < num_pairs
                 # padding rows (holding `num_pairs`) read token 0, valid memory; their outputs are not stored
-                pair = gl.where(pair < num_pairs, pair, 0)
+                pair = gl.where(real_rows, pair, 0)
                 acc = _dots(
                     weights, x_ptr + (pair // top_k) * stride_xm,
-                    FORMAT, MMA, A, B, WORDS, PAIRS, BK, STEPS, PREFETCH, INTERLEAVE,
+                    FORMAT, MMA, A, B, WORDS, LOADS, SCALES, PAIRS, BK, STEPS, PREFETCH, INTERLEAVE,
                 )  # fmt: skip
                 acc = acc * _UNSCALE
                 # [16, 8] -> [gate/up, 8 rows, 8 tokens] -> gate, up [8, 8]
                 gate, up = gl.split(gl.permute(gl.reshape(acc, [2, 8, 8]), [1, 2, 0]))
                 if HAS_TENSOR_SCALE:
-                    gate = gate * gl.load(ts_ptr)
-                    up = up * gl.load(ts_ptr + 1)
+                    gate = gate * gate_scale
+                    up = up * up_scale
                 g = gate.to(dtype).to(gl.float32)
                 act = (g / (1.0 + gl.exp(-g))).to(dtype).to(gl.float32)
                 h = act * up.to(dtype).to(gl.float32)
                 hn = pid_n * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, h.type.layout))
                 rows = pid_m * BLOCK_SIZE_M + i0 + gl.arange(0, 8, layout=gl.SliceLayout(0, h.type.layout))
-                real = gl.load(sorted_pair_ptr + rows) < num_pairs
+                real = gl.convert_layout(real_rows, gl.SliceLayout(0, h.type.layout))
                 mask = (hn[:, None] < N) & real[None, :]
                 gl.store(h_ptr + rows[None, :] * stride_hm + hn[:, None], h.to(dtype), mask=mask)
 
@@ -506,6 +589,7 @@ def _down_fp4_mma_kernel(
     WORDS: gl.constexpr,
     LOADS: gl.constexpr,
     SCALES: gl.constexpr,
+    STAGED: gl.constexpr,
     PAIRS: gl.constexpr,
     BK: gl.constexpr,
     STEPS: gl.constexpr,
@@ -530,26 +614,36 @@ def _down_fp4_mma_kernel(
         sr = gl.minimum(pid_n * 16 + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES))) % 16, K - 1)
         weights = _weight_ptrs(
             (base + down_off).to(gl.pointer_type(gl.int32)), base + down_scale_off, wr, sr,
-            FORMAT, MMA, WORDS, LOADS, SCALES, BK, STEPS, PREFETCH, INTERLEAVE,
+            FORMAT, MMA, WORDS, LOADS, SCALES, STAGED, BK, STEPS, PREFETCH, INTERLEAVE,
         )  # fmt: skip
-        ts_ptr = (base + tensor_scale_off).to(gl.pointer_type(gl.float32)) + 2
+        # what the epilogue reads (align_pairs' and the router's outputs, not the gate/up kernel's) is loaded before
+        # the wait and the dots, not after them: no round trip to memory at the end
+        if HAS_TENSOR_SCALE:
+            tensor_scale = gl.load((base + tensor_scale_off).to(gl.pointer_type(gl.float32)) + 2)
         row = gl.arange(0, 8, layout=gl.SliceLayout(0, PAIRS))
+        pairs = ()
+        for i0 in gl.static_range(0, BLOCK_SIZE_M, 8):
+            pair = gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + i0 + row)
+            routing = gl.load(weight_ptr + pair, mask=pair < num_pairs, other=0.0)
+            pairs = pairs + ((pair, routing),)  # type: ignore[assignment]
         dtype: gl.constexpr = out_ptr.dtype.element_ty
         if PDL:
             gl.inline_asm_elementwise(_WAIT_PRIMARY, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
         for i0 in gl.static_range(0, BLOCK_SIZE_M, 8):  # the tile's rows that hold a pair, 8 at a time
+            tile_pairs, tile_routing = pairs[i0 // 8]  # type: ignore[var-annotated]
             if i0 == 0 or gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + i0) < num_pairs:
                 # padding rows of h are read (valid memory) as they are; their outputs are not stored
                 h_rows = h_ptr + (pid_m * BLOCK_SIZE_M + i0 + row) * stride_hm
-                acc = _dots(weights, h_rows, FORMAT, MMA, A, B, WORDS, PAIRS, BK, STEPS, PREFETCH, INTERLEAVE)
+                acc = _dots(
+                    weights, h_rows, FORMAT, MMA, A, B, WORDS, LOADS, SCALES, PAIRS, BK, STEPS, PREFETCH, INTERLEAVE
+                )  # fmt: skip
                 acc = acc * _UNSCALE
                 if HAS_TENSOR_SCALE:
-                    acc = acc * gl.load(ts_ptr)
+                    acc = acc * tensor_scale
                 o_r = pid_n * 16 + gl.arange(0, 16, layout=gl.SliceLayout(1, acc.type.layout))
-                o_c = pid_m * BLOCK_SIZE_M + i0 + gl.arange(0, 8, layout=gl.SliceLayout(0, acc.type.layout))
-                pair = gl.load(sorted_pair_ptr + o_c)
+                pair = gl.convert_layout(tile_pairs, gl.SliceLayout(0, acc.type.layout))
+                routing = gl.convert_layout(tile_routing, gl.SliceLayout(0, acc.type.layout)).to(gl.float32)
                 real = pair < num_pairs
-                routing = gl.load(weight_ptr + pair, mask=real, other=0.0).to(gl.float32)
                 out = acc.to(dtype).to(gl.float32) * routing[None, :]  # rounded like the reference
                 mask = (o_r[:, None] < K) & real[None, :]
                 gl.store(out_ptr + pair[None, :] * stride_om + o_r[:, None], out.to(dtype), mask=mask)
@@ -572,8 +666,18 @@ def supported(layout: ExpertLayout, experts: torch.Tensor, hidden: torch.Tensor)
         return False
     sec = layout.sections
     aligned = experts.stride(0) % 16 == 0 and experts.data_ptr() % 16 == 0 and sec["down"][0] % 16 == 0
-    gate_up, down = FP4_MMA_CONFIGS
-    return aligned and fits(gate_up, layout.hidden) and fits(down, layout.inter)
+    # the staged copies of block scales: 8 or 4 bytes a row and K step
+    aligned = aligned and sec["gate_up_scale"][0] % 16 == 0 and sec["down_scale"][0] % 16 == 0
+    return aligned and all(
+        fits(gate_up, layout.hidden) and fits(down, layout.inter)
+        for gate_up, down in (FP4_MMA_CONFIGS, FP4_MMA_STAGED_CONFIGS)
+    )
+
+
+def default_configs(num_pairs: int) -> tuple[Fp4MmaConfig, Fp4MmaConfig]:
+    """The (gate/up, down) `Fp4MmaConfig`s a call of `num_pairs` (token, expert) pairs runs when not told:
+    FP4_MMA_STAGED_CONFIGS from STAGED_FROM_PAIRS pairs on, else FP4_MMA_CONFIGS."""
+    return FP4_MMA_STAGED_CONFIGS if num_pairs >= STAGED_FROM_PAIRS else FP4_MMA_CONFIGS
 
 
 def _constexprs(config: Fp4MmaConfig, num_in: int, group_words: int) -> dict:
@@ -603,7 +707,7 @@ def fp4_mma_tiles(
 ) -> None:
     """One stage of `fused_moe_quant_tiles` through these kernels, as `fused_moe_gemv.gemv_tiles`: h[rows] then
     pairs[pair] of every real row of the tiles whose `block_expert` is >= 0. `supported(layout, experts, hidden)`
-    must hold; `configs`: the (gate/up, down) kernels' `Fp4MmaConfig`, None: `FP4_MMA_CONFIGS`.
+    must hold; `configs`: the (gate/up, down) kernels' `Fp4MmaConfig`, None: `default_configs(num_pairs)`.
 
     Raises:
         ValueError: a config that does not `fit` its matrix."""
@@ -614,7 +718,7 @@ def fp4_mma_tiles(
     tiles = block_expert.numel()
     fmt_id = 1 if fmt.name == "nvfp4" else 2
     group_words = 2 if fmt_id == 1 else 4
-    configs = configs or FP4_MMA_CONFIGS
+    configs = configs or default_configs(num_pairs)
     for config, num_in in zip(configs, (hidden_size, inter), strict=True):
         if not fits(config, num_in):
             raise ValueError(f"fp4_mma config {config} does not split {num_in} columns into whole K steps")
