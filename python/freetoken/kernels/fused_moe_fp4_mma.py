@@ -71,13 +71,15 @@ step's four 16-byte activation loads, though activations are 4 KB a token that e
 the L1 hit rate is 58%, and each SM streams ~100 KB of weights through L1. Tried since, no faster at batch 1 (same
 bench, side by side): the weights loaded past L1 (`.cg`: 12.66 vs 12.51 us NVFP4), every K step staged in shared
 memory (12.4-13.0 us; faster from batch 8, above), two accumulators alternating by K step against the chain of 8
-mma.sync a step puts on one (no faster even when a compiler bug left the chains unlinked), the epilogue's loads
-hoisted (kept: within noise). Each program's own time (`%globaltimer` stamped at its start and end, batch 1): gate/up
-programs all start within 0.1 us and each runs ~6.2 us, staged or not; down programs run ~3.4-3.8 us after their
-wait, with their weights staged. The bytes arrive in about half that (read_pattern above), so most of a program's
-time is the decode's issue: ~19 instructions per 32-bit word (8 values) across ~3 warps per scheduler. Next: fewer
-integer operations per word in `_DECODE` (a PRMT-based e2m1 lookup), and gate/up and down as one launch whose
-down programs wait on per-tile counters instead of the whole gate/up grid.
+mma.sync a step puts on one (no faster even in a build whose accumulator swap was wrong and broke the chains), the
+epilogue's loads hoisted (kept: within noise). Each program's own time (`%globaltimer` stamped at its start and end,
+batch 1, eager launches): gate/up programs all start within 0.1 us and each runs ~6.2 us, staged or not; down
+programs run 3.4-3.8 us after their wait, their weights staged or not. The bytes arrive in about half that
+(read_pattern above), so most of a program's time is issuing the decode: ~20 instructions (SASS) per 32-bit word of
+8 values, 8 words a thread per K step, ~3 warps per scheduler, about 2.9 us of issue per SM for gate/up alone at one
+instruction a cycle. Five per bf16 pair (two shifts, two LOP3, the scale's HMUL2) is near the least without an e2m1
+convert instruction (sm_100's cvt.e2m1x2; PRMT's byte lookup cannot build a 9-bit field). Next: gate/up and down as
+one launch whose down programs wait on per-tile counters rather than on the whole gate/up grid.
 
 Shapes (project letters): M tokens, K hidden, N expert intermediate. Each matrix's K a multiple of its kernel's
 warp slices of whole K steps (`fits`, `supported`).
