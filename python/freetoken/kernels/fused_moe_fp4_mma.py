@@ -48,13 +48,12 @@ loaded before the dots. From batch 8 (`default_configs`) a program copies every 
 memory up front instead (cp.async, 16-byte copies past L1; `FP4_MMA_STAGED_CONFIGS`): all of its bytes in flight
 at once, none of them in registers.
 
-Measured on the H200 (`benches/quant_moe.py --profile --batch 1 4 8 --kernels gemv fp4_mma`, Qwen3-30B-A3B
-shapes, 128 slots, one run, kernels replayed from a CUDA graph): the span of the two kernels per layer call, from
-gate/up's start to down's end, is at batch 1 12.6 us for NVFP4 and 11.8 us for MXFP4, against bf16's 30.2 us:
-1.46x bf16's time per weight byte (`fused_moe_gemv`: 15.7 us, 1.82x; FP8's gemv 1.18x). At batch 4 41.9 / 39.8 us
-(2.04x; bf16 73.3), at batch 8 71.4 / 61.3 us (2.00x / 1.82x; bf16 127.0). Against this module's previous version
-(ptxas's register choice, activations loaded ahead, no programmatic launch) the same run gives 12.5 / 12.4 us at
-batch 1 and 44.5 / 41.7 at batch 4. The issue's 1.3x per byte at batch 1 is not met.
+Measured on the H200 (`benches/quant_moe.py --profile --batch 1 4 8 --kernels gemv fp4_mma ...`, Qwen3-30B-A3B
+shapes, 128 slots, kernels replayed from a CUDA graph, this module's last run): the span of the two kernels per layer
+call, from gate/up's start to down's end, is at batch 1 12.4 us for NVFP4 and 11.5 us for MXFP4, against bf16's
+30.7 us: 1.44x / 1.41x bf16's time per weight byte (`fused_moe_gemv`: 15.7 us, 1.82x; FP8's gemv 1.18x). At batch 4
+41.7 / 38.6 us (2.03x / 1.99x; bf16 73.0), at batch 8, staged, 61.9 / 58.6 us (1.71x / 1.72x; bf16 128.5; with
+FP4_MMA_CONFIGS 70.8 / 63.4). The issue's 1.3x per byte at batch 1 is not met.
 
 What bounds batch 1 (Nsight Compute on gate/up, NVFP4, `ncu --section WarpStateStats --section SchedulerStats`):
 latency with few warps. The layer's 768 programs of 2 warps are 2.9 warps per scheduler, 0.66 of them eligible on
