@@ -162,11 +162,12 @@ _WAIT_PRIMARY = gl.constexpr("griddepcontrol.wait; // $0")
 INTERLEAVED_SLICES = True
 
 # the down kernel launched as a programmatic dependent of the gate/up kernel where the GPU has it (sm_90+); False:
-# one after the other (`benches/quant_moe.py --no-pdl`)
+# one after the other (`benches/quant_moe.py --kernels fp4_mma:GU/DOWN/nopdl`)
 PROGRAMMATIC_LAUNCH = True
 
 # A kernel's launch config: (K step in 32-column units, num_warps: each warp runs its own slice of K, K steps
-# loaded ahead: 1 or 2, or 0: all of a warp's steps before the first decode, registers per thread: ptxas's maxnreg
+# loaded ahead into registers: 1 or 2, or 0: all of a warp's steps copied into shared memory before the first
+# decode, registers per thread: ptxas's maxnreg
 # or 0, ptxas's choice). The register cap decides where ptxas puts the next steps' loads: left to itself it issues
 # them after the step's first mma, so each step waits on its own round trip to memory; given a cap with room for
 # them (sm_90 SASS, `benches/quant_moe.py --kernels fp4_mma:..`) it issues them first, before the step's wait.
@@ -335,9 +336,8 @@ def _weight_ptrs(
     scale codes at `s_ptr` (uint8), at each warp's K slice, and the loads of the slice's first K steps (`_dots`):
     PREFETCH of them into registers, or where PREFETCH is 0 all STEPS of them copied into shared memory (cp.async,
     one commit group: a step's [BM, BK / 8] int32 words, each thread's own as LOADS reads them, and [BM, 4 G] uint8
-    scale codes). They
-    are issued here, so that they are in flight while the caller finds its tokens (and, in the down kernel, while it
-    waits for h).
+    scale codes). They are issued here, so that they are in flight while the caller finds its tokens (and, in the
+    down kernel, while it waits for h).
 
     Slices: contiguous (warp w runs the steps w * STEPS ..) or interleaved (INTERLEAVE: warp w runs the steps w,
     w + W, ..: the warps' loads of a step lie side by side in each row, W * BK / 2 bytes).
@@ -413,10 +413,10 @@ def _dots(
 
     The activations follow the words' order (`_weight_ptrs`: loads of 8 columns at 8 p). Loads are not masked: the
     caller's rows and tokens are valid ones, and the last step loads itself again as its next. PREFETCH 0: the
-    slice's weights are all in registers already (`_weight_ptrs`), the steps unrolled; PREFETCH 1 or 2:
-    software-pipelined by hand, a step issues the weight loads of the step PREFETCH ahead before its own decode. The
-    activations load at their step: L1 hits after the first program's, they need no registers ahead (measured:
-    ahead with the weights, as before, no faster at batch 1 and 3-13% slower at batch 4)."""
+    slice's weights are all in shared memory once their copies land (`_weight_ptrs`), the steps unrolled; PREFETCH 1
+    or 2: software-pipelined by hand, a step issues the weight loads of the step PREFETCH ahead before its own
+    decode. The activations load at their step: L1 hits after the first program's, they need no registers ahead
+    (measured: ahead with the weights, as before, no faster at batch 1 and 3-13% slower at batch 4)."""
     BM: gl.constexpr = MMA.warps_per_cta[0] * 16
     W: gl.constexpr = MMA.warps_per_cta[0]
     GW: gl.constexpr = 2 if FORMAT == 1 else 4
@@ -624,9 +624,9 @@ def _down_fp4_mma_kernel(
         row = gl.arange(0, 8, layout=gl.SliceLayout(0, PAIRS))
         pairs = ()
         for i0 in gl.static_range(0, BLOCK_SIZE_M, 8):
-            pair = gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + i0 + row)
-            routing = gl.load(weight_ptr + pair, mask=pair < num_pairs, other=0.0)
-            pairs = pairs + ((pair, routing),)  # type: ignore[assignment]
+            rows_pair = gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + i0 + row)
+            rows_routing = gl.load(weight_ptr + rows_pair, mask=rows_pair < num_pairs, other=0.0)
+            pairs = pairs + ((rows_pair, rows_routing),)  # type: ignore[assignment]
         dtype: gl.constexpr = out_ptr.dtype.element_ty
         if PDL:
             gl.inline_asm_elementwise(_WAIT_PRIMARY, "=r", [], dtype=gl.int32, is_pure=False, pack=1)
