@@ -77,8 +77,26 @@ programs run 3.4-3.8 us after their wait, their weights staged or not. The bytes
 (read_pattern above), so most of a program's time is issuing the decode: ~20 instructions (SASS) per 32-bit word of
 8 values, 8 words a thread per K step, ~3 warps per scheduler, about 2.9 us of issue per SM for gate/up alone at one
 instruction a cycle. Five per bf16 pair (two shifts, two LOP3, the scale's HMUL2) is near the least without an e2m1
-convert instruction (sm_100's cvt.e2m1x2; PRMT's byte lookup cannot build a 9-bit field). Next: gate/up and down as
-one launch whose down programs wait on per-tile counters rather than on the whole gate/up grid.
+convert instruction (sm_100's cvt.e2m1x2; PRMT's byte lookup cannot build a 9-bit field).
+
+Tried after that, each no faster (same bench, side by side; batch 1, NVFP4 / MXFP4, unless said):
+  - L1 prefetch (`prefetch.global.L1`) at a program's start of its activations' rows, or of those and its weights'
+    and scales' rows: 1.6-1.7x slower at batches 1-8 (MXFP4 batch 1: 19.0 / 19.7 us against 11.9).
+  - Staged copies waited for step by step (a commit group per K step) instead of all at once: 11.84 / 11.90 us.
+  - The down kernel decoding all its K steps into shared memory (bf16 pairs, 24 KB a program) before
+    `griddepcontrol.wait`, leaving only h's loads and the mma after it: 13.7 against 12.4 us NVFP4. A program that
+    needs 24 KB of shared memory does not land on an SM whose L1/shared split gate/up's programs have set, so the
+    down programs started only as gate/up drained (their own time fell from 10.7 to 7.5 us). With gate/up's
+    preferred carveout at 100% (`cuFuncSetAttribute`) they ran alongside it, and gate/up's own time grew from 7.7
+    to 9.2 us while what follows it shrank from 4.9 to 3.9 us: 13.0 against 12.5 us NVFP4, 12.2 against 11.7 MXFP4
+    (the carveout alone costs 0.4 us). Loading h 1, 2, 3 or 6 steps ahead after the wait changed nothing.
+  - Two accumulators again, written as the K loop unrolled by two (no tuple swap) and checked against the
+    reference: 13.7 / 12.7 us at register caps that do not spill (the unrolled loop spills at 80); staged, 13.1 /
+    12.0 against 12.8 / 12.0 us; no faster at batches 4 and 8 either.
+  - One launch for both kernels, its down programs waiting on per-tile counters instead of the whole gate/up grid:
+    `benches/dependency_gap.py` times the wait alone, on programs shaped as these (768 gate/up programs busy 6 us,
+    1024 down programs that only store). A programmatic dependent launch adds 1.0 us to gate/up alone, stream order
+    1.2-1.3 us, and the counters 3.7-3.9 us. So one launch could win 1 us at most over PDL, and as written it loses.
 
 Shapes (project letters): M tokens, K hidden, N expert intermediate. Each matrix's K a multiple of its kernel's
 warp slices of whole K steps (`fits`, `supported`).
