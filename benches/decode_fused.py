@@ -4,8 +4,11 @@ The ceiling the offloading backends are measured against. Default: the real Qwen
 experts, top-8, bf16: ~61 GB of weights), batch 1 and 8.
 
     python benches/decode_fused.py [--preset qwen3-30b-a3b] [--batch 1 8] [--prompt-len 128] [--decode-steps 64]
+                                   [--align kernel ops]
 
-Prints one line per batch size (median step time, tok/s) and a final JSON line.
+--align times the MoE layers' pair alignment (`fused_moe.align_pairs`) as one Triton program (`kernel`, the default
+on CUDA) and as tensor ops (`ops`): an engine each (its decode graphs are captured at its start), same weights.
+Prints one line per batch size and alignment (median step time, tok/s) and a final JSON line.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import torch
 from freetoken.config import EngineConfig, ModelConfig
 from freetoken.engine.llm_engine import LLMEngine
 from freetoken.engine.types import SamplingParams
+from freetoken.kernels import fused_moe
 from freetoken.models.loader import init_dummy_weights
 from freetoken.models.presets import preset_config_path
 from freetoken.moe import FusedExperts
@@ -67,6 +71,13 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--decode-steps", type=int, default=64)
     ap.add_argument("--profile", action="store_true", help="print the torch profiler's top ops of 4 decode steps")
+    ap.add_argument(
+        "--align",
+        nargs="+",
+        choices=["kernel", "ops"],
+        default=["kernel"],
+        help="the pair alignment: one Triton program (kernel) or tensor ops (ops), each a row",
+    )
     args = ap.parse_args()
     cfg = ModelConfig.from_dict(json.loads(preset_config_path(args.preset).read_text()), source=args.preset)
     device = torch.device("cuda")
@@ -82,28 +93,36 @@ def main() -> None:
         kv_cache_gb=4.0,
         max_model_len=4096,
     )
-    engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
     weights_gb = (sum(p.numel() * p.element_size() for p in model.parameters()) + experts.nbytes) / 1e9
     print(
         f"{args.preset}: {weights_gb:.1f} GB of weights on {torch.cuda.get_device_name()} (built in {build_s:.0f} s)",
         file=sys.stderr,
     )
-    measure(engine, 1, 16, 4)  # warm-up
-    if args.profile:
-        profile(engine)
     rows = []
-    for batch in args.batch:
-        times = measure(engine, batch, args.prompt_len, args.decode_steps)
-        step_s = statistics.median(times)
-        rows.append(
-            {
-                "batch": batch,
-                "step_ms": round(step_s * 1e3, 2),
-                "tok_per_s": round(batch / step_s, 1),
-                "steps": len(times),
-            }
-        )
-        print(f"batch {batch:3d}: median step {step_s * 1e3:7.2f} ms  decode {batch / step_s:8.1f} tok/s")
+    kernel_max_pairs = fused_moe.ALIGN_KERNEL_MAX_PAIRS
+    for align in args.align:
+        fused_moe.ALIGN_KERNEL_MAX_PAIRS = kernel_max_pairs if align == "kernel" else 0
+        engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
+        measure(engine, 1, 16, 4)  # warm-up
+        if args.profile:
+            profile(engine)
+        for batch in args.batch:
+            times = measure(engine, batch, args.prompt_len, args.decode_steps)
+            step_s = statistics.median(times)
+            rows.append(
+                {
+                    "batch": batch,
+                    "align": align,
+                    "step_ms": round(step_s * 1e3, 2),
+                    "tok_per_s": round(batch / step_s, 1),
+                    "steps": len(times),
+                }
+            )
+            print(
+                f"batch {batch:3d}, align {align:>6}: median step {step_s * 1e3:7.2f} ms  "
+                f"decode {batch / step_s:8.1f} tok/s"
+            )
+    fused_moe.ALIGN_KERNEL_MAX_PAIRS = kernel_max_pairs
     print(
         json.dumps(
             {

@@ -15,7 +15,15 @@ import triton.language as tl
 
 from freetoken._core import InvalidArgumentError, align_slots, aligned_len
 from freetoken.kernels import paged_attention
-from freetoken.kernels.fused_moe import align_pairs, block_m_for, fused_moe, fused_moe_reference, fused_moe_tiles
+from freetoken.kernels.fused_moe import (
+    ALIGN_KERNEL_MAX_PAIRS,
+    align_pairs,
+    align_pairs_kernel,
+    block_m_for,
+    fused_moe,
+    fused_moe_reference,
+    fused_moe_tiles,
+)
 from freetoken.kernels.layer_ops import _round_to
 from freetoken.kernels.paged_attention import (
     paged_decode_attention,
@@ -43,6 +51,24 @@ def test_align_pairs_groups_by_expert(num_tokens, top_k):
         if expert < 0:
             assert not pairs
         assert all(ids.reshape(-1)[p].item() == expert for p in pairs)
+
+
+@pytest.mark.parametrize(
+    "num_tokens,top_k,num_experts,block_m",
+    [(1, 8, 128, 16), (4, 8, 128, 16), (7, 3, 20, 16), (64, 8, 128, 16), (128, 8, 2000, 16), (5, 4, 6, 64)],
+)
+def test_align_kernel_equals_tensor_ops(num_tokens, top_k, num_experts, block_m):
+    """`align_pairs_kernel` (one Triton program; Triton's interpreter on the CPU) gives `align_pairs`' tensor-op
+    result bit for bit: the same rows, padding and tile experts, skipped pairs (negative ids) included, from one
+    pair to 1024 and from 6 experts to 2000 slots; past its sizes it refuses."""
+    gen = torch.Generator().manual_seed(num_tokens * 1000 + num_experts)
+    ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen)
+    ids[torch.rand(num_tokens, top_k, generator=gen) < 0.1] = -1
+    want = align_pairs(ids, num_experts, block_m)  # CPU: the tensor ops
+    got = align_pairs_kernel(ids.to(DEVICE), num_experts, block_m)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    with pytest.raises(ValueError, match="align_pairs_kernel takes up to"):
+        align_pairs_kernel(torch.zeros(ALIGN_KERNEL_MAX_PAIRS + 1, 1, dtype=torch.int64), num_experts, block_m)
 
 
 @pytest.mark.parametrize("num_tokens,top_k,block_m", [(1, 8, 16), (7, 3, 16), (40, 8, 64)])

@@ -10,6 +10,11 @@ Variants:
   - `fused_moe_tiles`: the same over tiles split in stages run one after the other (the decode driver's hits,
     then its fills once they land).
   - `fused_moe_reference`: the same maths in plain torch, the correctness reference.
+  - `align_pairs`: the sort and padding, on CUDA at decode sizes one Triton program (`align_pairs_kernel`), whose
+    single launch replaced ~25 small tensor ops: a layer call of `fused_moe` at batch 1 replayed from a CUDA graph
+    went from 92.6 to 34.9 us, and the `fused` backend's decode of Qwen3-30B-A3B (H200, bf16, dummy weights) from
+    141.5 to 211.0 tok/s at batch 1 and from 660 to 857 at batch 8 (`benches/decode_fused.py --align kernel ops`,
+    both in one run; the 92.6 and 34.9 us are `benches/quant_moe.py`'s bf16 row in a run before and one after).
 
 Shapes (project letters): M tokens, K hidden, N expert intermediate, E experts (or slots), k top-k.
 Test: python -m pytest tests/kernels/test_kernels.py     Bench: python benches/decode_fused.py
@@ -24,6 +29,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from freetoken._core import aligned_len
 from freetoken.kernels.moe_tiles import swiglu_rounded, tile_rows
 
 
@@ -123,10 +129,96 @@ def _down_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & out_ok)
 
 
+@triton.jit
+def _align_kernel(
+    ids_ptr,
+    sorted_pair_ptr,
+    block_expert_ptr,
+    num_pairs,
+    num_experts,
+    num_rows,
+    num_tiles,
+    BLOCK_M: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+):
+    """`align_pairs` in one program: a histogram of the pairs' buckets (experts, then bucket `num_experts` for the
+    skipped pairs; padding lanes in the last bin, BLOCK_E - 1 > num_experts), each bucket's padded start from a
+    prefix sum, and a sort of the keys bucket * BLOCK_P + pair (distinct, so the order within a bucket is the pairs'
+    own: stable). The sorted key at position p is pair p - first[bucket] rows into its bucket's padded group; a tile
+    starts at every such row that is a multiple of BLOCK_M. Rows and tiles are filled first (num_pairs, -1), then
+    written over after a barrier: one program, so its threads see each other's stores after it."""
+    i = tl.arange(0, BLOCK_P)
+    real = i < num_pairs
+    ids = tl.load(ids_ptr + i, mask=real, other=0)
+    bucket = tl.where(real, tl.where(ids < 0, num_experts, ids), BLOCK_E - 1).to(tl.int32)
+    e = tl.arange(0, BLOCK_E)
+    counts = tl.where(e <= num_experts, tl.histogram(bucket, BLOCK_E), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    group_start = tl.cumsum(padded, 0) - padded
+    first = tl.cumsum(counts, 0) - counts
+    keys = tl.sort(bucket * BLOCK_P + i)  # padding lanes (the last bin) sort last
+    pair = keys % BLOCK_P
+    sorted_bucket = keys // BLOCK_P
+    rank = i - tl.gather(first, sorted_bucket, 0)
+    dest = tl.gather(group_start, sorted_bucket, 0) + rank
+    r = tl.arange(0, BLOCK_R)
+    tl.store(sorted_pair_ptr + r, tl.full([BLOCK_R], 0, tl.int64) + num_pairs, mask=r < num_rows)
+    t = tl.arange(0, BLOCK_T)
+    tl.store(block_expert_ptr + t, tl.full([BLOCK_T], -1, tl.int64), mask=t < num_tiles)
+    tl.debug_barrier()
+    tl.store(sorted_pair_ptr + dest, pair.to(tl.int64), mask=real)
+    tile_first = real & (rank % BLOCK_M == 0) & (sorted_bucket < num_experts)
+    tl.store(block_expert_ptr + dest // BLOCK_M, sorted_bucket.to(tl.int64), mask=tile_first)
+
+
+# `align_pairs` runs `_align_kernel` on CUDA up to these sizes (decode steps; a prefill chunk's pairs take the
+# torch ops, whose launches are a small share of its time): pairs, and experts (or slots) + 2 histogram bins
+ALIGN_KERNEL_MAX_PAIRS = 1024
+ALIGN_KERNEL_MAX_BINS = 8192
+
+
+def align_pairs_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_pairs` as one Triton program (`_align_kernel`), the same outputs bit for bit: one launch instead of
+    ~25 small torch ops, which a decode step's CUDA graph replays once per MoE layer.
+
+    Raises:
+        ValueError: more than ALIGN_KERNEL_MAX_PAIRS pairs or ALIGN_KERNEL_MAX_BINS - 2 experts."""
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    if num_pairs > ALIGN_KERNEL_MAX_PAIRS or num_experts + 2 > ALIGN_KERNEL_MAX_BINS:
+        raise ValueError(
+            f"align_pairs_kernel takes up to {ALIGN_KERNEL_MAX_PAIRS} pairs and {ALIGN_KERNEL_MAX_BINS - 2} experts, "
+            f"not {num_pairs} and {num_experts}"
+        )
+    num_rows, num_tiles = aligned_len(num_pairs, num_experts, block_m)
+    sorted_pairs = torch.empty(num_rows, dtype=torch.int64, device=flat.device)
+    block_expert = torch.empty(num_tiles, dtype=torch.int64, device=flat.device)
+    _align_kernel[(1,)](
+        flat.contiguous(),
+        sorted_pairs,
+        block_expert,
+        num_pairs,
+        num_experts,
+        num_rows,
+        num_tiles,
+        BLOCK_M=block_m,
+        BLOCK_P=max(16, triton.next_power_of_2(num_pairs)),
+        BLOCK_E=triton.next_power_of_2(num_experts + 2),
+        BLOCK_R=triton.next_power_of_2(num_rows),
+        BLOCK_T=max(16, triton.next_power_of_2(num_tiles)),
+        num_warps=4,
+    )
+    return sorted_pairs, block_expert
+
+
 def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort (token, expert) pairs by expert and pad each expert's group to a multiple of `block_m`.
 
-    Fixed-shape tensor ops only (no host sync), so it can be captured in a CUDA graph.
+    Fixed-shape work only (no host sync), so it can be captured in a CUDA graph: on CUDA up to
+    ALIGN_KERNEL_MAX_PAIRS pairs one Triton program (`align_pairs_kernel`), else tensor ops.
 
     Args:
         topk_ids: [M, k] int64 expert (or slot) ids in [0, num_experts); a negative id skips the pair (an
@@ -139,11 +231,12 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
             R = M*k + min(M*k, E + 1) * (block_m - 1) rounded up to block_m, an upper bound of the padded total.
         block_expert: [R / block_m] int64, the expert of each M tile, -1 for tiles past the end.
     """
+    num_pairs = topk_ids.numel()
+    if topk_ids.is_cuda and num_pairs <= ALIGN_KERNEL_MAX_PAIRS and num_experts + 2 <= ALIGN_KERNEL_MAX_BINS:
+        return align_pairs_kernel(topk_ids, num_experts, block_m)
     # Skipped pairs go to one extra bucket, number num_experts, whose tiles are marked -1 below.
     flat = torch.where(topk_ids.reshape(-1) < 0, num_experts, topk_ids.reshape(-1))
-    num_pairs = flat.numel()
-    num_rows = num_pairs + min(num_pairs, num_experts + 1) * (block_m - 1)
-    num_rows = -(-num_rows // block_m) * block_m
+    num_rows, _ = aligned_len(num_pairs, num_experts, block_m)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
