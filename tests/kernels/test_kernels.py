@@ -25,6 +25,7 @@ from freetoken.kernels.fused_moe import (
     fused_moe_tiles,
 )
 from freetoken.kernels.layer_ops import _round_to
+from freetoken.kernels.moe_tiles import sum_pairs
 from freetoken.kernels.paged_attention import (
     paged_decode_attention,
     paged_decode_attention_reference,
@@ -69,6 +70,24 @@ def test_align_kernel_equals_tensor_ops(num_tokens, top_k, num_experts, block_m)
     assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
     with pytest.raises(ValueError, match="align_pairs_kernel takes up to"):
         align_pairs_kernel(torch.zeros(ALIGN_KERNEL_MAX_PAIRS + 1, 1, dtype=torch.int64), num_experts, block_m)
+
+
+@pytest.mark.parametrize("num_tokens,top_k,hidden", [(1, 8, 2048), (3, 2, 96), (5, 4, 1500)])
+def test_sum_pairs_sums_each_tokens_experts(num_tokens, top_k, hidden):
+    """`sum_pairs` (one Triton launch; the interpreter on the CPU) sums each token's k rows into out: exactly where
+    the sums are exact (small integers), within float32 sum order of torch.sum otherwise, into a given buffer, and
+    refuses a strided one. Hidden sizes that are not a power of two mask the last columns."""
+    gen = torch.Generator().manual_seed(hidden)
+    ints = torch.randint(-64, 64, (num_tokens * top_k, hidden), generator=gen).to(DTYPE).to(DEVICE)
+    assert torch.equal(sum_pairs(ints, top_k), ints.view(num_tokens, top_k, hidden).sum(dim=1))
+    pairs = torch.randn(num_tokens * top_k, hidden, generator=gen).to(DTYPE).to(DEVICE)
+    out = torch.full((num_tokens, hidden), 7.0, dtype=DTYPE, device=DEVICE)
+    assert sum_pairs(pairs, top_k, out) is out
+    want = pairs.double().view(num_tokens, top_k, hidden).sum(dim=1)
+    # one rounding of a float32 sum: half a unit in the last place of the dtype, plus float32's own order
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=2**-8 if DTYPE == torch.bfloat16 else 1e-6)
+    with pytest.raises(ValueError, match="contiguous"):
+        sum_pairs(pairs, top_k, torch.empty(num_tokens, 2 * hidden, dtype=DTYPE, device=DEVICE)[:, ::2])
 
 
 @pytest.mark.parametrize("num_tokens,top_k,block_m", [(1, 8, 16), (7, 3, 16), (40, 8, 64)])

@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from freetoken._core import aligned_len
-from freetoken.kernels.moe_tiles import swiglu_rounded, tile_rows
+from freetoken.kernels.moe_tiles import sum_pairs, swiglu_rounded, tile_rows
 
 
 @triton.jit
@@ -383,7 +383,7 @@ def fused_moe_tiles(
             num_warps=num_warps,
             num_stages=num_stages,
         )
-    return torch.sum(pairs.view(num_tokens, top_k, hidden_size), dim=1, out=out)
+    return sum_pairs(pairs, top_k, out)
 
 
 def fused_moe_reference(

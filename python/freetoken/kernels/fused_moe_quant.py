@@ -98,7 +98,7 @@ import triton.language as tl
 from freetoken.kernels import fused_moe_fp4_mma as fp4_mma
 from freetoken.kernels.fused_moe import align_pairs, block_m_for, fused_moe_reference
 from freetoken.kernels.fused_moe_gemv import GEMV_MAX_PAIRS, GemvConfig, gemv_supported, gemv_tiles
-from freetoken.kernels.moe_tiles import FORMAT_IDS, e4m3_f16, swiglu_rounded, tile_rows
+from freetoken.kernels.moe_tiles import FORMAT_IDS, e4m3_f16, sum_pairs, swiglu_rounded, tile_rows
 from freetoken.quant.formats import ExpertFormat, ExpertLayout
 from freetoken.quant.reference import dequantize_experts
 
@@ -667,7 +667,7 @@ def fused_moe_quant_tiles(
                 fp4_mma.fp4_mma_tiles(
                     hidden, experts, layout, weights, sorted_pairs, block_expert, block_m, h, pairs, fp4_mma_configs
                 )
-        return torch.sum(pairs.view(num_tokens, top_k, hidden_size), dim=1, out=out)
+        return sum_pairs(pairs, top_k, out)
     sec = layout.sections
     gate_up_off, gate_up_n = sec["gate_up"]
     gate_up_scale_off, gate_up_scale_n = sec["gate_up_scale"]
@@ -749,7 +749,7 @@ def fused_moe_quant_tiles(
             **down_words,
             **meta,
         )
-    return torch.sum(pairs.view(num_tokens, top_k, hidden_size), dim=1, out=out)
+    return sum_pairs(pairs, top_k, out)
 
 
 def fused_moe_quant_reference(
