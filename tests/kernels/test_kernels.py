@@ -61,13 +61,16 @@ def test_align_pairs_groups_by_expert(num_tokens, top_k):
 def test_align_kernel_equals_tensor_ops(num_tokens, top_k, num_experts, block_m):
     """`align_pairs_kernel` (one Triton program; Triton's interpreter on the CPU) gives `align_pairs`' tensor-op
     result bit for bit: the same rows, padding and tile experts, skipped pairs (negative ids) included, from one
-    pair to 1024 and from 6 experts to 2000 slots; past its sizes it refuses."""
+    pair to 1024 (and none), int64 or int32 ids, from 6 experts to 2000 slots; past its sizes it refuses."""
     gen = torch.Generator().manual_seed(num_tokens * 1000 + num_experts)
     ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen)
     ids[torch.rand(num_tokens, top_k, generator=gen) < 0.1] = -1
     want = align_pairs(ids, num_experts, block_m)  # CPU: the tensor ops
-    got = align_pairs_kernel(ids.to(DEVICE), num_experts, block_m)
-    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    for dtype in (torch.int64, torch.int32):
+        got = align_pairs_kernel(ids.to(DEVICE, dtype), num_experts, block_m)
+        assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    empty = torch.zeros(0, top_k, dtype=torch.int64)
+    assert [t.numel() for t in align_pairs_kernel(empty.to(DEVICE), num_experts, block_m)] == [0, 0]
     with pytest.raises(ValueError, match="align_pairs_kernel takes up to"):
         align_pairs_kernel(torch.zeros(ALIGN_KERNEL_MAX_PAIRS + 1, 1, dtype=torch.int64), num_experts, block_m)
 

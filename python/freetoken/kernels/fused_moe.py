@@ -196,6 +196,8 @@ def align_pairs_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int) -
     num_rows, num_tiles = aligned_len(num_pairs, num_experts, block_m)
     sorted_pairs = torch.empty(num_rows, dtype=torch.int64, device=flat.device)
     block_expert = torch.empty(num_tiles, dtype=torch.int64, device=flat.device)
+    if num_pairs == 0:
+        return sorted_pairs, block_expert  # no rows, no tiles
     _align_kernel[(1,)](
         flat.contiguous(),
         sorted_pairs,
@@ -207,7 +209,7 @@ def align_pairs_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int) -
         BLOCK_M=block_m,
         BLOCK_P=max(16, triton.next_power_of_2(num_pairs)),
         BLOCK_E=triton.next_power_of_2(num_experts + 2),
-        BLOCK_R=triton.next_power_of_2(num_rows),
+        BLOCK_R=max(16, triton.next_power_of_2(num_rows)),
         BLOCK_T=max(16, triton.next_power_of_2(num_tiles)),
         num_warps=4,
     )
