@@ -87,8 +87,8 @@ def test_sum_pairs_sums_each_tokens_experts(num_tokens, top_k, hidden):
     out = torch.full((num_tokens, hidden), 7.0, dtype=DTYPE, device=DEVICE)
     assert sum_pairs(pairs, top_k, out) is out
     want = pairs.double().view(num_tokens, top_k, hidden).sum(dim=1)
-    # one rounding of a float32 sum: half a unit in the last place of the dtype, plus float32's own order
-    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=2**-8 if DTYPE == torch.bfloat16 else 1e-6)
+    # one rounding of a float32 sum (at most half a unit in the last place of the dtype) and float32 sum order
+    torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=2**-7 if DTYPE == torch.bfloat16 else 1e-6)
     with pytest.raises(ValueError, match="contiguous"):
         sum_pairs(pairs, top_k, torch.empty(num_tokens, 2 * hidden, dtype=DTYPE, device=DEVICE)[:, ::2])
 
