@@ -14,6 +14,7 @@ Prints one line per batch size and alignment (median step time, tok/s) and a fin
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -102,6 +103,7 @@ def main() -> None:
     kernel_max_pairs = fused_moe.ALIGN_KERNEL_MAX_PAIRS
     for align in args.align:
         fused_moe.ALIGN_KERNEL_MAX_PAIRS = kernel_max_pairs if align == "kernel" else 0
+        torch.cuda.reset_peak_memory_stats()  # each engine's peak alone (the previous one is freed below)
         engine = LLMEngine(model, cfg, engine_cfg, tokenizer=None)
         measure(engine, 1, 16, 4)  # warm-up
         if args.profile:
@@ -116,12 +118,16 @@ def main() -> None:
                     "step_ms": round(step_s * 1e3, 2),
                     "tok_per_s": round(batch / step_s, 1),
                     "steps": len(times),
+                    "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1),
                 }
             )
             print(
                 f"batch {batch:3d}, align {align:>6}: median step {step_s * 1e3:7.2f} ms  "
                 f"decode {batch / step_s:8.1f} tok/s"
             )
+        del engine  # its KV cache and graphs, before the next engine allocates its own
+        gc.collect()
+        torch.cuda.empty_cache()
     fused_moe.ALIGN_KERNEL_MAX_PAIRS = kernel_max_pairs
     print(
         json.dumps(
@@ -131,7 +137,6 @@ def main() -> None:
                 "backend": "fused",
                 "dtype": "bfloat16",
                 "weights_gb": round(weights_gb, 1),
-                "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 1e9, 1),
                 "rows": rows,
             }
         )

@@ -8,9 +8,10 @@ as `fused_moe_fp4_mma`'s at batch 1 (gate/up: 8 tiles x 96 programs of 2 warps; 
     tile's counter (release) when done, and a down program spins on its tile's counter (acquire) until the tile's
     96 have; the tile's last down program zeroes the counters for the next call.
 
-Each gate/up program busy-waits --work-us (clock64, at the clock --ghz), each down program only stores a word. The
-figure is the time per call from CUDA-graph replays (`gpu_timing.graph_us`), and, against gate/up alone, what the
-dependency adds: the wait's latency plus down's launch and its programs' own time.
+Each gate/up program busy-waits --work-us (clock64, at the clock --ghz), each down program only stores a word (one
+launch has one num_warps, so under `counters` the down programs run 2 warps, not 1). The figure is the time per
+call from CUDA-graph replays (`gpu_timing.graph_us`), and, against gate/up alone, what the dependency adds: the
+wait's latency plus down's launch and its programs' own time.
 
     python benches/dependency_gap.py [--work-us 6] [--ghz 1.98] [--iters 50]
 

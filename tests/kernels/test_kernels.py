@@ -16,9 +16,9 @@ import triton.language as tl
 from freetoken._core import InvalidArgumentError, align_slots, aligned_len
 from freetoken.kernels import paged_attention
 from freetoken.kernels.fused_moe import (
+    ALIGN_KERNEL_MAX_BINS,
     ALIGN_KERNEL_MAX_PAIRS,
     align_pairs,
-    align_pairs_kernel,
     block_m_for,
     fused_moe,
     fused_moe_reference,
@@ -56,30 +56,48 @@ def test_align_pairs_groups_by_expert(num_tokens, top_k):
 
 @pytest.mark.parametrize(
     "num_tokens,top_k,num_experts,block_m",
-    [(1, 8, 128, 16), (4, 8, 128, 16), (7, 3, 20, 16), (64, 8, 128, 16), (128, 8, 2000, 16), (5, 4, 6, 64)],
+    [
+        (1, 1, 6, 16),
+        (1, 8, 128, 16),
+        (4, 8, 128, 16),
+        (7, 3, 20, 16),
+        (64, 8, 128, 16),
+        (128, 8, 2000, 16),
+        (5, 4, 6, 64),
+    ],
 )
 def test_align_kernel_equals_tensor_ops(num_tokens, top_k, num_experts, block_m):
-    """`align_pairs_kernel` (one Triton program; Triton's interpreter on the CPU) gives `align_pairs`' tensor-op
-    result bit for bit: the same rows, padding and tile experts, skipped pairs (negative ids) included, from one
-    pair to 1024 (and none), int64 or int32 ids, from 6 experts to 2000 slots; past its sizes it refuses."""
+    """`align_pairs`' Triton program (Triton's interpreter on the CPU) gives its tensor ops' result bit for bit: the
+    same rows, padding and tile experts, skipped pairs (negative ids) included, from one pair to 1024 and none,
+    int64 or int32 ids, from 6 experts to 2000 slots. An id past the experts is skipped, not read out of bounds;
+    past its sizes the program refuses."""
     gen = torch.Generator().manual_seed(num_tokens * 1000 + num_experts)
     ids = torch.randint(0, num_experts, (num_tokens, top_k), generator=gen)
     ids[torch.rand(num_tokens, top_k, generator=gen) < 0.1] = -1
-    want = align_pairs(ids, num_experts, block_m)  # CPU: the tensor ops
+    want = align_pairs(ids, num_experts, block_m, kernel=False)
     for dtype in (torch.int64, torch.int32):
-        got = align_pairs_kernel(ids.to(DEVICE, dtype), num_experts, block_m)
+        got = align_pairs(ids.to(DEVICE, dtype), num_experts, block_m, kernel=True)
         assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
+    past = ids.clone()
+    past[0, 0] = num_experts + 3
+    ids[0, 0] = -1
+    got, want = align_pairs(past.to(DEVICE), num_experts, block_m, kernel=True), align_pairs(ids, num_experts, block_m)
+    assert torch.equal(got[0].cpu(), want[0]) and torch.equal(got[1].cpu(), want[1])
     empty = torch.zeros(0, top_k, dtype=torch.int64)
-    assert [t.numel() for t in align_pairs_kernel(empty.to(DEVICE), num_experts, block_m)] == [0, 0]
-    with pytest.raises(ValueError, match="align_pairs_kernel takes up to"):
-        align_pairs_kernel(torch.zeros(ALIGN_KERNEL_MAX_PAIRS + 1, 1, dtype=torch.int64), num_experts, block_m)
+    assert [t.numel() for t in align_pairs(empty.to(DEVICE), num_experts, block_m, kernel=True)] == [0, 0]
+    too_many = torch.zeros(ALIGN_KERNEL_MAX_PAIRS + 1, 1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="Triton program takes up to"):
+        align_pairs(too_many, num_experts, block_m, kernel=True)
+    with pytest.raises(ValueError, match="Triton program takes up to"):
+        align_pairs(ids, ALIGN_KERNEL_MAX_BINS - 1, block_m, kernel=True)
 
 
 @pytest.mark.parametrize("num_tokens,top_k,hidden", [(1, 8, 2048), (3, 2, 96), (5, 4, 1500)])
 def test_sum_pairs_sums_each_tokens_experts(num_tokens, top_k, hidden):
     """`sum_pairs` (one Triton launch; the interpreter on the CPU) sums each token's k rows into out: exactly where
-    the sums are exact (small integers), within float32 sum order of torch.sum otherwise, into a given buffer, and
-    refuses a strided one. Hidden sizes that are not a power of two mask the last columns."""
+    the sums are exact (small integers), within float32 sum order of torch.sum otherwise, into a given buffer; it
+    refuses a buffer of another shape, dtype or layout, and pairs that are strided or not whole tokens. Hidden sizes
+    that are not a power of two mask the last columns."""
     gen = torch.Generator().manual_seed(hidden)
     ints = torch.randint(-64, 64, (num_tokens * top_k, hidden), generator=gen).to(DTYPE).to(DEVICE)
     assert torch.equal(sum_pairs(ints, top_k), ints.view(num_tokens, top_k, hidden).sum(dim=1))
@@ -89,8 +107,17 @@ def test_sum_pairs_sums_each_tokens_experts(num_tokens, top_k, hidden):
     want = pairs.double().view(num_tokens, top_k, hidden).sum(dim=1)
     # one rounding of a float32 sum (at most half a unit in the last place of the dtype) and float32 sum order
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=2**-7 if DTYPE == torch.bfloat16 else 1e-6)
-    with pytest.raises(ValueError, match="contiguous"):
-        sum_pairs(pairs, top_k, torch.empty(num_tokens, 2 * hidden, dtype=DTYPE, device=DEVICE)[:, ::2])
+    for bad_out in (
+        torch.empty(num_tokens, 2 * hidden, dtype=DTYPE, device=DEVICE)[:, ::2],  # strided
+        torch.empty(num_tokens + 1, hidden, dtype=DTYPE, device=DEVICE),  # a row too many
+        torch.empty(num_tokens, hidden, dtype=torch.float64, device=DEVICE),
+    ):
+        with pytest.raises(ValueError, match="sum_pairs writes a contiguous"):
+            sum_pairs(pairs, top_k, bad_out)
+    with pytest.raises(ValueError, match="sum_pairs takes contiguous"):
+        sum_pairs(torch.cat([pairs, pairs], dim=1)[:, ::2], top_k)
+    with pytest.raises(ValueError, match="sum_pairs takes contiguous"):
+        sum_pairs(pairs[1:], top_k)  # not whole tokens
 
 
 @pytest.mark.parametrize("num_tokens,top_k,block_m", [(1, 8, 16), (7, 3, 16), (40, 8, 64)])

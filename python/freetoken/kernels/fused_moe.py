@@ -10,7 +10,7 @@ Variants:
   - `fused_moe_tiles`: the same over tiles split in stages run one after the other (the decode driver's hits,
     then its fills once they land).
   - `fused_moe_reference`: the same maths in plain torch, the correctness reference.
-  - `align_pairs`: the sort and padding, on CUDA at decode sizes one Triton program (`align_pairs_kernel`), whose
+  - `align_pairs`: the sort and padding, on CUDA at decode sizes one Triton program (`_align_pairs_kernel`), whose
     single launch replaced ~25 small tensor ops: a layer call of `fused_moe` at batch 1 replayed from a CUDA graph
     went from 92.6 to 34.9 us, and the `fused` backend's decode of Qwen3-30B-A3B (H200, bf16, dummy weights) from
     141.5 to 211.0 tok/s at batch 1 and from 660 to 857 at batch 8 (`benches/decode_fused.py --align kernel ops`,
@@ -130,7 +130,7 @@ def _down_kernel(
 
 
 @triton.jit
-def _align_kernel(
+def _align_pairs_kernel(
     ids_ptr,
     sorted_pair_ptr,
     block_expert_ptr,
@@ -141,19 +141,19 @@ def _align_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_P: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    BLOCK_R: tl.constexpr,
-    BLOCK_T: tl.constexpr,
+    FILL: tl.constexpr,
 ):
     """`align_pairs` in one program: a histogram of the pairs' buckets (experts, then bucket `num_experts` for the
-    skipped pairs; padding lanes in the last bin, BLOCK_E - 1 > num_experts), each bucket's padded start from a
-    prefix sum, and a sort of the keys bucket * BLOCK_P + pair (distinct, so the order within a bucket is the pairs'
-    own: stable). The sorted key at position p is pair p - first[bucket] rows into its bucket's padded group; a tile
-    starts at every such row that is a multiple of BLOCK_M. Rows and tiles are filled first (num_pairs, -1), then
-    written over after a barrier: one program, so its threads see each other's stores after it."""
+    skipped pairs, which ids past the experts join; padding lanes in the last bin, BLOCK_E - 1 > num_experts), each
+    bucket's padded start from a prefix sum, and a sort of the keys bucket * BLOCK_P + pair (distinct, so the order
+    within a bucket is the pairs' own: stable). The sorted key at position p is pair p - first[bucket] rows into its
+    bucket's padded group; a tile starts at every such row that is a multiple of BLOCK_M. Rows and tiles are filled
+    first (num_pairs, -1; FILL at a time), then written over after a barrier: one program, so its threads see each
+    other's stores after it."""
     i = tl.arange(0, BLOCK_P)
     real = i < num_pairs
     ids = tl.load(ids_ptr + i, mask=real, other=0)
-    bucket = tl.where(real, tl.where(ids < 0, num_experts, ids), BLOCK_E - 1).to(tl.int32)
+    bucket = tl.where(real, tl.where((ids < 0) | (ids >= num_experts), num_experts, ids), BLOCK_E - 1).to(tl.int32)
     e = tl.arange(0, BLOCK_E)
     counts = tl.where(e <= num_experts, tl.histogram(bucket, BLOCK_E), 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -164,81 +164,82 @@ def _align_kernel(
     sorted_bucket = keys // BLOCK_P
     rank = i - tl.gather(first, sorted_bucket, 0)
     dest = tl.gather(group_start, sorted_bucket, 0) + rank
-    r = tl.arange(0, BLOCK_R)
-    tl.store(sorted_pair_ptr + r, tl.full([BLOCK_R], 0, tl.int64) + num_pairs, mask=r < num_rows)
-    t = tl.arange(0, BLOCK_T)
-    tl.store(block_expert_ptr + t, tl.full([BLOCK_T], -1, tl.int64), mask=t < num_tiles)
+    f = tl.arange(0, FILL)
+    for start in range(0, num_rows, FILL):
+        tl.store(sorted_pair_ptr + start + f, tl.full([FILL], 0, tl.int64) + num_pairs, mask=start + f < num_rows)
+    for start in range(0, num_tiles, FILL):
+        tl.store(block_expert_ptr + start + f, tl.full([FILL], -1, tl.int64), mask=start + f < num_tiles)
     tl.debug_barrier()
     tl.store(sorted_pair_ptr + dest, pair.to(tl.int64), mask=real)
     tile_first = real & (rank % BLOCK_M == 0) & (sorted_bucket < num_experts)
     tl.store(block_expert_ptr + dest // BLOCK_M, sorted_bucket.to(tl.int64), mask=tile_first)
 
 
-# `align_pairs` runs `_align_kernel` on CUDA up to these sizes (decode steps; a prefill chunk's pairs take the
-# torch ops, whose launches are a small share of its time): pairs, and experts (or slots) + 2 histogram bins
+# `align_pairs` runs `_align_pairs_kernel` on CUDA up to these sizes (decode steps and short prefill chunks; larger
+# chunks take the tensor ops, whose launches are a small share of their time): pairs, and experts (or slots) + 2
+# histogram bins
 ALIGN_KERNEL_MAX_PAIRS = 1024
 ALIGN_KERNEL_MAX_BINS = 8192
 
 
-def align_pairs_kernel(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`align_pairs` as one Triton program (`_align_kernel`), the same outputs bit for bit: one launch instead of
-    ~25 small torch ops, which a decode step's CUDA graph replays once per MoE layer.
-
-    Raises:
-        ValueError: more than ALIGN_KERNEL_MAX_PAIRS pairs or ALIGN_KERNEL_MAX_BINS - 2 experts."""
-    flat = topk_ids.reshape(-1)
-    num_pairs = flat.numel()
-    if num_pairs > ALIGN_KERNEL_MAX_PAIRS or num_experts + 2 > ALIGN_KERNEL_MAX_BINS:
-        raise ValueError(
-            f"align_pairs_kernel takes up to {ALIGN_KERNEL_MAX_PAIRS} pairs and {ALIGN_KERNEL_MAX_BINS - 2} experts, "
-            f"not {num_pairs} and {num_experts}"
-        )
-    num_rows, num_tiles = aligned_len(num_pairs, num_experts, block_m)
-    sorted_pairs = torch.empty(num_rows, dtype=torch.int64, device=flat.device)
-    block_expert = torch.empty(num_tiles, dtype=torch.int64, device=flat.device)
-    if num_pairs == 0:
-        return sorted_pairs, block_expert  # no rows, no tiles
-    _align_kernel[(1,)](
-        flat.contiguous(),
-        sorted_pairs,
-        block_expert,
-        num_pairs,
-        num_experts,
-        num_rows,
-        num_tiles,
-        BLOCK_M=block_m,
-        BLOCK_P=max(16, triton.next_power_of_2(num_pairs)),
-        BLOCK_E=triton.next_power_of_2(num_experts + 2),
-        BLOCK_R=max(16, triton.next_power_of_2(num_rows)),
-        BLOCK_T=max(16, triton.next_power_of_2(num_tiles)),
-        num_warps=4,
-    )
-    return sorted_pairs, block_expert
-
-
-def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+def align_pairs(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, kernel: bool | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Sort (token, expert) pairs by expert and pad each expert's group to a multiple of `block_m`.
 
-    Fixed-shape work only (no host sync), so it can be captured in a CUDA graph: on CUDA up to
-    ALIGN_KERNEL_MAX_PAIRS pairs one Triton program (`align_pairs_kernel`), else tensor ops.
+    Fixed-shape work only (no host sync), so it can be captured in a CUDA graph: one Triton program
+    (`_align_pairs_kernel`) or ~25 tensor ops, the same result bit for bit. The one launch is what a decode step's
+    CUDA graph wants, once per MoE layer.
 
     Args:
-        topk_ids: [M, k] int64 expert (or slot) ids in [0, num_experts); a negative id skips the pair (an
-            expert computed elsewhere, e.g. on the CPU): its tiles get expert -1.
+        topk_ids: [M, k] int64 (or, for the Triton program, int32) expert (or slot) ids in [0, num_experts), on any
+            device; a negative id skips the pair (an expert computed elsewhere, e.g. on the CPU): its tiles get
+            expert -1. An id >= num_experts is an error: the tensor ops raise (an index error, a device assert on
+            CUDA), the Triton program skips the pair as if negative.
         num_experts: E, the number of distinct ids possible.
         block_m: rows per M tile.
+        kernel: True: the Triton program (Triton's interpreter off CUDA), False: the tensor ops, None: the program
+            on CUDA within ALIGN_KERNEL_MAX_PAIRS pairs and ALIGN_KERNEL_MAX_BINS - 2 experts, else the ops.
 
     Returns:
         sorted_pairs: [R] int64, pair index (token * k + j) of each row, `M * k` on padding rows;
-            R = M*k + min(M*k, E + 1) * (block_m - 1) rounded up to block_m, an upper bound of the padded total.
+            R = M*k + min(M*k, E + 1) * (block_m - 1) rounded up to block_m, an upper bound of the padded total
+            (`freetoken._core.aligned_len`).
         block_expert: [R / block_m] int64, the expert of each M tile, -1 for tiles past the end.
+
+    Raises:
+        ValueError: kernel=True past ALIGN_KERNEL_MAX_PAIRS pairs or ALIGN_KERNEL_MAX_BINS - 2 experts.
     """
-    num_pairs = topk_ids.numel()
-    if topk_ids.is_cuda and num_pairs <= ALIGN_KERNEL_MAX_PAIRS and num_experts + 2 <= ALIGN_KERNEL_MAX_BINS:
-        return align_pairs_kernel(topk_ids, num_experts, block_m)
+    flat = topk_ids.reshape(-1)
+    num_pairs = flat.numel()
+    fits = num_pairs <= ALIGN_KERNEL_MAX_PAIRS and num_experts + 2 <= ALIGN_KERNEL_MAX_BINS
+    if kernel and not fits:
+        raise ValueError(
+            f"align_pairs' Triton program takes up to {ALIGN_KERNEL_MAX_PAIRS} pairs and "
+            f"{ALIGN_KERNEL_MAX_BINS - 2} experts, not {num_pairs} and {num_experts}"
+        )
+    num_rows, num_tiles = aligned_len(num_pairs, num_experts, block_m)
+    if kernel or (kernel is None and fits and flat.is_cuda):
+        sorted_pairs = torch.empty(num_rows, dtype=torch.int64, device=flat.device)
+        block_expert = torch.empty(num_tiles, dtype=torch.int64, device=flat.device)
+        if num_pairs:  # else no rows and no tiles
+            _align_pairs_kernel[(1,)](
+                flat.contiguous(),
+                sorted_pairs,
+                block_expert,
+                num_pairs,
+                num_experts,
+                num_rows,
+                num_tiles,
+                BLOCK_M=block_m,
+                BLOCK_P=max(16, triton.next_power_of_2(num_pairs)),
+                BLOCK_E=triton.next_power_of_2(num_experts + 2),
+                FILL=1024,
+                num_warps=4,
+            )
+        return sorted_pairs, block_expert
     # Skipped pairs go to one extra bucket, number num_experts, whose tiles are marked -1 below.
-    flat = torch.where(topk_ids.reshape(-1) < 0, num_experts, topk_ids.reshape(-1))
-    num_rows, _ = aligned_len(num_pairs, num_experts, block_m)
+    flat = torch.where(flat < 0, num_experts, flat)
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=flat.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m

@@ -62,24 +62,42 @@ def _sum_pairs_kernel(pairs_ptr, out_ptr, hidden_size, TOP_K: tl.constexpr, BLOC
 
 
 def sum_pairs(pairs: torch.Tensor, top_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The sum of each token's k expert outputs: [T * k, H] (row t * k + j, contiguous) -> [T, H] in pairs' dtype,
-    summed in float32 in j order and rounded once (as `torch.sum(pairs.view(T, k, H), dim=1)`, which sums in
-    float32 in an order of its own). One small Triton launch in place of torch's reduction over the middle
-    dimension: 1.5 against 4.5 us a layer call at batch 1 on the H200, and the `fused` backend's GPU time per
-    decode step of Qwen3-30B-A3B 3.83 -> 3.68 ms (`benches/decode_fused.py --profile`, 5 steps, one run each).
+    """The sum of each token's k expert outputs, summed in float32 in j order and rounded once (as
+    `torch.sum(pairs.view(T, k, H), dim=1)`, which sums in float32 in an order of its own). One small Triton launch
+    in place of torch's reduction over the middle dimension: 1.5 against 4.5 us a layer call at batch 1 on the
+    H200, and the `fused` backend's GPU time per decode step of Qwen3-30B-A3B 3.83 -> 3.68 ms
+    (`benches/decode_fused.py --profile`, 5 steps, one run each).
 
     Args:
-        out: [T, H] buffer for the result (pairs' dtype, contiguous), e.g. a CUDA graph's static input; None
-            allocates.
+        pairs: [T * k, H] (row t * k + j: token t's j-th expert), contiguous, any float dtype and device (Triton's
+            interpreter off CUDA).
+        top_k: k.
+        out: [T, H] buffer for the result, pairs' dtype and device, contiguous (e.g. a CUDA graph's static input),
+            written in place; None allocates.
+
+    Returns:
+        [T, H] in pairs' dtype: `out` where given.
 
     Raises:
-        ValueError: `out` not contiguous."""
+        ValueError: pairs not contiguous or not whole tokens of k rows; `out` of another shape, dtype or device, or
+            not contiguous."""
     num_pairs, hidden_size = pairs.shape
+    if not pairs.is_contiguous() or top_k < 1 or num_pairs % top_k:
+        shape, strides = tuple(pairs.shape), pairs.stride()
+        raise ValueError(f"sum_pairs takes contiguous [T * {top_k}, H] pairs, not {shape} with strides {strides}")
     num_tokens = num_pairs // top_k
-    if out is not None and not out.is_contiguous():
-        raise ValueError("sum_pairs writes a contiguous [T, H] out")
     if out is None:
         out = torch.empty(num_tokens, hidden_size, dtype=pairs.dtype, device=pairs.device)
+    elif (
+        out.shape != (num_tokens, hidden_size)
+        or out.dtype != pairs.dtype
+        or out.device != pairs.device
+        or not out.is_contiguous()
+    ):
+        raise ValueError(
+            f"sum_pairs writes a contiguous [{num_tokens}, {hidden_size}] {pairs.dtype} out on {pairs.device}, not "
+            f"{tuple(out.shape)} {out.dtype} on {out.device} with strides {out.stride()}"
+        )
     if num_tokens:
         block_h = min(1024, triton.next_power_of_2(hidden_size))
         _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
