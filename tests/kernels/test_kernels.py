@@ -100,10 +100,10 @@ def test_sum_pairs_sums_each_tokens_experts(num_tokens, top_k, hidden):
     that are not a power of two mask the last columns."""
     gen = torch.Generator().manual_seed(hidden)
     ints = torch.randint(-64, 64, (num_tokens * top_k, hidden), generator=gen).to(DTYPE).to(DEVICE)
-    assert torch.equal(sum_pairs(ints, top_k), ints.view(num_tokens, top_k, hidden).sum(dim=1))
+    assert torch.equal(sum_pairs(ints, top_k, kernel=True), ints.view(num_tokens, top_k, hidden).sum(dim=1))
     pairs = torch.randn(num_tokens * top_k, hidden, generator=gen).to(DTYPE).to(DEVICE)
     out = torch.full((num_tokens, hidden), 7.0, dtype=DTYPE, device=DEVICE)
-    assert sum_pairs(pairs, top_k, out) is out
+    assert sum_pairs(pairs, top_k, out, kernel=True) is out
     want = pairs.double().view(num_tokens, top_k, hidden).sum(dim=1)
     # one rounding of a float32 sum (at most half a unit in the last place of the dtype) and float32 sum order
     torch.testing.assert_close(out.double(), want, atol=1e-5, rtol=2**-7 if DTYPE == torch.bfloat16 else 1e-6)

@@ -61,7 +61,9 @@ def _sum_pairs_kernel(pairs_ptr, out_ptr, hidden_size, TOP_K: tl.constexpr, BLOC
     tl.store(out_ptr + t.to(tl.int64) * hidden_size + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def sum_pairs(pairs: torch.Tensor, top_k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def sum_pairs(
+    pairs: torch.Tensor, top_k: int, out: torch.Tensor | None = None, kernel: bool | None = None
+) -> torch.Tensor:
     """The sum of each token's k expert outputs, summed in float32 in j order and rounded once (as
     `torch.sum(pairs.view(T, k, H), dim=1)`, which sums in float32 in an order of its own). One small Triton launch
     in place of torch's reduction over the middle dimension: 1.5 against 4.5 us a layer call at batch 1 on the
@@ -74,6 +76,8 @@ def sum_pairs(pairs: torch.Tensor, top_k: int, out: torch.Tensor | None = None) 
         top_k: k.
         out: [T, H] buffer for the result, pairs' dtype and device, contiguous (e.g. a CUDA graph's static input),
             written in place; None allocates.
+        kernel: True: the Triton launch (Triton's interpreter off CUDA), False: `torch.sum`, None: the launch on
+            CUDA, else `torch.sum` (which also runs on the meta device, `tests/activation_peak.py`).
 
     Returns:
         [T, H] in pairs' dtype: `out` where given.
@@ -98,6 +102,8 @@ def sum_pairs(pairs: torch.Tensor, top_k: int, out: torch.Tensor | None = None) 
             f"sum_pairs writes a contiguous [{num_tokens}, {hidden_size}] {pairs.dtype} out on {pairs.device}, not "
             f"{tuple(out.shape)} {out.dtype} on {out.device} with strides {out.stride()}"
         )
+    if not (kernel or (kernel is None and pairs.is_cuda)):
+        return torch.sum(pairs.view(num_tokens, top_k, hidden_size), dim=1, out=out)
     if num_tokens:
         block_h = min(1024, triton.next_power_of_2(hidden_size))
         _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
