@@ -27,8 +27,9 @@ aligned and they go by byte, ~1.7x the instructions of the aligned build in
 the server does), `mma` (the tensor-core kernels), `gemv` (`fused_moe_gemv`'s CUDA-core kernels, any batch, at
 their `GEMV_CONFIGS`: `benches/gemv_grid.py` times those kernels' configs) and `fp4_mma` (`fused_moe_fp4_mma`,
 NVFP4 / MXFP4), or `fp4_mma:GU/DOWN` at other (gate/up, down) `Fp4MmaConfig`s, each K_UNITS,WARPS,PREFETCH,
-MAX_REGISTERS, and options (`FP4_MMA_OPTIONS`: `/nopdl`: the down kernel launched after gate/up, not as its
-dependent; `/contiguous`: the warps' K slices contiguous, not interleaved). Plain `fp4_mma` runs the configs the
+MAX_REGISTERS[,UNROLL[,SPLIT]] (e.g. `fp4_mma:4,2,1,128,1/4,1,1,80,0,3`, batch 1's), and options
+(`FP4_MMA_OPTIONS`: `/nopdl`: the down kernel launched after gate/up, not as its dependent; `/contiguous`: the
+warps' K slices contiguous, not interleaved). Plain `fp4_mma` runs the configs the
 call's batch gets (`fused_moe_fp4_mma.default_configs`). --sweep candidates are
 checked against the default config's output (`sweep_max_diff`, of the largest output) and ranked by the kernels'
 own microseconds under --profile (the call's are launch-bound), else by the call's.
@@ -244,8 +245,9 @@ FP4_MMA_OPTIONS = {"nopdl": ("PROGRAMMATIC_LAUNCH", False), "contiguous": ("INTE
 
 
 def fp4_variant(kernel: str):
-    """("fp4_mma" or "fp4_mma:GU/DOWN[/OPTION..]", GU and DOWN `Fp4MmaConfig`s as K_UNITS,WARPS,PREFETCH,MAX_REGISTERS,
-    options from FP4_MMA_OPTIONS) -> (the (gate/up, down) configs or None: the defaults, {module setting: value}).
+    """("fp4_mma" or "fp4_mma:GU/DOWN[/OPTION..]", GU and DOWN `Fp4MmaConfig`s as K_UNITS,WARPS,PREFETCH,MAX_REGISTERS
+    [,UNROLL[,SPLIT]], options from FP4_MMA_OPTIONS) -> (the (gate/up, down) configs or None: the defaults,
+    {module setting: value}).
 
     Raises:
         ValueError: an option FP4_MMA_OPTIONS does not name."""
@@ -279,8 +281,8 @@ def main() -> None:
         nargs="+",
         default=["auto"],
         help="auto, mma, gemv, fp4_mma, or fp4_mma:GU/DOWN[/OPTION..]: fp4_mma at these (gate/up, down) configs "
-        "(K_UNITS,WARPS,PREFETCH,MAX_REGISTERS each) and options: nopdl (the down kernel launched after gate/up, not "
-        "as its dependent), contiguous (the warps' K slices contiguous)",
+        "(K_UNITS,WARPS,PREFETCH,MAX_REGISTERS[,UNROLL[,SPLIT]] each) and options: nopdl (the down kernel launched "
+        "after gate/up, not as its dependent), contiguous (the warps' K slices contiguous)",
     )
     args = parser.parse_args()
     if args.byte_loads:

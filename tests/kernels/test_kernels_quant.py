@@ -155,15 +155,38 @@ def test_fp4_mma_refuses_what_it_cannot_run():
                         *args[1:], kernel="fp4_mma")  # fmt: skip
 
 
-def test_fp4_mma_stages_k_steps_in_shared_memory_from_batch_8():
-    """Left to choose, the fp4_mma kernels keep one K step of loads ahead in registers for small decode batches and
-    copy every K step into shared memory up front from STAGED_FROM_PAIRS pairs on (batch 8 of top-8)."""
+def test_fp4_mma_default_configs_by_batch():
+    """Left to choose, the fp4_mma kernels run one token of top-8 (up to SMALL_UP_TO_PAIRS pairs) with the loops
+    unrolled and down's K split over programs where that fits the sizes, keep one K step of loads ahead in
+    registers for other small decode batches, and copy every K step into shared memory up front from
+    STAGED_FROM_PAIRS pairs on (batch 8 of top-8)."""
     from freetoken.kernels import fused_moe_fp4_mma as m
 
-    assert m.default_configs(8) == m.default_configs(m.STAGED_FROM_PAIRS - 1) == m.FP4_MMA_CONFIGS
-    assert m.default_configs(m.STAGED_FROM_PAIRS) == m.default_configs(64) == m.FP4_MMA_STAGED_CONFIGS
-    assert all(config[2] == 0 for config in m.FP4_MMA_STAGED_CONFIGS)  # PREFETCH 0: staged
-    assert all(config[2] > 0 for config in m.FP4_MMA_CONFIGS)
+    qwen3 = (2048, 768)  # Qwen3-30B-A3B's hidden and expert intermediate sizes
+    assert m.default_configs(1, *qwen3) == m.default_configs(m.SMALL_UP_TO_PAIRS, *qwen3) == m.FP4_MMA_SMALL_CONFIGS
+    assert m.default_configs(m.SMALL_UP_TO_PAIRS + 1, *qwen3) == m.FP4_MMA_CONFIGS
+    assert m.default_configs(m.STAGED_FROM_PAIRS - 1, *qwen3) == m.FP4_MMA_CONFIGS
+    assert m.default_configs(m.STAGED_FROM_PAIRS, *qwen3) == m.default_configs(64, *qwen3) == m.FP4_MMA_STAGED_CONFIGS
+    # an intermediate size down's 3 splits of whole K steps do not divide: the unsplit configs
+    assert m.default_configs(8, 1024, 512) == m.FP4_MMA_CONFIGS
+    assert all(config.prefetch == 0 for config in m.FP4_MMA_STAGED_CONFIGS)  # staged
+    assert all(config.prefetch > 0 for config in m.FP4_MMA_CONFIGS + m.FP4_MMA_SMALL_CONFIGS)
+    assert m.FP4_MMA_SMALL_CONFIGS[1].split == 3 and m.FP4_MMA_SMALL_CONFIGS[0].split == 1
+
+
+def test_fp4_mma_configs_take_tuples_and_refuse_what_does_not_fit():
+    """Configs given as plain tuples take the later fields' defaults; a split gate/up (SwiGLU needs whole sums) and
+    a split that leaves a program part of a K step are refused with the config and the sizes in the message."""
+    from freetoken.kernels import fused_moe_fp4_mma as m
+
+    gate_up, down = m.configs_for(((4, 2, 1, 80), (4, 1, 1, 80, 1, 3)), 8, 2048, 768)
+    assert gate_up == m.Fp4MmaConfig(4, 2, 1, 80, 0, 1) and (down.unroll, down.split) == (1, 3)
+    assert m.configs_for(None, 8, 2048, 768) == m.default_configs(8, 2048, 768)
+    assert m.fits((4, 1, 1, 0, 0, 6), 768) and not m.fits((4, 1, 1, 0, 0, 4), 768)
+    with pytest.raises(ValueError, match="gate/up"):
+        m.configs_for(((4, 2, 1, 80, 0, 2), (4, 1, 1, 80)), 8, 2048, 768)
+    with pytest.raises(ValueError, match="768 columns"):
+        m.configs_for(((4, 2, 1, 80), (4, 1, 1, 80, 0, 4)), 8, 2048, 768)
 
 
 @pytest.mark.gpu
@@ -176,7 +199,8 @@ def test_fp4_mma_stages_k_steps_in_shared_memory_from_batch_8():
 def test_fp4_mma_matches_gemv_other_shapes_and_configs(fmt, num_tokens, interleaved, pdl, monkeypatch):
     """fp4_mma at another model's shapes (H 1024, I 512) and configs that fit them (K steps of 128 or 256
     columns, 1-4 warp slices, loads 1 or 2 steps ahead or all up front in shared memory, register caps or none, the
-    warps' K slices interleaved or contiguous, the down kernel a programmatic dependent launch or not), against the
+    K loop unrolled by two, down's K split over 2 or 4 programs, the warps' K slices interleaved or contiguous, the
+    down kernel a programmatic dependent launch or not), against the
     reference at the bf16 tolerance; 40 and 64 tokens put more than 8 rows in tiles (a second token group, partly or
     wholly real). Loads all up front add the same products in the same order as loads two steps ahead: equal bit for
     bit."""
@@ -193,14 +217,39 @@ def test_fp4_mma_matches_gemv_other_shapes_and_configs(fmt, num_tokens, interlea
     layout = fmt.layout(1024, 512)
     want = fused_moe_quant_reference(x, slots, layout, ids, weights)
     got = {}
-    for gate_up in [(4, 1, 1, 0), (4, 2, 2, 168), (8, 4, 1, 0), (4, 2, 0, 0)]:
-        for down in [(4, 1, 2, 0), (8, 2, 1, 128), (4, 1, 0, 0)]:
+    for gate_up in [(4, 1, 1, 0), (4, 2, 2, 168), (8, 4, 1, 0), (4, 2, 0, 0), (4, 2, 1, 128, 1)]:
+        for down in [(4, 1, 2, 0), (8, 2, 1, 128), (4, 1, 0, 0), (4, 1, 1, 80, 1, 2), (4, 1, 1, 0, 0, 4)]:
             assert fits(gate_up, 1024) and fits(down, 512)
             got[gate_up, down] = fused_moe_quant(
                 x.bfloat16(), slots, layout, ids, weights.bfloat16(), kernel="fp4_mma", fp4_mma_configs=(gate_up, down)
             ).float()
             torch.testing.assert_close(got[gate_up, down], want, atol=2e-2 * want.abs().max().item(), rtol=0)
     assert torch.equal(got[(4, 2, 0, 0), (4, 1, 0, 0)], got[(4, 2, 2, 168), (4, 1, 2, 0)])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", [NVFP4, MXFP4], ids=["nvfp4", "mxfp4"])
+@pytest.mark.parametrize("num_tokens", [1, 2])
+def test_fp4_mma_one_token_configs_match_the_reference(fmt, num_tokens):
+    """At Qwen3-30B-A3B's sizes (H 2048, I 768, top-8), a token's call takes FP4_MMA_SMALL_CONFIGS (down split over
+    3 programs, summed by `sum_pairs`), two tokens FP4_MMA_CONFIGS: both against the reference at the bf16
+    tolerance, and the small configs against the unsplit ones within a bf16 rounding of each of the three shares."""
+    from freetoken.kernels import fused_moe_fp4_mma as m
+
+    gen = torch.Generator().manual_seed(num_tokens)
+    slots = quantized_slots(fmt, 16, 2048, 768).cuda()
+    layout = fmt.layout(2048, 768)
+    ids = torch.stack([torch.randperm(16, generator=gen)[:8] for _ in range(num_tokens)]).cuda()
+    weights = torch.softmax(torch.randn(num_tokens, 8, generator=gen), dim=-1).bfloat16().cuda()
+    x = torch.randn(num_tokens, 2048, generator=gen).bfloat16().cuda()
+    want = fused_moe_quant_reference(x.float(), slots, layout, ids, weights.float())
+    got = fused_moe_quant(x, slots, layout, ids, weights, kernel="fp4_mma").float()
+    torch.testing.assert_close(got, want, atol=2e-2 * want.abs().max().item(), rtol=0)
+    unsplit = fused_moe_quant(x, slots, layout, ids, weights, kernel="fp4_mma", fp4_mma_configs=m.FP4_MMA_CONFIGS)
+    torch.testing.assert_close(got, unsplit.float(), atol=2e-2 * want.abs().max().item(), rtol=0)
+    if num_tokens == 1:
+        assert not torch.equal(got, unsplit.float())  # the split ran: its shares round on their own
 
 
 @pytest.mark.gpu

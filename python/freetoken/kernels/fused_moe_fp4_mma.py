@@ -107,6 +107,8 @@ python benches/read_pattern.py
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -183,26 +185,44 @@ INTERLEAVED_SLICES = True
 # one after the other (`benches/quant_moe.py --kernels fp4_mma:GU/DOWN/nopdl`)
 PROGRAMMATIC_LAUNCH = True
 
-# A kernel's launch config: (K step in 32-column units, num_warps: each warp runs its own slice of K, K steps
-# loaded ahead into registers: 1 or 2, or 0: all of a warp's steps copied into shared memory before the first
-# decode, registers per thread: ptxas's maxnreg
-# or 0, ptxas's choice). The register cap decides where ptxas puts the next steps' loads: left to itself it issues
-# them after the step's first mma, so each step waits on its own round trip to memory; given a cap with room for
-# them (sm_90 SASS, `benches/quant_moe.py --kernels fp4_mma:..`) it issues them first, before the step's wait.
-Fp4MmaConfig = tuple[int, int, int, int]
-# (gate/up, down): the H200's fastest at batches 1, 4 and 8 on Qwen3-30B-A3B's shapes (`benches/quant_moe.py
-# --profile --kernels fp4_mma:...`, NVFP4 and MXFP4 alike; `benches/gemv_grid.py --kernel fp4_mma` for one kernel
-# alone), K steps of 128 columns loaded one step ahead, 80 registers: gate/up's 2048 columns in 2 warp slices of 8
-# steps, down's 768 in one warp of 6 steps. Against ptxas's own choice (96 registers, loads after the first mma): the
-# same at batch 1, 0.87x the two kernels' span at batch 4 (NVFP4; MXFP4 0.94x). No faster: 4 warp slices (at 72 or
-# 80 registers, to stay one wave of programs), 2 for down, loads 2 steps ahead (128 or 168 registers), all steps'
-# loads up front (spills), 256-column steps.
-FP4_MMA_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = ((4, 2, 1, 80), (4, 1, 1, 80))
+
+# A kernel's launch config. The register cap decides where ptxas puts the next steps' loads: left to itself it
+# issues them after the step's first mma, so each step waits on its own round trip to memory; given a cap with room
+# for them (sm_90 SASS, `benches/quant_moe.py --kernels fp4_mma:..`) it issues them first, before the step's wait.
+class Fp4MmaConfig(NamedTuple):
+    """One kernel's launch config (plain tuples of the first four or more fields are taken as well)."""
+
+    k_units: int  # K step in 32-column units
+    num_warps: int  # warps per program, each on its own slice of the program's K
+    prefetch: int  # K steps loaded ahead into registers (1 or 2), or 0: every step copied to shared memory up front
+    max_registers: int  # ptxas's maxnreg, or 0: ptxas's choice
+    unroll: int = 0  # 1: at prefetch 1 and an even number of steps, the K loop unrolled by two (no register moves)
+    split: int = 1  # down only: its K split over this many programs, each summing its own share into its own rows
+
+
+# (gate/up, down) past SMALL_UP_TO_PAIRS (token, expert) pairs and below STAGED_FROM_PAIRS: the H200's fastest at
+# batches 4 and 8 on Qwen3-30B-A3B's shapes (`benches/quant_moe.py --profile --kernels fp4_mma:...`, NVFP4 and MXFP4
+# alike; `benches/gemv_grid.py --kernel fp4_mma` for one kernel alone), K steps of 128 columns loaded one step ahead,
+# 80 registers: gate/up's 2048 columns in 2 warp slices of 8 steps, down's 768 in one warp of 6 steps. Against
+# ptxas's own choice (96 registers, loads after the first mma): the same at batch 1, 0.87x the two kernels' span at
+# batch 4 (NVFP4; MXFP4 0.94x). No faster: 4 warp slices (at 72 or 80 registers, to stay one wave of programs), 2 for
+# down, loads 2 steps ahead (128 or 168 registers), all steps' loads up front (spills), 256-column steps.
+FP4_MMA_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = (Fp4MmaConfig(4, 2, 1, 80), Fp4MmaConfig(4, 1, 1, 80))
+# (gate/up, down) up to SMALL_UP_TO_PAIRS pairs (one token of top-8): the K loops unrolled by two (gate/up at 128
+# registers), and down's K split over 3 programs of 2 steps each (3x its programs, each a third of the loop after
+# the wait; `sum_pairs` adds the thirds). The two kernels' span on the H200 at batch 1 (same bench, side by side,
+# two runs each): 11.07-11.12 against 11.91-11.97 us NVFP4, 10.53-10.66 against 11.81 us MXFP4; bf16's 30.1-30.3
+# us. Where these do not fit a model's sizes (`fits`), FP4_MMA_CONFIGS runs.
+FP4_MMA_SMALL_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = (
+    Fp4MmaConfig(4, 2, 1, 128, unroll=1),
+    Fp4MmaConfig(4, 1, 1, 80, unroll=1, split=3),
+)
+SMALL_UP_TO_PAIRS = 8
 # (gate/up, down) from STAGED_FROM_PAIRS (token, expert) pairs on: every K step of a warp's slice copied into shared
 # memory up front (cp.async; PREFETCH 0), which holds no registers while the copies fly. The two kernels' span on the
 # H200 (same shapes and bench, two runs), against FP4_MMA_CONFIGS: at batch 8 0.88x / 0.88x NVFP4, 0.96x / 0.91x
 # MXFP4; at batch 4 0.96x / 1.01x NVFP4, 0.93x / 1.02x MXFP4; at batch 1 1.01x NVFP4, 1.02x MXFP4.
-FP4_MMA_STAGED_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = ((4, 2, 0, 0), (4, 1, 0, 0))
+FP4_MMA_STAGED_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = (Fp4MmaConfig(4, 2, 0, 0), Fp4MmaConfig(4, 1, 0, 0))
 STAGED_FROM_PAIRS = 64  # batch 8 of top-8, the first measured batch where staging wins in every run
 
 
@@ -348,9 +368,11 @@ def _weight_ptrs(
     STEPS: gl.constexpr,
     PREFETCH: gl.constexpr,
     INTERLEAVE: gl.constexpr,
+    SPLIT: gl.constexpr = 1,
 ):
     """The word and scale pointers of 16 rows of the matrix W [rows, K] at `w_ptr` (int32 words; the rows `prow`
-    [BM] in LOADS' row slice, `srow` in SCALES', each warp's 16 the same; K = STEPS * num_warps * BK) and its block
+    [BM] in LOADS' row slice, `srow` in SCALES', each warp's 16 the same; K = SPLIT * STEPS * num_warps * BK, of
+    which the caller's pointers start at its split's share) and its block
     scale codes at `s_ptr` (uint8), at each warp's K slice, and the loads of the slice's first K steps (`_dots`):
     PREFETCH of them into registers, or where PREFETCH is 0 all STEPS of them copied into shared memory (cp.async,
     one commit group: a step's [BM, BK / 8] int32 words, each thread's own as LOADS reads them, and [BM, 4 G] uint8
@@ -372,11 +394,11 @@ def _weight_ptrs(
     STRIDE: gl.constexpr = W if INTERLEAVE else 1  # K steps between a slice's steps
     vr = gl.arange(0, BM, layout=gl.SliceLayout(1, LOADS))
     p = gl.arange(0, BK // 8, layout=gl.SliceLayout(0, LOADS))
-    w_ptrs = w_ptr + (prow * (STEPS * W * (BK // 8)) + (vr // 16) * (START * (BK // 8)))[:, None] + p[None, :]
+    w_ptrs = w_ptr + (prow * (SPLIT * STEPS * W * (BK // 8)) + (vr // 16) * (START * (BK // 8)))[:, None] + p[None, :]
     vs = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
     gi = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
     lane = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
-    s_row = srow * (STEPS * W * BK // (8 * GW)) + (vs // 16) * (START * BK // (8 * GW))
+    s_row = srow * (SPLIT * STEPS * W * BK // (8 * GW)) + (vs // 16) * (START * BK // (8 * GW))
     s_ptrs = s_ptr + s_row[:, None, None] + (lane[None, None, :] * G + gi[None, :, None])
     if PREFETCH == 0:
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # row-major
@@ -419,6 +441,7 @@ def _dots(
     STEPS: gl.constexpr,
     PREFETCH: gl.constexpr,
     INTERLEAVE: gl.constexpr,
+    UNROLL: gl.constexpr,
 ):
     """[16, 8] float32: sum_k W[row, k] * x[n, k] * 2^-64 (without NVFP4's tensor scale) for the 16 rows of
     `weights` (`_weight_ptrs`: pointers and the first steps' loads); `x_rows` [8] the tokens' activation rows
@@ -433,8 +456,10 @@ def _dots(
     caller's rows and tokens are valid ones, and the last step loads itself again as its next. PREFETCH 0: the
     slice's weights are all in shared memory once their copies land (`_weight_ptrs`), the steps unrolled; PREFETCH 1
     or 2: software-pipelined by hand, a step issues the weight loads of the step PREFETCH ahead before its own
-    decode. The activations load at their step: L1 hits after the first program's, they need no registers ahead
-    (measured: ahead with the weights, as before, no faster at batch 1 and 3-13% slower at batch 4)."""
+    decode; UNROLL (PREFETCH 1, even STEPS): the loop unrolled by two, its two steps' registers in turn, so the back
+    edge moves none (14 of the ~232 instructions a step at sm_90). The activations load at their step: L1 hits after
+    the first program's, they need no registers ahead (measured: ahead with the weights, as before, no faster at
+    batch 1 and 3-13% slower at batch 4; h ahead in the down kernel alone, no faster at batch 1)."""
     BM: gl.constexpr = MMA.warps_per_cta[0] * 16
     W: gl.constexpr = MMA.warps_per_cta[0]
     GW: gl.constexpr = 2 if FORMAT == 1 else 4
@@ -461,6 +486,16 @@ def _dots(
             words, codes = _staged_loads(loads[step], WORDS, LOADS, SCALES, BK)
             x = gl.load(x_ptrs + step * (STRIDE * BK // 2))
             acc = mma_v2(_weights(words, codes, FORMAT, A, WORDS, BM, BK), _activations(x, B, BK), acc)
+    elif UNROLL and PREFETCH == 1 and STEPS % 2 == 0:
+        words, codes = loads[0]
+        for step in range(0, STEPS, 2):
+            words_b, codes_b = _weight_loads(w_ptrs, s_ptrs, step + 1, WORDS, BM, BK, GW, STRIDE)
+            x = gl.load(x_ptrs + step * (STRIDE * BK // 2))
+            acc = mma_v2(_weights(words, codes, FORMAT, A, WORDS, BM, BK), _activations(x, B, BK), acc)
+            ahead = gl.minimum(step + 2, STEPS - 1)
+            words, codes = _weight_loads(w_ptrs, s_ptrs, ahead, WORDS, BM, BK, GW, STRIDE)
+            x = gl.load(x_ptrs + (step + 1) * (STRIDE * BK // 2))
+            acc = mma_v2(_weights(words_b, codes_b, FORMAT, A, WORDS, BM, BK), _activations(x, B, BK), acc)
     else:
         words, codes = loads[0]
         if PREFETCH == 2:
@@ -527,6 +562,7 @@ def _gate_up_fp4_mma_kernel(
     PREFETCH: gl.constexpr,
     INTERLEAVE: gl.constexpr,
     PDL: gl.constexpr,
+    UNROLL: gl.constexpr,
 ):
     """h[row, n] = silu(x[t] . gate[e, n]) * (x[t] . up[e, n]) for the real rows of M tile pid_m, n in the
     program's 8: gate_up [2 N, K] at byte 0 of the expert (K = STEPS * num_warps * BK), its scales at
@@ -565,7 +601,7 @@ def _gate_up_fp4_mma_kernel(
                 pair = gl.where(real_rows, pair, 0)
                 acc = _dots(
                     weights, x_ptr + (pair // top_k) * stride_xm,
-                    FORMAT, MMA, A, B, WORDS, LOADS, SCALES, PAIRS, BK, STEPS, PREFETCH, INTERLEAVE,
+                    FORMAT, MMA, A, B, WORDS, LOADS, SCALES, PAIRS, BK, STEPS, PREFETCH, INTERLEAVE, UNROLL,
                 )  # fmt: skip
                 acc = acc * _UNSCALE
                 # [16, 8] -> [gate/up, 8 rows, 8 tokens] -> gate, up [8, 8]
@@ -615,10 +651,13 @@ def _down_fp4_mma_kernel(
     PREFETCH: gl.constexpr,
     INTERLEAVE: gl.constexpr,
     PDL: gl.constexpr,
+    UNROLL: gl.constexpr,
+    SPLIT: gl.constexpr,
 ):
-    """out[pair, kk] = weight[pair] * (h[row] . down[e, kk]) for the real rows of M tile pid_m, kk in the program's
-    16 rows of hidden K: down [K, N] at `down_off` (N = STEPS * num_warps * BK), its scales at `down_scale_off`,
-    NVFP4's float32 tensor scale at `tensor_scale_off` + 8 bytes. Loads ordered as the gate/up kernel's.
+    """out[pair * SPLIT + s, kk] = weight[pair] * (h[row] . down[e, kk]) over the columns of split s =
+    program_id(2) (N / SPLIT of them) for the real rows of M tile pid_m, kk in the program's 16 rows of hidden K:
+    down [K, N] at `down_off` (N = SPLIT * STEPS * num_warps * BK), its scales at `down_scale_off`, NVFP4's float32
+    tensor scale at `tensor_scale_off` + 8 bytes. Loads ordered as the gate/up kernel's.
 
     PDL (launched as a programmatic dependent of the gate/up kernel, sm_90+): everything that does not read h (the
     tile's expert, the weights' first loads: all of them at PREFETCH 0) runs before `griddepcontrol.wait`, which
@@ -631,9 +670,13 @@ def _down_fp4_mma_kernel(
         base = w_ptr + expert.to(gl.int64) * stride_we
         wr = gl.minimum(pid_n * 16 + gl.arange(0, BM, layout=gl.SliceLayout(1, LOADS)) % 16, K - 1)
         sr = gl.minimum(pid_n * 16 + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES))) % 16, K - 1)
+        pid_s = gl.program_id(2)
+        SLICE: gl.constexpr = STEPS * MMA.warps_per_cta[0] * BK  # columns of a split
+        GW: gl.constexpr = 2 if FORMAT == 1 else 4
         weights = _weight_ptrs(
-            (base + down_off).to(gl.pointer_type(gl.int32)), base + down_scale_off, wr, sr,
-            FORMAT, MMA, WORDS, LOADS, SCALES, STAGED, BK, STEPS, PREFETCH, INTERLEAVE,
+            (base + down_off).to(gl.pointer_type(gl.int32)) + pid_s * (SLICE // 8),
+            base + down_scale_off + pid_s * (SLICE // (8 * GW)), wr, sr,
+            FORMAT, MMA, WORDS, LOADS, SCALES, STAGED, BK, STEPS, PREFETCH, INTERLEAVE, SPLIT,
         )  # fmt: skip
         # what the epilogue reads (align_pairs' and the router's outputs, not the gate/up kernel's) is loaded before
         # the wait and the dots, not after them: no round trip to memory at the end
@@ -651,10 +694,13 @@ def _down_fp4_mma_kernel(
         for i0 in gl.static_range(0, BLOCK_SIZE_M, 8):  # the tile's rows that hold a pair, 8 at a time
             tile_pairs, tile_routing = pairs[i0 // 8]  # type: ignore[var-annotated]
             if i0 == 0 or gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + i0) < num_pairs:
-                # padding rows of h are read (valid memory) as they are; their outputs are not stored
-                h_rows = h_ptr + (pid_m * BLOCK_SIZE_M + i0 + row) * stride_hm
+                # padding columns read the tile's first row (always real, `align_pairs`): the lines the real rows
+                # read, where their own rows would be 8x the bytes from L2 at batch 1
+                h_row = gl.where(tile_pairs < num_pairs, pid_m * BLOCK_SIZE_M + i0 + row, pid_m * BLOCK_SIZE_M)
+                h_rows = h_ptr + h_row * stride_hm + pid_s * SLICE
                 acc = _dots(
-                    weights, h_rows, FORMAT, MMA, A, B, WORDS, LOADS, SCALES, PAIRS, BK, STEPS, PREFETCH, INTERLEAVE
+                    weights, h_rows, FORMAT, MMA, A, B, WORDS, LOADS, SCALES, PAIRS, BK, STEPS, PREFETCH, INTERLEAVE,
+                    UNROLL,
                 )  # fmt: skip
                 acc = acc * _UNSCALE
                 if HAS_TENSOR_SCALE:
@@ -665,13 +711,14 @@ def _down_fp4_mma_kernel(
                 real = pair < num_pairs
                 out = acc.to(dtype).to(gl.float32) * routing[None, :]  # rounded like the reference
                 mask = (o_r[:, None] < K) & real[None, :]
-                gl.store(out_ptr + pair[None, :] * stride_om + o_r[:, None], out.to(dtype), mask=mask)
+                gl.store(out_ptr + (pair[None, :] * SPLIT + pid_s) * stride_om + o_r[:, None], out.to(dtype), mask=mask)
 
 
-def fits(config: Fp4MmaConfig, num_in: int) -> bool:
-    """Whether a kernel whose dots run over `num_in` columns can take `config`: whole K steps in each warp's slice."""
-    k_units, num_warps = config[:2]
-    return num_in % (32 * k_units * num_warps) == 0
+def fits(config: tuple[int, ...], num_in: int) -> bool:
+    """Whether a kernel whose dots run over `num_in` columns can take `config` (an `Fp4MmaConfig` or a plain tuple
+    of its fields): whole K steps in each warp's slice of each split."""
+    config = Fp4MmaConfig(*config)
+    return num_in % (32 * config.k_units * config.num_warps * config.split) == 0
 
 
 def supported(layout: ExpertLayout, experts: torch.Tensor, hidden: torch.Tensor) -> bool:
@@ -693,22 +740,49 @@ def supported(layout: ExpertLayout, experts: torch.Tensor, hidden: torch.Tensor)
     )
 
 
-def default_configs(num_pairs: int) -> tuple[Fp4MmaConfig, Fp4MmaConfig]:
-    """The (gate/up, down) `Fp4MmaConfig`s a call of `num_pairs` (token, expert) pairs runs when not told:
+def default_configs(num_pairs: int, hidden_size: int, inter: int) -> tuple[Fp4MmaConfig, Fp4MmaConfig]:
+    """The (gate/up, down) `Fp4MmaConfig`s a call of `num_pairs` (token, expert) pairs over experts of these sizes
+    runs when not told: FP4_MMA_SMALL_CONFIGS up to SMALL_UP_TO_PAIRS pairs where they fit the sizes,
     FP4_MMA_STAGED_CONFIGS from STAGED_FROM_PAIRS pairs on, else FP4_MMA_CONFIGS."""
-    return FP4_MMA_STAGED_CONFIGS if num_pairs >= STAGED_FROM_PAIRS else FP4_MMA_CONFIGS
+    if num_pairs >= STAGED_FROM_PAIRS:
+        return FP4_MMA_STAGED_CONFIGS
+    small = FP4_MMA_SMALL_CONFIGS
+    if num_pairs <= SMALL_UP_TO_PAIRS and fits(small[0], hidden_size) and fits(small[1], inter):
+        return small
+    return FP4_MMA_CONFIGS
+
+
+def configs_for(
+    configs: tuple[tuple[int, ...], tuple[int, ...]] | None, num_pairs: int, hidden_size: int, inter: int
+) -> tuple[Fp4MmaConfig, Fp4MmaConfig]:
+    """(gate/up, down) `Fp4MmaConfig`s from `configs` (plain tuples taken as the leading fields) or, where None,
+    `default_configs`; the caller sizes `pairs` for the down config's split (`fp4_mma_tiles`).
+
+    Raises:
+        ValueError: a config that does not `fit` its matrix, or a gate/up config split over K (SwiGLU needs whole
+            sums)."""
+    if configs is None:
+        return default_configs(num_pairs, hidden_size, inter)
+    gate_up, down = (Fp4MmaConfig(*c) for c in configs)
+    if gate_up.split != 1:
+        raise ValueError(f"fp4_mma gate/up config {tuple(gate_up)}: only the down kernel splits K over programs")
+    for config, num_in in ((gate_up, hidden_size), (down, inter)):
+        if not fits(config, num_in):
+            raise ValueError(f"fp4_mma config {tuple(config)} does not split {num_in} columns into whole K steps")
+    return gate_up, down
 
 
 def _constexprs(config: Fp4MmaConfig, num_in: int, group_words: int) -> dict:
-    """A kernel's layouts and tiling constants (and num_warps) for `config` over `num_in` columns."""
-    k_units, num_warps, prefetch, max_registers = config
+    """A kernel's layouts and tiling constants (and num_warps) for `config` over `num_in` columns (its split's
+    share: STEPS per program)."""
     return {
-        **_layouts(k_units, num_warps, group_words),
-        "STEPS": num_in // (32 * k_units * num_warps),
-        "PREFETCH": prefetch,
+        **_layouts(config.k_units, config.num_warps, group_words),
+        "STEPS": num_in // (32 * config.k_units * config.num_warps * config.split),
+        "PREFETCH": config.prefetch,
         "INTERLEAVE": INTERLEAVED_SLICES,
-        "num_warps": num_warps,
-        **({"maxnreg": max_registers} if max_registers else {}),
+        "UNROLL": bool(config.unroll),
+        "num_warps": config.num_warps,
+        **({"maxnreg": config.max_registers} if config.max_registers else {}),
     }
 
 
@@ -722,14 +796,16 @@ def fp4_mma_tiles(
     block_m: int,
     h: torch.Tensor,
     pairs: torch.Tensor,
-    configs: tuple[Fp4MmaConfig, Fp4MmaConfig] | None = None,
+    configs: tuple[Fp4MmaConfig, Fp4MmaConfig],
 ) -> None:
     """One stage of `fused_moe_quant_tiles` through these kernels, as `fused_moe_gemv.gemv_tiles`: h[rows] then
-    pairs[pair] of every real row of the tiles whose `block_expert` is >= 0. `supported(layout, experts, hidden)`
-    must hold; `configs`: the (gate/up, down) kernels' `Fp4MmaConfig`, None: `default_configs(num_pairs)`.
+    pairs[pair * split + s] of every real row of the tiles whose `block_expert` is >= 0, s < the down config's split
+    (its programs' shares of the down dot, each rounded to `pairs`' dtype and times the routing weight, for
+    `sum_pairs` over top_k * split rows a token). `supported(layout, experts, hidden)` must hold; `configs`: the
+    (gate/up, down) kernels' `Fp4MmaConfig`s (`configs_for`).
 
     Raises:
-        ValueError: a config that does not `fit` its matrix."""
+        ValueError: `pairs` not [num_pairs * split, hidden] rows, or configs `configs_for` refuses."""
     fmt = layout.format
     hidden_size, inter = layout.hidden, layout.inter
     sec = layout.sections
@@ -737,13 +813,16 @@ def fp4_mma_tiles(
     tiles = block_expert.numel()
     fmt_id = 1 if fmt.name == "nvfp4" else 2
     group_words = 2 if fmt_id == 1 else 4
-    configs = configs or default_configs(num_pairs)
-    for config, num_in in zip(configs, (hidden_size, inter), strict=True):
-        if not fits(config, num_in):
-            raise ValueError(f"fp4_mma config {config} does not split {num_in} columns into whole K steps")
+    gate_up_config, down_config = configs_for(configs, num_pairs, hidden_size, inter)
+    if pairs.shape != (num_pairs * down_config.split, hidden_size):
+        raise ValueError(
+            f"fp4_mma writes [{num_pairs} pairs x split {down_config.split}, {hidden_size}] pairs, not "
+            f"{tuple(pairs.shape)}"
+        )
     pdl = PROGRAMMATIC_LAUNCH and torch.cuda.get_device_capability(experts.device) >= (9, 0)
     common = {"FORMAT": fmt_id, "HAS_TENSOR_SCALE": fmt.tensor_scale, "BLOCK_SIZE_M": block_m, "PDL": pdl}
-    gate_up, down = (_constexprs(c, n, group_words) for c, n in zip(configs, (hidden_size, inter), strict=True))
+    gate_up = _constexprs(gate_up_config, hidden_size, group_words)
+    down = _constexprs(down_config, inter, group_words)
     _gate_up_fp4_mma_kernel[(tiles, -(-inter // 8))](
         hidden,
         experts,
@@ -761,7 +840,7 @@ def fp4_mma_tiles(
         **common,
         **gate_up,
     )
-    _down_fp4_mma_kernel[(tiles, -(-hidden_size // 16))](
+    _down_fp4_mma_kernel[(tiles, -(-hidden_size // 16), down_config.split)](
         h,
         experts,
         pairs,
@@ -778,5 +857,6 @@ def fp4_mma_tiles(
         sec["tensor_scale"][0],
         **common,
         **down,
+        SPLIT=down_config.split,
         launch_pdl=pdl,
     )

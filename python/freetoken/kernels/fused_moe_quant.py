@@ -555,7 +555,7 @@ def fused_moe_quant(
     scale_mode: str | None = None,
     kernel: str | None = None,
     gemv_configs: tuple[GemvConfig, GemvConfig] | None = None,
-    fp4_mma_configs: tuple[fp4_mma.Fp4MmaConfig, fp4_mma.Fp4MmaConfig] | None = None,
+    fp4_mma_configs: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> torch.Tensor:
     """Weighted sum of the routed SwiGLU experts of each token, the experts quantized.
 
@@ -611,7 +611,7 @@ def fused_moe_quant_tiles(
     scale_mode: str | None = None,
     kernel: str | None = None,
     gemv_configs: tuple[GemvConfig, GemvConfig] | None = None,
-    fp4_mma_configs: tuple[fp4_mma.Fp4MmaConfig, fp4_mma.Fp4MmaConfig] | None = None,
+    fp4_mma_configs: tuple[tuple[int, ...], tuple[int, ...]] | None = None,
 ) -> torch.Tensor:
     """`fused_moe_quant` over an alignment whose tiles are split in stages run one after the other, as
     `freetoken.kernels.fused_moe.fused_moe_tiles` does for bf16 (the decode driver's hits, then its fills).
@@ -624,14 +624,16 @@ def fused_moe_quant_tiles(
         kernel: "mma" (this module's tensor-core kernels), "gemv" (`fused_moe_gemv`'s CUDA-core ones), "fp4_mma"
             (`fused_moe_fp4_mma`'s, NVFP4 / MXFP4 on CUDA) or None: `default_kernel`, unless `config` is given.
         gemv_configs: the "gemv" kernels' (gate/up, down) `fused_moe_gemv.GemvConfig`s; None: their defaults.
-        fp4_mma_configs: the "fp4_mma" kernels' (gate/up, down) `fused_moe_fp4_mma.Fp4MmaConfig`s; None: theirs.
+        fp4_mma_configs: the "fp4_mma" kernels' (gate/up, down) `fused_moe_fp4_mma.Fp4MmaConfig`s (or plain tuples of
+            their leading fields); None: `fused_moe_fp4_mma.default_configs`.
 
     Returns:
         [M, K] as `fused_moe_quant`; each tile computed by the same kernels whatever the staging.
 
     Raises:
-        ValueError: an unknown `kernel`, "gemv" for experts `gemv_supported` refuses, or "fp4_mma" where
-            `fused_moe_fp4_mma.supported` does not hold.
+        ValueError: an unknown `kernel`, "gemv" for experts `gemv_supported` refuses, "fp4_mma" where
+            `fused_moe_fp4_mma.supported` does not hold, or `fp4_mma_configs` that `fused_moe_fp4_mma.configs_for`
+            refuses.
     """
     fmt = layout.format
     if fmt.name not in FORMAT_IDS:
@@ -643,7 +645,6 @@ def fused_moe_quant_tiles(
     block_m = block_m_for(num_pairs)
     num_rows = sorted_pairs.numel()
     h = torch.empty(num_rows, inter, dtype=hidden.dtype, device=hidden.device)
-    pairs = torch.zeros(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)
     weights = topk_weights.reshape(-1).contiguous()
     if kernel not in (None, "mma", "gemv", "fp4_mma"):
         raise ValueError(f"fused_moe_quant kernel {kernel!r}: expected 'mma', 'gemv' or 'fp4_mma'")
@@ -655,6 +656,12 @@ def fused_moe_quant_tiles(
         )
     if kernel is None and config is None:
         kernel = default_kernel(layout, experts, num_pairs, hidden)
+    split = 1  # rows of `pairs` a pair: its down dot's shares (`fused_moe_fp4_mma.fp4_mma_tiles`)
+    fp4_configs = None
+    if kernel == "fp4_mma":
+        fp4_configs = fp4_mma.configs_for(fp4_mma_configs, num_pairs, hidden_size, inter)
+        split = fp4_configs[1].split
+    pairs = torch.zeros(num_pairs * split, hidden_size, dtype=hidden.dtype, device=hidden.device)
     if kernel in ("gemv", "fp4_mma"):
         for stage, block_expert in enumerate(tile_stages):
             if stage and before_stage is not None:
@@ -664,10 +671,11 @@ def fused_moe_quant_tiles(
                     hidden, experts, layout, weights, sorted_pairs, block_expert, block_m, h, pairs, gemv_configs
                 )
             else:
+                assert fp4_configs is not None  # resolved above
                 fp4_mma.fp4_mma_tiles(
-                    hidden, experts, layout, weights, sorted_pairs, block_expert, block_m, h, pairs, fp4_mma_configs
+                    hidden, experts, layout, weights, sorted_pairs, block_expert, block_m, h, pairs, fp4_configs
                 )
-        return sum_pairs(pairs, top_k, out)
+        return sum_pairs(pairs, top_k * split, out)
     sec = layout.sections
     gate_up_off, gate_up_n = sec["gate_up"]
     gate_up_scale_off, gate_up_scale_n = sec["gate_up_scale"]

@@ -48,6 +48,9 @@ def e4m3_f16(code):
     return bits.to(tl.int16).to(tl.float16, bitcast=True)
 
 
+SUM_PAIRS_SMALL_TOKENS = 64  # up to this many tokens, `sum_pairs` runs programs of one warp over 128 columns
+
+
 @triton.jit
 def _sum_pairs_kernel(pairs_ptr, out_ptr, hidden_size, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr):
     """out[t, cols] = sum over j < TOP_K of pairs[t * TOP_K + j, cols], in float32 in j order, rounded once; program
@@ -105,8 +108,12 @@ def sum_pairs(
     if not (kernel or (kernel is None and pairs.is_cuda)):
         return torch.sum(pairs.view(num_tokens, top_k, hidden_size), dim=1, out=out)
     if num_tokens:
-        block_h = min(1024, triton.next_power_of_2(hidden_size))
+        # decode batches: programs of one warp over 128 columns, so that a token's rows are read by many SMs at once
+        # (H200, 2048 columns, 1 token: 8 rows 1.54 against 1.63 us with (1024, 4), 24 rows 1.61 against 3.16;
+        # 8 tokens of 24 rows 1.82 against 3.28)
+        block_h, num_warps = (128, 1) if num_tokens <= SUM_PAIRS_SMALL_TOKENS else (1024, 4)
+        block_h = min(block_h, triton.next_power_of_2(hidden_size))
         _sum_pairs_kernel[(num_tokens, triton.cdiv(hidden_size, block_h))](
-            pairs, out, hidden_size, TOP_K=top_k, BLOCK_H=block_h, num_warps=4
+            pairs, out, hidden_size, TOP_K=top_k, BLOCK_H=block_h, num_warps=num_warps
         )
     return out
