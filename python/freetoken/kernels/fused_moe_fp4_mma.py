@@ -48,12 +48,20 @@ loaded before the dots. From batch 8 (`default_configs`) a program copies every 
 memory up front instead (cp.async, 16-byte copies past L1; `FP4_MMA_STAGED_CONFIGS`): all of its bytes in flight
 at once, none of them in registers.
 
-Measured on the H200 (`benches/quant_moe.py --profile --batch 1 4 8 --kernels gemv fp4_mma ...`, Qwen3-30B-A3B
-shapes, 128 slots, kernels replayed from a CUDA graph, this module's last run): the span of the two kernels per layer
-call, from gate/up's start to down's end, is at batch 1 12.4 us for NVFP4 and 11.5 us for MXFP4, against bf16's
-30.7 us: 1.44x / 1.41x bf16's time per weight byte (`fused_moe_gemv`: 15.7 us, 1.82x; FP8's gemv 1.18x). At batch 4
-41.7 / 38.6 us (2.03x / 1.99x; bf16 73.0), at batch 8, staged, 61.9 / 58.6 us (1.71x / 1.72x; bf16 128.5; with
-FP4_MMA_CONFIGS 70.8 / 63.4). The issue's 1.3x per byte at batch 1 is not met.
+One token (`FP4_MMA_SMALL_CONFIGS`, up to 8 pairs) runs the down kernel's K in 3 programs of a third each, which
+write their shares to their own rows of `pairs` (`sum_pairs` adds them with the token's k outputs): 3x the down
+programs, each a third of the loop that follows `griddepcontrol.wait`. Both kernels' K loops are unrolled by two
+there (`Fp4MmaConfig.unroll`). The down kernel's padding columns (tokens past a tile's real ones) read the tile's
+first h row, which the real ones read too, not their own rows: at batch 1 their own were 7/8 of the h bytes from L2.
+
+Measured on the H200 (`benches/quant_moe.py --profile --batch 1 4 8 --kernels fp4_mma`, Qwen3-30B-A3B shapes, 128
+slots, kernels replayed from a CUDA graph, this module's last run): the span of the two kernels per layer call, from
+gate/up's start to down's end, is at batch 1 11.1 us for NVFP4 and 10.5 us for MXFP4, against bf16's 29.7 us: 1.33x
+/ 1.33x bf16's time per weight byte (other runs 1.30-1.32x: bf16's span moves by 0.6 us run to run); the layer call
+replayed whole (alignment, the zeroed `pairs`, the kernels, `sum_pairs`) 17.8 / 17.1 against 33.8 us. At batch 4
+39.4 / 38.3 us (1.94x / 2.00x; bf16 72.2), at batch 8, staged, 58.2 / 54.3 us (1.69x / 1.67x; bf16 122.5). Before
+the split and the unrolled loops, batch 1 was 11.9 / 11.7 us (1.40x / 1.46x) in the same runs, and 12.4 / 11.5 us a
+session earlier. The issue's 1.3x per byte at batch 1 is at its edge, not met with margin.
 
 What bounds batch 1 (Nsight Compute on gate/up, NVFP4, `ncu --section WarpStateStats --section SchedulerStats`):
 latency with few warps. The layer's 768 programs of 2 warps are 2.9 warps per scheduler, 0.66 of them eligible on
@@ -97,6 +105,18 @@ Tried after that, each no faster (same bench, side by side; batch 1, NVFP4 / MXF
     `benches/dependency_gap.py` times the wait alone, on programs shaped as these (768 gate/up programs busy 6 us,
     1024 down programs that only store). A programmatic dependent launch adds 1.0 us to gate/up alone, stream order
     1.2-1.3 us, and the counters 3.7-3.9 us. So one launch could win 1 us at most over PDL, and as written it loses.
+
+Tried with the split (same bench, side by side; batch 1 span, NVFP4 / MXFP4, against the split's 11.1 / 10.5 us):
+  - Down's K in 2 or 6 programs: 12.6 / 11.7 and 12.8 / 12.0 us (3 without the unrolled loop: 11.8 / 10.8).
+  - h stored by gate/up in the decode's column order, so that down loads it without the PRMT permute: within
+    noise with the split (11.12 / 10.66 against 11.14 / 10.6 us), 12.9 against 12.1 us NVFP4 without it; ptxas
+    moves registers to pair B's operands instead.
+  - Down's h loaded a step ahead: 12.1 against 11.8 us NVFP4 without the split, 13.1 with it.
+  - Down decoding its two steps into registers before the wait (`griddepcontrol.wait`): 11.5 / 10.6 us at 96
+    registers, 11.9 / 11.1 at 128; each step's weights loaded up front instead (prefetch 2): 11.9 / 11.2 us.
+  - Gate/up calling `griddepcontrol.launch_dependents` after its dots, not at its start: 12.0 / 11.3 us.
+  - Register caps: gate/up 96-144 all within 0.1 us; down 72 or 88 (11.8 / 10.9 us) or ptxas's own (11.3 / 11.2).
+  - 256-column K steps: down 12.2 / 11.6 us, gate/up at 168 registers 13.0 / 12.0.
 
 Shapes (project letters): M tokens, K hidden, N expert intermediate. Each matrix's K a multiple of its kernel's
 warp slices of whole K steps (`fits`, `supported`).
