@@ -217,7 +217,7 @@ def test_fp4_mma_matches_gemv_other_shapes_and_configs(fmt, num_tokens, interlea
     layout = fmt.layout(1024, 512)
     want = fused_moe_quant_reference(x, slots, layout, ids, weights)
     got = {}
-    for gate_up in [(4, 1, 1, 0), (4, 2, 2, 168), (8, 4, 1, 0), (4, 2, 0, 0), (4, 2, 1, 128, 1)]:
+    for gate_up in [(4, 1, 1, 0), (4, 2, 2, 168), (8, 4, 1, 0), (4, 2, 0, 0), (4, 2, 1, 128, 1), (4, 1, 1, 128, 1)]:
         for down in [(4, 1, 2, 0), (8, 2, 1, 128), (4, 1, 0, 0), (4, 1, 1, 80, 1, 2), (4, 1, 1, 0, 0, 4)]:
             assert fits(gate_up, 1024) and fits(down, 512)
             got[gate_up, down] = fused_moe_quant(

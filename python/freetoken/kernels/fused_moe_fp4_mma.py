@@ -55,13 +55,14 @@ there (`Fp4MmaConfig.unroll`). The down kernel's padding columns (tokens past a 
 first h row, which the real ones read too, not their own rows: at batch 1 their own were 7/8 of the h bytes from L2.
 
 Measured on the H200 (`benches/quant_moe.py --profile --batch 1 4 8 --kernels fp4_mma`, Qwen3-30B-A3B shapes, 128
-slots, kernels replayed from a CUDA graph, this module's last run): the span of the two kernels per layer call, from
-gate/up's start to down's end, is at batch 1 11.1 us for NVFP4 and 10.5 us for MXFP4, against bf16's 29.7 us: 1.33x
-/ 1.33x bf16's time per weight byte (other runs 1.30-1.32x: bf16's span moves by 0.6 us run to run); the layer call
-replayed whole (alignment, the zeroed `pairs`, the kernels, `sum_pairs`) 17.8 / 17.1 against 33.8 us. At batch 4
-39.4 / 38.3 us (1.94x / 2.00x; bf16 72.2), at batch 8, staged, 58.2 / 54.3 us (1.69x / 1.67x; bf16 122.5). Before
-the split and the unrolled loops, batch 1 was 11.9 / 11.7 us (1.40x / 1.46x) in the same runs, and 12.4 / 11.5 us a
-session earlier. The issue's 1.3x per byte at batch 1 is at its edge, not met with margin.
+slots, kernels replayed from a CUDA graph, this module's last runs): the span of the two kernels per layer call, from
+gate/up's start to down's end, is at batch 1 10.98-11.01 us for NVFP4 and 10.14-10.18 us for MXFP4, against bf16's
+29.97-30.08 us (two runs): 1.301-1.303x / 1.27-1.28x bf16's time per weight byte (bf16's span moves by up to 0.6 us
+run to run, 2%); the layer call replayed whole (alignment, the zeroed `pairs`, the kernels, `sum_pairs`) 17.0-17.1 /
+16.2 against 33.7-33.8 us. At batch 4 39.4 / 38.3 us (1.94x / 2.00x; bf16 72.2), at batch 8, staged, 58.2 / 54.3 us
+(1.69x / 1.67x; bf16 122.5). Before the split and the unrolled loops, batch 1 was 11.9 / 11.7 us (1.40x / 1.46x) in
+the same session, 12.4 / 11.5 us a session earlier. The issue's 1.3x per byte at batch 1: MXFP4 within it, NVFP4 at
+it (0.1-0.3% over, inside the run-to-run noise).
 
 What bounds batch 1 (Nsight Compute on gate/up, NVFP4, `ncu --section WarpStateStats --section SchedulerStats`):
 latency with few warps. The layer's 768 programs of 2 warps are 2.9 warps per scheduler, 0.66 of them eligible on
@@ -231,8 +232,9 @@ FP4_MMA_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = (Fp4MmaConfig(4, 2, 1, 80),
 # (gate/up, down) up to SMALL_UP_TO_PAIRS pairs (one token of top-8): the K loops unrolled by two (gate/up at 128
 # registers), and down's K split over 3 programs of 2 steps each (3x its programs, each a third of the loop after
 # the wait; `sum_pairs` adds the thirds). The two kernels' span on the H200 at batch 1 (same bench, side by side,
-# two runs each): 11.07-11.12 against 11.91-11.97 us NVFP4, 10.53-10.66 against 11.81 us MXFP4; bf16's 30.1-30.3
-# us. Where these do not fit a model's sizes (`fits`), FP4_MMA_CONFIGS runs.
+# two runs): 10.98-11.01 against 11.04-11.07 us NVFP4 without the peeled last steps and 11.9 without the split or
+# the unrolled loops; MXFP4 10.14-10.18 against 10.40-10.42 and 11.8 us; bf16's 30.0-30.1 us. Where these do not
+# fit a model's sizes (`fits`), FP4_MMA_CONFIGS runs.
 FP4_MMA_SMALL_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = (
     Fp4MmaConfig(4, 2, 1, 128, unroll=1),
     Fp4MmaConfig(4, 1, 1, 80, unroll=1, split=3),
@@ -477,9 +479,10 @@ def _dots(
     slice's weights are all in shared memory once their copies land (`_weight_ptrs`), the steps unrolled; PREFETCH 1
     or 2: software-pipelined by hand, a step issues the weight loads of the step PREFETCH ahead before its own
     decode; UNROLL (PREFETCH 1, even STEPS): the loop unrolled by two, its two steps' registers in turn, so the back
-    edge moves none (14 of the ~232 instructions a step at sm_90). The activations load at their step: L1 hits after
-    the first program's, they need no registers ahead (measured: ahead with the weights, as before, no faster at
-    batch 1 and 3-13% slower at batch 4; h ahead in the down kernel alone, no faster at batch 1)."""
+    edge moves none (14 of the ~232 instructions a step at sm_90), and its last two steps peeled, so that nothing
+    loads past the slice (the rolled loop's last step loads itself again). The activations load at their step: L1
+    hits after the first program's, they need no registers ahead (measured: ahead with the weights, as before, no
+    faster at batch 1 and 3-13% slower at batch 4; h ahead in the down kernel alone, no faster at batch 1)."""
     BM: gl.constexpr = MMA.warps_per_cta[0] * 16
     W: gl.constexpr = MMA.warps_per_cta[0]
     GW: gl.constexpr = 2 if FORMAT == 1 else 4
@@ -508,14 +511,19 @@ def _dots(
             acc = mma_v2(_weights(words, codes, FORMAT, A, WORDS, BM, BK), _activations(x, B, BK), acc)
     elif UNROLL and PREFETCH == 1 and STEPS % 2 == 0:
         words, codes = loads[0]
-        for step in range(0, STEPS, 2):
+        for step in range(0, STEPS - 2, 2):
             words_b, codes_b = _weight_loads(w_ptrs, s_ptrs, step + 1, WORDS, BM, BK, GW, STRIDE)
             x = gl.load(x_ptrs + step * (STRIDE * BK // 2))
             acc = mma_v2(_weights(words, codes, FORMAT, A, WORDS, BM, BK), _activations(x, B, BK), acc)
-            ahead = gl.minimum(step + 2, STEPS - 1)
-            words, codes = _weight_loads(w_ptrs, s_ptrs, ahead, WORDS, BM, BK, GW, STRIDE)
+            words, codes = _weight_loads(w_ptrs, s_ptrs, step + 2, WORDS, BM, BK, GW, STRIDE)
             x = gl.load(x_ptrs + (step + 1) * (STRIDE * BK // 2))
             acc = mma_v2(_weights(words_b, codes_b, FORMAT, A, WORDS, BM, BK), _activations(x, B, BK), acc)
+        # the last two steps, peeled: nothing left to load ahead
+        words_b, codes_b = _weight_loads(w_ptrs, s_ptrs, STEPS - 1, WORDS, BM, BK, GW, STRIDE)
+        x = gl.load(x_ptrs + (STEPS - 2) * (STRIDE * BK // 2))
+        acc = mma_v2(_weights(words, codes, FORMAT, A, WORDS, BM, BK), _activations(x, B, BK), acc)
+        x = gl.load(x_ptrs + (STEPS - 1) * (STRIDE * BK // 2))
+        acc = mma_v2(_weights(words_b, codes_b, FORMAT, A, WORDS, BM, BK), _activations(x, B, BK), acc)
     else:
         words, codes = loads[0]
         if PREFETCH == 2:
