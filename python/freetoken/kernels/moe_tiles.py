@@ -67,11 +67,11 @@ def _sum_pairs_kernel(pairs_ptr, out_ptr, hidden_size, TOP_K: tl.constexpr, BLOC
 def sum_pairs(
     pairs: torch.Tensor, top_k: int, out: torch.Tensor | None = None, kernel: bool | None = None
 ) -> torch.Tensor:
-    """The sum of each token's k expert outputs, summed in float32 in j order and rounded once (as
-    `torch.sum(pairs.view(T, k, H), dim=1)`, which sums in float32 in an order of its own). One small Triton launch
-    in place of torch's reduction over the middle dimension: 1.5 against 4.5 us a layer call at batch 1 on the
-    H200, and the `fused` backend's GPU time per decode step of Qwen3-30B-A3B 3.83 -> 3.68 ms
-    (`benches/decode_fused.py --profile`, 5 steps, one run each).
+    """The sum of each token's k expert outputs (or k * split shares of them: `fused_moe_fp4_mma`'s split down
+    kernel), summed in float32 in j order and rounded once (as `torch.sum(pairs.view(T, k, H), dim=1)`, which sums
+    in float32 in an order of its own). One small Triton launch in place of torch's reduction over the middle
+    dimension: 1.5 against 4.5 us a layer call at batch 1 on the H200, and the `fused` backend's GPU time per decode
+    step of Qwen3-30B-A3B 3.83 -> 3.68 ms (`benches/decode_fused.py --profile`, 5 steps, one run each).
 
     Args:
         pairs: [T * k, H] (row t * k + j: token t's j-th expert), contiguous, any float dtype and device (Triton's
