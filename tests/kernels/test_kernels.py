@@ -92,12 +92,12 @@ def test_align_kernel_equals_tensor_ops(num_tokens, top_k, num_experts, block_m)
         align_pairs(ids, ALIGN_KERNEL_MAX_BINS - 1, block_m, kernel=True)
 
 
-@pytest.mark.parametrize("num_tokens,top_k,hidden", [(1, 8, 2048), (3, 2, 96), (5, 4, 1500)])
+@pytest.mark.parametrize("num_tokens,top_k,hidden", [(1, 8, 2048), (3, 2, 96), (5, 4, 1500), (70, 2, 96)])
 def test_sum_pairs_sums_each_tokens_experts(num_tokens, top_k, hidden):
     """`sum_pairs` (one Triton launch; the interpreter on the CPU) sums each token's k rows into out: exactly where
     the sums are exact (small integers), within float32 sum order of torch.sum otherwise, into a given buffer; it
     refuses a buffer of another shape, dtype or layout, and pairs that are strided or not whole tokens. Hidden sizes
-    that are not a power of two mask the last columns."""
+    that are not a power of two mask the last columns; 70 tokens take the programs past SUM_PAIRS_SMALL_TOKENS."""
     gen = torch.Generator().manual_seed(hidden)
     ints = torch.randint(-64, 64, (num_tokens * top_k, hidden), generator=gen).to(DTYPE).to(DEVICE)
     assert torch.equal(sum_pairs(ints, top_k, kernel=True), ints.view(num_tokens, top_k, hidden).sum(dim=1))
