@@ -175,14 +175,17 @@ def test_fp4_mma_default_configs_by_batch():
 
 
 def test_fp4_mma_configs_take_tuples_and_refuse_what_does_not_fit():
-    """Configs given as plain tuples take the later fields' defaults; a split gate/up (SwiGLU needs whole sums) and
-    a split that leaves a program part of a K step are refused with the config and the sizes in the message."""
+    """Configs given as plain tuples take the later fields' defaults; a split gate/up (SwiGLU needs whole sums), a
+    split that leaves a program part of a K step and K steps that leave a lane part of a scale block are refused
+    with the config and the sizes in the message."""
     from freetoken.kernels import fused_moe_fp4_mma as m
 
     gate_up, down = m.configs_for(((4, 2, 1, 80), (4, 1, 1, 80, 1, 3)), 8, 2048, 768)
     assert gate_up == m.Fp4MmaConfig(4, 2, 1, 80, 0, 1) and (down.unroll, down.split) == (1, 3)
     assert m.configs_for(None, 8, 2048, 768) == m.default_configs(8, 2048, 768)
     assert m.fits((4, 1, 1, 0, 0, 6), 768) and not m.fits((4, 1, 1, 0, 0, 4), 768)
+    # K steps of fewer than 4 units, or not a power of two, leave a lane part of a scale block
+    assert m.fits((8, 1, 1, 0), 768) and not m.fits((2, 1, 1, 0), 768) and not m.fits((6, 1, 1, 0), 768)
     with pytest.raises(ValueError, match="gate/up"):
         m.configs_for(((4, 2, 1, 80, 0, 2), (4, 1, 1, 80)), 8, 2048, 768)
     with pytest.raises(ValueError, match="768 columns"):

@@ -27,6 +27,12 @@ cheap and loads the activations in the same order:
     MXFP4's e8m0 code e becomes the bf16 2^(e - 65) by one integer multiply-add (exact for e <= 192, scales up to
     2^65, as `fused_moe_gemv`). Products are value * scale * 2^-64; the sums are multiplied by 2^64 once (and by
     NVFP4's per-tensor weight_scale_2).
+  - NVFP4's two codes of a lane's row and K step (its 32 columns) load as one 16-bit word, and one bf16 pair holds
+    both multipliers (`_NVFP4_MULT_2`: spread, moved and cleared in three integer operations, the two multiplies
+    once for both); each decoded pair takes its half of it, which ptxas folds into the multiply as an operand
+    swizzle (`.H0_H0` / `.H1_H1`). Against one 8-bit load and multiplier per code: 8 fewer instructions and 2
+    fewer loads a K step of a thread (sm_90 SASS, 206 against 214), and at batch 1 the two kernels' span 10.62-10.66
+    against 10.98-11.01 us (same bench, side by side, two runs each).
   - NVFP4 block scales are taken as non-negative (the sign bit is not decoded): ModelOpt writes amax / 6.
   - The K steps of a lane's words are contiguous in memory (`_dots`): one vector load per row, and the words of a
     scale block in one lane.
@@ -56,13 +62,14 @@ first h row, which the real ones read too, not their own rows: at batch 1 their 
 
 Measured on the H200 (`benches/quant_moe.py --profile --batch 1 4 8 --kernels fp4_mma`, Qwen3-30B-A3B shapes, 128
 slots, kernels replayed from a CUDA graph, this module's last runs): the span of the two kernels per layer call, from
-gate/up's start to down's end, is at batch 1 10.98-11.01 us for NVFP4 and 10.14-10.18 us for MXFP4, against bf16's
-29.97-30.08 us (two runs): 1.301-1.303x / 1.27-1.28x bf16's time per weight byte (bf16's span moves by up to 0.6 us
-run to run, 2%); the layer call replayed whole (alignment, the zeroed `pairs`, the kernels, `sum_pairs`) 17.0-17.1 /
-16.2 against 33.7-33.8 us. At batch 4 39.4 / 38.3 us (1.94x / 2.00x; bf16 72.2), at batch 8, staged, 58.2 / 54.3 us
-(1.69x / 1.67x; bf16 122.5). Before the split and the unrolled loops, batch 1 was 11.9 / 11.7 us (1.40x / 1.46x) in
-the same session, 12.4 / 11.5 us a session earlier. The issue's 1.3x per byte at batch 1: MXFP4 within it, NVFP4 at
-it (0.1-0.3% over, inside the run-to-run noise).
+gate/up's start to down's end, is at batch 1 10.62-10.66 us for NVFP4 and 10.18-10.19 us for MXFP4, against bf16's
+29.74-29.86 us (two runs): 1.269-1.270x / 1.285-1.289x bf16's time per weight byte (bf16's span moves by up to
+0.6 us run to run, 2%; a session earlier MXFP4 10.14-10.18 against 29.97-30.08 us, 1.27-1.28x); the layer call
+replayed whole (alignment, the zeroed `pairs`, the kernels, `sum_pairs`) 16.9-18.5 / 16.5-18.0 against 33.7-33.8 us.
+At batch 4 39.5 / 38.2 us (1.98x / 2.02x; bf16 71.0), at batch 8, staged, 58.6 / 54.3 us (1.70x / 1.67x; bf16
+122.5). Before the packed NVFP4 codes, batch 1 NVFP4 was 10.98-11.01 us (1.301-1.303x); before the split and the
+unrolled loops 11.9 / 11.7 us (1.40x / 1.46x), 12.4 / 11.5 us a session earlier. The issue's 1.3x per byte at batch
+1: both formats within it.
 
 What bounds batch 1 (Nsight Compute on gate/up, NVFP4, `ncu --section WarpStateStats --section SchedulerStats`):
 latency with few warps. The layer's 768 programs of 2 warps are 2.9 warps per scheduler, 0.66 of them eligible on
@@ -166,16 +173,31 @@ or.b32 m, m, s;
 mul.rn.bf16x2 $3, m, $5;
 }""")
 
-# the block multiplier (scale * 2^62) as a bf16 pair from a scale code $1: NVFP4's e4m3 moved to bf16's fields in
-# both halves (scale * 2^-120), times 2^91 twice (0x6D00: 2^91); MXFP4's e8m0 e: bf16 exponent field e + 62
-_NVFP4_MULT = gl.constexpr("""{
-.reg .b32 t, c;
-and.b32 t, $1, 0x7F;
-mul.lo.u32 t, t, 0x00100010;
+# the block multipliers (scale * 2^62) of two NVFP4 codes as they lie in a 16-bit load $1 (code 0 in the low byte),
+# a bf16 pair (code 0's in the low half): each e4m3 code spread to its half, moved to bf16's fields (the scale *
+# 2^-120) with its sign bit cleared, then times 2^91 twice (0x6D00: 2^91)
+_NVFP4_MULT_2 = gl.constexpr("""{
+.reg .b32 t, c, z;
+mov.b32 z, 0;
+prmt.b32 t, $1, z, 0x4140;
+shl.b32 t, t, 4;
+and.b32 t, t, 0x07F007F0;
 mov.b32 c, 0x6D006D00;
 mul.rn.bf16x2 t, t, c;
 mul.rn.bf16x2 $0, t, c;
 }""")
+# a bf16 pair's low / high half in both halves (for the multiply that takes it, an operand swizzle in sm_90 SASS)
+_LOW_HALVES = gl.constexpr("""{
+.reg .b16 l, h;
+mov.b32 {l, h}, $1;
+mov.b32 $0, {l, l};
+}""")
+_HIGH_HALVES = gl.constexpr("""{
+.reg .b16 l, h;
+mov.b32 {l, h}, $1;
+mov.b32 $0, {h, h};
+}""")
+# MXFP4's e8m0 code e -> its multiplier in both halves: bf16 exponent field e + 62
 _MXFP4_MULT = gl.constexpr("mad.lo.u32 $0, $1, 0x00800080, 0x1F001F00;")
 
 # 8 activations of a thread (columns 0-7 of a word, as bf16 pairs $4-$7) -> the decode's order 0, 4, 1, 5, 2, 6, 3, 7
@@ -213,7 +235,7 @@ PROGRAMMATIC_LAUNCH = True
 class Fp4MmaConfig(NamedTuple):
     """One kernel's launch config (plain tuples of the first four or more fields are taken as well)."""
 
-    k_units: int  # K step in 32-column units
+    k_units: int  # K step in 32-column units: a power of two, at least 4 (`fits`)
     num_warps: int  # warps per program, each on its own slice of the program's K
     prefetch: int  # K steps loaded ahead into registers (1 or 2), or 0: every step copied to shared memory up front
     max_registers: int  # ptxas's maxnreg, or 0: ptxas's choice
@@ -232,9 +254,10 @@ FP4_MMA_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = (Fp4MmaConfig(4, 2, 1, 80),
 # (gate/up, down) up to SMALL_UP_TO_PAIRS pairs (one token of top-8): the K loops unrolled by two (gate/up at 128
 # registers), and down's K split over 3 programs of 2 steps each (3x its programs, each a third of the loop after
 # the wait; `sum_pairs` adds the thirds). The two kernels' span on the H200 at batch 1 (same bench, side by side,
-# two runs): 10.98-11.01 against 11.04-11.07 us NVFP4 without the peeled last steps and 11.9 without the split or
-# the unrolled loops; MXFP4 10.14-10.18 against 10.40-10.42 and 11.8 us; bf16's 30.0-30.1 us. Where these do not
-# fit a model's sizes (`fits`), FP4_MMA_CONFIGS runs.
+# two runs, before NVFP4's packed codes): 10.98-11.01 against 11.04-11.07 us NVFP4 without the peeled last steps
+# and 11.9 without the split or the unrolled loops; MXFP4 10.14-10.18 against 10.40-10.42 and 11.8 us; bf16's
+# 30.0-30.1 us. Down's register cap with the packed codes: 80 (10.62-10.66 us NVFP4), 88 (11.04), 96 (10.83). Where
+# these do not fit a model's sizes (`fits`), FP4_MMA_CONFIGS runs.
 FP4_MMA_SMALL_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = (
     Fp4MmaConfig(4, 2, 1, 128, unroll=1),
     Fp4MmaConfig(4, 1, 1, 80, unroll=1, split=3),
@@ -274,11 +297,13 @@ def _layouts(k_units: int, num_warps: int, group_words: int) -> dict:
     loads = gl.DistributedLinearLayout(
         [[0, u] for u in units] + [[8, 0]], [[0, k_units], [0, 2 * k_units]] + row_lanes, warps, [], [bm, bk // 8]
     )
-    # SCALES [BM, groups per lane, lane]: the word registers past the group's become the group dimension
+    # SCALES [BM, loads per lane, lane]: the word registers past the group's become the load dimension; NVFP4's
+    # codes load two at a time (16 bits; k_units >= 4, `fits`: an even number of groups a lane)
     groups = k_units // group_words
-    reg3 = [[8, 0, 0]] + [[0, 1 << i, 0] for i in range(groups.bit_length() - 1)]
+    loads3 = groups // 2 if group_words == 2 else groups
+    reg3 = [[8, 0, 0]] + [[0, 1 << i, 0] for i in range(loads3.bit_length() - 1)]
     lanes3 = [[0, 0, 1], [0, 0, 2], [1, 0, 0], [2, 0, 0], [4, 0, 0]]
-    scales = gl.DistributedLinearLayout(reg3, lanes3, [w + [0] for w in warps], [], [bm, groups, 4])
+    scales = gl.DistributedLinearLayout(reg3, lanes3, [w + [0] for w in warps], [], [bm, loads3, 4])
     # PAIRS [BK / 2, 8] int32: B's elements (K 1, 2, 4 in registers, K 8, 16 and the token in lanes) as bf16 pairs
     pairs = gl.DistributedLinearLayout(
         [[1, 0], [2, 0]] + [[16 * u, 0] for u in units],
@@ -317,8 +342,11 @@ def _weights(
     """Packed words [BM, BK / 8] int32 (WORDS) and the block scale codes of their lanes' groups ([BM, groups, 4]
     int32, SCALES) -> the A operand [BM, BK] bf16: the values * scale * 2^-64, each word's 8 columns in the order
     0, 4, 1, 5, 2, 6, 3, 7."""
-    if FORMAT == 1:
-        mult = gl.inline_asm_elementwise(_NVFP4_MULT, "=r,r", [codes], dtype=gl.int32, is_pure=True, pack=1)
+    if FORMAT == 1:  # two codes a load (`_layouts`): each one's multiplier in both halves of a pair
+        both = gl.inline_asm_elementwise(_NVFP4_MULT_2, "=r,r", [codes], dtype=gl.int32, is_pure=True, pack=1)
+        even = gl.inline_asm_elementwise(_LOW_HALVES, "=r,r", [both], dtype=gl.int32, is_pure=True, pack=1)
+        odd = gl.inline_asm_elementwise(_HIGH_HALVES, "=r,r", [both], dtype=gl.int32, is_pure=True, pack=1)
+        mult = gl.reshape(gl.permute(gl.join(even, odd), [0, 1, 3, 2]), [BM, BK // 64, 4])
         # a lane's words r of its K step: its group r // 2
         mult = gl.reshape(gl.permute(gl.join(mult, mult), [0, 1, 3, 2]), [BM, BK // 32, 4])
     else:
@@ -359,7 +387,11 @@ def _weight_loads(
     """K step `step` of each warp's slice: its words [BM, BK / 8] int32 in A's order (WORDS) and scale codes
     (SCALES); STRIDE: K steps between a slice's steps (`_weight_ptrs`)."""
     raw = gl.load(w_ptrs + step * (STRIDE * BK // 8))
-    codes = gl.load(s_ptrs + step * (STRIDE * BK // (8 * GW))).to(gl.int32)
+    code_ptrs = s_ptrs + step * (STRIDE * BK // (8 * GW))
+    if GW == 2:  # NVFP4: two codes a load (`_layouts`)
+        codes = gl.load(code_ptrs.to(gl.pointer_type(gl.uint16))).to(gl.int32)
+    else:
+        codes = gl.load(code_ptrs).to(gl.int32)
     return _a_order(raw, WORDS, BM, BK), codes
 
 
@@ -369,8 +401,12 @@ def _staged_loads(staged, WORDS: gl.constexpr, LOADS: gl.constexpr, SCALES: gl.c
     words [BM, BK / 8] int32 and scale codes [BM, 4 G] uint8)."""
     w_smem, s_smem = staged
     BM: gl.constexpr = w_smem.shape[0]
-    G: gl.constexpr = s_smem.shape[1] // 4
-    codes = s_smem.reshape([BM, 4, G]).permute([0, 2, 1]).load(SCALES).to(gl.int32)
+    L: gl.constexpr = SCALES.shape[1]  # loads per lane
+    if L * 4 == s_smem.shape[1]:
+        codes = s_smem.reshape([BM, 4, L]).permute([0, 2, 1]).load(SCALES).to(gl.int32)
+    else:  # two codes a load (`_layouts`)
+        pairs = s_smem._reinterpret(gl.uint16, [BM, 4 * L], s_smem.layout)
+        codes = pairs.reshape([BM, 4, L]).permute([0, 2, 1]).load(SCALES).to(gl.int32)
     return _a_order(w_smem.load(LOADS), WORDS, BM, BK), codes
 
 
@@ -391,11 +427,12 @@ def _weight_ptrs(
     PREFETCH: gl.constexpr,
     INTERLEAVE: gl.constexpr,
     SPLIT: gl.constexpr = 1,
+    split=0,
 ):
     """The word and scale pointers of 16 rows of the matrix W [rows, K] at `w_ptr` (int32 words; the rows `prow`
-    [BM] in LOADS' row slice, `srow` in SCALES', each warp's 16 the same; K = SPLIT * STEPS * num_warps * BK, of
-    which the caller's pointers start at its split's share) and its block
-    scale codes at `s_ptr` (uint8), at each warp's K slice, and the loads of the slice's first K steps (`_dots`):
+    [BM] in LOADS' row slice, `srow` in SCALES', each warp's 16 the same; K = SPLIT * STEPS * num_warps * BK, the
+    columns of share `split` < SPLIT the program's) and its block scale codes at `s_ptr` (uint8), at each warp's K
+    slice of its share, and the loads of the slice's first K steps (`_dots`):
     PREFETCH of them into registers, or where PREFETCH is 0 all STEPS of them copied into shared memory (cp.async,
     one commit group: a step's [BM, BK / 8] int32 words, each thread's own as LOADS reads them, and [BM, 4 G] uint8
     scale codes). They are issued here, so that they are in flight while the caller finds its tokens (and, in the
@@ -414,13 +451,17 @@ def _weight_ptrs(
     G: gl.constexpr = R // GW
     START: gl.constexpr = 1 if INTERLEAVE else STEPS  # warp 1's first K step
     STRIDE: gl.constexpr = W if INTERLEAVE else 1  # K steps between a slice's steps
+    SHARE: gl.constexpr = STEPS * W * BK  # columns of a split's share
+    w_ptr += split * (SHARE // 8)
+    s_ptr += split * (SHARE // (8 * GW))
     vr = gl.arange(0, BM, layout=gl.SliceLayout(1, LOADS))
     p = gl.arange(0, BK // 8, layout=gl.SliceLayout(0, LOADS))
-    w_ptrs = w_ptr + (prow * (SPLIT * STEPS * W * (BK // 8)) + (vr // 16) * (START * (BK // 8)))[:, None] + p[None, :]
+    w_ptrs = w_ptr + (prow * (SPLIT * SHARE // 8) + (vr // 16) * (START * (BK // 8)))[:, None] + p[None, :]
     vs = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES)))
-    gi = gl.arange(0, G, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES)))
+    L: gl.constexpr = SCALES.shape[1]  # loads per lane: G, or G / 2 of two codes each
+    gi = gl.arange(0, L, layout=gl.SliceLayout(0, gl.SliceLayout(2, SCALES))) * (G // L)
     lane = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, SCALES)))
-    s_row = srow * (SPLIT * STEPS * W * BK // (8 * GW)) + (vs // 16) * (START * BK // (8 * GW))
+    s_row = srow * (SPLIT * SHARE // (8 * GW)) + (vs // 16) * (START * BK // (8 * GW))
     s_ptrs = s_ptr + s_row[:, None, None] + (lane[None, None, :] * G + gi[None, :, None])
     if PREFETCH == 0:
         flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])  # row-major
@@ -700,11 +741,9 @@ def _down_fp4_mma_kernel(
         sr = gl.minimum(pid_n * 16 + gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, SCALES))) % 16, K - 1)
         pid_s = gl.program_id(2)
         SLICE: gl.constexpr = STEPS * MMA.warps_per_cta[0] * BK  # columns of a split
-        GW: gl.constexpr = 2 if FORMAT == 1 else 4
         weights = _weight_ptrs(
-            (base + down_off).to(gl.pointer_type(gl.int32)) + pid_s * (SLICE // 8),
-            base + down_scale_off + pid_s * (SLICE // (8 * GW)), wr, sr,
-            FORMAT, MMA, WORDS, LOADS, SCALES, STAGED, BK, STEPS, PREFETCH, INTERLEAVE, SPLIT,
+            (base + down_off).to(gl.pointer_type(gl.int32)), base + down_scale_off, wr, sr,
+            FORMAT, MMA, WORDS, LOADS, SCALES, STAGED, BK, STEPS, PREFETCH, INTERLEAVE, SPLIT, pid_s,
         )  # fmt: skip
         # what the epilogue reads (align_pairs' and the router's outputs, not the gate/up kernel's) is loaded before
         # the wait and the dots, not after them: no round trip to memory at the end
@@ -744,9 +783,12 @@ def _down_fp4_mma_kernel(
 
 def fits(config: tuple[int, ...], num_in: int) -> bool:
     """Whether a kernel whose dots run over `num_in` columns can take `config` (an `Fp4MmaConfig` or a plain tuple
-    of its fields): whole K steps in each warp's slice of each split."""
+    of its fields): K steps of a power of two of 32-column units, at least 4 (a lane's words then hold whole
+    scale blocks: one MXFP4 block, two NVFP4 ones, `_layouts`), and whole K steps in each warp's slice of each
+    split."""
     config = Fp4MmaConfig(*config)
-    return num_in % (32 * config.k_units * config.num_warps * config.split) == 0
+    k_units_ok = config.k_units >= 4 and config.k_units & (config.k_units - 1) == 0
+    return k_units_ok and num_in % (32 * config.k_units * config.num_warps * config.split) == 0
 
 
 def supported(layout: ExpertLayout, experts: torch.Tensor, hidden: torch.Tensor) -> bool:
@@ -796,7 +838,10 @@ def configs_for(
         raise ValueError(f"fp4_mma gate/up config {tuple(gate_up)}: only the down kernel splits K over programs")
     for config, num_in in ((gate_up, hidden_size), (down, inter)):
         if not fits(config, num_in):
-            raise ValueError(f"fp4_mma config {tuple(config)} does not split {num_in} columns into whole K steps")
+            raise ValueError(
+                f"fp4_mma config {tuple(config)} does not fit {num_in} columns: k_units must be a power of two, at "
+                "least 4, and each warp's slice of each split whole K steps"
+            )
     return gate_up, down
 
 
@@ -830,10 +875,10 @@ def fp4_mma_tiles(
     pairs[pair * split + s] of every real row of the tiles whose `block_expert` is >= 0, s < the down config's split
     (its programs' shares of the down dot, each rounded to `pairs`' dtype and times the routing weight, for
     `sum_pairs` over top_k * split rows a token). `supported(layout, experts, hidden)` must hold; `configs`: the
-    (gate/up, down) kernels' `Fp4MmaConfig`s (`configs_for`).
+    (gate/up, down) kernels' `Fp4MmaConfig`s as `configs_for` returns them (checked there, not again per call).
 
     Raises:
-        ValueError: `pairs` not [num_pairs * split, hidden] rows, or configs `configs_for` refuses."""
+        ValueError: `pairs` not [num_pairs * split, hidden] rows."""
     fmt = layout.format
     hidden_size, inter = layout.hidden, layout.inter
     sec = layout.sections
@@ -841,7 +886,7 @@ def fp4_mma_tiles(
     tiles = block_expert.numel()
     fmt_id = 1 if fmt.name == "nvfp4" else 2
     group_words = 2 if fmt_id == 1 else 4
-    gate_up_config, down_config = configs_for(configs, num_pairs, hidden_size, inter)
+    gate_up_config, down_config = configs
     if pairs.shape != (num_pairs * down_config.split, hidden_size):
         raise ValueError(
             f"fp4_mma writes [{num_pairs} pairs x split {down_config.split}, {hidden_size}] pairs, not "
