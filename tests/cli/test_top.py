@@ -67,6 +67,19 @@ def test_frame_of_a_busy_offload_server():
     assert "prefix cache" not in text  # no such key in this snapshot
 
 
+def test_once_frame_does_not_advertise_live_keys():
+    """`ft top --once` prints one frame and exits: no "live" status and no "q quits" (nothing would read it); the
+    live view keeps both, and a status (unreachable) still shows once."""
+    stats = snapshot("offload_busy_2")
+    header = lambda frame: render(frame).splitlines()[0]
+    live = header(Frame(stats, None, "http://127.0.0.1:1919"))
+    assert "live" in live and "q quits" in live
+    once = header(Frame(stats, None, "http://127.0.0.1:1919", live=False))
+    assert "q quits" not in once and "live" not in once and "backend offload" in once, once
+    down = header(Frame(stats, None, "s", status="server unreachable, retrying…", live=False))
+    assert "unreachable" in down and "q quits" not in down
+
+
 def test_frame_without_a_previous_snapshot_shows_the_cumulative_split():
     text = render(Frame(snapshot("offload_busy_2"), None, "s"))
     assert "since start: hit" in text
@@ -154,6 +167,7 @@ def test_once_plain_and_no_color(server):
     plain = ft_top("--once", "--server", server.base_url)
     assert plain.returncode == 0, plain.stderr
     assert SERVED_MODEL_NAME in plain.stdout and "\x1b[" not in plain.stdout  # not a terminal: plain text
+    assert "q quits" not in " ".join(plain.stdout.split())  # one frame, then exit: no key read (80 columns wrap)
     coloured = ft_top("--once", "--server", server.base_url, env_extra={"FORCE_COLOR": "1"})
     assert ANSI_COLOR.search(coloured.stdout)
     no_color = ft_top("--once", "--server", server.base_url, env_extra={"FORCE_COLOR": "1", "NO_COLOR": "1"})

@@ -9,6 +9,7 @@ Colour follows rich, which honours ``NO_COLOR`` and drops colour off a terminal.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import select
 import sys
@@ -91,7 +92,7 @@ def run_top(server: str, api_key: str | None, once: bool = False, console: Conso
             frame = poller.poll()
             if frame.stats is None:
                 get_json(server, "/v1/stats", api_key)  # raises the one-line reason
-            console.print(frame)
+            console.print(dataclasses.replace(frame, live=False))
             return 0
         interactive = console.is_terminal and sys.stdin.isatty()
         if not interactive:

@@ -34,12 +34,15 @@ class Frame:
         previous: the snapshot before it (for the last interval's split), or None.
         server: the server's URL (shown in the title).
         status: None while the server answers; else why it does not (the last numbers stay on screen).
+        live: False for `ft top --once`'s single frame: its header leaves out "live" and "q quits" (nothing is
+            redrawn, no key is read); a `status` still shows.
     """
 
     stats: dict[str, Any] | None
     previous: dict[str, Any] | None = None
     server: str = ""
     status: str | None = None
+    live: bool = True
 
     def __rich__(self) -> RenderableType:
         """The frame: a header line and the panels the snapshot has data for."""
@@ -68,12 +71,14 @@ class Frame:
         text.append(f"backend {moe.get('backend', '?')}  {self.server}  ")
         if "uptime_s" in server:
             text.append(f"up {_duration(server['uptime_s'])}  ", style="dim")
-        if self.status is None:
-            text.append("live", style="green")
-        else:
+        if self.status is not None:
             text.append(self.status, style="bold red")
-        # In the header, not below the panels: a view taller than the terminal is cropped at the bottom.
-        text.append("  q quits", style="dim")
+        elif self.live:
+            text.append("live", style="green")
+        if self.live:
+            # In the header, not below the panels: a view taller than the terminal is cropped at the bottom.
+            text.append("  q quits", style="dim")
+        text.rstrip()  # the separator after the last field, when --once leaves both out
         return text
 
     def _throughput(self) -> Panel:
