@@ -31,8 +31,9 @@ cheap and loads the activations in the same order:
     both multipliers (`_NVFP4_MULT_2`: spread, moved and cleared in three integer operations, the two multiplies
     once for both); each decoded pair takes its half of it, which ptxas folds into the multiply as an operand
     swizzle (`.H0_H0` / `.H1_H1`). Against one 8-bit load and multiplier per code: 8 fewer instructions and 2
-    fewer loads a K step of a thread (sm_90 SASS, 206 against 214), and at batch 1 the two kernels' span 10.62-10.66
-    against 10.98-11.01 us (same bench, side by side, two runs each).
+    fewer loads a K step of a thread (sm_90 SASS, 206 against 214), and at batch 1 the two kernels' span 10.59-10.66
+    against 10.98-11.01 us, gate/up alone 6.84-6.87 against 7.26 us (same bench, side by side, four runs against
+    four).
   - NVFP4 block scales are taken as non-negative (the sign bit is not decoded): ModelOpt writes amax / 6.
   - The K steps of a lane's words are contiguous in memory (`_dots`): one vector load per row, and the words of a
     scale block in one lane.
@@ -62,12 +63,12 @@ first h row, which the real ones read too, not their own rows: at batch 1 their 
 
 Measured on the H200 (`benches/quant_moe.py --profile --batch 1 4 8 --kernels fp4_mma`, Qwen3-30B-A3B shapes, 128
 slots, kernels replayed from a CUDA graph, this module's last runs): the span of the two kernels per layer call, from
-gate/up's start to down's end, is at batch 1 10.62-10.66 us for NVFP4 and 10.18-10.19 us for MXFP4, against bf16's
-29.74-29.86 us (two runs): 1.269-1.270x / 1.285-1.289x bf16's time per weight byte (bf16's span moves by up to
-0.6 us run to run, 2%; a session earlier MXFP4 10.14-10.18 against 29.97-30.08 us, 1.27-1.28x); the layer call
-replayed whole (alignment, the zeroed `pairs`, the kernels, `sum_pairs`) 16.9-18.5 / 16.5-18.0 against 33.7-33.8 us.
-At batch 4 39.5 / 38.2 us (1.98x / 2.02x; bf16 71.0), at batch 8, staged, 58.6 / 54.3 us (1.70x / 1.67x; bf16
-122.5). Before the packed NVFP4 codes, batch 1 NVFP4 was 10.98-11.01 us (1.301-1.303x); before the split and the
+gate/up's start to down's end, is at batch 1 10.59-10.66 us for NVFP4 and 10.18-10.19 us for MXFP4, against bf16's
+29.74-30.08 us (five runs): 1.25-1.27x / 1.27-1.29x bf16's time per weight byte, medians 1.269x / 1.285x (bf16's
+span moves by up to 0.6 us run to run, 2%); the layer call replayed whole (alignment, the zeroed `pairs`, the
+kernels, `sum_pairs`) 16.9-18.5 / 16.5-18.0 against 33.6-33.9 us. At batch 4 39.5-40.0 / 38.2-38.5 us (1.94-1.98x /
+1.97-2.02x; bf16 71.0-73.5), at batch 8, staged, 58.6-59.0 / 54.3-55.0 us (1.62-1.70x / 1.60-1.67x; bf16
+122.5-129.7). Before the packed NVFP4 codes, batch 1 NVFP4 was 10.98-11.01 us (1.29-1.30x); before the split and the
 unrolled loops 11.9 / 11.7 us (1.40x / 1.46x), 12.4 / 11.5 us a session earlier. The issue's 1.3x per byte at batch
 1: both formats within it.
 
