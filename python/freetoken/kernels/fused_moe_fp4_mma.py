@@ -32,7 +32,7 @@ cheap and loads the activations in the same order:
     once for both); each decoded pair takes its half of it, which ptxas folds into the multiply as an operand
     swizzle (`.H0_H0` / `.H1_H1`). Against one 8-bit load and multiplier per code: 8 fewer instructions and 2
     fewer loads a K step of a thread (sm_90 SASS, 206 against 214), and at batch 1 the two kernels' span 10.59-10.66
-    against 10.98-11.01 us, gate/up alone 6.84-6.87 against 7.26 us (same bench, side by side, four runs against
+    against 10.98-11.01 us, gate/up alone 6.84-6.87 against 7.26 us (same bench, side by side, five runs against
     four).
   - NVFP4 block scales are taken as non-negative (the sign bit is not decoded): ModelOpt writes amax / 6.
   - The K steps of a lane's words are contiguous in memory (`_dots`): one vector load per row, and the words of a
