@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from freetoken.errors import FreetokenError
+
+if TYPE_CHECKING:
+    import torch
 
 SUPPORTED_ARCHITECTURES = ("Qwen3MoeForCausalLM", "Qwen3_5MoeForCausalLM", "Qwen3_5MoeForConditionalGeneration")
 # The Qwen3.5/3.6-MoE family (`model_type: qwen3_5_moe`): Gated DeltaNet and gated full-attention layers, each with a
@@ -303,6 +306,29 @@ class ModelConfig:
         return spec.format.layout(self.hidden_size, self.moe_intermediate_size).expert_nbytes
 
 
+def parse_device(spec: str) -> torch.device:
+    """The torch device of a ``--device`` value (cpu, cuda or cuda:N), one this machine has (`ft serve`,
+    `ft bench bw`).
+
+    Raises:
+        ValueError: naming --device: not a device, neither cpu nor cuda, or a CUDA device torch does not see here
+            (none at all, or an index past the last one).
+    """
+    import torch
+
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise ValueError(f"--device {spec!r} is not a device (cpu, cuda or cuda:N)") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {spec}: torch sees no CUDA device here; use --device cpu")
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device {spec!r}: freetoken runs on cpu or cuda")
+    if device.type == "cuda" and device.index is not None and device.index >= (count := torch.cuda.device_count()):
+        raise ValueError(f"--device {spec}: torch sees {count} CUDA device(s) here, cuda:0 to cuda:{count - 1}")
+    return device
+
+
 @dataclass
 class EngineConfig:
     """Serving settings (the flags of `ft serve`).
@@ -411,16 +437,7 @@ class EngineConfig:
     def validate(self) -> None:
         """Raise ValueError naming the flag when a setting is out of range (a zero `max_num_seqs` would hang) or
         `device` is not a torch device this machine has."""
-        import torch
-
-        try:
-            device = torch.device(self.device)
-        except RuntimeError:
-            raise ValueError(f"--device {self.device!r} is not a device (cpu, cuda or cuda:N)") from None
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"--device {self.device}: torch sees no CUDA device here; use --device cpu")
-        if device.type not in ("cpu", "cuda"):
-            raise ValueError(f"--device {self.device!r}: freetoken runs on cpu or cuda")
+        parse_device(self.device)
         if self.dtype not in DTYPES:  # answered before the weights load, not after
             raise ValueError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         for name in (

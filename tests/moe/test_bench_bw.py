@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import time
 
 import numpy as np
@@ -235,10 +236,50 @@ def test_cli_without_gpu_measures_the_host_side(tmp_path):
 
 def test_cli_help_and_errors(tmp_path):
     out = ft("bench", "bw", "--help").stdout
-    for needle in ("--model", "--preset", "--seconds", "--out", "FREETOKEN_PROFILE_DIR", "q*", "overlapped"):
+    needles = ("--model", "--preset", "--seconds", "--device", "--out", "FREETOKEN_PROFILE_DIR", "q*", "overlapped")
+    for needle in needles:
         assert needle in out
     assert_user_error(ft("bench", "bw", "--model", str(tmp_path / "nope")), "config.json")
     assert_user_error(ft("bench", "bw", "--seconds", "0"), "--seconds")
+    assert_user_error(ft("bench", "bw", "--device", "tpu"), "--device 'tpu' is not a device")
+    missing = "cuda" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    assert_user_error(ft("bench", "bw", "--device", missing), f"--device {missing}: torch sees")
+
+
+def test_device_picks_the_gpus_measured(monkeypatch):
+    """`ft bench bw --device` as `ft serve --device` takes it (`parse_device`): cpu measures the host side only,
+    cuda:N that GPU alone, cuda the current one, none every visible GPU; a device this machine lacks is refused
+    before anything is measured. Two GPUs are faked: only the argument handling runs."""
+    from freetoken.cli.bench import _gpu_indices
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert _gpu_indices(None) == [0, 1]
+    assert _gpu_indices("cpu") == []
+    assert _gpu_indices("cuda:1") == [1]
+    assert _gpu_indices("cuda") == [0]
+    for bad, needle in [
+        ("cuda:2", "--device cuda:2: torch sees 2 CUDA device(s) here, cuda:0 to cuda:1"),
+        ("cuda:x", "--device 'cuda:x' is not a device (cpu, cuda or cuda:N)"),
+        ("mps", "--device 'mps': freetoken runs on cpu or cuda"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{re.escape(needle)}$"):
+            _gpu_indices(bad)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _gpu_indices(None) == []
+    with pytest.raises(ValueError, match="--device cuda:0: torch sees no CUDA device here; use --device cpu"):
+        _gpu_indices("cuda:0")
+
+
+def test_cli_device_cpu_measures_the_host_side_only(tmp_path):
+    """--device cpu on any box (a GPU one too): the host side only, and no profile written."""
+    result = ft("bench", "bw", "--device", "cpu", "--preset", "qwen3-30b-a3b", "--seconds", "0.05", "--pool-gb",
+                "0.1", "--cpu-threads", "2", "--format", "bf16", "--out", str(tmp_path / "profiles"))  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "--device cpu: measured the host side only; no profile written" in result.stdout
+    assert "host kernel" in result.stdout and "PCIe expert copy" not in result.stdout
+    assert not (tmp_path / "profiles").exists()
 
 
 def test_formats_that_do_not_split_the_model_are_skipped_or_refused_before_measuring(tmp_path):

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from freetoken.cli.serve import DEMO
-from freetoken.config import ModelConfig
+from freetoken.config import ModelConfig, parse_device
 
 if TYPE_CHECKING:
     from freetoken.moe.profile import ExpertShape
@@ -43,7 +43,8 @@ for CPU runs buying no future hits), else offload.
 
 Shapes: --model DIR (its config.json), --preset NAME, or {DEFAULT_PRESET}. Profiles go to --out, else
 $FREETOKEN_PROFILE_DIR, else $XDG_CACHE_HOME/freetoken/profiles. Without a GPU only the host side is measured
-and no profile is written. Every visible GPU gets its own profile (restrict with CUDA_VISIBLE_DEVICES).
+and no profile is written. Every visible GPU gets its own profile (restrict with --device cuda:N or
+CUDA_VISIBLE_DEVICES); --device cpu measures the host side only.
 """
 
 
@@ -84,6 +85,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="expert formats to measure (default: every one the model's expert sizes split into; bf16 is always "
         "measured)",
     )
+    bw.add_argument(
+        "--device",
+        default=None,
+        help="device to measure: cpu (the host side only, no profile), cuda or cuda:N (that GPU alone) (default: "
+        "every visible GPU)",
+    )
     bw.add_argument("--out", type=Path, default=None, help="directory of the profiles (default: see above)")
     bw.set_defaults(func=run_bw, parser=bw)
 
@@ -121,12 +128,24 @@ def _formats(cfg: ModelConfig, shape: ExpertShape, asked: list[str] | None) -> l
     return formats
 
 
+def _gpu_indices(device: str | None) -> list[int]:
+    """The CUDA devices to measure: --device's (none for cpu; `parse_device` refuses one this machine does not
+    have, before anything is measured), else every visible one."""
+    import torch
+
+    if device is None:
+        return list(range(torch.cuda.device_count() if torch.cuda.is_available() else 0))
+    chosen = parse_device(device)
+    if chosen.type == "cpu":
+        return []
+    return [torch.cuda.current_device() if chosen.index is None else chosen.index]
+
+
 def run_bw(args: argparse.Namespace) -> int:
-    """Measure, print the table and verdict, write one profile per GPU (none without a GPU)."""
+    """Measure, print the table and verdict, write one profile per GPU measured (none without a GPU)."""
     if args.seconds <= 0 or args.pool_gb <= 0 or args.cpu_threads < 0 or args.experts_per_call < 0:
         raise ValueError("--seconds and --pool-gb must be > 0, --cpu-threads and --experts-per-call >= 0")
     cfg = _model_config(args)
-    import torch
     from rich.console import Console
 
     from freetoken.bench.box import build_profile, measure_box
@@ -141,15 +160,16 @@ def run_bw(args: argparse.Namespace) -> int:
 
     shape = ExpertShape(cfg.hidden_size, cfg.moe_intermediate_size)
     formats = _formats(cfg, shape, args.format)
-    num_gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpu_indices = _gpu_indices(args.device)
     run = measure_box(
-        shape, cfg, args.experts_per_call or cfg.num_experts_per_tok, range(num_gpus), seconds=args.seconds,
+        shape, cfg, args.experts_per_call or cfg.num_experts_per_tok, gpu_indices, seconds=args.seconds,
         pool_gb=args.pool_gb, cpu_threads=args.cpu_threads, formats=formats,
     )  # fmt: skip
     console = Console(no_color="NO_COLOR" in os.environ)
     if not run.gpus:
         _table(console, shape, run, None)
-        console.print("no CUDA GPU present: measured the host side only; no profile written")
+        why = "no CUDA GPU present" if args.device is None else f"--device {args.device}"
+        console.print(f"{why}: measured the host side only; no profile written")
         return 0
     directory = args.out if args.out is not None else profile_dir()
     for gpu in run.gpus:
