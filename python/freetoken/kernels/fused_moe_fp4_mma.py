@@ -19,8 +19,14 @@ cheap and loads the activations in the same order:
     0.5, lands on bf16 subnormals, which the packed bf16 multiply keeps: `fused_moe_quant`'s "bf16" scale mode
     relies on the same, tested on the GPU). Pair j of the word is (nibble j, nibble j + 4), so the word's 8 K
     positions in the operand are the columns 0, 4, 1, 5, 2, 6, 3, 7 of its 8.
-  - Activations: each thread loads its 8 columns of a token as they lie (bf16 pairs, one 16-byte load) and permutes
-    the halves into that order (`_PERMUTE`, four PRMT).
+  - Activations: gate/up's x, as the layer gets it: each thread loads its 8 columns of a token as they lie (bf16
+    pairs, one 16-byte load) and permutes the halves into that order (`_PERMUTE`, four PRMT). The down kernel's h,
+    which gate/up writes: stored in mma order (`_mma_order_column`), already in the decode's order and laid so that
+    each 16-byte load fills two mma.sync B operands' register pairs: no permute, and no register moves to pair them
+    (h stored only in the decode's order left ptxas moving registers, below). Against h as it lies (same bench,
+    side by side, two runs each): batch 1 NVFP4 10.30 against 10.56-10.61 us (down's sm_90 SASS 824 against 920
+    instructions), MXFP4 10.18-10.24 against 10.14-10.18 (no faster); batch 4 36.6 / 35.5 against 39.3 / 38.1 us;
+    batch 8 (staged) 58.6 / 55.3 against 58.7 / 54.5 us.
   - Block scales multiply the decoded pair (`mul.rn.bf16x2`): products of an e2m1 value (2 significant bits) and
     an e4m3 scale (4) are exact in bf16, as in `fused_moe_quant`. The multiplier is the scale * 2^62: NVFP4's e4m3
     code moved into bf16's fields is the scale * 2^-120 (subnormals included), then two multiplies by 2^91;
@@ -63,14 +69,15 @@ first h row, which the real ones read too, not their own rows: at batch 1 their 
 
 Measured on the H200 (`benches/quant_moe.py --profile --batch 1 4 8 --kernels fp4_mma`, Qwen3-30B-A3B shapes, 128
 slots, kernels replayed from a CUDA graph, this module's last runs): the span of the two kernels per layer call, from
-gate/up's start to down's end, is at batch 1 10.59-10.66 us for NVFP4 and 10.18-10.19 us for MXFP4, against bf16's
-29.74-30.08 us (five runs): 1.25-1.27x / 1.27-1.29x bf16's time per weight byte, medians 1.269x / 1.285x (bf16's
-span moves by up to 0.6 us run to run, 2%); the layer call replayed whole (alignment, the zeroed `pairs`, the
-kernels, `sum_pairs`) 16.9-18.5 / 16.5-18.0 against 33.6-33.9 us. At batch 4 39.5-40.0 / 38.2-38.5 us (1.94-1.98x /
-1.97-2.02x; bf16 71.0-73.5), at batch 8, staged, 58.6-59.0 / 54.3-55.0 us (1.62-1.70x / 1.60-1.67x; bf16
-122.5-129.7). Before the packed NVFP4 codes, batch 1 NVFP4 was 10.98-11.01 us (1.29-1.30x); before the split and the
-unrolled loops 11.9 / 11.7 us (1.40x / 1.46x), 12.4 / 11.5 us a session earlier. The issue's 1.3x per byte at batch
-1: both formats within it.
+gate/up's start to down's end, is at batch 1 10.30 us for NVFP4 (two runs; 1.24x bf16's time per weight byte) and
+10.14-10.24 us for MXFP4 (nine runs of the same MXFP4 code; 1.27-1.30x, median 1.285x: MXFP4 has the fewest bytes
+to spread the same decode over), against bf16's 29.58-30.34 us (bf16's span moves by up to 0.8 us run to run,
+2.6%); the layer call replayed whole (alignment, the zeroed `pairs`, the kernels, `sum_pairs`) 16.9-18.5 /
+16.5-18.0 against 33.4-33.9 us. At batch 4 36.6 / 35.5 us (1.83x / 1.88x; bf16 71.2), at batch 8, staged, 58.6 /
+55.3 us (1.69x / 1.69x; bf16 123.1). Before h in mma order, batch 1 NVFP4 was 10.56-10.66 us (1.25-1.27x), before
+the packed NVFP4 codes 10.98-11.01 us (1.29-1.30x); before the split and the unrolled loops 11.9 / 11.7 us (1.40x /
+1.46x), 12.4 / 11.5 us a session earlier. The issue's 1.3x per byte at batch 1: both formats within it, MXFP4 by
+its median only (one run of nine at 1.303x, when bf16's span was its shortest).
 
 What bounds batch 1 (Nsight Compute on gate/up, NVFP4, `ncu --section WarpStateStats --section SchedulerStats`):
 latency with few warps. The layer's 768 programs of 2 warps are 2.9 warps per scheduler, 0.66 of them eligible on
@@ -119,7 +126,7 @@ Tried with the split (same bench, side by side; batch 1 span, NVFP4 / MXFP4, aga
   - Down's K in 2 or 6 programs: 12.6 / 11.7 and 12.8 / 12.0 us (3 without the unrolled loop: 11.8 / 10.8).
   - h stored by gate/up in the decode's column order, so that down loads it without the PRMT permute: within
     noise with the split (11.12 / 10.66 against 11.14 / 10.6 us), 12.9 against 12.1 us NVFP4 without it; ptxas
-    moves registers to pair B's operands instead.
+    moves registers to pair B's operands instead (mma order, above, lays the pairs as the mma takes them: kept).
   - Down's h loaded a step ahead: 12.1 against 11.8 us NVFP4 without the split, 13.1 with it.
   - Down decoding its two steps into registers before the wait (`griddepcontrol.wait`): 11.5 / 10.6 us at 96
     registers, 11.9 / 11.1 at 128; each step's weights loaded up front instead (prefetch 2): 11.9 / 11.2 us.
@@ -272,7 +279,7 @@ FP4_MMA_STAGED_CONFIGS: tuple[Fp4MmaConfig, Fp4MmaConfig] = (Fp4MmaConfig(4, 2, 
 STAGED_FROM_PAIRS = 64  # batch 8 of top-8, the first measured batch where staging wins in every run
 
 
-def _layouts(k_units: int, num_warps: int, group_words: int) -> dict:
+def _layouts(k_units: int, num_warps: int, group_words: int, mma_order: bool = False) -> dict:
     """The kernel's Gluon layouts for K steps of BK = 32 * `k_units` columns, `num_warps` warps each on its own K
     slice of the program's 16 rows (BM = 16 * num_warps rows of the operands: warp w's 16 are the same rows at
     slice w) and scale blocks of `group_words` 32-bit words (NVFP4 2, MXFP4 4):
@@ -283,7 +290,9 @@ def _layouts(k_units: int, num_warps: int, group_words: int) -> dict:
     Triton's linear layout of A, `gl.to_linear_layout`); LOADS: the same elements per lane indexed by where the
     words lie (`_dots`: a lane's words are contiguous, its registers in that order: one vector load); SCALES:
     [BM, groups per lane, 4] scale codes, one per row, scale block and lane of a row (`_weights` broadcasts them to
-    WORDS)."""
+    WORDS); PAIRS: the activations as loaded, [BK / 2, 8] int32 bf16 pairs in memory's column order, or where
+    `mma_order` (activations stored by `_mma_order_column`) [BK / 8, 8, 4]: per token BK / 8 loads of 4 pairs, each
+    load two mma.sync's B registers (`_activations`)."""
     bm, bk = 16 * num_warps, 32 * k_units
     mma = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, 8])
     a = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
@@ -313,6 +322,17 @@ def _layouts(k_units: int, num_warps: int, group_words: int) -> dict:
         [],
         [bk // 2, 8],
     )
+    if mma_order:
+        # [loads g, token, pair e of a load]: g = Lp * R + 2 (t // 2) + p // 2, e = 2 (p % 2) + t % 2 for B's pair
+        # q = 4 Lp + p + 16 t (R = k_units chunks t of 4 pairs p a thread, lanes Lp), so that a load's registers are
+        # (t even, p), (t odd, p), (t even, p + 1), (t odd, p + 1): an mma's two B registers are pairs q and q + 16
+        pairs = gl.DistributedLinearLayout(
+            [[0, 0, 1], [0, 0, 2], [1, 0, 0]] + [[u, 0, 0] for u in units[1:]],
+            [[k_units, 0, 0], [2 * k_units, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+            [[0, 0, 0]] * (num_warps.bit_length() - 1),
+            [],
+            [bk // 8, 8, 4],
+        )
     # STAGED [BM, 4 groups]: a K step's scale codes of each row (4 lanes x groups, as they lie), per thread one row's
     # (one cp.async of 8 or 4 bytes; the 4 lanes of a row copy the same bytes), rows as SCALES'
     cols = 4 * groups
@@ -535,14 +555,19 @@ def _dots(
     # the warp's slice of the activations, from %tid.x (B holds the same elements in every warp, loaded per warp)
     warp = (
         gl.inline_asm_elementwise(
-            _THREAD, "=r,r", [gl.full([8], 0, gl.int32, gl.SliceLayout(0, PAIRS))], dtype=gl.int32, is_pure=True, pack=1
+            _THREAD, "=r,r", [gl.full([8], 0, gl.int32, _tokens(PAIRS))], dtype=gl.int32, is_pure=True, pack=1
         )
         // 32
     )
     x_pairs = x_rows.to(gl.pointer_type(gl.int32)) + gl.multiple_of(warp * (START * BK // 2), BK // 2)
-    q = gl.arange(0, BK // 2, layout=gl.SliceLayout(1, PAIRS))  # pair q: columns 2q, 2q + 1 of A's order
-    cb = q // 4
-    x_ptrs = x_pairs[None, :] + (((cb % 4) * R + cb // 4) * 4 + q % 4)[:, None]
+    if len(PAIRS.shape) == 3:  # stored in mma order (`_layouts`): load g's 4 pairs at 4 g
+        g = gl.arange(0, BK // 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, PAIRS)))
+        e = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, PAIRS)))
+        x_ptrs = x_pairs[None, :, None] + (g * 4)[:, None, None] + e[None, None, :]
+    else:
+        q = gl.arange(0, BK // 2, layout=gl.SliceLayout(1, PAIRS))  # pair q: columns 2q, 2q + 1 of A's order
+        cb = q // 4
+        x_ptrs = x_pairs[None, :] + (((cb % 4) * R + cb // 4) * 4 + q % 4)[:, None]
     acc = gl.full([BM, 8], 0.0, gl.float32, MMA)
     if PREFETCH == 0:
         async_copy.wait_group(0)
@@ -585,10 +610,42 @@ def _dots(
 @gluon.jit
 def _activations(x, B: gl.constexpr, BK: gl.constexpr):
     """Activations as loaded, bf16 pairs [BK / 2, 8] int32 (PAIRS: each thread's 8 consecutive columns of a token
-    in 4 registers) -> the B operand [BK, 8] bf16 in the decode's column order."""
-    x = gl.inline_asm_elementwise(_PERMUTE, "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.int32, is_pure=True, pack=4)
+    in 4 registers, permuted here) or [BK / 8, 8, 4] (PAIRS in mma order: already in the decode's, only renamed)
+    -> the B operand [BK, 8] bf16 in the decode's column order."""
+    if len(x.shape) == 3:
+        # [g, token, e] -> [Lp, t // 2, p // 2, p % 2, t % 2, token] -> B's pairs q = 16 t + 4 Lp + p
+        R: gl.constexpr = BK // 32
+        x = gl.reshape(gl.permute(x, [0, 2, 1]), [4, R // 2, 2, 2, 2, 8])
+        x = gl.reshape(gl.permute(x, [1, 4, 0, 2, 3, 5]), [BK // 2, 8])
+    else:
+        x = gl.inline_asm_elementwise(_PERMUTE, "=r,=r,=r,=r,r,r,r,r", [x], dtype=gl.int32, is_pure=True, pack=4)
     halves = gl.inline_asm_elementwise(_HALVES, "=r,r,r", [gl.join(x, x)], dtype=gl.bfloat16, is_pure=True, pack=2)
     return gl.convert_layout(gl.reshape(gl.permute(halves, [0, 2, 1]), [BK, 8]), B, assert_trivial=True)
+
+
+@gluon.constexpr_function
+def _tokens(pairs):
+    """The token dimension's slice of a PAIRS layout (`_layouts`: dim 1 of [BK / 2, 8] or [BK / 8, 8, 4])."""
+    if len(pairs.shape) == 3:
+        return gl.SliceLayout(0, gl.SliceLayout(2, pairs))
+    return gl.SliceLayout(0, pairs)
+
+
+@gluon.jit
+def _mma_order_column(n, UNITS: gl.constexpr):
+    """Where column n of an activation row lies when stored in mma order for K steps of BK = 32 * UNITS columns
+    (`_layouts`' PAIRS, `mma_order`; UNITS 0: n, as it lies). Within each BK columns, column j of the 8 a thread
+    loads as its chunk (Lp, t) (chunk Lp * UNITS + t) joins column j + 4 in the decode's pair p = j % 4, and that
+    pair lies at load g = Lp * UNITS + 2 (t // 2) + p // 2, place e = 2 (p % 2) + t % 2."""
+    if UNITS == 0:
+        return n
+    BK: gl.constexpr = 32 * UNITS
+    c = n % BK
+    chunk = c // 8
+    p = c % 4
+    t = chunk % UNITS
+    g = (chunk // UNITS) * UNITS + 2 * (t // 2) + p // 2
+    return n - c + 2 * (4 * g + 2 * (p % 2) + t % 2) + (c % 8) // 4
 
 
 @gluon.jit
@@ -633,10 +690,12 @@ def _gate_up_fp4_mma_kernel(
     INTERLEAVE: gl.constexpr,
     PDL: gl.constexpr,
     UNROLL: gl.constexpr,
+    H_UNITS: gl.constexpr,
 ):
     """h[row, n] = silu(x[t] . gate[e, n]) * (x[t] . up[e, n]) for the real rows of M tile pid_m, n in the
     program's 8: gate_up [2 N, K] at byte 0 of the expert (K = STEPS * num_warps * BK), its scales at
-    `gate_up_scale_off`, NVFP4's float32 tensor scales (gate, up) at `tensor_scale_off`.
+    `gate_up_scale_off`, NVFP4's float32 tensor scales (gate, up) at `tensor_scale_off`. h's columns are stored in
+    the down kernel's mma order for its K steps of 32 * H_UNITS columns (`_mma_order_column`).
 
     The weights' first loads are issued before the tokens are looked up, and a tile's first 8 rows are run without
     counting its real rows (`align_pairs` puts a tile's pairs first, so its first row is always one): neither
@@ -661,7 +720,7 @@ def _gate_up_fp4_mma_kernel(
             ts_ptr = (base + tensor_scale_off).to(gl.pointer_type(gl.float32))
             gate_scale = gl.load(ts_ptr)
             up_scale = gl.load(ts_ptr + 1)
-        tok = gl.arange(0, 8, layout=gl.SliceLayout(0, PAIRS))
+        tok = gl.arange(0, 8, layout=_tokens(PAIRS))
         dtype: gl.constexpr = h_ptr.dtype.element_ty
         for i0 in gl.static_range(0, BLOCK_SIZE_M, 8):  # the tile's rows that hold a pair, 8 at a time
             if i0 == 0 or gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + i0) < num_pairs:
@@ -686,7 +745,8 @@ def _gate_up_fp4_mma_kernel(
                 rows = pid_m * BLOCK_SIZE_M + i0 + gl.arange(0, 8, layout=gl.SliceLayout(0, h.type.layout))
                 real = gl.convert_layout(real_rows, gl.SliceLayout(0, h.type.layout))
                 mask = (hn[:, None] < N) & real[None, :]
-                gl.store(h_ptr + rows[None, :] * stride_hm + hn[:, None], h.to(dtype), mask=mask)
+                h_cols = _mma_order_column(hn, H_UNITS)
+                gl.store(h_ptr + rows[None, :] * stride_hm + h_cols[:, None], h.to(dtype), mask=mask)
 
 
 @gluon.jit
@@ -750,7 +810,7 @@ def _down_fp4_mma_kernel(
         # the wait and the dots, not after them: no round trip to memory at the end
         if HAS_TENSOR_SCALE:
             tensor_scale = gl.load((base + tensor_scale_off).to(gl.pointer_type(gl.float32)) + 2)
-        row = gl.arange(0, 8, layout=gl.SliceLayout(0, PAIRS))
+        row = gl.arange(0, 8, layout=_tokens(PAIRS))
         pairs = ()
         for i0 in gl.static_range(0, BLOCK_SIZE_M, 8):
             rows_pair = gl.load(sorted_pair_ptr + pid_m * BLOCK_SIZE_M + i0 + row)
@@ -846,11 +906,11 @@ def configs_for(
     return gate_up, down
 
 
-def _constexprs(config: Fp4MmaConfig, num_in: int, group_words: int) -> dict:
+def _constexprs(config: Fp4MmaConfig, num_in: int, group_words: int, mma_order: bool = False) -> dict:
     """A kernel's layouts and tiling constants (and num_warps) for `config` over `num_in` columns (its split's
-    share: STEPS per program)."""
+    share: STEPS per program), its activations stored in mma order or not (`_layouts`)."""
     return {
-        **_layouts(config.k_units, config.num_warps, group_words),
+        **_layouts(config.k_units, config.num_warps, group_words, mma_order),
         "STEPS": num_in // (32 * config.k_units * config.num_warps * config.split),
         "PREFETCH": config.prefetch,
         "INTERLEAVE": INTERLEAVED_SLICES,
@@ -895,8 +955,9 @@ def fp4_mma_tiles(
         )
     pdl = PROGRAMMATIC_LAUNCH and torch.cuda.get_device_capability(experts.device) >= (9, 0)
     common = {"FORMAT": fmt_id, "HAS_TENSOR_SCALE": fmt.tensor_scale, "BLOCK_SIZE_M": block_m, "PDL": pdl}
-    gate_up = _constexprs(gate_up_config, hidden_size, group_words)
-    down = _constexprs(down_config, inter, group_words)
+    # h is stored in the down kernel's mma order: its loads need no permute (`_activations`)
+    gate_up = {**_constexprs(gate_up_config, hidden_size, group_words), "H_UNITS": down_config.k_units}
+    down = _constexprs(down_config, inter, group_words, mma_order=True)
     _gate_up_fp4_mma_kernel[(tiles, -(-inter // 8))](
         hidden,
         experts,
