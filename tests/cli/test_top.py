@@ -69,14 +69,16 @@ def test_frame_of_a_busy_offload_server():
 
 def test_once_frame_does_not_advertise_live_keys():
     """`ft top --once` prints one frame and exits: no "live" status and no "q quits" (nothing would read it); the
-    live view keeps both, and a status (unreachable) still shows once."""
+    live view keeps both, frames into a pipe say Ctrl-C instead, and a status (unreachable) still shows once."""
     stats = snapshot("offload_busy_2")
     header = lambda frame: render(frame).splitlines()[0]
     live = header(Frame(stats, None, "http://127.0.0.1:1919"))
     assert "live" in live and "q quits" in live
-    once = header(Frame(stats, None, "http://127.0.0.1:1919", live=False))
+    once = header(Frame(stats, None, "http://127.0.0.1:1919", live=False, quit_hint=""))
     assert "q quits" not in once and "live" not in once and "backend offload" in once, once
-    down = header(Frame(stats, None, "s", status="server unreachable, retrying…", live=False))
+    down = header(Frame(stats, None, "s", status="server unreachable, retrying…", live=False, quit_hint=""))
+    piped = header(Frame(stats, None, "s", quit_hint="Ctrl-C quits"))
+    assert "live" in piped and "Ctrl-C quits" in piped and "q quits" not in piped
     assert "unreachable" in down and "q quits" not in down
 
 
@@ -187,6 +189,8 @@ def test_live_into_a_pipe_prints_plain_frames(server):
             seen += proc.stdout.readline()
         assert seen.count(SERVED_MODEL_NAME) >= 2, seen
         assert "\x1b" not in seen  # no escape sequence: neither colour nor cursor movement
+        words = " ".join(seen.split())  # the header wraps at 80 columns
+        assert "Ctrl-C quits" in words and "q quits" not in words.replace("Ctrl-C quits", "")  # no key is read
     finally:
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=30)

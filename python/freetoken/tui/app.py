@@ -92,12 +92,12 @@ def run_top(server: str, api_key: str | None, once: bool = False, console: Conso
             frame = poller.poll()
             if frame.stats is None:
                 get_json(server, "/v1/stats", api_key)  # raises the one-line reason
-            console.print(dataclasses.replace(frame, live=False))
+            console.print(dataclasses.replace(frame, live=False, quit_hint=""))
             return 0
         interactive = console.is_terminal and sys.stdin.isatty()
         if not interactive:
             while True:
-                console.print(poller.poll())
+                console.print(dataclasses.replace(poller.poll(), quit_hint="Ctrl-C quits"))  # no key is read
                 console.print()
                 time.sleep(REFRESH_S)
         with _keyboard() as read_key, Live(console=console, auto_refresh=False, transient=False) as live:

@@ -34,8 +34,10 @@ class Frame:
         previous: the snapshot before it (for the last interval's split), or None.
         server: the server's URL (shown in the title).
         status: None while the server answers; else why it does not (the last numbers stay on screen).
-        live: False for `ft top --once`'s single frame: its header leaves out "live" and "q quits" (nothing is
-            redrawn, no key is read); a `status` still shows.
+        live: False for `ft top --once`'s single frame: its header leaves out "live" (nothing is redrawn); a
+            `status` still shows.
+        quit_hint: how the view is left, at the header's end: "q quits" on a terminal, "Ctrl-C quits" where no key
+            is read (frames into a pipe), "" for the one frame of --once.
     """
 
     stats: dict[str, Any] | None
@@ -43,6 +45,7 @@ class Frame:
     server: str = ""
     status: str | None = None
     live: bool = True
+    quit_hint: str = "q quits"
 
     def __rich__(self) -> RenderableType:
         """The frame: a header line and the panels the snapshot has data for."""
@@ -75,9 +78,9 @@ class Frame:
             text.append(self.status, style="bold red")
         elif self.live:
             text.append("live", style="green")
-        if self.live:
+        if self.quit_hint:
             # In the header, not below the panels: a view taller than the terminal is cropped at the bottom.
-            text.append("  q quits", style="dim")
+            text.append(f"  {self.quit_hint}", style="dim")
         text.rstrip()  # the separator after the last field, when --once leaves both out
         return text
 
