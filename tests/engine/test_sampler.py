@@ -87,6 +87,18 @@ def test_never_samples_minus_inf():
     assert set(_draws(logits, SamplingParams(temperature=2.0))) == {0, 2}
 
 
+def test_nonfinite_logits_sample_only_what_is_finite():
+    """Weights served with NaN (`--allow-nonfinite`): NaN logits are never drawn, +inf takes all the mass, and a
+    row of only NaN takes its argmax, as greedy does; none raises (torch.multinomial refuses a NaN distribution)."""
+    nan, inf = float("nan"), float("inf")
+    assert set(_draws(torch.tensor([[0.0, nan, 0.0, nan]]), SamplingParams(temperature=1.0, top_p=0.9))) == {0, 2}
+    assert set(_draws(torch.tensor([[0.0, inf, 1.0]]), SamplingParams(temperature=0.7, top_k=2))) == {1}
+    all_nan = torch.full((2, 5), nan)
+    gens = [torch.Generator().manual_seed(0), None]
+    tokens = sample(all_nan, [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)], gens)
+    assert tokens == torch.argmax(all_nan, dim=-1).tolist()
+
+
 def test_same_generator_seed_same_tokens_and_rows_independent():
     logits = torch.randn(3, 1000, generator=torch.Generator().manual_seed(1))
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0), SamplingParams(temperature=1.0)]

@@ -19,15 +19,19 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         generators: N RNGs on the logits' device (None for greedy rows).
 
     Returns:
-        N token ids.
+        N token ids. NaN logits (weights served with NaN, `--allow-nonfinite`) are never sampled and +inf ones are
+        taken as the largest float; a row left with no token to sample (all NaN) takes its argmax, as greedy does.
     """
-    greedy = torch.argmax(logits, dim=-1).tolist()
+    greedy_ids = torch.argmax(logits, dim=-1)
+    greedy = greedy_ids.tolist()
     out: list[int] = []
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if p.greedy:
             out.append(greedy[row])
             continue
-        scores = logits[row] / p.temperature
+        # softmax of a NaN or +inf score is NaN everywhere, which torch.multinomial refuses (a device assert on CUDA)
+        scores = torch.nan_to_num(logits[row], nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+        scores = scores / p.temperature
         if p.top_k > 0 and p.top_k < scores.numel():
             # Keep exactly top_k ids (by index, not `>= k-th value`: ties, common in bf16 logits, would keep more).
             keep = torch.topk(scores, p.top_k).indices
@@ -39,6 +43,10 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
             scores = scores.scatter(0, order[drop], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
+        # a row of only NaN logits has no distribution left: its greedy token, chosen on the device (no sync)
+        probs = torch.where(
+            torch.isfinite(probs).all(), probs, torch.zeros_like(probs).scatter(0, greedy_ids[row : row + 1], 1.0)
+        )
         out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
     return out
 

@@ -209,7 +209,9 @@ pub fn load(dir: &Path, num_threads: Option<usize>) -> Result<ExpertPool, PoolEr
     }
     let config = dir.join("config.json");
     let shape = shape_from_config(&config)?;
-    if read_json(&config)?.get("quantization_config").is_some() {
+    // `null` (as some exporters write for an unquantized model) is no quantization
+    let quantization = read_json(&config)?.get("quantization_config").cloned();
+    if quantization.is_some_and(|q| !q.is_null()) {
         return Err(PoolError::BadConfig {
             path: config,
             msg:
