@@ -186,6 +186,9 @@ def test_modelopt_configs(tmp_path):
             {"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"},
             "e5m2",
         ),
+        ({"quant_method": "fp8", "weight_block_size": "128x128"}, r"'128x128'; expected two positive integers"),
+        ({"quant_method": "fp8", "weight_block_size": [128.0, 128.0]}, "expected two positive integers"),
+        ({"quant_method": "fp8", "weight_block_size": [128]}, "expected two positive integers"),
         ({"quant_method": "modelopt", "quant_algo": "FP8"}, "quant_algo='FP8'"),
         (
             {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32},

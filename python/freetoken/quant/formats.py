@@ -217,14 +217,19 @@ def _fp8_spec(qc: dict[str, Any], source: str) -> QuantSpec:
     if fmt != "e4m3":
         raise QuantConfigError(f"{source}: quantization_config.fmt={fmt!r}; only e4m3 FP8 weights are supported")
     block = qc.get("weight_block_size")
+    if block is None:  # no block size: per-tensor or per-channel FP8
+        raise QuantConfigError(
+            f"{source}: quantization_config.weight_block_size=None; FP8 with per-tensor or per-channel scales is not "
+            "supported, expected block scales such as [128, 128]"
+        )
     if (
         not isinstance(block, list)
         or len(block) != 2
         or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
     ):
         raise QuantConfigError(
-            f"{source}: quantization_config.weight_block_size={block!r}; FP8 with per-tensor or per-channel scales "
-            "is not supported, expected block scales such as [128, 128]"
+            f"{source}: quantization_config.weight_block_size={block!r}; expected two positive integers, the block's "
+            "rows and columns, such as [128, 128]"
         )
     scheme = qc.get("activation_scheme", "dynamic")
     if scheme != "dynamic":
