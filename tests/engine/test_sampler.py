@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from freetoken.engine.sampler import apply_logit_bias, sample, sample_with_logprobs
+from freetoken.engine.sampler import LOGPROB_FLOOR, apply_logit_bias, logprobs_of, sample, sample_with_logprobs
 from freetoken.engine.types import SamplingParams
 
 NUM_DRAWS = 4000
@@ -97,6 +97,16 @@ def test_nonfinite_logits_sample_only_what_is_finite():
     gens = [torch.Generator().manual_seed(0), None]
     tokens = sample(all_nan, [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)], gens)
     assert tokens == torch.argmax(all_nan, dim=-1).tolist()
+
+
+def test_nonfinite_logprobs_are_reported_as_the_floor():
+    """Log-probabilities of NaN or -inf logits are LOGPROB_FLOOR, not NaN / -inf (which JSON cannot carry)."""
+    nan = float("nan")
+    logits = torch.tensor([[nan, nan, nan], [0.0, float("-inf"), 0.0]])
+    got = logprobs_of(logits, [0, 1], [2, 3])
+    assert got[0].logprob == LOGPROB_FLOOR and all(v == LOGPROB_FLOOR for _, v in got[0].top)
+    assert got[1].logprob == LOGPROB_FLOOR and got[1].top[0][1] == pytest.approx(math.log(0.5))
+    assert got[1].top[2] == (1, LOGPROB_FLOOR)
 
 
 def test_same_generator_seed_same_tokens_and_rows_independent():

@@ -81,6 +81,10 @@ def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: l
     return out
 
 
+# the log-probability reported for a token of no probability (OpenAI's API reports -9999.0 for those)
+LOGPROB_FLOOR = -9999.0
+
+
 def logprobs_of(logits: torch.Tensor, tokens: list[int], num_top: list[int]) -> list[TokenLogprob]:
     """Row i's `TokenLogprob` of `tokens[i]` with its `num_top[i]` most likely alternatives: log_softmax of the
     raw logits in float32, one gather and one batched topk (k = the largest `num_top`).
@@ -89,8 +93,11 @@ def logprobs_of(logits: torch.Tensor, tokens: list[int], num_top: list[int]) -> 
         logits: [M, V] logits (any float dtype).
         tokens: M token ids, each < V.
         num_top: M counts of alternatives, each >= 0.
+
+    Log-probabilities that are not finite (NaN or inf logits) are reported as LOGPROB_FLOOR.
     """
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    # NaN or -inf (weights served with NaN or inf, --allow-nonfinite) become LOGPROB_FLOOR: JSON holds neither
+    logprobs = torch.nan_to_num(torch.log_softmax(logits.float(), dim=-1), nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR)
     ids = torch.tensor(tokens, device=logits.device)
     chosen = logprobs.gather(1, ids[:, None])[:, 0].tolist()
     k = min(max(num_top), logprobs.shape[-1])
