@@ -634,11 +634,9 @@ def _tokens(pairs):
 @gluon.jit
 def _mma_order_column(n, UNITS: gl.constexpr):
     """Where column n of an activation row lies when stored in mma order for K steps of BK = 32 * UNITS columns
-    (`_layouts`' PAIRS, `mma_order`; UNITS 0: n, as it lies). Within each BK columns, column j of the 8 a thread
-    loads as its chunk (Lp, t) (chunk Lp * UNITS + t) joins column j + 4 in the decode's pair p = j % 4, and that
-    pair lies at load g = Lp * UNITS + 2 (t // 2) + p // 2, place e = 2 (p % 2) + t % 2."""
-    if UNITS == 0:
-        return n
+    (`_layouts`' PAIRS, `mma_order`). Within each BK columns, column j of the 8 a thread loads as its chunk (Lp, t)
+    (chunk Lp * UNITS + t) joins column j + 4 in the decode's pair p = j % 4, and that pair lies at load
+    g = Lp * UNITS + 2 (t // 2) + p // 2, place e = 2 (p % 2) + t % 2."""
     BK: gl.constexpr = 32 * UNITS
     c = n % BK
     chunk = c // 8
