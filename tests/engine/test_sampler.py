@@ -93,6 +93,8 @@ def test_nonfinite_logits_sample_only_what_is_finite():
     nan, inf = float("nan"), float("inf")
     assert set(_draws(torch.tensor([[0.0, nan, 0.0, nan]]), SamplingParams(temperature=1.0, top_p=0.9))) == {0, 2}
     assert set(_draws(torch.tensor([[0.0, inf, 1.0]]), SamplingParams(temperature=0.7, top_k=2))) == {1}
+    # a row of NaN and -inf has nothing to draw either: its argmax too
+    assert set(_draws(torch.tensor([[float("-inf"), nan, float("-inf")]]), SamplingParams(temperature=1.0))) == {1}
     all_nan = torch.full((2, 5), nan)
     gens = [torch.Generator().manual_seed(0), None]
     tokens = sample(all_nan, [SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)], gens)

@@ -19,19 +19,23 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
         generators: N RNGs on the logits' device (None for greedy rows).
 
     Returns:
-        N token ids. NaN logits (weights served with NaN, `--allow-nonfinite`) are never sampled and +inf ones are
-        taken as the largest float; a row left with no token to sample (all NaN) takes its argmax, as greedy does.
+        N token ids. NaN logits (weights served with NaN, `--allow-nonfinite`) are never sampled, a row holding
+        +inf samples among its +inf tokens, and a row left with none to sample (all NaN) takes its argmax, as greedy
+        does (`_drawable`).
     """
     greedy_ids = torch.argmax(logits, dim=-1)
-    greedy = greedy_ids.tolist()
+    # one transfer for the greedy tokens and whether every logit is finite (not so only for weights served with NaN
+    # or inf, `--allow-nonfinite`): the common path pays one reduction, not a cleanup of every row
+    head = torch.cat([greedy_ids, torch.isfinite(logits).all().long()[None]]).tolist()
+    greedy, finite = head[:-1], bool(head[-1])
+    if not finite and not all(p.greedy for p in params):
+        logits = _drawable(logits, greedy_ids)
     out: list[int] = []
     for row, (p, gen) in enumerate(zip(params, generators, strict=True)):
         if p.greedy:
             out.append(greedy[row])
             continue
-        # softmax of a NaN or +inf score is NaN everywhere, which torch.multinomial refuses (a device assert on CUDA)
-        scores = torch.nan_to_num(logits[row], nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
-        scores = scores / p.temperature
+        scores = logits[row] / p.temperature
         if p.top_k > 0 and p.top_k < scores.numel():
             # Keep exactly top_k ids (by index, not `>= k-th value`: ties, common in bf16 logits, would keep more).
             keep = torch.topk(scores, p.top_k).indices
@@ -43,12 +47,20 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             drop = (torch.cumsum(probs, dim=-1) - probs) >= p.top_p
             scores = scores.scatter(0, order[drop], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
-        # a row of only NaN logits has no distribution left: its greedy token, chosen on the device (no sync)
-        probs = torch.where(
-            torch.isfinite(probs).all(), probs, torch.zeros_like(probs).scatter(0, greedy_ids[row : row + 1], 1.0)
-        )
         out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
     return out
+
+
+def _drawable(logits: torch.Tensor, greedy_ids: torch.Tensor) -> torch.Tensor:
+    """[N, V] logits that are not all finite -> ones softmax can draw from (a NaN or +inf score makes softmax NaN
+    everywhere, which torch.multinomial refuses: a device assert on CUDA): NaN never drawn, a row holding +inf draws
+    among its +inf tokens alone, and a row left with none (all NaN or -inf) its greedy token (`greedy_ids` [N])."""
+    minus_inf = torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    pos = torch.isposinf(logits)
+    clean = torch.where(pos, 0.0, torch.nan_to_num(logits, nan=float("-inf"), neginf=float("-inf")))
+    clean = torch.where(pos.any(dim=-1, keepdim=True) & ~pos, minus_inf, clean)
+    lone = torch.full_like(clean, float("-inf")).scatter(1, greedy_ids[:, None], 0.0)
+    return torch.where(torch.isneginf(clean).all(dim=-1, keepdim=True), lone, clean)
 
 
 def token_logprobs(logits: torch.Tensor, params: list[SamplingParams], tokens: list[int]) -> list[TokenLogprob | None]:
